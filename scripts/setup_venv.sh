@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) ./.venv with the pinned requirements. Idempotent and quick when nothing changed:
+# a stamp file records the hash of the requirement files the venv was built from.
+# Usage: source-free; prints the venv's python path on its last line.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${VENV:-$root/.venv}"
+want="$(cat "$root/requirements.txt" "$root/requirements-test.txt" "$root/constraints.txt" "$root/setup.py" | sha256sum | cut -c1-16)"
+stamp="$venv/.mindspeed_stamp"
+if [ ! -x "$venv/bin/python" ]; then
+  echo "[setup] creating $venv" >&2
+  python3 -m venv "$venv"
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[setup] installing pinned requirements into $venv (torch pinned by constraints.txt)" >&2
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check -c "$root/constraints.txt" \
+      -r "$root/requirements-test.txt" >&2
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$root" >&2
+  echo "$want" > "$stamp"
+fi
+echo "$venv/bin/python"
