@@ -15,7 +15,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing pinned requirements into $venv (torch pinned by constraints.txt)" >&2
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -c "$root/constraints.txt" \
       -r "$root/requirements-test.txt" >&2
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$root" >&2
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation --config-settings editable_mode=compat -e "$root" >&2
   echo "$want" > "$stamp"
 fi
 echo "$venv/bin/python"

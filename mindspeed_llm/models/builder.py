@@ -1,0 +1,124 @@
+"""Build Megatron-core `GPTModel`s (policy) and value-head models (critic, reward) from a `ModelSpec`.
+
+Only the local (non-Transformer-Engine) layer spec is used so that every device, the CPU included, runs
+the same modules; `attention_backend=local` keeps the attention in plain torch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnBackend
+
+from mindspeed_llm.models.spec import ModelSpec
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(name) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[str(name).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use one of fp32, bf16, fp16") from None
+
+
+def transformer_config(spec: ModelSpec, params_dtype=torch.float32, **overrides) -> TransformerConfig:
+    """The TransformerConfig of `spec` under the current parallel state."""
+    params_dtype = parse_dtype(params_dtype)
+    kwargs = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.add_qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_backend=AttnBackend.local,
+        use_cpu_initialization=True,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        pipeline_dtype=params_dtype,
+        # Megatron's fused bias/activation kernels need CUDA/TE; the torch paths are exact.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+class ValueHead(torch.nn.Module):
+    """Scalar head in fp32, replicated on every TP rank: value = h @ w^T (no bias).
+
+    It plays `GPTModel.output_layer`'s role (same call signature), so the model returns `[b, s, 1]`
+    instead of logits. The layout equals `transformers`' `*ForSequenceClassification.score` with
+    num_labels=1, which is how reward checkpoints are exchanged.
+    """
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=torch.float32))
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None, **_kwargs):
+        return F.linear(hidden_states.float(), self.weight), None
+
+
+def build_model(
+    spec: ModelSpec,
+    params_dtype=torch.float32,
+    value_head: bool = False,
+    pre_process: Optional[bool] = None,
+    post_process: Optional[bool] = None,
+    **config_overrides,
+) -> GPTModel:
+    """A GPTModel for this rank's pipeline stage. `value_head=True` gives the critic/reward model."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    spec.check_parallel(tp, pp)
+    config = transformer_config(spec, params_dtype, **config_overrides)
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings and not value_head,
+        position_embedding_type="rope",
+        rotary_base=int(spec.rotary_base),
+        rope_scaling=spec.rope_scaling_factor is not None,
+        rope_scaling_factor=spec.rope_scaling_factor or 8.0,
+    )
+    model.model_spec = spec
+    model.is_value_model = value_head
+    if value_head and post_process:
+        model.output_layer = ValueHead(spec.hidden_size)
+    return model
