@@ -1,0 +1,94 @@
+"""Process-group and Megatron parallel-state setup: the one SPMD group all models of a stage live in."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from mindspeed_llm import device
+
+
+def initialize(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    seed: int = 1234,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    timeout_minutes: int = 30,
+) -> None:
+    """Init torch.distributed (env:// as torchrun sets it) and megatron's TP/PP/DP groups, then seed.
+
+    Every rank gets the same `seed` for model initialisation (megatron offsets the tensor-parallel RNG by TP
+    rank itself), so a model built on any layout starts from the same weights.
+    """
+    acc = device.setup()
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0"))
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes"
+        )
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(
+            acc.backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=timeout_minutes)
+        )
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tp, pp)
+    seed_all(seed)
+
+
+def seed_all(seed: int) -> None:
+    """Seed every generator, including megatron's tensor-parallel RNG tracker."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    device.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def data_parallel_info():
+    """(dp_rank, dp_size) of this rank."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
+def broadcast_object(obj, src_rank: int = 0, group=None):
+    """Broadcast a picklable object from global `src_rank` (identity when not distributed)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src_rank, group=group)
+    return box[0]
+
+
+def is_rank_0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+__all__ = ["initialize", "destroy", "seed_all", "data_parallel_info", "broadcast_object", "is_rank_0", "barrier",
+           "torch"]
