@@ -311,3 +311,15 @@ for _site in ("megatron.core.transformer.utils", "megatron.core.fusions.fused_so
     register(f"{_site}.get_default_causal_mask", "the causal mask is built with device='cuda'")(
         _causal_mask_on_cpu
     )
+
+
+@register(
+    "megatron.core.optimizer.clip_grads.l2_norm_impl",
+    "without TE/apex megatron falls back to local_multi_tensor_l2_norm, which returns a device='cuda' tensor",
+)
+def _l2_norm(_original):
+    def multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+        norms = [torch.linalg.vector_norm(t.float()) for tensor_list in tensor_lists for t in tensor_list]
+        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+        return total.reshape(1), None
+    return multi_tensor_l2_norm

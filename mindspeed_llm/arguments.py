@@ -1,0 +1,276 @@
+"""One parser: Megatron-LM's flag names for what we support, plus the RL flags of the stages.
+
+`validate_args` turns every inconsistent combination into an `ArgumentError` whose message names the flags
+and the fix, before any model is built or any compute is spent.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import List, Optional, Sequence
+
+STAGES = ("trl_ppo", "grpo")
+KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+ADV_SCALES = ("group", "batch", "none")
+
+
+class ArgumentError(ValueError):
+    """An invalid or inconsistent command line; the message names the flags and the fix."""
+
+
+def _int_list(text: str) -> List[int]:
+    return [int(x) for x in text.replace(",", " ").split()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="posttrain_gpt.py",
+        description="In-process RL post-training (trl_ppo, grpo) for Megatron core models.",
+        allow_abbrev=False,
+    )
+    p.add_argument("--stage", choices=STAGES, required=True)
+
+    g = p.add_argument_group("model (read from the checkpoint; when given, they must match it)")
+    g.add_argument("--num-layers", type=int)
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--ffn-hidden-size", type=int)
+    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int)
+    g.add_argument("--padded-vocab-size", type=int, dest="vocab_size")
+    g.add_argument("--max-position-embeddings", type=int)
+    g.add_argument("--seq-length", type=int, help="accepted for compatibility; --max-length bounds rollouts")
+    # Accepted for compatibility with Megatron scripts: the architecture comes from the checkpoint.
+    for flag in ("--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--add-qkv-bias",
+                 "--qk-layernorm", "--use-rotary-position-embeddings", "--use-mcore-models",
+                 "--no-masked-softmax-fusion", "--use-flash-attn", "--no-gradient-accumulation-fusion"):
+        g.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    for flag in ("--normalization", "--position-embedding-type", "--rotary-base", "--norm-epsilon",
+                 "--make-vocab-size-divisible-by", "--attention-softmax-in-fp32", "--transformer-impl"):
+        g.add_argument(flag, help=argparse.SUPPRESS)
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, required=True,
+                   help="prompts per iteration (grpo: each is sampled --n-samples-per-prompt times)")
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--lr", type=float, default=1e-6)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant")
+    g.add_argument("--lr-decay-iters", type=int)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--optimizer", choices=("adam",), default="adam")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"))
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save")
+    g.add_argument("--load")
+    g.add_argument("--save-interval", type=int)
+    g.add_argument("--finetune", action="store_true",
+                   help="load weights only from --load: iteration, optimizer, RNG and data position start fresh")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--no-save-optim", action="store_true")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", required=True, help="output prefix written by preprocess_data.py")
+    g.add_argument("--eval-data-path", help="held-out prompts (preprocessed prefix) for --eval-interval")
+    g.add_argument("--tokenizer-type", default="PretrainedFromHF")
+    g.add_argument("--tokenizer-name-or-path")
+    g.add_argument("--max-prompt-length", type=int)
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--tensorboard-dir")
+    g.add_argument("--metrics-jsonl", help="write one JSON object of metrics per iteration")
+    g.add_argument("--eval-interval", type=int)
+    g.add_argument("--eval-samples", type=int, default=0, help="held-out prompts per evaluation (0 = all)")
+
+    g = p.add_argument_group("RL: models and rewards")
+    g.add_argument("--ref-model", help="Megatron checkpoint of the initial actor / reference policy")
+    g.add_argument("--reward-model", help="value-head Megatron checkpoint (convert_ckpt.py --orm)")
+    g.add_argument("--verifier-function", nargs="+", default=[], help="rule verifiers, e.g. math_acc format")
+    g.add_argument("--verifier-weight", nargs="+", type=float, default=[])
+    g.add_argument("--reward-model-weight", type=float, default=1.0)
+    g.add_argument("--missing-eos-penalty", type=float)
+    g.add_argument("--offload-ref-reward", action="store_true",
+                   help="keep reference and reward models in host memory between uses")
+
+    g = p.add_argument_group("RL: rollout")
+    g.add_argument("--max-length", type=int, default=256, help="prompt + response tokens")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--do-sample", action="store_true")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--stop-token-ids", type=_int_list, default=[])
+    g.add_argument("--n-samples-per-prompt", type=int)
+
+    g = p.add_argument_group("RL: algorithm")
+    g.add_argument("--kl-coef", type=float, help="trl_ppo: 0.3 (reward penalty); grpo: 0.001 (KL loss); 0 = off")
+    g.add_argument("--kl-penalty", choices=KL_KINDS, help="trl_ppo: k1; grpo: low_var_kl")
+    g.add_argument("--gamma", type=float, default=1.0)
+    g.add_argument("--lam", type=float, default=0.95)
+    g.add_argument("--clip-ratio", type=float, default=0.2)
+    g.add_argument("--clip-ratio-high", type=float, help="DAPO clip-higher (default: --clip-ratio)")
+    g.add_argument("--dual-clip", type=float, help="dual-clip constant c > 1 for negative advantages")
+    g.add_argument("--cliprange-value", type=float, default=0.2)
+    g.add_argument("--vf-coef", type=float, default=0.1)
+    g.add_argument("--entropy-coeff", type=float, default=0.0)
+    g.add_argument("--loss-agg-mode", choices=LOSS_AGG_MODES, default="token-mean")
+    g.add_argument("--adv-scale", choices=ADV_SCALES, default="group")
+    g.add_argument("--whiten-rewards", action="store_true")
+    g.add_argument("--ppo-epochs", type=int, default=1)
+    g.add_argument("--ppo-mini-batch-size", type=int,
+                   help="sequences per optimizer step over all DP ranks (default: the whole batch)")
+    g.add_argument("--critic-lr", type=float, help="default: --lr")
+    g.add_argument("--filter-groups", action="store_true",
+                   help="grpo: drop groups whose rewards are all equal (no signal)")
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, world_size: int = 1):
+    args = build_parser().parse_args(argv)
+    validate_args(args, world_size)
+    return args
+
+
+def validate_args(args, world_size: int) -> None:
+    """Fill stage defaults and reject inconsistent combinations with messages that name the flags."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise ArgumentError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
+    if world_size % (tp * pp):
+        raise ArgumentError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes"
+        )
+    args.world_size = world_size
+    args.data_parallel_size = dp = world_size // (tp * pp)
+    if args.context_parallel_size != 1:
+        raise ArgumentError("--context-parallel-size > 1 is not supported (megatron's local attention asserts cp == 1)")
+    if args.sequence_parallel:
+        raise ArgumentError("--sequence-parallel is not supported by the local layer spec these stages use; drop it")
+    if args.bf16 and args.fp16:
+        raise ArgumentError("--bf16 and --fp16 are exclusive; pick one")
+    args.params_dtype = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
+
+    stage_defaults = {
+        "trl_ppo": dict(kl_coef=0.3, kl_penalty="k1", n_samples_per_prompt=1),
+        "grpo": dict(kl_coef=0.001, kl_penalty="low_var_kl", n_samples_per_prompt=8),
+    }[args.stage]
+    for name, value in stage_defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.stage == "trl_ppo" and args.n_samples_per_prompt != 1:
+        raise ArgumentError("--n-samples-per-prompt is a grpo flag; trl_ppo samples one response per prompt")
+    if args.clip_ratio_high is None:
+        args.clip_ratio_high = args.clip_ratio
+    if args.critic_lr is None:
+        args.critic_lr = args.lr
+    if args.dual_clip is not None and args.dual_clip <= 1.0:
+        raise ArgumentError(f"--dual-clip {args.dual_clip} must be > 1")
+
+    # Rollout lengths.
+    if args.max_new_tokens < 1:
+        raise ArgumentError("--max-new-tokens must be >= 1")
+    if args.max_new_tokens >= args.max_length:
+        raise ArgumentError(
+            f"--max-new-tokens {args.max_new_tokens} must be smaller than --max-length {args.max_length} "
+            "(--max-length bounds prompt + response)"
+        )
+    if args.max_prompt_length is None:
+        args.max_prompt_length = args.max_length - args.max_new_tokens
+    if args.max_prompt_length + args.max_new_tokens > args.max_length:
+        raise ArgumentError(
+            f"--max-prompt-length {args.max_prompt_length} + --max-new-tokens {args.max_new_tokens} exceeds "
+            f"--max-length {args.max_length}"
+        )
+    if args.do_sample:
+        if args.temperature <= 0:
+            raise ArgumentError("--temperature must be > 0 with --do-sample")
+        if not 0 < args.top_p <= 1:
+            raise ArgumentError("--top-p must be in (0, 1]")
+    if args.top_k < 0:
+        raise ArgumentError("--top-k must be >= 0 (0 = off)")
+
+    # Batch arithmetic: every DP rank gets whole micro-batches of whole prompt groups.
+    n = args.n_samples_per_prompt
+    if n < 1:
+        raise ArgumentError("--n-samples-per-prompt must be >= 1")
+    sequences = args.global_batch_size * n
+    if args.global_batch_size % dp:
+        raise ArgumentError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by the data-parallel size {dp} "
+            f"(world {world_size} / (TP {tp} x PP {pp})); each DP rank needs whole prompts"
+        )
+    per_rank = sequences // dp
+    if per_rank % args.micro_batch_size:
+        raise ArgumentError(
+            f"--global-batch-size {args.global_batch_size} x --n-samples-per-prompt {n} = {sequences} sequences is "
+            f"not divisible by data-parallel size {dp} x --micro-batch-size {args.micro_batch_size}"
+        )
+    if args.ppo_mini_batch_size is None:
+        args.ppo_mini_batch_size = sequences
+    mini = args.ppo_mini_batch_size
+    if sequences % mini or mini % (dp * args.micro_batch_size):
+        raise ArgumentError(
+            f"--ppo-mini-batch-size {mini} must divide the {sequences} sequences of an iteration and be a multiple "
+            f"of data-parallel size {dp} x --micro-batch-size {args.micro_batch_size}"
+        )
+    if args.ppo_epochs < 1:
+        raise ArgumentError("--ppo-epochs must be >= 1")
+
+    # Models and rewards.
+    if args.stage == "trl_ppo":
+        if not args.ref_model:
+            raise ArgumentError("--ref-model is required for --stage trl_ppo (actor and reference weights)")
+        if not args.reward_model:
+            raise ArgumentError(
+                "--reward-model is required for --stage trl_ppo (critic initialisation; convert it with --orm)"
+            )
+    else:
+        if not args.ref_model and not args.load:
+            raise ArgumentError("--stage grpo needs the initial actor: pass --ref-model (or --load to resume)")
+        if not args.verifier_function and not args.reward_model:
+            raise ArgumentError("--stage grpo needs a reward: --verifier-function NAME ... and/or --reward-model DIR")
+    if args.verifier_weight and len(args.verifier_weight) != len(args.verifier_function):
+        raise ArgumentError(
+            f"--verifier-weight has {len(args.verifier_weight)} values for {len(args.verifier_function)} "
+            "--verifier-function names; give one weight per verifier"
+        )
+    if args.verifier_function and not args.verifier_weight:
+        args.verifier_weight = [1.0] * len(args.verifier_function)
+
+    # Checkpoints and logging.
+    if args.save_interval is not None and args.save_interval < 1:
+        raise ArgumentError("--save-interval must be >= 1")
+    if args.save_interval and not args.save:
+        raise ArgumentError("--save-interval needs --save DIR")
+    if args.log_interval < 1:
+        raise ArgumentError("--log-interval must be >= 1")
+    if args.eval_interval and not args.eval_data_path:
+        raise ArgumentError("--eval-interval needs --eval-data-path (a preprocessed held-out prompt set)")
+    if args.train_iters < 1:
+        raise ArgumentError("--train-iters must be >= 1")
+    if args.lr_warmup_fraction is not None:
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.train_iters)
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters

@@ -1,0 +1,200 @@
+"""The shared update routine: forward(-backward) over micro-batches with Megatron's pipeline schedule.
+
+Used for the actor and the critic alike (`TrainableModel.train_step`), and for every forward-only pass
+(old / reference log-probs, values, reward scores) through `forward_only`. The RL math lives in the loss
+closures the stages pass in; this module only moves micro-batches through megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+MicroBatch = Dict[str, torch.Tensor]
+# loss_fn(output, micro_batch) -> (loss scalar, {metric name: scalar tensor})
+LossFn = Callable[[torch.Tensor, MicroBatch], tuple]
+# output_fn(output, micro_batch) -> tensor with micro-batch rows first
+OutputFn = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
+
+
+@dataclass
+class OptimizerSettings:
+    lr: float
+    min_lr: float = 0.0
+    lr_decay_style: str = "constant"
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int = 1
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    params_dtype: str = "fp32"
+    use_distributed_optimizer: bool = False
+
+
+def _model_forward(model, micro_batch: MicroBatch):
+    return model(micro_batch["tokens"], micro_batch["position_ids"], None)
+
+
+def _run_schedule(chunks, micro_batches: Sequence[MicroBatch], step_fn, forward_only: bool):
+    """Run megatron's schedule; returns what the last stage's loss closures reported, one per micro-batch."""
+    first = micro_batches[0]
+    tokens = first["tokens"]
+
+    def loss_closure(output, micro_batch):
+        loss, metrics = step_fn(output, micro_batch)
+        # The schedule divides the loss in place; metrics must not share its storage.
+        return loss, {k: torch.as_tensor(v).detach().clone() for k, v in metrics.items()}
+
+    def forward_step(data_iterator, model):
+        micro_batch = next(data_iterator)
+        output = _model_forward(model, micro_batch)
+        return output, lambda out: loss_closure(out, micro_batch)
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=chunks,
+        num_microbatches=len(micro_batches),
+        seq_length=tokens.shape[1],
+        micro_batch_size=tokens.shape[0],
+        forward_only=forward_only,
+    )
+
+
+def _broadcast_from_last_stage(tensor: Optional[torch.Tensor], shape, dtype) -> torch.Tensor:
+    """Give every pipeline stage the tensor that only the last stage computed."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return tensor
+    if tensor is None:
+        tensor = torch.empty(shape, dtype=dtype)
+    dist.broadcast(
+        tensor,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return tensor
+
+
+@torch.no_grad()
+def forward_only(model, micro_batches: Sequence[MicroBatch], output_fn: OutputFn, out_shape_tail=()) -> torch.Tensor:
+    """Forward every micro-batch and concatenate `output_fn`'s results along rows, on every PP stage.
+
+    `out_shape_tail` is the per-row shape of output_fn's result (e.g. (R,) for per-token log-probs),
+    needed by the stages that receive it.
+    """
+    chunks = model if isinstance(model, list) else [model]
+    was_training = [c.training for c in chunks]
+    for c in chunks:
+        c.eval()
+    try:
+        results = _run_schedule(
+            chunks, micro_batches, lambda out, mb: (out.new_zeros(()), {"out": output_fn(out, mb).float()}), True
+        )
+    finally:
+        for c, mode in zip(chunks, was_training):
+            c.train(mode)
+    rows = sum(mb["tokens"].shape[0] for mb in micro_batches)
+    local = torch.cat([r["out"] for r in results]) if parallel_state.is_pipeline_last_stage() else None
+    return _broadcast_from_last_stage(local, (rows, *out_shape_tail), torch.float32)
+
+
+class TrainableModel:
+    """A Megatron model with its DDP wrapper, Megatron optimizer and LR schedule (the actor or the critic)."""
+
+    def __init__(self, model: torch.nn.Module, settings: OptimizerSettings):
+        self.module = model
+        config = model.config
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=settings.use_distributed_optimizer,
+        )
+        self.ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        self.chunks: List[torch.nn.Module] = [self.ddp]
+        optimizer_config = OptimizerConfig(
+            optimizer="adam",
+            lr=settings.lr,
+            min_lr=settings.min_lr,
+            weight_decay=settings.weight_decay,
+            adam_beta1=settings.adam_beta1,
+            adam_beta2=settings.adam_beta2,
+            adam_eps=settings.adam_eps,
+            clip_grad=settings.clip_grad,
+            bf16=settings.params_dtype == "bf16",
+            fp16=settings.params_dtype == "fp16",
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=settings.use_distributed_optimizer,
+        )
+        self.optimizer = get_megatron_optimizer(optimizer_config, self.chunks)
+        decay_steps = max(settings.lr_decay_iters, settings.lr_warmup_iters + 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if settings.lr_warmup_iters else settings.lr,
+            max_lr=settings.lr,
+            min_lr=settings.min_lr,
+            lr_warmup_steps=settings.lr_warmup_iters,
+            lr_decay_steps=decay_steps,
+            lr_decay_style=settings.lr_decay_style,
+            start_wd=settings.weight_decay,
+            end_wd=settings.weight_decay,
+            wd_incr_steps=decay_steps,
+            wd_incr_style="constant",
+        )
+        # What megatron's schedule calls around the backward passes (as Megatron-LM's training loop sets them).
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = self.ddp.no_sync
+        config.grad_scale_func = self.optimizer.scale_loss
+
+    def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn) -> Dict[str, float]:
+        """One optimizer step over `micro_batches` (this DP rank's share of a mini-batch).
+
+        The schedule divides each micro-batch loss by the number of micro-batches and DDP averages over DP
+        ranks, so the step follows the mean of the micro-batch losses. Returns the micro-batch mean of each
+        metric (last PP stage; other stages return only lr and grad_norm), plus `grad_norm` and `lr`.
+        """
+        self.ddp.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        results = _run_schedule(self.chunks, micro_batches, loss_fn, forward_only=False)
+        update_successful, grad_norm, _ = self.optimizer.step()
+        if update_successful:
+            self.scheduler.step(increment=1)
+        metrics: Dict[str, float] = {}
+        if results:
+            for key in results[0]:
+                metrics[key] = float(torch.stack([torch.as_tensor(r[key]).float() for r in results]).mean())
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        return metrics
+
+    def forward_only(self, micro_batches, output_fn: OutputFn, out_shape_tail=()) -> torch.Tensor:
+        return forward_only(self.chunks, micro_batches, output_fn, out_shape_tail)
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict:
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "opt_param_scheduler": self.scheduler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict, load_optim: bool = True) -> None:
+        self.module.load_state_dict(state["model"], strict=True)
+        if load_optim:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["opt_param_scheduler"])
+        else:
+            # Weights changed under the optimizer: refresh its fp32 main copies (mixed precision).
+            reload = getattr(self.optimizer, "reload_model_params", None)
+            if reload is not None:
+                reload()
