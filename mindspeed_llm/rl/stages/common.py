@@ -1,0 +1,175 @@
+"""What the trl_ppo and grpo stages share: loading their models, one rollout, scoring, the PPO-style
+epoch/mini-batch update, and rollout statistics. Each piece is a function; the stages compose them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from megatron.core import parallel_state
+
+from mindspeed_llm import device
+from mindspeed_llm.checkpoint import load_megatron_weights, load_spec
+from mindspeed_llm.inference import SamplingConfig, generate
+from mindspeed_llm.models import ModelSpec, build_model
+from mindspeed_llm.rl import rewards as rule_rewards
+from mindspeed_llm.rl.experience import Experience
+from mindspeed_llm.rl.metrics import length_stats
+from mindspeed_llm.rl.passes import reward_scores
+from mindspeed_llm.rl.update import OptimizerSettings, TrainableModel
+
+
+# ---------------------------------------------------------------------------------------------- models
+def _checked_spec(root: str, flag: str, value_head: bool, args) -> ModelSpec:
+    spec = load_spec(root)
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                 "vocab_size"):
+        wanted = getattr(args, name, None)
+        if wanted is not None and wanted != getattr(spec, name):
+            raise ValueError(
+                f"--{name.replace('_', '-')} {wanted} does not match the checkpoint {flag} {root} "
+                f"({name}={getattr(spec, name)}); drop the flag or convert the right model"
+            )
+    return spec
+
+
+def load_model(root: str, flag: str, args, value_head: bool = False):
+    """A GPTModel (or value-head model) for this rank, weights from a Megatron checkpoint at `root`."""
+    spec = _checked_spec(root, flag, value_head, args)
+    model = build_model(spec, params_dtype=args.params_dtype, value_head=value_head)
+    load_megatron_weights(model, root)
+    return model
+
+
+def frozen(model):
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def trainable(model, args, lr: float) -> TrainableModel:
+    return TrainableModel(model, OptimizerSettings(
+        lr=lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style, lr_warmup_iters=args.lr_warmup_iters,
+        lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        params_dtype=args.params_dtype, use_distributed_optimizer=args.use_distributed_optimizer,
+    ))
+
+
+def check_same_vocab(models: Dict[str, torch.nn.Module]) -> None:
+    sizes = {name: m.model_spec.vocab_size for name, m in models.items()}
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        raise ValueError(f"the models disagree on vocabulary size ({listed}); all must share one tokenizer")
+
+
+@contextlib.contextmanager
+def on_device(model, offload: bool):
+    """With `offload`, keep a frozen model in host memory except while it is used (no-op on CPU)."""
+    if offload and not device.accelerator().is_cpu:
+        model.to(device.current_device())
+        try:
+            yield model
+        finally:
+            model.to("cpu")
+    else:
+        yield model
+
+
+# ---------------------------------------------------------------------------------------------- rollout
+def sampling_config(args, tokenizer, greedy: Optional[bool] = None) -> SamplingConfig:
+    do_sample = args.do_sample if greedy is None else not greedy
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    return SamplingConfig(
+        do_sample=do_sample, temperature=args.temperature, top_k=args.top_k or None,
+        top_p=args.top_p if args.top_p < 1.0 else None, max_new_tokens=args.max_new_tokens,
+        max_length=args.max_length, eos_token_id=eos, stop_token_ids=tuple(args.stop_token_ids),
+        pad_token_id=pad, seed=args.seed,
+    )
+
+
+def rollout(actor_module, rows: Sequence[dict], sampling: SamplingConfig, iteration: int,
+            max_prompt_length: int, tokenizer) -> Experience:
+    """Generate one response per row; the rows' labels and texts ride along in `Experience.extras`."""
+    prompts = [list(row["input_ids"])[-max_prompt_length:] for row in rows]  # keep the prompt's end
+    result = generate(actor_module, prompts, sampling, iteration=iteration)
+    exp = Experience.from_rollout(result)
+    exp.extras["labels"] = [row.get("labels") for row in rows]
+    exp.extras["texts"] = result.decode(tokenizer)
+    return exp
+
+
+def rollout_metrics(exp: Experience) -> Dict[str, float]:
+    metrics = {}
+    metrics.update(length_stats("response_length", exp.response_lengths))
+    metrics.update(length_stats("prompt_length", exp.prompt_lengths))
+    metrics["response_clip_ratio"] = float((~exp.ended_with_eos).float().mean())
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------- scoring
+class Scorer:
+    """Sequence scores from rule verifiers and/or a reward model (weighted sum), with their metrics."""
+
+    def __init__(self, verifier_names: Sequence[str], verifier_weights: Sequence[float],
+                 reward_model=None, reward_model_weight: float = 1.0, offload: bool = False):
+        for name in verifier_names:
+            rule_rewards.get_verifier(name)  # unknown names fail now, listing the valid ones
+        self.verifier_names = list(verifier_names)
+        self.verifier_weights = list(verifier_weights)
+        self.reward_model = reward_model
+        self.reward_model_weight = reward_model_weight
+        self.offload = offload
+
+    def __call__(self, exp: Experience, micro_batch_size: int, timers) -> tuple:
+        batch = exp.batch_size
+        total = torch.zeros(batch)
+        metrics: Dict[str, float] = {}
+        if self.reward_model is not None:
+            with timers("reward_model"), on_device(self.reward_model, self.offload):
+                rm = reward_scores([self.reward_model], exp, micro_batch_size)
+            total += self.reward_model_weight * rm
+            metrics["reward_model/mean"] = float(rm.mean())
+        if self.verifier_names:
+            with timers("rule_reward"):
+                rule_total, per_verifier, failures = rule_rewards.score_batch(
+                    exp.extras["texts"], exp.extras["labels"], self.verifier_names, self.verifier_weights,
+                )
+            total += torch.as_tensor(rule_total, dtype=torch.float32)
+            metrics.update(rule_rewards.reward_metrics(per_verifier, failures))
+        return total, metrics
+
+
+def apply_missing_eos_penalty(scores: torch.Tensor, exp: Experience, penalty: Optional[float]) -> torch.Tensor:
+    """TRL's `missing_eos_penalty`: subtract it from the score of every response that did not end in EOS."""
+    if penalty is None:
+        return scores
+    return scores - penalty * (~exp.ended_with_eos).float()
+
+
+# ---------------------------------------------------------------------------------------------- update
+def ppo_update(model: TrainableModel, exp: Experience, args, loss_fn: Callable, iteration: int) -> Dict[str, float]:
+    """`--ppo-epochs` passes over this rank's rows in shuffled mini-batches, one optimizer step each.
+
+    The shuffle is seeded by (seed, iteration, epoch) so a resumed run replays it exactly. Returns each
+    metric's mean over the steps (`lr` of the last step).
+    """
+    dp = parallel_state.get_data_parallel_world_size()
+    rows_per_step = args.ppo_mini_batch_size // dp
+    steps: List[Dict[str, float]] = []
+    for epoch in range(args.ppo_epochs):
+        generator = torch.Generator().manual_seed(hash((args.seed, iteration, epoch)) % (2**63))
+        order = torch.randperm(exp.batch_size, generator=generator)
+        for block in order.split(rows_per_step):
+            steps.append(model.train_step(exp.select(block).micro_batches(args.micro_batch_size), loss_fn))
+    out = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0] if k != "lr"}
+    out["lr"] = steps[-1]["lr"]
+    return out
+
+
+def prefixed(prefix: str, metrics: Dict[str, float]) -> Dict[str, float]:
+    return {f"{prefix}/{k}": float(v) for k, v in metrics.items()}

@@ -1,0 +1,103 @@
+"""`--stage grpo`: Group Relative Policy Optimization.
+
+One iteration: each prompt sampled `--n-samples-per-prompt` times -> rule verifiers and/or reward model ->
+group-normalised advantages -> old and reference log-probs -> clipped loss + KL loss (+ entropy bonus)
+-> update. No critic. The reference starts from `--ref-model` (default: the initial actor) and is skipped
+when `--kl-coef 0`.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+from mindspeed_llm import device
+from mindspeed_llm.rl import core_algos
+from mindspeed_llm.rl.metrics import Timers
+from mindspeed_llm.rl.passes import policy_logprobs, response_logprobs
+from mindspeed_llm.rl.stages import common
+
+
+class GRPOStage:
+    name = "grpo"
+    log_lines = None
+
+    def __init__(self, args, tokenizer):
+        self.args = args
+        self.tokenizer = tokenizer
+        initial = args.ref_model or args.load
+        flag = "--ref-model" if args.ref_model else "--load"
+        self.actor = common.trainable(common.load_model(initial, flag, args), args, args.lr)
+        self.reference = common.frozen(common.load_model(initial, flag, args)) if args.kl_coef > 0 else None
+        reward_model = (
+            common.frozen(common.load_model(args.reward_model, "--reward-model", args, value_head=True))
+            if args.reward_model else None
+        )
+        models = {"actor": self.actor.module}
+        if self.reference is not None:
+            models["reference"] = self.reference
+        if reward_model is not None:
+            models["reward"] = reward_model
+        common.check_same_vocab(models)
+        self.scorer = common.Scorer(args.verifier_function, args.verifier_weight, reward_model,
+                                    args.reward_model_weight, args.offload_ref_reward)
+        self.sampling = common.sampling_config(args, tokenizer)
+
+    def trained_roles(self):
+        return {"actor": self.actor}
+
+    # ------------------------------------------------------------------ one iteration
+    def iteration(self, iteration: int, rows: Sequence[dict]) -> Dict[str, float]:
+        args, mbs, n = self.args, self.args.micro_batch_size, self.args.n_samples_per_prompt
+        timers = Timers(sync=device.synchronize)
+        with timers("all"):
+            samples = [row for row in rows for _ in range(n)]  # a prompt's n samples stay contiguous
+            with timers("rollout"):
+                exp = common.rollout(self.actor.module, samples, self.sampling, iteration, args.max_prompt_length,
+                                     self.tokenizer)
+            exp.scores, score_metrics = self.scorer(exp, mbs, timers)
+
+            with timers("adv"):
+                advantages = core_algos.group_advantages(exp.scores, n, scale=args.adv_scale)
+                exp.advantages = advantages[:, None] * exp.response_mask
+            with timers("old_log_p"):
+                exp.old_logp = policy_logprobs(self.actor.chunks, exp, mbs, args.temperature)
+            if self.reference is not None:
+                with timers("reference_model"), common.on_device(self.reference, args.offload_ref_reward):
+                    exp.ref_logp = policy_logprobs([self.reference], exp, mbs, args.temperature)
+
+            with timers("update"):
+                actor_metrics = common.ppo_update(self.actor, exp, args, self._loss, iteration)
+
+        metrics = {
+            **common.prefixed("actor", {k: v for k, v in actor_metrics.items() if k not in ("grad_norm", "lr")}),
+            "grad_norm": actor_metrics["grad_norm"],
+            "actor/lr": actor_metrics["lr"],
+            "grpo/score/mean": float(exp.scores.mean()),
+            "grpo/score/max": float(exp.scores.max()),
+            "grpo/score/min": float(exp.scores.min()),
+            "grpo/rewards/mean": float(advantages.mean()),
+            "grpo/rewards/max": float(advantages.max()),
+            "grpo/rewards/min": float(advantages.min()),
+            **score_metrics,
+            **common.rollout_metrics(exp),
+            "n_samples_per_prompt": n,
+        }
+        metrics.update(timers.pop())
+        return metrics
+
+    # ------------------------------------------------------------------ loss closure (per micro-batch)
+    def _loss(self, logits, mb):
+        args = self.args
+        logp, entropy = response_logprobs(logits, mb, args.temperature, with_entropy=True)
+        loss, m = core_algos.policy_loss(
+            logp, mb["old_logp"], mb["advantages"], mb["response_mask"], clip_low=args.clip_ratio,
+            clip_high=args.clip_ratio_high, dual_clip=args.dual_clip, agg=args.loss_agg_mode,
+            max_len=args.max_new_tokens, ref_logp=mb.get("ref_logp"), kl_coef=args.kl_coef if
+            self.reference is not None else 0.0, kl_kind=args.kl_penalty, entropy=entropy,
+            entropy_coeff=args.entropy_coeff,
+        )
+        metrics = {"pg_loss": m["pg_loss"], "pg_clipfrac": m["pg_clipfrac"], "ppo_kl": m["ppo_kl"],
+                   "entropy": m["entropy"]}
+        if "kl_loss" in m:
+            metrics["kl_loss"] = m["kl_loss"]
+        return loss, metrics

@@ -1,0 +1,118 @@
+"""`--stage trl_ppo`: TRL-style PPO with actor, reference, critic and reward model in one SPMD group.
+
+One iteration (DESIGN.md): generate -> old log-probs, reference log-probs, values, score -> per-token
+rewards (-kl_coef * KL, score after the last token as TRL places it) -> GAE + whitened advantages ->
+actor (clipped policy loss) and critic (clipped value loss) updates per epoch and mini-batch.
+
+Actor and reference start from `--ref-model`; critic and reward from `--reward-model` (a value-head
+checkpoint). With rule verifiers and `--reward-model-weight 0` the reward model is not loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+import torch
+
+from mindspeed_llm import device
+from mindspeed_llm.rl import core_algos
+from mindspeed_llm.rl.metrics import Timers
+from mindspeed_llm.rl.passes import critic_values, policy_logprobs, response_logprobs, response_values
+from mindspeed_llm.rl.stages import common
+
+
+class TrlPPOStage:
+    name = "trl_ppo"
+    log_lines = {"actor": ["actor/"], "critic": ["critic/"]}
+
+    def __init__(self, args, tokenizer):
+        self.args = args
+        self.tokenizer = tokenizer
+        self.actor = common.trainable(common.load_model(args.ref_model, "--ref-model", args), args, args.lr)
+        self.reference = common.frozen(common.load_model(args.ref_model, "--ref-model", args))
+        self.critic = common.trainable(
+            common.load_model(args.reward_model, "--reward-model", args, value_head=True), args, args.critic_lr
+        )
+        uses_reward_model = args.reward_model_weight != 0 or not args.verifier_function
+        reward_model = (
+            common.frozen(common.load_model(args.reward_model, "--reward-model", args, value_head=True))
+            if uses_reward_model else None
+        )
+        models = {"actor": self.actor.module, "reference": self.reference, "critic": self.critic.module}
+        if reward_model is not None:
+            models["reward"] = reward_model
+        common.check_same_vocab(models)
+        self.scorer = common.Scorer(args.verifier_function, args.verifier_weight, reward_model,
+                                    args.reward_model_weight, args.offload_ref_reward)
+        self.sampling = common.sampling_config(args, tokenizer)
+
+    def trained_roles(self):
+        return {"actor": self.actor, "critic": self.critic}
+
+    # ------------------------------------------------------------------ one iteration
+    def iteration(self, iteration: int, rows: Sequence[dict]) -> Dict[str, float]:
+        args, mbs = self.args, self.args.micro_batch_size
+        timers = Timers(sync=device.synchronize)
+        with timers("all"):
+            with timers("rollout"):
+                exp = common.rollout(self.actor.module, rows, self.sampling, iteration, args.max_prompt_length,
+                                     self.tokenizer)
+            with timers("old_log_p"):
+                exp.old_logp = policy_logprobs(self.actor.chunks, exp, mbs, args.temperature)
+            with timers("reference_model"), common.on_device(self.reference, args.offload_ref_reward):
+                exp.ref_logp = policy_logprobs([self.reference], exp, mbs, args.temperature)
+            with timers("critic_model"):
+                exp.values = critic_values(self.critic.chunks, exp, mbs)
+            scores, score_metrics = self.scorer(exp, mbs, timers)
+            exp.scores = common.apply_missing_eos_penalty(scores, exp, args.missing_eos_penalty)
+
+            with timers("adv"):
+                rewards, kl = core_algos.compute_token_rewards(
+                    exp.scores, exp.old_logp, exp.ref_logp, exp.response_mask, args.kl_coef, args.kl_penalty
+                )
+                value_mask = core_algos.response_mask_p1(exp.response_mask)
+                if args.whiten_rewards:
+                    rewards = core_algos.masked_whiten(rewards, value_mask, shift_mean=False) * value_mask
+                exp.advantages, exp.returns = core_algos.compute_gae(
+                    rewards, exp.values, exp.response_mask, args.gamma, args.lam, whiten=True, value_mask=value_mask
+                )
+
+            with timers("update"):
+                actor_metrics = common.ppo_update(self.actor, exp, args, self._actor_loss, iteration)
+            with timers("update_critic"):
+                critic_metrics = common.ppo_update(self.critic, exp, args, self._critic_loss, iteration)
+
+        kl_sum = kl.sum(-1)
+        metrics = {
+            "score/mean": float(exp.scores.mean()),
+            "kl/mean": float(kl_sum.mean()),
+            "non_score_reward": float((-args.kl_coef * kl_sum).mean()),
+            **score_metrics,
+            **common.rollout_metrics(exp),
+            **common.prefixed("actor", actor_metrics),
+            **common.prefixed("critic", critic_metrics),
+        }
+        metrics.update(timers.pop())
+        return metrics
+
+    # ------------------------------------------------------------------ loss closures (per micro-batch)
+    def _actor_loss(self, logits, mb):
+        args = self.args
+        logp, entropy = response_logprobs(logits, mb, args.temperature, with_entropy=True)
+        loss, m = core_algos.policy_loss(
+            logp, mb["old_logp"], mb["advantages"], mb["response_mask"], clip_low=args.clip_ratio,
+            clip_high=args.clip_ratio_high, dual_clip=args.dual_clip, agg=args.loss_agg_mode, entropy=entropy,
+        )
+        return loss, {
+            "pg_loss": m["pg_loss"], "abs_pg_loss": m["abs_pg_loss"], "ppo_ratio": m["ratio"],
+            "ppo_ratio_clamped": m["ratio_clamped"], "pg_clipfrac": m["pg_clipfrac"], "ppo_kl": m["ppo_kl"],
+            "entropy": m["entropy"],
+        }
+
+    def _critic_loss(self, output, mb):
+        values = response_values(output, mb)
+        loss, m = core_algos.value_loss(
+            values, mb["values"], mb["returns"], core_algos.response_mask_p1(mb["response_mask"]),
+            self.args.cliprange_value,
+        )
+        return self.args.vf_coef * loss, {"vf_loss": m["vf_loss"], "vf_clipfrac": m["vf_clipfrac"]}
