@@ -1,0 +1,202 @@
+"""Bad input: clear errors, no traceback from the CLI, and never a half-written dataset."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+try:
+    from fixtures_data import (ALPACA_JSON, DAPO, DEEPSCALER, ROOT, load_json_rows, preprocess_args, qwen_tok,
+                               qwen_tok_dir, run_preprocess)  # noqa: F401
+except ImportError:
+    from tests.fixtures_data import (ALPACA_JSON, DAPO, DEEPSCALER, ROOT, load_json_rows, preprocess_args, qwen_tok,
+                                     qwen_tok_dir, run_preprocess)  # noqa: F401
+
+from mindspeed_llm.data import (DataError, DatasetNotFoundError, InputFormatError, MissingColumnError,
+                                OutputExistsError, PromptDataset, UnknownNameError)
+from mindspeed_llm.data.preprocess import main
+from mindspeed_llm.data.writer import existing_outputs
+
+R1 = "R1AlpacaStyleInstructionHandler"
+DS_KEYS = {"prompt": "problem", "labels": "answer"}
+
+
+def leftovers(folder: Path):
+    """Everything in ``folder``, including hidden temporary folders."""
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+
+def write_jsonl(path, rows, bad_line=None, bad_text='{"problem": "broken",'):
+    lines = [json.dumps(r) for r in rows]
+    if bad_line is not None:
+        lines.insert(bad_line - 1, bad_text)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_malformed_json_line_names_file_and_line(qwen_tok_dir, tmp_path):
+    src = write_jsonl(tmp_path / "bad.jsonl", load_json_rows(DEEPSCALER)[:5], bad_line=3)
+    with pytest.raises(InputFormatError) as e:
+        run_preprocess(qwen_tok_dir, src, tmp_path / "out" / "d", R1, "qwen_r1", DS_KEYS)
+    assert f"{src}:3" in str(e.value) and "malformed JSON" in str(e.value)
+    assert leftovers(tmp_path / "out") == []
+
+
+def test_malformed_json_array_names_file_and_line(qwen_tok_dir, tmp_path):
+    lines = ALPACA_JSON.read_text().split("\n")  # indented like the Stanford file
+    lines.insert(9, "oops,")
+    src = tmp_path / "bad.json"
+    src.write_text("\n".join(lines))
+    with pytest.raises(InputFormatError) as e:
+        run_preprocess(qwen_tok_dir, src, tmp_path / "out" / "d", "PPOAlpacaStyleInstructionHandler", "qwen")
+    assert f"{src}:10" in str(e.value) and "malformed JSON" in str(e.value)
+
+
+def test_missing_column_names_key_and_lists_columns(qwen_tok_dir, tmp_path):
+    with pytest.raises(MissingColumnError) as e:
+        run_preprocess(qwen_tok_dir, DEEPSCALER, tmp_path / "d", R1, "qwen_r1", {"prompt": "question", "labels": "answer"})
+    msg = str(e.value)
+    assert "'question'" in msg and "'prompt'" in msg
+    for col in ("problem", "solution", "answer", "difficulty"):
+        assert col in msg
+    assert existing_outputs(str(tmp_path / "d")) == []
+
+
+def test_missing_nested_column_lists_nested_fields(qwen_tok_dir, tmp_path):
+    with pytest.raises(MissingColumnError) as e:
+        run_preprocess(qwen_tok_dir, DAPO, tmp_path / "d", R1, "qwen",
+                       {"prompt": "prompt", "labels": "reward_model.answer"})
+    msg = str(e.value)
+    assert "reward_model.answer" in msg and "reward_model.ground_truth" in msg and "extra_info.index" in msg
+
+
+def test_missing_additional_key_column(qwen_tok_dir, tmp_path):
+    with pytest.raises(MissingColumnError) as e:
+        run_preprocess(qwen_tok_dir, DEEPSCALER, tmp_path / "d", R1, "qwen_r1", DS_KEYS,
+                       ["--dataset-additional-keys", "level"])
+    assert "'level'" in str(e.value) and "--dataset-additional-keys" in str(e.value) and "difficulty" in str(e.value)
+
+
+def test_r1_handler_needs_a_label_column(qwen_tok_dir, tmp_path):
+    with pytest.raises(DataError, match="labels"):
+        run_preprocess(qwen_tok_dir, DEEPSCALER, tmp_path / "d", R1, "qwen_r1", {"prompt": "problem"})
+
+
+@pytest.mark.parametrize("flag,value,valid", [
+    ("--handler-name", "R1Handler", ["AlpacaStyleInstructionHandler", "PPOAlpacaStyleInstructionHandler", R1]),
+    ("--prompt-type", "qwen3", ["qwen", "qwen_r1", "chatml", "llama3", "smollm2", "empty"]),
+    ("--tokenizer-type", "Llama2Tokenizer", ["PretrainedFromHF", "HuggingFaceTokenizer"]),
+])
+def test_unknown_names_list_valid_ones(qwen_tok_dir, tmp_path, flag, value, valid):
+    argv = preprocess_args(qwen_tok_dir, DEEPSCALER, tmp_path / "d", R1, "qwen_r1", DS_KEYS) + [flag, value]
+    from mindspeed_llm.data.preprocess import preprocess
+
+    with pytest.raises(UnknownNameError) as e:
+        preprocess(argv)
+    assert value in str(e.value)
+    for name in valid:
+        assert name in str(e.value)
+
+
+def test_unknown_map_keys_role_and_bad_json(qwen_tok_dir, tmp_path):
+    with pytest.raises(UnknownNameError, match="valid roles: prompt, query, response, system, labels"):
+        run_preprocess(qwen_tok_dir, DEEPSCALER, tmp_path / "d", R1, "qwen_r1", {"question": "problem"})
+    from mindspeed_llm.data.preprocess import preprocess
+
+    argv = preprocess_args(qwen_tok_dir, DEEPSCALER, tmp_path / "d", R1, "qwen_r1") + ["--map-keys", "{prompt: x}"]
+    with pytest.raises(DataError, match="--map-keys is not valid JSON"):
+        preprocess(argv)
+
+
+def test_existing_output_is_never_overwritten_without_flag(qwen_tok_dir, tmp_path):
+    prefix = tmp_path / "d"
+    run_preprocess(qwen_tok_dir, DEEPSCALER, prefix, R1, "qwen_r1", DS_KEYS, ["--max-prompt-length", "200"])
+    before = {p: Path(p).read_bytes() for p in existing_outputs(str(prefix))}
+    with pytest.raises(OutputExistsError) as e:
+        run_preprocess(qwen_tok_dir, DEEPSCALER, prefix, R1, "qwen_r1", DS_KEYS)
+    assert "--overwrite-cache" in str(e.value) and str(prefix) in str(e.value)
+    assert {p: Path(p).read_bytes() for p in existing_outputs(str(prefix))} == before
+    res = run_preprocess(qwen_tok_dir, DEEPSCALER, prefix, R1, "qwen_r1", DS_KEYS, ["--overwrite-cache"])
+    assert res.num_samples == 43 and len(PromptDataset(str(prefix))) == 43
+
+
+def test_failure_part_way_leaves_no_dataset(qwen_tok_dir, tmp_path):
+    rows = load_json_rows(DEEPSCALER) * 4  # 172 rows: the first chunks are written before the bad line
+    src = write_jsonl(tmp_path / "in.jsonl", rows, bad_line=150)
+    out = tmp_path / "out"
+    for workers in ("1", "2"):
+        with pytest.raises(InputFormatError, match="in.jsonl:150"):
+            run_preprocess(qwen_tok_dir, src, out / "d", R1, "qwen_r1", DS_KEYS, ["--workers", workers])
+        assert leftovers(out) == []
+    with pytest.raises(DatasetNotFoundError):
+        PromptDataset(str(out / "d"))
+
+
+def test_failed_overwrite_keeps_the_old_dataset(qwen_tok_dir, tmp_path):
+    prefix = tmp_path / "d"
+    run_preprocess(qwen_tok_dir, DEEPSCALER, prefix, R1, "qwen_r1", DS_KEYS)
+    before = {p: Path(p).read_bytes() for p in existing_outputs(str(prefix))}
+    rows = load_json_rows(DEEPSCALER) * 3
+    rows[100] = {"problem": "no answer column here"}
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    with pytest.raises(MissingColumnError, match="in.jsonl:101"):
+        run_preprocess(qwen_tok_dir, src, prefix, R1, "qwen_r1", DS_KEYS, ["--overwrite-cache", "--workers", "2"])
+    assert {p: Path(p).read_bytes() for p in existing_outputs(str(prefix))} == before
+    assert leftovers(tmp_path) == sorted(["in.jsonl"] + [Path(p).name for p in before])
+
+
+def test_no_kept_rows_writes_nothing(qwen_tok_dir, tmp_path):
+    with pytest.raises(DataError, match="no sample was kept"):
+        run_preprocess(qwen_tok_dir, DEEPSCALER, tmp_path / "out" / "d", R1, "qwen_r1", DS_KEYS,
+                       ["--max-prompt-length", "5"])
+    assert leftovers(tmp_path / "out") == []
+
+
+def test_cli_prints_error_without_traceback(qwen_tok_dir, tmp_path, capsys):
+    prefix = tmp_path / "d"
+    rc = main(preprocess_args(qwen_tok_dir, DEEPSCALER, prefix, R1, "qwen_r1", {"prompt": "nope", "labels": "answer"}))
+    err = capsys.readouterr().err
+    assert rc != 0 and "error:" in err and "'nope'" in err and "Traceback" not in err
+
+
+def test_cli_subprocess_exit_status_and_message(tmp_path):
+    """A real process: non-zero exit, one clear line naming the valid handlers, no traceback."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "preprocess_data.py"), "--input", str(DEEPSCALER), "--tokenizer-name-or-path",
+         str(tmp_path), "--output-prefix", str(tmp_path / "d"), "--handler-name", "Nope"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "unknown --handler-name 'Nope'" in proc.stderr and R1 in proc.stderr
+
+
+def test_missing_required_flag_and_bad_input_path(qwen_tok_dir, tmp_path, capsys):
+    assert main(["--input", str(DEEPSCALER), "--tokenizer-name-or-path", str(qwen_tok_dir)]) == 2
+    assert "--output-prefix is required" in capsys.readouterr().err
+    assert main(preprocess_args(qwen_tok_dir, tmp_path / "missing.json", tmp_path / "d", R1, "qwen_r1", DS_KEYS)) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "data.csv").write_text("a,b\n")
+    assert main(preprocess_args(qwen_tok_dir, tmp_path / "data.csv", tmp_path / "d", R1, "qwen_r1", DS_KEYS)) == 2
+    assert "unsupported file type '.csv'" in capsys.readouterr().err
+
+
+def test_missing_or_incomplete_dataset_names_prefix_and_command(qwen_tok_dir, tmp_path):
+    with pytest.raises(DatasetNotFoundError) as e:
+        PromptDataset(str(tmp_path / "nothing" / "data"))
+    assert str(tmp_path / "nothing" / "data") in str(e.value) and "preprocess_data.py" in str(e.value)
+    prefix = tmp_path / "d"
+    run_preprocess(qwen_tok_dir, DEEPSCALER, prefix, R1, "qwen_r1", DS_KEYS)
+    os.remove(str(prefix) + "_extra_labels_document.bin")
+    with pytest.raises(DatasetNotFoundError, match="incomplete.*_extra_labels_document.bin"):
+        PromptDataset(str(prefix))
+    os.remove(str(prefix) + "_meta.json")
+    with pytest.raises(DatasetNotFoundError, match="incomplete"):
+        PromptDataset(str(prefix))
+
+
+def test_chat_message_prompt_must_be_role_content_objects(qwen_tok_dir, tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": [{"text": "hi"}], "answer": "1"}])
+    with pytest.raises(InputFormatError, match="in.jsonl:1.*role"):
+        run_preprocess(qwen_tok_dir, src, tmp_path / "d", R1, "qwen", {"prompt": "prompt", "labels": "answer"})
