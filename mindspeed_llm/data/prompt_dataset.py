@@ -104,7 +104,7 @@ class PromptDataset:
     @property
     def prompt_lengths(self) -> np.ndarray:
         """Token count of every sample's ``input_ids``."""
-        return np.asarray(self._packed["input_ids"].sequence_lengths)
+        return np.array(self._packed["input_ids"].sequence_lengths, dtype=np.int64)  # a copy: the index is mmapped
 
     @property
     def tokenizer_info(self) -> dict:
