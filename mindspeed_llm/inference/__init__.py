@@ -1,0 +1,22 @@
+"""Rollout generation for RL on Megatron-core's inference path (static KV cache), see `generate`.
+
+`generate` is imported lazily: `SamplingConfig`, `Rollout` and `HFTokenizerAdapter` do not import megatron.
+"""
+
+from mindspeed_llm.inference.rollout import Rollout, SequenceBatch
+from mindspeed_llm.inference.sampling import SamplingConfig, choose_tokens, derive_seed, filter_logits
+from mindspeed_llm.inference.tokenizer import HFTokenizerAdapter
+
+
+def __getattr__(name):
+    if name == "generate":
+        from mindspeed_llm.inference.generation import generate
+
+        return generate
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "generate", "Rollout", "SequenceBatch", "SamplingConfig", "derive_seed", "filter_logits", "choose_tokens",
+    "HFTokenizerAdapter",
+]

@@ -1,0 +1,243 @@
+"""Rollout generation throughput: Megatron KV-cache path vs `transformers` generate vs a no-cache loop.
+
+One process, TP=1, random Llama weights shared by all paths (built with `transformers`, copied into a
+Megatron GPTModel). Every path generates exactly `--new-tokens` tokens per prompt (no EOS) for the same
+batch of mixed-length prompts; tokens/s counts generated tokens only. Greedy and sampled runs are timed
+for the KV-cache path and for `transformers`; the no-cache loop (a full Megatron forward over the whole
+prefix at every step, greedy) is the baseline the KV cache must beat.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/generate.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ffn", type=int, default=None, help="default: 8/3 hidden rounded to 64")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--min-prompt", type=int, default=16)
+    p.add_argument("--max-prompt", type=int, default=48)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per path (best is reported)")
+    p.add_argument("--skip-no-cache", action="store_true")
+    p.add_argument("--json", default=None, help="write the results here")
+    return p.parse_args(argv)
+
+
+# --------------------------------------------------------------------------------------------- models
+
+def build_hf(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ffn = args.ffn or ((args.hidden * 8 // 3 + 63) // 64) * 64
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=ffn,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.kv_heads, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                      rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0, initializer_range=0.1)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def copy_hf_llama(megatron_model, hf_model):
+    """HF Llama -> Megatron GPTModel (local spec), TP=1 PP=1.
+
+    TODO: switch to `mindspeed_llm.checkpoint` (HF <-> Megatron conversion) once it lands.
+    """
+    cfg = hf_model.config
+    sd = hf_model.state_dict()
+    heads, groups, hidden = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
+    d = getattr(cfg, "head_dim", None) or hidden // heads
+    with torch.no_grad():
+        for name, param in megatron_model.named_parameters():
+            if name == "embedding.word_embeddings.weight":
+                src = sd["model.embed_tokens.weight"]
+            elif name == "output_layer.weight":
+                src = sd["lm_head.weight"]
+            elif name == "decoder.final_layernorm.weight":
+                src = sd["model.norm.weight"]
+            else:
+                i, rest = name[len("decoder.layers."):].split(".", 1)
+                p = f"model.layers.{i}."
+                if rest == "input_layernorm.weight":
+                    src = sd[p + "input_layernorm.weight"]
+                elif rest == "pre_mlp_layernorm.weight":
+                    src = sd[p + "post_attention_layernorm.weight"]
+                elif rest == "self_attention.linear_qkv.weight":
+                    q = sd[p + "self_attn.q_proj.weight"].view(groups, heads // groups * d, hidden)
+                    k = sd[p + "self_attn.k_proj.weight"].view(groups, d, hidden)
+                    v = sd[p + "self_attn.v_proj.weight"].view(groups, d, hidden)
+                    src = torch.cat([q, k, v], dim=1).reshape(-1, hidden)
+                elif rest == "self_attention.linear_proj.weight":
+                    src = sd[p + "self_attn.o_proj.weight"]
+                elif rest == "mlp.linear_fc1.weight":
+                    src = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]], dim=0)
+                elif rest == "mlp.linear_fc2.weight":
+                    src = sd[p + "mlp.down_proj.weight"]
+                else:
+                    raise KeyError(name)
+            param.copy_(src)
+
+
+def init_megatron():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    from mindspeed_llm import distributed
+
+    distributed.initialize(1, 1, seed=0)
+
+
+# --------------------------------------------------------------------------------------------- paths
+
+def run_megatron(model, prompts, sampling):
+    from mindspeed_llm.inference import generate
+
+    rollout = generate(model, prompts, sampling, iteration=0)
+    return rollout.response_token_lists()
+
+
+def run_hf(model, prompts, args, do_sample):
+    """Batched `transformers` generate: left-padded prompts with an attention mask (its required layout)."""
+    B, P = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros((B, P), dtype=torch.long)
+    mask = torch.zeros((B, P), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, P - len(p):] = torch.tensor(p)
+        mask[b, P - len(p):] = 1
+    kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, eos_token_id=None, pad_token_id=0,
+                  use_cache=True)
+    if do_sample:
+        kwargs.update(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    else:
+        kwargs.update(do_sample=False)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, **kwargs)
+    return out[:, P:].tolist()
+
+
+def run_no_cache(model, prompts, args):
+    """Greedy without a KV cache: a full forward over the whole prefix at each step (right-padded rows,
+    forced prompt tokens, the same schedule as the cached loop)."""
+    lengths = [len(p) for p in prompts]
+    B, T = len(prompts), max(lengths) + args.new_tokens
+    tokens = torch.zeros((B, T), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = torch.tensor(p)
+    L = torch.tensor(lengths)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for pos in range(min(lengths), int((L + args.new_tokens).max())):
+            seq = tokens[:, :pos]
+            position_ids = torch.arange(pos).unsqueeze(0).expand(B, pos)
+            logits = model(seq, position_ids, None)[:, -1, :]  # causal mask by default
+            choose = (L <= pos) & (pos < L + args.new_tokens)
+            tokens[:, pos] = torch.where(choose, logits.argmax(-1), tokens[:, pos])
+    model.train(was_training)
+    return [tokens[b, lengths[b]: lengths[b] + args.new_tokens].tolist() for b in range(B)]
+
+
+def timed(fn, repeats):
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from mindspeed_llm.inference import SamplingConfig
+    from mindspeed_llm.models import ModelSpec, build_model
+
+    init_megatron()
+    hf = build_hf(args)
+    spec = ModelSpec.from_hf_config(hf.config)
+    megatron_model = build_model(spec)
+    copy_hf_llama(megatron_model, hf)
+    megatron_model.eval()
+
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(args.min_prompt, args.max_prompt + 1, (args.batch,), generator=g).tolist()
+    prompts = [torch.randint(3, args.vocab, (n,), generator=g).tolist() for n in lengths]
+    greedy = SamplingConfig(max_new_tokens=args.new_tokens, pad_token_id=0)
+    sampled = SamplingConfig(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                             max_new_tokens=args.new_tokens, pad_token_id=0, seed=0)
+
+    # warm-up (first-call allocations, lru caches), not timed
+    run_megatron(megatron_model, prompts[:2], SamplingConfig(max_new_tokens=4, pad_token_id=0))
+    warm = argparse.Namespace(**{**vars(args), "new_tokens": 4})
+    run_hf(hf, prompts[:2], warm, False)
+
+    n_tokens = args.batch * args.new_tokens
+    rows = []
+
+    def record(name, seconds, note=""):
+        rows.append(dict(path=name, seconds=seconds, tokens=n_tokens, tokens_per_s=n_tokens / seconds, note=note))
+
+    t, mg_greedy = timed(lambda: run_megatron(megatron_model, prompts, greedy), args.repeats)
+    record("megatron kv-cache greedy", t)
+    t, hf_greedy = timed(lambda: run_hf(hf, prompts, args, False), args.repeats)
+    agree = sum(a == b for a, b in zip(mg_greedy, hf_greedy))
+    record("transformers greedy", t, f"greedy rows equal to megatron: {agree}/{args.batch}")
+    t, _ = timed(lambda: run_megatron(megatron_model, prompts, sampled), args.repeats)
+    record("megatron kv-cache sampled", t, f"T={args.temperature} top_k={args.top_k} top_p={args.top_p}")
+    t, _ = timed(lambda: run_hf(hf, prompts, args, True), args.repeats)
+    record("transformers sampled", t)
+    if not args.skip_no_cache:
+        t, nc_greedy = timed(lambda: run_no_cache(megatron_model, prompts, args), 1)
+        agree_nc = sum(a == b for a, b in zip(mg_greedy, nc_greedy))
+        record("megatron no-cache greedy", t, f"greedy rows equal to kv-cache: {agree_nc}/{args.batch}")
+
+    by_name = {r["path"]: r for r in rows}
+    nc = by_name.get("megatron no-cache greedy")
+    for r in rows:
+        mode = "sampled" if "sampled" in r["path"] else "greedy"
+        hf_same = by_name[f"transformers {mode}"]
+        r["vs_transformers"] = r["tokens_per_s"] / hf_same["tokens_per_s"]
+        r["vs_no_cache"] = r["tokens_per_s"] / nc["tokens_per_s"] if nc else None
+
+    header = (f"layers={args.layers} hidden={args.hidden} vocab={args.vocab} batch={args.batch} "
+              f"prompts={min(lengths)}-{max(lengths)} new_tokens={args.new_tokens} "
+              f"threads={torch.get_num_threads()} torch={torch.__version__}")
+    print(header)
+    print(f"{'path':<28} {'time s':>8} {'tok/s':>9} {'vs HF':>7} {'vs no-cache':>12}  note")
+    for r in rows:
+        vnc = f"{r['vs_no_cache']:.2f}x" if r["vs_no_cache"] is not None else "-"
+        print(f"{r['path']:<28} {r['seconds']:>8.2f} {r['tokens_per_s']:>9.1f} {r['vs_transformers']:>6.2f}x "
+              f"{vnc:>12}  {r['note']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(config=vars(args), prompt_lengths=lengths, threads=torch.get_num_threads(),
+                           results=rows), f, indent=2)
+    from mindspeed_llm import distributed
+
+    distributed.destroy()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,480 @@
+"""Rollout generation (`mindspeed_llm.inference.generate`) against `transformers` generate.
+
+A tiny random Llama (2 layers, hidden 64, vocab 256, grouped-query attention) is built with `transformers`
+in the pytest process; its weights are copied into Megatron GPTModels on 2 gloo processes in three layouts
+(TP=1 x DP=2 in one spawn; TP=2 then PP=2 in a second), every case of a layout in its one spawn. The spawned bodies
+return `Rollout`s; all comparisons with `transformers` happen here in the parent.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from multiproc import run_distributed  # noqa: E402
+
+from mindspeed_llm.inference import HFTokenizerAdapter, Rollout, SamplingConfig, derive_seed, filter_logits  # noqa: E402
+from mindspeed_llm.inference.sampling import choose_tokens, top_k_top_p_candidates  # noqa: E402
+
+HF_CONFIG = dict(
+    model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+    rope_theta=10000.0, hidden_act="silu", tie_word_embeddings=False, initializer_range=0.2,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0, attention_bias=False, mlp_bias=False,
+)
+PROMPT_LENGTHS = (5, 9, 3, 12, 7, 4)
+MAX_NEW = 12
+PAD = 0
+SAMPLE = dict(do_sample=True, temperature=0.9, top_k=20, top_p=0.8, max_new_tokens=MAX_NEW, pad_token_id=PAD)
+
+
+# ============================================================================ HF reference (parent process)
+
+def _hf_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in HF_CONFIG.items() if k != "model_type"}))
+    with torch.no_grad():  # non-trivial norms, so a mis-mapped norm changes the logits
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def _hf_greedy(model, prompt, max_new, eos=None):
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=PAD)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    model = _hf_model()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    free = [_hf_greedy(model, p, MAX_NEW) for p in prompts]
+    # EOS: a token that greedy decoding emits mid-response in some rows but not in others.
+    best = None
+    for tok in sorted({t for row in free for t in row[1:-1]}):
+        rows = [row.index(tok) for row in free if tok in row]
+        if 1 <= len(rows) < len(prompts) and min(rows) >= 1:
+            score = (len(rows), -min(rows))
+            best = max(best, (score, tok)) if best else (score, tok)
+    assert best is not None, "no usable EOS candidate in the greedy outputs"
+    eos = best[1]
+    with_eos = [_hf_greedy(model, p, MAX_NEW, eos=eos) for p in prompts]
+    # A stop token distinct from the EOS, emitted by at least one row.
+    stop = next(t for row in free for t in row[2:] if t != eos)
+    path = tmp_path_factory.mktemp("hf") / "state.pt"
+    torch.save(model.state_dict(), path)
+    return dict(model=model, prompts=prompts, free=free, eos=eos, with_eos=with_eos, stop=stop, path=str(path))
+
+
+# ============================================================================ weight copy (spawned ranks)
+
+def _copy_hf_llama(megatron_model, hf_state, cfg):
+    """Copy a HF Llama state dict into this rank's shard of a Megatron GPTModel (local spec).
+
+    TODO: switch to `mindspeed_llm.checkpoint` (HF <-> Megatron conversion) once it lands.
+    """
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    heads, groups = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d, hidden = cfg["head_dim"], cfg["hidden_size"]
+
+    def split(t, dim):
+        return torch.chunk(t, tp, dim=dim)[rank]
+
+    def layer_tensor(i, name):
+        p = f"model.layers.{i}."
+        if name == "input_layernorm.weight":
+            return hf_state[p + "input_layernorm.weight"]
+        if name == "pre_mlp_layernorm.weight":
+            return hf_state[p + "post_attention_layernorm.weight"]
+        if name == "self_attention.linear_qkv.weight":
+            q = hf_state[p + "self_attn.q_proj.weight"].view(groups, heads // groups * d, hidden)
+            k = hf_state[p + "self_attn.k_proj.weight"].view(groups, d, hidden)
+            v = hf_state[p + "self_attn.v_proj.weight"].view(groups, d, hidden)
+            return split(torch.cat([q, k, v], dim=1), 0).reshape(-1, hidden)  # per group [q.. | k | v]
+        if name == "self_attention.linear_proj.weight":
+            return split(hf_state[p + "self_attn.o_proj.weight"], 1)
+        if name == "mlp.linear_fc1.weight":
+            return torch.cat([split(hf_state[p + "mlp.gate_proj.weight"], 0),
+                              split(hf_state[p + "mlp.up_proj.weight"], 0)], dim=0)
+        if name == "mlp.linear_fc2.weight":
+            return split(hf_state[p + "mlp.down_proj.weight"], 1)
+        raise KeyError(name)
+
+    layers = megatron_model.decoder.layers
+    with torch.no_grad():
+        for name, param in megatron_model.named_parameters():
+            if name == "embedding.word_embeddings.weight":
+                src = split(hf_state["model.embed_tokens.weight"], 0)
+            elif name == "output_layer.weight":
+                src = split(hf_state["lm_head.weight"], 0)
+            elif name == "decoder.final_layernorm.weight":
+                src = hf_state["model.norm.weight"]
+            elif name.startswith("decoder.layers."):
+                local, rest = name[len("decoder.layers."):].split(".", 1)
+                src = layer_tensor(layers[int(local)].layer_number - 1, rest)
+            else:
+                raise KeyError(f"no HF source for {name}")
+            assert src.shape == param.shape, (name, src.shape, param.shape)
+            param.copy_(src)
+
+
+def _live_inference_contexts():
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    gc.collect()
+    return sum(isinstance(o, StaticInferenceContext) for o in gc.get_objects())
+
+
+def _layout_cases(tp, pp, path, prompts, eos, stop):
+    """Every case of one layout; returns a dict of Rollouts and flags."""
+    from megatron.core import parallel_state
+
+    from mindspeed_llm import distributed
+    from mindspeed_llm.inference import generate
+    from mindspeed_llm.models import ModelSpec, build_model
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    distributed.initialize(tp, pp, seed=0)
+    spec = ModelSpec.from_hf_config(HF_CONFIG)
+    model = build_model(spec)
+    _copy_hf_llama(model, torch.load(path), HF_CONFIG)
+    model.train()
+
+    out = {}
+    out["free"] = generate(model, prompts, SamplingConfig(max_new_tokens=MAX_NEW, pad_token_id=PAD))
+    out["train_after_greedy"] = model.training
+    out["free_stepwise"] = generate(model, prompts, SamplingConfig(max_new_tokens=MAX_NEW, pad_token_id=PAD),
+                                    prefill="stepwise")
+    out["eos_stepwise"] = generate(model, prompts, SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=eos,
+                                                                  pad_token_id=PAD), prefill="stepwise")
+    out["eos"] = generate(model, prompts, SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=PAD))
+    out["stop"] = generate(model, prompts, SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=[eos + 1000, eos],
+                                                          stop_token_ids=[stop], pad_token_id=PAD))
+    out["limits"] = generate(model, prompts, SamplingConfig(max_new_tokens=5, max_length=10, pad_token_id=PAD))
+    out["only_max_length"] = generate(model, prompts, SamplingConfig(max_new_tokens=None, max_length=14,
+                                                                     pad_token_id=PAD))
+    sampling = SamplingConfig(seed=7, **SAMPLE)
+    rng_before = torch.get_rng_state()
+    out["sample"] = generate(model, prompts, sampling, iteration=3)  # dp_rank: megatron's
+    out["global_rng_untouched"] = torch.equal(rng_before, torch.get_rng_state())
+    out["sample_again"] = generate(model, prompts, sampling, iteration=3)
+    out["sample_next_iteration"] = generate(model, prompts, sampling, iteration=4)
+    out["sample_dp0"] = generate(model, prompts, sampling, iteration=3, dp_rank=0)
+    out["sample_dp1"] = generate(model, prompts, sampling, iteration=3, dp_rank=1)
+    out["train_after_sample"] = model.training
+    model.eval()
+    generate(model, prompts[:2], SamplingConfig(max_new_tokens=2))
+    out["eval_kept"] = not model.training
+    del model
+    out["live_contexts"] = _live_inference_contexts()
+    return out
+
+
+def _layouts_body(rank, world_size, layouts, path, prompts, eos, stop):
+    """All layouts of one spawn, one after the other (parallel state is rebuilt in between)."""
+    out = [_layout_cases(tp, pp, path, prompts, eos, stop) for tp, pp in layouts]
+    # by value: the result queue would otherwise share tensor storage through fds of an exiting process
+    return pickle.dumps(out)
+
+
+def _run_layouts(ref, layouts):
+    """{(tp, pp): [rank 0 result, rank 1 result]} from one 2-process spawn."""
+    results = run_distributed(_layouts_body, 2, layouts, ref["path"], ref["prompts"], ref["eos"], ref["stop"])
+    per_rank = [pickle.loads(r) for r in results]
+    return {layout: [per_rank[0][i], per_rank[1][i]] for i, layout in enumerate(layouts)}
+
+
+@pytest.fixture(scope="module")
+def dp2(ref):
+    return _run_layouts(ref, [(1, 1)])[(1, 1)]
+
+
+@pytest.fixture(scope="module")
+def model_parallel(ref):
+    """TP=2 and PP=2 share one spawn (megatron import is the expensive part)."""
+    return _run_layouts(ref, [(2, 1), (1, 2)])
+
+
+@pytest.fixture(scope="module")
+def tp2(model_parallel):
+    return model_parallel[(2, 1)]
+
+
+@pytest.fixture(scope="module")
+def pp2(model_parallel):
+    return model_parallel[(1, 2)]
+
+
+# ============================================================================ checks
+
+def _check_consistent(r: Rollout, pad=PAD):
+    """Mask, lengths, padding and the training layout agree with each other."""
+    B, R = r.responses.shape
+    assert r.response_mask.shape == (B, R) and r.log_probs.shape == (B, R)
+    assert torch.equal(r.response_mask.sum(1), r.response_lengths)
+    for b in range(B):
+        n = int(r.response_lengths[b])
+        assert r.response_mask[b, :n].all() and not r.response_mask[b, n:].any()
+        assert (r.responses[b, n:] == pad).all()
+        assert (r.log_probs[b, n:] == 0).all() and (r.log_probs[b, :n] <= 0).all()
+    tokens, loss_mask, position_ids, attention_mask = r.sequences()
+    for b in range(B):
+        L, n = int(r.prompt_lengths[b]), int(r.response_lengths[b])
+        assert tokens[b, :L].tolist() == r.prompt_token_lists()[b]
+        assert tokens[b, L:L + n].tolist() == r.response_token_lists()[b]
+        assert (tokens[b, L + n:] == pad).all()
+        assert attention_mask[b].tolist() == [1] * (L + n) + [0] * (tokens.size(1) - L - n)
+        # loss_mask[t] = 1  <=>  the target tokens[t + 1] is a response token
+        targets = [t for t in range(tokens.size(1)) if loss_mask[b, t] == 1]
+        assert targets == list(range(L - 1, L + n - 1))
+    assert torch.equal(position_ids, torch.arange(tokens.size(1)).expand_as(tokens))
+    seq = r.sequences()
+    assert torch.equal(r.gather_response(seq.labels) * r.response_mask, r.responses * r.response_mask)
+
+
+def _hf_log_probs(model, r: Rollout, temperature=1.0):
+    """Log-probs (and logits) of the rollout's response tokens under the HF model, in the [B, R] layout."""
+    seq = r.sequences()
+    with torch.no_grad():
+        logits = model(input_ids=seq.tokens, attention_mask=seq.attention_mask).logits.float()
+    lp = torch.log_softmax(logits / temperature, -1).gather(-1, seq.labels.unsqueeze(-1)).squeeze(-1)
+    return r.gather_response(lp), r.gather_response(logits)
+
+
+def _assert_greedy_matches_hf(ref, results):
+    for rank_result, mode in [(r, m) for r in results for m in ("", "_stepwise")]:
+        free, eos = rank_result["free" + mode], rank_result["eos" + mode]
+        assert free.response_token_lists() == ref["free"]
+        assert eos.response_token_lists() == ref["with_eos"]
+        hf_lp, _ = _hf_log_probs(ref["model"], free)
+        torch.testing.assert_close(free.log_probs, hf_lp * free.response_mask, atol=2e-4, rtol=0)
+        # EOS mid-batch: some rows stop on it, some run to the length limit
+        reasons = eos.finish_reasons
+        assert "eos" in reasons and "length" in reasons
+        for b, row in enumerate(ref["with_eos"]):
+            stopped = ref["eos"] in row
+            assert reasons[b] == ("eos" if stopped else "length")
+            assert bool(eos.ended_with_eos[b]) == stopped
+            assert row[-1] == ref["eos"] or len(row) == MAX_NEW
+        for r in (free, eos):
+            _check_consistent(r)
+
+
+def _assert_limits_and_stops(ref, result):
+    prompts, free = ref["prompts"], ref["free"]
+    # stop token (eos list given too): cut right after the first of either, stop token included
+    stop = result["stop"]
+    for b, row in enumerate(free):
+        cut = next((i for i, t in enumerate(row) if t in (ref["stop"], ref["eos"])), None)
+        expect = row if cut is None else row[:cut + 1]
+        assert stop.response_token_lists()[b] == expect
+        if cut is None:
+            assert stop.finish_reasons[b] == "length"
+        else:
+            assert stop.finish_reasons[b] == ("eos" if row[cut] == ref["eos"] else "stop")
+    assert "stop" in stop.finish_reasons
+    # both limits: budget = min(5, 10 - L) (0 for the 12-token prompt)
+    limits = result["limits"]
+    budgets = [max(0, min(5, 10 - len(p))) for p in prompts]
+    assert limits.response_lengths.tolist() == budgets
+    assert limits.response_token_lists() == [row[:n] for row, n in zip(free, budgets)]
+    assert limits.responses.shape[1] == max(budgets)
+    assert all(r == "length" for r in limits.finish_reasons)
+    total = limits.prompt_lengths + limits.response_lengths
+    assert (total <= limits.prompt_lengths.clamp(min=10)).all()  # a prompt over the cap gets nothing
+    only = result["only_max_length"]
+    budgets = [14 - len(p) for p in prompts]
+    assert only.response_lengths.tolist() == budgets
+    for b, (row, n) in enumerate(zip(free, budgets)):
+        assert only.response_token_lists()[b][:MAX_NEW] == row[:n]
+    for r in (stop, limits, only):
+        _check_consistent(r)
+
+
+def _assert_samples_in_allowed_set(ref, r: Rollout):
+    """Every sampled token lies in the top-k/top-p set of the HF logits at its position."""
+    cfg = SamplingConfig(**SAMPLE)
+    hf_lp, logits = _hf_log_probs(ref["model"], r, cfg.temperature)
+    allowed = torch.isfinite(filter_logits(logits / cfg.temperature, cfg.top_k, min(1.0, cfg.top_p + 1e-3)))
+    picked = allowed.gather(-1, r.responses.unsqueeze(-1)).squeeze(-1)
+    assert (picked | ~r.response_mask.bool()).all()
+    # the restriction is real: the kept set is smaller than top-k somewhere
+    assert (allowed.sum(-1)[r.response_mask.bool()] < cfg.top_k).any()
+    torch.testing.assert_close(r.log_probs, hf_lp * r.response_mask, atol=2e-4, rtol=0)
+
+
+def _assert_sampling_seeds(result):
+    a, again = result["sample"], result["sample_again"]
+    assert torch.equal(a.responses, again.responses) and a.seed == again.seed
+    assert not torch.equal(a.responses, result["sample_next_iteration"].responses)
+    assert not torch.equal(result["sample_dp0"].responses, result["sample_dp1"].responses)
+    assert result["global_rng_untouched"]  # sampling uses its own torch.Generator
+    _check_consistent(a)
+
+
+# ----------------------------------------------------------------------------------------- TP=1, DP=2
+
+def test_greedy_matches_transformers_tp1(ref, dp2):
+    _assert_greedy_matches_hf(ref, dp2)
+
+
+def test_stop_tokens_and_length_limits_tp1(ref, dp2):
+    _assert_limits_and_stops(ref, dp2[0])
+
+
+def test_sampling_seeds_tp1_dp2(ref, dp2):
+    r0, r1 = dp2
+    for result in dp2:
+        _assert_sampling_seeds(result)
+    # megatron's DP rank is the default seed offset: the two replicas sample different responses,
+    # and an explicit dp_rank reproduces them
+    assert r0["sample"].seed != r1["sample"].seed
+    assert not torch.equal(r0["sample"].responses, r1["sample"].responses)
+    assert torch.equal(r0["sample"].responses, r0["sample_dp0"].responses)
+    assert torch.equal(r1["sample"].responses, r1["sample_dp1"].responses)
+    assert r0["sample"].seed == derive_seed(7, 3, 0)
+
+
+def test_top_k_top_p_respected_tp1(ref, dp2):
+    for result in dp2:
+        _assert_samples_in_allowed_set(ref, result["sample"])
+
+
+def test_train_mode_restored_and_kv_freed(dp2, tp2, pp2):
+    for result in dp2 + tp2 + pp2:
+        assert result["train_after_greedy"] and result["train_after_sample"] and result["eval_kept"]
+        assert result["live_contexts"] == 0
+
+
+# ----------------------------------------------------------------------------------------- TP=2
+
+def test_greedy_matches_transformers_tp2(ref, tp2):
+    _assert_greedy_matches_hf(ref, tp2)
+
+
+def test_tp2_ranks_agree_and_sampling(ref, tp2):
+    r0, r1 = tp2
+    for key in r0:
+        if isinstance(r0[key], Rollout):
+            assert torch.equal(r0[key].responses, r1[key].responses), key
+    _assert_sampling_seeds(r0)
+    _assert_samples_in_allowed_set(ref, r0["sample"])
+    _assert_limits_and_stops(ref, r0)
+
+
+# ----------------------------------------------------------------------------------------- PP=2
+
+def test_greedy_matches_transformers_pp2(ref, pp2):
+    _assert_greedy_matches_hf(ref, pp2)
+
+
+def test_pp2_stages_agree_and_sampling(ref, pp2):
+    r0, r1 = pp2
+    for key in r0:
+        if isinstance(r0[key], Rollout):
+            assert torch.equal(r0[key].responses, r1[key].responses), key
+            torch.testing.assert_close(r0[key].log_probs, r1[key].log_probs)
+    _assert_sampling_seeds(r0)
+    _assert_samples_in_allowed_set(ref, r0["sample"])
+    _assert_limits_and_stops(ref, r0)
+
+
+# ============================================================================ pure-python pieces
+
+def test_filter_logits_matches_transformers_warpers():
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 50, generator=g) * 3
+    for k, p in [(5, None), (None, 0.7), (10, 0.5), (3, 0.99), (0, 1.0)]:
+        expect = logits.clone()
+        if k:
+            expect = TopKLogitsWarper(k)(None, expect)
+        if p is not None and p < 1.0:
+            expect = TopPLogitsWarper(p)(None, expect)
+        got = filter_logits(logits, k, p)
+        assert torch.equal(torch.isfinite(got), torch.isfinite(expect)), (k, p)
+
+
+def test_candidates_equal_filter_logits():
+    """The sampler's short candidate list keeps exactly the tokens of the full-vocabulary filter."""
+    g = torch.Generator().manual_seed(0)
+    for scale in (0.3, 3.0):  # flat logits make top-p-only grow its candidate list
+        logits = torch.randn(6, 1000, generator=g) * scale
+        for k, p in [(7, None), (None, 0.3), (None, 0.95), (40, 0.6), (None, None)]:
+            kept = torch.isfinite(filter_logits(logits, k, p))
+            values, ids = top_k_top_p_candidates(logits, k, p)
+            if ids is None:
+                assert kept.all()
+                continue
+            got = torch.zeros_like(kept).scatter(1, ids, torch.isfinite(values))
+            assert torch.equal(got, kept), (scale, k, p)
+
+
+def test_sampler_distribution_and_generator():
+    """The exponential-race draw follows the (tempered, truncated) distribution and only its generator."""
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])).repeat(20000, 1)
+    cfg = SamplingConfig(do_sample=True, top_k=3)
+    rng = torch.get_rng_state()
+    tokens, lp = choose_tokens(logits, cfg, torch.Generator().manual_seed(0))
+    assert torch.equal(rng, torch.get_rng_state())
+    freq = torch.bincount(tokens, minlength=5).float() / len(tokens)
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.25, 0.15, 0, 0]) / 0.9, atol=0.015, rtol=0)
+    torch.testing.assert_close(lp, torch.log(torch.tensor([0.5, 0.25, 0.15]))[tokens])
+    hot_tokens, hot_lp = choose_tokens(logits[:50], SamplingConfig(do_sample=True, temperature=0.5),
+                                       torch.Generator().manual_seed(1))
+    expect = torch.log_softmax(logits[:50] / 0.5, -1).gather(1, hot_tokens.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(hot_lp, expect)  # log-probs are tempered
+    again = choose_tokens(logits, cfg, torch.Generator().manual_seed(0))[0]
+    assert torch.equal(tokens, again)
+
+
+def test_sampling_config_validation_and_budgets():
+    cfg = SamplingConfig(max_new_tokens=4, max_length=10)
+    assert cfg.response_budgets([3, 7, 10, 12]) == [4, 3, 0, 0]
+    assert SamplingConfig(max_new_tokens=None, max_length=6).response_budgets([2, 6]) == [4, 0]
+    assert SamplingConfig(eos_token_id=[5, 6]).eos_ids == (5, 6) and SamplingConfig(eos_token_id=5).pad_id == 5
+    for bad in (dict(max_new_tokens=None), dict(temperature=0.0), dict(top_p=1.5), dict(top_k=-1)):
+        with pytest.raises(ValueError):
+            SamplingConfig(**bad)
+    seeds = {derive_seed(1, it, dp) for it in range(3) for dp in range(3)}
+    assert len(seeds) == 9 and derive_seed(1, 2, 1) == derive_seed(1, 2, 1)
+
+
+def test_hf_tokenizer_adapter():
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4, "foo": 5}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece(prefix="##")
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tok = HFTokenizerAdapter(hf)
+    ids = tok.tokenize("hello world foo")
+    assert ids == [3, 4, 5]
+    assert tok.detokenize(ids) == "hello world foo"
+    assert tok.detokenize([3, 2], skip_special_tokens=True) == "hello"
+    assert (tok.eod, tok.eos_id, tok.bos, tok.pad, tok.vocab_size) == (2, 2, 1, 0, 6)
+    assert tok.offsets(ids, "hello world foo") == [0, 5, 11]  # a token starts where the previous decode ends
+    cfg = tok.sampling_config(max_new_tokens=3)
+    assert cfg.eos_ids == (2,) and cfg.pad_id == 0
+    r = Rollout(prompts=torch.tensor([[1, 3]]), prompt_lengths=torch.tensor([2]), responses=torch.tensor([[4, 2, 0]]),
+                response_mask=torch.tensor([[1, 1, 0]]), response_lengths=torch.tensor([2]),
+                ended_with_eos=torch.tensor([True]), finish_reasons=["eos"], log_probs=None, pad_token_id=0)
+    assert r.decode(tok) == ["world"] and r.decode(hf) == ["world"]
