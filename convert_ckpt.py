@@ -1,0 +1,77 @@
+#!/usr/bin/env python
+"""Convert checkpoints between Hugging Face and Megatron-core (Megatron-LM layout), or reshard Megatron ones.
+
+    python convert_ckpt.py --load-model-type hf --save-model-type mg --load-dir hf/qwen2 --save-dir mg/qwen2 \
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 1 --params-dtype bf16
+    python convert_ckpt.py --load-model-type mg --save-model-type hf --load-dir mg/qwen2 --save-dir hf/out
+    python convert_ckpt.py --load-model-type hf --save-model-type mg --orm ...   # reward / critic value head
+    python convert_ckpt.py --load-model-type mg --save-model-type mg --target-pipeline-parallel-size 2 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--load-model-type", choices=("hf", "mg"), required=True)
+    p.add_argument("--save-model-type", choices=("hf", "mg"), required=True)
+    p.add_argument("--load-dir", required=True, help="HF model folder, or Megatron checkpoint root")
+    p.add_argument("--save-dir", required=True)
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1)
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--model-type-hf", default=None,
+                   help="llama2, llama3, qwen2, qwen25, qwen3, mistral, ... (default: config.json model_type)")
+    p.add_argument("--params-dtype", default=None, choices=("fp32", "bf16", "fp16"),
+                   help="dtype of the saved weights (default: that of the loaded checkpoint)")
+    p.add_argument("--orm", action="store_true", default=None,
+                   help="value head (reward / critic): HF *ForSequenceClassification score.weight <-> "
+                        "Megatron output_layer (fp32)")
+    p.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from here into the output")
+    p.add_argument("--load-iteration", default=None,
+                   help="Megatron iteration to read ('release' or a number; default: latest_checkpointed_iteration)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def run(args) -> None:
+    from mindspeed_llm.checkpoint import convert_hf_to_mg, convert_mg_to_hf, convert_mg_to_mg
+    from mindspeed_llm.checkpoint.hf_mapping import ConversionError
+
+    progress = not args.no_progress
+    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+    iteration = args.load_iteration
+    if iteration is not None and iteration != "release":
+        iteration = int(iteration)
+    if args.load_model_type == "hf" and args.save_model_type == "mg":
+        convert_hf_to_mg(args.load_dir, args.save_dir, tp=tp, pp=pp, params_dtype=args.params_dtype,
+                         value_head=bool(args.orm), model_type_hf=args.model_type_hf,
+                         tokenizer_dir=args.tokenizer_dir, progress=progress)
+    elif args.load_model_type == "mg" and args.save_model_type == "hf":
+        convert_mg_to_hf(args.load_dir, args.save_dir, params_dtype=args.params_dtype, value_head=args.orm,
+                         tokenizer_dir=args.tokenizer_dir, iteration=iteration, progress=progress)
+    elif args.load_model_type == "mg" and args.save_model_type == "mg":
+        convert_mg_to_mg(args.load_dir, args.save_dir, tp=tp, pp=pp, params_dtype=args.params_dtype,
+                         iteration=iteration, value_head=args.orm, progress=progress)
+    else:
+        raise ConversionError("--load-model-type hf --save-model-type hf: nothing to convert")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from mindspeed_llm.checkpoint.hf_mapping import ConversionError
+    from mindspeed_llm.models.spec import UnsupportedModelError
+
+    try:
+        run(args)
+    except (ConversionError, UnsupportedModelError, FileNotFoundError, ValueError) as err:
+        print(f"convert_ckpt.py: error: {err}", file=sys.stderr)
+        return 1
+    print(f"convert_ckpt.py: wrote {args.save_model_type} checkpoint to {args.save_dir}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,333 @@
+"""Hugging Face <-> Megatron-core conversion, Megatron resharding, and the loader the stages use.
+
+    convert_hf_to_mg(hf_dir, mg_root, tp=2, pp=1, params_dtype="bf16", value_head=False)
+    convert_mg_to_hf(mg_root, hf_dir)                 # any TP/PP; value head detected from the checkpoint
+    convert_mg_to_mg(mg_root, new_root, tp=1, pp=2)   # reshard
+    load_megatron_weights(model, mg_root)             # this rank's shard into a built GPTModel, strictly
+
+The conversions stream one pipeline stage at a time (memory: about one stage's weights twice), show a
+tqdm bar over layers, and publish atomically (see megatron_layout). Nothing here imports megatron except
+`load_megatron_weights`, which reads the ranks from megatron's parallel_state.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional
+
+import torch
+
+from mindspeed_llm.checkpoint import hf_mapping as hfm
+from mindspeed_llm.checkpoint import megatron_layout as layout
+from mindspeed_llm.checkpoint import sharding
+from mindspeed_llm.checkpoint.hf_mapping import ConversionError
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+              "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_dtype(name) -> Optional[torch.dtype]:
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    try:
+        return _HF_DTYPES[str(name).lower()]
+    except KeyError:
+        raise ConversionError(f"--params-dtype {name!r}: use one of fp32, bf16, fp16") from None
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="layer", disable=not enabled, leave=False)
+
+
+def _check_target_parallel(spec, tp: int, pp: int) -> None:
+    if tp < 1:
+        raise ConversionError(f"--target-tensor-parallel-size {tp}: must be >= 1")
+    if pp < 1:
+        raise ConversionError(f"--target-pipeline-parallel-size {pp}: must be >= 1")
+    try:
+        spec.check_parallel(tp, pp)
+    except ValueError as err:
+        message = str(err).replace("--tensor-model-parallel-size", "--target-tensor-parallel-size")
+        message = message.replace("--pipeline-model-parallel-size", "--target-pipeline-parallel-size")
+        raise ConversionError(message) from None
+
+
+def _cast(tensors: Dict[str, torch.Tensor], dtype: torch.dtype, value_head: bool) -> Dict[str, torch.Tensor]:
+    """Everything in `dtype` except the value head, which megatron keeps in fp32."""
+    out = {}
+    for name, t in tensors.items():
+        keep_fp32 = value_head and name == hfm.OUTPUT
+        out[name] = t.to(torch.float32 if keep_fp32 else dtype)
+    return out
+
+
+def _write_checkpoint(save_dir: str, stages, spec, tp: int, pp: int, dtype: torch.dtype, value_head: bool,
+                      total_layers: int, desc: str, progress: bool, hf_config=None, tokenizer_src=None) -> None:
+    """`stages(stage) -> full local tensors of that stage`; writes all TP x PP shards, then publishes."""
+    staging = layout.prepare_staging(save_dir, layout.RELEASE)
+    bar = _progress(total_layers, desc, progress)
+    try:
+        for stage in range(pp):
+            stage_sd = _cast(stages(stage, bar), dtype, value_head)
+            for tp_rank, shard in enumerate(sharding.split_stage(stage_sd, tp, value_head, True, spec, pp, stage)):
+                extra = {"hf_config": hf_config} if hf_config is not None else {}
+                payload = layout.make_payload(shard, spec, tp, pp, tp_rank, stage, dtype, value_head, **extra)
+                layout.save_file(payload, layout.shard_path(staging, tp_rank, stage, pp))
+            del stage_sd
+    finally:
+        bar.close()
+    # Only now touch what a reader sees: no tracker while the release folder is replaced, tracker last.
+    layout.remove_latest(save_dir)
+    layout.publish(staging, layout.checkpoint_dir(save_dir, layout.RELEASE))
+    if tokenizer_src:
+        hfm.copy_tokenizer_files(tokenizer_src, save_dir)
+    layout.write_latest(save_dir, layout.RELEASE)
+
+
+# ------------------------------------------------------------------------------------------- HF -> Megatron
+
+def convert_hf_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, params_dtype=None,
+                     value_head: bool = False, model_type_hf: Optional[str] = None,
+                     tokenizer_dir: Optional[str] = None, progress: bool = True):
+    """Convert a Hugging Face folder into a Megatron-LM release checkpoint (TP x PP shards) under `save_dir`.
+
+    `params_dtype` (fp32/bf16/fp16) defaults to the dtype of the HF weights. With `value_head` the HF
+    folder must be a *ForSequenceClassification model (score.weight [1, hidden]); the head stays fp32.
+    Tokenizer files of `tokenizer_dir` (default: `load_dir`) are copied into `save_dir`. Returns the ModelSpec.
+    """
+    from mindspeed_llm.models.spec import ModelSpec
+
+    load_dir, save_dir = os.fspath(load_dir), os.fspath(save_dir)
+    config = hfm.read_hf_config(load_dir)
+    hfm.resolve_family(model_type_hf, config, where=os.path.join(load_dir, "config.json"))
+    spec = ModelSpec.from_hf_config(config)
+    _check_target_parallel(spec, tp, pp)
+    weights = hfm.HFWeights(load_dir)
+    hfm.check_hf_names(weights, spec, value_head)
+    dtype = parse_dtype(params_dtype) or weights.dtype()
+    if _same_path(load_dir, save_dir):
+        raise ConversionError(f"--save-dir {save_dir} is the --load-dir; write the Megatron checkpoint elsewhere")
+
+    def stage_tensors(stage, bar):
+        layers = sharding.stage_layers(spec.num_layers, pp, stage)
+        full = hfm.hf_nonlayer_to_mg(weights, spec, value_head, first=stage == 0 or (
+            spec.tie_word_embeddings and not value_head and stage == pp - 1), last=stage == pp - 1)
+        for index in layers:
+            for rel, tensor in hfm.hf_layer_to_mg(weights.get, spec, index).items():
+                full[hfm.layer_key(index, rel)] = tensor
+            bar.update(1)
+        return sharding.stage_state_dict(full, spec, pp, stage, value_head)
+
+    _write_checkpoint(save_dir, stage_tensors, spec, tp, pp, dtype, value_head, spec.num_layers,
+                      "hf->mg layers", progress, hf_config=config, tokenizer_src=tokenizer_dir or load_dir)
+    return spec
+
+
+# ------------------------------------------------------------------------------------------- Megatron -> HF
+
+def _load_stage(info, stage: int) -> Dict[str, torch.Tensor]:
+    shards = [layout.load_file(layout.shard_path(info["dir"], r, stage, info["pp"]))["model"]
+              for r in range(info["tp"])]
+    return sharding.merge_stage(shards, info["value_head"])
+
+
+def _check_value_head_flag(info, value_head: Optional[bool], root: str) -> bool:
+    stored = info["value_head"]
+    if value_head is not None and bool(value_head) != stored:
+        if value_head:
+            raise ConversionError(
+                f"--orm: the Megatron checkpoint {root} has no value head (it is a causal LM); drop --orm"
+            )
+        raise ConversionError(f"the Megatron checkpoint {root} holds a value head (reward / critic): pass --orm")
+    return stored
+
+
+def _same_path(a: str, b: str) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
+def convert_mg_to_hf(load_dir: str, save_dir: str, params_dtype=None, value_head: Optional[bool] = None,
+                     tokenizer_dir: Optional[str] = None, iteration=None, progress: bool = True):
+    """Merge a Megatron checkpoint (any TP x PP) into `save_dir`: model.safetensors + a clean config.json.
+
+    A value-head checkpoint becomes a *ForSequenceClassification model (score.weight); `value_head`
+    (the --orm flag), when given, must agree with the checkpoint. The dtype defaults to the checkpoint's.
+    Tokenizer files come from `tokenizer_dir`, else from those convert_hf_to_mg copied into `load_dir`.
+    """
+    load_dir, save_dir = os.fspath(load_dir), os.fspath(save_dir)
+    info = layout.checkpoint_info(load_dir, iteration)
+    spec, tp, pp = info["spec"], info["tp"], info["pp"]
+    value_head = _check_value_head_flag(info, value_head, load_dir)
+    dtype = parse_dtype(params_dtype) or info["params_dtype"]
+    if _same_path(load_dir, save_dir):
+        raise ConversionError(f"--save-dir {save_dir} is the --load-dir; write the Hugging Face model elsewhere")
+
+    hf_state: Dict[str, torch.Tensor] = {}
+    bar = _progress(spec.num_layers, "mg->hf layers", progress)
+    try:
+        for stage in range(pp):
+            full = sharding.stage_to_full(_load_stage(info, stage), spec, pp, stage, value_head)
+            for index in sharding.stage_layers(spec.num_layers, pp, stage):
+                layer = {rel: full.pop(hfm.layer_key(index, rel)) for rel in hfm.mg_layer_names(spec)}
+                hf_state.update(hfm.mg_layer_to_hf(layer, spec, index))
+                bar.update(1)
+            hf_state.update(hfm.mg_nonlayer_to_hf(full, spec, value_head))
+    finally:
+        bar.close()
+    hf_state = {name: t.to(dtype) for name, t in _hf_order(hf_state, spec, value_head)}
+
+    os.makedirs(save_dir, exist_ok=True)
+    stale = os.path.join(save_dir, "config.json")
+    if os.path.exists(stale):
+        os.remove(stale)  # the config goes back last: a killed export never looks loadable
+    hfm.remove_hf_weights(save_dir)
+    hfm.save_hf_weights(hf_state, save_dir)
+    for src in (tokenizer_dir, load_dir):
+        if src and hfm.copy_tokenizer_files(src, save_dir):
+            break
+    config = spec.to_hf_config(torch_dtype=_DTYPE_NAMES[dtype], value_head=value_head)
+    source = info.get("hf_config") or {}
+    if source.get("pad_token_id") is not None:
+        config["pad_token_id"] = source["pad_token_id"]  # a reward model's pooling position depends on it
+    hfm.write_json_atomic(os.path.join(save_dir, "config.json"), config)
+    return spec
+
+
+def _hf_order(state: Dict[str, torch.Tensor], spec, value_head: bool):
+    """Embeddings, layers in order, final norm, head (stable, readable safetensors)."""
+    first = [k for k in state if k.endswith(hfm.HF_EMBED)]
+    heads = [k for k in (hfm.HF_LM_HEAD, hfm.HF_SCORE) if k in state]
+    norms = [k for k in state if k.endswith("." + hfm.HF_FINAL_NORM) and ".layers." not in k]
+    rest = [k for k in state if k not in set(first + heads + norms)]
+    for name in first + rest + norms + heads:
+        yield name, state[name]
+
+
+# ------------------------------------------------------------------------------------------- Megatron -> Megatron
+
+def convert_mg_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, params_dtype=None, iteration=None,
+                     value_head: Optional[bool] = None, progress: bool = True):
+    """Reshard a Megatron checkpoint to a new TP x PP (and optionally dtype) as a release checkpoint."""
+    load_dir, save_dir = os.fspath(load_dir), os.fspath(save_dir)
+    info = layout.checkpoint_info(load_dir, iteration)
+    spec = info["spec"]
+    value_head = _check_value_head_flag(info, value_head, load_dir)
+    _check_target_parallel(spec, tp, pp)
+    dtype = parse_dtype(params_dtype) or info["params_dtype"]
+    if _same_path(load_dir, save_dir):
+        raise ConversionError(f"--save-dir {save_dir} is the --load-dir; write the resharded checkpoint elsewhere")
+    full: Dict[str, torch.Tensor] = {}
+    for stage in range(info["pp"]):
+        full.update(sharding.stage_to_full(_load_stage(info, stage), spec, info["pp"], stage, value_head))
+
+    def stage_tensors(stage, bar):
+        bar.update(len(sharding.stage_layers(spec.num_layers, pp, stage)))
+        return sharding.stage_state_dict(full, spec, pp, stage, value_head)
+
+    _write_checkpoint(save_dir, stage_tensors, spec, tp, pp, dtype, value_head, spec.num_layers, "mg->mg layers",
+                      progress, hf_config=info.get("hf_config"), tokenizer_src=load_dir)
+    return spec
+
+
+# ------------------------------------------------------------------------------------------- loader for the stages
+
+_SPEC_FLAGS = {
+    "family": "the model family (--model-type-hf / config.json model_type)",
+    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "ffn_hidden_size": "--ffn-hidden-size",
+    "num_attention_heads": "--num-attention-heads", "num_query_groups": "--num-query-groups",
+    "kv_channels": "--kv-channels", "vocab_size": "--vocab-size / the tokenizer's vocabulary",
+    "norm_epsilon": "--norm-epsilon", "rotary_base": "--rotary-base",
+    "rope_scaling_factor": "--rope-scaling-factor", "tie_word_embeddings": "--untie-embeddings-and-output-weights",
+    "add_qkv_bias": "--add-qkv-bias", "qk_layernorm": "--qk-layernorm",
+    "max_position_embeddings": "--max-position-embeddings",
+}
+# Fields that do not change the weights or the forward pass.
+_SPEC_IGNORED = ("bos_token_id", "eos_token_id", "max_position_embeddings")
+
+
+def spec_differences(stored, built) -> Dict[str, tuple]:
+    a, b = stored.to_dict(), built.to_dict()
+    return {k: (a.get(k), b.get(k)) for k in a if k not in _SPEC_IGNORED and a.get(k) != b.get(k)}
+
+
+def _unwrap(model):
+    while hasattr(model, "module") and isinstance(getattr(model, "module"), torch.nn.Module):
+        model = model.module
+    return model
+
+
+def load_megatron_weights(model, root: str, iteration=None, strict: bool = True):
+    """Load this rank's shard of the checkpoint under `root` into `model` (a GPTModel from build_model,
+    possibly wrapped in DDP / Float16Module), after checking that it is the model the checkpoint holds.
+
+    Raises ValueError naming both values when the stored ModelSpec (vocab size, architecture), the
+    value head, or the TP/PP layout differ from the model's; KeyError-like ValueError listing missing /
+    unexpected / mis-shaped tensors when the key sets differ. Returns the loaded payload minus 'model'.
+    """
+    from megatron.core import parallel_state
+
+    root = os.fspath(root)
+    inner = _unwrap(model)
+    info = layout.checkpoint_info(root, iteration)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    built = getattr(inner, "model_spec", None)
+    if built is not None:
+        diffs = spec_differences(info["spec"], built)
+        if diffs:
+            details = "; ".join(
+                f"{k}: checkpoint {v[0]!r} vs model {v[1]!r} ({_SPEC_FLAGS.get(k, k)})" for k, v in diffs.items())
+            raise ValueError(
+                f"the checkpoint {info['dir']} does not match the model built for it: {details}. Build the model "
+                f"from this checkpoint's spec (load_spec) or load the checkpoint converted from the right model"
+            )
+    want_value_head = bool(getattr(inner, "is_value_model", False))
+    if want_value_head != info["value_head"]:
+        kind = lambda v: "a value-head (reward / critic) model" if v else "a causal LM"  # noqa: E731
+        raise ValueError(
+            f"the checkpoint {info['dir']} holds {kind(info['value_head'])} but the model is {kind(want_value_head)}; "
+            f"convert with{'out' if not want_value_head else ''} --orm or load it into the other role"
+        )
+    if (info["tp"], info["pp"]) != (tp, pp):
+        raise ValueError(
+            f"the checkpoint {info['dir']} is split TP={info['tp']} x PP={info['pp']} but this run uses "
+            f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}; reshard it with "
+            f"convert_ckpt.py --load-model-type mg --save-model-type mg --target-tensor-parallel-size {tp} "
+            f"--target-pipeline-parallel-size {pp}"
+        )
+    payload = layout.load_file(layout.shard_path(info["dir"], tp_rank, pp_rank, pp))
+    stored = payload["model"]
+    current = inner.state_dict()
+    state = {}
+    problems = []
+    for name, value in current.items():
+        if sharding.is_extra_state(name):
+            state[name] = stored.get(name, value)
+            continue
+        if name not in stored:
+            problems.append(f"missing {name}")
+            continue
+        tensor = stored[name]
+        if tuple(tensor.shape) != tuple(value.shape):
+            problems.append(f"{name}: checkpoint shape {tuple(tensor.shape)} vs model {tuple(value.shape)}")
+        state[name] = tensor
+    unexpected = [n for n in stored if n not in current and not sharding.is_extra_state(n)]
+    problems += [f"unexpected {n}" for n in unexpected]
+    if problems and strict:
+        more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+        raise ValueError(
+            f"the shard tp_rank={tp_rank} pp_rank={pp_rank} of {info['dir']} does not fit the model: "
+            f"{'; '.join(problems[:8])}{more}"
+        )
+    inner.load_state_dict(state, strict=strict)
+    return {k: v for k, v in payload.items() if k != "model"}
+
+
+def load_spec(root: str, iteration=None):
+    """The ModelSpec of the checkpoint under `root`, without building a model or reading tensors."""
+    return layout.load_spec(root, iteration)

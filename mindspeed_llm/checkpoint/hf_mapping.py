@@ -1,0 +1,482 @@
+"""Hugging Face <-> Megatron-core tensor names and layouts (Llama, Qwen2/2.5, Qwen3, Mistral families).
+
+All four families share the Llama layout on the Hugging Face side; they differ only in optional tensors
+(Qwen2: q/k/v biases; Qwen3: per-head q/k RMSNorms). The Megatron side is the local-spec `GPTModel`:
+
+| Hugging Face                                         | Megatron-core (global layer index)              |
+|------------------------------------------------------|-------------------------------------------------|
+| model.embed_tokens.weight                            | embedding.word_embeddings.weight                |
+| model.layers.i.input_layernorm.weight                | decoder.layers.i.input_layernorm.weight         |
+| model.layers.i.self_attn.{q,k,v}_proj.weight (+bias) | decoder.layers.i.self_attention.linear_qkv.*    |
+| model.layers.i.self_attn.{q,k}_norm.weight           | decoder.layers.i.self_attention.{q,k}_layernorm |
+| model.layers.i.self_attn.o_proj.weight               | decoder.layers.i.self_attention.linear_proj     |
+| model.layers.i.post_attention_layernorm.weight       | decoder.layers.i.pre_mlp_layernorm.weight       |
+| model.layers.i.mlp.{gate,up}_proj.weight             | decoder.layers.i.mlp.linear_fc1.weight          |
+| model.layers.i.mlp.down_proj.weight                  | decoder.layers.i.mlp.linear_fc2.weight          |
+| model.norm.weight                                    | decoder.final_layernorm.weight                  |
+| lm_head.weight (absent when tied)                    | output_layer.weight (absent when tied, PP=1)    |
+| score.weight [1, hidden] (`--orm`)                   | output_layer.weight of the ValueHead (fp32)     |
+
+Fused layouts: `linear_qkv` rows are grouped per key/value head g as [q rows of the heads of group g |
+k rows of g | v rows of g] (the bias likewise); `linear_fc1` rows are [gate ; up].
+
+This module holds full (not tensor-parallel) tensors only; `sharding.py` splits and merges them.
+It needs torch and safetensors, not megatron.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Callable, Dict, Iterable, List, Optional
+
+import torch
+
+# Names accepted by --model-type-hf -> the config.json model_type they stand for.
+MODEL_TYPE_ALIASES = {
+    "llama": "llama", "llama2": "llama", "llama3": "llama", "llama31": "llama", "llama3.1": "llama",
+    "llama32": "llama", "llama3.2": "llama",
+    "qwen2": "qwen2", "qwen25": "qwen2", "qwen2.5": "qwen2", "qwen2_5": "qwen2",
+    "qwen3": "qwen3",
+    "mistral": "mistral",
+}
+
+EMBED = "embedding.word_embeddings.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
+OUTPUT = "output_layer.weight"
+LAYER_PREFIX = "decoder.layers."
+
+HF_EMBED = "embed_tokens.weight"
+HF_FINAL_NORM = "norm.weight"
+HF_LM_HEAD = "lm_head.weight"
+HF_SCORE = "score.weight"
+
+# HF files that carry the tokenizer (and generation defaults): copied next to converted weights.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
+    "generation_config.json",
+)
+
+# Tensors older exports carry that hold no weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class ConversionError(ValueError):
+    """A checkpoint cannot be converted as asked; the message names the file, tensor or flag."""
+
+
+def supported_model_types() -> str:
+    return ", ".join(sorted(MODEL_TYPE_ALIASES))
+
+
+def resolve_family(model_type_hf: Optional[str], config: dict, where: str = "config.json") -> str:
+    """The family (config.json model_type) to convert, from --model-type-hf and/or the config."""
+    from mindspeed_llm.models.spec import SUPPORTED_FAMILIES, UnsupportedModelError
+
+    detected = config.get("model_type")
+    if model_type_hf is None:
+        if detected not in SUPPORTED_FAMILIES:
+            raise UnsupportedModelError(
+                f"{where}: model_type {detected!r} is not supported; supported model types: "
+                f"{', '.join(SUPPORTED_FAMILIES)} (--model-type-hf accepts {supported_model_types()})"
+            )
+        return detected
+    family = MODEL_TYPE_ALIASES.get(str(model_type_hf).strip().lower())
+    if family is None:
+        raise UnsupportedModelError(
+            f"--model-type-hf {model_type_hf!r} is not supported; supported: {supported_model_types()}"
+        )
+    if detected is not None and detected != family:
+        raise ConversionError(
+            f"--model-type-hf {model_type_hf!r} means model_type {family!r}, but {where} says "
+            f"model_type {detected!r}; drop --model-type-hf to use the config's type"
+        )
+    return family
+
+
+# ------------------------------------------------------------------------------------------- readers
+
+class HFWeights:
+    """Lazy reader of a Hugging Face model folder's tensors.
+
+    Handles `model.safetensors`, sharded `model.safetensors.index.json`, `pytorch_model.bin` and sharded
+    `pytorch_model.bin.index.json`. Key names are returned without the decoder prefix ("model." for
+    *ForCausalLM / *ForSequenceClassification exports, "" for bare *Model exports); `lm_head.weight`
+    and `score.weight` keep theirs.
+    """
+
+    def __init__(self, path: str):
+        self.path = os.fspath(path)
+        if not os.path.isdir(self.path):
+            raise FileNotFoundError(f"Hugging Face model directory {self.path} does not exist")
+        self._files: Dict[str, str] = {}  # raw key -> file
+        self._handles: Dict[str, object] = {}
+        self._bins: Dict[str, Dict[str, torch.Tensor]] = {}
+        self._discover()
+        raw = list(self._files)
+        self.prefix = "model." if any(k.startswith("model.") for k in raw) else ""
+        self._by_name = {}
+        for key in raw:
+            if key.endswith(_IGNORED_SUFFIXES):
+                continue
+            if self.prefix and key.startswith(self.prefix):
+                self._by_name[key[len(self.prefix):]] = key
+            else:
+                self._by_name[key] = key
+
+    def _discover(self) -> None:
+        candidates = [
+            ("model.safetensors.index.json", True), ("model.safetensors", False),
+            ("pytorch_model.bin.index.json", True), ("pytorch_model.bin", False),
+        ]
+        for name, is_index in candidates:
+            full = os.path.join(self.path, name)
+            if not os.path.isfile(full):
+                continue
+            if is_index:
+                with open(full) as f:
+                    weight_map = json.load(f).get("weight_map") or {}
+                if not weight_map:
+                    raise ConversionError(f"{full} has no weight_map")
+                for key, shard in weight_map.items():
+                    shard_path = os.path.join(self.path, shard)
+                    if not os.path.isfile(shard_path):
+                        raise FileNotFoundError(f"{full} lists {shard} (for {key}) but {shard_path} is missing")
+                    self._files[key] = shard_path
+            else:
+                for key in self._keys_of(full):
+                    self._files[key] = full
+            return
+        raise FileNotFoundError(
+            f"no Hugging Face weights in {self.path}: expected model.safetensors, model.safetensors.index.json, "
+            f"pytorch_model.bin or pytorch_model.bin.index.json"
+        )
+
+    def _keys_of(self, file: str) -> List[str]:
+        if file.endswith(".safetensors"):
+            return list(self._handle(file).keys())
+        return list(self._bin(file).keys())
+
+    def _handle(self, file: str):
+        if file not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[file] = safe_open(file, framework="pt", device="cpu")
+        return self._handles[file]
+
+    def _bin(self, file: str) -> Dict[str, torch.Tensor]:
+        if file not in self._bins:
+            try:
+                self._bins[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # legacy (non-zip) torch.save format cannot be memory-mapped
+                self._bins[file] = torch.load(file, map_location="cpu", weights_only=True)
+        return self._bins[file]
+
+    def names(self) -> List[str]:
+        return list(self._by_name)
+
+    def has(self, name: str) -> bool:
+        return name in self._by_name
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._by_name:
+            raise ConversionError(f"Hugging Face checkpoint {self.path} has no tensor {self.prefix}{name}")
+        key = self._by_name[name]
+        file = self._files[key]
+        if file.endswith(".safetensors"):
+            return self._handle(file).get_tensor(key)
+        return self._bin(file)[key]
+
+    def dtype(self) -> torch.dtype:
+        """The dtype of the weights (that of the embedding)."""
+        return self.get(HF_EMBED).dtype
+
+
+def read_hf_config(path: str) -> dict:
+    file = os.path.join(os.fspath(path), "config.json")
+    if not os.path.isdir(os.fspath(path)):
+        raise FileNotFoundError(f"Hugging Face model directory {path} does not exist")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"no config.json in {path}: pass a Hugging Face model directory as --load-dir")
+    with open(file) as f:
+        return json.load(f)
+
+
+# ------------------------------------------------------------------------------------------- fused layouts
+
+def _qkv_sizes(spec):
+    groups = spec.num_query_groups
+    per_group = spec.num_attention_heads // groups
+    return groups, per_group * spec.kv_channels, spec.kv_channels
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec) -> torch.Tensor:
+    """[heads*d (+ ...)], [groups*d], [groups*d] -> Megatron's per-group interleaved [q_g | k_g | v_g]."""
+    groups, q_rows, kv_rows = _qkv_sizes(spec)
+    tail = q.shape[1:]
+    parts = (q.reshape(groups, q_rows, *tail), k.reshape(groups, kv_rows, *tail), v.reshape(groups, kv_rows, *tail))
+    return torch.cat(parts, dim=1).reshape(groups * (q_rows + 2 * kv_rows), *tail)
+
+
+def split_qkv(qkv: torch.Tensor, spec):
+    """Inverse of `fuse_qkv` for the full (or one TP rank's, with `spec` sized to it) tensor."""
+    groups, q_rows, kv_rows = _qkv_sizes(spec)
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape(groups, q_rows + 2 * kv_rows, *tail)
+    q, k, v = torch.split(grouped, [q_rows, kv_rows, kv_rows], dim=1)
+    return (q.reshape(groups * q_rows, *tail), k.reshape(groups * kv_rows, *tail),
+            v.reshape(groups * kv_rows, *tail))
+
+
+# ------------------------------------------------------------------------------------------- per layer
+
+def layer_key(index: int, rel: str) -> str:
+    return f"{LAYER_PREFIX}{index}.{rel}"
+
+
+def mg_layer_names(spec) -> List[str]:
+    """Names (relative to decoder.layers.i.) of one layer's tensors, in GPTModel order."""
+    names = ["input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight"]
+    if spec.add_qkv_bias:
+        names.append("self_attention.linear_qkv.bias")
+    if spec.qk_layernorm:
+        names += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+    names += ["pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    return names
+
+
+def hf_layer_names(spec, index: int) -> List[str]:
+    """HF names (without the decoder prefix) of layer `index`."""
+    p = f"layers.{index}."
+    names = [p + "input_layernorm.weight"]
+    names += [p + f"self_attn.{x}_proj.weight" for x in ("q", "k", "v", "o")]
+    if spec.add_qkv_bias:
+        names += [p + f"self_attn.{x}_proj.bias" for x in ("q", "k", "v")]
+    if spec.qk_layernorm:
+        names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    names += [p + "post_attention_layernorm.weight"]
+    names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+    return names
+
+
+def hf_layer_to_mg(get: Callable[[str], torch.Tensor], spec, index: int) -> Dict[str, torch.Tensor]:
+    """Layer `index` from HF tensors (get(name) without decoder prefix) -> {relative Megatron name: tensor}."""
+    p = f"layers.{index}."
+    attn = p + "self_attn."
+    out = {
+        "input_layernorm.weight": get(p + "input_layernorm.weight"),
+        "self_attention.linear_proj.weight": get(attn + "o_proj.weight"),
+        "self_attention.linear_qkv.weight": fuse_qkv(
+            get(attn + "q_proj.weight"), get(attn + "k_proj.weight"), get(attn + "v_proj.weight"), spec),
+    }
+    if spec.add_qkv_bias:
+        out["self_attention.linear_qkv.bias"] = fuse_qkv(
+            get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias"), spec)
+    if spec.qk_layernorm:
+        out["self_attention.q_layernorm.weight"] = get(attn + "q_norm.weight")
+        out["self_attention.k_layernorm.weight"] = get(attn + "k_norm.weight")
+    out["pre_mlp_layernorm.weight"] = get(p + "post_attention_layernorm.weight")
+    out["mlp.linear_fc1.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], dim=0)
+    out["mlp.linear_fc2.weight"] = get(p + "mlp.down_proj.weight")
+    return out
+
+
+def mg_layer_to_hf(layer: Dict[str, torch.Tensor], spec, index: int, prefix: str = "model.") -> Dict[str, torch.Tensor]:
+    """{relative Megatron name: full tensor} of layer `index` -> {HF name (with prefix): tensor}."""
+    p = f"{prefix}layers.{index}."
+    attn = p + "self_attn."
+    q, k, v = split_qkv(layer["self_attention.linear_qkv.weight"], spec)
+    out = {
+        p + "input_layernorm.weight": layer["input_layernorm.weight"],
+        attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v,
+        attn + "o_proj.weight": layer["self_attention.linear_proj.weight"],
+    }
+    if spec.add_qkv_bias:
+        qb, kb, vb = split_qkv(layer["self_attention.linear_qkv.bias"], spec)
+        out.update({attn + "q_proj.bias": qb, attn + "k_proj.bias": kb, attn + "v_proj.bias": vb})
+    if spec.qk_layernorm:
+        out[attn + "q_norm.weight"] = layer["self_attention.q_layernorm.weight"]
+        out[attn + "k_norm.weight"] = layer["self_attention.k_layernorm.weight"]
+    out[p + "post_attention_layernorm.weight"] = layer["pre_mlp_layernorm.weight"]
+    gate, up = torch.chunk(layer["mlp.linear_fc1.weight"], 2, dim=0)
+    out[p + "mlp.gate_proj.weight"] = gate
+    out[p + "mlp.up_proj.weight"] = up
+    out[p + "mlp.down_proj.weight"] = layer["mlp.linear_fc2.weight"]
+    return out
+
+
+# ------------------------------------------------------------------------------------------- whole model
+
+def check_hf_names(weights: HFWeights, spec, value_head: bool) -> None:
+    """Every tensor the conversion needs is present and no tensor would be silently dropped."""
+    expected = {HF_EMBED, HF_FINAL_NORM}
+    for i in range(spec.num_layers):
+        expected.update(hf_layer_names(spec, i))
+    optional = set()
+    if value_head:
+        if not weights.has(HF_SCORE):
+            hint = " (it has lm_head.weight: a causal LM, not a reward/critic model)" if weights.has(HF_LM_HEAD) else ""
+            raise ConversionError(
+                f"--orm: the Hugging Face checkpoint {weights.path} has no score.weight{hint}; --orm needs a "
+                f"*ForSequenceClassification (reward / critic) checkpoint with score.weight [1, hidden]"
+            )
+        expected.add(HF_SCORE)
+        optional.add(HF_LM_HEAD)
+    elif spec.tie_word_embeddings:
+        optional.add(HF_LM_HEAD)  # transformers may or may not save the tied copy
+    else:
+        if not weights.has(HF_LM_HEAD) and weights.has(HF_SCORE):
+            raise ConversionError(
+                f"the Hugging Face checkpoint {weights.path} has score.weight and no lm_head.weight: it is a "
+                f"reward / critic (*ForSequenceClassification) model; pass --orm to convert its value head"
+            )
+        expected.add(HF_LM_HEAD)
+    present = set(weights.names())
+    missing = sorted(expected - present)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ConversionError(
+            f"the Hugging Face checkpoint {weights.path} lacks tensors needed for a {spec.family} model with "
+            f"{spec.num_layers} layers: {', '.join(weights.prefix + m for m in missing[:5])}{more}"
+        )
+    unexpected = sorted(present - expected - optional)
+    if unexpected:
+        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        raise ConversionError(
+            f"the Hugging Face checkpoint {weights.path} has tensors a {spec.family} model of this config does not "
+            f"use (the conversion would drop them): {', '.join(unexpected[:5])}{more}"
+        )
+    score = weights.get(HF_SCORE) if value_head else None
+    if score is not None and tuple(score.shape) != (1, spec.hidden_size):
+        raise ConversionError(
+            f"--orm: score.weight in {weights.path} has shape {tuple(score.shape)}; a value head needs "
+            f"[1, {spec.hidden_size}] (num_labels=1)"
+        )
+
+
+def hf_nonlayer_to_mg(weights: HFWeights, spec, value_head: bool, first: bool, last: bool) -> Dict[str, torch.Tensor]:
+    """Embedding (first stage), final norm and output / value head (last stage), full tensors."""
+    out = {}
+    if first:
+        out[EMBED] = weights.get(HF_EMBED)
+    if last:
+        out[FINAL_NORM] = weights.get(HF_FINAL_NORM)
+        if value_head:
+            out[OUTPUT] = weights.get(HF_SCORE).to(torch.float32)
+        elif not spec.tie_word_embeddings:
+            out[OUTPUT] = weights.get(HF_LM_HEAD)
+    return out
+
+
+def mg_nonlayer_to_hf(full: Dict[str, torch.Tensor], spec, value_head: bool, prefix: str = "model.") -> Dict[str, torch.Tensor]:
+    out = {}
+    if EMBED in full:
+        out[prefix + HF_EMBED] = full[EMBED]
+    if FINAL_NORM in full:
+        out[prefix + HF_FINAL_NORM] = full[FINAL_NORM]
+    if OUTPUT in full:
+        if value_head:
+            out[HF_SCORE] = full[OUTPUT]
+        elif not spec.tie_word_embeddings:
+            out[HF_LM_HEAD] = full[OUTPUT]
+    return out
+
+
+# ------------------------------------------------------------------------------------------- writers
+
+def _independent(tensors: Iterable[torch.Tensor]):
+    """Contiguous tensors that share no storage (safetensors refuses shared or partial storages)."""
+    seen = set()
+    for t in tensors:
+        t = t.detach().contiguous()
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen or storage.nbytes() != t.numel() * t.element_size():
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        yield t
+
+
+def save_hf_weights(state: Dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int = 5 * 1024 ** 3) -> List[str]:
+    """Write `state` as model.safetensors (or shards + model.safetensors.index.json) atomically per file.
+
+    Each file is written under a temporary name and renamed into place; the index (when sharded) last.
+    Returns the file names written.
+    """
+    from safetensors.torch import save_file
+
+    names = list(state)
+    tensors = dict(zip(names, _independent(state[n] for n in names)))
+    shards: List[Dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    written = []
+    if len(shards) == 1:
+        files = ["model.safetensors"]
+    else:
+        files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for file, shard in zip(files, shards):
+        tmp = os.path.join(out_dir, f".{file}.tmp")
+        save_file(shard, tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(out_dir, file))
+        written.append(file)
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+            "weight_map": {name: file for file, shard in zip(files, shards) for name in shard},
+        }
+        write_json_atomic(os.path.join(out_dir, "model.safetensors.index.json"), index)
+        written.append("model.safetensors.index.json")
+    return written
+
+
+_WEIGHT_FILE = re.compile(
+    r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|"
+    r"pytorch_model(-\d{5}-of-\d{5})?\.bin|pytorch_model\.bin\.index\.json)$"
+)
+
+
+def remove_hf_weights(out_dir: str) -> List[str]:
+    """Delete weight files a previous export left in `out_dir` (a different sharding would shadow ours)."""
+    removed = []
+    if not os.path.isdir(out_dir):
+        return removed
+    for name in os.listdir(out_dir):
+        if _WEIGHT_FILE.match(name):
+            os.remove(os.path.join(out_dir, name))
+            removed.append(name)
+    return removed
+
+
+def write_json_atomic(path: str, data) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def copy_tokenizer_files(src: str, dst: str) -> List[str]:
+    """Copy the tokenizer (and generation_config) files found in `src` to `dst`; returns their names."""
+    import shutil
+
+    copied = []
+    if not src or not os.path.isdir(src):
+        return copied
+    for name in sorted(os.listdir(src)):
+        if name in TOKENIZER_FILES or name.endswith(".tiktoken"):
+            tmp = os.path.join(dst, f".{name}.tmp")
+            shutil.copyfile(os.path.join(src, name), tmp)
+            os.replace(tmp, os.path.join(dst, name))
+            copied.append(name)
+    return copied

@@ -1,0 +1,123 @@
+"""Tiny random Hugging Face models (fp32) of each supported family, saved to a folder, for tests to reuse.
+
+Every weight is random and non-trivial: RMSNorm weights are 1 + noise (not all ones), the Qwen2 q/k/v
+biases are noise (not zeros), Qwen3 q/k norms likewise, so a converter that drops, swaps or mis-splits a
+tensor changes the logits. The configs differ per family on purpose (grouped-query attention with
+different group sizes, an explicit head_dim != hidden/heads for Qwen3, llama3 RoPE scaling, rope_theta)
+and all of them split 2 ways for tensor parallelism (heads, key/value heads, ffn and vocab even) and
+2 ways for pipeline parallelism (even layer count).
+
+    from tests.hf_tiny import save_tiny
+    path = save_tiny("qwen2", tmp_path / "qwen2", tie=True)                  # *ForCausalLM
+    path = save_tiny("llama", tmp_path / "rm", seq_cls=True)                # *ForSequenceClassification
+    model = build_tiny("qwen3")                                              # in memory, no folder
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict
+
+import torch
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+# Architecture per family; every count divides by 2 (TP=2) and num_hidden_layers by 2 (PP=2).
+_BASE: Dict[str, Dict[str, Any]] = {
+    "llama": dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
+                  rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 8192},
+                  max_position_embeddings=16384),
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  rope_theta=1000000.0),
+    "qwen3": dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  rope_theta=1000000.0),
+    "mistral": dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+                    rope_theta=10000.0, sliding_window=None),
+}
+
+PAD_TOKEN_ID = 0
+
+
+def tiny_config(family: str, *, tie: bool = False, num_layers: int = 2, vocab_size: int = 256, **overrides):
+    """The transformers config of a tiny `family` model (fp32, eager attention)."""
+    from transformers import AutoConfig
+
+    if family not in _BASE:
+        raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+    kwargs = dict(max_position_embeddings=512)
+    kwargs.update(_BASE[family])
+    kwargs.update(num_hidden_layers=num_layers, vocab_size=vocab_size, tie_word_embeddings=tie,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=PAD_TOKEN_ID)
+    kwargs.update(overrides)
+    config = AutoConfig.for_model(family, **kwargs)
+    config._attn_implementation = "eager"
+    return config
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Re-draw every parameter: matrices ~ N(0, 0.05), norms ~ 1 + N(0, 0.1), biases ~ N(0, 0.1)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            value = 1.0 + 0.1 * noise
+        elif name.endswith(".bias"):
+            value = 0.1 * noise
+        else:
+            value = 0.05 * noise
+        param.copy_(value.to(param.dtype))
+    return model
+
+
+def build_tiny(family: str, *, tie: bool = False, seq_cls: bool = False, seed: int = 0, **overrides):
+    """A random fp32 `*ForCausalLM` (or `*ForSequenceClassification` with num_labels=1), in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = tiny_config(family, tie=tie, **overrides)
+    if seq_cls:
+        config.num_labels = 1
+        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if tie and not seq_cls:
+        model.tie_weights()
+    randomize_(model, seed)
+    if tie and not seq_cls:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model.eval()
+
+
+def write_tokenizer(path, vocab_size: int = 256) -> None:
+    """A tiny word-level fast tokenizer (offline) whose ids fit the tiny vocabularies."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for i in range(4, vocab_size):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>")
+    fast.save_pretrained(os.fspath(path))
+
+
+def save_tiny(family: str, path, *, tie: bool = False, seq_cls: bool = False, seed: int = 0,
+              tokenizer: bool = False, **overrides) -> str:
+    """Save a tiny random model (safetensors, fp32) to `path`; returns the path as str."""
+    path = os.fspath(path)
+    model = build_tiny(family, tie=tie, seq_cls=seq_cls, seed=seed, **overrides)
+    model.save_pretrained(path)
+    if tokenizer:
+        write_tokenizer(path, model.config.vocab_size)
+    return path
+
+
+def read_config(path) -> Dict[str, Any]:
+    with open(os.path.join(os.fspath(path), "config.json")) as f:
+        return json.load(f)
