@@ -81,10 +81,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-preprocess-") as tmp:
         tmp = Path(tmp)
         src = make_input(args.dataset, args.rows, tmp)
-        for workers in args.workers:
+        for run_no, workers in enumerate(args.workers):
             best = None
             for rep in range(args.repeats):
-                prefix = tmp / f"w{workers}-r{rep}" / "data"
+                prefix = tmp / f"run{run_no}-w{workers}-r{rep}" / "data"
                 argv = ["--input", str(src), "--tokenizer-name-or-path", str(tok_dir), "--output-prefix", str(prefix),
                         "--handler-name", handler, "--prompt-type", prompt_type, "--workers", str(workers),
                         "--log-interval", "0"]
