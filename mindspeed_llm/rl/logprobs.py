@@ -33,11 +33,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["vocab_parallel_logprobs", "reference_logprobs", "DEFAULT_CHUNK_ELEMENTS"]
+__all__ = ["vocab_parallel_logprobs", "reference_logprobs", "CPU_CHUNK_ELEMENTS", "ACCEL_CHUNK_ELEMENTS"]
 
-# Auto chunk size: rows per chunk = DEFAULT_CHUNK_ELEMENTS // vocab_shard, i.e. each of the two fp32
-# work buffers holds about 2**22 elements (16 MiB).
-DEFAULT_CHUNK_ELEMENTS = 1 << 22
+# Auto chunk size: rows per chunk = CHUNK_ELEMENTS // vocab_shard, the size of each of the two fp32
+# work buffers. On CPU a buffer that stays in cache is fastest (4 MiB; measured with
+# benchmarks/logprobs.py, 2-8 MiB are within noise, 64 MiB is ~2x slower); on accelerators fewer, larger
+# kernel launches win (64 MiB; not measured here, no accelerator was available).
+CPU_CHUNK_ELEMENTS = 1 << 20
+ACCEL_CHUNK_ELEMENTS = 1 << 24
 
 
 def _group_world_rank(group):
@@ -46,9 +49,10 @@ def _group_world_rank(group):
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _chunk_rows(chunk_size, n_tokens, vocab_shard):
+def _chunk_rows(chunk_size, n_tokens, vocab_shard, device):
     if chunk_size is None:
-        rows = max(1, DEFAULT_CHUNK_ELEMENTS // max(1, vocab_shard))
+        elements = CPU_CHUNK_ELEMENTS if device.type == "cpu" else ACCEL_CHUNK_ELEMENTS
+        rows = max(1, elements // max(1, vocab_shard))
     else:
         rows = int(chunk_size)
         if rows < 1:
@@ -95,7 +99,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         stats[1] = torch.where(owned, target_z, torch.zeros_like(target_z))
         stats[2] = owned.to(f32)
 
-        rows = _chunk_rows(chunk_size, n_tokens, vocab_shard)
+        rows = _chunk_rows(chunk_size, n_tokens, vocab_shard, device)
         work = torch.empty(2, rows, vocab_shard, dtype=f32, device=device)
         for start in range(0, n_tokens, rows):
             end = min(start + rows, n_tokens)
@@ -117,7 +121,6 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         logp = stats[1] - log_z
         # A target that no rank owns (out of [0, V)) gives NaN instead of a silently wrong number.
         logp = torch.where(stats[2] == 1, logp, torch.full_like(logp, float("nan")))
-        ctx.group = group
         ctx.temperature = temperature
         ctx.with_entropy = with_entropy
         ctx.rows = rows
@@ -188,7 +191,8 @@ def vocab_parallel_logprobs(logits, targets, tp_group=None, temperature=1.0, wit
             vocabulary (no communication).
         temperature: ``T > 0``; the distribution is ``softmax(logits / T)``.
         with_entropy: also return the entropy ``-sum_j p_j log p_j`` of that distribution.
-        chunk_size: tokens per chunk; ``None`` picks ``DEFAULT_CHUNK_ELEMENTS // (V / TP)``.
+        chunk_size: tokens per chunk; ``None`` picks ``CPU_CHUNK_ELEMENTS // (V / TP)`` on CPU and
+            ``ACCEL_CHUNK_ELEMENTS // (V / TP)`` on other devices.
 
     Returns:
         ``logp`` (fp32, shape ``[...]``), or ``(logp, entropy)`` when ``with_entropy``. Both are
