@@ -64,7 +64,7 @@ def _iter_json_lines(path: Path, text: str) -> Iterator[Tuple[str, dict]]:
 
 def _iter_json(path: Path) -> Iterator[Tuple[str, dict]]:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # tolerate a UTF-8 byte-order mark
     except UnicodeDecodeError as e:
         raise InputFormatError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     head = text.lstrip()[:1]
