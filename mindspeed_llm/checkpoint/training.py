@@ -9,7 +9,7 @@ Layout (Megatron-LM's, one tree per role)::
 Each shard holds `model`, `optimizer`, `opt_param_scheduler`, `iteration`, `model_spec` and, in the same
 file, the loop state (`rng_state` of every DP rank, `data_position` of the prompt sampler).
 
-Crash safety: ranks write into `iter_XXXXXXX.tmp` directories; after a barrier rank 0 renames each to its
+Crash safety: ranks write into staging directories (`.iter_XXXXXXX.staging`); after a barrier rank 0 renames each to its
 final name, then replaces each role's latest file, then the top-level one (temp file + `os.replace`). A
 run killed at any moment leaves the previous complete checkpoint as the resume point.
 """
@@ -17,7 +17,6 @@ run killed at any moment leaves the previous complete checkpoint as the resume p
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Dict, Optional
 
 import torch
@@ -70,40 +69,41 @@ def _gather_dp(obj):
     return out
 
 
+def _layout():
+    return (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+    )
+
+
 def save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict) -> None:
     """Write `roles` ({name: TrainableModel}) and `loop_state` (sampler position etc.) for `iteration`."""
     rng_states = _gather_dp(_rng_state())
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    writer = parallel_state.get_data_parallel_rank() == 0  # DP replicas hold identical weights
-    final_dirs = {name: layout.checkpoint_dir(os.path.join(root, name), iteration) for name in roles}
-    tmp_dirs = {name: d + ".tmp" for name, d in final_dirs.items()}
+    tp_rank, pp_rank, tp, pp = _layout()
+    staging = {name: layout.staging_dir(os.path.join(root, name), iteration) for name in roles}
     if is_rank_0():
-        for tmp in tmp_dirs.values():
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a killed save
+        for name in roles:
+            layout.prepare_staging(os.path.join(root, name), iteration)  # drops leftovers of a killed save
     barrier()
-    if writer:
+    if parallel_state.get_data_parallel_rank() == 0:  # DP replicas hold identical weights and optimizer
         for name, trainable in roles.items():
+            module = trainable.module
             state = trainable.state_dict()
-            state.update(
-                iteration=iteration,
-                checkpoint_version=3.0,
-                model_spec=trainable.module.model_spec.to_dict(),
-                value_head=bool(getattr(trainable.module, "is_value_model", False)),
-                rng_state=rng_states,
-                data_position=loop_state,
+            payload = layout.make_payload(
+                state.pop("model"), module.model_spec, tp, pp, tp_rank, pp_rank, module.config.params_dtype,
+                bool(getattr(module, "is_value_model", False)), iteration,
+                rng_state=rng_states, data_position=loop_state, **state,
             )
-            path = layout.shard_path(tmp_dirs[name], tp_rank, pp_rank, pp_size)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            torch.save(state, path)
+            layout.save_file(payload, layout.shard_path(staging[name], tp_rank, pp_rank, pp))
     barrier()
     if is_rank_0():
         for name in roles:
-            layout.publish(tmp_dirs[name], final_dirs[name])
+            layout.publish(staging[name], layout.checkpoint_dir(os.path.join(root, name), iteration))
         for name in roles:
             layout.write_latest(os.path.join(root, name), iteration)
-        layout.write_latest(root, iteration)
+        layout.write_latest(root, iteration)  # the resume point: only once every role is complete
     barrier()
 
 
@@ -111,31 +111,23 @@ def latest_iteration(root: str) -> Optional[int]:
     """The iteration of the last complete stage checkpoint under `root`, or None when there is none."""
     try:
         value = layout.read_latest(root)
-    except FileNotFoundError:
+    except layout.CheckpointNotFoundError:
         return None
-    return None if value == "release" else int(value)
+    return None if value == layout.RELEASE else int(value)
 
 
 def load(root: str, roles: Dict[str, object], load_optim: bool = True, load_rng: bool = True) -> tuple:
     """Restore `roles` from the last complete checkpoint; returns (iteration, loop_state)."""
     iteration = latest_iteration(root)
     if iteration is None:
-        raise FileNotFoundError(
-            f"--load {root}: no latest_checkpointed_iteration.txt there; pass a --save directory of an earlier "
-            "run (or drop --load to start from --ref-model)"
+        raise layout.CheckpointNotFoundError(
+            f"--load {root}: no complete stage checkpoint there (latest_checkpointed_iteration.txt is missing); "
+            "pass the --save directory of an earlier run, or use --finetune to start from weights only"
         )
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    tp_rank, pp_rank, _, _ = _layout()
     loop_state = None
     for name, trainable in roles.items():
-        path = layout.shard_path(layout.checkpoint_dir(os.path.join(root, name), iteration), tp_rank, pp_rank, pp_size)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"--load {root}: {path} is missing; the checkpoint was written with another TP/PP layout or for "
-                f"another stage (role {name!r})"
-            )
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = layout.load_shard(os.path.join(root, name), tp_rank, pp_rank, iteration, weights_only=False)
         trainable.load_state_dict(state, load_optim=load_optim)
         loop_state = state["data_position"]
         if load_rng:

