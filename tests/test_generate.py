@@ -180,6 +180,13 @@ def _layout_cases(tp, pp, path, prompts, eos, stop):
     model.eval()
     generate(model, prompts[:2], SamplingConfig(max_new_tokens=2))
     out["eval_kept"] = not model.training
+    errors = []
+    for kwargs in (dict(prompt_token_lists=[[5], []]), dict(prompt_token_lists=[[5]], prefill="both")):
+        try:
+            generate(model, sampling=SamplingConfig(max_new_tokens=2), **kwargs)
+        except ValueError as e:
+            errors.append(str(e))
+    out["errors"] = errors
     del model
     out["live_contexts"] = _live_inference_contexts()
     return out
@@ -359,6 +366,8 @@ def test_train_mode_restored_and_kv_freed(dp2, tp2, pp2):
     for result in dp2 + tp2 + pp2:
         assert result["train_after_greedy"] and result["train_after_sample"] and result["eval_kept"]
         assert result["live_contexts"] == 0
+        assert len(result["errors"]) == 2
+        assert "empty prompt" in result["errors"][0] and "prefill='both'" in result["errors"][1]
 
 
 # ----------------------------------------------------------------------------------------- TP=2

@@ -17,6 +17,9 @@ Next-token alignment: a forward on `tokens` gives at position t the prediction o
 (Megatron's `labels` convention). `loss_mask[b, t] == 1` exactly when `tokens[b, t + 1]` is a real response
 token, i.e. for t in [L_b - 1, L_b + r_b - 2]. `gather_response` maps such per-position values (log-probs,
 values, entropies) to the [B, R] response layout; `scatter_response` goes back.
+
+(How `generate` lays rows out inside Megatron's KV cache, left-padded or stepwise, is internal to it; a
+`Rollout` always has the layout above.)
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Sampling configuration, logits processing and seeding for rollout generation.
 
 Order of the logits processors is the one `transformers` uses for `generate(do_sample=True)`:
-temperature, then top-k, then top-p (both may be set together). Greedy decoding (`do_sample=False`)
-is the argmax of the raw logits; temperature/top-k/top-p do not change it.
+temperature, then top-k, then top-p (both may be set together; top-p acts on the top-k renormalised
+distribution). Greedy decoding (`do_sample=False`) is the argmax of the raw logits; temperature/top-k/top-p
+do not change it. The draw itself is an exponential race over the kept candidates (exactly the categorical
+distribution), from a dedicated `torch.Generator`.
 """
 
 from __future__ import annotations
