@@ -1,0 +1,290 @@
+"""Summary table and plot of a GRPO run: reward over iterations, accuracy before / after.
+
+Input: the metrics JSONL that ``--metrics-jsonl`` (``MetricsLogger``) writes, one object per iteration
+(``{"iteration": i, "grpo/score/mean": ..., "response_length/mean": ..., "actor/kl_loss": ...,
+"e2e_tps": ..., "timing/all": ...}``), and the held-out accuracies before and after training
+(numbers, or :func:`mindspeed_llm.demo.evaluate.evaluate_hf` results / their JSON files)::
+
+    python -m mindspeed_llm.demo.report run/metrics.jsonl --before eval_before.json --after eval_after.json \\
+        --png run/report.png
+
+prints a table like::
+
+    metric                    first 5   last 5    min      max
+    reward (grpo/score/mean)  0.312     0.781     0.125    0.906
+    ...
+    held-out accuracy         before 0.340 -> after 0.710 (+0.370)
+
+and writes a PNG (matplotlib, Agg backend, no display needed) with the reward per iteration (and its
+moving average), the reply length, and the before/after accuracy bars.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Union
+
+__all__ = ["REWARD_KEY", "load_metrics", "series", "summarize", "format_summary", "plot_report", "write_report"]
+
+REWARD_KEY = "grpo/score/mean"
+# (key, label) of the rows of the summary table, in order; missing keys are skipped
+TABLE_KEYS = (
+    (REWARD_KEY, "reward (grpo/score/mean)"),
+    ("response_length/mean", "response length (tokens)"),
+    ("actor/kl_loss", "KL to reference"),
+    ("actor/entropy", "entropy"),
+    ("actor/pg_clipfrac", "clip fraction"),
+    ("grad_norm", "grad norm"),
+    ("e2e_tps", "e2e tokens/s"),
+    ("timing/all", "seconds / iteration"),
+)
+
+
+def load_metrics(path: Union[str, Path]) -> List[dict]:
+    """The per-iteration records of a metrics JSONL, sorted by iteration.
+
+    Blank lines are skipped, and so is a line that is not valid JSON (a run killed mid-write leaves a
+    partial last line; a warning says how many were dropped). When an iteration appears more than
+    once (a resumed run appends to the file), the last record wins. ``null`` values stay ``None``.
+    """
+    records: Dict[int, dict] = {}
+    bad = 0
+    order = 0
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                bad += 1
+                continue
+            if not isinstance(rec, dict):
+                bad += 1
+                continue
+            it = rec.get("iteration")
+            if it is None:
+                it = order  # no iteration key: number the records in file order
+            records[int(it)] = dict(rec, iteration=int(it))
+            order += 1
+    if bad:
+        warnings.warn(f"{path}: skipped {bad} line(s) that are not JSON objects")
+    return [records[k] for k in sorted(records)]
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def series(records: Sequence[Mapping], key: str):
+    """``(iterations, values)`` of ``key`` over the records that have a finite value for it."""
+    xs, ys = [], []
+    for rec in records:
+        v = rec.get(key)
+        if _finite(v):
+            xs.append(rec["iteration"])
+            ys.append(float(v))
+    return xs, ys
+
+
+def _accuracy(value) -> Optional[float]:
+    """A float from a number, an evaluate_hf result dict, or the path of its JSON file."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        return float(value["accuracy"])
+    if isinstance(value, (int, float)):
+        return float(value)
+    path = Path(str(value))
+    if path.is_file():
+        return _accuracy(json.loads(path.read_text(encoding="utf-8")))
+    return float(value)  # a number given as text
+
+
+def summarize(records: Sequence[Mapping], before=None, after=None, window: int = 5) -> dict:
+    """Per metric of ``TABLE_KEYS``: mean of the first / last ``window`` iterations, min and max; the
+    run's iteration count and wall time (sum of ``timing/all``); accuracies before / after."""
+    out = {"iterations": len(records), "window": int(window), "metrics": {}}
+    if records:
+        out["first_iteration"] = records[0]["iteration"]
+        out["last_iteration"] = records[-1]["iteration"]
+    for key, label in TABLE_KEYS:
+        _, ys = series(records, key)
+        if not ys:
+            continue
+        w = max(1, min(int(window), len(ys)))
+        out["metrics"][key] = {"label": label, "first": sum(ys[:w]) / w, "last": sum(ys[-w:]) / w,
+                               "min": min(ys), "max": max(ys), "n": len(ys)}
+    _, secs = series(records, "timing/all")
+    if secs:
+        out["seconds_total"] = sum(secs)
+    out["accuracy_before"] = _accuracy(before)
+    out["accuracy_after"] = _accuracy(after)
+    return out
+
+
+def _fmt(v: float) -> str:
+    if v == 0 or 1e-3 <= abs(v) < 1e5:
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+    return f"{v:.2e}"
+
+
+def format_summary(summary: Mapping) -> str:
+    """The summary as a fixed-width text table."""
+    w = summary.get("window", 5)
+    head = ("metric", f"first {w}", f"last {w}", "min", "max")
+    rows = [head]
+    for key, m in summary["metrics"].items():
+        rows.append((m["label"], _fmt(m["first"]), _fmt(m["last"]), _fmt(m["min"]), _fmt(m["max"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * wd for wd in widths))
+    it = summary.get("iterations", 0)
+    tail = f"iterations: {it}"
+    if "first_iteration" in summary:
+        tail += f" ({summary['first_iteration']}..{summary['last_iteration']})"
+    if summary.get("seconds_total") is not None:
+        tail += f", {summary['seconds_total']:.0f} s in iterations"
+    lines.append(tail)
+    b, a = summary.get("accuracy_before"), summary.get("accuracy_after")
+    if b is not None or a is not None:
+        parts = []
+        if b is not None:
+            parts.append(f"before {b:.3f}")
+        if a is not None:
+            parts.append(f"after {a:.3f}")
+        if a is not None and b is not None:
+            parts.append(f"({a - b:+.3f})")
+        lines.append("held-out accuracy: " + " -> ".join(parts[:2]) + (" " + parts[2] if len(parts) > 2 else ""))
+    return "\n".join(lines)
+
+
+def _moving_average(ys: List[float], k: int) -> List[float]:
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y
+        if i >= k:
+            acc -= ys[i - k]
+        out.append(acc / min(i + 1, k))
+    return out
+
+
+def plot_report(records: Sequence[Mapping], png_path: Union[str, Path], before=None, after=None,
+                title: str = "GRPO on SmolLM2-135M-Instruct", smooth: int = 5) -> Path:
+    """Write the PNG: reward per iteration (+ moving average over ``smooth``), response length, and
+    held-out accuracy before / after (bars; left out when neither is given). Returns the path."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    b, a = _accuracy(before), _accuracy(after)
+    has_acc = b is not None or a is not None
+    ncols = 3 if has_acc else 2
+    fig = Figure(figsize=(4.6 * ncols, 3.8), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, ncols, width_ratios=[2.2, 1.6, 1.0][:ncols])
+
+    ax = axes[0]
+    xs, ys = series(records, REWARD_KEY)
+    if ys:
+        _, lo = series(records, "grpo/score/min")
+        _, hi = series(records, "grpo/score/max")
+        ax.plot(xs, ys, marker="o", markersize=3, linewidth=1, color="tab:blue", alpha=0.55,
+                label="mean reward per iteration")
+        if len(ys) > 2:
+            k = max(1, min(int(smooth), len(ys)))
+            ax.plot(xs, _moving_average(ys, k), linewidth=2.4, color="tab:blue",
+                    label=f"moving average ({k} it.)")
+    else:
+        ax.text(0.5, 0.5, f"no '{REWARD_KEY}' in the metrics", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("reward (share of correct samples)")
+    ax.set_title("Training reward")
+    if ys and min(ys) >= 0 and max(ys) <= 1:
+        ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    if ys:
+        ax.legend(loc="lower right", fontsize=8)
+
+    ax = axes[1]
+    xs, ys = series(records, "response_length/mean")
+    if ys:
+        ax.plot(xs, ys, color="tab:orange", linewidth=1.8, label="response length")
+        ax.set_ylabel("tokens per response (mean)", color="tab:orange")
+        ax.set_ylim(bottom=0)
+    kx, ky = series(records, "actor/kl_loss")
+    if ky:
+        ax2 = ax.twinx()
+        ax2.plot(kx, ky, color="tab:purple", linewidth=1.2, linestyle="--", label="KL to reference")
+        ax2.set_ylabel("KL to reference", color="tab:purple")
+        ax2.set_ylim(bottom=0)
+    if not ys and not ky:
+        ax.text(0.5, 0.5, "no response length / KL in the metrics", ha="center", va="center",
+                transform=ax.transAxes)
+    ax.set_xlabel("iteration")
+    ax.set_title("Response length" + (" and KL" if ky else ""))
+    ax.grid(alpha=0.3)
+
+    if has_acc:
+        ax = axes[2]
+        names, values, colors = [], [], []
+        if b is not None:
+            names.append("before")
+            values.append(b)
+            colors.append("tab:gray")
+        if a is not None:
+            names.append("after")
+            values.append(a)
+            colors.append("tab:green")
+        bars = ax.bar(names, values, color=colors, width=0.6)
+        for bar, v in zip(bars, values):
+            ax.text(bar.get_x() + bar.get_width() / 2, v + 0.02, f"{v:.0%}", ha="center", va="bottom",
+                    fontsize=11, fontweight="bold")
+        ax.set_ylim(0, 1.12)
+        ax.set_ylabel("accuracy (greedy)")
+        ax.set_title("Held-out accuracy")
+        ax.grid(axis="y", alpha=0.3)
+
+    if title:
+        fig.suptitle(title, fontsize=12)
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(str(png_path))
+    return png_path
+
+
+def write_report(metrics_jsonl: Union[str, Path], png_path: Union[str, Path, None] = None, before=None,
+                 after=None, *, title: str = "GRPO on SmolLM2-135M-Instruct", window: int = 5,
+                 print_fn=print) -> dict:
+    """Load the metrics, print the summary table, write the PNG (when ``png_path`` is given); returns
+    the summary (with ``"png"``)."""
+    records = load_metrics(metrics_jsonl)
+    summary = summarize(records, before, after, window=window)
+    if print_fn is not None:
+        print_fn(format_summary(summary))
+    if png_path is not None:
+        summary["png"] = str(plot_report(records, png_path, before, after, title=title))
+        if print_fn is not None:
+            print_fn(f"plot: {summary['png']}")
+    return summary
+
+
+def _main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="Summarize a GRPO metrics JSONL and plot it.")
+    parser.add_argument("metrics_jsonl")
+    parser.add_argument("--before", help="held-out accuracy before training: a number or an evaluate JSON file")
+    parser.add_argument("--after", help="held-out accuracy after training: a number or an evaluate JSON file")
+    parser.add_argument("--png", help="write the plot here")
+    parser.add_argument("--title", default="GRPO on SmolLM2-135M-Instruct")
+    parser.add_argument("--window", type=int, default=5)
+    args = parser.parse_args(argv)
+    write_report(args.metrics_jsonl, args.png, args.before, args.after, title=args.title, window=args.window)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

