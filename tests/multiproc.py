@@ -7,6 +7,7 @@ put all cases of one layout into one body.
 """
 
 import os
+import pickle
 import socket
 import traceback
 
@@ -27,7 +28,9 @@ def _entry(rank, world_size, port, fn, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Pickled to bytes here: tensors sent as such share memory by file descriptor, which races with
+        # this process exiting.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report the failure to the parent with its traceback
         queue.put((rank, "error", traceback.format_exc()))
         raise
@@ -54,7 +57,7 @@ def run_distributed(fn, world_size=2, *args):
     for _ in range(world_size):
         rank, status, payload = queue.get()
         if status == "ok":
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
         else:
             errors.append(f"rank {rank} failed:\n{payload}")
             break

@@ -83,11 +83,11 @@ def posttrain_argv(paths: dict, stage: str, tp: int = 1, pp: int = 1, iters: int
     return argv + list(extra)
 
 
-def torchrun(argv: list, nproc: int = 2, env=None, timeout: int = 600):
-    """Run posttrain_gpt.py under torchrun (gloo on CPU); returns the CompletedProcess."""
+def torchrun(argv: list, nproc: int = 2, env=None, timeout: int = 600, script: str = "posttrain_gpt.py"):
+    """Run `script` (posttrain_gpt.py) under torchrun (gloo on CPU); returns the CompletedProcess."""
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", "posttrain_gpt.py", *argv]
+           f"--master_port={_free_port()}", script, *argv]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=timeout)
 
 
