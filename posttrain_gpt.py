@@ -6,15 +6,18 @@ import sys
 
 def main(argv=None) -> int:
     from mindspeed_llm.arguments import ArgumentError, parse_args
+    from mindspeed_llm.checkpoint import CheckpointNotFoundError
+    from mindspeed_llm.data import DataError
 
     try:
         args = parse_args(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    except ArgumentError as exc:
-        print(f"posttrain_gpt.py: error: {exc}", file=sys.stderr)
-        return 2
-    from mindspeed_llm.rl.trainer import run
+        from mindspeed_llm.rl.trainer import run
 
-    run(args)
+        run(args)
+    except (ArgumentError, CheckpointNotFoundError, DataError) as exc:
+        # A user's mistake: the message names the flag and the fix; a traceback would only hide it.
+        print(f"posttrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 

@@ -13,6 +13,7 @@ import torch
 from megatron.core import parallel_state
 
 from mindspeed_llm import distributed
+from mindspeed_llm.arguments import ArgumentError
 from mindspeed_llm.checkpoint import training as training_ckpt
 from mindspeed_llm.data import PromptDataset, PromptSampler
 from mindspeed_llm.rl.metrics import MetricsLogger, reduce_metrics, throughput_metrics
@@ -26,7 +27,7 @@ def load_tokenizer(args):
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # transformers' own message does not name our flag
-        raise ValueError(
+        raise ArgumentError(
             f"cannot load a tokenizer from {path!r} ({exc}); pass --tokenizer-name-or-path, or convert the model "
             "with convert_ckpt.py, which copies the tokenizer files next to the weights"
         ) from exc
@@ -34,10 +35,25 @@ def load_tokenizer(args):
 
 def check_tokenizer(tokenizer, vocab_size: int) -> None:
     if len(tokenizer) > vocab_size:
-        raise ValueError(
+        raise ArgumentError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab_size}: "
             "--tokenizer-name-or-path does not belong to this checkpoint"
         )
+
+
+def check_labels(dataset, args) -> None:
+    from mindspeed_llm.rl.rewards import get_verifier, verifier_requires_label
+
+    for name in args.verifier_function:
+        try:
+            get_verifier(name)
+        except ValueError as exc:  # the message lists the valid names
+            raise ArgumentError(f"--verifier-function: {exc}") from exc
+        if verifier_requires_label(name) and "labels" not in dataset.extra_keys:
+            raise ArgumentError(
+                f"--verifier-function {name} needs a reference answer per prompt, but {args.data_path} has no labels; "
+                "preprocess with R1AlpacaStyleInstructionHandler and --map-keys '{\"prompt\": ..., \"labels\": ...}'"
+            )
 
 
 def is_stage_checkpoint(root: str, stage) -> bool:
@@ -87,6 +103,7 @@ def run(args) -> None:
     eval_dataset = PromptDataset(args.eval_data_path) if args.eval_data_path else None
     sampler = PromptSampler(len(dataset), args.global_batch_size, dp_rank, dp_size, args.seed)
 
+    check_labels(dataset, args)
     stage = STAGES[args.stage](args, tokenizer)
     check_tokenizer(tokenizer, stage.actor.module.model_spec.vocab_size)
     start = 0
@@ -104,7 +121,7 @@ def run(args) -> None:
     )
     try:
         for iteration in range(start + 1, args.train_iters + 1):
-            rows = [dataset[i] for i in sampler.next_batch_indices()]
+            rows = [dict(dataset[i], index=i) for i in sampler.next_batch_indices()]
             metrics = stage.iteration(iteration, rows)
             metrics.update(throughput_metrics(
                 metrics["prompt_length/mean"] * len(rows) * args.n_samples_per_prompt,

@@ -11,6 +11,7 @@ import torch
 from megatron.core import parallel_state
 
 from mindspeed_llm import device
+from mindspeed_llm.arguments import ArgumentError
 from mindspeed_llm.checkpoint import load_megatron_weights, load_spec
 from mindspeed_llm.inference import SamplingConfig, generate
 from mindspeed_llm.models import ModelSpec, build_model
@@ -22,7 +23,7 @@ from mindspeed_llm.rl.update import OptimizerSettings, TrainableModel
 
 
 # ---------------------------------------------------------------------------------------------- models
-def _checked_spec(root: str, flag: str, value_head: bool, args) -> ModelSpec:
+def _checked_spec(root: str, flag: str, args) -> ModelSpec:
     spec = load_spec(root)
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                  "vocab_size"):
@@ -36,10 +37,17 @@ def _checked_spec(root: str, flag: str, value_head: bool, args) -> ModelSpec:
 
 
 def load_model(root: str, flag: str, args, value_head: bool = False):
-    """A GPTModel (or value-head model) for this rank, weights from a Megatron checkpoint at `root`."""
-    spec = _checked_spec(root, flag, value_head, args)
-    model = build_model(spec, params_dtype=args.params_dtype, value_head=value_head)
-    load_megatron_weights(model, root)
+    """A GPTModel (or value-head model) for this rank, weights from a Megatron checkpoint at `root`.
+
+    Every problem (missing files, a causal LM where a value head is needed, a TP/PP the model cannot be
+    split into, a spec that contradicts the model flags) is raised before any compute, naming `flag`.
+    """
+    try:
+        spec = _checked_spec(root, flag, args)
+        model = build_model(spec, params_dtype=args.params_dtype, value_head=value_head)
+        load_megatron_weights(model, root)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ArgumentError(f"{flag} {root}: {exc}") from exc
     return model
 
 
@@ -63,7 +71,7 @@ def check_same_vocab(models: Dict[str, torch.nn.Module]) -> None:
     sizes = {name: m.model_spec.vocab_size for name, m in models.items()}
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"{k}={v}" for k, v in sizes.items())
-        raise ValueError(f"the models disagree on vocabulary size ({listed}); all must share one tokenizer")
+        raise ArgumentError(f"the models disagree on vocabulary size ({listed}); all must share one tokenizer")
 
 
 @contextlib.contextmanager
@@ -100,6 +108,7 @@ def rollout(actor_module, rows: Sequence[dict], sampling: SamplingConfig, iterat
     result = generate(actor_module, prompts, sampling, iteration=iteration, vocab_size=len(tokenizer))
     exp = Experience.from_rollout(result)
     exp.extras["labels"] = [row.get("labels") for row in rows]
+    exp.extras["indices"] = [row.get("index") for row in rows]
     exp.extras["texts"] = result.decode(tokenizer)
     return exp
 
@@ -137,9 +146,17 @@ class Scorer:
             metrics["reward_model/mean"] = float(rm.mean())
         if self.verifier_names:
             with timers("rule_reward"):
-                rule_total, per_verifier, failures = rule_rewards.score_batch(
-                    exp.extras["texts"], exp.extras["labels"], self.verifier_names, self.verifier_weights,
-                )
+                try:
+                    rule_total, per_verifier, failures = rule_rewards.score_batch(
+                        exp.extras["texts"], exp.extras["labels"], self.verifier_names, self.verifier_weights,
+                    )
+                except rule_rewards.MissingLabelError as exc:
+                    index = exp.extras["indices"][exc.row_index]
+                    raise ArgumentError(
+                        f"prompt {index} of the dataset has no label, but --verifier-function {exc.verifier} needs "
+                        "one; preprocess with a labels column (--map-keys '{\"labels\": \"answer\"}', "
+                        "R1AlpacaStyleInstructionHandler)"
+                    ) from exc
             total += torch.as_tensor(rule_total, dtype=torch.float32)
             metrics.update(rule_rewards.reward_metrics(per_verifier, failures))
         return total, metrics
