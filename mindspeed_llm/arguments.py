@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences per optimizer step over all DP ranks (default: the whole batch)")
     g.add_argument("--critic-lr", type=float, help="default: --lr")
     g.add_argument("--filter-groups", action="store_true",
-                   help="grpo: drop groups whose rewards are all equal (no signal)")
+                   help="grpo: leave groups whose rewards are all equal (no signal) out of the loss")
     return p
 
 

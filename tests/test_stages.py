@@ -53,10 +53,13 @@ def check_ok(result):
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
 def test_three_iterations(stage_paths, tmp_path, stage, tp, pp):
     metrics_file, save = tmp_path / "metrics.jsonl", tmp_path / "save"
-    argv = stage_argv(stage_paths, stage, tp, pp, iters=3, extra=[
-        "--metrics-jsonl", str(metrics_file), "--save", str(save), "--save-interval", "3",
-        "--tensorboard-dir", str(tmp_path / "tb")])
-    check_ok(torchrun(argv, nproc=2))
+    extra = ["--metrics-jsonl", str(metrics_file), "--save", str(save), "--save-interval", "3",
+             "--tensorboard-dir", str(tmp_path / "tb")]
+    dp2 = tp == pp == 1
+    if dp2:  # held-out evaluation, and grpo's group filter, on one layout
+        extra += ["--eval-data-path", stage_paths["data_eval"], "--eval-interval", "2"]
+        extra += ["--filter-groups"] if stage == "grpo" else ["--whiten-rewards"]
+    check_ok(torchrun(stage_argv(stage_paths, stage, tp, pp, iters=3, extra=extra), nproc=2))
 
     records = read_jsonl(metrics_file)
     assert [r["iteration"] for r in records] == [1, 2, 3]
@@ -69,6 +72,11 @@ def test_three_iterations(stage_paths, tmp_path, stage, tp, pp):
     assert any(r[LOSS_KEYS[stage][0]] != 0 for r in records)
     assert any(r["actor/grad_norm" if stage == "trl_ppo" else "grad_norm"] > 0 for r in records)
 
+    if dp2:
+        assert "eval/score/mean" in records[1] and "eval/kl/mean" in records[1] and "eval/score/mean" not in records[0]
+        if stage == "grpo":
+            assert all(0.0 <= r["grpo/filtered_groups"] <= 1.0 for r in records)
+
     roles = ["actor", "critic"] if stage == "trl_ppo" else ["actor"]
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     shard = f"mp_rank_0{tp - 1}" if pp == 1 else "mp_rank_00_001"
@@ -77,6 +85,16 @@ def test_three_iterations(stage_paths, tmp_path, stage, tp, pp):
         state = torch.load(save / role / "iter_0000003" / shard / "model_optim_rng.pt", weights_only=False)
         assert state["iteration"] == 3 and "optimizer" in state and "opt_param_scheduler" in state
         assert state["data_position"]["sampler"]["iteration"] == 3
+
+    # The trained actor goes back to Hugging Face and differs from where it started.
+    from transformers import AutoModelForCausalLM
+
+    from mindspeed_llm.checkpoint import convert_mg_to_hf
+
+    convert_mg_to_hf(str(save / "actor"), str(tmp_path / "hf_out"), progress=False)
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out")
+    initial = AutoModelForCausalLM.from_pretrained(stage_paths["hf_actor"])
+    assert any(not torch.equal(a, b) for a, b in zip(trained.state_dict().values(), initial.state_dict().values()))
 
 
 KILLING_DRIVER = textwrap.dedent("""

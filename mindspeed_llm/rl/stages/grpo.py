@@ -8,9 +8,11 @@ when `--kl-coef 0`.
 
 from __future__ import annotations
 
+import os
 from typing import Dict, Sequence
 
 from mindspeed_llm import device
+from mindspeed_llm.arguments import ArgumentError
 from mindspeed_llm.rl import core_algos
 from mindspeed_llm.rl.metrics import Timers
 from mindspeed_llm.rl.passes import policy_logprobs, response_logprobs
@@ -24,6 +26,11 @@ class GRPOStage:
     def __init__(self, args, tokenizer):
         self.args = args
         self.tokenizer = tokenizer
+        if not args.ref_model and os.path.isdir(os.path.join(args.load, "actor")):
+            raise ArgumentError(
+                f"--load {args.load} is a grpo --save directory: pass --ref-model with the original weights too "
+                "(the reference model always comes from them; the actor resumes from --load)"
+            )
         initial = args.ref_model or args.load
         flag = "--ref-model" if args.ref_model else "--load"
         self.actor = common.trainable(common.load_model(initial, flag, args), args, args.lr)
@@ -54,11 +61,17 @@ class GRPOStage:
             with timers("rollout"):
                 exp = common.rollout(self.actor.module, samples, self.sampling, iteration, args.max_prompt_length,
                                      self.tokenizer)
+            rollout_stats = common.rollout_metrics(exp)
             exp.scores, score_metrics = self.scorer(exp, mbs, timers)
 
             with timers("adv"):
                 advantages = core_algos.group_advantages(exp.scores, n, scale=args.adv_scale)
                 exp.advantages = advantages[:, None] * exp.response_mask
+                if args.filter_groups:
+                    # Groups whose samples all scored the same carry no signal; their tokens leave the loss
+                    # (masked, so shapes and step counts stay equal on every rank; no refill).
+                    informative = exp.scores.view(-1, n).std(dim=1, unbiased=False) > 0
+                    exp.response_mask = exp.response_mask * informative.repeat_interleave(n)[:, None]
             with timers("old_log_p"):
                 exp.old_logp = policy_logprobs(self.actor.chunks, exp, mbs, args.temperature)
             if self.reference is not None:
@@ -79,9 +92,11 @@ class GRPOStage:
             "grpo/rewards/max": float(advantages.max()),
             "grpo/rewards/min": float(advantages.min()),
             **score_metrics,
-            **common.rollout_metrics(exp),
+            **rollout_stats,
             "n_samples_per_prompt": n,
         }
+        if args.filter_groups:
+            metrics["grpo/filtered_groups"] = float(1.0 - informative.float().mean())
         metrics.update(timers.pop())
         return metrics
 

@@ -57,6 +57,7 @@ class TrlPPOStage:
             with timers("rollout"):
                 exp = common.rollout(self.actor.module, rows, self.sampling, iteration, args.max_prompt_length,
                                      self.tokenizer)
+            rollout_stats = common.rollout_metrics(exp)
             with timers("old_log_p"):
                 exp.old_logp = policy_logprobs(self.actor.chunks, exp, mbs, args.temperature)
             with timers("reference_model"), common.on_device(self.reference, args.offload_ref_reward):
@@ -88,7 +89,7 @@ class TrlPPOStage:
             "kl/mean": float(kl_sum.mean()),
             "non_score_reward": float((-args.kl_coef * kl_sum).mean()),
             **score_metrics,
-            **common.rollout_metrics(exp),
+            **rollout_stats,
             **common.prefixed("actor", actor_metrics),
             **common.prefixed("critic", critic_metrics),
         }
