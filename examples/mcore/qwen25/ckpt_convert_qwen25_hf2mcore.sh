@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Qwen2.5-7B-Instruct (Hugging Face) -> Megatron-core, the initial actor (and reference) of grpo.
+set -euo pipefail
+HF_DIR=${HF_DIR:-./model_from_hf/qwen25_7b}
+SAVE_DIR=${SAVE_DIR:-./model_weights/qwen25_7b_mcore}
+TP=${TP:-4}; PP=${PP:-1}
+${PYTHON:-python} convert_ckpt.py --load-model-type hf --save-model-type mg \
+    --load-dir "$HF_DIR" --save-dir "$SAVE_DIR" --model-type-hf qwen25 \
+    --target-tensor-parallel-size "$TP" --target-pipeline-parallel-size "$PP" --params-dtype bf16

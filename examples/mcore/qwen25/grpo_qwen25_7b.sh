@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# GRPO on Qwen2.5-7B with rule rewards (math answer accuracy + R1 format) on DeepScaleR or DAPO-Math-17k.
+# Data:        bash examples/data/preprocess_data.sh deepscaler   (or math_17k)
+# Weights:     bash examples/mcore/qwen25/ckpt_convert_qwen25_hf2mcore.sh
+# Launch:      NNODES=2 NPUS_PER_NODE=8 MASTER_ADDR=<node0 ip> CURRENT_IP=<this node ip> bash $0
+# Resume:      add  --load ./ckpt/qwen25_7b_grpo  (the reference still comes from --ref-model)
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+source examples/mcore/launch_env.sh
+
+TP=${TP:-4}; PP=${PP:-1}
+REF_MODEL=${REF_MODEL:-./model_weights/qwen25_7b_mcore}
+DATA_PATH=${DATA_PATH:-./dataset/deepscaler/data}
+TOKENIZER=${TOKENIZER:-./model_from_hf/qwen25_7b}
+CKPT_SAVE_DIR=${CKPT_SAVE_DIR:-./ckpt/qwen25_7b_grpo}
+
+GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP \
+  --micro-batch-size 1 --global-batch-size 32 --train-iters 1000 --bf16 \
+  --lr 1e-6 --lr-decay-style constant --weight-decay 0.01 --clip-grad 1.0 \
+  --adam-beta1 0.9 --adam-beta2 0.95 --seed 1234"
+DATA_ARGS="--data-path $DATA_PATH --tokenizer-type PretrainedFromHF --tokenizer-name-or-path $TOKENIZER"
+RL_ARGS="--stage grpo --ref-model $REF_MODEL --n-samples-per-prompt 8 \
+  --max-prompt-length 2048 --max-new-tokens 2048 --max-length 4096 --do-sample --temperature 1.0 --top-p 1.0 \
+  --kl-coef 0.001 --kl-penalty low_var_kl --clip-ratio 0.2 --entropy-coeff 0.0 --loss-agg-mode token-mean \
+  --adv-scale group --ppo-epochs 1 --ppo-mini-batch-size 256 \
+  --verifier-function math_acc format --verifier-weight 1.0 0.1"
+OUTPUT_ARGS="--log-interval 1 --save $CKPT_SAVE_DIR --save-interval 50 \
+  --tensorboard-dir $CKPT_SAVE_DIR/tensorboard --metrics-jsonl $CKPT_SAVE_DIR/metrics.jsonl"
+
+${PYTHON} -m torch.distributed.run $DISTRIBUTED_ARGS posttrain_gpt.py \
+  $GPT_ARGS $DATA_ARGS $RL_ARGS $OUTPUT_ARGS "$@" | tee "logs_grpo_qwen25_7b.log"
