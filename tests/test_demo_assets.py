@@ -241,6 +241,14 @@ def test_evaluate_hf_on_tiny_random_model(tiny_char_model):
     assert abs(samp["mixed"] + samp["all_right"] + samp["all_wrong"] - 1.0) < 1e-9
     assert 0.0 <= samp["accuracy"] <= 1.0
 
+    from mindspeed_llm.demo.evaluate import load_hf, measure_variant
+
+    logged = []
+    res = measure_variant(load_hf(tiny_char_model), "add20", n_greedy=4, n_sampled=2, temperatures=(0.7,),
+                          max_new_tokens=3, stop_token_ids=[2], log=lambda *a, **k: logged.append(a[0]))
+    assert res["greedy"]["n"] == 4 and res["T0.7"]["n"] == 2 and len(logged) == 2
+    json.dumps(res)  # the CLI writes it as JSON
+
 
 class _ScriptedModel:
     """Stands in for a causal LM: 'generates' a fixed reply per prompt (to check decoding and scoring)."""
@@ -336,7 +344,7 @@ def test_prepare_smollm2_full(tmp_path):
     target = tmp_path / "smollm2"
     assert prepare_smollm2(target, verify=True) == target
     info = json.loads((target / MARKER).read_text())
-    assert info["max_abs_logits_diff"] < 1e-4 and info["parameters"] == 134515008
+    assert info["max_abs_logits_diff"] < 1e-4 and info["parameters"] == 134515008 and info["tokenizer_roundtrip"]
     cfg = json.loads((target / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in cfg
     assert cfg["tie_word_embeddings"] is True and cfg["rope_theta"] == 100000.0 and cfg["rms_norm_eps"] == 1e-5

@@ -7,7 +7,8 @@ temperature and reports, besides the accuracy, the share of groups with *mixed* 
 some wrong), i.e. the groups that give GRPO a non-zero advantage. :func:`measure_variant` runs both for
 a task variant (what the table in :mod:`mindspeed_llm.demo.task` comes from)::
 
-    python -m mindspeed_llm.demo.evaluate MODEL_DIR --problems test.json --max-new-tokens 24
+    python -m mindspeed_llm.demo.evaluate MODEL_DIR --problems test.json --max-new-tokens 24 --stop-token-ids 198 1116
+    python -m mindspeed_llm.demo.evaluate MODEL_DIR --measure add20 addsub20 --output measure.json
 
 Prompts: ``chat_template=True`` renders ``[system?, user]`` with the tokenizer's chat template.
 ``system_prompt=None`` (default) leaves the system turn out entirely, the same text as
@@ -21,10 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Union
 
 from mindspeed_llm.demo import verifier as _demo_verifier  # registers first_line_answer
 from mindspeed_llm.rl.rewards import get_verifier, score_batch
@@ -277,6 +277,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
                         help="system message; 'default' = the chat template's own default; omitted: none")
     parser.add_argument("--stop-token-ids", type=int, nargs="*", default=[],
                         help="extra ids that end a reply (SmolLM2's newlines: 198 1116)")
+    parser.add_argument("--temperatures", type=float, nargs="*", default=[1.0, 0.7])
     parser.add_argument("--n-greedy", type=int, default=100)
     parser.add_argument("--n-sampled", type=int, default=64)
     parser.add_argument("--output", help="write the result JSON here")
@@ -288,6 +289,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
         for name in args.measure:
             results.append(measure_variant(model_tok, name, n_greedy=args.n_greedy, n_sampled=args.n_sampled,
                                            max_new_tokens=args.max_new_tokens, system_prompt=system,
+                                           temperatures=args.temperatures,
                                            verifier=args.verifier, stop_token_ids=args.stop_token_ids))
             if args.output:
                 Path(args.output).write_text(json.dumps(results, indent=1) + "\n")

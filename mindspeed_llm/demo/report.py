@@ -26,7 +26,7 @@ import json
 import math
 import warnings
 from pathlib import Path
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 __all__ = ["REWARD_KEY", "load_metrics", "series", "summarize", "format_summary", "plot_report", "write_report"]
 

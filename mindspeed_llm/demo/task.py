@@ -1,4 +1,4 @@
-"""The demo's task: short arithmetic questions, generated offline from a seed, in the DeepScaleR schema.
+r"""The demo's task: short arithmetic questions, generated offline from a seed, in the DeepScaleR schema.
 
 Every row is ``{"problem": str, "answer": str, "solution": "", "difficulty": float}`` (DeepScaleR's
 columns: ``preprocess_data.py`` maps ``problem`` -> prompt and ``answer`` -> label). The train and
@@ -12,10 +12,39 @@ first line of the reply must be the number, or end with ``= N`` / ``is N``).
 
 Measurements (SmolLM2-135M-Instruct, fp32, ``transformers`` generate on 1 CPU thread, no system turn,
 i.e. ``--prompt-type chatml``; the held-out split of each variant at seed 1234;
-``mindspeed_llm.demo.evaluate.measure_variant``; mixed = share of groups of 4 samples
-with both a reward 0 and a reward 1, the groups that give GRPO a gradient)
+``mindspeed_llm.demo.evaluate.measure_variant``, about 2-4 min per row on a shared 2-core machine;
+no system turn unless noted; mixed = share of groups of 4 samples with both a reward 0 and a
+reward 1, the groups that give GRPO a gradient)
 
-MEASUREMENTS_TABLE_PLACEHOLDER
+    variant                       prompt  greedy  greedy len   T=1.0        T=0.7        T=0.5
+                                  tokens  acc     / truncated  acc / mixed  acc / mixed  acc / mixed
+    ----------------------------  ------  ------  -----------  -----------  -----------  -----------
+    add20 (chosen)                24.2    0.38    14.9 / 25%   0.07 / 0.23  0.23 / 0.52  -
+    add20, stop at newline        24.2    0.38    11.5 /  1%   -            -            0.32 / 0.55
+    add20 + SmolLM2 system turn   45.2    0.40    14.4 / 31%   0.11 / 0.34  0.24 / 0.47  -
+    add20_compute                 24.2    0.45    16.6 / 36%   0.07 / 0.23  0.22 / 0.44  -
+    addsub20                      24.0    0.22    14.9 / 33%   0.04 / 0.14  0.11 / 0.27  -
+    chain3                        26.0    0.04    18.9 / 60%   0.02 / 0.08  0.05 / 0.14  -
+
+    greedy/sampled: max_new_tokens 24; lengths in generated tokens incl. eos; sampled = 64 problems
+    x 4 samples, pure temperature sampling (top_k 0, top_p 1); "stop at newline" adds SmolLM2's
+    newline tokens 198 ("\n") and 1116 ("\n\n") as stop ids (the verifier only reads the first line,
+    so scores are unchanged and replies end sooner). The base model knows most sums when it answers at
+    once ("7 + 14 = 21"), but often starts "To solve this problem, we need to find the sum of ..." and
+    runs out of tokens, or adds the last digits only ("19 + 4 = 6"); at T=1.0 pure sampling is mostly
+    incoherent (few right answers, few mixed groups), at 0.5-0.7 about half of the groups are mixed.
+    Two-digit questions with "-", or three terms, are too hard for it (little signal).
+
+Recommended demo settings: variant ``add20`` (``What is 17 + 14? Answer with just the number.``), no
+system turn (``--prompt-type chatml``), verifier ``first_line_answer``, ``--max-new-tokens 24`` with
+``--stop-token-ids 198 1116`` (SmolLM2's newlines), ``--temperature 0.7`` (top_k/top_p off),
+``--n-samples-per-prompt 4``, 8 prompts per iteration, lr 1e-5 (constant, Adam, grad clip 1.0).
+
+Check of those settings with a bare on-policy GRPO loop in ``transformers`` (not the Megatron stage:
+one Adam step per batch of 8 prompts x 4 samples, group-normalised advantages, token-mean loss, no KL,
+1 CPU thread, about 17 s per iteration): training reward 0.31 -> 0.91 in 15 iterations, held-out greedy
+accuracy 0.38 -> 0.83 (e.g. "17 + 14 = 31", "12 + 10 = 22" instead of "= 21", "= 120"); reply
+length 14.8 -> 9.6 tokens.
 """
 
 from __future__ import annotations
