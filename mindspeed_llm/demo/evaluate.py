@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence, Union
 
-from mindspeed_llm.demo import verifier as _demo_verifier  # registers first_line_answer
 from mindspeed_llm.rl.rewards import get_verifier, score_batch
 
 __all__ = [
@@ -39,7 +38,7 @@ __all__ = [
     "measure_variant",
 ]
 
-DEFAULT_VERIFIER = _demo_verifier.VERIFIER_NAME
+DEFAULT_VERIFIER = "first_line_answer"  # mindspeed_llm.rl.rewards
 
 
 class _TemplateDefault:

