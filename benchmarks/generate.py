@@ -1,11 +1,11 @@
 """Rollout generation throughput: Megatron KV-cache path vs `transformers` generate vs a no-cache loop.
 
-One process, TP=1, random Llama weights shared by all paths (built with `transformers`, copied into a
-Megatron GPTModel). Every path generates exactly `--new-tokens` tokens per prompt (no EOS) for the same
-batch of mixed-length prompts; tokens/s counts generated tokens only. Greedy and sampled runs are timed
-for the KV-cache path and for `transformers`; the no-cache loop (a full Megatron forward over the whole
-prefix at every step, greedy) is the baseline the KV cache must beat. Wall-clock tokens/s is the headline;
-process CPU seconds are printed too because the machine may be shared.
+One process, TP=1, random Llama weights shared by all paths (built with `transformers`, converted into a
+Megatron GPTModel with `mindspeed_llm.checkpoint`). Every path generates exactly `--new-tokens` tokens per
+prompt (no EOS) for the same batch of mixed-length prompts; tokens/s counts generated tokens only. Greedy
+and sampled runs are timed for the KV-cache path and for `transformers`; the no-cache loop (a full Megatron
+forward over the whole prefix at every step, greedy) is the baseline the KV cache must beat. Wall-clock
+tokens/s is the headline; process CPU seconds are printed too because the machine may be shared.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/generate.py [--json out.json]
 """
@@ -39,7 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--repeats", type=int, default=2, help="timed runs per cached path (best wall time is reported; the no-cache loop runs once)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="timed runs per cached path, round-robin over the paths (best wall time is reported; "
+                        "the no-cache loop runs once)")
     p.add_argument("--skip-no-cache", action="store_true")
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args(argv)
@@ -60,44 +62,18 @@ def build_hf(args):
     return LlamaForCausalLM(cfg).eval()
 
 
-def copy_hf_llama(megatron_model, hf_model):
-    """HF Llama -> Megatron GPTModel (local spec), TP=1 PP=1.
+def load_hf_weights(megatron_model, hf_model):
+    """HF Llama -> Megatron GPTModel (TP=1 PP=1) through the project's converter: the HF model is saved to a
+    temporary folder, converted with `convert_hf_to_mg` and loaded with `load_megatron_weights`."""
+    import tempfile
 
-    TODO: switch to `mindspeed_llm.checkpoint` (HF <-> Megatron conversion) once it lands.
-    """
-    cfg = hf_model.config
-    sd = hf_model.state_dict()
-    heads, groups, hidden = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
-    d = getattr(cfg, "head_dim", None) or hidden // heads
-    with torch.no_grad():
-        for name, param in megatron_model.named_parameters():
-            if name == "embedding.word_embeddings.weight":
-                src = sd["model.embed_tokens.weight"]
-            elif name == "output_layer.weight":
-                src = sd["lm_head.weight"]
-            elif name == "decoder.final_layernorm.weight":
-                src = sd["model.norm.weight"]
-            else:
-                i, rest = name[len("decoder.layers."):].split(".", 1)
-                p = f"model.layers.{i}."
-                if rest == "input_layernorm.weight":
-                    src = sd[p + "input_layernorm.weight"]
-                elif rest == "pre_mlp_layernorm.weight":
-                    src = sd[p + "post_attention_layernorm.weight"]
-                elif rest == "self_attention.linear_qkv.weight":
-                    q = sd[p + "self_attn.q_proj.weight"].view(groups, heads // groups * d, hidden)
-                    k = sd[p + "self_attn.k_proj.weight"].view(groups, d, hidden)
-                    v = sd[p + "self_attn.v_proj.weight"].view(groups, d, hidden)
-                    src = torch.cat([q, k, v], dim=1).reshape(-1, hidden)
-                elif rest == "self_attention.linear_proj.weight":
-                    src = sd[p + "self_attn.o_proj.weight"]
-                elif rest == "mlp.linear_fc1.weight":
-                    src = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]], dim=0)
-                elif rest == "mlp.linear_fc2.weight":
-                    src = sd[p + "mlp.down_proj.weight"]
-                else:
-                    raise KeyError(name)
-            param.copy_(src)
+    from mindspeed_llm.checkpoint import convert_hf_to_mg, load_megatron_weights
+
+    with tempfile.TemporaryDirectory(prefix="bench_generate_") as tmp:
+        hf_dir, mg_dir = os.path.join(tmp, "hf"), os.path.join(tmp, "mg")
+        hf_model.save_pretrained(hf_dir)
+        convert_hf_to_mg(hf_dir, mg_dir, 1, 1, progress=False)
+        load_megatron_weights(megatron_model, mg_dir)
 
 
 def init_megatron():
@@ -169,17 +145,19 @@ def run_no_cache(model, prompts, args):
     return tokens[:, P:].tolist()
 
 
-def timed(fn, repeats):
-    """(best wall seconds, CPU seconds of that run, result): the machine may be shared, so the process
-    CPU time is reported next to the wall clock."""
-    best, cpu, result = float("inf"), None, None
+def timed(fns, repeats):
+    """[(best wall seconds, CPU seconds of that run, result)] per function. The repeats go round-robin over
+    the functions, so a change in machine load (it may be shared) hits every path alike; the process CPU
+    time is reported next to the wall clock."""
+    best = [(float("inf"), None, None)] * len(fns)
     for _ in range(repeats):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        result = fn()
-        wall = time.perf_counter() - start
-        if wall < best:
-            best, cpu = wall, time.process_time() - start_cpu
-    return best, cpu, result
+        for i, fn in enumerate(fns):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            result = fn()
+            wall = time.perf_counter() - start
+            if wall < best[i][0]:
+                best[i] = (wall, time.process_time() - start_cpu, result)
+    return best
 
 
 def main(argv=None):
@@ -191,7 +169,7 @@ def main(argv=None):
     hf = build_hf(args)
     spec = ModelSpec.from_hf_config(hf.config)
     megatron_model = build_model(spec)
-    copy_hf_llama(megatron_model, hf)
+    load_hf_weights(megatron_model, hf)
     megatron_model.eval()
 
     g = torch.Generator().manual_seed(1)
@@ -215,19 +193,21 @@ def main(argv=None):
         rows.append(dict(path=name, seconds=seconds, cpu_seconds=cpu, tokens=n_tokens,
                          tokens_per_s=n_tokens / seconds, cpu_tokens_per_s=n_tokens / cpu, note=note))
 
-    *t, mg_greedy = timed(lambda: run_megatron(megatron_model, prompts, greedy), args.repeats)
-    record("megatron kv-cache greedy", t, "incl. log-probs (default)")
-    *t, _ = timed(lambda: run_megatron(megatron_model, prompts, greedy_no_lp), args.repeats)
-    record("megatron kv-cache greedy-nlp", t, "return_log_probs=False")
-    *t, hf_greedy = timed(lambda: run_hf(hf, prompts, args, False), args.repeats)
+    (*t_mg, mg_greedy), (*t_nlp, _), (*t_hf, hf_greedy), (*t_mgs, _), (*t_hfs, _) = timed([
+        lambda: run_megatron(megatron_model, prompts, greedy),
+        lambda: run_megatron(megatron_model, prompts, greedy_no_lp),
+        lambda: run_hf(hf, prompts, args, False),
+        lambda: run_megatron(megatron_model, prompts, sampled),
+        lambda: run_hf(hf, prompts, args, True),
+    ], args.repeats)
+    record("megatron kv-cache greedy", t_mg, "incl. log-probs (default)")
+    record("megatron kv-cache greedy-nlp", t_nlp, "return_log_probs=False")
     agree = sum(a == b for a, b in zip(mg_greedy, hf_greedy))
-    record("transformers greedy", t, f"rows equal to megatron greedy: {agree}/{args.batch}")
-    *t, _ = timed(lambda: run_megatron(megatron_model, prompts, sampled), args.repeats)
-    record("megatron kv-cache sampled", t, f"T={args.temperature} top_k={args.top_k} top_p={args.top_p}")
-    *t, _ = timed(lambda: run_hf(hf, prompts, args, True), args.repeats)
-    record("transformers sampled", t, "same T/top_k/top_p")
+    record("transformers greedy", t_hf, f"rows equal to megatron greedy: {agree}/{args.batch}")
+    record("megatron kv-cache sampled", t_mgs, f"T={args.temperature} top_k={args.top_k} top_p={args.top_p}")
+    record("transformers sampled", t_hfs, "same T/top_k/top_p")
     if not args.skip_no_cache:
-        *t, nc_greedy = timed(lambda: run_no_cache(megatron_model, prompts, args), 1)
+        [(*t, nc_greedy)] = timed([lambda: run_no_cache(megatron_model, prompts, args)], 1)
         agree_nc = sum(a == b for a, b in zip(mg_greedy, nc_greedy))
         record("megatron no-cache greedy", t, f"rows equal to kv-cache greedy: {agree_nc}/{args.batch}")
 

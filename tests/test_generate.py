@@ -1,13 +1,18 @@
 """Rollout generation (`mindspeed_llm.inference.generate`) against `transformers` generate.
 
 A tiny random Llama (2 layers, hidden 64, vocab 256, grouped-query attention) is built with `transformers`
-in the pytest process; its weights are copied into Megatron GPTModels on 2 gloo processes in three layouts
-(TP=1 x DP=2 in one spawn; TP=2 then PP=2 in a second), every case of a layout in its one spawn. The spawned bodies
-return `Rollout`s; all comparisons with `transformers` happen here in the parent.
+in the pytest process and saved as a Hugging Face folder. Each spawn of 2 gloo processes converts it with
+the project's converter (`mindspeed_llm.checkpoint.convert_hf_to_mg`, rank 0, once per layout) and loads
+its shards with `load_megatron_weights` into Megatron GPTModels in three layouts (TP=1 x DP=2 in one spawn;
+TP=2 then PP=2 in a second), every case of a layout in its one spawn. The spawned bodies return `Rollout`s;
+all comparisons with `transformers` happen here in the parent. The rollouts run with the CPU speed patches of
+`mindspeed_llm/patches/inference.py`; each layout also generates once with megatron's own code in their place,
+which must give the same rollouts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import pickle
@@ -72,64 +77,32 @@ def ref(tmp_path_factory):
     with_eos = [_hf_greedy(model, p, MAX_NEW, eos=eos) for p in prompts]
     # A stop token distinct from the EOS, emitted by at least one row.
     stop = next(t for row in free for t in row[2:] if t != eos)
-    path = tmp_path_factory.mktemp("hf") / "state.pt"
-    torch.save(model.state_dict(), path)
-    return dict(model=model, prompts=prompts, free=free, eos=eos, with_eos=with_eos, stop=stop, path=str(path))
+    hf_dir = tmp_path_factory.mktemp("hf_llama")
+    model.save_pretrained(hf_dir)
+    return dict(model=model, prompts=prompts, free=free, eos=eos, with_eos=with_eos, stop=stop, hf_dir=str(hf_dir),
+                ckpt_root=str(tmp_path_factory.mktemp("megatron")))
 
 
-# ============================================================================ weight copy (spawned ranks)
+# ============================================================================ spawned ranks
 
-def _copy_hf_llama(megatron_model, hf_state, cfg):
-    """Copy a HF Llama state dict into this rank's shard of a Megatron GPTModel (local spec).
+@contextlib.contextmanager
+def _megatron_unpatched_inference():
+    """Megatron's own code in place of the speed patches of mindspeed_llm/patches/inference.py (registered for
+    the CPU); yields how many of them were applied."""
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.transformer.attention import Attention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    TODO: switch to `mindspeed_llm.checkpoint` (HF <-> Megatron conversion) once it lands.
-    """
-    from megatron.core import parallel_state
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    heads, groups = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d, hidden = cfg["head_dim"], cfg["hidden_size"]
-
-    def split(t, dim):
-        return torch.chunk(t, tp, dim=dim)[rank]
-
-    def layer_tensor(i, name):
-        p = f"model.layers.{i}."
-        if name == "input_layernorm.weight":
-            return hf_state[p + "input_layernorm.weight"]
-        if name == "pre_mlp_layernorm.weight":
-            return hf_state[p + "post_attention_layernorm.weight"]
-        if name == "self_attention.linear_qkv.weight":
-            q = hf_state[p + "self_attn.q_proj.weight"].view(groups, heads // groups * d, hidden)
-            k = hf_state[p + "self_attn.k_proj.weight"].view(groups, d, hidden)
-            v = hf_state[p + "self_attn.v_proj.weight"].view(groups, d, hidden)
-            return split(torch.cat([q, k, v], dim=1), 0).reshape(-1, hidden)  # per group [q.. | k | v]
-        if name == "self_attention.linear_proj.weight":
-            return split(hf_state[p + "self_attn.o_proj.weight"], 1)
-        if name == "mlp.linear_fc1.weight":
-            return torch.cat([split(hf_state[p + "mlp.gate_proj.weight"], 0),
-                              split(hf_state[p + "mlp.up_proj.weight"], 0)], dim=0)
-        if name == "mlp.linear_fc2.weight":
-            return split(hf_state[p + "mlp.down_proj.weight"], 1)
-        raise KeyError(name)
-
-    layers = megatron_model.decoder.layers
-    with torch.no_grad():
-        for name, param in megatron_model.named_parameters():
-            if name == "embedding.word_embeddings.weight":
-                src = split(hf_state["model.embed_tokens.weight"], 0)
-            elif name == "output_layer.weight":
-                src = split(hf_state["lm_head.weight"], 0)
-            elif name == "decoder.final_layernorm.weight":
-                src = hf_state["model.norm.weight"]
-            elif name.startswith("decoder.layers."):
-                local, rest = name[len("decoder.layers."):].split(".", 1)
-                src = layer_tensor(layers[int(local)].layer_number - 1, rest)
-            else:
-                raise KeyError(f"no HF source for {name}")
-            assert src.shape == param.shape, (name, src.shape, param.shape)
-            param.copy_(src)
+    sites = [(Attention, "_adjust_key_value_for_inference"), (DotProductAttention, "forward"),
+             (layers, "linear_with_grad_accumulation_and_async_allreduce")]
+    current = [getattr(owner, name) for owner, name in sites]
+    try:
+        for (owner, name), fn in zip(sites, current):
+            setattr(owner, name, getattr(fn, "__wrapped__", fn))
+        yield sum(hasattr(fn, "__wrapped__") for fn in current)
+    finally:
+        for (owner, name), fn in zip(sites, current):
+            setattr(owner, name, fn)
 
 
 def _live_inference_contexts():
@@ -139,11 +112,12 @@ def _live_inference_contexts():
     return sum(isinstance(o, StaticInferenceContext) for o in gc.get_objects())
 
 
-def _layout_cases(tp, pp, path, prompts, eos, stop):
-    """Every case of one layout; returns a dict of Rollouts and flags."""
+def _layout_cases(tp, pp, root, prompts, eos, stop):
+    """Every case of one layout (weights: the Megatron checkpoint under `root`); a dict of Rollouts and flags."""
     from megatron.core import parallel_state
 
-    from mindspeed_llm import distributed
+    from mindspeed_llm import device, distributed
+    from mindspeed_llm.checkpoint import load_megatron_weights
     from mindspeed_llm.inference import generate
     from mindspeed_llm.models import ModelSpec, build_model
 
@@ -152,7 +126,7 @@ def _layout_cases(tp, pp, path, prompts, eos, stop):
     distributed.initialize(tp, pp, seed=0)
     spec = ModelSpec.from_hf_config(HF_CONFIG)
     model = build_model(spec)
-    _copy_hf_llama(model, torch.load(path), HF_CONFIG)
+    load_megatron_weights(model, root)
     model.train()
 
     out = {}
@@ -180,6 +154,12 @@ def _layout_cases(tp, pp, path, prompts, eos, stop):
     model.eval()
     generate(model, prompts[:2], SamplingConfig(max_new_tokens=2))
     out["eval_kept"] = not model.training
+    with _megatron_unpatched_inference() as n_patched:
+        out["free_unpatched"] = generate(model, prompts, SamplingConfig(max_new_tokens=MAX_NEW, pad_token_id=PAD))
+        out["free_stepwise_unpatched"] = generate(
+            model, prompts, SamplingConfig(max_new_tokens=MAX_NEW, pad_token_id=PAD), prefill="stepwise")
+    out["inference_patches"] = n_patched
+    out["device"] = device.accelerator().kind
     errors = []
     for kwargs in (dict(prompt_token_lists=[[5], []]), dict(prompt_token_lists=[[5]], prefill="both")):
         try:
@@ -192,16 +172,29 @@ def _layout_cases(tp, pp, path, prompts, eos, stop):
     return out
 
 
-def _layouts_body(rank, world_size, layouts, path, prompts, eos, stop):
-    """All layouts of one spawn, one after the other (parallel state is rebuilt in between)."""
-    out = [_layout_cases(tp, pp, path, prompts, eos, stop) for tp, pp in layouts]
+def _layouts_body(rank, world_size, layouts, hf_dir, ckpt_root, prompts, eos, stop):
+    """All layouts of one spawn, one after the other (parallel state is rebuilt in between).
+
+    Rank 0 converts the HF folder once per layout (megatron is imported here anyway); the others wait.
+    """
+    import torch.distributed as dist
+
+    from mindspeed_llm.checkpoint import convert_hf_to_mg
+
+    roots = {(tp, pp): os.path.join(ckpt_root, f"tp{tp}_pp{pp}") for tp, pp in layouts}
+    if rank == 0:
+        for (tp, pp), root in roots.items():
+            convert_hf_to_mg(hf_dir, root, tp, pp, progress=False)
+    dist.barrier()
+    out = [_layout_cases(tp, pp, roots[(tp, pp)], prompts, eos, stop) for tp, pp in layouts]
     # by value: the result queue would otherwise share tensor storage through fds of an exiting process
     return pickle.dumps(out)
 
 
 def _run_layouts(ref, layouts):
     """{(tp, pp): [rank 0 result, rank 1 result]} from one 2-process spawn."""
-    results = run_distributed(_layouts_body, 2, layouts, ref["path"], ref["prompts"], ref["eos"], ref["stop"])
+    results = run_distributed(_layouts_body, 2, layouts, ref["hf_dir"], ref["ckpt_root"], ref["prompts"], ref["eos"],
+                              ref["stop"])
     per_rank = [pickle.loads(r) for r in results]
     return {layout: [per_rank[0][i], per_rank[1][i]] for i, layout in enumerate(layouts)}
 
@@ -368,6 +361,18 @@ def test_train_mode_restored_and_kv_freed(dp2, tp2, pp2):
         assert result["live_contexts"] == 0
         assert len(result["errors"]) == 2
         assert "empty prompt" in result["errors"][0] and "prefill='both'" in result["errors"][1]
+
+
+def test_inference_speed_patches_are_exact(dp2, tp2, pp2):
+    """mindspeed_llm/patches/inference.py changes how a decode step is computed, not its result: the same
+    tokens and (to float rounding) log-probs as megatron's own code, batched and stepwise, in every layout."""
+    for result in dp2 + tp2 + pp2:
+        if result["device"] == "cpu":
+            assert result["inference_patches"] == 3  # the rollouts above ran patched
+        for mode in ("free", "free_stepwise"):
+            patched, unpatched = result[mode], result[mode + "_unpatched"]
+            assert torch.equal(patched.responses, unpatched.responses), mode
+            torch.testing.assert_close(patched.log_probs, unpatched.log_probs, atol=1e-5, rtol=0)
 
 
 # ----------------------------------------------------------------------------------------- TP=2

@@ -24,6 +24,12 @@ Both stop when every row has hit a stop token or its length budget. Tokens are g
 `torch.no_grad()` (not `inference_mode`: Megatron lru-caches rotary tables, and an inference tensor cached
 here would break a later training forward of the same length).
 
+Speed: megatron computes only the last position's logits per forward (`StaticInferenceContext` sets
+`materialize_only_last_token_logits`). On the CPU, `mindspeed_llm/patches/inference.py` makes each decode step
+cost O(new tokens) in rotary work instead of O(cached tokens), reads grouped key/value heads in place instead
+of `repeat_interleave` copies of the cache, and skips the autograd Function around linear layers under
+no_grad; all exact (tests/test_generate.py compares with megatron's unpatched code).
+
 Parallelism: the logits come out of the last pipeline stage already gathered over tensor parallelism
 (`runtime_gather_output=True`). The last stage picks the tokens and broadcasts them (with their log-probs)
 to every rank of the model-parallel group (all TP x PP ranks of this DP replica) from one source rank (last

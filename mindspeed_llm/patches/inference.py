@@ -1,0 +1,151 @@
+"""Speed patches for rollout generation on megatron-core 0.16.1's static KV cache (devices: cpu).
+
+All three are exact: they change *how* a step is computed, never what. Greedy rollouts stay token for token
+equal to `transformers` and to megatron's unpatched code (tests/test_generate.py, TP1/TP2/PP2, batched and
+stepwise prefill), and a training forward (autograd on, no inference context) reaches none of the new code.
+
+What megatron-core 0.16.1 does at every decode step (local spec, `flash_decode=False`), per layer:
+
+1. `Attention._adjust_key_value_for_inference` writes the key into the static cache *before* rotary and
+   returns `k_pos_emb[:sequence_end]`; `Attention.forward` then applies rotary to the whole cached key
+   `[sequence_end, b, ng, hn]` (cos/sin of every slot, rotate-half, cat) again, so the work per step
+   grows with the sequence although only the one new key needs it.
+2. `DotProductAttention.forward` materialises `repeat_interleave` copies of the whole key and value cache
+   for grouped-query attention (`np // ng` times) before its baddbmm/bmm, and forks the tensor-parallel RNG
+   tracker around a dropout that is the identity in eval mode.
+3. Every linear layer goes through `LinearWithGradAccumulationAndAsyncCommunication.apply` (autograd
+   Function + autocast decorator + ctx bookkeeping), also under `torch.no_grad()` where the Function only
+   computes `input @ weight.t() (+ bias)`: about 17 calls per decode step for a 4-layer model.
+
+Megatron's own way out of 1. and 2., `config.flash_decode=True`, is no option here: its decode step calls
+flash-attn's `flash_attn_with_kvcache` (CUDA only), and without flash-attn its prefill/step fallback
+`apply_rotary_pos_emb_with_cos_sin` passes the cos/sin *values* to `_apply_rotary_pos_emb_bshd`, which
+takes cos/sin of them again: wrong rotary, wrong tokens.
+
+The patches:
+
+1. `Attention._adjust_key_value_for_inference` (static context, eval, rotary on, `flash_decode` off):
+   rotate the new keys with the embeddings of their own slots `[sequence_len_offset, + s)` using megatron's
+   `apply_rotary_pos_emb` (same config, same mscale) before they are cached, and return
+   `(q_pos_emb[start:end], None)`: `Attention.forward` rotates the query exactly as before and skips the
+   key (it skips a `None` embedding by design). Slot s of the cache holds rotary(k_s, s) once instead of
+   k_s rotated at every later step; the scores are the same. Every write to a static cache goes through
+   this function, so the cache is consistently post-rotary.
+2. `DotProductAttention.forward` in eval mode for a query shorter than the keys (a step against a KV cache;
+   a plain forward has sq == sk and keeps megatron's code): each key/value group is multiplied with its
+   `np // ng` query heads (the heads `repeat_interleave` pairs it with, stacked along the query axis), so
+   the cache is read in place. Same baddbmm (alpha = softmax_scale, the global "mpu" buffer), the same
+   `scale_mask_softmax` module on the same [b, np, sq, sk] scores, dropout skipped (identity in eval).
+3. `linear_with_grad_accumulation_and_async_allreduce` with autograd off and no sequence parallelism:
+   return `torch.matmul(input, weight.t())` (+ bias), the very expression the Function's forward
+   evaluates in that case, without building the Function.
+
+Numbers: benchmarks/generate.py (see the docstring there and the commit message).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mindspeed_llm.patches import register
+
+
+def _rotary_before_cache_applies(attention, inference_context, rotary_pos_emb) -> bool:
+    return (
+        inference_context is not None
+        and not attention.training
+        and inference_context.is_static_batching()
+        and not attention.config.flash_decode
+        and isinstance(rotary_pos_emb, tuple)
+        and len(rotary_pos_emb) == 2
+        and rotary_pos_emb[0] is not None
+        and rotary_pos_emb[1] is not None
+    )
+
+
+@register(
+    "megatron.core.transformer.attention.Attention._adjust_key_value_for_inference",
+    "static KV cache: megatron caches keys before rotary and re-rotates the whole cache at every decode step; "
+    "rotate each new key once, before it is cached (exact: the same rotary per slot)",
+    devices=("cpu",),
+)
+def _rotary_before_cache(original):
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    from megatron.core.transformer import attention as attention_module
+
+    mscale_of = attention_module._yarn_get_concentration_factor_from_config  # what Attention.forward uses
+
+    def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb=None,
+                                        *args, **kwargs):
+        if kwargs.get("inference_params") is not None or not _rotary_before_cache_applies(
+                self, inference_context, rotary_pos_emb):
+            return original(self, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs)
+        q_pos_emb, k_pos_emb = rotary_pos_emb
+        start = inference_context.sequence_len_offset
+        end = start + key.size(0)
+        if end > k_pos_emb.size(0):  # past the end of the cache: megatron raises its own error
+            return original(self, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs)
+        key = apply_rotary_pos_emb(key, k_pos_emb[start:end], config=self.config, mscale=mscale_of(self.config),
+                                   cp_group=self.pg_collection.cp)
+        query, key, value, _, attn_mask_type, block_table = original(
+            self, inference_context, query, key, value, None, *args, **kwargs)
+        return query, key, value, (q_pos_emb[start:end], None), attn_mask_type, block_table
+
+    _adjust_key_value_for_inference.__wrapped__ = original
+    return _adjust_key_value_for_inference
+
+
+@register(
+    "megatron.core.transformer.dot_product_attention.DotProductAttention.forward",
+    "steps against a KV cache: megatron repeat_interleaves the whole key/value cache for grouped-query attention "
+    "at every step; multiply each key/value group with its query heads in place (eval and sq < sk only)",
+    devices=("cpu",),
+)
+def _grouped_decode_attention(original):
+    from megatron.core import parallel_state
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if (self.training or attention_bias is not None or packed_seq_params is not None
+                or query.size(0) >= key.size(0)):
+            return original(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                            attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        sq, b, heads, hn = query.shape
+        sk, groups = key.size(0), key.size(2)
+        per_group = heads // groups  # query heads g * per_group ... (g + 1) * per_group - 1 read group g
+        # [sq, b, np, hn] -> [b, np, sq, hn] -> [b * ng, per_group * sq, hn]
+        q = query.permute(1, 2, 0, 3).reshape(b * groups, per_group * sq, hn)
+        # [sk, b, ng, hn] -> [b * ng, hn, sk] and [b * ng, sk, hn]: views of the cache
+        k = key.reshape(sk, b * groups, hn).permute(1, 2, 0)
+        v = value.reshape(sk, b * groups, hn).transpose(0, 1)
+        scores = parallel_state.get_global_memory_buffer().get_tensor(
+            (b * groups, per_group * sq, sk), q.dtype, "mpu")
+        scores = torch.baddbmm(scores, q, k, beta=0.0, alpha=self.softmax_scale)
+        probs = self.scale_mask_softmax(scores.view(b, heads, sq, sk), attention_mask, self.softmax_offset)
+        context = torch.bmm(probs.reshape(b * groups, per_group * sq, sk), v)  # dropout: identity in eval
+        # [b * ng, per_group * sq, hn] -> [b, np, sq, hn] -> [sq, b, np * hn]
+        context = context.view(b, heads, sq, hn).permute(2, 0, 1, 3).contiguous()
+        return context.view(sq, b, self.hidden_size_per_partition)
+
+    forward.__wrapped__ = original
+    return forward
+
+
+@register(
+    "megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce",
+    "under torch.no_grad() the autograd Function around each linear layer only computes input @ weight.t() "
+    "(+ bias); compute exactly that without building the Function (autograd off, no sequence parallelism)",
+    devices=("cpu",),
+)
+def _no_grad_linear(original):
+    def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradient_accumulation_fusion,
+                                                          allreduce_dgrad, sequence_parallel, *args, **kwargs):
+        if torch.is_grad_enabled() or sequence_parallel:
+            return original(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                            *args, **kwargs)
+        output = torch.matmul(input, weight.t())
+        return output if bias is None else output + bias
+
+    linear_with_grad_accumulation_and_async_allreduce.__wrapped__ = original
+    linear_with_grad_accumulation_and_async_allreduce.warned = getattr(original, "warned", False)
+    return linear_with_grad_accumulation_and_async_allreduce
