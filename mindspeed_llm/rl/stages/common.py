@@ -18,7 +18,8 @@ from mindspeed_llm.models import ModelSpec, build_model
 from mindspeed_llm.rl import rewards as rule_rewards
 from mindspeed_llm.rl.experience import Experience
 from mindspeed_llm.rl.metrics import length_stats
-from mindspeed_llm.rl.passes import reward_scores
+from mindspeed_llm.rl import core_algos
+from mindspeed_llm.rl.passes import response_logprobs, reward_scores
 from mindspeed_llm.rl.update import OptimizerSettings, TrainableModel
 
 
@@ -109,6 +110,7 @@ def rollout(actor_module, rows: Sequence[dict], sampling: SamplingConfig, iterat
     exp = Experience.from_rollout(result)
     exp.extras["labels"] = [row.get("labels") for row in rows]
     exp.extras["indices"] = [row.get("index") for row in rows]
+    exp.extras["finish_reasons"] = list(result.finish_reasons)  # "eos" | "stop" | "length"
     exp.extras["texts"] = result.decode(tokenizer)
     return exp
 
@@ -117,7 +119,9 @@ def rollout_metrics(exp: Experience) -> Dict[str, float]:
     metrics = {}
     metrics.update(length_stats("response_length", exp.response_lengths))
     metrics.update(length_stats("prompt_length", exp.prompt_lengths))
-    metrics["response_clip_ratio"] = float((~exp.ended_with_eos).float().mean())
+    reasons = exp.extras["finish_reasons"]
+    # Share of responses cut by --max-new-tokens / --max-length rather than ended by EOS or a stop token.
+    metrics["response_clip_ratio"] = sum(r == "length" for r in reasons) / max(len(reasons), 1)
     return metrics
 
 
@@ -187,6 +191,19 @@ def ppo_update(model: TrainableModel, exp: Experience, args, loss_fn: Callable, 
     out = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0] if k != "lr"}
     out["lr"] = steps[-1]["lr"]
     return out
+
+
+def clipped_policy_loss(args, logits, micro_batch, kl_coef: float = 0.0):
+    """The actor's loss of both stages on one micro-batch: the clipped surrogate (`--clip-ratio`,
+    `--clip-ratio-high`, `--dual-clip`, `--loss-agg-mode`), plus `kl_coef` x the KL to the reference
+    (`--kl-penalty`; grpo's KL loss) and the entropy bonus (`--entropy-coeff`). Returns (loss, metrics)."""
+    logp, entropy = response_logprobs(logits, micro_batch, args.temperature, with_entropy=True)
+    return core_algos.policy_loss(
+        logp, micro_batch["old_logp"], micro_batch["advantages"], micro_batch["response_mask"],
+        clip_low=args.clip_ratio, clip_high=args.clip_ratio_high, dual_clip=args.dual_clip, agg=args.loss_agg_mode,
+        max_len=args.max_new_tokens, ref_logp=micro_batch.get("ref_logp"), kl_coef=kl_coef,
+        kl_kind=args.kl_penalty, entropy=entropy, entropy_coeff=args.entropy_coeff,
+    )
 
 
 def prefixed(prefix: str, metrics: Dict[str, float]) -> Dict[str, float]:

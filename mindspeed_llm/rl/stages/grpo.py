@@ -11,17 +11,19 @@ from __future__ import annotations
 import os
 from typing import Dict, Sequence
 
+import torch
+
 from mindspeed_llm import device
 from mindspeed_llm.arguments import ArgumentError
 from mindspeed_llm.rl import core_algos
 from mindspeed_llm.rl.metrics import Timers
-from mindspeed_llm.rl.passes import policy_logprobs, response_logprobs
+from mindspeed_llm.rl.passes import policy_logprobs
 from mindspeed_llm.rl.stages import common
 
 
 class GRPOStage:
     name = "grpo"
-    log_lines = None
+    log_lines = {"actor": ["actor/", "grad_norm"], "reward": ["grpo/"], "timing": ["timing/"]}
 
     def __init__(self, args, tokenizer):
         self.args = args
@@ -102,17 +104,7 @@ class GRPOStage:
 
     # ------------------------------------------------------------------ loss closure (per micro-batch)
     def _loss(self, logits, mb):
-        args = self.args
-        logp, entropy = response_logprobs(logits, mb, args.temperature, with_entropy=True)
-        loss, m = core_algos.policy_loss(
-            logp, mb["old_logp"], mb["advantages"], mb["response_mask"], clip_low=args.clip_ratio,
-            clip_high=args.clip_ratio_high, dual_clip=args.dual_clip, agg=args.loss_agg_mode,
-            max_len=args.max_new_tokens, ref_logp=mb.get("ref_logp"), kl_coef=args.kl_coef if
-            self.reference is not None else 0.0, kl_kind=args.kl_penalty, entropy=entropy,
-            entropy_coeff=args.entropy_coeff,
-        )
-        metrics = {"pg_loss": m["pg_loss"], "pg_clipfrac": m["pg_clipfrac"], "ppo_kl": m["ppo_kl"],
-                   "entropy": m["entropy"]}
-        if "kl_loss" in m:
-            metrics["kl_loss"] = m["kl_loss"]
-        return loss, metrics
+        kl_coef = self.args.kl_coef if self.reference is not None else 0.0
+        loss, m = common.clipped_policy_loss(self.args, logits, mb, kl_coef)
+        return loss, {"pg_loss": m["pg_loss"], "pg_clipfrac": m["pg_clipfrac"], "ppo_kl": m["ppo_kl"],
+                      "entropy": m["entropy"], "kl_loss": m.get("kl_loss", torch.zeros(()))}

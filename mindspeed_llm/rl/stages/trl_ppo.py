@@ -17,7 +17,7 @@ import torch
 from mindspeed_llm import device
 from mindspeed_llm.rl import core_algos
 from mindspeed_llm.rl.metrics import Timers
-from mindspeed_llm.rl.passes import critic_values, policy_logprobs, response_logprobs, response_values
+from mindspeed_llm.rl.passes import critic_values, policy_logprobs, response_values
 from mindspeed_llm.rl.stages import common
 
 
@@ -98,12 +98,7 @@ class TrlPPOStage:
 
     # ------------------------------------------------------------------ loss closures (per micro-batch)
     def _actor_loss(self, logits, mb):
-        args = self.args
-        logp, entropy = response_logprobs(logits, mb, args.temperature, with_entropy=True)
-        loss, m = core_algos.policy_loss(
-            logp, mb["old_logp"], mb["advantages"], mb["response_mask"], clip_low=args.clip_ratio,
-            clip_high=args.clip_ratio_high, dual_clip=args.dual_clip, agg=args.loss_agg_mode, entropy=entropy,
-        )
+        loss, m = common.clipped_policy_loss(self.args, logits, mb)  # TRL's PPO: the KL is in the reward
         return loss, {
             "pg_loss": m["pg_loss"], "abs_pg_loss": m["abs_pg_loss"], "ppo_ratio": m["ratio"],
             "ppo_ratio_clamped": m["ratio_clamped"], "pg_clipfrac": m["pg_clipfrac"], "ppo_kl": m["ppo_kl"],
