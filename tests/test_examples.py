@@ -30,7 +30,8 @@ def _launch(tmp_path, script, **env):
     stub = tmp_path / "stub.py"
     stub.write_text(STUB)
     record = tmp_path / "argv.json"
-    full_env = dict(os.environ, PYTHON=f"{sys.executable} {stub} {record}", **env)
+    full_env = dict(os.environ, PYTHON=f"{sys.executable} {stub} {record}", LOG_FILE=str(tmp_path / "run.log"),
+                    **env)
     result = subprocess.run(["bash", str(ROOT / script)], cwd=tmp_path, env=full_env, capture_output=True, text=True)
     return result, record
 

@@ -28,4 +28,4 @@ OUTPUT_ARGS="--log-interval 1 --save $CKPT_SAVE_DIR --save-interval 50 \
   --tensorboard-dir $CKPT_SAVE_DIR/tensorboard --metrics-jsonl $CKPT_SAVE_DIR/metrics.jsonl"
 
 ${PYTHON} -m torch.distributed.run $DISTRIBUTED_ARGS posttrain_gpt.py \
-  $GPT_ARGS $DATA_ARGS $RL_ARGS $OUTPUT_ARGS "$@" | tee "logs_grpo_qwen25_7b.log"
+  $GPT_ARGS $DATA_ARGS $RL_ARGS $OUTPUT_ARGS "$@" | tee "${LOG_FILE:-logs_grpo_qwen25_7b.log}"
