@@ -44,6 +44,9 @@ def build(root: Path) -> dict:
     ids = dict(vocab_size=VOCAB, bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
     paths["hf_actor"] = save_tiny("qwen2", root / "hf_actor", seed=1, **ids)
     paths["hf_reward"] = save_tiny("qwen2", root / "hf_reward", seq_cls=True, seed=2, **ids)
+    # A reward / critic model of another size than the policy (the common case: a small reward model).
+    paths["hf_reward_small"] = save_tiny("qwen2", root / "hf_reward_small", seq_cls=True, seed=3, hidden_size=32,
+                                         intermediate_size=64, **ids)
     from mindspeed_llm.checkpoint import convert_hf_to_mg
     from mindspeed_llm.data.preprocess import preprocess
 
@@ -53,6 +56,9 @@ def build(root: Path) -> dict:
             convert_hf_to_mg(paths[f"hf_{role}"], out, tp, pp, value_head=orm, tokenizer_dir=tokenizer,
                              progress=False)
             paths[f"mg_{role}_tp{tp}pp{pp}"] = str(out)
+    small = root / "mg_reward_small_tp2pp1"
+    convert_hf_to_mg(paths["hf_reward_small"], small, 2, 1, value_head=True, tokenizer_dir=tokenizer, progress=False)
+    paths["mg_reward_small_tp2pp1"] = str(small)
     for split, count, seed in (("train", 32, 0), ("eval", 4, 1)):
         raw = root / f"{split}.json"
         raw.write_text(json.dumps(arithmetic_rows(count, seed)))

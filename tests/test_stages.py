@@ -59,6 +59,8 @@ def test_three_iterations(stage_paths, tmp_path, stage, tp, pp):
     if dp2:  # held-out evaluation, and grpo's group filter, on one layout
         extra += ["--eval-data-path", stage_paths["data_eval"], "--eval-interval", "2"]
         extra += ["--filter-groups"] if stage == "grpo" else ["--whiten-rewards"]
+    if stage == "trl_ppo" and tp == 2:  # critic and reward half the actor's width (argparse: the last value wins)
+        extra += ["--reward-model", stage_paths["mg_reward_small_tp2pp1"]]
     check_ok(torchrun(stage_argv(stage_paths, stage, tp, pp, iters=3, extra=extra), nproc=2))
 
     records = read_jsonl(metrics_file)
@@ -85,6 +87,8 @@ def test_three_iterations(stage_paths, tmp_path, stage, tp, pp):
         state = torch.load(save / role / "iter_0000003" / shard / "model_optim_rng.pt", weights_only=False)
         assert state["iteration"] == 3 and "optimizer" in state and "opt_param_scheduler" in state
         assert state["data_position"]["sampler"]["iteration"] == 3
+        if role == "critic" and tp == 2:
+            assert state["model_spec"]["hidden_size"] == 32  # trained at its own size beside a 64-wide actor
 
     # The trained actor goes back to Hugging Face and differs from where it started.
     from transformers import AutoModelForCausalLM
