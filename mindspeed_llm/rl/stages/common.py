@@ -68,8 +68,14 @@ def trainable(model, args, lr: float) -> TrainableModel:
     ))
 
 
-def check_same_vocab(models: Dict[str, torch.nn.Module]) -> None:
-    sizes = {name: m.model_spec.vocab_size for name, m in models.items()}
+def load_reward_model(args):
+    """The frozen reward model (value head) of `--reward-model`."""
+    return frozen(load_model(args.reward_model, "--reward-model", args, value_head=True))
+
+
+def check_same_vocab(models: Dict[str, Optional[torch.nn.Module]]) -> None:
+    """All models of a stage read the same token ids (None entries: roles this run does not load)."""
+    sizes = {name: m.model_spec.vocab_size for name, m in models.items() if m is not None}
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"{k}={v}" for k, v in sizes.items())
         raise ArgumentError(f"the models disagree on vocabulary size ({listed}); all must share one tokenizer")
@@ -128,6 +134,11 @@ def rollout_metrics(exp: Experience) -> Dict[str, float]:
 # ---------------------------------------------------------------------------------------------- scoring
 class Scorer:
     """Sequence scores from rule verifiers and/or a reward model (weighted sum), with their metrics."""
+
+    @classmethod
+    def from_args(cls, args, reward_model=None) -> "Scorer":
+        return cls(args.verifier_function, args.verifier_weight, reward_model, args.reward_model_weight,
+                   args.offload_ref_reward)
 
     def __init__(self, verifier_names: Sequence[str], verifier_weights: Sequence[float],
                  reward_model=None, reward_model_weight: float = 1.0, offload: bool = False):

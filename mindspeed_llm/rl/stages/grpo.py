@@ -37,18 +37,9 @@ class GRPOStage:
         flag = "--ref-model" if args.ref_model else "--load"
         self.actor = common.trainable(common.load_model(initial, flag, args), args, args.lr)
         self.reference = common.frozen(common.load_model(initial, flag, args)) if args.kl_coef > 0 else None
-        reward_model = (
-            common.frozen(common.load_model(args.reward_model, "--reward-model", args, value_head=True))
-            if args.reward_model else None
-        )
-        models = {"actor": self.actor.module}
-        if self.reference is not None:
-            models["reference"] = self.reference
-        if reward_model is not None:
-            models["reward"] = reward_model
-        common.check_same_vocab(models)
-        self.scorer = common.Scorer(args.verifier_function, args.verifier_weight, reward_model,
-                                    args.reward_model_weight, args.offload_ref_reward)
+        reward_model = common.load_reward_model(args) if args.reward_model else None
+        common.check_same_vocab({"actor": self.actor.module, "reference": self.reference, "reward": reward_model})
+        self.scorer = common.Scorer.from_args(args, reward_model)
         self.sampling = common.sampling_config(args, tokenizer)
 
     def trained_roles(self):

@@ -34,16 +34,10 @@ class TrlPPOStage:
             common.load_model(args.reward_model, "--reward-model", args, value_head=True), args, args.critic_lr
         )
         uses_reward_model = args.reward_model_weight != 0 or not args.verifier_function
-        reward_model = (
-            common.frozen(common.load_model(args.reward_model, "--reward-model", args, value_head=True))
-            if uses_reward_model else None
-        )
-        models = {"actor": self.actor.module, "reference": self.reference, "critic": self.critic.module}
-        if reward_model is not None:
-            models["reward"] = reward_model
-        common.check_same_vocab(models)
-        self.scorer = common.Scorer(args.verifier_function, args.verifier_weight, reward_model,
-                                    args.reward_model_weight, args.offload_ref_reward)
+        reward_model = common.load_reward_model(args) if uses_reward_model else None
+        common.check_same_vocab({"actor": self.actor.module, "reference": self.reference,
+                                 "critic": self.critic.module, "reward": reward_model})
+        self.scorer = common.Scorer.from_args(args, reward_model)
         self.sampling = common.sampling_config(args, tokenizer)
 
     def trained_roles(self):
