@@ -6,7 +6,6 @@ import os
 from datetime import timedelta
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from mindspeed_llm import device
@@ -90,5 +89,4 @@ def barrier() -> None:
         dist.barrier()
 
 
-__all__ = ["initialize", "destroy", "seed_all", "data_parallel_info", "broadcast_object", "is_rank_0", "barrier",
-           "torch"]
+__all__ = ["initialize", "destroy", "seed_all", "data_parallel_info", "broadcast_object", "is_rank_0", "barrier"]

@@ -7,7 +7,7 @@ one place (`experience.py`).
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict
 
 import torch
 from megatron.core import parallel_state
@@ -66,7 +66,3 @@ def reward_scores(model, exp: Experience, micro_batch_size: int) -> torch.Tensor
         lambda out, mb: gather_last_token(out, mb).reshape(-1).float(), (),
     )
 
-
-def split_rows(n_rows: int, parts: int) -> Tuple[torch.Tensor, ...]:
-    """Consecutive row-index blocks of equal size (mini-batches)."""
-    return torch.arange(n_rows).chunk(parts)
