@@ -16,6 +16,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 
+from mindspeed_llm.models.forward_layout import install_layout_hooks
 from mindspeed_llm.models.spec import ModelSpec
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -121,4 +122,5 @@ def build_model(
     model.is_value_model = value_head
     if value_head and post_process:
         model.output_layer = ValueHead(spec.hidden_size)
+    install_layout_hooks(model)  # RoPE by position ids and an output window (models/forward_layout.py)
     return model

@@ -18,6 +18,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from mindspeed_llm.models.forward_layout import forward_layout
+
 MicroBatch = Dict[str, torch.Tensor]
 # loss_fn(output, micro_batch) -> (loss scalar, {metric name: scalar tensor})
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple]
@@ -42,7 +44,10 @@ class OptimizerSettings:
 
 
 def _model_forward(model, micro_batch: MicroBatch):
-    return model(micro_batch["tokens"], micro_batch["position_ids"], None)
+    """Outputs `[rows, T - logits_from, ...]`: RoPE at the micro-batch's position ids, its attention mask
+    (None: causal), and nothing computed for the positions before `logits_from` (`rl/experience.py`)."""
+    with forward_layout(model, micro_batch["position_ids"], int(micro_batch.get("logits_from", 0))):
+        return model(micro_batch["tokens"], micro_batch["position_ids"], micro_batch.get("attention_mask"))
 
 
 def _run_schedule(chunks, micro_batches: Sequence[MicroBatch], step_fn, forward_only: bool):
@@ -103,7 +108,7 @@ def forward_only(model, micro_batches: Sequence[MicroBatch], output_fn: OutputFn
     finally:
         for c, mode in zip(chunks, was_training):
             c.train(mode)
-    rows = sum(mb["tokens"].shape[0] for mb in micro_batches)
+    rows = sum(mb["responses"].shape[0] for mb in micro_batches)  # samples (packed groups hold several)
     local = torch.cat([r["out"] for r in results]) if parallel_state.is_pipeline_last_stage() else None
     return _broadcast_from_last_stage(local, (rows, *out_shape_tail), torch.float32)
 

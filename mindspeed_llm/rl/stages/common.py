@@ -193,10 +193,13 @@ def ppo_update(model: TrainableModel, exp: Experience, args, loss_fn: Callable, 
     """
     dp = parallel_state.get_data_parallel_world_size()
     rows_per_step = args.ppo_mini_batch_size // dp
+    # Packed prompt groups are shuffled as wholes, so that every micro-batch can still pack them.
+    unit = exp.group_size if exp.packs_groups(args.micro_batch_size) else 1
     steps: List[Dict[str, float]] = []
     for epoch in range(args.ppo_epochs):
         generator = torch.Generator().manual_seed(hash((args.seed, iteration, epoch)) % (2**63))
-        order = torch.randperm(exp.batch_size, generator=generator)
+        units = torch.randperm(exp.batch_size // unit, generator=generator)
+        order = (units[:, None] * unit + torch.arange(unit)[None, :]).reshape(-1)
         for block in order.split(rows_per_step):
             steps.append(model.train_step(exp.select(block).micro_batches(args.micro_batch_size), loss_fn))
     out = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0] if k != "lr"}
@@ -204,13 +207,23 @@ def ppo_update(model: TrainableModel, exp: Experience, args, loss_fn: Callable, 
     return out
 
 
+def update_reads_rollout_weights(args, exp: Experience) -> bool:
+    """True when the update is one optimizer step over all of this rank's rows (`--ppo-epochs 1`, one
+    mini-batch): every micro-batch's forward then runs on the weights that generated the rollout, so the
+    old log-probs are the update's own (detached) and need no pass of their own (TRL does the same)."""
+    rows_per_step = args.ppo_mini_batch_size // parallel_state.get_data_parallel_world_size()
+    return args.ppo_epochs == 1 and exp.batch_size <= rows_per_step
+
+
 def clipped_policy_loss(args, logits, micro_batch, kl_coef: float = 0.0):
     """The actor's loss of both stages on one micro-batch: the clipped surrogate (`--clip-ratio`,
     `--clip-ratio-high`, `--dual-clip`, `--loss-agg-mode`), plus `kl_coef` x the KL to the reference
-    (`--kl-penalty`; grpo's KL loss) and the entropy bonus (`--entropy-coeff`). Returns (loss, metrics)."""
+    (`--kl-penalty`; grpo's KL loss) and the entropy bonus (`--entropy-coeff`). Returns (loss, metrics).
+    Without `old_logp` in the micro-batch (see `update_reads_rollout_weights`) the old log-probs are `logp`'s."""
     logp, entropy = response_logprobs(logits, micro_batch, args.temperature, with_entropy=True)
+    old_logp = micro_batch.get("old_logp")
     return core_algos.policy_loss(
-        logp, micro_batch["old_logp"], micro_batch["advantages"], micro_batch["response_mask"],
+        logp, logp.detach() if old_logp is None else old_logp, micro_batch["advantages"], micro_batch["response_mask"],
         clip_low=args.clip_ratio, clip_high=args.clip_ratio_high, dual_clip=args.dual_clip, agg=args.loss_agg_mode,
         max_len=args.max_new_tokens, ref_logp=micro_batch.get("ref_logp"), kl_coef=kl_coef,
         kl_kind=args.kl_penalty, entropy=entropy, entropy_coeff=args.entropy_coeff,

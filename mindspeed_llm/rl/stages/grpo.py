@@ -54,6 +54,7 @@ class GRPOStage:
             with timers("rollout"):
                 exp = common.rollout(self.actor.module, samples, self.sampling, iteration, args.max_prompt_length,
                                      self.tokenizer)
+                exp.group_size = n  # the passes and the update compute each prompt once per group
             rollout_stats = common.rollout_metrics(exp)
             exp.scores, score_metrics = self.scorer(exp, mbs, timers)
 
@@ -65,8 +66,9 @@ class GRPOStage:
                     # (masked, so shapes and step counts stay equal on every rank; no refill).
                     informative = exp.scores.view(-1, n).std(dim=1, unbiased=False) > 0
                     exp.response_mask = exp.response_mask * informative.repeat_interleave(n)[:, None]
-            with timers("old_log_p"):
-                exp.old_logp = policy_logprobs(self.actor.chunks, exp, mbs, args.temperature)
+            with timers("old_log_p"):  # ~0 s when the update's own log-probs are the old ones
+                if not common.update_reads_rollout_weights(args, exp):
+                    exp.old_logp = policy_logprobs(self.actor.chunks, exp, mbs, args.temperature)
             if self.reference is not None:
                 with timers("reference_model"), common.on_device(self.reference, args.offload_ref_reward):
                     exp.ref_logp = policy_logprobs([self.reference], exp, mbs, args.temperature)

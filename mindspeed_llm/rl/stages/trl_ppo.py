@@ -53,7 +53,10 @@ class TrlPPOStage:
                                      self.tokenizer)
             rollout_stats = common.rollout_metrics(exp)
             with timers("old_log_p"):
-                exp.old_logp = policy_logprobs(self.actor.chunks, exp, mbs, args.temperature)
+                if exp.rollout_logp is not None and common.update_reads_rollout_weights(args, exp):
+                    exp.old_logp = exp.rollout_logp  # as TRL's PPO: the generation logits' log-probs, no pass
+                else:
+                    exp.old_logp = policy_logprobs(self.actor.chunks, exp, mbs, args.temperature)
             with timers("reference_model"), common.on_device(self.reference, args.offload_ref_reward):
                 exp.ref_logp = policy_logprobs([self.reference], exp, mbs, args.temperature)
             with timers("critic_model"):

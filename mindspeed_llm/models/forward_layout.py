@@ -1,0 +1,83 @@
+"""Per-forward layout options of the models `build_model` returns: RoPE at given position ids, and output
+(logits / values) only from a given sequence position on.
+
+Megatron's `GPTModel` (0.16.1) applies rotary embeddings by slot, `0..S-1` for every row, and ignores
+`position_ids` for RoPE; and it applies its output layer to every position. The RL passes need both to
+differ: a packed micro-batch (`mindspeed_llm.rl.experience`) holds a prompt followed by several responses,
+each of which continues at the prompt's end (its own positions), and only the positions that predict
+response tokens are read, so the prompt's logits are waste (TRL's `logits_to_keep`).
+
+Both are done with PyTorch hooks registered when the model is built, not by patching megatron: a forward
+hook on `model.rotary_pos_emb` turns its `[S, 1, 1, D]` table into `[S, B, 1, D]` rows indexed by the
+position ids (the shape megatron's own mRoPE path hands to attention, which broadcasts it over heads), and a
+forward pre-hook on `model.output_layer` drops the hidden states before `logits_from`. The hooks read
+options that `forward_layout(...)` sets for the duration of one forward; outside it they change nothing.
+With `position_ids = arange(S)` and `logits_from = 0` the output is exactly megatron's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+from megatron.core.utils import unwrap_model
+
+_POSITIONS = "_layout_position_ids"
+_LOGITS_FROM = "_layout_logits_from"
+
+
+def _rotary_by_position_ids(module, args, output):
+    position_ids = getattr(module, _POSITIONS, None)
+    if position_ids is None or not isinstance(output, torch.Tensor):
+        return output
+    if int(position_ids.max()) >= output.size(0):
+        raise ValueError(f"position id {int(position_ids.max())} is past the rotary table ({output.size(0)} slots)")
+    table = output[:, 0, 0, :]  # [S, D]
+    return table[position_ids.t()].unsqueeze(2)  # [S, B, 1, D]
+
+
+def _output_from_position(module, args, kwargs):
+    start = getattr(module, _LOGITS_FROM, 0)
+    if not start:
+        return None
+    hidden_states = args[0] if args else kwargs.pop("input_")
+    return (hidden_states[start:], *args[1:]), kwargs
+
+
+def install_layout_hooks(model) -> None:
+    """Register the hooks on a freshly built GPTModel (every pipeline stage; the output hook where there
+    is an output layer). Idempotent."""
+    if getattr(model, "has_layout_hooks", False):
+        return
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if rotary is not None:
+        rotary.register_forward_hook(_rotary_by_position_ids)
+    output_layer = getattr(model, "output_layer", None)
+    if output_layer is not None:
+        output_layer.register_forward_pre_hook(_output_from_position, with_kwargs=True)
+    model.has_layout_hooks = True
+
+
+@contextlib.contextmanager
+def forward_layout(model, position_ids: Optional[torch.Tensor] = None, logits_from: int = 0):
+    """Within this block, forwards of `model` (a GPTModel, possibly wrapped in DDP / Float16Module) rotate
+    by `position_ids` `[B, S]` (None: by slot, megatron's default) and return outputs for positions
+    `logits_from..S-1` only."""
+    core = unwrap_model(model)
+    if not getattr(core, "has_layout_hooks", False):
+        raise RuntimeError("forward_layout: this model was not built by mindspeed_llm.models.build_model "
+                           "(no layout hooks); its positions and output window cannot be set")
+    rotary = getattr(core, "rotary_pos_emb", None)
+    output_layer = getattr(core, "output_layer", None)
+    if rotary is not None:
+        setattr(rotary, _POSITIONS, position_ids)
+    if output_layer is not None:
+        setattr(output_layer, _LOGITS_FROM, int(logits_from))
+    try:
+        yield
+    finally:
+        if rotary is not None:
+            setattr(rotary, _POSITIONS, None)
+        if output_layer is not None:
+            setattr(output_layer, _LOGITS_FROM, 0)
