@@ -112,6 +112,50 @@ def _live_inference_contexts():
     return sum(isinstance(o, StaticInferenceContext) for o in gc.get_objects())
 
 
+@contextlib.contextmanager
+def _record_forward_shapes():
+    """Yields a list that collects the [batch, window] token shape of every forward the wrapper runs."""
+    from megatron.core.inference.model_inference_wrappers.abstract_model_inference_wrapper import (
+        AbstractModelInferenceWrapper as Wrapper,
+    )
+
+    shapes, names = [], ("forward_pass_without_pipeline_parallel", "forward_pass_with_pipeline_parallel_small_input_batch")
+    originals = [getattr(Wrapper, name) for name in names]
+
+    def recording(fn):
+        def run(self, inference_input, *args, **kwargs):
+            shapes.append(tuple(inference_input["tokens"].shape))
+            return fn(self, inference_input, *args, **kwargs)
+        return run
+
+    try:
+        for name, fn in zip(names, originals):
+            setattr(Wrapper, name, recording(fn))
+        yield shapes
+    finally:
+        for name, fn in zip(names, originals):
+            setattr(Wrapper, name, fn)
+
+
+def _repeated_prompt_cases(model, prompts):
+    """Repeated prompts (GRPO's n samples; here also non-adjacent, plus a prompt that shares only its first
+    L_min tokens with another) with the shared prefill and with every row prefilled; prefill batch sizes."""
+    from mindspeed_llm.inference import generate
+
+    rows = [prompts[i] for i in (0, 0, 1, 3, 1, 1, 0, 5)] + [prompts[3][:6]]
+    out = {"repeated_rows": rows}
+    configs = {"greedy": SamplingConfig(max_new_tokens=MAX_NEW, pad_token_id=PAD),
+               "sample": SamplingConfig(seed=7, **SAMPLE)}
+    for name, sampling in configs.items():
+        for mode in ("batched", "stepwise"):
+            with _record_forward_shapes() as shapes:
+                out[f"dup_{name}_{mode}"] = generate(model, rows, sampling, prefill=mode, iteration=2)
+            out[f"dup_{name}_{mode}_prefill_shape"] = shapes[0]
+            out[f"dup_{name}_{mode}_nodedup"] = generate(model, rows, sampling, prefill=mode, iteration=2,
+                                                         _dedup_prefill=False)
+    return out
+
+
 def _layout_cases(tp, pp, root, prompts, eos, stop):
     """Every case of one layout (weights: the Megatron checkpoint under `root`); a dict of Rollouts and flags."""
     from megatron.core import parallel_state
@@ -159,6 +203,7 @@ def _layout_cases(tp, pp, root, prompts, eos, stop):
         out["free_stepwise_unpatched"] = generate(
             model, prompts, SamplingConfig(max_new_tokens=MAX_NEW, pad_token_id=PAD), prefill="stepwise")
     out["inference_patches"] = n_patched
+    out.update(_repeated_prompt_cases(model, prompts))
     out["device"] = device.accelerator().kind
     errors = []
     for kwargs in (dict(prompt_token_lists=[[5], []]), dict(prompt_token_lists=[[5]], prefill="both")):
@@ -373,6 +418,30 @@ def test_inference_speed_patches_are_exact(dp2, tp2, pp2):
             patched, unpatched = result[mode], result[mode + "_unpatched"]
             assert torch.equal(patched.responses, unpatched.responses), mode
             torch.testing.assert_close(patched.log_probs, unpatched.log_probs, atol=1e-5, rtol=0)
+
+
+def test_repeated_prompts_prefilled_once(ref, dp2, tp2, pp2):
+    """Repeated prompts are prefilled once and their KV-cache rows and logits copied: the same rollouts as
+    prefilling every row (greedy and sampled, batched and stepwise), in every layout."""
+    for result in dp2 + tp2 + pp2:
+        rows = result["repeated_rows"]
+        lengths = [len(p) for p in rows]
+        for name in ("greedy", "sample"):
+            for mode in ("batched", "stepwise"):
+                key = f"dup_{name}_{mode}"
+                shared, every_row = result[key], result[key + "_nodedup"]
+                assert torch.equal(shared.responses, every_row.responses), key
+                assert torch.equal(shared.response_mask, every_row.response_mask), key
+                torch.testing.assert_close(shared.log_probs, every_row.log_probs, atol=1e-5, rtol=0)
+                _check_consistent(shared)
+                # batched: 5 distinct prompts; stepwise: 4 distinct first-L_min windows (the last row's prefix)
+                window = max(lengths) if mode == "batched" else min(lengths)
+                assert result[key + "_prefill_shape"] == (5 if mode == "batched" else 4, window), key
+        greedy = result["dup_greedy_batched"].response_token_lists()
+        free = {tuple(p): row for p, row in zip(ref["prompts"], ref["free"])}
+        assert [greedy[b] for b in range(8)] == [free[tuple(p)] for p in rows[:8]]
+        sampled = result["dup_sample_batched"].responses
+        assert not torch.equal(sampled[0], sampled[1])  # repeated prompts still draw their own samples
 
 
 # ----------------------------------------------------------------------------------------- TP=2

@@ -20,7 +20,10 @@ and the rotary embedding of a slot is that of position s for every row. Two ways
   per step: rows still inside their prompt take their next prompt token ("forced"), the others a new
   token. No mask is ever needed, but mixed prompt lengths cost L_max - L_min extra steps.
 
-Both stop when every row has hit a stop token or its length budget. Tokens are generated under
+Both stop when every row has hit a stop token or its length budget. Rows whose prefill window is identical
+(GRPO's n samples of a prompt) are prefilled once: one forward over the distinct windows, then their KV-cache
+rows and last logits are copied to the repeats (rows never interact in a forward, so a copy is what their own
+forward would compute; all layouts, TP and PP included: every stage sees the same, smaller prefill batch). Tokens are generated under
 `torch.no_grad()` (not `inference_mode`: Megatron lru-caches rotary tables, and an inference tensor cached
 here would break a later training forward of the same length).
 
@@ -100,6 +103,7 @@ def generate(
     generator: Optional[torch.Generator] = None,
     vocab_size: Optional[int] = None,
     prefill: str = "auto",
+    _dedup_prefill: bool = True,
 ) -> Rollout:
     """Generate one response per prompt with Megatron's KV cache; returns a `Rollout` (same on every rank
     of the model-parallel group).
@@ -117,6 +121,7 @@ def generate(
         vocab_size: if the model's vocabulary is padded, logits at ids >= vocab_size are never chosen.
         prefill: "batched" (left-padded one-shot prefill), "stepwise" (Megatron controller's scheme) or
             "auto" (batched where the attention honours masks, else stepwise); see the module docstring.
+        _dedup_prefill: private; False prefills every row even where prompts repeat (tests compare both).
     """
     sampling = sampling or SamplingConfig()
     prompts = [[int(t) for t in p] for p in prompt_token_lists]
@@ -168,6 +173,20 @@ def generate(
         o = int(offsets[b])
         tokens[b, o: o + len(p)] = row
         prompt_tensor[b, : len(p)] = row
+    # Rows whose prefill window is identical (GRPO repeats each prompt n times) share one prefill row.
+    # Batched: the whole prompt (its left padding follows from its length). Stepwise: the first L_min tokens.
+    share_index = None
+    if _dedup_prefill:
+        unique_of, share, unique_rows = {}, [], []
+        for b, p in enumerate(prompts):
+            key = tuple(p if batched else p[:L_min])
+            if key not in unique_of:
+                unique_of[key] = len(unique_rows)
+                unique_rows.append(b)
+            share.append(unique_of[key])
+        if len(unique_rows) < B:
+            share_index = torch.tensor(share, dtype=torch.long, device=dev)  # row -> its prefill row
+            unique_rows = torch.tensor(unique_rows, dtype=torch.long, device=dev)
     slots = torch.arange(T, device=dev)
     position_ids = (slots.unsqueeze(0) - offsets.unsqueeze(1)).clamp(min=0)  # true positions (rope ignores)
     key_is_pad = (slots.unsqueeze(0) < offsets.unsqueeze(1)).view(B, 1, 1, T)  # True = masked (megatron)
@@ -204,21 +223,38 @@ def generate(
     last_stage = is_pipeline_last_stage(wrapper.pp_group)
     was_training = model.training
 
-    def forward(start: int, end: int) -> Optional[torch.Tensor]:
-        """Run slots [start, end) (KV cache offset = start); logits [B, V] of slot end-1 on the last stage."""
+    def forward(start: int, end: int, rows: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Run slots [start, end) (KV cache offset = start) for every row, or only for `rows` (which then fill
+        cache rows 0 .. len(rows)-1); logits [B or len(rows), V] of slot end-1 on the last stage."""
+        window_tokens, window_positions = tokens[:, start:end], position_ids[:, start:end]
+        if rows is not None:
+            window_tokens, window_positions = window_tokens[rows], window_positions[rows]
         if batched:
-            mask = key_is_pad[..., :end]
+            mask = (key_is_pad if rows is None else key_is_pad[rows])[..., :end]
             if end - start > 1:  # prefill: causal within the window as well
                 causal = torch.ones((end - start, end), dtype=torch.bool, device=dev).triu(1 + start)
                 mask = mask | causal.view(1, 1, end - start, end)
         else:
-            mask = stepwise_mask[..., start:end, :end]
-        window = {"tokens": tokens[:, start:end], "position_ids": position_ids[:, start:end], "attention_mask": mask}
+            mask = stepwise_mask[..., start:end, :end]  # [1, 1, ., .]: the same for every row
+        window = {"tokens": window_tokens, "position_ids": window_positions, "attention_mask": mask}
         if wrapper.model_is_pipeline_parallel:
             out = wrapper.forward_pass_with_pipeline_parallel_small_input_batch(window)
         else:
             out = wrapper.forward_pass_without_pipeline_parallel(window)
         return out[:, -1, :] if out is not None else None
+
+    def prefill_forward() -> Optional[torch.Tensor]:
+        """Slots [0, first_step) of every row; with repeated prompts, one forward over the unique ones, whose
+        KV-cache rows and logits are then copied to the rows that repeat them (a copy of what their own
+        forward would compute: the rows of a batch never mix)."""
+        if share_index is None:
+            return forward(0, first_step)
+        logits = forward(0, first_step, unique_rows)
+        for buffers in context.key_value_memory_dict.values():  # this stage's layers: [T, B, groups, dim]
+            for buf in buffers:
+                if buf is not None:
+                    buf[:first_step, :B] = buf[:first_step, share_index]
+        return logits[share_index] if logits is not None else None
 
     def pick(logits: Optional[torch.Tensor]):
         """Tokens (+ log-probs) chosen on the source rank and broadcast to the model-parallel group."""
@@ -244,7 +280,7 @@ def generate(
                 stepwise_mask = wrapper.prep_inference_input(tokens)["attention_mask"]
             pos = first_step
             if not bool(finished.all()):  # else every budget is 0: nothing to run
-                logits = forward(0, first_step)
+                logits = prefill_forward()
             while pos < T and not bool(finished.all()):
                 generating = (starts <= pos) & ~finished
                 if bool(generating.any()):
