@@ -7,9 +7,10 @@ logs for both iterations must agree within 1e-5.
 
 Our side is the real stage (`mindspeed_llm.rl.trainer.run(parse_args(posttrain_argv(...) + ...))` in one gloo
 process); only the sampler of the rollout is replaced: `mindspeed_llm.rl.stages.common.generate` returns a
-`Rollout` holding the fixed responses. Everything downstream (layout, old / reference log-probs, critic values,
-reward-model score, KL rewards, GAE, whitening, the Megatron updates, metric reduction, the JSONL logger) runs
-unmodified. TRL's side is `PPOTrainer.train()` with `batch_generation` replaced by a function that returns the
+`Rollout` holding the fixed responses and, as the sampler's log-probs (which the stage takes as the old ones with
+one epoch and one mini-batch, as TRL does), the policy's own at the sampling temperature. Everything downstream
+(layout, reference log-probs, critic values, reward-model score, KL rewards, GAE, whitening, the Megatron
+updates, metric reduction, the JSONL logger) runs unmodified. TRL's side is `PPOTrainer.train()` with `batch_generation` replaced by a function that returns the
 same responses and, as the generation "scores", the policy's logits on them divided by TRL's generation
 temperature (what `generate(..., output_scores=True)` returns for `do_sample` with only a temperature warper).
 
@@ -167,13 +168,19 @@ def _our_stage(rank, world_size, argv, responses, reference_root):
     from mindspeed_llm.checkpoint import load_megatron_weights
     from mindspeed_llm.rl import trainer
     from mindspeed_llm.rl.experience import Experience
+    from mindspeed_llm.rl.passes import policy_logprobs
     from mindspeed_llm.rl.stages import STAGES, common
 
     record = {"prompts": [], "orders": []}
 
     def fixed_generate(model, prompts, sampling, *, iteration=0, **_):
         record["prompts"].append([list(p) for p in prompts])
-        return _fixed_rollout(prompts, responses[iteration - 1], sampling.pad_token_id, sampling.eos_token_id)
+        rollout = _fixed_rollout(prompts, responses[iteration - 1], sampling.pad_token_id, sampling.eos_token_id)
+        # The sampler's log-probs, which the stage takes as the old ones (one epoch, one mini-batch), as TRL
+        # reads them off its generation scores: the policy's, at the sampling temperature.
+        rollout.log_probs = policy_logprobs([model], Experience.from_rollout(rollout), len(prompts),
+                                            sampling.temperature)
+        return rollout
 
     select = Experience.select
 
