@@ -2,12 +2,18 @@
 
 One process, TP=1, random Llama weights shared by all paths (built with `transformers`, converted into a
 Megatron GPTModel with `mindspeed_llm.checkpoint`). Every path generates exactly `--new-tokens` tokens per
-prompt (no EOS) for the same batch of mixed-length prompts; tokens/s counts generated tokens only. Greedy
+prompt (no EOS) for the same batch of mixed-length prompts; tokens/s counts generated tokens only. `--samples-per-prompt N` repeats each of the `--batch` prompts N
+times in a row (GRPO's layout: batch * N rows), which the KV-cache path prefills once per distinct prompt; it
+then also times that path with every row prefilled (the private `_dedup_prefill=False`). Greedy
 and sampled runs are timed for the KV-cache path and for `transformers`; the no-cache loop (a full Megatron
 forward over the whole prefix at every step, greedy) is the baseline the KV cache must beat. Wall-clock
 tokens/s is the headline; process CPU seconds are printed too because the machine may be shared.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/generate.py [--json out.json]
+    # SmolLM2-135M's shape, GRPO-like (8 prompts x 4 samples, 24 new tokens):
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/generate.py --layers 30 --hidden 576 --ffn 1536 --heads 9 \
+        --kv-heads 3 --vocab 49152 --batch 8 --samples-per-prompt 4 --min-prompt 45 --max-prompt 55 \
+        --new-tokens 24 --top-k 0 --top-p 1.0 --temperature 0.7 --skip-no-cache
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=int, default=16, help="distinct prompts")
+    p.add_argument("--samples-per-prompt", type=int, default=1, help="rows per prompt, contiguous (GRPO's n)")
     p.add_argument("--min-prompt", type=int, default=16)
     p.add_argument("--max-prompt", type=int, default=48)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -88,10 +95,10 @@ def init_megatron():
 
 # --------------------------------------------------------------------------------------------- paths
 
-def run_megatron(model, prompts, sampling):
+def run_megatron(model, prompts, sampling, **kwargs):
     from mindspeed_llm.inference import generate
 
-    rollout = generate(model, prompts, sampling, iteration=0)
+    rollout = generate(model, prompts, sampling, iteration=0, **kwargs)
     return rollout.response_token_lists()
 
 
@@ -174,7 +181,9 @@ def main(argv=None):
 
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(args.min_prompt, args.max_prompt + 1, (args.batch,), generator=g).tolist()
-    prompts = [torch.randint(3, args.vocab, (n,), generator=g).tolist() for n in lengths]
+    distinct = [torch.randint(3, args.vocab, (n,), generator=g).tolist() for n in lengths]
+    prompts = [p for p in distinct for _ in range(args.samples_per_prompt)]
+    rows_total = len(prompts)
     greedy = SamplingConfig(max_new_tokens=args.new_tokens, pad_token_id=0)
     greedy_no_lp = SamplingConfig(max_new_tokens=args.new_tokens, pad_token_id=0, return_log_probs=False)
     sampled = SamplingConfig(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -185,7 +194,7 @@ def main(argv=None):
     warm = argparse.Namespace(**{**vars(args), "new_tokens": 4})
     run_hf(hf, prompts[:2], warm, False)
 
-    n_tokens = args.batch * args.new_tokens
+    n_tokens = rows_total * args.new_tokens
     rows = []
 
     def record(name, timing, note=""):
@@ -203,13 +212,19 @@ def main(argv=None):
     record("megatron kv-cache greedy", t_mg, "incl. log-probs (default)")
     record("megatron kv-cache greedy-nlp", t_nlp, "return_log_probs=False")
     agree = sum(a == b for a, b in zip(mg_greedy, hf_greedy))
-    record("transformers greedy", t_hf, f"rows equal to megatron greedy: {agree}/{args.batch}")
+    record("transformers greedy", t_hf, f"rows equal to megatron greedy: {agree}/{rows_total}")
     record("megatron kv-cache sampled", t_mgs, f"T={args.temperature} top_k={args.top_k} top_p={args.top_p}")
     record("transformers sampled", t_hfs, "same T/top_k/top_p")
+    if args.samples_per_prompt > 1:
+        [(*t_every, every)] = timed([lambda: run_megatron(megatron_model, prompts, greedy, _dedup_prefill=False)],
+                                    args.repeats)
+        record("megatron greedy every-row", t_every,
+               f"every row prefilled; rows equal to kv-cache greedy: "
+               f"{sum(a == b for a, b in zip(mg_greedy, every))}/{rows_total}")
     if not args.skip_no_cache:
         [(*t, nc_greedy)] = timed([lambda: run_no_cache(megatron_model, prompts, args)], 1)
         agree_nc = sum(a == b for a, b in zip(mg_greedy, nc_greedy))
-        record("megatron no-cache greedy", t, f"rows equal to kv-cache greedy: {agree_nc}/{args.batch}")
+        record("megatron no-cache greedy", t, f"rows equal to kv-cache greedy: {agree_nc}/{rows_total}")
 
     by_name = {r["path"]: r for r in rows}
     nc = by_name.get("megatron no-cache greedy")
@@ -220,7 +235,8 @@ def main(argv=None):
         r["cpu_vs_transformers"] = r["cpu_tokens_per_s"] / hf_same["cpu_tokens_per_s"]
         r["vs_no_cache"] = r["tokens_per_s"] / nc["tokens_per_s"] if nc else None
 
-    header = (f"layers={args.layers} hidden={args.hidden} vocab={args.vocab} batch={args.batch} "
+    header = (f"layers={args.layers} hidden={args.hidden} vocab={args.vocab} batch={args.batch}"
+              f"x{args.samples_per_prompt} "
               f"prompts={min(lengths)}-{max(lengths)} new_tokens={args.new_tokens} "
               f"threads={torch.get_num_threads()} torch={torch.__version__}")
     print(header)
