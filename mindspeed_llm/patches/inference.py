@@ -1,6 +1,6 @@
 """Speed patches for rollout generation on megatron-core 0.16.1's static KV cache (devices: cpu).
 
-All three are exact: they change *how* a step is computed, never what. Greedy rollouts stay token for token
+All are exact: they change *how* a step is computed, never what. Greedy rollouts stay token for token
 equal to `transformers` and to megatron's unpatched code (tests/test_generate.py, TP1/TP2/PP2, batched and
 stepwise prefill), and a training forward (autograd on, no inference context) reaches none of the new code.
 
@@ -16,6 +16,8 @@ What megatron-core 0.16.1 does at every decode step (local spec, `flash_decode=F
 3. Every linear layer goes through `LinearWithGradAccumulationAndAsyncCommunication.apply` (autograd
    Function + autocast decorator + ctx bookkeeping), also under `torch.no_grad()` where the Function only
    computes `input @ weight.t() (+ bias)`: about 17 calls per decode step for a 4-layer model.
+4. Around them, `copy_to_tensor_model_parallel_region` / `reduce_from_tensor_model_parallel_region` build an
+   autograd Function (about 10 us each on CPU) whose forward is the identity / megatron's `_reduce`.
 
 Megatron's own way out of 1. and 2., `config.flash_decode=True`, is no option here: its decode step calls
 flash-attn's `flash_attn_with_kvcache` (CUDA only), and without flash-attn its prefill/step fallback
@@ -39,6 +41,8 @@ The patches:
 3. `linear_with_grad_accumulation_and_async_allreduce` with autograd off and no sequence parallelism:
    return `torch.matmul(input, weight.t())` (+ bias), the very expression the Function's forward
    evaluates in that case, without building the Function.
+4. `copy_to_` / `reduce_from_tensor_model_parallel_region` as called by megatron's linear layers, autograd off:
+   the Function's forward (the input itself / `_reduce(input, group)`, the TP all-reduce) without the Function.
 
 Numbers: benchmarks/generate.py (see the docstring there and the commit message).
 """
@@ -149,3 +153,39 @@ def _no_grad_linear(original):
     linear_with_grad_accumulation_and_async_allreduce.__wrapped__ = original
     linear_with_grad_accumulation_and_async_allreduce.warned = getattr(original, "warned", False)
     return linear_with_grad_accumulation_and_async_allreduce
+
+
+def _forward_only(original, forward):
+    """`original(input_, group)` with grad on; else the autograd Function's `forward(input_, group)` as is."""
+    from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+    def region(input_, group=None):
+        if torch.is_grad_enabled():
+            return original(input_, group)
+        return forward(input_, get_tensor_model_parallel_group_if_none(group))
+
+    region.__wrapped__ = original
+    region.__name__ = original.__name__
+    return region
+
+
+@register(
+    "megatron.core.tensor_parallel.layers.copy_to_tensor_model_parallel_region",
+    "under torch.no_grad() the autograd Function before each column-parallel linear only returns its input; "
+    "return it without building the Function (~10 us a call, 2 calls per layer per step)",
+    devices=("cpu",),
+)
+def _no_grad_copy_to_tp_region(original):
+    return _forward_only(original, lambda input_, group: input_)  # _CopyToModelParallelRegion.forward
+
+
+@register(
+    "megatron.core.tensor_parallel.layers.reduce_from_tensor_model_parallel_region",
+    "under torch.no_grad() the autograd Function after each row-parallel linear only all-reduces (nothing at "
+    "TP=1); call megatron's _reduce directly without building the Function",
+    devices=("cpu",),
+)
+def _no_grad_reduce_from_tp_region(original):
+    from megatron.core.tensor_parallel.mappings import _reduce
+
+    return _forward_only(original, _reduce)  # _ReduceFromModelParallelRegion.forward
