@@ -30,7 +30,7 @@ here would break a later training forward of the same length).
 Speed: megatron computes only the last position's logits per forward (`StaticInferenceContext` sets
 `materialize_only_last_token_logits`). On the CPU, `mindspeed_llm/patches/inference.py` makes each decode step
 cost O(new tokens) in rotary work instead of O(cached tokens), reads grouped key/value heads in place instead
-of `repeat_interleave` copies of the cache, and skips the autograd Function around linear layers under
+of `repeat_interleave` copies of the cache, and skips the autograd Functions of linear layers and TP regions under
 no_grad; all exact (tests/test_generate.py compares with megatron's unpatched code).
 
 Parallelism: the logits come out of the last pipeline stage already gathered over tensor parallelism
