@@ -511,7 +511,8 @@ def test_candidates_equal_filter_logits():
 
 
 def test_sampler_distribution_and_generator():
-    """The exponential-race draw follows the (tempered, truncated) distribution and only its generator."""
+    """The inverse-CDF draw follows the (tempered, truncated) distribution and only its generator; with a
+    padded vocabulary the padding ids are never drawn but stay in the log-probs' normaliser."""
     logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])).repeat(20000, 1)
     cfg = SamplingConfig(do_sample=True, top_k=3)
     rng = torch.get_rng_state()
@@ -526,6 +527,15 @@ def test_sampler_distribution_and_generator():
     torch.testing.assert_close(hot_lp, expect)  # log-probs are tempered
     again = choose_tokens(logits, cfg, torch.Generator().manual_seed(0))[0]
     assert torch.equal(tokens, again)
+    padded = torch.cat([logits[:4000], torch.full((4000, 3), 2.0)], dim=1)  # 3 padding ids, the likeliest
+    for sample in (True, False):
+        pad_tokens, pad_lp = choose_tokens(padded, SamplingConfig(do_sample=sample), torch.Generator().manual_seed(2),
+                                           sample_below=5)
+        assert int(pad_tokens.max()) < 5
+        torch.testing.assert_close(pad_lp, torch.log_softmax(padded, -1).gather(1, pad_tokens[:, None]).squeeze(1))
+    freq = torch.bincount(choose_tokens(padded, SamplingConfig(do_sample=True), torch.Generator().manual_seed(3),
+                                        sample_below=5)[0], minlength=5).float() / 4000
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]), atol=0.025, rtol=0)
 
 
 def test_sampling_config_validation_and_budgets():

@@ -118,7 +118,8 @@ def generate(
             rank, so DP replicas sample different responses while all TP/PP ranks of a replica agree.
             Pass the RL iteration (or any offset) as `iteration` for fresh samples each step.
         generator: use this `torch.Generator` instead (advanced; only read on the sampling rank).
-        vocab_size: if the model's vocabulary is padded, logits at ids >= vocab_size are never chosen.
+        vocab_size: if the model's vocabulary is padded, logits at ids >= vocab_size are never chosen (the
+            returned log-probs still normalise over the whole padded vocabulary, as a training forward does).
         prefill: "batched" (left-padded one-shot prefill), "stepwise" (Megatron controller's scheme) or
             "auto" (batched where the attention honours masks, else stepwise); see the module docstring.
         _dedup_prefill: private; False prefills every row even where prompts repeat (tests compare both).
@@ -260,9 +261,8 @@ def generate(
         """Tokens (+ log-probs) chosen on the source rank and broadcast to the model-parallel group."""
         new_tokens = new_lp = None
         if last_stage:
-            if vocab_size is not None and logits.size(-1) > vocab_size:
-                logits = logits[:, :vocab_size]
-            new_tokens, new_lp = choose_tokens(logits, sampling, generator, with_log_probs=want_log_probs)
+            new_tokens, new_lp = choose_tokens(logits, sampling, generator, with_log_probs=want_log_probs,
+                                               sample_below=vocab_size)
         if source is None:
             return new_tokens, new_lp
         packed = torch.empty((2 if want_log_probs else 1, B), dtype=torch.float64, device=dev)
