@@ -26,6 +26,11 @@ class Accelerator:
     def is_cpu(self) -> bool:
         return self.kind == "cpu"
 
+    @property
+    def has_fused_torch_adam(self) -> bool:
+        """torch.optim.Adam(W)(fused=True) has a kernel here (torch >= 2.4 on CPU and CUDA; not torch_npu)."""
+        return self.kind in ("cpu", "cuda")
+
 
 def _npu_available() -> bool:
     try:

@@ -76,6 +76,7 @@ def test_patches_are_sufficient(sufficient):
     assert abs(r["loss"] - r["ref_loss"]) <= 1e-6, r
     assert abs(r["grad_norm"] - r["ref_grad_norm"]) <= 1e-5 * r["ref_grad_norm"], r
     assert r["ref_grad_norm"] > CLIP, "the test must exercise gradient clipping"
+    assert r["fused_adam"] == ["AdamW", True], r  # megatron's torch fallback, run with torch's fused kernel
     assert r["weights_diff"] <= 1e-5, r  # 1% of the step size: Adam amplifies last-bit gradient noise
     assert r["weights_moved"] > 1e-4, r
     assert abs(r["loss_after"] - r["ref_loss_after"]) <= 1e-5, r
@@ -188,11 +189,17 @@ def _mode_sufficient(tmp):
     ids, labels, pos = _batch()
     ddp = _ddp(model)
     optimizer = _optimizer(ddp)
+    # The trainer's optimizer setting: torch's fused Adam kernel (compared below with HF + foreach AdamW).
+    from mindspeed_llm.rl.update import use_fused_torch_adam
+
+    use_fused_torch_adam(optimizer)
+    inner = optimizer.optimizer
 
     with torch.no_grad():
         logits = ddp(ids, pos, None)
         ref_logits = hf(input_ids=ids).logits
-    result = {"logits_diff": (logits - ref_logits).abs().max().item()}
+    result = {"logits_diff": (logits - ref_logits).abs().max().item(),
+              "fused_adam": [type(inner).__name__, all(g["fused"] for g in inner.param_groups)]}
 
     ddp.zero_grad_buffer()
     optimizer.zero_grad()

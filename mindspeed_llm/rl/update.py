@@ -18,6 +18,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from mindspeed_llm import device
 from mindspeed_llm.models.forward_layout import forward_layout
 
 MicroBatch = Dict[str, torch.Tensor]
@@ -74,6 +75,23 @@ def _run_schedule(chunks, micro_batches: Sequence[MicroBatch], step_fn, forward_
         micro_batch_size=tokens.shape[0],
         forward_only=forward_only,
     )
+
+
+def use_fused_torch_adam(optimizer) -> None:
+    """Run Megatron's fallback torch Adam/AdamW with torch's fused kernel where the device has one.
+
+    Without Transformer Engine or Apex (the CPU case) megatron-core builds `torch.optim.AdamW` with its
+    default multi-tensor (foreach) path; the fused kernel computes the same update, about 10x faster on CPU
+    (135M fp32 parameters, 2 cores: 0.08 s against 0.81 s a step). The flag is read at every step.
+    """
+    if not device.accelerator().has_fused_torch_adam:
+        return
+    inners = [getattr(o, "optimizer", None) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    for inner in inners:
+        if type(inner) in (torch.optim.Adam, torch.optim.AdamW):
+            for group in inner.param_groups:
+                if all(p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in group["params"]):
+                    group["foreach"], group["fused"] = False, True
 
 
 def _broadcast_from_last_stage(tensor: Optional[torch.Tensor], shape, dtype) -> torch.Tensor:
@@ -155,6 +173,7 @@ class TrainableModel:
             wd_incr_steps=decay_steps,
             wd_incr_style="constant",
         )
+        use_fused_torch_adam(self.optimizer)
         # What megatron's schedule calls around the backward passes (as Megatron-LM's training loop sets them).
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = self.ddp.no_sync
@@ -198,6 +217,7 @@ class TrainableModel:
         if load_optim:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
+            use_fused_torch_adam(self.optimizer)  # the loaded param groups carry the saver's settings
         else:
             # Weights changed under the optimizer: refresh its fp32 main copies (mixed precision).
             reload = getattr(self.optimizer, "reload_model_params", None)
