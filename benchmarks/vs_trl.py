@@ -25,6 +25,7 @@ model loading are outside the iteration on both sides (their wall time is in the
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 import datetime as _dt
 import json
 import os
@@ -64,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ppo-kl-coef", type=float, default=0.05, help="trl_ppo KL reward coefficient (TRL kl_coef)")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--system-prompt", default=None,
+                   help="a system turn before every prompt (e.g. SmolLM2's default one: longer, shared prompts)")
     p.add_argument("--threads", type=int, default=2, help="OMP / torch threads of every measured process")
     p.add_argument("--tiny-layers", type=int, default=4)
     p.add_argument("--tiny-hidden", type=int, default=256)
@@ -203,21 +206,29 @@ def _converted(hf_dir: Path, mg_dir: Path, value_head: bool) -> Path:
     return mg_dir
 
 
-def prepare_data(work: Path, tokenizer_dir: Path, seed: int) -> Path:
-    """The demo task's training split, preprocessed like `preprocess_data.py` does (chatml, labels kept)."""
+def prepare_data(work: Path, tokenizer_dir: Path, seed: int, system: Optional[str] = None) -> Path:
+    """The demo task's training split, preprocessed like `preprocess_data.py` does (chatml, labels kept), with
+    `system` as every prompt's system turn when given."""
+    import hashlib
+
     from mindspeed_llm.data.preprocess import preprocess
     from mindspeed_llm.demo.task import make_splits
 
-    prefix = work / "data" / "train"
+    name = "train" if system is None else "train_sys_" + hashlib.sha1(system.encode()).hexdigest()[:8]
+    prefix = work / "data" / name
     if not Path(f"{prefix}_meta.json").is_file():
         train, _ = make_splits(TASK_VARIANT, n_test=100, seed=seed)
-        raw = work / "data" / "train.json"
+        map_keys = {"prompt": "problem", "labels": "answer"}
+        if system is not None:
+            train = [dict(row, system=system) for row in train]
+            map_keys["system"] = "system"
+        raw = work / "data" / f"{name}.json"
         raw.parent.mkdir(parents=True, exist_ok=True)
         raw.write_text(json.dumps(train))
         preprocess(["--input", str(raw), "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path",
                     str(tokenizer_dir), "--output-prefix", str(prefix), "--handler-name",
                     "R1AlpacaStyleInstructionHandler", "--prompt-type", "chatml", "--map-keys",
-                    json.dumps({"prompt": "problem", "labels": "answer"}), "--log-interval", "0"])
+                    json.dumps(map_keys), "--log-interval", "0"])
     return prefix
 
 
@@ -681,7 +692,7 @@ def main(argv=None) -> int:
     results = []
     for name in models:
         model = prepare_model(name, work, args)
-        data = prepare_data(work, Path(model["tokenizer"]), args.seed)
+        data = prepare_data(work, Path(model["tokenizer"]), args.seed, args.system_prompt)
         schedule = prompt_schedule(data, args.prompts, args.warmup + args.iterations, args.seed)
         for stage in stages:
             run_dir = work / "runs" / f"{name}_{stage}"
