@@ -16,7 +16,9 @@ Asserted:
   ~0.98), and the trend is monotone up to noise: every 5-iteration block mean is at least the previous one minus 0.05;
 * the signal is real: groups do have spread at the start (some non-zero advantages), the policy loss is finite;
 * determinism: a second run with the same seed in the same process (the stage is cheap: ~4 s of training) gives the
-  same score curve and the same losses, bit for bit.
+  same score curve and the same losses, bit for bit;
+* on-policy shortcut: one iteration with the old log-probs from a pass of their own (forced) logs the same losses
+  and gradient norm as the run that takes them from the update's forward.
 """
 
 import json
@@ -80,15 +82,23 @@ def _argv(tokenizer, model, data, metrics):
     ]
 
 
-def _grpo_twice(rank, world_size, argv_a, argv_b):
-    """Two identical runs of the real stage in this process (the second checks determinism)."""
+def _grpo_runs(rank, world_size, argv_a, argv_b, argv_with_pass):
+    """Two identical runs of the real stage in this process (the second checks determinism), then one whose
+    old log-probs come from a forward pass of their own instead of the update's (what it does off-policy)."""
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.rl import trainer
     from mindspeed_llm.rl.rewards import register_verifier
+    from mindspeed_llm.rl.stages import common
 
     register_verifier("toy_low_words")(toy_low_words)
     for argv in (argv_a, argv_b):
         trainer.run(parse_args(argv, world_size))
+    on_policy = common.update_reads_rollout_weights
+    common.update_reads_rollout_weights = lambda args, exp: False
+    try:
+        trainer.run(parse_args(argv_with_pass, world_size))
+    finally:
+        common.update_reads_rollout_weights = on_policy
 
 
 def _read(path):
@@ -97,9 +107,11 @@ def _read(path):
 
 def test_grpo_reward_rises_on_toy_task(tmp_path):
     tokenizer, model, data = _build_task(tmp_path)
-    first, second = tmp_path / "run_a.jsonl", tmp_path / "run_b.jsonl"
-    run_distributed(_grpo_twice, 1, _argv(tokenizer, model, data, str(first)),
-                    _argv(tokenizer, model, data, str(second)))
+    first, second, with_pass = tmp_path / "run_a.jsonl", tmp_path / "run_b.jsonl", tmp_path / "run_pass.jsonl"
+    argv_pass = _argv(tokenizer, model, data, str(with_pass))
+    argv_pass[argv_pass.index("--train-iters") + 1] = "1"
+    run_distributed(_grpo_runs, 1, _argv(tokenizer, model, data, str(first)),
+                    _argv(tokenizer, model, data, str(second)), argv_pass)
     run = _read(first)
     assert [m["iteration"] for m in run] == list(range(1, ITERS + 1))
     scores = [m["grpo/score/mean"] for m in run]
@@ -120,3 +132,12 @@ def test_grpo_reward_rises_on_toy_task(tmp_path):
     keys = ("grpo/score/mean", "grpo/score/min", "grpo/score/max", "actor/pg_loss", "actor/kl_loss",
             "actor/entropy", "grad_norm", "response_length/mean")
     assert [[m[k] for k in keys] for m in again] == [[m[k] for k in keys] for m in run]
+
+    # One epoch of one mini-batch reads its old log-probs off the update's own forward (no pass); that equals
+    # a pass of its own on the same weights: same rollout, losses and gradient norm up to float rounding.
+    (passed,) = _read(with_pass)
+    assert passed["timing/old_log_p"] > 10 * run[0]["timing/old_log_p"]  # the pass really ran
+    assert passed["grpo/score/mean"] == run[0]["grpo/score/mean"]
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "grad_norm"):
+        assert abs(passed[key] - run[0][key]) <= 1e-5 * max(1.0, abs(run[0][key])), (key, passed[key], run[0][key])
+    assert abs(passed["actor/ppo_kl"]) < 1e-6 and run[0]["actor/ppo_kl"] == 0.0
