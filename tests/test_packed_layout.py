@@ -97,8 +97,8 @@ def _worker(rank, world_size, tp, pp, roots):
         batches = unwindowed(exp, mbs) if no_window else exp.micro_batches(mbs)
         logp = passes.forward_only(
             [policy], batches, lambda o, mb: passes.response_logprobs(o, mb) * mb["response_mask"], (width,))
-        values = passes.forward_only([value], batches, lambda o, mb: passes.response_values(o, mb) * mb["response_mask"],
-                                     (width,))
+        values = passes.forward_only(
+            [value], batches, lambda o, mb: passes.response_values(o, mb) * mb["response_mask"], (width,))
         scores = passes.forward_only([value], batches, lambda o, mb: passes.gather_last_token(o, mb).reshape(-1), ())
         out[name] = {"logp": logp, "values": values, "scores": scores}
         if no_window and name == "plain":

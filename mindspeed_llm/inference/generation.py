@@ -23,9 +23,9 @@ and the rotary embedding of a slot is that of position s for every row. Two ways
 Both stop when every row has hit a stop token or its length budget. Rows whose prefill window is identical
 (GRPO's n samples of a prompt) are prefilled once: one forward over the distinct windows, then their KV-cache
 rows and last logits are copied to the repeats (rows never interact in a forward, so a copy is what their own
-forward would compute; all layouts, TP and PP included: every stage sees the same, smaller prefill batch). Tokens are generated under
-`torch.no_grad()` (not `inference_mode`: Megatron lru-caches rotary tables, and an inference tensor cached
-here would break a later training forward of the same length).
+forward would compute; all layouts, TP and PP included: every stage sees the same, smaller prefill batch).
+Tokens are generated under `torch.no_grad()` (not `inference_mode`: Megatron lru-caches rotary tables, and an
+inference tensor cached here would break a later training forward of the same length).
 
 Speed: megatron computes only the last position's logits per forward (`StaticInferenceContext` sets
 `materialize_only_last_token_logits`). On the CPU, `mindspeed_llm/patches/inference.py` makes each decode step

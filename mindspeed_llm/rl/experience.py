@@ -74,7 +74,7 @@ class Experience:
     def response_index(self) -> torch.Tensor:
         """[B, R]: the position whose output predicts response token j (and the critic's state for it)."""
         width = self.responses.shape[1]
-        index = self.prompt_lengths[:, None] - 1 + torch.arange(width)[None, :]
+        index = self.prompt_lengths[:, None] - 1 + torch.arange(width, device=self.tokens.device)[None, :]
         return index.clamp(max=self.tokens.shape[1] - 1)  # columns past a response are masked anyway
 
     @property
@@ -103,7 +103,7 @@ class Experience:
             return False
         width = int(self.prompt_lengths.max())
         prompts = self.tokens[:, :width].view(-1, n, width)
-        in_prompt = torch.arange(width)[None, :] < lengths[:, :1]
+        in_prompt = torch.arange(width, device=self.tokens.device)[None, :] < lengths[:, :1]
         same = (prompts == prompts[:, :1]) | ~in_prompt[:, None, :]
         return bool(same.all())
 
@@ -119,7 +119,8 @@ class Experience:
             rows_per_mb = micro_batch_size // self.group_size
         else:
             model_rows = {"tokens": self.tokens, "position_ids": self.position_ids}
-            reads = {"row_index": torch.arange(self.batch_size), "response_index": self.response_index,
+            reads = {"row_index": torch.arange(self.batch_size, device=self.tokens.device),
+                     "response_index": self.response_index,
                      "last_token_index": self.last_token_index, "first_read": self.prompt_lengths - 1}
             rows_per_mb = micro_batch_size
         out = []
@@ -134,36 +135,36 @@ class Experience:
 
     def _packed_groups(self):
         """Model rows `[prompt | response_1 | ... | response_n]` per group, and each sample's read indices."""
-        n, groups = self.group_size, self.batch_size // self.group_size
+        n, groups, dev = self.group_size, self.batch_size // self.group_size, self.tokens.device
         prompt_lengths = self.prompt_lengths.view(groups, n)[:, 0]
         lengths = self.response_lengths.view(groups, n)
         widths = lengths.max(dim=1).values.clamp(min=1)
         S = int((prompt_lengths + n * widths).max())
-        tokens = torch.zeros((groups, S), dtype=torch.long)
-        position_ids = torch.zeros((groups, S), dtype=torch.long)
-        segment = torch.full((groups, S), n, dtype=torch.long)  # -1 prompt, k response k, n tail padding
+        tokens = torch.zeros((groups, S), dtype=torch.long, device=dev)
+        position_ids = torch.zeros((groups, S), dtype=torch.long, device=dev)
+        segment = torch.full((groups, S), n, dtype=torch.long, device=dev)  # -1 prompt, k response k, n tail padding
         response_index = torch.empty_like(self.responses)
         last_token_index = torch.empty_like(self.prompt_lengths)
-        j = torch.arange(self.responses.shape[1])
+        j = torch.arange(self.responses.shape[1], device=dev)
         for g in range(groups):
             P, w = int(prompt_lengths[g]), int(widths[g])
             tokens[g, :P] = self.tokens[g * n, :P]
-            position_ids[g] = torch.arange(S)
+            position_ids[g] = torch.arange(S, device=dev)
             segment[g, :P] = -1
             for k in range(n):
                 row, begin = g * n + k, P + k * w
                 length = int(lengths[g, k])
                 tokens[g, begin:begin + length] = self.responses[row, :length]
-                position_ids[g, begin:begin + w] = P + torch.arange(w)
+                position_ids[g, begin:begin + w] = P + torch.arange(w, device=dev)
                 segment[g, begin:begin + w] = k
                 # token 0 is predicted from the prompt's last position, token j > 0 from response token j - 1
                 response_index[row] = torch.where(j == 0, P - 1, begin + j - 1).clamp(max=S - 1)
                 last_token_index[row] = begin + length - 1 if length else P - 1
         key_visible = (segment[:, None, :] == -1) | (segment[:, None, :] == segment[:, :, None])
-        causal = torch.ones((S, S), dtype=torch.bool).tril()
+        causal = torch.ones((S, S), dtype=torch.bool, device=dev).tril()
         attention_mask = ~(key_visible & causal)[:, None]  # [G, 1, S, S], True = masked (megatron)
         model_rows = {"tokens": tokens, "position_ids": position_ids, "attention_mask": attention_mask}
-        reads = {"row_index": torch.arange(groups).repeat_interleave(n), "response_index": response_index,
+        reads = {"row_index": torch.arange(groups, device=dev).repeat_interleave(n), "response_index": response_index,
                  "last_token_index": last_token_index, "first_read": self.prompt_lengths - 1}
         return model_rows, reads
 
