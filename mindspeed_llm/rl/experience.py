@@ -120,9 +120,9 @@ class Experience:
         else:
             model_rows = {"tokens": self.tokens, "position_ids": self.position_ids}
             reads = {"row_index": torch.arange(self.batch_size, device=self.tokens.device),
-                     "response_index": self.response_index,
-                     "last_token_index": self.last_token_index, "first_read": self.prompt_lengths - 1}
+                     "response_index": self.response_index, "last_token_index": self.last_token_index}
             rows_per_mb = micro_batch_size
+        reads["first_read"] = self.prompt_lengths - 1  # each sample's first position read, in either layout
         out = []
         for i, start in enumerate(range(0, self.batch_size, micro_batch_size)):
             mb = {k: v[start:start + micro_batch_size] for k, v in per_sample.items()}
@@ -165,7 +165,7 @@ class Experience:
         attention_mask = ~(key_visible & causal)[:, None]  # [G, 1, S, S], True = masked (megatron)
         model_rows = {"tokens": tokens, "position_ids": position_ids, "attention_mask": attention_mask}
         reads = {"row_index": torch.arange(groups, device=dev).repeat_interleave(n), "response_index": response_index,
-                 "last_token_index": last_token_index, "first_read": self.prompt_lengths - 1}
+                 "last_token_index": last_token_index}
         return model_rows, reads
 
 
