@@ -200,3 +200,56 @@ def test_chat_message_prompt_must_be_role_content_objects(qwen_tok_dir, tmp_path
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": [{"text": "hi"}], "answer": "1"}])
     with pytest.raises(InputFormatError, match="in.jsonl:1.*role"):
         run_preprocess(qwen_tok_dir, src, tmp_path / "d", R1, "qwen", {"prompt": "prompt", "labels": "answer"})
+
+
+# ---- output location -----------------------------------------------------------------------------
+
+def test_read_only_output_folder_fails_before_tokenizing(tmp_path):
+    """A real permission check: the run is a child process without root's override (as 'nobody'
+    when the tests run as root). The tokenizer path does not exist, so reaching it would be
+    another error: the output folder is checked first."""
+    import shutil
+    import tempfile
+
+    try:
+        from fixtures_data import run_forked
+    except ImportError:
+        from tests.fixtures_data import run_forked
+
+    base = Path(tempfile.mkdtemp(prefix="ro-out-"))  # outside root's 0700 pytest folder
+    try:
+        os.chmod(base, 0o755)
+        ro = base / "ro"
+        ro.mkdir()
+        os.chmod(ro, 0o555)
+        prefix = ro / "train"
+        argv = preprocess_args(tmp_path / "no-tokenizer", DEEPSCALER, prefix, R1, "qwen_r1", DS_KEYS)
+        status, err = run_forked(lambda: main(argv), as_user=65534 if os.geteuid() == 0 else None)
+        assert status == 2, err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert f"--output-prefix {prefix}: the folder {ro} is not writable" in err
+        assert "Permission denied (EACCES)" in err and "choose a --output-prefix in a writable folder" in err
+        assert leftovers(ro) == []
+    finally:
+        os.chmod(base / "ro", 0o755)
+        shutil.rmtree(base)
+
+
+def test_output_folder_under_a_file(qwen_tok_dir, tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    prefix = tmp_path / "afile" / "sub" / "train"
+    assert main(preprocess_args(qwen_tok_dir, DEEPSCALER, prefix, R1, "qwen_r1", DS_KEYS)) == 2
+    err = capsys.readouterr().err
+    assert f"--output-prefix {prefix}: cannot create the folder {prefix.parent}" in err
+    assert "Not a directory" in err and "Traceback" not in err
+
+
+def test_output_prefix_ending_in_slash(qwen_tok_dir, tmp_path, capsys):
+    folder = str(tmp_path / "dataset") + "/"
+    assert main(preprocess_args(qwen_tok_dir, DEEPSCALER, folder, R1, "qwen_r1", DS_KEYS)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert f"--output-prefix {folder!r} names a folder, not a prefix" in err
+    assert "a path plus a file-name stem" in err and "dataset/train" in err
+    assert f"use e.g. --output-prefix {tmp_path / 'dataset' / 'train'}" in err
+    assert leftovers(tmp_path) == []  # checked before anything was created

@@ -17,6 +17,7 @@ from mindspeed_llm.data.errors import (
     MissingColumnError,
     NotEnoughPromptsError,
     OutputExistsError,
+    OutputWriteError,
     UnknownNameError,
 )
 from mindspeed_llm.data.handlers import HANDLERS, IGNORE_INDEX, get_handler_class, register_handler
@@ -25,7 +26,8 @@ from mindspeed_llm.data.templates import ChatTemplate, get_template, load_templa
 
 __all__ = [
     "ChatTemplate", "DataError", "DatasetNotFoundError", "HANDLERS", "IGNORE_INDEX", "InputFormatError",
-    "MissingColumnError", "NotEnoughPromptsError", "OutputExistsError", "PromptDataLoader", "PromptDataset",
+    "MissingColumnError", "NotEnoughPromptsError", "OutputExistsError", "OutputWriteError", "PromptDataLoader",
+    "PromptDataset",
     "PromptSampler", "UnknownNameError", "get_handler_class", "get_template", "load_templates",
     "register_handler",
 ]

@@ -35,3 +35,7 @@ class DatasetNotFoundError(DataError):
 
 class NotEnoughPromptsError(DataError):
     """The dataset holds fewer prompts than one global batch."""
+
+
+class OutputWriteError(DataError):
+    """The output cannot be written (read-only location, disk full, bad ``--output-prefix``)."""

@@ -31,7 +31,7 @@ from mindspeed_llm.data.handlers import get_handler_class, handler_names, parse_
 from mindspeed_llm.data.readers import iter_rows, list_input_files
 from mindspeed_llm.data.templates import get_template
 from mindspeed_llm.data.tokenizer import TOKENIZER_TYPES, load_tokenizer, tokenizer_info
-from mindspeed_llm.data.writer import DatasetWriter, check_can_write
+from mindspeed_llm.data.writer import DatasetWriter, check_prefix, prepare_output
 
 logger = logging.getLogger("mindspeed_llm.data.preprocess")
 
@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-prompt-length", type=int, default=None,
                    help="drop samples whose templated prompt has more tokens than this (counted)")
     g = p.add_argument_group("output")
-    g.add_argument("--output-prefix", default=None, help="path prefix of the output files")
+    g.add_argument("--output-prefix", default=None,
+                   help="folder plus file-name stem of the output files, e.g. dataset/train")
     g.add_argument("--overwrite-cache", action="store_true", help="replace an existing dataset at --output-prefix")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="worker processes for templating and tokenizing")
@@ -120,6 +121,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise DataError(f"--{name.replace('_', '-')} must be positive, got {v}")
+    check_prefix(args.output_prefix)
     return args
 
 
@@ -188,8 +190,10 @@ def run(args: argparse.Namespace) -> PreprocessResult:
     global _HANDLER
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     prefix = args.output_prefix
-    # fail fast, before any expensive work
-    check_can_write(prefix, args.overwrite_cache)
+    # fail fast, before any expensive work: the prefix's form, a writable folder, leftovers of a
+    # killed run (cleaned up; an interrupted --overwrite-cache gets its previous dataset back), and
+    # an existing dataset without --overwrite-cache
+    prepare_output(prefix, args.overwrite_cache)
     inputs = list_input_files(args.input)
     map_keys = parse_map_keys(args.map_keys)
     spec = dict(tokenizer_type=args.tokenizer_type, tokenizer_name_or_path=args.tokenizer_name_or_path,
@@ -273,10 +277,20 @@ def preprocess(argv: Optional[List[str]] = None) -> PreprocessResult:
     return run(parse_args(argv))
 
 
+class _StderrHandler(logging.Handler):
+    """Writes to the current ``sys.stderr`` at each message (not the one at setup time)."""
+
+    def emit(self, record):
+        try:
+            print(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """CLI entry: user errors are printed without a traceback, exit status 2."""
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("[preprocess] %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
@@ -289,4 +303,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("preprocess_data.py: interrupted; nothing was written", file=sys.stderr)
         return 130
+    except OSError as e:  # e.g. an unreadable input file: name it, no traceback
+        print(f"preprocess_data.py: error: {e}", file=sys.stderr)
+        return 2
     return 0

@@ -22,13 +22,17 @@ another DP size, continues with exactly the prompts an uninterrupted run would h
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Dict, Iterator, List, Optional
 
 import numpy as np
 
 from mindspeed_llm.data.errors import DataError, DatasetNotFoundError, NotEnoughPromptsError
-from mindspeed_llm.data.writer import FORMAT_VERSION, all_files_of, extra_prefix, meta_path, packed_prefix
+from mindspeed_llm.data.writer import (FORMAT_VERSION, all_files_of, aside_copy, extra_prefix, meta_path,
+                                       packed_prefix)
+
+logger = logging.getLogger(__name__)
 
 PREPROCESS_HINT = (
     "python preprocess_data.py --input <data file> --tokenizer-type PretrainedFromHF "
@@ -53,6 +57,16 @@ class PromptDataset:
         self.prefix = str(prefix)
         hint = PREPROCESS_HINT.format(prefix=self.prefix)
         mpath = meta_path(self.prefix)
+        #: where the files are read from: the prefix, or the previous dataset's copy kept by an
+        #: interrupted --overwrite-cache swap (see mindspeed_llm.data.writer)
+        self.files_prefix = self.prefix
+        copy = None if os.path.isfile(mpath) else aside_copy(self.prefix)
+        if copy is not None:
+            logger.warning(
+                "the dataset at %s is being replaced, or its --overwrite-cache run was killed: reading the previous "
+                "dataset from %s; rerun preprocess_data.py on this prefix to restore or replace it", self.prefix, copy)
+            self.files_prefix = copy
+            mpath = meta_path(copy)
         if not os.path.isfile(mpath):
             partial = [p for p in (packed_prefix(self.prefix, "input_ids") + ".bin",) if os.path.exists(p)]
             what = "is incomplete (its manifest is missing)" if partial else "does not exist"
@@ -66,7 +80,7 @@ class PromptDataset:
         if self.meta.get("format_version") != FORMAT_VERSION:
             raise DataError(f"{mpath} has format version {self.meta.get('format_version')!r}, this code reads "
                             f"{FORMAT_VERSION}; recreate it with: {hint}")
-        missing = [p for p in all_files_of(self.meta, self.prefix) if not os.path.isfile(p)]
+        missing = [p for p in all_files_of(self.meta, self.files_prefix) if not os.path.isfile(p)]
         if missing:
             raise DatasetNotFoundError(
                 f"the prompt dataset at prefix {self.prefix!r} is incomplete, missing: {', '.join(missing)}. "
@@ -75,8 +89,8 @@ class PromptDataset:
         self.extra_keys: List[str] = list(self.meta["extra_keys"])
         if "input_ids" not in self.packed_keys:
             raise DataError(f"{mpath} lists no input_ids dataset")
-        self._packed = {k: IndexedDataset(packed_prefix(self.prefix, k), mmap=mmap) for k in self.packed_keys}
-        self._extras = {k: IndexedDataset(extra_prefix(self.prefix, k), mmap=mmap) for k in self.extra_keys}
+        self._packed = {k: IndexedDataset(packed_prefix(self.files_prefix, k), mmap=mmap) for k in self.packed_keys}
+        self._extras = {k: IndexedDataset(extra_prefix(self.files_prefix, k), mmap=mmap) for k in self.extra_keys}
         self._len = int(self.meta["num_samples"])
         for k, d in list(self._packed.items()) + list(self._extras.items()):
             if len(d) != self._len:
