@@ -253,3 +253,55 @@ def test_output_prefix_ending_in_slash(qwen_tok_dir, tmp_path, capsys):
     assert "a path plus a file-name stem" in err and "dataset/train" in err
     assert f"use e.g. --output-prefix {tmp_path / 'dataset' / 'train'}" in err
     assert leftovers(tmp_path) == []  # checked before anything was created
+
+
+# ---- text roles must be text -----------------------------------------------------------------------
+
+def test_number_in_a_text_column_is_an_error_naming_column_and_type(qwen_tok_dir, tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"problem": "What is 1+1?", "answer": "2"},
+                                              {"problem": 7, "answer": "3"}])
+    with pytest.raises(InputFormatError) as e:
+        run_preprocess(qwen_tok_dir, src, tmp_path / "d", R1, "qwen_r1", DS_KEYS)
+    msg = str(e.value)
+    assert f"{src}:2: column 'problem' (--map-keys 'prompt') holds int64 7, not text" in msg
+    assert "only 'labels' may be numbers" in msg
+    assert existing_outputs(str(tmp_path / "d")) == []
+    src = write_jsonl(tmp_path / "q.jsonl", [{"problem": "Add:", "extra": 2.5, "answer": "1"}])
+    with pytest.raises(InputFormatError, match=r"column 'extra' \(--map-keys 'query'\) holds float64 2.5"):
+        run_preprocess(qwen_tok_dir, src, tmp_path / "d", R1, "qwen_r1", dict(DS_KEYS, query="extra"))
+    src = write_jsonl(tmp_path / "m.jsonl", [{"prompt": [{"role": "user", "content": 12}], "answer": "1"}])
+    with pytest.raises(InputFormatError, match=r"column 'prompt' \(--map-keys 'prompt'\) message content holds int64"):
+        run_preprocess(qwen_tok_dir, src, tmp_path / "d", R1, "qwen", {"prompt": "prompt", "labels": "answer"})
+
+
+def test_int64_parquet_column_as_prompt_is_an_error_but_numeric_labels_are_strings(qwen_tok_dir, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": pa.array([1, 2], pa.int64()), "question": ["What is 2+1?", "What is 3+1?"],
+                             "answer": pa.array([3, 4], pa.int64())}), src)
+    with pytest.raises(InputFormatError) as e:
+        run_preprocess(qwen_tok_dir, src, tmp_path / "d", R1, "qwen_r1", {"prompt": "id", "labels": "answer"})
+    assert f"{src}[row 0]: column 'id' (--map-keys 'prompt') holds int64 1, not text" in str(e.value)
+    run_preprocess(qwen_tok_dir, src, tmp_path / "d", R1, "qwen_r1", {"prompt": "question", "labels": "answer"})
+    ds = PromptDataset(str(tmp_path / "d"))
+    assert [ds[0]["labels"], ds[1]["labels"]] == ["3", "4"]  # verifiers compare answers as strings
+
+
+# ---- over-long prompts -----------------------------------------------------------------------------
+
+def test_overlong_prompts_error_names_the_row_and_the_flags(qwen_tok_dir, tmp_path):
+    with pytest.raises(DataError) as e:
+        run_preprocess(qwen_tok_dir, DEEPSCALER, tmp_path / "d", R1, "qwen_r1", DS_KEYS,
+                       ["--max-prompt-length", "60", "--overlong-prompts", "error"])
+    msg = str(e.value)
+    assert f"{DEEPSCALER}[row " in msg and "tokens, more than --max-prompt-length 60" in msg
+    assert "--overlong-prompts drop" in msg and "truncate" in msg
+    assert existing_outputs(str(tmp_path / "d")) == []
+
+
+def test_overlong_prompts_mode_needs_a_limit(qwen_tok_dir, tmp_path):
+    with pytest.raises(DataError, match="--overlong-prompts truncate needs --max-prompt-length N"):
+        run_preprocess(qwen_tok_dir, DEEPSCALER, tmp_path / "d", R1, "qwen_r1", DS_KEYS,
+                       ["--overlong-prompts", "truncate"])

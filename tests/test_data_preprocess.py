@@ -222,3 +222,49 @@ def test_example_script_rejects_unknown_config(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "nope" in proc.stderr and "deepscaler" in proc.stderr
+
+
+def test_overlong_prompts_truncate_keeps_the_end_and_counts(qwen_tok_dir, qwen_tok, tmp_path, capsys):
+    from mindspeed_llm.data.preprocess import main
+
+    rows = load_json_rows(DEEPSCALER)
+    t = get_template("qwen_r1")
+    full = [ids_of(qwen_tok, t.render([{"role": "user", "content": r["problem"]}])) for r in rows]
+    limit = sorted(len(x) for x in full)[len(full) // 2]
+    too_long = sum(len(x) > limit for x in full)
+    prefix = tmp_path / "t"
+    argv = ["--input", str(DEEPSCALER), "--tokenizer-name-or-path", str(qwen_tok_dir), "--output-prefix", str(prefix),
+            "--handler-name", "R1AlpacaStyleInstructionHandler", "--prompt-type", "qwen_r1",
+            "--map-keys", json.dumps({"prompt": "problem", "labels": "answer"}), "--log-interval", "0",
+            "--max-prompt-length", str(limit), "--overlong-prompts", "truncate"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert f"truncated {too_long} prompts longer than --max-prompt-length {limit} to their last {limit} tokens" in err
+    ds = PromptDataset(str(prefix))
+    assert len(ds) == len(rows)  # nothing dropped
+    assert [ds[i]["input_ids"] for i in range(len(ds))] == [x[-limit:] for x in full]
+    generation_prompt = ids_of(qwen_tok, "<|im_start|>assistant\n")
+    assert all(ds[i]["input_ids"][-len(generation_prompt):] == generation_prompt for i in range(len(ds)))
+    assert ds.meta["truncated"] == {"prompt_too_long": too_long} and ds.meta["dropped"] == {}
+    assert ds.meta["overlong_prompts"] == "truncate" and ds.meta["max_input_ids_length"] == limit
+    # the default, drop, says how many went
+    assert main(argv[:-2] + ["--output-prefix", str(tmp_path / "dr")]) == 0
+    assert f"dropped {too_long} prompts longer than {limit} tokens (--overlong-prompts drop" in capsys.readouterr().err
+    assert PromptDataset(str(tmp_path / "dr")).meta["truncated"] == {}
+
+
+def test_overlong_prompts_truncate_sft_keeps_the_response(qwen_tok_dir, qwen_tok, tmp_path):
+    rows = load_json_rows(ALPACA_JSON)
+    res = run_preprocess(qwen_tok_dir, ALPACA_JSON, tmp_path / "s", "AlpacaStyleInstructionHandler", "qwen", None,
+                         ["--max-prompt-length", "30", "--overlong-prompts", "truncate"])
+    ds = PromptDataset(str(tmp_path / "s"))
+    assert len(ds) == len(rows) and res.truncated["prompt_too_long"] > 0
+    for i, row in enumerate(rows):
+        content = row["instruction"] + ("\n" + row["input"] if row["input"] else "")
+        prompt = [{"role": "user", "content": content}]
+        ids = chat_ids(qwen_tok, prompt + [{"role": "assistant", "content": row["output"]}], False)
+        n_prompt = len(chat_ids(qwen_tok, prompt, True))
+        cut = max(0, n_prompt - 30)
+        item = ds[i]
+        assert item["input_ids"] == ids[cut:]
+        assert item["labels"] == [IGNORE_INDEX] * (n_prompt - cut) + ids[n_prompt:]

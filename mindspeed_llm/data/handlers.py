@@ -20,7 +20,14 @@ Each kept row yields *packed* token-id sequences (``input_ids``, and ``labels`` 
 :class:`AlpacaStyleInstructionHandler`) and *extras*: JSON values kept per sample (the string
 ``labels`` of :class:`R1AlpacaStyleInstructionHandler` and every ``--dataset-additional-keys``
 column). A row is dropped, and counted by reason, when its prompt is empty, its label or
-response is missing, or it is longer than ``--max-prompt-length`` / ``--seq-length``.
+response is missing, or it is longer than ``--max-prompt-length`` / ``--seq-length``; with
+``--overlong-prompts truncate`` an over-long prompt keeps its last tokens instead (counted as
+truncated), with ``--overlong-prompts error`` it stops the run naming the row.
+
+The text roles (prompt, query, response, system, chat-message content) must hold strings: a
+number or a struct there is an error naming the column and its type, never the text "1". Only
+``labels`` may be a number (or a list / struct): verifiers compare answers as strings, so it is
+kept as its string (lists and structs as JSON).
 """
 from __future__ import annotations
 
@@ -45,6 +52,9 @@ EMPTY_LABEL = "empty_label"
 EMPTY_RESPONSE = "empty_response"
 PROMPT_TOO_LONG = "prompt_too_long"
 SEQUENCE_TOO_LONG = "sequence_too_long"
+
+#: what --overlong-prompts does with a prompt longer than --max-prompt-length
+OVERLONG_MODES = ("drop", "truncate", "error")
 
 HANDLERS: Dict[str, type] = {}
 
@@ -120,6 +130,34 @@ def encode_extra(value) -> bytes:
     return json.dumps(value, ensure_ascii=False, sort_keys=True, default=_json_default).encode("utf-8")
 
 
+def _kind(value) -> str:
+    """A value's type for error messages (JSON / Parquet terms where they differ from Python's)."""
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int64"
+    if isinstance(value, float):
+        return "float64"
+    if isinstance(value, dict):
+        return "struct"
+    if isinstance(value, (list, tuple)):
+        return "list"
+    return type(value).__name__
+
+
+def _role_text(value, role: str, column: str, source: str, what: str = "") -> str:
+    """The text of a prompt / query / response / system value; anything but a string (or nothing)
+    is an error: an id or a number in a text role would silently become the prompt "1", "2"."""
+    if value is None or value is _MISSING:
+        return ""
+    if isinstance(value, str):
+        return value
+    shown = " ".join(str(value).split())[:60]
+    raise InputFormatError(
+        f"{source}: column {column!r} (--map-keys {role!r}){what} holds {_kind(value)} {shown}, not "
+        f"text; map a text column to {role!r} in --map-keys (only 'labels' may be numbers)")
+
+
 def _as_text(value, what: str, source: str) -> str:
     if value is None or value is _MISSING:
         return ""
@@ -146,8 +184,11 @@ class BaseHandler:
 
     def __init__(self, tokenizer, template: ChatTemplate, map_keys: Optional[dict] = None,
                  additional_keys: Sequence[str] = (), max_prompt_length: Optional[int] = None,
-                 seq_length: Optional[int] = None, append_eod: bool = False):
+                 seq_length: Optional[int] = None, append_eod: bool = False, overlong_prompts: str = "drop"):
+        if overlong_prompts not in OVERLONG_MODES:
+            raise DataError(f"--overlong-prompts {overlong_prompts!r}: use one of {', '.join(OVERLONG_MODES)}")
         self.tokenizer = tokenizer
+        self.overlong_prompts = overlong_prompts
         self.template = template
         self.explicit_map_keys = map_keys is not None
         self.map_keys = dict(self.default_map_keys) if map_keys is None else dict(map_keys)
@@ -201,12 +242,27 @@ class BaseHandler:
     def required_roles(self) -> Tuple[str, ...]:
         return ("prompt",)
 
+    def _text(self, row: dict, role: str, source: str) -> str:
+        return _role_text(self._get(row, role, source), role, self.map_keys.get(role) or role, source)
+
+    def _overlong(self, n_tokens: int, limit: int, flag: str, source: str) -> Optional[int]:
+        """What to do with a prompt of ``n_tokens`` > ``limit``: None (drop it) or how many of its
+        leading tokens to cut (truncate, keeping the end); raises with ``--overlong-prompts error``."""
+        if self.overlong_prompts == "error":
+            raise DataError(
+                f"{source}: the templated prompt has {n_tokens} tokens, more than {flag} {limit} "
+                f"(--overlong-prompts error); raise {flag}, or pass --overlong-prompts drop (skip such rows) or "
+                f"truncate (keep each prompt's last {limit} tokens)")
+        if self.overlong_prompts == "truncate":
+            return n_tokens - limit
+        return None
+
     # ---- row -> messages ---------------------------------------------------------------------
     def build_messages(self, row: dict, source: str) -> Optional[List[dict]]:
         """The chat messages of a row's prompt, or None when the prompt is empty."""
         prompt = self._get(row, "prompt", source)
-        query = _as_text(self._get(row, "query", source), "query", source)
-        system = _as_text(self._get(row, "system", source), "system", source)
+        query = self._text(row, "query", source)
+        system = self._text(row, "system", source)
         if isinstance(prompt, (list, tuple)):
             messages = []
             for m in prompt:
@@ -215,7 +271,8 @@ class BaseHandler:
                         f"{source}: a chat-message prompt must be a list of {{'role', 'content'}} "
                         f"objects, got {str(m)[:80]!r}")
                 messages.append({"role": str(m["role"]),
-                                 "content": _as_text(m["content"], "message content", source)})
+                                 "content": _role_text(m["content"], "prompt", self.map_keys.get("prompt"), source,
+                                                       " message content")})
             if query:
                 users = [i for i, m in enumerate(messages) if m["role"] == "user"]
                 if users:
@@ -223,7 +280,7 @@ class BaseHandler:
                 else:
                     messages.append({"role": "user", "content": query})
         else:
-            text = _as_text(prompt, "prompt", source)
+            text = _role_text(prompt, "prompt", self.map_keys.get("prompt"), source)
             if query:
                 text = f"{text}\n{query}" if text else query
             messages = [{"role": "user", "content": text}]
@@ -289,13 +346,19 @@ class _PromptOnlyHandler(BaseHandler):
                 results.append(("drop", reason))
                 continue
             results.append(None)
-            pending.append((len(results) - 1, self.template.render(messages, add_generation_prompt=True), extras))
+            pending.append((len(results) - 1, source, self.template.render(messages, add_generation_prompt=True),
+                            extras))
         limit = min(x for x in (self.max_prompt_length, self.seq_length, float("inf")) if x)
-        for (slot, _, extras), ids in zip(pending, self.encode([p[1] for p in pending])):
-            if len(ids) > limit:
-                results[slot] = ("drop", PROMPT_TOO_LONG)
-            else:
+        flag = "--max-prompt-length" if limit == self.max_prompt_length else "--seq-length"
+        for (slot, source, _, extras), ids in zip(pending, self.encode([p[2] for p in pending])):
+            if len(ids) <= limit:
                 results[slot] = ("ok", {"input_ids": ids}, extras)
+                continue
+            cut = self._overlong(len(ids), limit, flag, source)
+            if cut is None:
+                results[slot] = ("drop", PROMPT_TOO_LONG)
+            else:  # the end holds the question and the opened assistant turn
+                results[slot] = ("ok", {"input_ids": ids[cut:]}, extras, PROMPT_TOO_LONG)
         return results
 
 
@@ -347,7 +410,7 @@ class AlpacaStyleInstructionHandler(BaseHandler):
             if messages is None:
                 results.append(("drop", EMPTY_PROMPT))
                 continue
-            response = _as_text(self._get(row, "response", source), "response", source)
+            response = self._text(row, "response", source)
             if not response.strip():
                 results.append(("drop", EMPTY_RESPONSE))
                 continue
@@ -359,11 +422,11 @@ class AlpacaStyleInstructionHandler(BaseHandler):
             full_text = self.template.render(messages + [{"role": "assistant", "content": response}],
                                              add_generation_prompt=False)
             results.append(None)
-            pending.append((len(results) - 1, prompt_text, full_text, extras))
+            pending.append((len(results) - 1, prompt_text, full_text, extras, source))
         prompt_ids = self.encode([p[1] for p in pending])
         full_ids = self.encode([p[2] for p in pending])
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        for (slot, _, _, extras), p_ids, ids in zip(pending, prompt_ids, full_ids):
+        for (slot, _, _, extras, source), p_ids, ids in zip(pending, prompt_ids, full_ids):
             # the prompt part is the longest common prefix of the two encodings; a token that
             # straddles the boundary belongs to the response
             n = 0
@@ -372,11 +435,17 @@ class AlpacaStyleInstructionHandler(BaseHandler):
                 n += 1
             if self.append_eod and eos is not None and (not ids or ids[-1] != eos):
                 ids = ids + [eos]
+            labels = [IGNORE_INDEX] * n + ids[n:]
+            note = ()
             if self.max_prompt_length and len(p_ids) > self.max_prompt_length:
-                results[slot] = ("drop", PROMPT_TOO_LONG)
-            elif self.seq_length and len(ids) > self.seq_length:
+                cut = self._overlong(len(p_ids), self.max_prompt_length, "--max-prompt-length", source)
+                if cut is None:
+                    results[slot] = ("drop", PROMPT_TOO_LONG)
+                    continue
+                cut = min(cut, n)  # only prompt tokens go: the prompt's end and the response stay
+                ids, labels, note = ids[cut:], labels[cut:], (PROMPT_TOO_LONG,)
+            if self.seq_length and len(ids) > self.seq_length:
                 results[slot] = ("drop", SEQUENCE_TOO_LONG)
             else:
-                labels = [IGNORE_INDEX] * n + ids[n:]
-                results[slot] = ("ok", {"input_ids": ids, "labels": labels}, extras)
+                results[slot] = ("ok", {"input_ids": ids, "labels": labels}, extras) + note
         return results

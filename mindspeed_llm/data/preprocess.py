@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from mindspeed_llm.data.errors import DataError, UnknownNameError
-from mindspeed_llm.data.handlers import get_handler_class, handler_names, parse_map_keys
+from mindspeed_llm.data.handlers import (OVERLONG_MODES, PROMPT_TOO_LONG, get_handler_class, handler_names,
+                                         parse_map_keys)
 from mindspeed_llm.data.readers import iter_rows, list_input_files
 from mindspeed_llm.data.templates import get_template
 from mindspeed_llm.data.tokenizer import TOKENIZER_TYPES, load_tokenizer, tokenizer_info
@@ -68,7 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-length", type=int, default=None,
                    help="drop samples whose stored input_ids are longer than this (counted)")
     g.add_argument("--max-prompt-length", type=int, default=None,
-                   help="drop samples whose templated prompt has more tokens than this (counted)")
+                   help="the longest templated prompt, in tokens; longer ones are handled by --overlong-prompts")
+    g.add_argument("--overlong-prompts", choices=OVERLONG_MODES, default="drop",
+                   help="a prompt longer than --max-prompt-length is dropped (default), truncate: cut to its "
+                        "last --max-prompt-length tokens (the end holds the question and the assistant turn), "
+                        "error: stop naming the row; dropped / truncated rows are counted in the log and _meta.json")
     g = p.add_argument_group("output")
     g.add_argument("--output-prefix", default=None,
                    help="folder plus file-name stem of the output files, e.g. dataset/train")
@@ -121,6 +126,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise DataError(f"--{name.replace('_', '-')} must be positive, got {v}")
+    if args.overlong_prompts not in OVERLONG_MODES:  # a --config value bypasses argparse's choices
+        raise DataError(f"--overlong-prompts {args.overlong_prompts!r}: use one of {', '.join(OVERLONG_MODES)}")
+    if args.overlong_prompts != "drop" and args.max_prompt_length is None:
+        raise DataError(f"--overlong-prompts {args.overlong_prompts} needs --max-prompt-length N (the longest "
+                        f"prompt to keep, in tokens)")
     check_prefix(args.output_prefix)
     return args
 
@@ -134,6 +144,7 @@ class PreprocessResult:
     dropped: Dict[str, int]
     seconds: float
     meta: dict = field(repr=False, default_factory=dict)
+    truncated: Dict[str, int] = field(default_factory=dict)
 
     @property
     def rows_per_second(self) -> float:
@@ -150,7 +161,7 @@ def _make_handler(spec: dict):
     cls = get_handler_class(spec["handler_name"])
     return cls(tokenizer, template, map_keys=spec["map_keys"], additional_keys=spec["additional_keys"],
                max_prompt_length=spec["max_prompt_length"], seq_length=spec["seq_length"],
-               append_eod=spec["append_eod"])
+               append_eod=spec["append_eod"], overlong_prompts=spec["overlong_prompts"])
 
 
 def _init_worker(spec: dict) -> None:
@@ -201,7 +212,7 @@ def run(args: argparse.Namespace) -> PreprocessResult:
                 prompt_type_path=args.prompt_type_path, handler_name=args.handler_name, map_keys=map_keys,
                 additional_keys=list(args.dataset_additional_keys or []),
                 max_prompt_length=args.max_prompt_length, seq_length=args.seq_length,
-                append_eod=args.append_eod)
+                append_eod=args.append_eod, overlong_prompts=args.overlong_prompts)
     get_handler_class(args.handler_name)  # name errors before loading the tokenizer
     template = get_template(args.prompt_type, args.prompt_type_path)
     handler = _make_handler(spec)
@@ -211,6 +222,8 @@ def run(args: argparse.Namespace) -> PreprocessResult:
         logger.info("--append-eod is ignored by %s (prompts end with the generation prompt)", args.handler_name)
 
     counts: Counter = Counter()
+    truncated: Counter = Counter()
+    longest = 0
     n_rows = 0
     last_log = 0
     rows = iter_rows(args.input)
@@ -232,6 +245,9 @@ def run(args: argparse.Namespace) -> PreprocessResult:
                     if res[0] == "ok":
                         writer.add(res[1], res[2])
                         counts["kept"] += 1
+                        longest = max(longest, len(res[1]["input_ids"]))
+                        if len(res) > 3:
+                            truncated[res[3]] += 1
                     else:
                         counts[res[1]] += 1
                 if args.log_interval and n_rows - last_log >= args.log_interval:
@@ -260,16 +276,31 @@ def run(args: argparse.Namespace) -> PreprocessResult:
             inputs=[str(p) for p in inputs],
             num_input_rows=n_rows,
             dropped=dropped,
+            truncated=dict(sorted(truncated.items())),
+            overlong_prompts=args.overlong_prompts,
+            max_input_ids_length=longest,
             max_prompt_length=args.max_prompt_length,
             seq_length=args.seq_length,
             append_eod=bool(args.append_eod and "labels" in handler.packed_keys),
         )
         files = writer.commit(meta)
         meta = writer.meta
-    logger.info("kept %d of %d rows (dropped: %s) in %.1fs (%.1f rows/s); wrote %s_*",
-                counts["kept"], n_rows, ", ".join(f"{k}={v}" for k, v in dropped.items()) or "none",
-                seconds, n_rows / max(seconds, 1e-9), prefix)
-    return PreprocessResult(prefix, files, n_rows, counts["kept"], dropped, seconds, meta)
+    if dropped.get(PROMPT_TOO_LONG):
+        sft = "labels" in handler.packed_keys  # prompt-only handlers also hold prompts to --seq-length
+        limit = args.max_prompt_length if sft else min(x for x in (args.max_prompt_length, args.seq_length) if x)
+        logger.warning("dropped %d prompts longer than %d tokens (--overlong-prompts drop; counted in %s_meta.json)",
+                       dropped[PROMPT_TOO_LONG], limit, prefix)
+    if truncated.get(PROMPT_TOO_LONG):
+        logger.warning("truncated %d prompts longer than --max-prompt-length %d to their last %d tokens "
+                       "(--overlong-prompts truncate; counted in %s_meta.json)", truncated[PROMPT_TOO_LONG],
+                       args.max_prompt_length, args.max_prompt_length, prefix)
+    logger.info("kept %d of %d rows (dropped: %s; truncated: %s) in %.1fs (%.1f rows/s); longest input_ids %d "
+                "tokens; wrote %s_*", counts["kept"], n_rows,
+                ", ".join(f"{k}={v}" for k, v in dropped.items()) or "none",
+                ", ".join(f"{k}={v}" for k, v in sorted(truncated.items())) or "none",
+                seconds, n_rows / max(seconds, 1e-9), longest, prefix)
+    return PreprocessResult(prefix, files, n_rows, counts["kept"], dropped, seconds, meta,
+                            truncated=dict(sorted(truncated.items())))
 
 
 def preprocess(argv: Optional[List[str]] = None) -> PreprocessResult:
