@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from here into the output")
     p.add_argument("--load-iteration", default=None,
                    help="Megatron iteration to read ('release' or a number; default: latest_checkpointed_iteration)")
+    p.add_argument("--allow-non-finite", action="store_true",
+                   help="convert weights that hold NaN / inf (or overflow --params-dtype) anyway, with a warning "
+                        "naming them; without it such a checkpoint is refused")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -48,25 +51,39 @@ def run(args) -> None:
     if args.load_model_type == "hf" and args.save_model_type == "mg":
         convert_hf_to_mg(args.load_dir, args.save_dir, tp=tp, pp=pp, params_dtype=args.params_dtype,
                          value_head=bool(args.orm), model_type_hf=args.model_type_hf,
-                         tokenizer_dir=args.tokenizer_dir, progress=progress)
+                         tokenizer_dir=args.tokenizer_dir, progress=progress, allow_non_finite=args.allow_non_finite)
     elif args.load_model_type == "mg" and args.save_model_type == "hf":
         convert_mg_to_hf(args.load_dir, args.save_dir, params_dtype=args.params_dtype, value_head=args.orm,
-                         tokenizer_dir=args.tokenizer_dir, iteration=iteration, progress=progress)
+                         tokenizer_dir=args.tokenizer_dir, iteration=iteration, progress=progress,
+                         allow_non_finite=args.allow_non_finite)
     elif args.load_model_type == "mg" and args.save_model_type == "mg":
         convert_mg_to_mg(args.load_dir, args.save_dir, tp=tp, pp=pp, params_dtype=args.params_dtype,
-                         iteration=iteration, value_head=args.orm, progress=progress)
+                         iteration=iteration, value_head=args.orm, progress=progress,
+                         allow_non_finite=args.allow_non_finite)
     else:
         raise ConversionError("--load-model-type hf --save-model-type hf: nothing to convert")
 
 
 def main(argv=None) -> int:
+    import logging
+
     args = build_parser().parse_args(argv)
     from mindspeed_llm.checkpoint.hf_mapping import ConversionError
     from mindspeed_llm.models.spec import UnsupportedModelError
 
+    class _Stderr(logging.Handler):  # the current sys.stderr at each message
+        def emit(self, record):
+            print(self.format(record), file=sys.stderr)
+
+    log = logging.getLogger("mindspeed_llm.checkpoint")
+    if not log.handlers:  # warnings (e.g. --allow-non-finite) as one line each, like the errors
+        handler = _Stderr()
+        handler.setFormatter(logging.Formatter("convert_ckpt.py: warning: %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
     try:
         run(args)
-    except (ConversionError, UnsupportedModelError, FileNotFoundError, ValueError) as err:
+    except (ConversionError, UnsupportedModelError, OSError, ValueError) as err:
         print(f"convert_ckpt.py: error: {err}", file=sys.stderr)
         return 1
     print(f"convert_ckpt.py: wrote {args.save_model_type} checkpoint to {args.save_dir}", file=sys.stderr)

@@ -390,3 +390,78 @@ def test_export_replaces_stale_weight_files(tmp_path):
     ckpt.convert_mg_to_hf(tmp_path / "mg", out, progress=False)
     assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors", "notes.txt"]
     AutoModelForCausalLM.from_pretrained(out)
+
+
+# ------------------------------------------------------------------------------------------- bad inputs
+
+@pytest.mark.parametrize("keep", [0.5, 0.001], ids=["data-cut", "header-cut"])
+def test_error_truncated_safetensors_names_the_file(tmp_path, capsys, keep):
+    src = save_tiny("llama", tmp_path / "hf", seed=30)
+    weights = os.path.join(src, "model.safetensors")
+    data = open(weights, "rb").read()
+    open(weights, "wb").write(data[: int(len(data) * keep)])
+    err = _error(capsys, "--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", src,
+                 "--save-dir", tmp_path / "mg")
+    assert f"{weights} cannot be read" in err and "truncated" in err and "Traceback" not in err
+    assert [ln for ln in err.splitlines() if "error:" in ln] == [err.strip().splitlines()[-1]]  # one line
+    assert not os.path.exists(tmp_path / "mg" / "latest_checkpointed_iteration.txt")
+
+
+def test_error_truncated_megatron_shard_names_the_file(tmp_path, capsys):
+    src = save_tiny("llama", tmp_path / "hf", seed=31)
+    ckpt.convert_hf_to_mg(src, tmp_path / "mg", tp=2, progress=False)
+    for rank in (1, 0):  # a later shard (read while merging), then the first (read for the spec)
+        shard = layout.shard_path(tmp_path / "mg" / "release", rank, 0, 1)
+        data = open(shard, "rb").read()
+        open(shard, "wb").write(data[: len(data) // 2])
+        err = _error(capsys, "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", tmp_path / "mg",
+                     "--save-dir", tmp_path / "out")
+        assert f"{shard} cannot be read: it is truncated or corrupt" in err and "Traceback" not in err
+
+
+def test_error_config_sizes_do_not_match_the_weights(tmp_path, capsys):
+    src = save_tiny("qwen2", tmp_path / "hf", seed=32)
+    config = json.load(open(os.path.join(src, "config.json")))
+    config["intermediate_size"] = 96  # the weights have 128
+    json.dump(config, open(os.path.join(src, "config.json"), "w"))
+    err = _error(capsys, "--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", src,
+                 "--save-dir", tmp_path / "mg")
+    assert (f"tensor model.layers.0.mlp.gate_proj.weight in {src} has shape (128, 64) but "
+            f"{os.path.join(src, 'config.json')} (intermediate_size=96, hidden_size=64) implies (96, 64)") in err
+    config["intermediate_size"], config["num_key_value_heads"] = 128, 1  # k/v have 2 heads of 16
+    json.dump(config, open(os.path.join(src, "config.json"), "w"))
+    err = _error(capsys, "--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", src,
+                 "--save-dir", tmp_path / "mg")
+    assert "tensor model.layers.0.self_attn.k_proj.weight" in err and "has shape (32, 64)" in err
+    assert "(num_key_value_heads=1, head_dim=16, hidden_size=64) implies (16, 64)" in err
+    assert not os.path.exists(tmp_path / "mg" / "latest_checkpointed_iteration.txt")
+
+
+def test_error_vocab_size_disagrees_with_the_embedding(tmp_path, capsys):
+    src = save_tiny("llama", tmp_path / "hf", tie=True, seed=33)  # 256 rows
+    config = json.load(open(os.path.join(src, "config.json")))
+    config["vocab_size"] = 300
+    json.dump(config, open(os.path.join(src, "config.json"), "w"))
+    err = _error(capsys, "--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", src,
+                 "--save-dir", tmp_path / "mg")
+    assert (f"{os.path.join(src, 'config.json')} says vocab_size=300 but model.embed_tokens.weight in {src} "
+            f"has 256 rows; set vocab_size to 256") in err
+    assert not os.path.exists(tmp_path / "mg" / "latest_checkpointed_iteration.txt")
+
+
+def test_error_training_save_root_points_to_the_roles(tmp_path, capsys):
+    """A stage's --save root: actor/ and critic/ checkpoints plus the top-level resume tracker."""
+    root = tmp_path / "save"
+    ckpt.convert_hf_to_mg(save_tiny("qwen2", tmp_path / "hf", seed=34), root / "actor", progress=False)
+    ckpt.convert_hf_to_mg(save_tiny("qwen2", tmp_path / "rm", seq_cls=True, seed=34), root / "critic",
+                          value_head=True, progress=False)
+    layout.write_latest(root, 4)
+    err = _error(capsys, "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", root,
+                 "--save-dir", tmp_path / "out")
+    assert f"--load-dir {root} is a training --save directory" in err and "iter_0000004" not in err
+    assert f"pass --load-dir {root / 'actor'} (or --load-dir {root / 'critic'} with --orm)" in err
+    err = _error(capsys, "--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", root,
+                 "--save-dir", tmp_path / "mg2")
+    assert "is a training --save directory" in err
+    assert _cli("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", root / "critic",
+                "--save-dir", tmp_path / "out", "--orm") == 0

@@ -1,4 +1,5 @@
-"""Fault injection on the data tools: a preprocess run SIGKILLed inside its commit, a full disk.
+"""Fault injection on the data and conversion tools: a preprocess run SIGKILLed inside its commit,
+a full disk, and checkpoints holding NaN / inf.
 
 The kills use the test-only hook of :mod:`mindspeed_llm.data.writer`: with
 ``MINDSPEED_LLM_FAULT_AT=<point>`` the process SIGKILLs itself when its commit reaches ``<point>``.
@@ -9,9 +10,11 @@ import errno
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 try:
     from fixtures_data import DEEPSCALER, load_json_rows, preprocess_args, qwen_tok_dir, run_forked  # noqa: F401
@@ -24,6 +27,7 @@ from mindspeed_llm.data.writer import FAULT_ENV, existing_outputs, meta_path
 
 R1 = "R1AlpacaStyleInstructionHandler"
 DS_KEYS = {"prompt": "problem", "labels": "answer"}
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def listing(folder: Path):
@@ -175,3 +179,80 @@ def test_disk_full_is_one_line_and_leaves_no_partial_files(qwen_tok_dir, tmp_pat
     assert snapshot(prefix) == before
     if overwrite:
         assert labels_of(prefix) == old_labels
+
+
+# ------------------------------------------------------------------------------------------- non-finite weights
+
+def _convert(*argv) -> int:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    import convert_ckpt
+
+    return convert_ckpt.main([str(a) for a in argv] + ["--no-progress"])
+
+
+def _poison(path, name, nan=3, inf=1):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(path)
+    t = state[name]
+    t.view(-1)[:nan] = float("nan")
+    t.view(-1)[nan:nan + inf] = float("inf")
+    save_file(state, path, metadata={"format": "pt"})
+
+
+def test_convert_refuses_non_finite_weights_in_every_direction(tmp_path, capsys):
+    from hf_tiny import save_tiny
+    from safetensors.torch import load_file
+
+    from mindspeed_llm.checkpoint import megatron_layout as layout
+
+    src = save_tiny("qwen2", tmp_path / "hf", num_layers=2, seed=21)
+    _poison(os.path.join(src, "model.safetensors"), "model.layers.1.mlp.up_proj.weight")
+    mg, out = tmp_path / "mg", tmp_path / "out"
+
+    # hf -> mg: refused, the HF tensor and the counts named, nothing written
+    assert _convert("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", src, "--save-dir", mg) == 1
+    err = capsys.readouterr().err
+    assert "tensor model.layers.1.mlp.up_proj.weight" in err and "3 NaN and 1 inf of 8192 values" in err
+    assert "--allow-non-finite" in err and "Traceback" not in err
+    assert listing(mg) == []  # no tracker, no staging folder
+
+    # --allow-non-finite converts as it is, with a warning naming the tensor
+    assert _convert("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", src, "--save-dir", mg,
+                    "--allow-non-finite") == 0
+    err = capsys.readouterr().err
+    assert "warning: --allow-non-finite" in err and "model.layers.1.mlp.up_proj.weight (3 NaN and 1 inf" in err
+    fc1 = layout.load_shard(mg, 0, 0)["model"]["decoder.layers.1.mlp.linear_fc1.weight"]
+    assert int(torch.isnan(fc1).sum()) == 3 and int(torch.isinf(fc1).sum()) == 1
+
+    # mg -> hf and mg -> mg: refused, the Megatron tensor named, no weights written
+    assert _convert("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", mg, "--save-dir", out) == 1
+    err = capsys.readouterr().err
+    assert "tensor decoder.layers.1.mlp.linear_fc1.weight" in err and "3 NaN and 1 inf" in err
+    assert not os.path.exists(out / "model.safetensors") and not os.path.exists(out / "config.json")
+    assert _convert("--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", mg, "--save-dir",
+                    tmp_path / "mg2", "--target-tensor-parallel-size", 2) == 1
+    assert "decoder.layers.1.mlp.linear_fc1.weight" in capsys.readouterr().err
+    assert listing(tmp_path / "mg2") == []
+    assert _convert("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", mg, "--save-dir", out,
+                    "--allow-non-finite") == 0
+    up = load_file(out / "model.safetensors")["model.layers.1.mlp.up_proj.weight"]
+    assert int(torch.isnan(up).sum()) == 3 and int(torch.isinf(up).sum()) == 1
+
+
+def test_convert_refuses_a_dtype_that_overflows(tmp_path, capsys):
+    from hf_tiny import save_tiny
+    from safetensors.torch import load_file, save_file
+
+    src = save_tiny("llama", tmp_path / "hf", num_layers=2, seed=22)
+    state = load_file(os.path.join(src, "model.safetensors"))
+    state["model.norm.weight"][:2] = 1e6  # finite in fp32, inf in fp16
+    save_file(state, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
+    assert _convert("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", src,
+                    "--save-dir", tmp_path / "mg", "--params-dtype", "fp16") == 1
+    err = capsys.readouterr().err
+    assert "tensor decoder.final_layernorm.weight" in err and "2 of its values overflow torch.float16" in err
+    assert "--params-dtype bf16 or fp32" in err
+    assert _convert("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", src,
+                    "--save-dir", tmp_path / "mg", "--params-dtype", "bf16") == 0

@@ -8,12 +8,19 @@
 The conversions stream one pipeline stage at a time (memory: about one stage's weights twice), show a
 tqdm bar over layers, and publish atomically (see megatron_layout). Nothing here imports megatron except
 `load_megatron_weights`, which reads the ranks from megatron's parallel_state.
+
+Checks before anything is written: config.json sizes against the tensor shapes (vocab_size against the
+embedding first), truncated / unreadable weight files named, a training --save root (actor/, critic/)
+recognised, and no NaN / inf weight is exported in any direction unless `allow_non_finite`
+(--allow-non-finite), which still warns naming the tensors.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Dict, Optional
+import shutil
+from typing import Dict, List, Optional
 
 import torch
 
@@ -21,6 +28,8 @@ from mindspeed_llm.checkpoint import hf_mapping as hfm
 from mindspeed_llm.checkpoint import megatron_layout as layout
 from mindspeed_llm.checkpoint import sharding
 from mindspeed_llm.checkpoint.hf_mapping import ConversionError
+
+logger = logging.getLogger(__name__)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -55,28 +64,136 @@ def _check_target_parallel(spec, tp: int, pp: int) -> None:
         raise ConversionError(message) from None
 
 
-def _cast(tensors: Dict[str, torch.Tensor], dtype: torch.dtype, value_head: bool) -> Dict[str, torch.Tensor]:
+# ------------------------------------------------------------------------------------------- input checks
+
+def non_finite_counts(tensor: torch.Tensor):
+    """(NaN count, inf count) of a tensor; (0, 0) for integer tensors."""
+    if tensor is None or not torch.is_tensor(tensor) or not tensor.is_floating_point():
+        return 0, 0
+    return int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+
+
+class _FiniteCheck:
+    """Refuses (or, with `allow`, records) tensors holding NaN / inf as they are read."""
+
+    def __init__(self, source: str, allow: bool):
+        self.source, self.allow = source, bool(allow)
+        self.found: List[str] = []
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        nan, inf = non_finite_counts(tensor)
+        if nan or inf:
+            detail = f"{nan} NaN and {inf} inf of {tensor.numel()} values"
+            if not self.allow:
+                raise ConversionError(
+                    f"tensor {name} in {self.source} holds {detail}: refusing to export non-finite weights (a "
+                    f"diverged or corrupt checkpoint); convert an earlier checkpoint, or pass --allow-non-finite "
+                    f"to convert it as it is")
+            self.found.append(f"{name} ({detail})")
+        return tensor
+
+    def check_all(self, state: Dict[str, torch.Tensor], rename=lambda n: n) -> None:
+        for name, tensor in state.items():
+            self(rename(name), tensor)
+
+    def check_cast(self, name: str, before: torch.Tensor, after: torch.Tensor) -> None:
+        """A finite value that a narrower --params-dtype turns into inf (e.g. > 65504 in fp16)."""
+        if after.dtype == before.dtype or not after.is_floating_point():
+            return
+        grown = sum(non_finite_counts(after)) - sum(non_finite_counts(before))
+        if grown > 0:
+            if not self.allow:
+                raise ConversionError(
+                    f"tensor {name} from {self.source}: {grown} of its values overflow {after.dtype} and would be "
+                    f"written as inf; choose --params-dtype bf16 or fp32 (or pass --allow-non-finite)")
+            self.found.append(f"{name} ({grown} values overflow {after.dtype})")
+
+    def report(self) -> None:
+        if self.found:
+            more = f" and {len(self.found) - 5} more" if len(self.found) > 5 else ""
+            logger.warning("--allow-non-finite: exported %d tensors with non-finite values from %s: %s%s",
+                           len(self.found), self.source, "; ".join(self.found[:5]), more)
+
+
+class _CheckedHFWeights:
+    """An HFWeights whose `get` passes every tensor through a _FiniteCheck (named as in the HF files)."""
+
+    def __init__(self, weights, check: _FiniteCheck):
+        self._weights, self._check = weights, check
+
+    def __getattr__(self, name):
+        return getattr(self._weights, name)
+
+    def get(self, name: str) -> torch.Tensor:
+        full = name if name in (hfm.HF_LM_HEAD, hfm.HF_SCORE) else self._weights.prefix + name
+        return self._check(full, self._weights.get(name))
+
+
+def _check_not_training_root(root: str) -> None:
+    """A stage's --save directory holds one Megatron checkpoint per role (actor/, critic/) and a
+    top-level tracker for resuming: say so instead of 'iter_... does not exist'."""
+    if not os.path.isdir(root):
+        return
+    if any(n == layout.RELEASE or n.startswith("iter_") for n in os.listdir(root)):
+        return
+    roles = sorted(n for n in os.listdir(root) if os.path.isfile(os.path.join(root, n, layout.TRACKER_FILE)))
+    if not roles:
+        return
+    roles.sort(key=lambda n: n != "actor")
+    ways = [f"--load-dir {os.path.join(root, r)}" + (" with --orm" if r in ("critic", "reward") else "")
+            for r in roles]
+    raise ConversionError(
+        f"--load-dir {root} is a training --save directory, not a checkpoint (it holds "
+        f"{', '.join(r + '/' for r in roles)}, one checkpoint per role); pass {ways[0]}"
+        + (f" (or {' or '.join(ways[1:])})" if len(ways) > 1 else ""))
+
+
+def _checkpoint_info(root: str, iteration):
+    """layout.checkpoint_info, with a training --save root recognised and an unreadable shard named."""
+    _check_not_training_root(root)
+    try:
+        return layout.checkpoint_info(root, iteration)
+    except (RuntimeError, EOFError) as err:  # torch.load of a truncated / corrupt file
+        path, _ = layout.resolve_dir(root, iteration)
+        _, pp = layout.find_layout(path)
+        raise _unreadable_shard(layout.shard_path(path, 0, 0, pp), err) from None
+
+
+def _unreadable_shard(path: str, err: Exception) -> ConversionError:
+    detail = " ".join(str(err).split())[:200]
+    return ConversionError(f"{path} cannot be read: it is truncated or corrupt ({detail}); copy it again or "
+                           f"convert from another checkpoint")
+
+
+def _cast(tensors: Dict[str, torch.Tensor], dtype: torch.dtype, value_head: bool,
+          finite: Optional["_FiniteCheck"] = None) -> Dict[str, torch.Tensor]:
     """Everything in `dtype` except the value head, which megatron keeps in fp32."""
     out = {}
     for name, t in tensors.items():
         keep_fp32 = value_head and name == hfm.OUTPUT
         out[name] = t.to(torch.float32 if keep_fp32 else dtype)
+        if finite is not None:
+            finite.check_cast(name, t, out[name])
     return out
 
 
 def _write_checkpoint(save_dir: str, stages, spec, tp: int, pp: int, dtype: torch.dtype, value_head: bool,
-                      total_layers: int, desc: str, progress: bool, hf_config=None, tokenizer_src=None) -> None:
+                      total_layers: int, desc: str, progress: bool, hf_config=None, tokenizer_src=None,
+                      finite: Optional["_FiniteCheck"] = None) -> None:
     """`stages(stage) -> full local tensors of that stage`; writes all TP x PP shards, then publishes."""
     staging = layout.prepare_staging(save_dir, layout.RELEASE)
     bar = _progress(total_layers, desc, progress)
     try:
         for stage in range(pp):
-            stage_sd = _cast(stages(stage, bar), dtype, value_head)
+            stage_sd = _cast(stages(stage, bar), dtype, value_head, finite)
             for tp_rank, shard in enumerate(sharding.split_stage(stage_sd, tp, value_head, True, spec, pp, stage)):
                 extra = {"hf_config": hf_config} if hf_config is not None else {}
                 payload = layout.make_payload(shard, spec, tp, pp, tp_rank, stage, dtype, value_head, **extra)
                 layout.save_file(payload, layout.shard_path(staging, tp_rank, stage, pp))
             del stage_sd
+    except Exception:
+        shutil.rmtree(staging, ignore_errors=True)  # refused (e.g. non-finite weights): leave nothing behind
+        raise
     finally:
         bar.close()
     # Only now touch what a reader sees: no tracker while the release folder is replaced, tracker last.
@@ -91,12 +208,13 @@ def _write_checkpoint(save_dir: str, stages, spec, tp: int, pp: int, dtype: torc
 
 def convert_hf_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, params_dtype=None,
                      value_head: bool = False, model_type_hf: Optional[str] = None,
-                     tokenizer_dir: Optional[str] = None, progress: bool = True):
+                     tokenizer_dir: Optional[str] = None, progress: bool = True, allow_non_finite: bool = False):
     """Convert a Hugging Face folder into a Megatron-LM release checkpoint (TP x PP shards) under `save_dir`.
 
     `params_dtype` (fp32/bf16/fp16) defaults to the dtype of the HF weights. With `value_head` the HF
     folder must be a *ForSequenceClassification model (score.weight [1, hidden]); the head stays fp32.
     Tokenizer files of `tokenizer_dir` (default: `load_dir`) are copied into `save_dir`. Returns the ModelSpec.
+    Tensors holding NaN / inf raise ConversionError unless `allow_non_finite`.
     """
     from mindspeed_llm.models.spec import ModelSpec
 
@@ -107,30 +225,40 @@ def convert_hf_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, par
     _check_target_parallel(spec, tp, pp)
     weights = hfm.HFWeights(load_dir)
     hfm.check_hf_names(weights, spec, value_head)
+    hfm.check_hf_shapes(weights, spec, value_head, config_file=os.path.join(load_dir, "config.json"))
+    finite = _FiniteCheck(load_dir, allow_non_finite)
+    checked = _CheckedHFWeights(weights, finite)
     dtype = parse_dtype(params_dtype) or weights.dtype()
     if _same_path(load_dir, save_dir):
         raise ConversionError(f"--save-dir {save_dir} is the --load-dir; write the Megatron checkpoint elsewhere")
 
     def stage_tensors(stage, bar):
         layers = sharding.stage_layers(spec.num_layers, pp, stage)
-        full = hfm.hf_nonlayer_to_mg(weights, spec, value_head, first=stage == 0 or (
+        full = hfm.hf_nonlayer_to_mg(checked, spec, value_head, first=stage == 0 or (
             spec.tie_word_embeddings and not value_head and stage == pp - 1), last=stage == pp - 1)
         for index in layers:
-            for rel, tensor in hfm.hf_layer_to_mg(weights.get, spec, index).items():
+            for rel, tensor in hfm.hf_layer_to_mg(checked.get, spec, index).items():
                 full[hfm.layer_key(index, rel)] = tensor
             bar.update(1)
         return sharding.stage_state_dict(full, spec, pp, stage, value_head)
 
     _write_checkpoint(save_dir, stage_tensors, spec, tp, pp, dtype, value_head, spec.num_layers,
-                      "hf->mg layers", progress, hf_config=config, tokenizer_src=tokenizer_dir or load_dir)
+                      "hf->mg layers", progress, hf_config=config, tokenizer_src=tokenizer_dir or load_dir,
+                      finite=finite)
+    finite.report()
     return spec
 
 
 # ------------------------------------------------------------------------------------------- Megatron -> HF
 
 def _load_stage(info, stage: int) -> Dict[str, torch.Tensor]:
-    shards = [layout.load_file(layout.shard_path(info["dir"], r, stage, info["pp"]))["model"]
-              for r in range(info["tp"])]
+    shards = []
+    for r in range(info["tp"]):
+        path = layout.shard_path(info["dir"], r, stage, info["pp"])
+        try:
+            shards.append(layout.load_file(path)["model"])
+        except (RuntimeError, EOFError) as err:
+            raise _unreadable_shard(path, err) from None
     return sharding.merge_stage(shards, info["value_head"])
 
 
@@ -150,7 +278,8 @@ def _same_path(a: str, b: str) -> bool:
 
 
 def convert_mg_to_hf(load_dir: str, save_dir: str, params_dtype=None, value_head: Optional[bool] = None,
-                     tokenizer_dir: Optional[str] = None, iteration=None, progress: bool = True):
+                     tokenizer_dir: Optional[str] = None, iteration=None, progress: bool = True,
+                     allow_non_finite: bool = False):
     """Merge a Megatron checkpoint (any TP x PP) into `save_dir`: model.safetensors + a clean config.json.
 
     A value-head checkpoint becomes a *ForSequenceClassification model (score.weight); `value_head`
@@ -158,8 +287,9 @@ def convert_mg_to_hf(load_dir: str, save_dir: str, params_dtype=None, value_head
     Tokenizer files come from `tokenizer_dir`, else from those convert_hf_to_mg copied into `load_dir`.
     """
     load_dir, save_dir = os.fspath(load_dir), os.fspath(save_dir)
-    info = layout.checkpoint_info(load_dir, iteration)
+    info = _checkpoint_info(load_dir, iteration)
     spec, tp, pp = info["spec"], info["tp"], info["pp"]
+    finite = _FiniteCheck(info["dir"], allow_non_finite)
     value_head = _check_value_head_flag(info, value_head, load_dir)
     dtype = parse_dtype(params_dtype) or info["params_dtype"]
     if _same_path(load_dir, save_dir):
@@ -170,6 +300,7 @@ def convert_mg_to_hf(load_dir: str, save_dir: str, params_dtype=None, value_head
     try:
         for stage in range(pp):
             full = sharding.stage_to_full(_load_stage(info, stage), spec, pp, stage, value_head)
+            finite.check_all(full)
             for index in sharding.stage_layers(spec.num_layers, pp, stage):
                 layer = {rel: full.pop(hfm.layer_key(index, rel)) for rel in hfm.mg_layer_names(spec)}
                 hf_state.update(hfm.mg_layer_to_hf(layer, spec, index))
@@ -177,7 +308,11 @@ def convert_mg_to_hf(load_dir: str, save_dir: str, params_dtype=None, value_head
             hf_state.update(hfm.mg_nonlayer_to_hf(full, spec, value_head))
     finally:
         bar.close()
-    hf_state = {name: t.to(dtype) for name, t in _hf_order(hf_state, spec, value_head)}
+    ordered = {}
+    for name, t in _hf_order(hf_state, spec, value_head):
+        ordered[name] = t.to(dtype)
+        finite.check_cast(name, t, ordered[name])
+    hf_state = ordered
 
     os.makedirs(save_dir, exist_ok=True)
     stale = os.path.join(save_dir, "config.json")
@@ -193,6 +328,7 @@ def convert_mg_to_hf(load_dir: str, save_dir: str, params_dtype=None, value_head
     if source.get("pad_token_id") is not None:
         config["pad_token_id"] = source["pad_token_id"]  # a reward model's pooling position depends on it
     hfm.write_json_atomic(os.path.join(save_dir, "config.json"), config)
+    finite.report()
     return spec
 
 
@@ -209,10 +345,10 @@ def _hf_order(state: Dict[str, torch.Tensor], spec, value_head: bool):
 # ------------------------------------------------------------------------------------------- Megatron -> Megatron
 
 def convert_mg_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, params_dtype=None, iteration=None,
-                     value_head: Optional[bool] = None, progress: bool = True):
+                     value_head: Optional[bool] = None, progress: bool = True, allow_non_finite: bool = False):
     """Reshard a Megatron checkpoint to a new TP x PP (and optionally dtype) as a release checkpoint."""
     load_dir, save_dir = os.fspath(load_dir), os.fspath(save_dir)
-    info = layout.checkpoint_info(load_dir, iteration)
+    info = _checkpoint_info(load_dir, iteration)
     spec = info["spec"]
     value_head = _check_value_head_flag(info, value_head, load_dir)
     _check_target_parallel(spec, tp, pp)
@@ -222,13 +358,16 @@ def convert_mg_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, par
     full: Dict[str, torch.Tensor] = {}
     for stage in range(info["pp"]):
         full.update(sharding.stage_to_full(_load_stage(info, stage), spec, info["pp"], stage, value_head))
+    finite = _FiniteCheck(info["dir"], allow_non_finite)
+    finite.check_all(full)
 
     def stage_tensors(stage, bar):
         bar.update(len(sharding.stage_layers(spec.num_layers, pp, stage)))
         return sharding.stage_state_dict(full, spec, pp, stage, value_head)
 
     _write_checkpoint(save_dir, stage_tensors, spec, tp, pp, dtype, value_head, spec.num_layers, "mg->mg layers",
-                      progress, hf_config=info.get("hf_config"), tokenizer_src=load_dir)
+                      progress, hf_config=info.get("hf_config"), tokenizer_src=load_dir, finite=finite)
+    finite.report()
     return spec
 
 

@@ -136,8 +136,7 @@ class HFWeights:
             if not os.path.isfile(full):
                 continue
             if is_index:
-                with open(full) as f:
-                    weight_map = json.load(f).get("weight_map") or {}
+                weight_map = _read_json(full).get("weight_map") or {}
                 if not weight_map:
                     raise ConversionError(f"{full} has no weight_map")
                 for key, shard in weight_map.items():
@@ -163,15 +162,21 @@ class HFWeights:
         if file not in self._handles:
             from safetensors import safe_open
 
-            self._handles[file] = safe_open(file, framework="pt", device="cpu")
+            try:
+                self._handles[file] = safe_open(file, framework="pt", device="cpu")
+            except Exception as err:  # SafetensorError: truncated or not a safetensors file
+                raise _unreadable(file, err) from None
         return self._handles[file]
 
     def _bin(self, file: str) -> Dict[str, torch.Tensor]:
         if file not in self._bins:
             try:
-                self._bins[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError:  # legacy (non-zip) torch.save format cannot be memory-mapped
-                self._bins[file] = torch.load(file, map_location="cpu", weights_only=True)
+                try:
+                    self._bins[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError:  # legacy (non-zip) torch.save format cannot be memory-mapped
+                    self._bins[file] = torch.load(file, map_location="cpu", weights_only=True)
+            except (RuntimeError, EOFError, OSError, ValueError) as err:
+                raise _unreadable(file, err) from None
         return self._bins[file]
 
     def names(self) -> List[str]:
@@ -186,12 +191,49 @@ class HFWeights:
         key = self._by_name[name]
         file = self._files[key]
         if file.endswith(".safetensors"):
-            return self._handle(file).get_tensor(key)
+            try:
+                return self._handle(file).get_tensor(key)
+            except ConversionError:
+                raise
+            except Exception as err:
+                raise _unreadable(file, err, key) from None
         return self._bin(file)[key]
+
+    def shape(self, name: str) -> tuple:
+        """The shape of tensor `name`, without reading its data (safetensors)."""
+        key = self._by_name[name]
+        file = self._files[key]
+        if file.endswith(".safetensors"):
+            try:
+                return tuple(self._handle(file).get_slice(key).get_shape())
+            except ConversionError:
+                raise
+            except Exception as err:
+                raise _unreadable(file, err, key) from None
+        return tuple(self._bin(file)[key].shape)
 
     def dtype(self) -> torch.dtype:
         """The dtype of the weights (that of the embedding)."""
         return self.get(HF_EMBED).dtype
+
+
+def _unreadable(file: str, err: Exception, key: Optional[str] = None) -> "ConversionError":
+    what = f" (reading {key})" if key else ""
+    detail = " ".join(str(err).split())[:200]
+    return ConversionError(
+        f"{file} cannot be read{what}: it is truncated or not a valid weights file ({detail}); download or copy "
+        f"it again (compare its size with the source)")
+
+
+def _read_json(file: str) -> dict:
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConversionError(f"{file} is not valid JSON ({err}); download or copy it again") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{file} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def read_hf_config(path: str) -> dict:
@@ -200,8 +242,7 @@ def read_hf_config(path: str) -> dict:
         raise FileNotFoundError(f"Hugging Face model directory {path} does not exist")
     if not os.path.isfile(file):
         raise FileNotFoundError(f"no config.json in {path}: pass a Hugging Face model directory as --load-dir")
-    with open(file) as f:
-        return json.load(f)
+    return _read_json(file)
 
 
 # ------------------------------------------------------------------------------------------- fused layouts
@@ -354,6 +395,63 @@ def check_hf_names(weights: HFWeights, spec, value_head: bool) -> None:
             f"--orm: score.weight in {weights.path} has shape {tuple(score.shape)}; a value head needs "
             f"[1, {spec.hidden_size}] (num_labels=1)"
         )
+
+
+def hf_expected_shapes(spec, value_head: bool) -> Dict[str, tuple]:
+    """{HF name (without the decoder prefix): (shape, the config.json fields it follows)} of every
+    tensor a model of `spec` has (lm_head.weight included even when tied: it is checked if present)."""
+    h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.kv_channels
+    q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
+    qf = f"num_attention_heads={spec.num_attention_heads}, head_dim={d}"
+    kvf = f"num_key_value_heads={spec.num_query_groups}, head_dim={d}"
+    hf, ff = f"hidden_size={h}", f"intermediate_size={f}"
+    vocab = ((spec.vocab_size, h), f"vocab_size={spec.vocab_size}, {hf}")
+    out = {HF_EMBED: vocab, HF_FINAL_NORM: ((h,), hf)}
+    if value_head:
+        out[HF_SCORE] = ((1, h), f"num_labels=1, {hf}")
+    else:
+        out[HF_LM_HEAD] = vocab
+    for i in range(spec.num_layers):
+        p, a = f"layers.{i}.", f"layers.{i}.self_attn."
+        out[p + "input_layernorm.weight"] = ((h,), hf)
+        out[p + "post_attention_layernorm.weight"] = ((h,), hf)
+        out[a + "q_proj.weight"] = ((q, h), f"{qf}, {hf}")
+        out[a + "k_proj.weight"] = ((kv, h), f"{kvf}, {hf}")
+        out[a + "v_proj.weight"] = ((kv, h), f"{kvf}, {hf}")
+        out[a + "o_proj.weight"] = ((h, q), f"{hf}, {qf}")
+        if spec.add_qkv_bias:
+            out[a + "q_proj.bias"] = ((q,), qf)
+            out[a + "k_proj.bias"] = ((kv,), kvf)
+            out[a + "v_proj.bias"] = ((kv,), kvf)
+        if spec.qk_layernorm:
+            out[a + "q_norm.weight"] = ((d,), f"head_dim={d}")
+            out[a + "k_norm.weight"] = ((d,), f"head_dim={d}")
+        out[p + "mlp.gate_proj.weight"] = ((f, h), f"{ff}, {hf}")
+        out[p + "mlp.up_proj.weight"] = ((f, h), f"{ff}, {hf}")
+        out[p + "mlp.down_proj.weight"] = ((h, f), f"{hf}, {ff}")
+    return out
+
+
+def check_hf_shapes(weights: HFWeights, spec, value_head: bool, config_file: str = "config.json") -> None:
+    """Every tensor has the shape config.json implies; the vocabulary first, named with both numbers
+    (a config whose vocab_size disagrees with the embedding would make a checkpoint that mis-reads ids)."""
+    if weights.has(HF_EMBED):
+        rows = weights.shape(HF_EMBED)[0]
+        if rows != spec.vocab_size:
+            raise ConversionError(
+                f"{config_file} says vocab_size={spec.vocab_size} but {weights.prefix}{HF_EMBED} in {weights.path} "
+                f"has {rows} rows; set vocab_size to {rows} in config.json, or use the config.json that belongs to "
+                f"these weights")
+    for name, (shape, fields) in hf_expected_shapes(spec, value_head).items():
+        if not weights.has(name):
+            continue
+        actual = weights.shape(name)
+        if tuple(actual) != tuple(shape):
+            full = name if name in (HF_LM_HEAD, HF_SCORE) else weights.prefix + name
+            raise ConversionError(
+                f"tensor {full} in {weights.path} has shape {tuple(actual)} but {config_file} ({fields}) implies "
+                f"{tuple(shape)}; the config does not describe these weights: use the config.json they were "
+                f"saved with")
 
 
 def hf_nonlayer_to_mg(weights: HFWeights, spec, value_head: bool, first: bool, last: bool) -> Dict[str, torch.Tensor]:
