@@ -277,3 +277,88 @@ def test_group_advantages_edge_cases():
         ca.group_advantages(torch.ones(5), 2)
     with pytest.raises(ValueError, match="group, batch, none"):
         ca.group_advantages(torch.ones(4), 2, scale="global")
+
+
+# ----------------------------------------------------------------------------------------------------
+# A batch split into shards: the totals / sum_across give the whole batch's numbers
+# ----------------------------------------------------------------------------------------------------
+def _shards_in_threads(fn, shards):
+    """Run fn(shard, sum_across) on every shard concurrently, with `sum_across` an in-process all-reduce."""
+    import threading
+
+    barrier = threading.Barrier(len(shards))
+    slots = [None] * len(shards)
+    results = [None] * len(shards)
+
+    def run(i):
+        def sum_across(t):
+            slots[i] = t
+            barrier.wait()
+            total = sum(slots[1:], slots[0])
+            barrier.wait()  # everyone has read the slots before they are reused
+            return total
+
+        results[i] = fn(shards[i], sum_across)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(shards))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_split_batch_losses_add_up_to_the_whole_batch():
+    """Each micro-batch's loss with the batch's totals is its share: the shares of any split add up to the loss
+    of the whole batch, in every aggregation mode (verl's global token / sequence normalisation)."""
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(6, 5, generator=g) * 3
+    old = logp + 0.3 * torch.randn(6, 5, generator=g)
+    ref = logp + 0.1 * torch.randn(6, 5, generator=g)
+    adv = torch.randn(6, 5, generator=g)
+    entropy = torch.rand(6, 5, generator=g)
+    lengths = torch.tensor([5, 1, 3, 4, 2, 5])
+    mask = (torch.arange(5)[None, :] < lengths[:, None]).float()
+    mask[3] = 0  # a sequence left out of the loss (a filtered group): it counts in no total
+    tokens, sequences = mask.sum(), mask.any(-1).sum().float()
+
+    def loss(rows, mode, **totals):
+        return ca.policy_loss(logp[rows], old[rows], adv[rows], mask[rows], agg=mode, max_len=5, ref_logp=ref[rows],
+                              kl_coef=0.1, kl_kind="k3", entropy=entropy[rows], entropy_coeff=0.01, **totals)
+
+    for mode in ca.AGG_MODES:
+        whole, whole_m = loss(slice(None), mode, total_tokens=tokens, total_sequences=sequences)
+        for split in ([slice(0, 2), slice(2, 6)], [slice(0, 1), slice(1, 4), slice(4, 6)]):
+            parts = [loss(rows, mode, total_tokens=tokens, total_sequences=sequences) for rows in split]
+            close(sum(p[0] for p in parts), whole)
+            for key in ("pg_loss", "pg_clipfrac", "kl_loss", "entropy", "ratio", "abs_pg_loss"):
+                close(sum(p[1][key] for p in parts), whole_m[key])
+        # with the batch's own totals, the result is the plain (unsplit) aggregation over the kept sequences
+        close(whole, loss(mask.any(-1), mode)[0])
+    # the value loss: shares of the batch's value tokens
+    values, returns = torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g)
+    whole, _ = ca.value_loss(values, old, returns, mask, total_tokens=tokens)
+    halves = [ca.value_loss(values[s], old[s], returns[s], mask[s], total_tokens=tokens)[0] for s in (slice(0, 3), slice(3, 6))]
+    close(sum(halves), whole)
+    close(whole, ca.value_loss(values, old, returns, mask)[0])
+
+
+def test_sum_across_shards_gives_the_whole_batch_statistics():
+    g = torch.Generator().manual_seed(1)
+    x, mask = torch.randn(6, 4, generator=g), (torch.rand(6, 4, generator=g) > 0.3).float()
+    shards = [(x[:2], mask[:2]), (x[2:], mask[2:])]
+    whitened = _shards_in_threads(lambda s, sum_across: ca.masked_whiten(s[0], s[1], sum_across=sum_across), shards)
+    close(torch.cat(whitened), ca.masked_whiten(x, mask))
+    kept = _shards_in_threads(lambda s, sum_across: ca.masked_whiten(s[0], s[1], False, sum_across=sum_across), shards)
+    close(torch.cat(kept), ca.masked_whiten(x, mask, shift_mean=False))
+    # GAE's whitening, and the batch std of group advantages (groups never span shards)
+    values = torch.randn(6, 4, generator=g)
+    gae = _shards_in_threads(lambda s, sum_across: ca.compute_gae(s[0], s[1], s[2], 1.0, 0.95, sum_across=sum_across)[0],
+                             [(x[:2], values[:2], mask[:2]), (x[2:], values[2:], mask[2:])])
+    close(torch.cat(gae), ca.compute_gae(x, values, mask, 1.0, 0.95)[0])
+    scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5, 0.0, float("nan"), 2.0])
+    adv = _shards_in_threads(lambda s, sum_across: ca.group_advantages(s, 2, scale="batch", sum_across=sum_across),
+                             [scores[:4], scores[4:]])
+    close(torch.cat(adv), ca.group_advantages(scores, 2, scale="batch"))
+    # the local statistics of one shard are not the batch's: the reduction matters here
+    assert not torch.allclose(ca.masked_whiten(x[:2], mask[:2]), ca.masked_whiten(x, mask)[:2])

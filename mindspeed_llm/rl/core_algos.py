@@ -17,6 +17,11 @@ Conventions used throughout
 * Loss functions return ``(loss, metrics)`` where ``loss`` is a differentiable 0-d tensor and
   ``metrics`` is a dict of detached 0-d tensors (no host sync is forced here; call ``.item()`` when
   logging).
+* Global statistics. A batch may be split into micro-batches and data-parallel shards. Every mean here can
+  take the totals of the whole (mini-)batch: the losses take ``total_tokens`` / ``total_sequences`` (then a
+  micro-batch's loss is its SHARE of the batch's loss, and the shares add up to it, whatever the split),
+  and the statistics (whitening, the batch std) take ``sum_across``, a function that sums a tensor over
+  the shards (an all-reduce; identity when absent). The math stays here; the communication is the caller's.
 
 References: PPO (Schulman et al. 2017, arXiv:1707.06347); GAE (Schulman et al. 2015,
 arXiv:1506.02438); dual-clip PPO (Ye et al. 2020, arXiv:1912.09729); GRPO (Shao et al. 2024,
@@ -28,7 +33,12 @@ tests/test_trl_parity.py).
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
+
+# sum_across(t) -> t summed over every shard of the batch (e.g. an all-reduce over data-parallel ranks).
+SumAcross = Optional[Callable[[torch.Tensor], torch.Tensor]]
 
 __all__ = [
     "masked_mean",
@@ -41,6 +51,7 @@ __all__ = [
     "compute_token_rewards",
     "compute_gae",
     "AGG_MODES",
+    "aggregation_weights",
     "aggregate_loss",
     "policy_loss",
     "value_loss",
@@ -61,20 +72,32 @@ _K3_VALUE_BOUND = 10.0
 # ----------------------------------------------------------------------------------------------------
 # Masked statistics (same semantics as TRL's helpers of the same names)
 # ----------------------------------------------------------------------------------------------------
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+def _sums(values, sum_across: SumAcross):
+    """The partial sums in ``values`` (0-d tensors), summed over the shards when ``sum_across`` is given."""
+    if sum_across is None:
+        return values
+    return tuple(sum_across(torch.stack(values)).unbind())
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None, sum_across: SumAcross = None) -> torch.Tensor:
     """Mean of ``x`` over the positions selected by ``mask``.
 
-    ``masked_mean(x, m) = sum(x * m) / sum(m)`` (over ``dim`` when given, else over all elements).
+    ``masked_mean(x, m) = sum(x * m) / sum(m)`` (over ``dim`` when given, else over all elements; with
+    ``sum_across`` both sums run over every shard of the batch).
 
     Same semantics as TRL's ``masked_mean``: no clamping, so an all-zero mask gives NaN.
     """
-    if dim is None:
+    if dim is not None:
+        return (x * mask).sum(dim=dim) / mask.sum(dim=dim)
+    if sum_across is None:
         return (x * mask).sum() / mask.sum()
-    return (x * mask).sum(dim=dim) / mask.sum(dim=dim)
+    mask = mask.to(x.dtype)
+    total, count = _sums(((x * mask).sum(), mask.sum()), sum_across)
+    return total / count
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of ``x`` over the masked positions (all dimensions).
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, sum_across: SumAcross = None) -> torch.Tensor:
+    """Variance of ``x`` over the masked positions (all dimensions; all shards with ``sum_across``).
 
     ``mu = masked_mean(x, m)``, ``var = masked_mean((x - mu)^2, m)``; with ``unbiased`` the Bessel
     correction ``n / (n - 1)`` is applied, ``n = sum(m)``.
@@ -82,10 +105,10 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     Raises ``ValueError`` when ``unbiased`` and ``sum(m) == 0`` (as TRL does). ``n == 1`` divides by
     zero (inf), also as in TRL.
     """
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
+    mean = masked_mean(x, mask, sum_across=sum_across)
+    var = masked_mean((x - mean) ** 2, mask, sum_across=sum_across)
     if unbiased:
-        n = mask.sum()
+        (n,) = _sums((mask.sum().to(var.dtype),), sum_across)
         if n == 0:
             raise ValueError(
                 "masked_var: the mask selects no element, so the unbiased variance is undefined "
@@ -95,23 +118,19 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """Whiten ``x`` with masked statistics.
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, sum_across: SumAcross = None) -> torch.Tensor:
+    """Whiten ``x`` with masked statistics (of every shard, with ``sum_across``).
 
     ``(x - mu) / sqrt(var + 1e-8)`` with ``mu``, ``var`` = :func:`masked_mean`, :func:`masked_var`
     (unbiased). With ``shift_mean=False`` the mean is added back: ``(x - mu) / sqrt(var + 1e-8) + mu``.
     Every position is transformed (masked-out ones too); callers zero them if needed.
     """
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    mean = masked_mean(x, mask, sum_across=sum_across)
+    var = masked_var(x, mask, sum_across=sum_across)
     out = (x - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         out = out + mean
     return out
-
-
-def _safe_token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``sum(x * m) / max(sum(m), 1)``: a masked mean that is 0 (not NaN) for an empty mask."""
-    return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -232,7 +251,8 @@ def compute_token_rewards(scores, logp, ref_logp, response_mask, kl_coef, kind="
     return rewards, kl
 
 
-def compute_gae(rewards, values, response_mask, gamma, lam, whiten=True, value_mask=None):
+def compute_gae(rewards, values, response_mask, gamma, lam, whiten=True, value_mask=None,
+                sum_across: SumAcross = None):
     """Generalized advantage estimation with TRL's reverse loop, then (optionally) whitening.
 
     With ``V = values * value_mask`` (values outside the value mask are zeroed, as TRL does with
@@ -247,7 +267,7 @@ def compute_gae(rewards, values, response_mask, gamma, lam, whiten=True, value_m
     positions contribute nothing.
 
     Then, when ``whiten`` (TRL always whitens): ``A = masked_whiten(A, response_mask)`` (mean shifted,
-    unbiased variance). Finally advantages are zeroed outside ``response_mask`` (whitened or not).
+    unbiased variance; statistics of the whole batch with ``sum_across``). Finally advantages are zeroed outside ``response_mask`` (whitened or not).
     Returns are not whitened and not re-masked (they are 0 beyond the value mask by construction).
 
     Args:
@@ -259,6 +279,7 @@ def compute_gae(rewards, values, response_mask, gamma, lam, whiten=True, value_m
         whiten: whiten advantages over ``response_mask`` (TRL behaviour).
         value_mask: where values are defined; default :func:`response_mask_p1` ``(response_mask)``,
             TRL's convention matching the default score placement.
+        sum_across: sums a tensor over the batch's shards (module docstring), for the whitening.
 
     Returns:
         ``(advantages, returns)``, both ``[B, T]``.
@@ -277,7 +298,7 @@ def compute_gae(rewards, values, response_mask, gamma, lam, whiten=True, value_m
     advantages = torch.stack(reversed_adv[::-1], dim=1)
     returns = advantages + values
     if whiten:
-        advantages = masked_whiten(advantages, response_mask)
+        advantages = masked_whiten(advantages, response_mask, sum_across=sum_across)
     advantages = advantages * response_mask.to(advantages.dtype)
     return advantages, returns
 
@@ -285,36 +306,54 @@ def compute_gae(rewards, values, response_mask, gamma, lam, whiten=True, value_m
 # ----------------------------------------------------------------------------------------------------
 # Loss aggregation and losses
 # ----------------------------------------------------------------------------------------------------
-def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, max_len=None) -> torch.Tensor:
-    """Reduce a ``[B, T]`` per-token loss to a scalar. With ``m`` the mask (``L * m`` is summed):
+def aggregation_weights(mask: torch.Tensor, mode: str, max_len=None, *, total_tokens=None,
+                        total_sequences=None) -> torch.Tensor:
+    """Per-token weights ``w`` ``[B, T]`` such that a loss aggregation is ``sum_{b,t} L[b, t] * w[b, t]``.
 
-    * ``token-mean``:               ``sum_{b,t} L m / max(sum_{b,t} m, 1)``
-      (TRL GRPO ``bnpo``; ``dapo`` when the batch is the whole generation batch, see below).
-    * ``seq-mean-token-sum``:       ``mean_b sum_t L m``.
-    * ``seq-mean-token-mean``:      ``mean_b [ sum_t L m / max(sum_t m, 1) ]`` (TRL GRPO ``grpo``;
-      an empty row contributes 0 and still counts in the batch mean, as in TRL).
-    * ``seq-mean-token-sum-norm``:  ``mean_b [ sum_t L m / max_len ]`` = ``sum L m / (B * max_len)``
-      (Dr. GRPO, TRL ``dr_grpo`` with ``max_len = max_completion_length``); ``max_len`` defaults to
-      ``T = loss_mat.size(-1)``.
+    With ``m`` the mask, ``N`` the number of tokens (``sum m``), ``S`` the number of sequences and ``n_b``
+    the tokens of row ``b`` (``sum_t m[b, t]``):
 
-    DAPO / global token normalisation: TRL's ``dapo`` divides the micro-batch sum by the number of
-    response tokens of the whole generation batch. Over several micro-batches (or DP ranks) use
-    ``token-mean`` and multiply by ``local_tokens / global_tokens``.
+    * ``token-mean``:               ``w = m / max(N, 1)``
+      (TRL GRPO ``bnpo``, and ``dapo``: the tokens of the whole batch; verl's ``token-mean``).
+    * ``seq-mean-token-sum``:       ``w = m / S``.
+    * ``seq-mean-token-mean``:      ``w = m / (max(n_b, 1) * S)`` (TRL GRPO ``grpo``).
+    * ``seq-mean-token-sum-norm``:  ``w = m / (max_len * S)`` (Dr. GRPO, TRL ``dr_grpo`` with
+      ``max_len = max_completion_length``); ``max_len`` defaults to ``T``.
 
+    ``N`` and ``S`` default to this tensor's own (``S = B``: an empty row still counts in the sequence
+    mean, as in TRL). For a batch split into micro-batches and data-parallel shards, pass the WHOLE batch's
+    ``total_tokens`` (its loss tokens) and ``total_sequences`` (its sequences in the loss): then each
+    shard's ``sum(L * w)`` is its share, and the shares add up to the batch's loss exactly, so the result
+    does not depend on how the batch was split (verl's global token / sequence normalisation).
+    """
+    m = mask if mask.is_floating_point() else mask.to(torch.float32)
+
+    def total(value, local):
+        return local.clamp(min=1) if value is None else torch.as_tensor(value, dtype=m.dtype, device=m.device).clamp(min=1)
+
+    if mode == "token-mean":
+        return m / total(total_tokens, m.sum())
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes are: {', '.join(AGG_MODES)}")
+    sequences = total(total_sequences, torch.tensor(float(m.size(0)), dtype=m.dtype, device=m.device))
+    if mode == "seq-mean-token-sum":
+        return m / sequences
+    if mode == "seq-mean-token-mean":
+        return m / (m.sum(dim=-1, keepdim=True).clamp(min=1) * sequences)
+    norm = m.size(-1) if max_len is None else max_len
+    return m / (norm * sequences)
+
+
+def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, max_len=None, *, total_tokens=None,
+                   total_sequences=None) -> torch.Tensor:
+    """Reduce a ``[B, T]`` per-token loss to a scalar: ``sum(L * aggregation_weights(mask, mode, ...))``.
+
+    See :func:`aggregation_weights` for the modes and for the totals of a split batch. DAPO / TRL ``dapo``:
+    ``token-mean`` with ``total_tokens`` the response tokens of the whole generation batch.
     Masked-out positions must be finite (the mask multiplies the loss).
     """
-    m = mask.to(loss_mat.dtype)
-    masked = loss_mat * m
-    if mode == "token-mean":
-        return masked.sum() / m.sum().clamp(min=1)
-    if mode == "seq-mean-token-sum":
-        return masked.sum(dim=-1).mean()
-    if mode == "seq-mean-token-mean":
-        return (masked.sum(dim=-1) / m.sum(dim=-1).clamp(min=1)).mean()
-    if mode == "seq-mean-token-sum-norm":
-        norm = loss_mat.size(-1) if max_len is None else max_len
-        return (masked.sum(dim=-1) / norm).mean()
-    raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes are: {', '.join(AGG_MODES)}")
+    weights = aggregation_weights(mask, mode, max_len, total_tokens=total_tokens, total_sequences=total_sequences)
+    return (loss_mat * weights).sum()
 
 
 def policy_loss(
@@ -333,6 +372,8 @@ def policy_loss(
     kl_kind="low_var_kl",
     entropy=None,
     entropy_coeff=0.0,
+    total_tokens=None,
+    total_sequences=None,
 ):
     """Clipped-surrogate policy loss (PPO / GRPO / DAPO / Dr. GRPO) with optional KL and entropy terms.
 
@@ -348,10 +389,15 @@ def policy_loss(
 
         loss = agg(pg) + kl_coef * agg(kl) - entropy_coeff * token_mean(entropy)
 
-    ``agg`` is :func:`aggregate_loss` with mode ``agg`` (``max_len`` for ``seq-mean-token-sum-norm``).
-    Because every mode is linear, ``agg(pg) + beta * agg(kl) = agg(pg + beta * kl)``, which is how TRL's
-    GRPO adds ``beta * per_token_kl`` to the per-token loss before aggregating. The entropy bonus is
-    the masked token mean of ``entropy`` whatever ``agg`` is (TRL 1.12 GRPO's definition).
+    ``agg`` is :func:`aggregate_loss` with mode ``agg`` (``max_len`` for ``seq-mean-token-sum-norm``) over
+    ``response_mask``, the loss mask (response tokens that take part in the loss). Because every mode is
+    linear, ``agg(pg) + beta * agg(kl) = agg(pg + beta * kl)``, which is how TRL's GRPO adds
+    ``beta * per_token_kl`` to the per-token loss before aggregating. The entropy bonus is the masked token
+    mean of ``entropy`` whatever ``agg`` is (TRL 1.12 GRPO's definition).
+
+    ``total_tokens`` / ``total_sequences``: the whole batch's, when this is one micro-batch or shard of it
+    (:func:`aggregation_weights`); the loss and every metric are then this part's share of the batch's
+    value, and the shares add up. Default: this tensor is the whole batch.
 
     TRL 1.12 mapping: PPO ``pg_loss`` = ``agg="token-mean"``; GRPO ``loss_type`` ``grpo`` ->
     ``seq-mean-token-mean``, ``bnpo`` -> ``token-mean``, ``dr_grpo`` -> ``seq-mean-token-sum-norm`` with
@@ -382,6 +428,11 @@ def policy_loss(
     if advantages.dim() == logp.dim() - 1:
         advantages = advantages.unsqueeze(-1)
     mask = response_mask.to(logp.dtype)
+    loss_w = aggregation_weights(mask, agg, max_len, total_tokens=total_tokens, total_sequences=total_sequences)
+    token_w = aggregation_weights(mask, "token-mean", total_tokens=total_tokens)
+
+    def token_mean(x):
+        return (x * token_w).sum()
 
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
@@ -393,36 +444,36 @@ def policy_loss(
         l3 = -advantages * dual_clip
         dual_active = (advantages < 0) & (pg > l3)
         pg = torch.where(dual_active, l3, pg)
-    pg_loss = aggregate_loss(pg, mask, agg, max_len)
+    pg_loss = (pg * loss_w).sum()
     loss = pg_loss
 
     with torch.no_grad():
         metrics = {
             "pg_loss": pg_loss.detach(),
-            "pg_clipfrac": _safe_token_mean((l2 > l1).to(mask.dtype), mask),
+            "pg_clipfrac": token_mean((l2 > l1).to(mask.dtype)),
             "pg_clipfrac_lower": (
-                _safe_token_mean(dual_active.to(mask.dtype), mask)
+                token_mean(dual_active.to(mask.dtype))
                 if dual_clip is not None
                 else torch.zeros((), dtype=mask.dtype, device=mask.device)
             ),
-            "ppo_kl": _safe_token_mean(-log_ratio, mask),
-            "approx_kl": _safe_token_mean(0.5 * log_ratio.square(), mask),
-            "ratio": _safe_token_mean(ratio, mask),
-            "ratio_clamped": _safe_token_mean(ratio_clamped, mask),
-            "abs_pg_loss": _safe_token_mean(torch.maximum(l1.abs(), l2.abs()), mask),
+            "ppo_kl": token_mean(-log_ratio),
+            "approx_kl": token_mean(0.5 * log_ratio.square()),
+            "ratio": token_mean(ratio),
+            "ratio_clamped": token_mean(ratio_clamped),
+            "abs_pg_loss": token_mean(torch.maximum(l1.abs(), l2.abs())),
         }
 
     if kl_coef != 0.0:
         if ref_logp is None:
             raise ValueError("policy_loss: kl_coef != 0 needs ref_logp")
         kl = kl_penalty(logp, ref_logp, kl_kind)
-        kl_loss = aggregate_loss(kl, mask, agg, max_len)
+        kl_loss = (kl * loss_w).sum()
         loss = loss + kl_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()
-        metrics["kl"] = _safe_token_mean(kl.detach(), mask)
+        metrics["kl"] = token_mean(kl.detach())
 
     if entropy is not None:
-        entropy_mean = _safe_token_mean(entropy, mask)
+        entropy_mean = token_mean(entropy)
         if entropy_coeff != 0.0:
             loss = loss - entropy_coeff * entropy_mean
         metrics["entropy"] = entropy_mean.detach()
@@ -433,7 +484,7 @@ def policy_loss(
     return loss, metrics
 
 
-def value_loss(values, old_values, returns, value_mask, cliprange_value=0.2):
+def value_loss(values, old_values, returns, value_mask, cliprange_value=0.2, *, total_tokens=None):
     """Clipped value-function loss (TRL 1.12 PPO).
 
     ::
@@ -444,21 +495,24 @@ def value_loss(values, old_values, returns, value_mask, cliprange_value=0.2):
         loss   = 0.5 * masked_mean(max(vf1, vf2), value_mask)
 
     ``value_mask`` is TRL's ``~padding_mask_p1`` (:func:`response_mask_p1`) for TRL's convention.
+    ``total_tokens``: the whole batch's ``sum(value_mask)`` when this is a part of it; the loss and the
+    metrics are then this part's shares (:func:`aggregation_weights`).
 
     Metrics (detached): ``vf_loss`` (= loss), ``vf_clipfrac`` = ``masked_mean(vf2 > vf1)``,
     ``vpred`` = masked mean of ``values``, ``returns`` = masked mean of ``returns``.
     """
     mask = value_mask.to(values.dtype)
+    token_w = aggregation_weights(mask, "token-mean", total_tokens=total_tokens)
     v_clip = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
     vf1 = (values - returns).square()
     vf2 = (v_clip - returns).square()
-    loss = 0.5 * _safe_token_mean(torch.maximum(vf1, vf2), mask)
+    loss = 0.5 * (torch.maximum(vf1, vf2) * token_w).sum()
     with torch.no_grad():
         metrics = {
             "vf_loss": loss.detach(),
-            "vf_clipfrac": _safe_token_mean((vf2 > vf1).to(mask.dtype), mask),
-            "vpred": _safe_token_mean(values, mask),
-            "returns": _safe_token_mean(returns, mask),
+            "vf_clipfrac": ((vf2 > vf1).to(mask.dtype) * token_w).sum(),
+            "vpred": (values * token_w).sum(),
+            "returns": (returns * token_w).sum(),
         }
     return loss, metrics
 
@@ -466,7 +520,8 @@ def value_loss(values, old_values, returns, value_mask, cliprange_value=0.2):
 # ----------------------------------------------------------------------------------------------------
 # GRPO advantages
 # ----------------------------------------------------------------------------------------------------
-def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-6, scale: str = "group") -> torch.Tensor:
+def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-6, scale: str = "group",
+                     sum_across: SumAcross = None) -> torch.Tensor:
     """Group-relative (outcome) advantages for GRPO, one per sample.
 
     ``scores`` is ``[num_prompts * group_size]`` with the ``group_size`` samples of a prompt contiguous.
@@ -478,6 +533,7 @@ def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-6, s
         none:  A_i =  s_i - mu_g                         (Dr. GRPO: no std scaling)
 
     A std over a single element is taken as 0 (TRL does the same when ``num_generations == 1``).
+    Groups never span shards; with ``sum_across`` the ``batch`` std is that of every shard's scores.
     NaN scores (unscorable samples) are left out of the means and stds and get advantage 0, as in
     TRL. TRL's default ``eps`` is 1e-4.
 
@@ -499,14 +555,21 @@ def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-6, s
         std = _nanstd(grouped, dim=1).repeat_interleave(group_size)
         adv = adv / (std + eps)
     elif scale == "batch":
-        adv = adv / (_nanstd(scores, dim=0) + eps)
+        adv = adv / (_nanstd(scores, dim=0, sum_across=sum_across) + eps)
     return torch.nan_to_num(adv, nan=0.0)
 
 
-def _nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Unbiased std over ``dim`` ignoring NaNs; 0 where fewer than two values are present."""
-    mean = torch.nanmean(x, dim=dim, keepdim=True)
-    count = (~torch.isnan(x)).sum(dim=dim)
-    sq = torch.nansum((x - mean) ** 2, dim=dim)
+def _nanstd(x: torch.Tensor, dim: int, sum_across: SumAcross = None) -> torch.Tensor:
+    """Unbiased std over ``dim`` ignoring NaNs; 0 where fewer than two values are present. ``sum_across``
+    (1-D ``x`` only) takes the std over every shard."""
+    present = ~torch.isnan(x)
+    if sum_across is None:
+        mean = torch.nanmean(x, dim=dim, keepdim=True)
+        count = present.sum(dim=dim)
+        sq = torch.nansum((x - mean) ** 2, dim=dim)
+    else:
+        total, count = _sums((torch.nansum(x), present.sum().to(x.dtype)), sum_across)
+        mean = total / count
+        (sq,) = _sums((torch.nansum((x - mean) ** 2),), sum_across)
     var = sq / (count - 1).clamp(min=1)
     return torch.where(count > 1, var.sqrt(), torch.zeros_like(var))
