@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from multiproc import run_distributed  # noqa: E402
 
-from mindspeed_llm.inference import HFTokenizerAdapter, Rollout, SamplingConfig, derive_seed, filter_logits  # noqa: E402
+from mindspeed_llm.inference import HFTokenizerAdapter, Rollout, SamplingConfig, filter_logits, sample_uniforms  # noqa: E402
 from mindspeed_llm.inference.sampling import choose_tokens, top_k_top_p_candidates  # noqa: E402
 
 HF_CONFIG = dict(
@@ -193,8 +193,11 @@ def _layout_cases(tp, pp, root, prompts, eos, stop):
     out["global_rng_untouched"] = torch.equal(rng_before, torch.get_rng_state())
     out["sample_again"] = generate(model, prompts, sampling, iteration=3)
     out["sample_next_iteration"] = generate(model, prompts, sampling, iteration=4)
-    out["sample_dp0"] = generate(model, prompts, sampling, iteration=3, dp_rank=0)
-    out["sample_dp1"] = generate(model, prompts, sampling, iteration=3, dp_rank=1)
+    B = len(prompts)
+    out["sample_ids0"] = generate(model, prompts, sampling, iteration=3, sample_ids=range(B))
+    out["sample_ids1"] = generate(model, prompts, sampling, iteration=3, sample_ids=range(B, 2 * B))
+    # a sample's stream follows its id, not its row: the batch reversed with its ids gives the rows reversed
+    out["sample_reversed"] = generate(model, prompts[::-1], sampling, iteration=3, sample_ids=range(B - 1, -1, -1))
     out["train_after_sample"] = model.training
     model.eval()
     generate(model, prompts[:2], SamplingConfig(max_new_tokens=2))
@@ -368,8 +371,11 @@ def _assert_sampling_seeds(result):
     a, again = result["sample"], result["sample_again"]
     assert torch.equal(a.responses, again.responses) and a.seed == again.seed
     assert not torch.equal(a.responses, result["sample_next_iteration"].responses)
-    assert not torch.equal(result["sample_dp0"].responses, result["sample_dp1"].responses)
-    assert result["global_rng_untouched"]  # sampling uses its own torch.Generator
+    assert not torch.equal(result["sample_ids0"].responses, result["sample_ids1"].responses)
+    reversed_ = result["sample_reversed"]
+    assert torch.equal(reversed_.responses.flip(0), result["sample_ids0"].responses)
+    assert torch.equal(reversed_.response_lengths.flip(0), result["sample_ids0"].response_lengths)
+    assert result["global_rng_untouched"]  # sampling uses its own streams, never the global RNG
     _check_consistent(a)
 
 
@@ -387,13 +393,13 @@ def test_sampling_seeds_tp1_dp2(ref, dp2):
     r0, r1 = dp2
     for result in dp2:
         _assert_sampling_seeds(result)
-    # megatron's DP rank is the default seed offset: the two replicas sample different responses,
-    # and an explicit dp_rank reproduces them
-    assert r0["sample"].seed != r1["sample"].seed
+    # by default a row's sample id is dp_rank * B + row: the two replicas sample different responses, and
+    # explicit ids reproduce them on either rank (the stream follows the id, not the rank)
+    assert r0["sample"].seed == r1["sample"].seed == 7
     assert not torch.equal(r0["sample"].responses, r1["sample"].responses)
-    assert torch.equal(r0["sample"].responses, r0["sample_dp0"].responses)
-    assert torch.equal(r1["sample"].responses, r1["sample_dp1"].responses)
-    assert r0["sample"].seed == derive_seed(7, 3, 0)
+    for result in (r0, r1):
+        assert torch.equal(r0["sample"].responses, result["sample_ids0"].responses)
+        assert torch.equal(r1["sample"].responses, result["sample_ids1"].responses)
 
 
 def test_top_k_top_p_respected_tp1(ref, dp2):
@@ -510,30 +516,36 @@ def test_candidates_equal_filter_logits():
             assert torch.equal(got, kept), (scale, k, p)
 
 
-def test_sampler_distribution_and_generator():
-    """The inverse-CDF draw follows the (tempered, truncated) distribution and only its generator; with a
+def _uniforms(rows, seed):
+    return torch.rand(rows, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def test_sampler_distribution_and_uniforms():
+    """The inverse-CDF draw follows the (tempered, truncated) distribution and only its uniforms; with a
     padded vocabulary the padding ids are never drawn but stay in the log-probs' normaliser."""
     logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])).repeat(20000, 1)
     cfg = SamplingConfig(do_sample=True, top_k=3)
     rng = torch.get_rng_state()
-    tokens, lp = choose_tokens(logits, cfg, torch.Generator().manual_seed(0))
+    tokens, lp = choose_tokens(logits, cfg, _uniforms(20000, 0))
     assert torch.equal(rng, torch.get_rng_state())
+    # top-3 cumulative probabilities 0.5 / 0.9, 0.75 / 0.9, 1: u = 0.7 lies in the second candidate's interval
+    assert choose_tokens(logits[:1], cfg, torch.tensor([0.7]))[0].item() == 1
     freq = torch.bincount(tokens, minlength=5).float() / len(tokens)
     torch.testing.assert_close(freq, torch.tensor([0.5, 0.25, 0.15, 0, 0]) / 0.9, atol=0.015, rtol=0)
     torch.testing.assert_close(lp, torch.log(torch.tensor([0.5, 0.25, 0.15]))[tokens])
     hot_tokens, hot_lp = choose_tokens(logits[:50], SamplingConfig(do_sample=True, temperature=0.5),
-                                       torch.Generator().manual_seed(1))
+                                       _uniforms(50, 1))
     expect = torch.log_softmax(logits[:50] / 0.5, -1).gather(1, hot_tokens.unsqueeze(1)).squeeze(1)
     torch.testing.assert_close(hot_lp, expect)  # log-probs are tempered
-    again = choose_tokens(logits, cfg, torch.Generator().manual_seed(0))[0]
+    again = choose_tokens(logits, cfg, _uniforms(20000, 0))[0]
     assert torch.equal(tokens, again)
     padded = torch.cat([logits[:4000], torch.full((4000, 3), 2.0)], dim=1)  # 3 padding ids, the likeliest
     for sample in (True, False):
-        pad_tokens, pad_lp = choose_tokens(padded, SamplingConfig(do_sample=sample), torch.Generator().manual_seed(2),
+        pad_tokens, pad_lp = choose_tokens(padded, SamplingConfig(do_sample=sample), _uniforms(4000, 2),
                                            sample_below=5)
         assert int(pad_tokens.max()) < 5
         torch.testing.assert_close(pad_lp, torch.log_softmax(padded, -1).gather(1, pad_tokens[:, None]).squeeze(1))
-    freq = torch.bincount(choose_tokens(padded, SamplingConfig(do_sample=True), torch.Generator().manual_seed(3),
+    freq = torch.bincount(choose_tokens(padded, SamplingConfig(do_sample=True), _uniforms(4000, 3),
                                         sample_below=5)[0], minlength=5).float() / 4000
     torch.testing.assert_close(freq, torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]), atol=0.025, rtol=0)
 
@@ -546,8 +558,11 @@ def test_sampling_config_validation_and_budgets():
     for bad in (dict(max_new_tokens=None), dict(temperature=0.0), dict(top_p=1.5), dict(top_k=-1)):
         with pytest.raises(ValueError):
             SamplingConfig(**bad)
-    seeds = {derive_seed(1, it, dp) for it in range(3) for dp in range(3)}
-    assert len(seeds) == 9 and derive_seed(1, 2, 1) == derive_seed(1, 2, 1)
+    # one stream per (seed, iteration, sample id); a longer table extends a stream, never changes its start
+    table = sample_uniforms(1, 2, [0, 1, 5], 6)
+    assert table.shape == (3, 6) and ((0 <= table) & (table < 1)).all()
+    assert len({tuple(r) for r in table}) == 3 and (sample_uniforms(1, 2, [5, 0], 3) == table[[2, 0], :3]).all()
+    assert not (sample_uniforms(1, 3, [0], 6) == table[:1]).any() and not (sample_uniforms(2, 2, [0], 6) == table[:1]).any()
 
 
 def test_hf_tokenizer_adapter():

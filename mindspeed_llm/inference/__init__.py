@@ -4,7 +4,7 @@
 """
 
 from mindspeed_llm.inference.rollout import Rollout, SequenceBatch
-from mindspeed_llm.inference.sampling import SamplingConfig, choose_tokens, derive_seed, filter_logits
+from mindspeed_llm.inference.sampling import SamplingConfig, choose_tokens, filter_logits, sample_uniforms
 from mindspeed_llm.inference.tokenizer import HFTokenizerAdapter
 
 
@@ -17,6 +17,6 @@ def __getattr__(name):
 
 
 __all__ = [
-    "generate", "Rollout", "SequenceBatch", "SamplingConfig", "derive_seed", "filter_logits", "choose_tokens",
+    "generate", "Rollout", "SequenceBatch", "SamplingConfig", "sample_uniforms", "filter_logits", "choose_tokens",
     "HFTokenizerAdapter",
 ]

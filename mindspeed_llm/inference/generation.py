@@ -57,7 +57,7 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config, unwrap
 
 from mindspeed_llm import device as _device
 from mindspeed_llm.inference.rollout import Rollout
-from mindspeed_llm.inference.sampling import SamplingConfig, choose_tokens, derive_seed, make_generator
+from mindspeed_llm.inference.sampling import SamplingConfig, choose_tokens, sample_uniforms
 
 PREFILL_MODES = ("auto", "batched", "stepwise")
 
@@ -99,8 +99,7 @@ def generate(
     sampling: Optional[SamplingConfig] = None,
     *,
     iteration: int = 0,
-    dp_rank: Optional[int] = None,
-    generator: Optional[torch.Generator] = None,
+    sample_ids: Optional[Sequence[int]] = None,
     vocab_size: Optional[int] = None,
     prefill: str = "auto",
     _dedup_prefill: bool = True,
@@ -113,11 +112,12 @@ def generate(
             virtual pipeline). Its train/eval mode is restored afterwards and the KV cache freed.
         prompt_token_lists: B prompts as token-id lists (each non-empty), in any mix of lengths.
         sampling: `SamplingConfig` (default: greedy, 128 new tokens, no EOS).
-        iteration, dp_rank: the sampling generator is seeded with
-            `derive_seed(sampling.seed, iteration, dp_rank)`; `dp_rank` defaults to Megatron's data-parallel
-            rank, so DP replicas sample different responses while all TP/PP ranks of a replica agree.
-            Pass the RL iteration (or any offset) as `iteration` for fresh samples each step.
-        generator: use this `torch.Generator` instead (advanced; only read on the sampling rank).
+        iteration, sample_ids: row b's tokens are drawn from the uniform stream of sample `sample_ids[b]`
+            (`sample_uniforms(sampling.seed, iteration, ...)`): the same sample id and iteration sample the
+            same response on any rank, in any row and batch. Give every sample of a global batch its own id
+            (the stages use its position in the global batch); the default, dp_rank * B + b with Megatron's
+            data-parallel rank, keeps DP replicas apart. Pass the RL iteration as `iteration` for fresh
+            samples each step.
         vocab_size: if the model's vocabulary is padded, logits at ids >= vocab_size are never chosen (the
             returned log-probs still normalise over the whole padded vocabulary, as a training forward does).
         prefill: "batched" (left-padded one-shot prefill), "stepwise" (Megatron controller's scheme) or
@@ -193,10 +193,13 @@ def generate(
     key_is_pad = (slots.unsqueeze(0) < offsets.unsqueeze(1)).view(B, 1, 1, T)  # True = masked (megatron)
 
     # ---------------------------------------------------------------- sampling state
-    seed = None
-    if sampling.do_sample and generator is None:
-        seed = derive_seed(sampling.seed, iteration, _default_dp_rank() if dp_rank is None else dp_rank)
-        generator = make_generator(seed, dev)
+    uniforms = None  # [B, R_max]: row b's j-th response token is drawn with uniforms[b, j]
+    if sampling.do_sample:
+        if sample_ids is None:
+            sample_ids = range(_default_dp_rank() * B, (_default_dp_rank() + 1) * B)
+        if len(sample_ids) != B:
+            raise ValueError(f"generate: {len(sample_ids)} sample_ids for {B} prompts")
+        uniforms = torch.from_numpy(sample_uniforms(sampling.seed, iteration, sample_ids, max(R_max, 1))).to(dev)
     eos_t = torch.tensor(sampling.eos_ids, dtype=torch.long, device=dev)
     stop_t = torch.tensor(sampling.stop_ids, dtype=torch.long, device=dev)
     response_lengths = torch.zeros(B, dtype=torch.long, device=dev)
@@ -257,11 +260,15 @@ def generate(
                     buf[:first_step, :B] = buf[:first_step, share_index]
         return logits[share_index] if logits is not None else None
 
-    def pick(logits: Optional[torch.Tensor]):
-        """Tokens (+ log-probs) chosen on the source rank and broadcast to the model-parallel group."""
+    rows = torch.arange(B, device=dev)
+
+    def pick(logits: Optional[torch.Tensor], pos: int):
+        """Tokens (+ log-probs) for slot `pos`, chosen on the source rank and broadcast to the model-parallel
+        group."""
         new_tokens = new_lp = None
         if last_stage:
-            new_tokens, new_lp = choose_tokens(logits, sampling, generator, with_log_probs=want_log_probs,
+            u = None if uniforms is None else uniforms[rows, (pos - starts).clamp(0, uniforms.size(1) - 1)]
+            new_tokens, new_lp = choose_tokens(logits, sampling, u, with_log_probs=want_log_probs,
                                                sample_below=vocab_size)
         if source is None:
             return new_tokens, new_lp
@@ -284,7 +291,7 @@ def generate(
             while pos < T and not bool(finished.all()):
                 generating = (starts <= pos) & ~finished
                 if bool(generating.any()):
-                    new_tokens, new_lp = pick(logits)
+                    new_tokens, new_lp = pick(logits, pos)
                     tokens[:, pos] = torch.where(generating, new_tokens, tokens[:, pos])
                     if want_log_probs:
                         log_probs[:, pos] = torch.where(generating, new_lp, log_probs[:, pos])
@@ -327,7 +334,7 @@ def generate(
         finish_reasons=reasons,
         log_probs=resp_log_probs,
         pad_token_id=pad,
-        seed=seed,
+        seed=sampling.seed if sampling.do_sample else None,
     )
 
 

@@ -59,7 +59,7 @@ class Rollout:
     finish_reasons: List[str]  # per row: "eos" | "stop" (a stop_token_ids id) | "length"
     log_probs: Optional[torch.Tensor]  # [B, R] float32: log softmax(logits / temperature) of each token; 0 at pad
     pad_token_id: int
-    seed: Optional[int] = None  # the sampling generator's seed (None for greedy)
+    seed: Optional[int] = None  # the sampling seed (None for greedy); see sampling.sample_uniforms
 
     # ------------------------------------------------------------------ basic views
     @property

@@ -4,7 +4,9 @@ Order of the logits processors is the one `transformers` uses for `generate(do_s
 temperature, then top-k, then top-p (both may be set together; top-p acts on the top-k renormalised
 distribution). Greedy decoding (`do_sample=False`) is the argmax of the raw logits; temperature/top-k/top-p
 do not change it. The draw itself is one uniform number per row against the cumulative distribution of the
-kept candidates (float64), from a dedicated `torch.Generator`.
+kept candidates (float64). Each sample has its own stream of uniforms, keyed by (seed, iteration, sample id)
+(`sample_uniforms`): a sample's draws do not depend on which rank generates it, on its row in the batch or on
+the other samples, so a sampled rollout is the same at any data-parallel size.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ class SamplingConfig:
     Stopping: a row stops after emitting any id of `eos_token_id` or `stop_token_ids`; that token is part
     of the response (its mask is 1), everything after it is `pad_token_id` with mask 0.
 
-    Seeding: sampling draws from a dedicated `torch.Generator` seeded with
-    `derive_seed(seed, iteration, dp_rank)` (see `generate`), never from the global RNG.
+    Seeding: the j-th token of a sample is drawn with the j-th uniform of that sample's own stream,
+    `sample_uniforms(seed, iteration, sample_ids, ...)` (see `generate`); the global RNG is never used.
     """
 
     do_sample: bool = False
@@ -97,21 +99,19 @@ class SamplingConfig:
         return budgets
 
 
-def derive_seed(seed: int, iteration: int = 0, dp_rank: int = 0) -> int:
-    """A 63-bit seed mixing (base seed, iteration, data-parallel rank).
+def sample_uniforms(seed: int, iteration: int, sample_ids: Sequence[int], steps: int) -> np.ndarray:
+    """`[len(sample_ids), steps]` float64 uniforms in [0, 1): row b is the start of the stream of sample
+    `sample_ids[b]` in RL iteration `iteration` (PCG64 seeded by SeedSequence([seed, iteration, sample id])).
 
-    Reproducible for the same triple, and different (well mixed, not just +1) for different iterations or
-    DP ranks, so DP replicas sample different responses and every RL iteration gets fresh randomness.
+    A stream depends on nothing else, so the same sample draws the same numbers wherever it is generated;
+    its first `steps` numbers are the same for any `steps`.
     """
     mask = (1 << 64) - 1  # SeedSequence wants non-negative entries
-    state = np.random.SeedSequence([int(seed) & mask, int(iteration) & mask, int(dp_rank) & mask])
-    return int(state.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
-
-
-def make_generator(seed: int, device) -> torch.Generator:
-    generator = torch.Generator(device=device)
-    generator.manual_seed(int(seed))
-    return generator
+    out = np.empty((len(sample_ids), steps), dtype=np.float64)
+    for row, sample in enumerate(sample_ids):
+        key = np.random.SeedSequence([int(seed) & mask, int(iteration) & mask, int(sample) & mask])
+        out[row] = np.random.Generator(np.random.PCG64(key)).random(steps)
+    return out
 
 
 def filter_logits(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Optional[float] = None) -> torch.Tensor:
@@ -173,13 +173,14 @@ def top_k_top_p_candidates(
 
 
 def choose_tokens(
-    logits: torch.Tensor, config: SamplingConfig, generator: Optional[torch.Generator],
+    logits: torch.Tensor, config: SamplingConfig, uniforms: Optional[torch.Tensor],
     with_log_probs: bool = True, sample_below: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Pick one token per row from `logits` [B, V] (only ids < `sample_below`, when given: a padded vocabulary).
 
-    Greedy: argmax. Sampling: temperature, top-k, top-p, then inverse-CDF sampling: a uniform u per row
-    and the first candidate whose float64 cumulative probability exceeds u times the total. That is the
+    Greedy: argmax (`uniforms` unused, may be None). Sampling: temperature, top-k, top-p, then inverse-CDF
+    sampling: with u = `uniforms[b]` (float64 in [0, 1), one per row), the first candidate whose float64
+    cumulative probability exceeds u times the total. That is the
     categorical distribution up to float64 rounding, at one random number per row; drawing one per vocabulary
     entry (`torch.multinomial`'s exponential race) cost ~36 ms of a ~250 ms decode step over 49k ids.
 
@@ -193,7 +194,7 @@ def choose_tokens(
     if config.do_sample:
         cand_logits, cand_ids = top_k_top_p_candidates(allowed, config.top_k, config.top_p)
         cdf = torch.softmax(cand_logits, dim=-1).double().cumsum(dim=-1)
-        u = torch.rand((cdf.size(0), 1), generator=generator, dtype=torch.float64, device=cdf.device)
+        u = uniforms.to(device=cdf.device, dtype=torch.float64).reshape(-1, 1)
         # right=True: a zero-probability candidate has an empty interval and is never chosen
         choice = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=cdf.size(-1) - 1).squeeze(-1)
         tokens = choice if cand_ids is None else cand_ids.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
@@ -205,5 +206,4 @@ def choose_tokens(
     return tokens, log_probs
 
 
-__all__ = ["SamplingConfig", "derive_seed", "make_generator", "filter_logits", "top_k_top_p_candidates",
-           "choose_tokens"]
+__all__ = ["SamplingConfig", "sample_uniforms", "filter_logits", "top_k_top_p_candidates", "choose_tokens"]
