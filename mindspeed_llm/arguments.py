@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--optimizer", choices=("adam",), default="adam")
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g.add_argument("--sgd-momentum", type=float, default=0.9, help="with --optimizer sgd (Megatron-LM's default)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
@@ -235,6 +236,14 @@ def validate_args(args, world_size: int) -> None:
             f"--ppo-mini-batch-size {mini} must divide the {sequences} sequences of an iteration and be a multiple "
             f"of data-parallel size {dp} x --micro-batch-size {args.micro_batch_size}"
         )
+    if mini % (n * dp):
+        raise ArgumentError(
+            f"--ppo-mini-batch-size {mini} must be a multiple of --n-samples-per-prompt {n} x data-parallel size {dp}: "
+            "a prompt's samples stay in one mini-batch, and every DP rank holds whole prompts of each"
+        )
+    if args.optimizer == "sgd" and args.use_distributed_optimizer:
+        raise ArgumentError("--optimizer sgd does not work with --use-distributed-optimizer (megatron refuses it); "
+                            "drop one of them")
     if args.ppo_epochs < 1:
         raise ArgumentError("--ppo-epochs must be >= 1")
 

@@ -71,6 +71,21 @@ def data_parallel_info():
     return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
 
+def sum_over_data_parallel(tensor):
+    """`tensor` summed over this rank's data-parallel group (a new tensor; `tensor` itself without DP).
+
+    The one reduction the RL math needs to see a whole batch that DP ranks hold in shards: token and
+    sequence counts, whitening statistics (`rl.core_algos`' `sum_across`), metric shares.
+    """
+    from megatron.core import parallel_state
+
+    if parallel_state.get_data_parallel_world_size() == 1:
+        return tensor
+    out = tensor.clone()
+    dist.all_reduce(out, group=parallel_state.get_data_parallel_group())
+    return out
+
+
 def broadcast_object(obj, src_rank: int = 0, group=None):
     """Broadcast a picklable object from global `src_rank` (identity when not distributed)."""
     if not dist.is_initialized():
@@ -89,4 +104,5 @@ def barrier() -> None:
         dist.barrier()
 
 
-__all__ = ["initialize", "destroy", "seed_all", "data_parallel_info", "broadcast_object", "is_rank_0", "barrier"]
+__all__ = ["initialize", "destroy", "seed_all", "data_parallel_info", "sum_over_data_parallel", "broadcast_object",
+           "is_rank_0", "barrier"]

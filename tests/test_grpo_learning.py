@@ -18,7 +18,8 @@ Asserted:
 * determinism: a second run with the same seed in the same process (the stage is cheap: ~4 s of training) gives the
   same score curve and the same losses, bit for bit;
 * on-policy shortcut: one iteration with the old log-probs from a pass of their own (forced) logs the same losses
-  and gradient norm as the run that takes them from the update's forward.
+  and gradient norm as the run that takes them from the update's forward; the pass really ran (the policy
+  log-prob pass is called for the old log-probs as well as for the reference), and the shortcut run made none.
 """
 
 import json
@@ -29,7 +30,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from multiproc import run_distributed  # noqa: E402
 
-VOCAB = 256
 TARGET_WORDS = frozenset(f"w{i}" for i in range(4, 68))
 ITERS = 30
 SEED = 7
@@ -43,31 +43,10 @@ def toy_low_words(text, label):
 
 def _build_task(root: Path):
     """Tiny HF model -> Megatron checkpoint, a word-level tokenizer, and preprocessed word prompts."""
-    import random
+    import word_task
 
-    from hf_tiny import save_tiny, write_tokenizer
-
-    from mindspeed_llm.checkpoint import convert_hf_to_mg
-    from mindspeed_llm.data.preprocess import preprocess
-
-    # The tokenizer gets a folder of its own: next to a qwen2 config.json, transformers 5 would load it as a
-    # Qwen2Tokenizer (BPE) instead of the word-level tokenizer it is.
-    tokenizer = root / "tokenizer"
-    write_tokenizer(tokenizer, VOCAB)
-    hf = save_tiny("qwen2", root / "hf", seed=3, vocab_size=VOCAB)
-    convert_hf_to_mg(hf, str(root / "mg"), 1, 1, tokenizer_dir=str(tokenizer), progress=False)
-
-    rng = random.Random(0)
-    rows = [{"problem": " ".join(f"w{rng.randint(68, VOCAB - 1)}" for _ in range(rng.randint(3, 5))), "answer": "-"}
-            for _ in range(16)]
-    raw = root / "prompts.json"
-    raw.write_text(json.dumps(rows))
-    prefix = root / "data" / "prompts"
-    preprocess(["--input", str(raw), "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path",
-                str(tokenizer), "--output-prefix", str(prefix), "--handler-name", "R1AlpacaStyleInstructionHandler",
-                "--prompt-type", "empty", "--map-keys", json.dumps({"prompt": "problem", "labels": "answer"}),
-                "--log-interval", "0"])
-    return str(tokenizer), str(root / "mg"), str(prefix)
+    paths = word_task.build(root)
+    return paths["tokenizer"], paths["mg_actor_tp1pp1"], paths["data"]
 
 
 def _argv(tokenizer, model, data, metrics):
@@ -88,17 +67,29 @@ def _grpo_runs(rank, world_size, argv_a, argv_b, argv_with_pass):
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.rl import trainer
     from mindspeed_llm.rl.rewards import register_verifier
-    from mindspeed_llm.rl.stages import common
+    from mindspeed_llm.rl.stages import grpo
 
     register_verifier("toy_low_words")(toy_low_words)
+    passes = []  # the policy log-prob passes of each run: model chunks are trained (actor) or frozen (reference)
+    counting = grpo.policy_logprobs
+
+    def counted(model, *args, **kwargs):
+        passes[-1].append("actor" if any(p.requires_grad for p in model[0].parameters()) else "reference")
+        return counting(model, *args, **kwargs)
+
+    grpo.policy_logprobs = counted
     for argv in (argv_a, argv_b):
+        passes.append([])
         trainer.run(parse_args(argv, world_size))
-    on_policy = common.update_reads_rollout_weights
-    common.update_reads_rollout_weights = lambda args, exp: False
+    on_policy = grpo.old_logp_is_current
+    grpo.old_logp_is_current = lambda args, exp: False
     try:
+        passes.append([])
         trainer.run(parse_args(argv_with_pass, world_size))
     finally:
-        common.update_reads_rollout_weights = on_policy
+        grpo.old_logp_is_current = on_policy
+        grpo.policy_logprobs = counting
+    return passes
 
 
 def _read(path):
@@ -110,8 +101,8 @@ def test_grpo_reward_rises_on_toy_task(tmp_path):
     first, second, with_pass = tmp_path / "run_a.jsonl", tmp_path / "run_b.jsonl", tmp_path / "run_pass.jsonl"
     argv_pass = _argv(tokenizer, model, data, str(with_pass))
     argv_pass[argv_pass.index("--train-iters") + 1] = "1"
-    run_distributed(_grpo_runs, 1, _argv(tokenizer, model, data, str(first)),
-                    _argv(tokenizer, model, data, str(second)), argv_pass)
+    (passes,) = run_distributed(_grpo_runs, 1, _argv(tokenizer, model, data, str(first)),
+                                _argv(tokenizer, model, data, str(second)), argv_pass)
     run = _read(first)
     assert [m["iteration"] for m in run] == list(range(1, ITERS + 1))
     scores = [m["grpo/score/mean"] for m in run]
@@ -136,8 +127,9 @@ def test_grpo_reward_rises_on_toy_task(tmp_path):
     # One epoch of one mini-batch reads its old log-probs off the update's own forward (no pass); that equals
     # a pass of its own on the same weights: same rollout, losses and gradient norm up to float rounding.
     (passed,) = _read(with_pass)
-    assert passed["timing/old_log_p"] > 10 * run[0]["timing/old_log_p"]  # the pass really ran
+    assert passes == [["reference"] * ITERS, ["reference"] * ITERS, ["actor", "reference"]]  # the pass really ran
     assert passed["grpo/score/mean"] == run[0]["grpo/score/mean"]
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "grad_norm"):
         assert abs(passed[key] - run[0][key]) <= 1e-5 * max(1.0, abs(run[0][key])), (key, passed[key], run[0][key])
-    assert abs(passed["actor/ppo_kl"]) < 1e-6 and run[0]["actor/ppo_kl"] == 0.0
+    # the separate pass's old log-probs equal the update's own: the ratio is 1 up to float rounding
+    assert abs(passed["actor/ppo_kl"]) < 1e-6

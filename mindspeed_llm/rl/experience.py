@@ -37,6 +37,9 @@ class Experience:
     response_mask: torch.Tensor  # [B, R] float, 1 on response tokens (EOS included)
     ended_with_eos: torch.Tensor  # [B] bool
     rollout_logp: Optional[torch.Tensor] = None  # [B, R] the sampler's log-probs (generation logits / temperature)
+    # [B, R] the tokens that take part in the losses: the response mask, less what the stage leaves out (grpo's
+    # --filter-groups). Lengths, read positions and packing always follow `response_mask`.
+    loss_mask: Optional[torch.Tensor] = None
     # Filled in as the iteration goes.
     old_logp: Optional[torch.Tensor] = None  # [B, R]
     ref_logp: Optional[torch.Tensor] = None  # [B, R]
@@ -46,6 +49,10 @@ class Experience:
     returns: Optional[torch.Tensor] = None  # [B, R]
     extras: Dict[str, object] = field(default_factory=dict)  # per-row python data (labels, texts)
     group_size: int = 1  # consecutive rows that share one prompt (grpo's samples per prompt)
+
+    def __post_init__(self):
+        if self.loss_mask is None:
+            self.loss_mask = self.response_mask.clone()
 
     @classmethod
     def from_rollout(cls, rollout) -> "Experience":

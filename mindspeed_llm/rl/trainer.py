@@ -121,7 +121,9 @@ def run(args) -> None:
     )
     try:
         for iteration in range(start + 1, args.train_iters + 1):
-            rows = [dict(dataset[i], index=i) for i in sampler.next_batch_indices()]
+            # `position`: the prompt's place in the global batch, which keys its samples' random streams
+            first = dp_rank * sampler.local_batch_size
+            rows = [dict(dataset[i], index=i, position=first + k) for k, i in enumerate(sampler.next_batch_indices())]
             metrics = stage.iteration(iteration, rows)
             metrics.update(throughput_metrics(
                 metrics["prompt_length/mean"] * len(rows) * args.n_samples_per_prompt,

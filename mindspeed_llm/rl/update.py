@@ -19,10 +19,12 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from mindspeed_llm import device
+from mindspeed_llm.distributed import sum_over_data_parallel
 from mindspeed_llm.models.forward_layout import forward_layout
 
 MicroBatch = Dict[str, torch.Tensor]
-# loss_fn(output, micro_batch) -> (loss scalar, {metric name: scalar tensor})
+# loss_fn(output, micro_batch) -> (this micro-batch's share of the step's loss, {metric name: its share});
+# the shares of all micro-batches on all DP ranks add up to the step's loss and metrics (see train_step).
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple]
 # output_fn(output, micro_batch) -> tensor with micro-batch rows first
 OutputFn = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
@@ -31,6 +33,8 @@ OutputFn = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
 @dataclass
 class OptimizerSettings:
     lr: float
+    optimizer: str = "adam"  # or "sgd"
+    sgd_momentum: float = 0.9
     min_lr: float = 0.0
     lr_decay_style: str = "constant"
     lr_warmup_iters: int = 0
@@ -75,6 +79,16 @@ def _run_schedule(chunks, micro_batches: Sequence[MicroBatch], step_fn, forward_
         micro_batch_size=tokens.shape[0],
         forward_only=forward_only,
     )
+
+
+def schedule_loss_scale(num_microbatches: int, data_parallel_size: int) -> float:
+    """What a loss share is multiplied by before Megatron's schedule sees it.
+
+    Megatron divides each micro-batch's loss by the number of micro-batches (`forward_step`) and DDP averages
+    gradients over the DP ranks; a share of the step's loss is already divided by the step's global token or
+    sequence count, so both divisions are undone here and the gradient is that of the sum of the shares.
+    """
+    return float(num_microbatches * data_parallel_size)
 
 
 def use_fused_torch_adam(optimizer) -> None:
@@ -145,7 +159,8 @@ class TrainableModel:
         self.ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
         self.chunks: List[torch.nn.Module] = [self.ddp]
         optimizer_config = OptimizerConfig(
-            optimizer="adam",
+            optimizer=settings.optimizer,
+            sgd_momentum=settings.sgd_momentum,
             lr=settings.lr,
             min_lr=settings.min_lr,
             weight_decay=settings.weight_decay,
@@ -180,23 +195,33 @@ class TrainableModel:
         config.grad_scale_func = self.optimizer.scale_loss
 
     def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn) -> Dict[str, float]:
-        """One optimizer step over `micro_batches` (this DP rank's share of a mini-batch).
+        """One optimizer step over `micro_batches` (this DP rank's part of a mini-batch).
 
-        The schedule divides each micro-batch loss by the number of micro-batches and DDP averages over DP
-        ranks, so the step follows the mean of the micro-batch losses. Returns the micro-batch mean of each
-        metric (last PP stage; other stages return only lr and grad_norm), plus `grad_norm` and `lr`.
+        `loss_fn` returns each micro-batch's SHARE of the step's loss and metrics: normalised by the step's
+        global token / sequence counts (`core_algos.aggregation_weights`), so that the shares of all
+        micro-batches on all DP ranks add up to the step's value. The gradient is that of the sum of the
+        shares (`schedule_loss_scale` undoes Megatron's per-micro-batch and per-DP-rank averaging), so the
+        step is the same for any micro-batch size and DP size. Returns each metric summed over micro-batches
+        and DP ranks (on the last PP stage; other stages return only lr and grad_norm), `grad_norm` and `lr`.
         """
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        results = _run_schedule(self.chunks, micro_batches, loss_fn, forward_only=False)
+        scale = schedule_loss_scale(len(micro_batches), parallel_state.get_data_parallel_world_size())
+
+        def scaled_loss_fn(output, micro_batch):
+            loss, metrics = loss_fn(output, micro_batch)
+            return loss * scale, metrics
+
+        results = _run_schedule(self.chunks, micro_batches, scaled_loss_fn, forward_only=False)
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(increment=1)
         metrics: Dict[str, float] = {}
-        if results:
-            for key in results[0]:
-                metrics[key] = float(torch.stack([torch.as_tensor(r[key]).float() for r in results]).mean())
+        if results:  # every rank of a DP group sits at the same pipeline stage: all have results, or none
+            keys = sorted(results[0])
+            local = torch.stack([sum(torch.as_tensor(r[k]).double() for r in results) for k in keys])
+            metrics = dict(zip(keys, sum_over_data_parallel(local).tolist()))
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         return metrics

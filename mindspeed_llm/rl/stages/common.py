@@ -1,14 +1,14 @@
-"""What the trl_ppo and grpo stages share: loading their models, one rollout, scoring, the PPO-style
-epoch/mini-batch update, and rollout statistics. Each piece is a function; the stages compose them.
+"""What the trl_ppo and grpo stages share: loading their models, one rollout, scoring, the clipped policy
+loss, and rollout statistics. Each piece is a function; the stages compose them (the update loop itself is
+`rl/ppo_loop.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
-from megatron.core import parallel_state
 
 from mindspeed_llm import device
 from mindspeed_llm.arguments import ArgumentError
@@ -61,10 +61,11 @@ def frozen(model):
 
 def trainable(model, args, lr: float) -> TrainableModel:
     return TrainableModel(model, OptimizerSettings(
-        lr=lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style, lr_warmup_iters=args.lr_warmup_iters,
-        lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        params_dtype=args.params_dtype, use_distributed_optimizer=args.use_distributed_optimizer,
+        lr=lr, optimizer=args.optimizer, sgd_momentum=args.sgd_momentum, min_lr=args.min_lr,
+        lr_decay_style=args.lr_decay_style, lr_warmup_iters=args.lr_warmup_iters, lr_decay_iters=args.lr_decay_iters,
+        weight_decay=args.weight_decay, clip_grad=args.clip_grad, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, params_dtype=args.params_dtype,
+        use_distributed_optimizer=args.use_distributed_optimizer,
     ))
 
 
@@ -108,14 +109,24 @@ def sampling_config(args, tokenizer, greedy: Optional[bool] = None) -> SamplingC
 
 
 def rollout(actor_module, rows: Sequence[dict], sampling: SamplingConfig, iteration: int,
-            max_prompt_length: int, tokenizer) -> Experience:
-    """Generate one response per row; the rows' labels and texts ride along in `Experience.extras`."""
-    prompts = [list(row["input_ids"])[-max_prompt_length:] for row in rows]  # keep the prompt's end
+            max_prompt_length: int, tokenizer, samples_per_prompt: int = 1) -> Experience:
+    """Generate `samples_per_prompt` responses per row, a row's samples consecutive; the rows' labels and the
+    texts ride along in `Experience.extras`.
+
+    Sample k of the prompt at position p of the global batch (`row["position"]`, set by the trainer) draws
+    from the random stream p * n + k, so a sampled rollout is the same at any data-parallel size.
+    """
+    n = samples_per_prompt
+    samples = [row for row in rows for _ in range(n)]
+    prompts = [list(row["input_ids"])[-max_prompt_length:] for row in samples]  # keep the prompt's end
+    sample_ids = [row.get("position", i) * n + k for i, row in enumerate(rows) for k in range(n)]
     # Ids past the tokenizer (Megatron's padded vocabulary) are never sampled.
-    result = generate(actor_module, prompts, sampling, iteration=iteration, vocab_size=len(tokenizer))
+    result = generate(actor_module, prompts, sampling, iteration=iteration, sample_ids=sample_ids,
+                      vocab_size=len(tokenizer))
     exp = Experience.from_rollout(result)
-    exp.extras["labels"] = [row.get("labels") for row in rows]
-    exp.extras["indices"] = [row.get("index") for row in rows]
+    exp.group_size = n
+    exp.extras["labels"] = [row.get("labels") for row in samples]
+    exp.extras["indices"] = [row.get("index") for row in samples]
     exp.extras["finish_reasons"] = list(result.finish_reasons)  # "eos" | "stop" | "length"
     exp.extras["texts"] = result.decode(tokenizer)
     return exp
@@ -184,49 +195,21 @@ def apply_missing_eos_penalty(scores: torch.Tensor, exp: Experience, penalty: Op
     return scores - penalty * (~exp.ended_with_eos).float()
 
 
-# ---------------------------------------------------------------------------------------------- update
-def ppo_update(model: TrainableModel, exp: Experience, args, loss_fn: Callable, iteration: int) -> Dict[str, float]:
-    """`--ppo-epochs` passes over this rank's rows in shuffled mini-batches, one optimizer step each.
-
-    The shuffle is seeded by (seed, iteration, epoch) so a resumed run replays it exactly. Returns each
-    metric's mean over the steps (`lr` of the last step).
-    """
-    dp = parallel_state.get_data_parallel_world_size()
-    rows_per_step = args.ppo_mini_batch_size // dp
-    # Packed prompt groups are shuffled as wholes, so that every micro-batch can still pack them.
-    unit = exp.group_size if exp.packs_groups(args.micro_batch_size) else 1
-    steps: List[Dict[str, float]] = []
-    for epoch in range(args.ppo_epochs):
-        generator = torch.Generator().manual_seed(hash((args.seed, iteration, epoch)) % (2**63))
-        units = torch.randperm(exp.batch_size // unit, generator=generator)
-        order = (units[:, None] * unit + torch.arange(unit)[None, :]).reshape(-1)
-        for block in order.split(rows_per_step):
-            steps.append(model.train_step(exp.select(block).micro_batches(args.micro_batch_size), loss_fn))
-    out = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0] if k != "lr"}
-    out["lr"] = steps[-1]["lr"]
-    return out
-
-
-def update_reads_rollout_weights(args, exp: Experience) -> bool:
-    """True when the update is one optimizer step over all of this rank's rows (`--ppo-epochs 1`, one
-    mini-batch): every micro-batch's forward then runs on the weights that generated the rollout, so the
-    old log-probs are the update's own (detached) and need no pass of their own (TRL does the same)."""
-    rows_per_step = args.ppo_mini_batch_size // parallel_state.get_data_parallel_world_size()
-    return args.ppo_epochs == 1 and exp.batch_size <= rows_per_step
-
-
+# ---------------------------------------------------------------------------------------------- loss
 def clipped_policy_loss(args, logits, micro_batch, kl_coef: float = 0.0):
     """The actor's loss of both stages on one micro-batch: the clipped surrogate (`--clip-ratio`,
     `--clip-ratio-high`, `--dual-clip`, `--loss-agg-mode`), plus `kl_coef` x the KL to the reference
-    (`--kl-penalty`; grpo's KL loss) and the entropy bonus (`--entropy-coeff`). Returns (loss, metrics).
-    Without `old_logp` in the micro-batch (see `update_reads_rollout_weights`) the old log-probs are `logp`'s."""
+    (`--kl-penalty`; grpo's KL loss) and the entropy bonus (`--entropy-coeff`), over the loss mask.
+    Returns (loss, metrics) as shares of the mini-batch's (its totals ride in the micro-batch, `ppo_loop`).
+    Without `old_logp` in the micro-batch (see `ppo_loop.old_logp_is_current`) the old log-probs are `logp`'s."""
     logp, entropy = response_logprobs(logits, micro_batch, args.temperature, with_entropy=True)
     old_logp = micro_batch.get("old_logp")
     return core_algos.policy_loss(
-        logp, logp.detach() if old_logp is None else old_logp, micro_batch["advantages"], micro_batch["response_mask"],
+        logp, logp.detach() if old_logp is None else old_logp, micro_batch["advantages"], micro_batch["loss_mask"],
         clip_low=args.clip_ratio, clip_high=args.clip_ratio_high, dual_clip=args.dual_clip, agg=args.loss_agg_mode,
         max_len=args.max_new_tokens, ref_logp=micro_batch.get("ref_logp"), kl_coef=kl_coef,
         kl_kind=args.kl_penalty, entropy=entropy, entropy_coeff=args.entropy_coeff,
+        total_tokens=micro_batch["total_tokens"], total_sequences=micro_batch["total_sequences"],
     )
 
 

@@ -15,9 +15,11 @@ import torch
 
 from mindspeed_llm import device
 from mindspeed_llm.arguments import ArgumentError
+from mindspeed_llm.distributed import sum_over_data_parallel
 from mindspeed_llm.rl import core_algos
 from mindspeed_llm.rl.metrics import Timers
 from mindspeed_llm.rl.passes import policy_logprobs
+from mindspeed_llm.rl.ppo_loop import old_logp_is_current, ppo_update
 from mindspeed_llm.rl.stages import common
 
 
@@ -50,31 +52,30 @@ class GRPOStage:
         args, mbs, n = self.args, self.args.micro_batch_size, self.args.n_samples_per_prompt
         timers = Timers(sync=device.synchronize)
         with timers("all"):
-            samples = [row for row in rows for _ in range(n)]  # a prompt's n samples stay contiguous
-            with timers("rollout"):
-                exp = common.rollout(self.actor.module, samples, self.sampling, iteration, args.max_prompt_length,
-                                     self.tokenizer)
-                exp.group_size = n  # the passes and the update compute each prompt once per group
+            with timers("rollout"):  # a prompt's n samples are consecutive rows (exp.group_size = n)
+                exp = common.rollout(self.actor.module, rows, self.sampling, iteration, args.max_prompt_length,
+                                     self.tokenizer, samples_per_prompt=n)
             rollout_stats = common.rollout_metrics(exp)
             exp.scores, score_metrics = self.scorer(exp, mbs, timers)
 
             with timers("adv"):
-                advantages = core_algos.group_advantages(exp.scores, n, scale=args.adv_scale)
+                advantages = core_algos.group_advantages(exp.scores, n, scale=args.adv_scale,
+                                                         sum_across=sum_over_data_parallel)
                 exp.advantages = advantages[:, None] * exp.response_mask
                 if args.filter_groups:
                     # Groups whose samples all scored the same carry no signal; their tokens leave the loss
-                    # (masked, so shapes and step counts stay equal on every rank; no refill).
+                    # (its mask, so shapes and step counts stay equal on every rank; no refill).
                     informative = exp.scores.view(-1, n).std(dim=1, unbiased=False) > 0
-                    exp.response_mask = exp.response_mask * informative.repeat_interleave(n)[:, None]
+                    exp.loss_mask = exp.response_mask * informative.repeat_interleave(n)[:, None]
             with timers("old_log_p"):  # ~0 s when the update's own log-probs are the old ones
-                if not common.update_reads_rollout_weights(args, exp):
+                if not old_logp_is_current(args, exp):
                     exp.old_logp = policy_logprobs(self.actor.chunks, exp, mbs, args.temperature)
             if self.reference is not None:
                 with timers("reference_model"), common.on_device(self.reference, args.offload_ref_reward):
                     exp.ref_logp = policy_logprobs([self.reference], exp, mbs, args.temperature)
 
             with timers("update"):
-                actor_metrics = common.ppo_update(self.actor, exp, args, self._loss, iteration)
+                actor_metrics = ppo_update(self.actor, exp, args, self._loss, iteration, group_size=n)
 
         metrics = {
             **common.prefixed("actor", {k: v for k, v in actor_metrics.items() if k not in ("grad_norm", "lr")}),

@@ -15,9 +15,11 @@ from typing import Dict, Sequence
 import torch
 
 from mindspeed_llm import device
+from mindspeed_llm.distributed import sum_over_data_parallel
 from mindspeed_llm.rl import core_algos
 from mindspeed_llm.rl.metrics import Timers
 from mindspeed_llm.rl.passes import critic_values, policy_logprobs, response_values
+from mindspeed_llm.rl.ppo_loop import old_logp_is_current, ppo_update
 from mindspeed_llm.rl.stages import common
 
 
@@ -53,7 +55,7 @@ class TrlPPOStage:
                                      self.tokenizer)
             rollout_stats = common.rollout_metrics(exp)
             with timers("old_log_p"):
-                if exp.rollout_logp is not None and common.update_reads_rollout_weights(args, exp):
+                if exp.rollout_logp is not None and old_logp_is_current(args, exp):
                     exp.old_logp = exp.rollout_logp  # as TRL's PPO: the generation logits' log-probs, no pass
                 else:
                     exp.old_logp = policy_logprobs(self.actor.chunks, exp, mbs, args.temperature)
@@ -70,15 +72,17 @@ class TrlPPOStage:
                 )
                 value_mask = core_algos.response_mask_p1(exp.response_mask)
                 if args.whiten_rewards:
-                    rewards = core_algos.masked_whiten(rewards, value_mask, shift_mean=False) * value_mask
+                    rewards = core_algos.masked_whiten(rewards, value_mask, shift_mean=False,
+                                                       sum_across=sum_over_data_parallel) * value_mask
                 exp.advantages, exp.returns = core_algos.compute_gae(
-                    rewards, exp.values, exp.response_mask, args.gamma, args.lam, whiten=True, value_mask=value_mask
+                    rewards, exp.values, exp.response_mask, args.gamma, args.lam, whiten=True, value_mask=value_mask,
+                    sum_across=sum_over_data_parallel,
                 )
 
             with timers("update"):
-                actor_metrics = common.ppo_update(self.actor, exp, args, self._actor_loss, iteration)
+                actor_metrics = ppo_update(self.actor, exp, args, self._actor_loss, iteration)
             with timers("update_critic"):
-                critic_metrics = common.ppo_update(self.critic, exp, args, self._critic_loss, iteration)
+                critic_metrics = ppo_update(self.critic, exp, args, self._critic_loss, iteration)
 
         kl_sum = kl.sum(-1)
         metrics = {
@@ -105,7 +109,7 @@ class TrlPPOStage:
     def _critic_loss(self, output, mb):
         values = response_values(output, mb)
         loss, m = core_algos.value_loss(
-            values, mb["values"], mb["returns"], core_algos.response_mask_p1(mb["response_mask"]),
-            self.args.cliprange_value,
+            values, mb["values"], mb["returns"], core_algos.response_mask_p1(mb["loss_mask"]),
+            self.args.cliprange_value, total_tokens=mb["total_value_tokens"],
         )
         return self.args.vf_coef * loss, {"vf_loss": m["vf_loss"], "vf_clipfrac": m["vf_clipfrac"]}

@@ -1,0 +1,195 @@
+"""Layout invariance: one update of each stage gives the same result at any TP, PP, DP and micro-batch size.
+
+A Megatron user expects the parallel layout to change speed and memory, never the training result
+(DESIGN.md, "Layout invariance"). Each case runs ONE iteration of the real stage (`trainer.run`, sampled
+rollout of the same prompts, then one update) and saves the trained weights:
+
+* trl_ppo: 8 prompts, two mini-batches of 4 (the second step's ratios are not 1), `--whiten-rewards`;
+* grpo with each `--loss-agg-mode`: 8 prompts x 2 samples, two mini-batches of 8, `--filter-groups` (a coin-flip
+  rule reward, so some groups have no spread and leave the loss while others stay), KL loss and entropy bonus;
+  `token-mean` with `--adv-scale batch` (a batch statistic over the DP ranks).
+
+The models and prompts are the tiny word-level task of `word_task.py` (256-word vocabulary), so that the 25 runs
+take minutes.
+
+Both stages train with plain SGD (no momentum; gradient clipping at 1 on): a weight's change is the learning rate
+times its gradient, so comparing changes compares gradients. Adam would normalise each element and hide a wrong
+loss scale.
+
+Layouts: TP1/PP1/DP1 with micro-batch sizes 1 (the reference) and 4 (grpo: packed prompt groups), in one
+process; TP2, PP2 and DP2 on 2 gloo processes. Against the reference, each layout must give:
+
+* every logged metric (losses, clip fractions, KL, entropy, scores, lengths, grad norms; not timings and
+  throughputs) within rtol 1e-5, atol 1e-6;
+* every weight after the step within 1e-5 of its norm, and every weight CHANGE within 1e-3 of the change's norm
+  (trl_ppo's second step starts from weights that already differ by float rounding).
+On an AMD EPYC (Zen 3) the largest differences were a third of the metric tolerance, 1/40 of the weight
+tolerance and 1/10 of the change tolerance (each run prints its share of the tolerances).
+
+What makes this hold (and what the test catches when any one is reverted): losses divided by the mini-batch's
+global token / sequence counts (`ppo_loop.loss_totals`, summed over DP), metric shares summed over micro-batches
+and DP ranks (`TrainableModel.train_step`), whitening and the batch std all-reduced over DP (`core_algos`'
+`sum_across`), mini-batches dealt the same way at every DP size (`ppo_loop.mini_batch_units`), the loss mask kept
+apart from the response mask, and each sample's random stream keyed by its place in the global batch
+(`sampling.sample_uniforms`).
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from multiproc import run_distributed  # noqa: E402
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+RTOL, ATOL = 1e-5, 1e-6  # metrics
+WEIGHT_RTOL, CHANGE_RTOL = 1e-5, 1e-3  # per tensor, relative to its norm / its change's norm
+SKIPPED = ("timing/", "e2e_tps", "update_tps", "rollout_tps", "world_size")
+# name -> (tp, pp, world size, micro-batch size of trl_ppo, of grpo)
+LAYOUTS = {
+    "mbs1": (1, 1, 1, 1, 1),
+    "mbs4": (1, 1, 1, 4, 4),
+    "tp2": (2, 1, 2, 4, 4),
+    "pp2": (1, 2, 2, 2, 2),
+    "dp2": (1, 1, 2, 2, 4),
+}
+
+
+def odd_first_word(text, label):
+    """A coin-flip rule reward: 1 when the response's first word is an odd `wN` (some groups of 2 agree)."""
+    words = text.split()
+    return float(bool(words) and words[0][1:].isdigit() and int(words[0][1:]) % 2 == 1)
+
+
+def _cases():
+    """{case name: (stage, extra argv)}."""
+    cases = {"trl_ppo": ("trl_ppo", ["--global-batch-size", "8", "--ppo-mini-batch-size", "4", "--whiten-rewards",
+                                     "--kl-coef", "0.05", "--lr", "0.2"])}
+    for mode in AGG_MODES:
+        extra = ["--global-batch-size", "8", "--n-samples-per-prompt", "2", "--ppo-mini-batch-size", "8",
+                 "--filter-groups", "--verifier-function", "odd_first_word", "--loss-agg-mode", mode,
+                 "--kl-coef", "0.05", "--entropy-coeff", "0.01", "--lr", "0.5"]
+        if mode == "token-mean":
+            extra += ["--adv-scale", "batch"]
+        cases[f"grpo_{mode}"] = ("grpo", extra)
+    return cases
+
+
+def _argv(paths, stage, layout, extra, out: Path):
+    tp, pp, _, mbs_ppo, mbs_grpo = LAYOUTS[layout]
+    models = f"tp{tp}pp{pp}"
+    argv = [
+        "--stage", stage, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+        "--micro-batch-size", str(mbs_ppo if stage == "trl_ppo" else mbs_grpo), "--train-iters", "1",
+        "--seed", "11", "--data-path", paths["data"], "--tokenizer-name-or-path", paths["tokenizer"],
+        "--max-length", "64", "--max-new-tokens", "8", "--do-sample", "--temperature", "1.0",
+        "--ref-model", paths[f"mg_actor_{models}"], "--optimizer", "sgd", "--sgd-momentum", "0",
+        "--clip-grad", "1.0", "--ppo-epochs", "1", "--log-interval", "1",
+        "--metrics-jsonl", str(out / "metrics.jsonl"), "--save", str(out / "save"), "--save-interval", "1",
+    ]
+    if stage == "trl_ppo":
+        argv += ["--reward-model", paths[f"mg_reward_{models}"]]
+    return argv + list(extra)
+
+
+def _run_cases(rank, world_size, runs):
+    """Every case of one layout in this process: megatron's parallel state is rebuilt for each run."""
+    from megatron.core import parallel_state
+
+    from mindspeed_llm.arguments import parse_args
+    from mindspeed_llm.rl import trainer
+    from mindspeed_llm.rl.rewards import register_verifier
+
+    register_verifier("odd_first_word", override=True)(odd_first_word)
+    for argv in runs:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        trainer.run(parse_args(argv, world_size))
+
+
+def _full_weights(root: Path, role: str):
+    """The saved `role` of a stage run as one full (TP/PP merged) state dict."""
+    from mindspeed_llm.checkpoint import checkpoint_info, load_shard, merge_model
+
+    info = checkpoint_info(str(root / role))
+    shards = {(t, p): load_shard(str(root / role), t, p)["model"] for t in range(info["tp"]) for p in range(info["pp"])}
+    full = merge_model(shards, info["spec"], info["tp"], info["pp"], info["value_head"])
+    return {k: v.float() for k, v in full.items() if not k.endswith("_extra_state")}
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    import word_task
+
+    return word_task.build(tmp_path_factory.mktemp("word_task"), layouts=((1, 1), (2, 1), (1, 2)), reward=True)
+
+
+@pytest.fixture(scope="module")
+def layout_runs(task, tmp_path_factory):
+    """{layout: {case: directory}} after running every case on every layout."""
+    root = tmp_path_factory.mktemp("layouts")
+    cases = _cases()
+    dirs = {layout: {case: root / layout / case for case in cases} for layout in LAYOUTS}
+    by_world = {}
+    for layout, (_, _, world, _, _) in LAYOUTS.items():
+        by_world.setdefault(world, []).extend(
+            _argv(task, stage, layout, extra, dirs[layout][case]) for case, (stage, extra) in cases.items()
+        )
+    for world, runs in by_world.items():
+        run_distributed(_run_cases, world, runs)
+    return dirs
+
+
+def _metrics(path: Path):
+    (record,) = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    return {k: v for k, v in record.items() if not k.startswith(SKIPPED)}
+
+
+def _relative(a, b):
+    scale = float(b.norm())
+    return float((a - b).norm()) / scale if scale else float(a.norm())
+
+
+
+@pytest.mark.parametrize("case", list(_cases()))
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "mbs1"])
+def test_one_update_is_layout_invariant(layout_runs, task, layout, case):
+    reference, other = layout_runs["mbs1"][case], layout_runs[layout][case]
+    ref_metrics, metrics = _metrics(reference), _metrics(other)
+    assert sorted(metrics) == sorted(ref_metrics)
+    worst = 0.0  # the largest difference as a share of its tolerance
+    for key, expected in ref_metrics.items():
+        got = metrics[key]
+        assert math.isfinite(expected), (key, expected)
+        worst = max(worst, abs(got - expected) / (ATOL + RTOL * abs(expected)))
+        assert abs(got - expected) <= ATOL + RTOL * abs(expected), f"{layout} {case} {key}: {got!r} != {expected!r}"
+
+    roles = ["actor", "critic"] if case == "trl_ppo" else ["actor"]
+    worst_weight = worst_change = 0.0
+    for role in roles:
+        initial = _full_weights(Path(task[f"mg_{'reward' if role == 'critic' else 'actor'}_tp1pp1"]), "")
+        ref, got = _full_weights(reference / "save", role), _full_weights(other / "save", role)
+        assert sorted(ref) == sorted(got) == sorted(initial)
+        for name in ref:
+            weight, change = _relative(got[name], ref[name]), _relative(got[name] - initial[name], ref[name] - initial[name])
+            worst_weight, worst_change = max(worst_weight, weight / WEIGHT_RTOL), max(worst_change, change / CHANGE_RTOL)
+            assert weight <= WEIGHT_RTOL, f"{layout} {case} {role}/{name}: weights differ by {weight:.2e} of their norm"
+            assert change <= CHANGE_RTOL, f"{layout} {case} {role}/{name}: the update differs by {change:.2e}"
+    print(f"{layout} {case}: largest difference / tolerance: metrics {worst:.2f}, weights {worst_weight:.2f}, "
+          f"changes {worst_change:.2f}")
+
+
+def test_cases_are_not_trivial(layout_runs):
+    """The invariance above is about real updates: every case has a loss, a gradient and a moved model, and the
+    group filter both removes and keeps groups."""
+    for case, directory in layout_runs["mbs1"].items():
+        metrics = _metrics(directory)
+        norm = metrics["actor/grad_norm" if case == "trl_ppo" else "grad_norm"]
+        assert norm > 1e-3, (case, norm)
+        if case != "trl_ppo":
+            assert 0 < metrics["grpo/filtered_groups"] < 1, (case, metrics["grpo/filtered_groups"])
+            assert metrics["actor/kl_loss"] > 0 and metrics["actor/entropy"] > 0
