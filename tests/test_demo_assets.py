@@ -13,7 +13,6 @@ import json
 import os
 import re
 import string
-import time
 from pathlib import Path
 
 import pytest
@@ -177,24 +176,47 @@ def test_render_prompts_system_modes(tiny_char_model):
     assert render_prompts(tok, ["raw text"], chat_template=False) == ["raw text"]
 
 
+def _file_stamps(folder):
+    """{relative path: (size, mtime_ns)} of every file under `folder`."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in Path(folder).rglob("*") if p.is_file()}
+
+
+def _check_summary(res, samples):
+    """The summary agrees with its samples, and each score is the verifier's verdict on that response."""
+    from mindspeed_llm.demo.evaluate import DEFAULT_VERIFIER
+    from mindspeed_llm.rl.rewards import get_verifier
+
+    verify = get_verifier(DEFAULT_VERIFIER)
+    for s in samples:
+        assert s["score"] == float(verify(s["response"], s["answer"])), s
+    n = len(samples)
+    assert res["accuracy"] == pytest.approx(sum(s["score"] for s in samples) / n)
+    assert res["mean_length"] == pytest.approx(sum(s["length"] for s in samples) / n)
+    assert res["truncated"] == pytest.approx(sum(s["truncated"] for s in samples) / n)
+
+
 def test_evaluate_hf_on_tiny_random_model(tiny_char_model):
     from mindspeed_llm.demo.evaluate import evaluate_hf, sample_hf
 
     _, test = demo_task.make_splits("add20", n_test=6, seed=0)
     res = evaluate_hf(tiny_char_model, test, max_new_tokens=6, batch_size=4)
-    assert 0.0 <= res["accuracy"] <= 1.0 and res["n"] == 6 and len(res["samples"]) == 6
-    assert 1 <= res["mean_length"] <= 6 and 0.0 <= res["truncated"] <= 1.0
+    _check_summary(res, res["samples"])
+    assert res["n"] == 6 and len(res["samples"]) == 6 and all(1 <= s["length"] <= 6 for s in res["samples"])
     assert res["mean_prompt_tokens"] > len("What is 1 + 1? Answer with just the number.")
     for s, row in zip(res["samples"], test):
         assert s["answer"] == row["answer"] and s["problem"] == row["problem"]
-        assert s["score"] in (0.0, 1.0) and s["prompt"].endswith("<|im_start|>assistant\n")
+        assert s["prompt"].endswith("<|im_start|>assistant\n")
     again = evaluate_hf(tiny_char_model, test, max_new_tokens=6, batch_size=3)  # other batching, same text
     assert [s["response"] for s in again["samples"]] == [s["response"] for s in res["samples"]]
 
     samp = sample_hf(tiny_char_model, test[:3], n_samples=2, temperature=1.0, max_new_tokens=4, batch_size=4)
     assert len(samp["groups"]) == 3 and all(len(g) == 2 for g in samp["groups"])
+    scores = [x for g in samp["groups"] for x in g]
+    assert samp["accuracy"] == pytest.approx(sum(scores) / len(scores))
+    assert samp["mixed"] == pytest.approx(sum(min(g) != max(g) for g in samp["groups"]) / 3)
+    assert samp["all_right"] == pytest.approx(sum(min(g) > 0 for g in samp["groups"]) / 3)
     assert abs(samp["mixed"] + samp["all_right"] + samp["all_wrong"] - 1.0) < 1e-9
-    assert 0.0 <= samp["accuracy"] <= 1.0
 
     from mindspeed_llm.demo.evaluate import load_hf, measure_variant
 
@@ -259,8 +281,8 @@ def test_smollm2_tokenizer_and_tiny_model(tmp_path):
     from mindspeed_llm.demo.model import prepare_smollm2_tokenizer, tiny_random_llama
 
     tok_dir = prepare_smollm2_tokenizer()  # cached after the first run
-    t0 = time.time()
-    assert prepare_smollm2_tokenizer() == tok_dir and time.time() - t0 < 1.0  # cache hit
+    written = _file_stamps(tok_dir)
+    assert prepare_smollm2_tokenizer() == tok_dir and _file_stamps(tok_dir) == written  # cache hit: nothing rewritten
     model_dir = tiny_random_llama(tmp_path / "tiny", tok_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
     assert cfg["vocab_size"] == 49152 and (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (1, 2, 2)
@@ -275,7 +297,8 @@ def test_smollm2_tokenizer_and_tiny_model(tmp_path):
     assert prompt == "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
     _, test = demo_task.make_splits(n_test=4)
     res = evaluate_hf(model_dir, test, max_new_tokens=4, batch_size=4)
-    assert 0.0 <= res["accuracy"] <= 1.0 and res["n"] == 4
+    _check_summary(res, res["samples"])
+    assert res["n"] == 4
 
 
 def test_missing_package_message(monkeypatch):
@@ -307,11 +330,12 @@ def test_prepare_smollm2_full(tmp_path):
     assert json.loads((target / "generation_config.json").read_text())["eos_token_id"] == 2
     assert "You are a helpful AI assistant named SmolLM" in AutoTokenizer.from_pretrained(str(target)).chat_template
     assert not list(tmp_path.glob(".smollm2.tmp-*"))  # the temporary folder was renamed away
-    t0 = time.time()
-    assert prepare_smollm2(target) == target and time.time() - t0 < 1.0  # cache hit
+    written = _file_stamps(target)
+    assert prepare_smollm2(target) == target and _file_stamps(target) == written  # cache hit: nothing rewritten
     _, test = demo_task.make_splits(n_test=8)
     res = evaluate_hf(target, test, max_new_tokens=16, batch_size=8)
-    assert 0.0 <= res["accuracy"] <= 1.0 and all(s["response"] for s in res["samples"])
+    _check_summary(res, res["samples"])
+    assert all(s["response"] for s in res["samples"])
 
 
 # ----------------------------------------------------------------------------------------------

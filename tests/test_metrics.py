@@ -5,6 +5,8 @@ import json
 import os
 import socket
 
+import time
+
 import pytest
 import torch
 
@@ -55,9 +57,9 @@ def test_timers_accumulate_and_pop():
 def test_timers_real_clock():
     timers = M.Timers()
     with timers("reward_model"):
-        sum(range(1000))
+        time.sleep(0.05)  # a sleep lasts at least this long: a lower bound holds on any machine
     out = timers.pop()
-    assert set(out) == {"timing/reward_model"} and out["timing/reward_model"] >= 0.0
+    assert set(out) == {"timing/reward_model"} and out["timing/reward_model"] >= 0.05
 
 
 def test_throughput_by_hand():
