@@ -7,6 +7,7 @@ import sys
 def main(argv=None) -> int:
     from mindspeed_llm.arguments import ArgumentError, parse_args
     from mindspeed_llm.checkpoint import CheckpointNotFoundError
+    from mindspeed_llm.checkpoint.errors import CheckpointError, NonFiniteError
     from mindspeed_llm.data import DataError
 
     try:
@@ -14,10 +15,13 @@ def main(argv=None) -> int:
         from mindspeed_llm.rl.trainer import run
 
         run(args)
-    except (ArgumentError, CheckpointNotFoundError, DataError) as exc:
+    except (ArgumentError, CheckpointNotFoundError, CheckpointError, DataError) as exc:
         # A user's mistake: the message names the flag and the fix; a traceback would only hide it.
         print(f"posttrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except NonFiniteError as exc:  # training diverged: stopped before anything non-finite was saved
+        print(f"posttrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

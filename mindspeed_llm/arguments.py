@@ -7,6 +7,7 @@ and the fix, before any model is built or any compute is spent.
 from __future__ import annotations
 
 import argparse
+import math
 from typing import List, Optional, Sequence
 
 STAGES = ("trl_ppo", "grpo")
@@ -79,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--recompute-granularity", choices=("full", "selective"))
+    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
+                   help="stop (before the optimizer step) when a loss or gradient is NaN or inf (default: on)")
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save")
@@ -89,6 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--ckpt-step", type=int, help="resume from this iteration of --load instead of its latest")
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
+                   help="on resume, take the LR schedule (lr, min-lr, warmup, decay) from the command line")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   action="store_true", dest="use_checkpoint_opt_param_scheduler",
+                   help="on resume, keep the checkpoint's LR schedule whatever the command line says")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM, finish the iteration, save a checkpoint (with --save) and exit cleanly")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", required=True, help="output prefix written by preprocess_data.py")
@@ -189,6 +201,17 @@ def validate_args(args, world_size: int) -> None:
     if args.dual_clip is not None and args.dual_clip <= 1.0:
         raise ArgumentError(f"--dual-clip {args.dual_clip} must be > 1")
 
+    # Numbers that must make sense before anything is built.
+    for flag, value in (("--lr", args.lr), ("--critic-lr", args.critic_lr), ("--min-lr", args.min_lr),
+                        ("--weight-decay", args.weight_decay), ("--clip-grad", args.clip_grad)):
+        if not math.isfinite(value) or value < 0:
+            raise ArgumentError(f"{flag} {value} must be a finite number >= 0")
+    for flag, value in (("--micro-batch-size", args.micro_batch_size), ("--global-batch-size", args.global_batch_size)):
+        if value < 1:
+            raise ArgumentError(f"{flag} {value} must be >= 1")
+    if args.ppo_mini_batch_size is not None and args.ppo_mini_batch_size < 1:
+        raise ArgumentError(f"--ppo-mini-batch-size {args.ppo_mini_batch_size} must be >= 1")
+
     # Rollout lengths.
     if args.max_new_tokens < 1:
         raise ArgumentError("--max-new-tokens must be >= 1")
@@ -273,6 +296,11 @@ def validate_args(args, world_size: int) -> None:
         raise ArgumentError("--save-interval must be >= 1")
     if args.save_interval and not args.save:
         raise ArgumentError("--save-interval needs --save DIR")
+    if args.ckpt_step is not None and (not args.load or args.ckpt_step < 1):
+        raise ArgumentError(f"--ckpt-step {args.ckpt_step} needs --load DIR and an iteration >= 1")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each "
+                            "other; pass one")
     if args.log_interval < 1:
         raise ArgumentError("--log-interval must be >= 1")
     if args.eval_interval and not args.eval_data_path:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Optional
+from typing import List, Optional
 
+import torch
 import torch.distributed as dist
 
 from mindspeed_llm import device
@@ -86,6 +87,24 @@ def sum_over_data_parallel(tensor):
     return out
 
 
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is True on any rank of the job."""
+    if not dist.is_initialized():
+        return flag
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device.current_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def gather_messages(message: Optional[str]) -> List[str]:
+    """Every rank's non-empty `message`, prefixed with its rank: for an error that every rank raises alike."""
+    if not dist.is_initialized():
+        return [message] if message else []
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, message)
+    return [f"rank {r}: {m}" for r, m in enumerate(out) if m]
+
+
 def broadcast_object(obj, src_rank: int = 0, group=None):
     """Broadcast a picklable object from global `src_rank` (identity when not distributed)."""
     if not dist.is_initialized():
@@ -104,5 +123,5 @@ def barrier() -> None:
         dist.barrier()
 
 
-__all__ = ["initialize", "destroy", "seed_all", "data_parallel_info", "sum_over_data_parallel", "broadcast_object",
-           "is_rank_0", "barrier"]
+__all__ = ["initialize", "destroy", "seed_all", "data_parallel_info", "sum_over_data_parallel", "any_rank",
+           "gather_messages", "broadcast_object", "is_rank_0", "barrier"]

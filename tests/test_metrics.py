@@ -205,3 +205,17 @@ def test_tensorboard_event_file(tmp_path):
     events = acc.Scalars("actor/pg_loss")
     assert [e.step for e in events] == [1, 2, 3]
     assert [e.value for e in events] == pytest.approx([0.5, 1.0, 1.5])
+
+
+def test_jsonl_rows_of_rerun_iterations_are_replaced(tmp_path):
+    """A resumed run (from iteration 2) logs iterations 3.. again: their old rows go, and a line cut by a kill too."""
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"iteration": i, "loss": i / 10}) + "\n" for i in (1, 2, 3, 4)) + '{"iterat')
+    logger = M.MetricsLogger(jsonl_path=str(path), resumed_at=2, print_fn=lambda s: None)
+    logger.log(3, {"loss": 0.33})
+    logger.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["iteration"], r["loss"]) for r in rows] == [(1, 0.1), (2, 0.2), (3, 0.33)]
+    # without resumed_at the file is appended to, as before
+    M.MetricsLogger(jsonl_path=str(path), print_fn=lambda s: None).close()
+    assert len(path.read_text().splitlines()) == 3

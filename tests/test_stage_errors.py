@@ -32,6 +32,16 @@ BASE = ["--data-path", "d", "--train-iters", "1", "--global-batch-size", "4", "-
     (["--stage", "grpo"], 1, "--stage grpo needs a reward"),
     (["--stage", "grpo", "--verifier-function", "math_acc", "--bf16", "--fp16"], 1, "--bf16 and --fp16 are exclusive"),
     (["--stage", "grpo", "--verifier-function", "math_acc", "--save-interval", "2"], 1, "--save-interval needs --save"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--micro-batch-size", "0"], 1,
+     "--micro-batch-size 0 must be >= 1"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--lr", "nan"], 1, "--lr nan must be a finite number"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--lr=-1e-3"], 1, "--lr -0.001 must be a finite number >= 0"),
+    (["--stage", "trl_ppo", "--reward-model", "x", "--critic-lr", "inf"], 1, "--critic-lr inf must be a finite"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--ckpt-step", "3"], 1, "--ckpt-step 3 needs --load DIR"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--override-opt_param-scheduler",
+      "--use-checkpoint-opt_param-scheduler"], 1, "contradict each other"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--n-samples-per-prompt", "4", "--ppo-mini-batch-size",
+      "4", "--global-batch-size", "4"], 2, "--ppo-mini-batch-size 4 must be a multiple of --n-samples-per-prompt 4 x"),
 ])
 def test_inconsistent_flags_are_refused_by_name(extra, world, needle):
     with pytest.raises(ArgumentError) as err:

@@ -5,26 +5,42 @@ Layout (Megatron-LM's, one tree per role)::
     <save>/<role>/iter_0000010/mp_rank_TT[_PPP]/model_optim_rng.pt
     <save>/<role>/latest_checkpointed_iteration.txt
     <save>/latest_checkpointed_iteration.txt          <- written last of all: the resume point
+    <save>/.writer.lock                               <- host and pid of the run writing here
 
 Each shard holds `model`, `optimizer`, `opt_param_scheduler`, `iteration`, `model_spec` and, in the same
 file, the loop state (`rng_state` of every DP rank, `data_position` of the prompt sampler).
 
-Crash safety: ranks write into staging directories (`.iter_XXXXXXX.staging`); after a barrier rank 0 renames each to its
-final name, then replaces each role's latest file, then the top-level one (temp file + `os.replace`). A
-run killed at any moment leaves the previous complete checkpoint as the resume point.
+What is guaranteed:
+
+* Crash safety: ranks write into staging directories (`.iter_XXXXXXX.staging`); after a barrier rank 0 renames
+  each to its final name, then replaces each role's latest file, then the top-level one (temp file +
+  `os.replace`). A run killed at any moment leaves the previous complete checkpoint as the resume point;
+  staging leftovers are never read and are removed by the next save.
+* Nothing non-finite is published: `save` checks every weight first and refuses (`NonFiniteError`).
+* A failed write (disk full, permissions) removes its staging files and names the cause; the previous
+  checkpoint stays the resume point.
+* One writer per directory (`WriterLock`).
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import os
-from typing import Dict, Optional
+import shutil
+import socket
+import time
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mindspeed_llm.checkpoint import megatron_layout as layout
-from mindspeed_llm.distributed import barrier, is_rank_0
+from mindspeed_llm.checkpoint.errors import CheckpointError, NonFiniteError
+from mindspeed_llm import device
+from mindspeed_llm.distributed import barrier, broadcast_object, gather_messages, is_rank_0
+
 
 
 def _rng_state() -> dict:
@@ -78,15 +94,47 @@ def _layout():
     )
 
 
+def non_finite_weights(roles: Dict[str, object]) -> Optional[str]:
+    """A description of this rank's non-finite weights ('actor: 12 of 4096 values of decoder.x.weight, ...')."""
+    found = []
+    for name, trainable in roles.items():
+        for pname, param in trainable.module.named_parameters():
+            bad = int((~torch.isfinite(param.detach())).sum())
+            if bad:
+                found.append(f"{name}: {bad} of {param.numel()} values of {pname}")
+    return "; ".join(found) or None
+
+
+def _remove_staging_leftovers(role_root: str) -> None:
+    """Staging directories of killed saves (any iteration) are never checkpoints: drop them."""
+    if not os.path.isdir(role_root):
+        return
+    for name in os.listdir(role_root):
+        if name.startswith(".iter_") and (name.endswith(".staging") or ".old-" in name):
+            shutil.rmtree(os.path.join(role_root, name), ignore_errors=True)
+
+
 def save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict) -> None:
-    """Write `roles` ({name: TrainableModel}) and `loop_state` (sampler position etc.) for `iteration`."""
+    """Write `roles` ({name: TrainableModel}) and `loop_state` (sampler position etc.) for `iteration`.
+
+    Refuses non-finite weights (`NonFiniteError`, nothing written); a write error on any rank removes the
+    staging files and raises `CheckpointError` naming it. Either way the previous checkpoint stays the
+    resume point.
+    """
+    problems = gather_messages(non_finite_weights(roles))
+    if problems:
+        raise NonFiniteError(
+            f"the weights are not finite ({'; '.join(problems)}); iteration {iteration} was not saved to {root}"
+        )
     rng_states = _gather_dp(_rng_state())
     tp_rank, pp_rank, tp, pp = _layout()
     staging = {name: layout.staging_dir(os.path.join(root, name), iteration) for name in roles}
     if is_rank_0():
         for name in roles:
-            layout.prepare_staging(os.path.join(root, name), iteration)  # drops leftovers of a killed save
+            _remove_staging_leftovers(os.path.join(root, name))
+            layout.prepare_staging(os.path.join(root, name), iteration)
     barrier()
+    error = None
     if parallel_state.get_data_parallel_rank() == 0:  # DP replicas hold identical weights and optimizer
         for name, trainable in roles.items():
             module = trainable.module
@@ -96,7 +144,24 @@ def save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict) 
                 bool(getattr(module, "is_value_model", False)), iteration,
                 rng_state=rng_states, data_position=loop_state, **state,
             )
-            layout.save_file(payload, layout.shard_path(staging[name], tp_rank, pp_rank, pp))
+            path = layout.shard_path(staging[name], tp_rank, pp_rank, pp)
+            try:
+                layout.save_file(payload, path)
+            except (OSError, RuntimeError) as exc:  # torch reports a full disk as a RuntimeError
+                error = _write_error(path, exc)
+                break
+    errors = gather_messages(error)
+    if errors:
+        if is_rank_0():
+            for name in roles:
+                shutil.rmtree(staging[name], ignore_errors=True)
+        previous = latest_iteration(root) if is_rank_0() else None
+        previous = broadcast_object(previous)
+        kept = f"iteration {previous} is still the resume point" if previous else "no checkpoint is there yet"
+        raise CheckpointError(
+            f"saving iteration {iteration} to --save {root} failed: {'; '.join(errors)}; the partial files were "
+            f"removed and {kept}; free space there or pass another --save"
+        )
     barrier()
     if is_rank_0():
         for name in roles:
@@ -105,6 +170,16 @@ def save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict) 
             layout.write_latest(os.path.join(root, name), iteration)
         layout.write_latest(root, iteration)  # the resume point: only once every role is complete
     barrier()
+
+
+def _write_error(path: str, exc: BaseException) -> str:
+    text = str(exc)
+    no_space = getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in text or "unexpected pos" in text
+    if no_space:
+        return f"No space left on device writing {path}"
+    if isinstance(exc, PermissionError):
+        return f"permission denied writing {path}"
+    return f"cannot write {path} ({exc})"
 
 
 def latest_iteration(root: str) -> Optional[int]:
@@ -116,20 +191,204 @@ def latest_iteration(root: str) -> Optional[int]:
     return None if value == layout.RELEASE else int(value)
 
 
-def load(root: str, roles: Dict[str, object], load_optim: bool = True, load_rng: bool = True) -> tuple:
-    """Restore `roles` from the last complete checkpoint; returns (iteration, loop_state)."""
-    iteration = latest_iteration(root)
-    if iteration is None:
-        raise layout.CheckpointNotFoundError(
-            f"--load {root}: no complete stage checkpoint there (latest_checkpointed_iteration.txt is missing); "
-            "pass the --save directory of an earlier run, or use --finetune to start from weights only"
-        )
+def complete_iterations(root: str, role_names) -> List[int]:
+    """The iterations under `root` that every role has published (their shards may still be damaged)."""
+    found = None
+    for name in role_names:
+        role_root = os.path.join(root, name)
+        its = set()
+        if os.path.isdir(role_root):
+            for entry in os.listdir(role_root):
+                if entry.startswith("iter_") and entry[5:].isdigit():
+                    its.add(int(entry[5:]))
+        found = its if found is None else found & its
+    return sorted(found or ())
+
+
+def resume_iteration(load: str, role_names, stage_name: str, save: Optional[str] = None,
+                     ckpt_step: Optional[int] = None) -> Optional[int]:
+    """The iteration to resume from `load` (None: start fresh), with Megatron-LM's semantics:
+
+    * `--ckpt-step N`: iteration N, which every role must have;
+    * else the top-level tracker's iteration (a complete stage checkpoint);
+    * `load` equal to `save` and nothing complete there yet: start fresh (the auto-resume pattern of
+      restart loops: the same command line for the first run and every restart);
+    * anything else is an error naming what is missing (a typo'd path, another stage's checkpoint, a
+      converted model, staging leftovers of a killed first save).
+    """
+    roles = list(role_names)
+    if ckpt_step is not None:
+        complete = complete_iterations(load, roles)
+        if ckpt_step not in complete:
+            listed = ", ".join(map(str, complete)) or "none"
+            raise CheckpointError(f"--ckpt-step {ckpt_step}: --load {load} has no complete checkpoint of iteration "
+                                  f"{ckpt_step} for {', '.join(roles)} (complete iterations: {listed})")
+        return ckpt_step
+    latest = latest_iteration(load)
+    if latest is not None and latest in complete_iterations(load, roles):
+        return latest
+    if save is not None and os.path.abspath(load) == os.path.abspath(save):
+        return None
+    raise CheckpointError(f"--load {load}: {_why_not_a_checkpoint(load, roles, stage_name)}")
+
+
+def _why_not_a_checkpoint(load: str, roles: List[str], stage_name: str) -> str:
+    if not os.path.exists(load):
+        return "no such directory (a typo?); pass the --save directory of an earlier run, or drop --load"
+    if os.path.isfile(os.path.join(load, layout.TRACKER_FILE)) and not any(
+            os.path.isdir(os.path.join(load, r)) for r in roles):
+        return (f"this is a converted model, not a --save directory of a {stage_name} run; pass it as --ref-model "
+                "(or --reward-model), or use --finetune with a --save directory")
+    present = [r for r in ("actor", "critic") if os.path.isfile(os.path.join(load, r, layout.TRACKER_FILE))]
+    missing = [r for r in roles if r not in present]
+    if present and missing:
+        return (f"it holds a checkpoint of {', '.join(present)} but --stage {stage_name} trains "
+                f"{' and '.join(roles)} ({', '.join(os.path.join(load, r) for r in missing)} missing): it was "
+                "written by another stage")
+    return (f"no complete {stage_name} checkpoint there ({os.path.join(load, layout.TRACKER_FILE)} is missing; "
+            "the staging leftovers of an interrupted first save are not a checkpoint); pass the --save directory "
+            "of an earlier run, or the same directory as --save to start fresh there and resume later")
+
+
+def load(root: str, roles: Dict[str, object], iteration: int, load_optim: bool = True, load_rng: bool = True,
+         on_schedule=None) -> dict:
+    """Restore `roles` from `iteration` under `root`; returns the loop state saved with it.
+
+    A shard that cannot be read is an error naming the file and the previous complete iteration to pass as
+    `--ckpt-step`. `on_schedule(name, trainable, state)`, when given, sees each role's state before its
+    optimizer and LR schedule are restored (to reconcile the schedule with the command line).
+    """
     tp_rank, pp_rank, _, _ = _layout()
     loop_state = None
     for name, trainable in roles.items():
-        state = layout.load_shard(os.path.join(root, name), tp_rank, pp_rank, iteration, weights_only=False)
+        role_root = os.path.join(root, name)
+        try:
+            state = layout.load_shard(role_root, tp_rank, pp_rank, iteration, weights_only=False)
+        except Exception as exc:  # a truncated or flipped file: torch raises any of several types
+            raise CheckpointError(_damaged(role_root, iteration, tp_rank, pp_rank, exc, list(roles))) from None
+        if on_schedule is not None and load_optim:
+            on_schedule(name, trainable, state)
         trainable.load_state_dict(state, load_optim=load_optim)
         loop_state = state["data_position"]
         if load_rng:
             _set_rng_state(state["rng_state"][parallel_state.get_data_parallel_rank()])
-    return iteration, loop_state
+    return loop_state
+
+
+def _damaged(role_root: str, iteration: int, tp_rank: int, pp_rank: int, exc: BaseException, role_names) -> str:
+    root = os.path.dirname(os.path.abspath(role_root))
+    try:
+        path = layout.shard_path(layout.checkpoint_dir(role_root, iteration), tp_rank, pp_rank,
+                                 layout.find_layout(layout.checkpoint_dir(role_root, iteration))[1])
+    except layout.CheckpointNotFoundError as missing:
+        path = str(missing)
+    earlier = [i for i in complete_iterations(root, role_names) if i < iteration]
+    hint = f"resume from the previous complete one with --ckpt-step {earlier[-1]}" if earlier else \
+        "there is no earlier complete checkpoint to fall back on"
+    return f"{path} cannot be read ({type(exc).__name__}: {str(exc)[:200]}): the checkpoint of iteration " \
+           f"{iteration} is damaged; {hint}"
+
+
+# ---------------------------------------------------------------------------------------------- the --save dir
+class WriterLock:
+    """One writer per --save directory: `<save>/.writer.lock` holds the host and pid of the run writing there.
+
+    Taken by rank 0 at start, released at exit. A live holder is refused with its host and pid named; a lock
+    left by a process that no longer runs (on this host) is taken over, with a message.
+    """
+
+    NAME = ".writer.lock"
+
+    def __init__(self, save: str):
+        self.path = os.path.join(save, self.NAME)
+        self.held = False
+
+    def acquire(self, log=print) -> None:
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder and self._alive(holder):
+                    raise CheckpointError(
+                        f"--save {os.path.dirname(self.path)} is being written by another run (pid {holder['pid']} "
+                        f"on {holder['host']}, since {holder.get('since', '?')}); two writers would corrupt it: stop "
+                        f"that run or pass another --save (if it is gone, delete {self.path})"
+                    ) from None
+                log(f"taking over {self.path} from pid {holder.get('pid') if holder else '?'} "
+                    f"on {holder.get('host') if holder else '?'}, which is no longer running")
+                os.remove(self.path)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return
+        raise CheckpointError(f"cannot take {self.path}: another run took it at the same moment")
+
+    def release(self) -> None:
+        if self.held:
+            holder = self._holder()
+            if holder and holder.get("pid") == os.getpid():
+                os.remove(self.path)
+            self.held = False
+
+    def _holder(self) -> Optional[dict]:
+        try:
+            with open(self.path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None  # half-written by a killed run: nobody holds it
+
+    @staticmethod
+    def _alive(holder: dict) -> bool:
+        if holder.get("host") != socket.gethostname():
+            return True  # cannot tell from here: assume it runs
+        try:
+            os.kill(int(holder["pid"]), 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def check_save_dir(save: str, roles: Dict[str, object]) -> None:
+    """Before any training: --save can be written, and its disk has room for a checkpoint of `roles`.
+
+    The size is the weights plus optimizer state (Adam's two moments; fp32 main copies for bf16/fp16) of
+    every rank that writes (DP rank 0), summed over the job.
+    """
+    local = 0
+    if parallel_state.get_data_parallel_rank() == 0:
+        for trainable in roles.values():
+            for param in trainable.module.parameters():
+                per_value = param.element_size() + 8 + (4 if param.dtype != torch.float32 else 0)
+                local += param.numel() * per_value
+    total = torch.tensor([local], dtype=torch.float64, device=device.current_device())
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    needed = int(total.item())
+    problem = None
+    if is_rank_0():
+        problem = _save_dir_problem(save, needed)
+    problem = broadcast_object(problem)
+    if problem:
+        raise CheckpointError(problem)
+
+
+def _save_dir_problem(save: str, needed: int) -> Optional[str]:
+    try:
+        os.makedirs(save, exist_ok=True)
+        probe = os.path.join(save, f".write-probe-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as exc:
+        reason = "No space left on device" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
+        return f"--save {save} cannot be written ({reason}); pass a --save directory this job can write"
+    free = shutil.disk_usage(save).free
+    if free < needed:
+        return (f"--save {save}: its disk has {free / 2**30:.2f} GiB free, but one checkpoint of this run needs about "
+                f"{needed / 2**30:.2f} GiB; free space or pass another --save")
+    return None

@@ -317,6 +317,23 @@ def _json_value(value):
     return value
 
 
+def _drop_rows_after(path: str, iteration: int) -> None:
+    """Keep the rows of iterations <= `iteration` (and no half-written last line), replacing the file atomically."""
+    kept = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a kill
+            if int(row.get("iteration", 0)) <= iteration:
+                kept.append(json.dumps(row) + "\n")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
 class MetricsLogger:
     """Writes per-iteration metrics to stdout, a JSONL file and TensorBoard (rank 0 only).
 
@@ -325,7 +342,9 @@ class MetricsLogger:
       of each group go on their own line tagged ``[group]`` after the ungrouped keys, e.g. an "actor"
       and a "critic" line for PPO.
     * JSONL: one object ``{"iteration": i, **metrics}`` per call (every iteration), flushed at once;
-      the file is appended to, so a resumed run continues it. Non-finite floats are written as null.
+      the file is appended to, so a resumed run continues it: with ``resumed_at`` (the iteration a run
+      resumes from) the rows of later iterations, which the resumed run logs again, are dropped first, so
+      every iteration has one row. Non-finite floats are written as null.
     * TensorBoard: ``add_scalar(key, value, iteration)`` for every numeric metric, every call.
 
     ``lines`` maps a line name to the keys it takes: an entry ending in "/" is a prefix, any other
@@ -339,7 +358,7 @@ class MetricsLogger:
                  tensorboard_dir: Optional[str] = None, rank: int = 0,
                  total_iterations: Optional[int] = None,
                  lines: Optional[Mapping[str, Sequence[str]]] = None,
-                 print_fn: Callable[[str], None] = None):
+                 print_fn: Callable[[str], None] = None, resumed_at: Optional[int] = None):
         if int(log_interval) < 1:
             raise ValueError(f"log_interval must be >= 1, got {log_interval}")
         self.log_interval = int(log_interval)
@@ -353,6 +372,8 @@ class MetricsLogger:
         if self.rank == 0 and jsonl_path:
             parent = os.path.dirname(os.path.abspath(jsonl_path))
             os.makedirs(parent, exist_ok=True)
+            if resumed_at is not None and os.path.exists(jsonl_path):
+                _drop_rows_after(jsonl_path, resumed_at)
             self._jsonl = open(jsonl_path, "a", encoding="utf-8")
         if self.rank == 0 and tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter

@@ -2,12 +2,19 @@
 
 A stage object (`TrlPPOStage`, `GRPOStage`) owns its models and implements `iteration(iteration, rows)`;
 this loop owns everything around it, so the two stages have no copies of it.
+
+Checkpoints follow Megatron-LM (README, "Checkpoints"): `--save` writes every `--save-interval` and always at
+the end of training (and on SIGTERM with `--exit-signal-handler`); `--load` resumes from the last complete
+checkpoint (or `--ckpt-step`), and when it equals `--save` and holds none yet, the run starts fresh; any other
+`--load` without a checkpoint is an error. A step with a NaN / inf loss or gradient stops the run before the
+optimizer steps (`--check-for-nan-in-loss-and-grad`, on by default), and nothing non-finite is ever saved.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Dict
+import signal
+from typing import Dict, Optional
 
 import torch
 from megatron.core import parallel_state
@@ -56,9 +63,23 @@ def check_labels(dataset, args) -> None:
             )
 
 
-def is_stage_checkpoint(root: str, stage) -> bool:
-    """True for a --save directory of a stage run (as opposed to a converted model)."""
-    return all(os.path.isdir(os.path.join(root, role)) for role in stage.trained_roles())
+def check_prompt_lengths(dataset, args, flag: str) -> None:
+    """Prompts are never cut at training time: one longer than --max-prompt-length is an error here."""
+    lengths = dataset.prompt_lengths
+    over = int((lengths > args.max_prompt_length).sum()) if len(lengths) else 0
+    if over:
+        raise ArgumentError(
+            f"{flag} {dataset.prefix}: {over} of {len(lengths)} prompts are longer than --max-prompt-length "
+            f"{args.max_prompt_length} (the longest has {int(lengths.max())} tokens); preprocess with "
+            f"--max-prompt-length {args.max_prompt_length} --overlong-prompts drop (or truncate), or raise "
+            "--max-prompt-length / --max-length"
+        )
+
+
+def _resumes_from_load(args) -> bool:
+    """--load is a --save directory to resume from, except for grpo without --ref-model, where it is the
+    initial actor (a converted model)."""
+    return bool(args.load) and not (args.stage == "grpo" and not args.ref_model)
 
 
 def _gather_to_logger(metrics: Dict[str, float]) -> Dict[str, float]:
@@ -85,7 +106,7 @@ def _evaluate(stage, dataset, args) -> Dict[str, float]:
         return {}
     rows = [dataset[i] for i in indices]
     sampling = common.sampling_config(args, stage.tokenizer, greedy=True)
-    exp = common.rollout(stage.actor.module, rows, sampling, 0, args.max_prompt_length, stage.tokenizer)
+    exp = common.rollout(stage.actor.module, rows, sampling, 0, stage.tokenizer)
     scores, _ = stage.scorer(exp, 1, Timers())
     out = {"eval/score/mean": float(scores.mean()), "eval/response_length/mean": float(exp.response_lengths.float().mean())}
     if stage.reference is not None:
@@ -95,6 +116,57 @@ def _evaluate(stage, dataset, args) -> Dict[str, float]:
     return out
 
 
+class _ExitSignal:
+    """--exit-signal-handler: SIGTERM is noted, and the loop saves and exits after the current iteration."""
+
+    def __init__(self, enabled: bool):
+        self.received = False
+        self._previous = signal.signal(signal.SIGTERM, self._note) if enabled else None
+
+    def _note(self, signum, frame):
+        self.received = True
+
+    def any_rank(self) -> bool:
+        return self._previous is not None and distributed.any_rank(self.received)
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _resume(args, stage, sampler) -> int:
+    """Load what --load / --finetune / --ckpt-step say; returns the iteration the run continues from."""
+    if not _resumes_from_load(args):
+        return 0
+    roles = stage.trained_roles()
+    iteration = training_ckpt.resume_iteration(args.load, roles, args.stage, save=args.save, ckpt_step=args.ckpt_step)
+    if iteration is None:
+        if distributed.is_rank_0():
+            print(f"--load {args.load} holds no checkpoint yet; starting from scratch (it is also --save: the next "
+                  "run with this command line resumes from what this one saves)", flush=True)
+        return 0
+    finetune = args.finetune
+    messages = []
+
+    def reconcile(name, trainable, state):
+        messages.extend(trainable.reconcile_schedule(state["opt_param_scheduler"]))
+
+    loop_state = training_ckpt.load(args.load, roles, iteration, load_optim=not (finetune or args.no_load_optim),
+                                    load_rng=not (finetune or args.no_load_rng), on_schedule=reconcile)
+    if distributed.is_rank_0():
+        for message in messages:
+            print(message, flush=True)
+    if finetune:
+        if distributed.is_rank_0():
+            print(f"--finetune: weights from {args.load} iteration {iteration}; iteration, optimizer, RNG and data "
+                  "position start fresh", flush=True)
+        return 0
+    sampler.load_state_dict(loop_state["sampler"])
+    if distributed.is_rank_0():
+        print(f"resumed from {args.load} at iteration {iteration}", flush=True)
+    return iteration
+
+
 def run(args) -> None:
     distributed.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed)
     dp_rank, dp_size = distributed.data_parallel_info()
@@ -102,42 +174,86 @@ def run(args) -> None:
     dataset = PromptDataset(args.data_path)
     eval_dataset = PromptDataset(args.eval_data_path) if args.eval_data_path else None
     sampler = PromptSampler(len(dataset), args.global_batch_size, dp_rank, dp_size, args.seed)
-
     check_labels(dataset, args)
-    stage = STAGES[args.stage](args, tokenizer)
-    check_tokenizer(tokenizer, stage.actor.module.model_spec.vocab_size)
-    start = 0
-    if args.load and not args.finetune and is_stage_checkpoint(args.load, stage):
-        start, loop_state = training_ckpt.load(
-            args.load, stage.trained_roles(), load_optim=not args.no_load_optim, load_rng=not args.no_load_rng
-        )
-        sampler.load_state_dict(loop_state["sampler"])
-        if distributed.is_rank_0():
-            print(f"resumed from {args.load} at iteration {start}", flush=True)
+    check_prompt_lengths(dataset, args, "--data-path")
+    if eval_dataset is not None:
+        check_prompt_lengths(eval_dataset, args, "--eval-data-path")
 
-    logger = MetricsLogger(
-        args.log_interval, jsonl_path=args.metrics_jsonl, tensorboard_dir=args.tensorboard_dir,
-        rank=torch.distributed.get_rank(), total_iterations=args.train_iters, lines=stage.log_lines,
-    )
+    lock = training_ckpt.WriterLock(args.save) if args.save else None
+    if lock is not None:
+        problem = None
+        if distributed.is_rank_0():
+            try:
+                os.makedirs(args.save, exist_ok=True)
+                lock.acquire()
+            except (OSError, training_ckpt.CheckpointError) as exc:
+                problem = str(exc) if isinstance(exc, training_ckpt.CheckpointError) else \
+                    f"--save {args.save} cannot be written ({exc.strerror or exc}); pass a --save this job can write"
+        problem = distributed.broadcast_object(problem)
+        if problem:
+            raise training_ckpt.CheckpointError(problem)
+    exit_signal = _ExitSignal(args.exit_signal_handler)
+    logger = None
     try:
-        for iteration in range(start + 1, args.train_iters + 1):
-            # `position`: the prompt's place in the global batch, which keys its samples' random streams
-            first = dp_rank * sampler.local_batch_size
-            rows = [dict(dataset[i], index=i, position=first + k) for k, i in enumerate(sampler.next_batch_indices())]
-            metrics = stage.iteration(iteration, rows)
-            metrics.update(throughput_metrics(
-                metrics["prompt_length/mean"] * len(rows) * args.n_samples_per_prompt,
-                metrics["response_length/mean"] * len(rows) * args.n_samples_per_prompt,
-                args.world_size // dp_size, metrics,
-            ))
-            if eval_dataset is not None and args.eval_interval and iteration % args.eval_interval == 0:
-                metrics.update(_evaluate(stage, eval_dataset, args))
-            metrics = _gather_to_logger(metrics)
-            metrics.update(global_batch_size=args.global_batch_size, world_size=args.world_size)
-            logger.log(iteration, metrics)
-            if args.save and args.save_interval and (
-                iteration % args.save_interval == 0 or iteration == args.train_iters
-            ):
-                training_ckpt.save(args.save, iteration, stage.trained_roles(), {"sampler": sampler.state_dict()})
+        stage = STAGES[args.stage](args, tokenizer)
+        check_tokenizer(tokenizer, stage.actor.module.model_spec.vocab_size)
+        if args.save:
+            training_ckpt.check_save_dir(args.save, stage.trained_roles())
+        start = _resume(args, stage, sampler)
+        logger = MetricsLogger(
+            args.log_interval, jsonl_path=args.metrics_jsonl, tensorboard_dir=args.tensorboard_dir,
+            rank=torch.distributed.get_rank(), total_iterations=args.train_iters, lines=stage.log_lines,
+            resumed_at=start if _resumes_from_load(args) else None,  # rows of re-run iterations are replaced
+        )
+        _loop(args, stage, dataset, eval_dataset, sampler, logger, start, exit_signal)
     finally:
-        logger.close()
+        exit_signal.restore()
+        if logger is not None:
+            logger.close()
+        if lock is not None:
+            lock.release()
+
+
+def _loop(args, stage, dataset, eval_dataset, sampler, logger, start: int, exit_signal) -> None:
+    dp_rank, dp_size = distributed.data_parallel_info()
+    saved: Optional[int] = start or None
+
+    def save(iteration: int) -> None:
+        nonlocal saved
+        training_ckpt.save(args.save, iteration, stage.trained_roles(), {"sampler": sampler.state_dict()})
+        saved = iteration
+
+    iteration = start
+    for iteration in range(start + 1, args.train_iters + 1):
+        # `position`: the prompt's place in the global batch, which keys its samples' random streams
+        first = dp_rank * sampler.local_batch_size
+        rows = [dict(dataset[i], index=i, position=first + k) for k, i in enumerate(sampler.next_batch_indices())]
+        try:
+            metrics = stage.iteration(iteration, rows)
+        except training_ckpt.NonFiniteError as exc:
+            last = f"the last checkpoint is iteration {saved}" if saved else "no checkpoint was written"
+            raise training_ckpt.NonFiniteError(
+                f"iteration {iteration}: {exc}; stopped before the optimizer step, nothing of this iteration was "
+                f"saved ({last}); lower --lr or check the data (--no-check-for-nan-in-loss-and-grad trains on)"
+            ) from None
+        metrics.update(throughput_metrics(
+            metrics["prompt_length/mean"] * len(rows) * args.n_samples_per_prompt,
+            metrics["response_length/mean"] * len(rows) * args.n_samples_per_prompt,
+            args.world_size // dp_size, metrics,
+        ))
+        if eval_dataset is not None and args.eval_interval and iteration % args.eval_interval == 0:
+            metrics.update(_evaluate(stage, eval_dataset, args))
+        metrics = _gather_to_logger(metrics)
+        metrics.update(global_batch_size=args.global_batch_size, world_size=args.world_size)
+        logger.log(iteration, metrics)
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            save(iteration)
+        if exit_signal.any_rank():
+            if args.save and saved != iteration:
+                save(iteration)
+            if distributed.is_rank_0():
+                where = f"saved iteration {iteration} to {args.save}" if args.save else "no --save: nothing saved"
+                print(f"SIGTERM received: {where}; exiting (--exit-signal-handler)", flush=True)
+            return
+    if args.save and saved != iteration:  # Megatron-LM saves at the end of training
+        save(iteration)

@@ -7,6 +7,7 @@ closures the stages pass in; this module only moves micro-batches through megatr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -19,7 +20,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from mindspeed_llm import device
-from mindspeed_llm.distributed import sum_over_data_parallel
+from mindspeed_llm.checkpoint.training import CheckpointError, NonFiniteError
+from mindspeed_llm.distributed import any_rank, gather_messages, sum_over_data_parallel
 from mindspeed_llm.models.forward_layout import forward_layout
 
 MicroBatch = Dict[str, torch.Tensor]
@@ -46,6 +48,18 @@ class OptimizerSettings:
     adam_eps: float = 1e-8
     params_dtype: str = "fp32"
     use_distributed_optimizer: bool = False
+    # On resume, an LR schedule that differs from the checkpoint's is an error ("check"), or the command line's
+    # ("override", --override-opt_param-scheduler) or the checkpoint's ("checkpoint") applies (Megatron-LM).
+    schedule_on_resume: str = "check"
+    # The flag names of the role's settings, for messages (the critic's lr is --critic-lr).
+    lr_flag: str = "--lr"
+
+
+# OptimizerParamScheduler state key -> (its OptimizerSettings-derived name for messages, flag)
+_SCHEDULE_KEYS = {
+    "max_lr": "learning rate", "min_lr": "minimum learning rate", "lr_warmup_steps": "warmup iterations",
+    "lr_decay_steps": "decay iterations", "lr_decay_style": "decay style", "start_wd": "weight decay",
+}
 
 
 def _model_forward(model, micro_batch: MicroBatch):
@@ -146,10 +160,18 @@ def forward_only(model, micro_batches: Sequence[MicroBatch], output_fn: OutputFn
 
 
 class TrainableModel:
-    """A Megatron model with its DDP wrapper, Megatron optimizer and LR schedule (the actor or the critic)."""
+    """A Megatron model with its DDP wrapper, Megatron optimizer and LR schedule (the actor or the critic).
 
-    def __init__(self, model: torch.nn.Module, settings: OptimizerSettings):
+    `name` names the role in messages; with `check_finite` (--check-for-nan-in-loss-and-grad) a step whose loss
+    or gradients hold NaN / inf on any rank raises `NonFiniteError` on every rank before the optimizer steps.
+    """
+
+    def __init__(self, model: torch.nn.Module, settings: OptimizerSettings, name: str = "model",
+                 check_finite: bool = True):
         self.module = model
+        self.name = name
+        self.check_finite = check_finite
+        self.settings = settings
         config = model.config
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -187,6 +209,10 @@ class TrainableModel:
             end_wd=settings.weight_decay,
             wd_incr_steps=decay_steps,
             wd_incr_style="constant",
+            # "check": `reconcile_schedule` has refused every difference that matters before a load, so the
+            # command line's values apply (they equal the checkpoint's, or have no effect).
+            override_opt_param_scheduler=settings.schedule_on_resume != "checkpoint",
+            use_checkpoint_opt_param_scheduler=settings.schedule_on_resume == "checkpoint",
         )
         use_fused_torch_adam(self.optimizer)
         # What megatron's schedule calls around the backward passes (as Megatron-LM's training loop sets them).
@@ -209,11 +235,16 @@ class TrainableModel:
         self.optimizer.zero_grad()
         scale = schedule_loss_scale(len(micro_batches), parallel_state.get_data_parallel_world_size())
 
+        losses = []
+
         def scaled_loss_fn(output, micro_batch):
             loss, metrics = loss_fn(output, micro_batch)
+            losses.append(loss.detach())
             return loss * scale, metrics
 
         results = _run_schedule(self.chunks, micro_batches, scaled_loss_fn, forward_only=False)
+        if self.check_finite:
+            self._stop_if_not_finite(losses, results)
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(increment=1)
@@ -229,6 +260,55 @@ class TrainableModel:
     def forward_only(self, micro_batches, output_fn: OutputFn, out_shape_tail=()) -> torch.Tensor:
         return forward_only(self.chunks, micro_batches, output_fn, out_shape_tail)
 
+    def _stop_if_not_finite(self, losses, results) -> None:
+        """Megatron-LM's --check-for-nan-in-loss-and-grad: NaN / inf in this step's loss, metrics (last stage)
+        or gradients (every stage) on any rank stops every rank before the optimizer step."""
+        found = []
+        if losses:
+            loss = torch.stack(losses).sum()
+            if not bool(torch.isfinite(loss)):
+                found.append(f"the loss is {float(loss)}")
+            for key in results[0]:
+                value = sum(float(r[key]) for r in results)
+                if not math.isfinite(value):
+                    found.append(f"{key} is {value}")
+        buffers = self.ddp.buffers + self.ddp.expert_parallel_buffers
+        bad = sum(int((~torch.isfinite(buffer.grad_data)).sum()) for buffer in buffers)
+        if bad:
+            found.append(f"{bad} gradient values are NaN or inf")
+        if any_rank(bool(found)):
+            problems = gather_messages(", ".join(found) or None)
+            raise NonFiniteError(f"{self.name}: {'; '.join(problems)}")
+
+    def reconcile_schedule(self, checkpoint_schedule: dict) -> List[str]:
+        """Compare a checkpoint's LR schedule with this run's before it is loaded (Megatron-LM's rules):
+        differences are an error unless --override-opt_param-scheduler (the command line's apply) or
+        --use-checkpoint-opt_param-scheduler (the checkpoint's apply) is given. Returns the messages to print."""
+        ours = self.scheduler.state_dict()
+        constant = ours["lr_decay_style"] == checkpoint_schedule.get("lr_decay_style") == "constant"
+        differences = []
+        for key, what in _SCHEDULE_KEYS.items():
+            if key == "lr_decay_steps" and constant:
+                continue  # no effect on a constant schedule
+            if key in checkpoint_schedule and checkpoint_schedule[key] != ours[key]:
+                differences.append(f"{what} {ours[key]} (checkpoint: {checkpoint_schedule[key]})")
+        if not differences:
+            return []
+        listed = ", ".join(differences)
+        mode = self.settings.schedule_on_resume
+        if mode == "override":
+            return [f"{self.name}: resuming with the command line's LR schedule (--override-opt_param-scheduler): "
+                    f"{listed}"]
+        if mode == "checkpoint":
+            return [f"{self.name}: resuming with the checkpoint's LR schedule (--use-checkpoint-opt_param-scheduler), "
+                    f"not the command line's {listed}"]
+        raise CheckpointError(
+            f"{self.name}: the command line's LR schedule differs from the checkpoint's: {listed}; pass "
+            f"--override-opt_param-scheduler to use the command line's ({self.settings.lr_flag}, --min-lr, "
+            "--lr-warmup-iters, --lr-decay-iters, --lr-decay-style, --weight-decay), or "
+            "--use-checkpoint-opt_param-scheduler to keep the checkpoint's"
+        )
+
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict:
         return {
@@ -242,6 +322,11 @@ class TrainableModel:
         if load_optim:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
+            # Megatron's param groups carry their own max / min lr, which the scheduler reads before its own:
+            # the loaded groups hold the saver's, so they follow the schedule the load settled on.
+            for group in self.optimizer.param_groups:
+                group["max_lr"], group["min_lr"] = self.scheduler.max_lr, self.scheduler.min_lr
+            self.scheduler.step(increment=0)
             use_fused_torch_adam(self.optimizer)  # the loaded param groups carry the saver's settings
         else:
             # Weights changed under the optimizer: refresh its fp32 main copies (mixed precision).

@@ -23,7 +23,7 @@ RL_ARGS="--stage trl_ppo --ref-model $REF_MODEL --reward-model $REWARD_MODEL \
   --max-length 384 --max-new-tokens 128 --do-sample --temperature 0.7 --top-p 1.0 \
   --kl-coef 0.05 --gamma 1.0 --lam 0.95 --clip-ratio 0.2 --cliprange-value 0.2 --vf-coef 0.1 \
   --ppo-epochs 1 --missing-eos-penalty 1.0"
-OUTPUT_ARGS="--log-interval 1 --save $CKPT_SAVE_DIR --save-interval 50 \
+OUTPUT_ARGS="--log-interval 1 --save $CKPT_SAVE_DIR --load $CKPT_SAVE_DIR --save-interval 50 --exit-signal-handler \
   --tensorboard-dir $CKPT_SAVE_DIR/tensorboard --metrics-jsonl $CKPT_SAVE_DIR/metrics.jsonl"
 
 ${PYTHON} -m torch.distributed.run $DISTRIBUTED_ARGS posttrain_gpt.py \

@@ -3,7 +3,7 @@
 # Data:        bash examples/data/preprocess_data.sh deepscaler   (or math_17k)
 # Weights:     bash examples/mcore/qwen25/ckpt_convert_qwen25_hf2mcore.sh
 # Launch:      NNODES=2 NPUS_PER_NODE=8 MASTER_ADDR=<node0 ip> CURRENT_IP=<this node ip> bash $0
-# Resume:      add  --load ./ckpt/qwen25_7b_grpo  (the reference still comes from --ref-model)
+# Resume:      automatic: --load equals --save (a fresh start when nothing is saved yet); SIGTERM saves first
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 source examples/mcore/launch_env.sh
@@ -24,7 +24,7 @@ RL_ARGS="--stage grpo --ref-model $REF_MODEL --n-samples-per-prompt 8 \
   --kl-coef 0.001 --kl-penalty low_var_kl --clip-ratio 0.2 --entropy-coeff 0.0 --loss-agg-mode token-mean \
   --adv-scale group --ppo-epochs 1 --ppo-mini-batch-size 256 \
   --verifier-function math_acc format --verifier-weight 1.0 0.1"
-OUTPUT_ARGS="--log-interval 1 --save $CKPT_SAVE_DIR --save-interval 50 \
+OUTPUT_ARGS="--log-interval 1 --save $CKPT_SAVE_DIR --load $CKPT_SAVE_DIR --save-interval 50 --exit-signal-handler \
   --tensorboard-dir $CKPT_SAVE_DIR/tensorboard --metrics-jsonl $CKPT_SAVE_DIR/metrics.jsonl"
 
 ${PYTHON} -m torch.distributed.run $DISTRIBUTED_ARGS posttrain_gpt.py \

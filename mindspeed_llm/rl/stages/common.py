@@ -59,14 +59,19 @@ def frozen(model):
     return model
 
 
-def trainable(model, args, lr: float) -> TrainableModel:
+def trainable(model, args, name: str) -> TrainableModel:
+    """The actor or the critic with its optimizer and LR schedule from the command line."""
+    critic = name == "critic"
+    schedule_on_resume = ("override" if args.override_opt_param_scheduler else
+                          "checkpoint" if args.use_checkpoint_opt_param_scheduler else "check")
     return TrainableModel(model, OptimizerSettings(
-        lr=lr, optimizer=args.optimizer, sgd_momentum=args.sgd_momentum, min_lr=args.min_lr,
-        lr_decay_style=args.lr_decay_style, lr_warmup_iters=args.lr_warmup_iters, lr_decay_iters=args.lr_decay_iters,
-        weight_decay=args.weight_decay, clip_grad=args.clip_grad, adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, params_dtype=args.params_dtype,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-    ))
+        lr=args.critic_lr if critic else args.lr, optimizer=args.optimizer, sgd_momentum=args.sgd_momentum,
+        min_lr=args.min_lr, lr_decay_style=args.lr_decay_style, lr_warmup_iters=args.lr_warmup_iters,
+        lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        params_dtype=args.params_dtype, use_distributed_optimizer=args.use_distributed_optimizer,
+        schedule_on_resume=schedule_on_resume, lr_flag="--critic-lr" if critic else "--lr",
+    ), name=name, check_finite=args.check_for_nan_in_loss_and_grad)
 
 
 def load_reward_model(args):
@@ -108,8 +113,8 @@ def sampling_config(args, tokenizer, greedy: Optional[bool] = None) -> SamplingC
     )
 
 
-def rollout(actor_module, rows: Sequence[dict], sampling: SamplingConfig, iteration: int,
-            max_prompt_length: int, tokenizer, samples_per_prompt: int = 1) -> Experience:
+def rollout(actor_module, rows: Sequence[dict], sampling: SamplingConfig, iteration: int, tokenizer,
+            samples_per_prompt: int = 1) -> Experience:
     """Generate `samples_per_prompt` responses per row, a row's samples consecutive; the rows' labels and the
     texts ride along in `Experience.extras`.
 
@@ -118,7 +123,7 @@ def rollout(actor_module, rows: Sequence[dict], sampling: SamplingConfig, iterat
     """
     n = samples_per_prompt
     samples = [row for row in rows for _ in range(n)]
-    prompts = [list(row["input_ids"])[-max_prompt_length:] for row in samples]  # keep the prompt's end
+    prompts = [list(row["input_ids"]) for row in samples]  # never cut: the trainer checked --max-prompt-length
     sample_ids = [row.get("position", i) * n + k for i, row in enumerate(rows) for k in range(n)]
     # Ids past the tokenizer (Megatron's padded vocabulary) are never sampled.
     result = generate(actor_module, prompts, sampling, iteration=iteration, sample_ids=sample_ids,

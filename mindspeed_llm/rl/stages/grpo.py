@@ -37,7 +37,7 @@ class GRPOStage:
             )
         initial = args.ref_model or args.load
         flag = "--ref-model" if args.ref_model else "--load"
-        self.actor = common.trainable(common.load_model(initial, flag, args), args, args.lr)
+        self.actor = common.trainable(common.load_model(initial, flag, args), args, "actor")
         self.reference = common.frozen(common.load_model(initial, flag, args)) if args.kl_coef > 0 else None
         reward_model = common.load_reward_model(args) if args.reward_model else None
         common.check_same_vocab({"actor": self.actor.module, "reference": self.reference, "reward": reward_model})
@@ -53,8 +53,8 @@ class GRPOStage:
         timers = Timers(sync=device.synchronize)
         with timers("all"):
             with timers("rollout"):  # a prompt's n samples are consecutive rows (exp.group_size = n)
-                exp = common.rollout(self.actor.module, rows, self.sampling, iteration, args.max_prompt_length,
-                                     self.tokenizer, samples_per_prompt=n)
+                exp = common.rollout(self.actor.module, rows, self.sampling, iteration, self.tokenizer,
+                                     samples_per_prompt=n)
             rollout_stats = common.rollout_metrics(exp)
             exp.scores, score_metrics = self.scorer(exp, mbs, timers)
 

@@ -30,10 +30,10 @@ class TrlPPOStage:
     def __init__(self, args, tokenizer):
         self.args = args
         self.tokenizer = tokenizer
-        self.actor = common.trainable(common.load_model(args.ref_model, "--ref-model", args), args, args.lr)
+        self.actor = common.trainable(common.load_model(args.ref_model, "--ref-model", args), args, "actor")
         self.reference = common.frozen(common.load_model(args.ref_model, "--ref-model", args))
         self.critic = common.trainable(
-            common.load_model(args.reward_model, "--reward-model", args, value_head=True), args, args.critic_lr
+            common.load_model(args.reward_model, "--reward-model", args, value_head=True), args, "critic"
         )
         uses_reward_model = args.reward_model_weight != 0 or not args.verifier_function
         reward_model = common.load_reward_model(args) if uses_reward_model else None
@@ -51,8 +51,7 @@ class TrlPPOStage:
         timers = Timers(sync=device.synchronize)
         with timers("all"):
             with timers("rollout"):
-                exp = common.rollout(self.actor.module, rows, self.sampling, iteration, args.max_prompt_length,
-                                     self.tokenizer)
+                exp = common.rollout(self.actor.module, rows, self.sampling, iteration, self.tokenizer)
             rollout_stats = common.rollout_metrics(exp)
             with timers("old_log_p"):
                 if exp.rollout_logp is not None and old_logp_is_current(args, exp):

@@ -1,0 +1,10 @@
+"""The errors a training run stops with when a checkpoint or the weights are unusable (no megatron import, so
+that the command-line entry points can name them before anything heavy is loaded)."""
+
+
+class CheckpointError(ValueError):
+    """An unusable --load / --save directory or a failed save; the message names the path and the fix."""
+
+
+class NonFiniteError(RuntimeError):
+    """NaN or inf where training must not go on (a loss, a gradient, weights about to be saved)."""
