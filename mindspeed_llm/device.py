@@ -87,6 +87,23 @@ def manual_seed(seed: int) -> None:
         torch.npu.manual_seed_all(seed)
 
 
+def rng_state():
+    """The accelerator's default generator state (None on CPU: the CPU generator is saved on its own)."""
+    acc = accelerator()
+    if acc.kind == "cuda":
+        return torch.cuda.get_rng_state()
+    if acc.kind == "npu":
+        return torch.npu.get_rng_state()
+    return None
+
+
+def set_rng_state(state) -> None:
+    acc = accelerator()
+    if state is None or acc.is_cpu:
+        return
+    (torch.cuda if acc.kind == "cuda" else torch.npu).set_rng_state(state)
+
+
 _SETUP_DONE = False
 
 

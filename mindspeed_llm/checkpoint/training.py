@@ -52,6 +52,7 @@ def _rng_state() -> dict:
         "random": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
+        "accelerator": device.rng_state(),
         "tracker": _tracker_states(),
     }
 
@@ -71,6 +72,7 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["random"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    device.set_rng_state(state.get("accelerator"))
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 

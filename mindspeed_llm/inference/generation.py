@@ -313,9 +313,7 @@ def generate(
         set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
         set_input_tensor(None)
         model.train(was_training)
-        del wrapper, context
-        if _device.accelerator().kind == "cuda":
-            torch.cuda.empty_cache()
+        del wrapper, context  # the KV cache's memory returns to the allocator, for the training passes
 
     # ---------------------------------------------------------------- response layout
     j = torch.arange(R_max, device=dev).unsqueeze(0)

@@ -120,6 +120,13 @@ def build_model(
     )
     model.model_spec = spec
     model.is_value_model = value_head
+    dtype = parse_dtype(params_dtype)
+    if dtype != torch.float32:
+        # Megatron-LM runs the whole model in half precision (its Float16Module); the local spec's torch
+        # norms are built in fp32 whatever params_dtype says, so they follow here. Megatron's optimizer keeps
+        # fp32 main copies of every half-precision parameter. The value head below stays fp32.
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
     if value_head and post_process:
         model.output_layer = ValueHead(spec.hidden_size)
     install_layout_hooks(model)  # RoPE by position ids and an output window (models/forward_layout.py)

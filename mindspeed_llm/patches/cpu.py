@@ -323,3 +323,35 @@ def _l2_norm(_original):
         total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
         return total.reshape(1), None
     return multi_tensor_l2_norm
+
+
+# ---------------------------------------------------------------- bf16 / fp16 training on CPU
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    """For the block, `tensor.type()` of a CPU tensor reads as its CUDA counterpart's name."""
+    real = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is not None or kwargs:
+            return real(self, dtype, non_blocking, **kwargs)
+        name = real(self)
+        return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = real
+
+
+@register(
+    "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__",
+    "it sorts parameters by `param.type()` ('torch.cuda.BFloat16Tensor' gets an fp32 main copy) and refuses "
+    "any other name, so CPU tensors ('torch.BFloat16Tensor') could not train in bf16 / fp16",
+)
+def _float16_optimizer_init(_original):
+    def __init__(self, *args, **kwargs):
+        with _cuda_type_names():
+            _original(self, *args, **kwargs)
+    return __init__

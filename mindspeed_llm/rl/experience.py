@@ -94,7 +94,7 @@ class Experience:
         return [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
 
     def select(self, rows) -> "Experience":
-        rows = torch.as_tensor(rows, dtype=torch.long)
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.tokens.device)
         updates = {name: getattr(self, name)[rows] for name in self._tensor_fields()}
         extras = {k: [v[i] for i in rows.tolist()] for k, v in self.extras.items()}
         return replace(self, extras=extras, **updates)

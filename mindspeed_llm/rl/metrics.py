@@ -63,7 +63,7 @@ class Timers:
 
     Usage::
 
-        timers = Timers(sync=torch.cuda.synchronize)   # or None on CPU
+        timers = Timers(sync=device.synchronize)   # mindspeed_llm.device; None: no sync
         with timers("all"):
             with timers("rollout"):
                 ...

@@ -19,7 +19,7 @@ from typing import Dict, Optional
 import torch
 from megatron.core import parallel_state
 
-from mindspeed_llm import distributed
+from mindspeed_llm import device, distributed
 from mindspeed_llm.arguments import ArgumentError
 from mindspeed_llm.checkpoint import training as training_ckpt
 from mindspeed_llm.data import PromptDataset, PromptSampler
@@ -84,7 +84,7 @@ def _resumes_from_load(args) -> bool:
 
 def _gather_to_logger(metrics: Dict[str, float]) -> Dict[str, float]:
     """Mean over DP ranks, then the last pipeline stage's view (it alone has the losses) to every rank."""
-    metrics = reduce_metrics(metrics, group=parallel_state.get_data_parallel_group())
+    metrics = reduce_metrics(metrics, group=parallel_state.get_data_parallel_group(), device=device.current_device())
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         metrics = distributed.broadcast_object(
             metrics, src_rank=parallel_state.get_pipeline_model_parallel_last_rank(),

@@ -127,7 +127,7 @@ def _broadcast_from_last_stage(tensor: Optional[torch.Tensor], shape, dtype) -> 
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return tensor
     if tensor is None:
-        tensor = torch.empty(shape, dtype=dtype)
+        tensor = torch.empty(shape, dtype=dtype, device=device.current_device())
     dist.broadcast(
         tensor,
         src=parallel_state.get_pipeline_model_parallel_last_rank(),

@@ -38,7 +38,8 @@ class GRPOStage:
         initial = args.ref_model or args.load
         flag = "--ref-model" if args.ref_model else "--load"
         self.actor = common.trainable(common.load_model(initial, flag, args), args, "actor")
-        self.reference = common.frozen(common.load_model(initial, flag, args)) if args.kl_coef > 0 else None
+        self.reference = common.offloaded(common.frozen(common.load_model(initial, flag, args)),
+                                          args.offload_ref_reward) if args.kl_coef > 0 else None
         reward_model = common.load_reward_model(args) if args.reward_model else None
         common.check_same_vocab({"actor": self.actor.module, "reference": self.reference, "reward": reward_model})
         self.scorer = common.Scorer.from_args(args, reward_model)
@@ -71,7 +72,7 @@ class GRPOStage:
                 if not old_logp_is_current(args, exp):
                     exp.old_logp = policy_logprobs(self.actor.chunks, exp, mbs, args.temperature)
             if self.reference is not None:
-                with timers("reference_model"), common.on_device(self.reference, args.offload_ref_reward):
+                with timers("reference_model"), common.on_device(self.reference, args.offload_ref_reward, timers):
                     exp.ref_logp = policy_logprobs([self.reference], exp, mbs, args.temperature)
 
             with timers("update"):
@@ -101,4 +102,4 @@ class GRPOStage:
         kl_coef = self.args.kl_coef if self.reference is not None else 0.0
         loss, m = common.clipped_policy_loss(self.args, logits, mb, kl_coef)
         return loss, {"pg_loss": m["pg_loss"], "pg_clipfrac": m["pg_clipfrac"], "ppo_kl": m["ppo_kl"],
-                      "entropy": m["entropy"], "kl_loss": m.get("kl_loss", torch.zeros(()))}
+                      "entropy": m["entropy"], "kl_loss": m.get("kl_loss", m["pg_loss"].new_zeros(()))}

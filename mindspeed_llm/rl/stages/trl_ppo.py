@@ -31,7 +31,8 @@ class TrlPPOStage:
         self.args = args
         self.tokenizer = tokenizer
         self.actor = common.trainable(common.load_model(args.ref_model, "--ref-model", args), args, "actor")
-        self.reference = common.frozen(common.load_model(args.ref_model, "--ref-model", args))
+        self.reference = common.offloaded(common.frozen(common.load_model(args.ref_model, "--ref-model", args)),
+                                          args.offload_ref_reward)
         self.critic = common.trainable(
             common.load_model(args.reward_model, "--reward-model", args, value_head=True), args, "critic"
         )
@@ -58,7 +59,7 @@ class TrlPPOStage:
                     exp.old_logp = exp.rollout_logp  # as TRL's PPO: the generation logits' log-probs, no pass
                 else:
                     exp.old_logp = policy_logprobs(self.actor.chunks, exp, mbs, args.temperature)
-            with timers("reference_model"), common.on_device(self.reference, args.offload_ref_reward):
+            with timers("reference_model"), common.on_device(self.reference, args.offload_ref_reward, timers):
                 exp.ref_logp = policy_logprobs([self.reference], exp, mbs, args.temperature)
             with timers("critic_model"):
                 exp.values = critic_values(self.critic.chunks, exp, mbs)
