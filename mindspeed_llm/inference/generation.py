@@ -39,11 +39,16 @@ to every rank of the model-parallel group (all TP x PP ranks of this DP replica)
 stage, TP rank 0), so all ranks of a replica feed the same tokens and return the same `Rollout`. Pipeline
 stages exchange hidden states through the wrapper's p2p send/recv. The prompts must be the same on every
 rank of a model-parallel group (they normally come from the DP rank's data shard).
+
+Code: `generate` checks its inputs, plans the slot layout (`_plan`), then, with the KV cache held by a
+`_KVCacheModel`, prefills and decodes (`_decode`: one `_TokenPicker.pick` and `_DecodeState.record` a slot) and
+lays the responses out into a `Rollout` (`_finish`).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -77,6 +82,7 @@ def _model_parallel_source(group) -> Optional[int]:
 
 
 def _default_dp_rank() -> int:
+    """Megatron's data-parallel rank, 0 without Megatron's parallel state."""
     if parallel_state.model_parallel_is_initialized():
         return parallel_state.get_data_parallel_rank()
     return 0
@@ -125,11 +131,40 @@ def generate(
         _dedup_prefill: private; False prefills every row even where prompts repeat (tests compare both).
     """
     sampling = sampling or SamplingConfig()
+    prompts = _checked_prompts(prompt_token_lists)
+    batched = _use_batched_prefill(model, prefill)
+    dev = _device.current_device()
+    budgets = sampling.response_budgets([len(p) for p in prompts])
+    plan = _plan(prompts, budgets, batched=batched, share_prefill=_dedup_prefill, device=dev)
+    state = _DecodeState.start(plan, prompts, sampling)
+    uniforms = _response_uniforms(sampling, iteration, sample_ids, len(prompts), plan.max_response, dev)
+    group = parallel_state.get_model_parallel_group() if parallel_state.model_parallel_is_initialized() else None
+    source = _model_parallel_source(group)
+    engine = _KVCacheModel(model, plan)
+    picker = _TokenPicker(sampling, uniforms, plan.starts, vocab_size, engine.last_stage, source, group)
+    try:
+        with torch.no_grad():
+            engine.prepare(state.tokens)
+            _decode(engine, plan, state, picker)
+    finally:
+        engine.release()
+        del engine  # the KV cache's memory returns to the allocator, for the training passes
+    return _finish(prompts, plan, state, sampling)
+
+
+# ---------------------------------------------------------------------------------------------- input checks
+def _checked_prompts(prompt_token_lists: Sequence[Sequence[int]]) -> List[List[int]]:
+    """The prompts as lists of ints; raises on an empty batch or an empty prompt."""
     prompts = [[int(t) for t in p] for p in prompt_token_lists]
     if not prompts:
         raise ValueError("generate: no prompts")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("generate: empty prompt; every prompt needs at least one token (e.g. BOS)")
+    return prompts
+
+
+def _use_batched_prefill(model, prefill: str) -> bool:
+    """Checks that `model` can generate and resolves `prefill` ("auto" too): True for the batched prefill."""
     if isinstance(model, (list, tuple)):
         raise NotImplementedError(
             "generate: got a list of model chunks; virtual pipeline parallelism "
@@ -137,200 +172,314 @@ def generate(
         )
     if prefill not in PREFILL_MODES:
         raise ValueError(f"generate: prefill={prefill!r}; choose one of {PREFILL_MODES}")
-    core_model = unwrap_model(model)
-    if getattr(core_model, "is_value_model", False):
+    if getattr(unwrap_model(model), "is_value_model", False):
         raise ValueError("generate: this is a value-head model (critic/reward); it has no logits")
-    config = get_model_config(model)
-    blocker = batched_prefill_blocker(config)
+    blocker = batched_prefill_blocker(get_model_config(model))
     if prefill == "batched" and blocker:
         raise ValueError(f"generate: prefill='batched' is not possible: {blocker}; use prefill='stepwise'")
-    batched = prefill == "batched" or (prefill == "auto" and blocker is None)
+    return prefill == "batched" or (prefill == "auto" and blocker is None)
 
-    dev = _device.current_device()
-    pad = sampling.pad_id
-    B = len(prompts)
+
+def _response_uniforms(sampling: SamplingConfig, iteration: int, sample_ids: Optional[Sequence[int]],
+                       batch_size: int, max_response: int, device) -> Optional[torch.Tensor]:
+    """[B, R_max] uniforms (row b's j-th response token is drawn with [b, j], from sample `sample_ids[b]`'s
+    stream); None when greedy."""
+    if not sampling.do_sample:
+        return None
+    if sample_ids is None:
+        first = _default_dp_rank() * batch_size
+        sample_ids = range(first, first + batch_size)
+    if len(sample_ids) != batch_size:
+        raise ValueError(f"generate: {len(sample_ids)} sample_ids for {batch_size} prompts")
+    return torch.from_numpy(sample_uniforms(sampling.seed, iteration, sample_ids, max(max_response, 1))).to(device)
+
+
+# ---------------------------------------------------------------------------------------------- plan
+@dataclass(frozen=True)
+class _Plan:
+    """The KV-cache slot layout of one batch: row b's prompt occupies slots [offsets[b], offsets[b] + L_b),
+    its j-th response token slot starts[b] + j (see the module docstring for the two prefill modes)."""
+
+    batched: bool
+    offsets: List[int]  # [B] first prompt slot of each row: its left padding (0 when stepwise)
+    starts: torch.Tensor  # [B] slot of each row's first response token
+    first_step: int  # slots [0, first_step) are prefilled in one forward
+    slots: int  # T, the KV cache's sequence length
+    max_prompt: int  # L_max
+    max_response: int  # R_max
+    prompt_lengths: torch.Tensor  # [B]
+    budgets: torch.Tensor  # [B] the most tokens each row may generate
+    position_ids: torch.Tensor  # [B, T] the true position of each slot (rope ignores them)
+    key_is_pad: torch.Tensor  # [B, 1, 1, T] True at the left padding (megatron: True = masked)
+    share_index: Optional[torch.Tensor]  # [B] row -> its prefill row; None: every row prefills itself
+    unique_rows: Optional[torch.Tensor]  # the rows that run the shared prefill
+
+
+def _plan(prompts: List[List[int]], budgets: List[int], *, batched: bool, share_prefill: bool, device) -> _Plan:
+    """Lays the batch out in the KV cache: prompts left-padded to the longest one (batched prefill) or
+    right-padded (stepwise), and finds the rows that can share a prefill row."""
     lengths = [len(p) for p in prompts]
-    budgets = sampling.response_budgets(lengths)
     L_min, L_max, R_max = min(lengths), max(lengths), max(budgets)
-    prompt_lengths = torch.tensor(lengths, dtype=torch.long, device=dev)
-    budget_t = torch.tensor(budgets, dtype=torch.long, device=dev)
-
-    # ---------------------------------------------------------------- KV-cache slot layout
-    # Row b's prompt occupies slots [offset_b, offset_b + L_b); its j-th response token slot start_b + j.
     if batched:
         T = L_max + R_max
-        offsets = L_max - prompt_lengths
-        starts = torch.full((B,), L_max, dtype=torch.long, device=dev)
-        first_step = L_max
+        offsets = [L_max - L for L in lengths]
+        starts, first_step = [L_max] * len(prompts), L_max
     else:
         T = max(L + R for L, R in zip(lengths, budgets))
-        offsets = torch.zeros(B, dtype=torch.long, device=dev)
-        starts = prompt_lengths
-        first_step = L_min
-    tokens = torch.full((B, T), pad, dtype=torch.long, device=dev)
-    prompt_tensor = torch.full((B, L_max), pad, dtype=torch.long, device=dev)
-    for b, p in enumerate(prompts):
-        row = torch.tensor(p, dtype=torch.long, device=dev)
-        o = int(offsets[b])
-        tokens[b, o: o + len(p)] = row
-        prompt_tensor[b, : len(p)] = row
-    # Rows whose prefill window is identical (GRPO repeats each prompt n times) share one prefill row.
-    # Batched: the whole prompt (its left padding follows from its length). Stepwise: the first L_min tokens.
-    share_index = None
-    if _dedup_prefill:
-        unique_of, share, unique_rows = {}, [], []
-        for b, p in enumerate(prompts):
-            key = tuple(p if batched else p[:L_min])
-            if key not in unique_of:
-                unique_of[key] = len(unique_rows)
-                unique_rows.append(b)
-            share.append(unique_of[key])
-        if len(unique_rows) < B:
-            share_index = torch.tensor(share, dtype=torch.long, device=dev)  # row -> its prefill row
-            unique_rows = torch.tensor(unique_rows, dtype=torch.long, device=dev)
-    slots = torch.arange(T, device=dev)
-    position_ids = (slots.unsqueeze(0) - offsets.unsqueeze(1)).clamp(min=0)  # true positions (rope ignores)
-    key_is_pad = (slots.unsqueeze(0) < offsets.unsqueeze(1)).view(B, 1, 1, T)  # True = masked (megatron)
-
-    # ---------------------------------------------------------------- sampling state
-    uniforms = None  # [B, R_max]: row b's j-th response token is drawn with uniforms[b, j]
-    if sampling.do_sample:
-        if sample_ids is None:
-            sample_ids = range(_default_dp_rank() * B, (_default_dp_rank() + 1) * B)
-        if len(sample_ids) != B:
-            raise ValueError(f"generate: {len(sample_ids)} sample_ids for {B} prompts")
-        uniforms = torch.from_numpy(sample_uniforms(sampling.seed, iteration, sample_ids, max(R_max, 1))).to(dev)
-    eos_t = torch.tensor(sampling.eos_ids, dtype=torch.long, device=dev)
-    stop_t = torch.tensor(sampling.stop_ids, dtype=torch.long, device=dev)
-    response_lengths = torch.zeros(B, dtype=torch.long, device=dev)
-    finished = budget_t == 0
-    reason_eos = torch.zeros(B, dtype=torch.bool, device=dev)
-    reason_stop = torch.zeros(B, dtype=torch.bool, device=dev)
-    want_log_probs = sampling.return_log_probs
-    log_probs = torch.zeros((B, T), dtype=torch.float32, device=dev) if want_log_probs else None
-
-    mp_group = parallel_state.get_model_parallel_group() if parallel_state.model_parallel_is_initialized() else None
-    source = _model_parallel_source(mp_group)
-
-    # ---------------------------------------------------------------- megatron inference wrapper + KV cache
-    wrapper_config = InferenceWrapperConfig(
-        hidden_size=config.hidden_size,
-        params_dtype=config.params_dtype,
-        inference_batch_times_seqlen_threshold=-1,  # whole batch per pipeline step, no micro-batching
-        padded_vocab_size=int(getattr(core_model, "vocab_size", 0) or 0),
-        inference_max_requests=B,
-        inference_max_seq_length=T,
-        fp32_residual_connection=config.fp32_residual_connection,
+        offsets = [0] * len(prompts)
+        starts, first_step = lengths, L_min
+    share_index = unique_rows = None
+    if share_prefill:
+        # Batched: the whole prompt (its left padding follows from its length). Stepwise: the first L_min tokens.
+        share_index, unique_rows = _prefill_sharing([tuple(p if batched else p[:L_min]) for p in prompts], device)
+    offsets_t = torch.tensor(offsets, dtype=torch.long, device=device).unsqueeze(1)
+    slots = torch.arange(T, device=device).unsqueeze(0)
+    return _Plan(
+        batched=batched, offsets=offsets, first_step=first_step, slots=T, max_prompt=L_max, max_response=R_max,
+        starts=torch.tensor(starts, dtype=torch.long, device=device),
+        prompt_lengths=torch.tensor(lengths, dtype=torch.long, device=device),
+        budgets=torch.tensor(budgets, dtype=torch.long, device=device),
+        position_ids=(slots - offsets_t).clamp(min=0),
+        key_is_pad=(slots < offsets_t).view(len(prompts), 1, 1, T),
+        share_index=share_index, unique_rows=unique_rows,
     )
-    context = StaticInferenceContext(max_batch_size=B, max_sequence_length=T)
-    wrapper = GPTInferenceWrapper(model, wrapper_config, context)
-    last_stage = is_pipeline_last_stage(wrapper.pp_group)
-    was_training = model.training
 
-    def forward(start: int, end: int, rows: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """Run slots [start, end) (KV cache offset = start) for every row, or only for `rows` (which then fill
-        cache rows 0 .. len(rows)-1); logits [B or len(rows), V] of slot end-1 on the last stage."""
-        window_tokens, window_positions = tokens[:, start:end], position_ids[:, start:end]
+
+def _prefill_sharing(windows: List[tuple], device) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Rows whose prefill window is identical (GRPO repeats each prompt n times) share one prefill row:
+    returns (row -> its prefill row, the rows that prefill), or (None, None) where no window repeats."""
+    prefill_row_of, share, unique_rows = {}, [], []
+    for row, window in enumerate(windows):
+        if window not in prefill_row_of:
+            prefill_row_of[window] = len(unique_rows)
+            unique_rows.append(row)
+        share.append(prefill_row_of[window])
+    if len(unique_rows) == len(windows):
+        return None, None
+    return (torch.tensor(share, dtype=torch.long, device=device),
+            torch.tensor(unique_rows, dtype=torch.long, device=device))
+
+
+def _place_prompts(prompts: List[List[int]], offsets: List[int], width: int, pad: int, device) -> torch.Tensor:
+    """[B, width] pad tokens with row b's prompt at columns [offsets[b], offsets[b] + L_b)."""
+    out = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
+    for b, (p, o) in enumerate(zip(prompts, offsets)):
+        out[b, o: o + len(p)] = torch.tensor(p, dtype=torch.long, device=device)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- decode state
+@dataclass
+class _DecodeState:
+    """The slots' tokens and what each row has generated so far; when a row stops (EOS, stop id, budget)."""
+
+    tokens: torch.Tensor  # [B, T] the prompts at their planned slots, then the generated tokens
+    log_probs: Optional[torch.Tensor]  # [B, T] log-prob of each generated token; None: not asked for
+    response_lengths: torch.Tensor  # [B]
+    finished: torch.Tensor  # [B] bool
+    reason_eos: torch.Tensor  # [B] bool: stopped at an EOS id
+    reason_stop: torch.Tensor  # [B] bool: stopped at a stop id that is not an EOS id
+    budgets: torch.Tensor  # [B] the most tokens each row may generate
+    eos_ids: torch.Tensor
+    stop_ids: torch.Tensor
+
+    @classmethod
+    def start(cls, plan: _Plan, prompts: List[List[int]], sampling: SamplingConfig) -> "_DecodeState":
+        """Nothing generated yet; rows with a zero budget are finished from the start."""
+        dev = plan.starts.device
+        B, T = len(prompts), plan.slots
+        return cls(
+            tokens=_place_prompts(prompts, plan.offsets, T, sampling.pad_id, dev),
+            log_probs=torch.zeros((B, T), dtype=torch.float32, device=dev) if sampling.return_log_probs else None,
+            response_lengths=torch.zeros(B, dtype=torch.long, device=dev),
+            finished=plan.budgets == 0,
+            reason_eos=torch.zeros(B, dtype=torch.bool, device=dev),
+            reason_stop=torch.zeros(B, dtype=torch.bool, device=dev),
+            budgets=plan.budgets,
+            eos_ids=torch.tensor(sampling.eos_ids, dtype=torch.long, device=dev),
+            stop_ids=torch.tensor(sampling.stop_ids, dtype=torch.long, device=dev),
+        )
+
+    def all_finished(self) -> bool:
+        """Whether every row has stopped (a host sync)."""
+        return bool(self.finished.all())
+
+    def record(self, pos: int, generating: torch.Tensor, new_tokens: torch.Tensor,
+               new_log_probs: Optional[torch.Tensor]) -> None:
+        """Writes slot `pos`'s tokens (and log-probs) of the `generating` rows and finishes the rows that stop."""
+        self.tokens[:, pos] = torch.where(generating, new_tokens, self.tokens[:, pos])
+        if self.log_probs is not None:
+            self.log_probs[:, pos] = torch.where(generating, new_log_probs, self.log_probs[:, pos])
+        self.response_lengths += generating.long()
+        hit_eos = generating & torch.isin(new_tokens, self.eos_ids)
+        hit_stop = generating & torch.isin(new_tokens, self.stop_ids) & ~hit_eos
+        self.reason_eos |= hit_eos
+        self.reason_stop |= hit_stop
+        self.finished |= hit_eos | hit_stop | (generating & (self.response_lengths >= self.budgets))
+
+
+# ---------------------------------------------------------------------------------------------- token choice
+@dataclass
+class _TokenPicker:
+    """Chooses a slot's tokens (and log-probs) on the last stage and broadcasts them from the source rank, so
+    that every rank of the model-parallel group feeds and records the same tokens."""
+
+    sampling: SamplingConfig
+    uniforms: Optional[torch.Tensor]  # [B, R_max]: row b's j-th response token is drawn with uniforms[b, j]
+    starts: torch.Tensor  # [B] slot of each row's first response token
+    vocab_size: Optional[int]  # ids >= vocab_size are never chosen
+    last_stage: bool
+    source: Optional[int]  # global rank that chooses for the group; None: no model parallelism
+    group: object  # the model-parallel group
+    rows: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        self.rows = torch.arange(self.starts.numel(), device=self.starts.device)
+
+    def pick(self, logits: Optional[torch.Tensor], pos: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Tokens [B] (+ log-probs [B]) for slot `pos`; `logits` are the last stage's (None elsewhere)."""
+        new_tokens = new_log_probs = None
+        if self.last_stage:
+            u = None
+            if self.uniforms is not None:
+                u = self.uniforms[self.rows, (pos - self.starts).clamp(0, self.uniforms.size(1) - 1)]
+            new_tokens, new_log_probs = choose_tokens(logits, self.sampling, u, sample_below=self.vocab_size,
+                                                      with_log_probs=self.sampling.return_log_probs)
+        if self.source is None:
+            return new_tokens, new_log_probs
+        return self._broadcast(new_tokens, new_log_probs)
+
+    def _broadcast(self, new_tokens: Optional[torch.Tensor], new_log_probs: Optional[torch.Tensor]):
+        """The source rank's tokens (+ log-probs), packed into one float64 tensor for a single broadcast."""
+        with_log_probs = self.sampling.return_log_probs
+        packed = torch.empty((2 if with_log_probs else 1, self.starts.numel()), dtype=torch.float64,
+                             device=self.starts.device)
+        if dist.get_rank() == self.source:
+            packed[0] = new_tokens.to(torch.float64)
+            if with_log_probs:
+                packed[1] = new_log_probs.to(torch.float64)
+        dist.broadcast(packed, src=self.source, group=self.group)
+        return packed[0].long(), (packed[1].float() if with_log_probs else None)
+
+
+# ---------------------------------------------------------------------------------------------- forward passes
+class _KVCacheModel:
+    """`model` behind Megatron's `GPTInferenceWrapper`, with a static KV cache sized for the plan's batch."""
+
+    def __init__(self, model, plan: _Plan):
+        config = get_model_config(model)
+        wrapper_config = InferenceWrapperConfig(
+            hidden_size=config.hidden_size,
+            params_dtype=config.params_dtype,
+            inference_batch_times_seqlen_threshold=-1,  # whole batch per pipeline step, no micro-batching
+            padded_vocab_size=int(getattr(unwrap_model(model), "vocab_size", 0) or 0),
+            inference_max_requests=len(plan.offsets),
+            inference_max_seq_length=plan.slots,
+            fp32_residual_connection=config.fp32_residual_connection,
+        )
+        self.model, self.plan = model, plan
+        self.context = StaticInferenceContext(max_batch_size=len(plan.offsets), max_sequence_length=plan.slots)
+        self.wrapper = GPTInferenceWrapper(model, wrapper_config, self.context)
+        self.last_stage = is_pipeline_last_stage(self.wrapper.pp_group)
+        self.was_training = model.training
+        self.stepwise_mask = None  # [1, 1, T, T] megatron's causal mask, for the stepwise prefill
+
+    def prepare(self, tokens: torch.Tensor) -> None:
+        """eval(), an empty context, pipeline detection; the causal mask of the stepwise prefill."""
+        self.wrapper.prep_model_for_inference()
+        if not self.plan.batched:
+            self.stepwise_mask = self.wrapper.prep_inference_input(tokens)["attention_mask"]
+
+    def release(self) -> None:
+        """Frees the KV cache, resets the context and the pipeline input, restores the model's train/eval mode."""
+        self.context.key_value_memory_dict.clear()
+        self.context.reset()
+        get_attr_wrapped_model(self.model, "set_input_tensor")(None)
+        self.model.train(self.was_training)
+
+    def forward(self, tokens: torch.Tensor, start: int, end: int,
+                rows: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Runs slots [start, end) (KV cache offset = start) for every row, or only for `rows` (which then fill
+        cache rows 0 .. len(rows)-1); logits [B or len(rows), V] of slot end-1 on the last stage, else None."""
+        window_tokens, window_positions = tokens[:, start:end], self.plan.position_ids[:, start:end]
         if rows is not None:
             window_tokens, window_positions = window_tokens[rows], window_positions[rows]
-        if batched:
-            mask = (key_is_pad if rows is None else key_is_pad[rows])[..., :end]
-            if end - start > 1:  # prefill: causal within the window as well
-                causal = torch.ones((end - start, end), dtype=torch.bool, device=dev).triu(1 + start)
-                mask = mask | causal.view(1, 1, end - start, end)
+        window = {"tokens": window_tokens, "position_ids": window_positions,
+                  "attention_mask": self._mask(start, end, rows)}
+        if self.wrapper.model_is_pipeline_parallel:
+            out = self.wrapper.forward_pass_with_pipeline_parallel_small_input_batch(window)
         else:
-            mask = stepwise_mask[..., start:end, :end]  # [1, 1, ., .]: the same for every row
-        window = {"tokens": window_tokens, "position_ids": window_positions, "attention_mask": mask}
-        if wrapper.model_is_pipeline_parallel:
-            out = wrapper.forward_pass_with_pipeline_parallel_small_input_batch(window)
-        else:
-            out = wrapper.forward_pass_without_pipeline_parallel(window)
+            out = self.wrapper.forward_pass_without_pipeline_parallel(window)
         return out[:, -1, :] if out is not None else None
 
-    def prefill_forward() -> Optional[torch.Tensor]:
+    def _mask(self, start: int, end: int, rows: Optional[torch.Tensor]) -> torch.Tensor:
+        """Megatron's attention mask (True = masked) of queries [start, end) over keys [0, end)."""
+        if not self.plan.batched:
+            return self.stepwise_mask[..., start:end, :end]  # [1, 1, ., .]: the same for every row
+        mask = (self.plan.key_is_pad if rows is None else self.plan.key_is_pad[rows])[..., :end]
+        if end - start > 1:  # prefill: causal within the window as well
+            causal = torch.ones((end - start, end), dtype=torch.bool, device=mask.device).triu(1 + start)
+            mask = mask | causal.view(1, 1, end - start, end)
+        return mask
+
+    def prefill(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
         """Slots [0, first_step) of every row; with repeated prompts, one forward over the unique ones, whose
         KV-cache rows and logits are then copied to the rows that repeat them (a copy of what their own
         forward would compute: the rows of a batch never mix)."""
-        if share_index is None:
-            return forward(0, first_step)
-        logits = forward(0, first_step, unique_rows)
-        for buffers in context.key_value_memory_dict.values():  # this stage's layers: [T, B, groups, dim]
+        plan = self.plan
+        if plan.share_index is None:
+            return self.forward(tokens, 0, plan.first_step)
+        logits = self.forward(tokens, 0, plan.first_step, plan.unique_rows)
+        batch = plan.share_index.numel()
+        for buffers in self.context.key_value_memory_dict.values():  # this stage's layers: [T, B, groups, dim]
             for buf in buffers:
                 if buf is not None:
-                    buf[:first_step, :B] = buf[:first_step, share_index]
-        return logits[share_index] if logits is not None else None
+                    buf[:plan.first_step, :batch] = buf[:plan.first_step, plan.share_index]
+        return logits[plan.share_index] if logits is not None else None
 
-    rows = torch.arange(B, device=dev)
+    def decode_step(self, tokens: torch.Tensor, pos: int) -> Optional[torch.Tensor]:
+        """Runs slot `pos` of every row; logits of that slot on the last stage."""
+        if pos >= self.plan.max_prompt:
+            self.context.enable_decode_mode()  # the token fed is a generated one in every row
+        return self.forward(tokens, pos, pos + 1)
 
-    def pick(logits: Optional[torch.Tensor], pos: int):
-        """Tokens (+ log-probs) for slot `pos`, chosen on the source rank and broadcast to the model-parallel
-        group."""
-        new_tokens = new_lp = None
-        if last_stage:
-            u = None if uniforms is None else uniforms[rows, (pos - starts).clamp(0, uniforms.size(1) - 1)]
-            new_tokens, new_lp = choose_tokens(logits, sampling, u, with_log_probs=want_log_probs,
-                                               sample_below=vocab_size)
-        if source is None:
-            return new_tokens, new_lp
-        packed = torch.empty((2 if want_log_probs else 1, B), dtype=torch.float64, device=dev)
-        if dist.get_rank() == source:
-            packed[0] = new_tokens.to(torch.float64)
-            if want_log_probs:
-                packed[1] = new_lp.to(torch.float64)
-        dist.broadcast(packed, src=source, group=mp_group)
-        return packed[0].long(), (packed[1].float() if want_log_probs else None)
 
-    try:
-        with torch.no_grad():
-            wrapper.prep_model_for_inference()  # eval(), context.reset(), PP detection
-            if not batched:
-                stepwise_mask = wrapper.prep_inference_input(tokens)["attention_mask"]
-            pos = first_step
-            if not bool(finished.all()):  # else every budget is 0: nothing to run
-                logits = prefill_forward()
-            while pos < T and not bool(finished.all()):
-                generating = (starts <= pos) & ~finished
-                if bool(generating.any()):
-                    new_tokens, new_lp = pick(logits, pos)
-                    tokens[:, pos] = torch.where(generating, new_tokens, tokens[:, pos])
-                    if want_log_probs:
-                        log_probs[:, pos] = torch.where(generating, new_lp, log_probs[:, pos])
-                    response_lengths += generating.long()
-                    hit_eos = generating & torch.isin(new_tokens, eos_t)
-                    hit_stop = generating & torch.isin(new_tokens, stop_t) & ~hit_eos
-                    reason_eos |= hit_eos
-                    reason_stop |= hit_stop
-                    finished |= hit_eos | hit_stop | (generating & (response_lengths >= budget_t))
-                if bool(finished.all()):
-                    break
-                if pos >= L_max:
-                    context.enable_decode_mode()  # the token fed next is a generated one in every row
-                logits = forward(pos, pos + 1)
-                pos += 1
-    finally:
-        context.key_value_memory_dict.clear()
-        context.reset()
-        set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
-        set_input_tensor(None)
-        model.train(was_training)
-        del wrapper, context  # the KV cache's memory returns to the allocator, for the training passes
+# ---------------------------------------------------------------------------------------------- loop and result
+def _decode(engine: _KVCacheModel, plan: _Plan, state: _DecodeState, picker: _TokenPicker) -> None:
+    """Prefills, then picks one slot's tokens per step and runs that slot, until every row has stopped."""
+    if state.all_finished():  # every budget is 0: nothing to run
+        return
+    logits = engine.prefill(state.tokens)
+    for pos in range(plan.first_step, plan.slots):
+        generating = (plan.starts <= pos) & ~state.finished
+        if bool(generating.any()):  # stepwise prefill: the unfinished rows may all be inside their prompts
+            new_tokens, new_log_probs = picker.pick(logits, pos)
+            state.record(pos, generating, new_tokens, new_log_probs)
+        if state.all_finished():
+            break
+        logits = engine.decode_step(state.tokens, pos)
 
-    # ---------------------------------------------------------------- response layout
-    j = torch.arange(R_max, device=dev).unsqueeze(0)
-    idx = (starts.unsqueeze(1) + j).clamp(max=T - 1)
-    response_mask = (j < response_lengths.unsqueeze(1)).long()
-    responses = torch.where(response_mask.bool(), tokens.gather(1, idx), torch.full_like(idx, pad))
-    resp_log_probs = log_probs.gather(1, idx) * response_mask if want_log_probs else None
-    reasons = ["eos" if e else "stop" if s else "length" for e, s in zip(reason_eos.tolist(), reason_stop.tolist())]
+
+def _finish(prompts: List[List[int]], plan: _Plan, state: _DecodeState, sampling: SamplingConfig) -> Rollout:
+    """Gathers each row's response slots into the `Rollout` layout (pad and mask 0 after its last token)."""
+    dev = plan.starts.device
+    pad = sampling.pad_id
+    j = torch.arange(plan.max_response, device=dev).unsqueeze(0)
+    idx = (plan.starts.unsqueeze(1) + j).clamp(max=plan.slots - 1)
+    response_mask = (j < state.response_lengths.unsqueeze(1)).long()
+    responses = torch.where(response_mask.bool(), state.tokens.gather(1, idx), torch.full_like(idx, pad))
+    log_probs = state.log_probs.gather(1, idx) * response_mask if state.log_probs is not None else None
+    reasons = ["eos" if e else "stop" if s else "length"
+               for e, s in zip(state.reason_eos.tolist(), state.reason_stop.tolist())]
     return Rollout(
-        prompts=prompt_tensor,
-        prompt_lengths=prompt_lengths,
+        prompts=_place_prompts(prompts, [0] * len(prompts), plan.max_prompt, pad, dev),
+        prompt_lengths=plan.prompt_lengths,
         responses=responses,
         response_mask=response_mask,
-        response_lengths=response_lengths,
-        ended_with_eos=reason_eos.clone(),
+        response_lengths=state.response_lengths,
+        ended_with_eos=state.reason_eos.clone(),
         finish_reasons=reasons,
-        log_probs=resp_log_probs,
+        log_probs=log_probs,
         pad_token_id=pad,
         seed=sampling.seed if sampling.do_sample else None,
     )
