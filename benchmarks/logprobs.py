@@ -21,6 +21,9 @@ Usage::
 
     python benchmarks/logprobs.py                       # 4096 tokens x 152064 vocab, CPU (+ CUDA if present)
     python benchmarks/logprobs.py --tokens 1024 --json runs/logprobs.json
+    python3 benchmarks/logprobs.py --device cuda --tokens 8192   # GPU only (one line and exit 1 without a GPU)
+
+Exit status 1 when a measurement failed (its row says why) or a requested device is not there.
 """
 
 from __future__ import annotations
@@ -193,6 +196,15 @@ def main(argv=None):
         devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     else:
         devices = opts.device.split(",")
+        unknown = [d for d in devices if d not in ("cpu", "cuda")]
+        if unknown:
+            raise SystemExit(f"logprobs.py: --device {opts.device}: unknown device {unknown[0]!r} (cpu, cuda or auto)")
+        if "cuda" in devices:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise SystemExit(f"logprobs.py: --device cuda, but torch {torch.__version__} sees no CUDA device "
+                                 "(run it on a GPU machine, or use --device cpu)")
     results = []
     for device in devices:
         for dtype in opts.dtypes.split(","):
@@ -231,7 +243,7 @@ def main(argv=None):
             json.dump({"config": {k: v for k, v in vars(opts).items() if not k.startswith("_")},
                        "results": results, "summary": summary}, fh, indent=2)
         print(f"wrote {opts.json}")
-    return 0
+    return 1 if any("error" in r for r in results) else 0
 
 
 if __name__ == "__main__":

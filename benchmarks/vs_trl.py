@@ -1,9 +1,21 @@
 """This project's `--stage grpo` / `--stage trl_ppo` against Hugging Face TRL 1.12 (`GRPOTrainer`,
 `trl.experimental.ppo.PPOTrainer`): the same model, prompts, batch, samples per prompt, response length and
-sampling settings, fp32, on the same machine, one after the other in one run.
+sampling settings and precision, on the same device, one after the other in one run.
 
     .venv/bin/python benchmarks/vs_trl.py                       # tiny random Llama and SmolLM2-135M, both stages
     .venv/bin/python benchmarks/vs_trl.py --model tiny --only grpo --iterations 2 --json out.json
+    python3 benchmarks/vs_trl.py --device cuda --dtype bf16 ... # both sides on the GPU, both in bf16
+
+Device and precision (`--device`, `--dtype`) are set for both sides together:
+
+* `--device cpu` (default): TRL `use_cpu=True`; ours `MINDSPEED_DEVICE=cpu` (gloo), even where a GPU is present.
+  `--device cuda`: TRL `use_cpu=False`; ours `MINDSPEED_DEVICE=cuda` (nccl, `mindspeed_llm.device` puts everything
+  on the GPU); refused with one line when torch sees no CUDA device.
+* `--dtype fp32` (default): fp32 everywhere (TRL `bf16=False`). `--dtype bf16`: ours `posttrain_gpt.py --bf16`
+  (Megatron: bf16 weights and compute, fp32 main weights in the optimizer); TRL `bf16=True` on fp32-loaded weights
+  (accelerate's bf16 autocast: bf16 compute, fp32 weights in the optimizer), the closest Trainer setting.
+* On CUDA each run's peak GPU memory (nvidia-smi's used memory of the device, above what was used before the run)
+  is recorded beside its peak RSS.
 
 Each measured run is a fresh process, polled with psutil for its peak RSS:
 
@@ -42,6 +54,8 @@ sys.path.insert(0, str(ROOT))
 
 STAGES = ("grpo", "trl_ppo")
 MODELS = ("tiny", "smollm2")
+DEVICES = ("cpu", "cuda")
+DTYPES = ("fp32", "bf16")
 VERIFIER = "first_line_answer"
 TASK_VARIANT = "add20"
 # Our timers, in iteration order; `update_critic` only for trl_ppo.
@@ -68,11 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system-prompt", default=None,
                    help="a system turn before every prompt (e.g. SmolLM2's default one: longer, shared prompts)")
     p.add_argument("--threads", type=int, default=2, help="OMP / torch threads of every measured process")
+    p.add_argument("--device", choices=DEVICES, default="cpu", help="where both sides run (default: cpu)")
+    p.add_argument("--dtype", choices=DTYPES, default="fp32",
+                   help="both sides' precision: fp32, or bf16 (ours --bf16, TRL bf16=True)")
     p.add_argument("--tiny-layers", type=int, default=4)
     p.add_argument("--tiny-hidden", type=int, default=256)
     p.add_argument("--workdir", default=str(ROOT / "runs" / "bench_vs_trl"),
                    help="models, data, logs (reused between runs)")
     p.add_argument("--json", default=None, help="write the results here (default: WORKDIR/results.json)")
+    p.add_argument("--prepare-only", action="store_true",
+                   help="only build the models, conversions and data in WORKDIR (reused by later runs), then exit")
     p.add_argument("--wait-load", type=float, default=None, metavar="L",
                    help="before starting, wait (up to 30 min) until the 1-minute load average is below L")
     p.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
@@ -93,10 +112,59 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env(threads: int) -> dict:
+def _env(threads: int, device: str = "cpu") -> dict:
+    # MINDSPEED_DEVICE: our side's device choice (mindspeed_llm.device), so that --device cpu stays on the CPU
+    # where a GPU is present too; the TRL worker reads its device from the spec (use_cpu).
     return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                 TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
-                PYTHONWARNINGS="ignore", DISABLE_TQDM="1")
+                PYTHONWARNINGS="ignore", DISABLE_TQDM="1", MINDSPEED_DEVICE=device)
+
+
+def check_device(device: str) -> None:
+    """Refuse --device cuda, in one line, where torch sees no CUDA device."""
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit(f"vs_trl.py: --device cuda, but torch {torch.__version__} sees no CUDA device "
+                             "(run it on a GPU machine, or use --device cpu)")
+
+
+def _gpu_memory_used_mb() -> Optional[float]:
+    """Memory in use on GPU 0, from nvidia-smi (None without one)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=10)
+        return float(out.stdout.strip().splitlines()[0]) if out.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+class GPUPoller:
+    """Peak memory in use on the GPU while a run lasts (nvidia-smi every `interval` seconds), above the memory in
+    use before it started: the run's CUDA contexts, weights, activations and caching allocators."""
+
+    def __init__(self, interval: float = 0.5):
+        self.baseline = _gpu_memory_used_mb()
+        self.peak = self.baseline
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        if self.baseline is not None:
+            self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            used = _gpu_memory_used_mb()
+            if used is not None:
+                self.peak = max(self.peak, used)
+            self._stop.wait(self._interval)
+
+    def stop(self) -> Optional[float]:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        return None if self.baseline is None else self.peak - self.baseline
 
 
 def _busy_cpu_seconds(psutil) -> float:
@@ -155,26 +223,33 @@ class RSSPoller:
                 "other_cpu_share": max(0.0, busy - ours) / (wall * cpus) if wall > 0 else None}
 
 
-def _run_measured(argv, log_path: Path, threads: int, title: str) -> dict:
-    """Run `argv` (from the repository root), polling its process tree's RSS; raise with the log's tail on failure."""
+def _run_measured(argv, log_path: Path, threads: int, title: str, device: str = "cpu") -> dict:
+    """Run `argv` (from the repository root), polling its process tree's RSS (and on CUDA the GPU's memory); raise
+    with the log's tail on failure."""
     print(f"\n--> {title}\n    $ {' '.join(str(a) for a in argv)}", flush=True)
     load_before = _loadavg()
     started = time.perf_counter()
+    gpu = GPUPoller() if device == "cuda" else None
     with open(log_path, "w") as log:
         proc = subprocess.Popen([str(a) for a in argv], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env=_env(threads))
+                                env=_env(threads, device))
         poller = RSSPoller(proc.pid)
         code = proc.wait()
         cpu = poller.stop()
+    peak_gpu = gpu.stop() if gpu is not None else None
     wall = time.perf_counter() - started
     if code:
         tail = "".join(log_path.read_text(errors="replace").splitlines(True)[-40:])
         raise SystemExit(f"{title} failed (exit {code}); the end of {log_path}:\n{tail}")
     print(f"    done in {wall:.0f} s, peak RSS {poller.peak_process / 2**20:.0f} MB "
           f"(process tree {poller.peak_tree / 2**20:.0f} MB), load {load_before} -> {_loadavg()}, "
-          f"other processes used {cpu['other_cpu_share']:.0%} of the CPUs meanwhile", flush=True)
-    return {"process_wall_s": wall, "peak_rss_mb": poller.peak_process / 2**20,
-            "peak_rss_tree_mb": poller.peak_tree / 2**20, "load_before": load_before, "load_after": _loadavg(), **cpu}
+          f"other processes used {cpu['other_cpu_share']:.0%} of the CPUs meanwhile"
+          + (f", peak GPU memory {peak_gpu:,.0f} MB" if peak_gpu is not None else ""), flush=True)
+    out = {"process_wall_s": wall, "peak_rss_mb": poller.peak_process / 2**20,
+           "peak_rss_tree_mb": poller.peak_tree / 2**20, "load_before": load_before, "load_after": _loadavg(), **cpu}
+    if device == "cuda":
+        out["peak_gpu_mb"] = peak_gpu
+    return out
 
 
 # ================================================================================================ assets
@@ -284,6 +359,8 @@ def our_argv(stage: str, model: dict, data: Path, metrics: Path, args) -> list:
         "--ppo-epochs", "1", "--ppo-mini-batch-size", args.prompts * n,
         "--log-interval", "1", "--metrics-jsonl", metrics,
     ]
+    if args.dtype == "bf16":
+        argv.append("--bf16")
     if stage == "grpo":
         argv += ["--n-samples-per-prompt", n, "--verifier-function", VERIFIER, "--kl-coef", args.grpo_kl_coef,
                  "--kl-penalty", "low_var_kl", "--loss-agg-mode", "token-mean", "--clip-grad", "1.0"]
@@ -358,8 +435,18 @@ def _trl_tokenizer(hf_dir, pad_token):
     return tok
 
 
+def trl_precision_kwargs(device: str, dtype: str) -> dict:
+    """TRL's (transformers' TrainingArguments') device and precision settings for --device / --dtype. bf16 is
+    accelerate's bf16 autocast over the fp32-loaded weights (the optimizer keeps fp32 weights, as Megatron's
+    --bf16 keeps fp32 main weights)."""
+    if device not in DEVICES or dtype not in DTYPES:
+        raise ValueError(f"device {device!r} / dtype {dtype!r}: expected one of {DEVICES} / {DTYPES}")
+    return dict(use_cpu=device == "cpu", bf16=dtype == "bf16", fp16=False)
+
+
 def _trl_common_config(spec):
-    return dict(output_dir=spec["out_dir"], report_to="none", use_cpu=True, bf16=False, fp16=False,
+    return dict(output_dir=spec["out_dir"], report_to="none",
+                **trl_precision_kwargs(spec.get("device", "cpu"), spec.get("dtype", "fp32")),
                 seed=spec["seed"], gradient_checkpointing=False, save_strategy="no", logging_steps=1,
                 disable_tqdm=True, learning_rate=spec["lr"], lr_scheduler_type="constant", weight_decay=0.0,
                 adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, dataloader_num_workers=0)
@@ -371,7 +458,10 @@ def _trl_grpo(spec, rec):
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from mindspeed_llm.rl.rewards import get_verifier
+    try:
+        from mindspeed_llm.rl.verifiers import get_verifier
+    except ImportError:  # the tree before rl/verifiers/
+        from mindspeed_llm.rl.rewards import get_verifier
 
     tok = _trl_tokenizer(spec["hf"], spec["pad_token"])
     rows = []
@@ -502,7 +592,7 @@ def _trl_ppo(spec, rec):
         rec.add("rollout", time.perf_counter() - t0)
         responses = query_responses[:, queries.shape[1]:]
         is_eos = responses == eos
-        full = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long)
+        full = torch.full((responses.shape[0],), responses.shape[1], dtype=torch.long, device=responses.device)
         lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, full)  # up to and including EOS
         rec.add("prompt_tokens", int((queries != pad).sum()))
         rec.add("response_tokens", int(lengths.sum()))
@@ -572,6 +662,7 @@ def trl_spec(stage: str, model: dict, schedule: list, out_dir: Path, args) -> di
         "micro_batch": args.micro_batch, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         "kl_coef": args.grpo_kl_coef if stage == "grpo" else args.ppo_kl_coef, "lr": args.lr, "seed": args.seed,
         "iterations": args.warmup + args.iterations, "threads": args.threads, "verifier": VERIFIER,
+        "device": args.device, "dtype": args.dtype,
         "pad_token": "<|endoftext|>", "out_dir": str(out_dir / "trl_out"), "result": str(out_dir / "trl_result.json"),
     }
 
@@ -616,19 +707,23 @@ def _ratio(a, b):
 
 
 def print_table(results: list) -> str:
+    gpu = any("peak_gpu_mb" in r["ours"] for r in results)  # CUDA runs: one more column
     head = (f"{'model':<10} {'stage':<8} {'framework':<10} {'e2e tok/s':>10} {'rollout tok/s':>14} "
-            f"{'update tok/s':>13} {'s/iter':>7} {'peak RSS MB':>12} {'others CPU':>10}")
+            f"{'update tok/s':>13} {'s/iter':>7} {'peak RSS MB':>12} {'others CPU':>10}"
+            + (f" {'peak GPU MB':>12}" if gpu else ""))
     lines = [head, "-" * len(head)]
     for r in results:
         for fw in ("ours", "trl"):
             s = r[fw]
             lines.append(f"{r['model']:<10} {r['stage']:<8} {fw:<10} {_fmt(s['e2e_tps']):>10} "
                          f"{_fmt(s['rollout_tps']):>14} {_fmt(s['update_tps']):>13} {s['s_per_iteration']:>7.2f} "
-                         f"{s['peak_rss_mb']:>12,.0f} {s.get('other_cpu_share', 0):>10.0%}")
+                         f"{s['peak_rss_mb']:>12,.0f} {s.get('other_cpu_share', 0):>10.0%}"
+                         + (f" {_fmt(s.get('peak_gpu_mb')):>12}" if gpu else ""))
         q = r["ratio"]
         lines.append(f"{r['model']:<10} {r['stage']:<8} {'ours/TRL':<10} {_fmt(q['e2e_tps'], 2) + 'x':>10} "
                      f"{_fmt(q['rollout_tps'], 2) + 'x':>14} {_fmt(q['update_tps'], 2) + 'x':>13} "
-                     f"{_fmt(q['s_per_iteration'], 2) + 'x':>7} {_fmt(q['peak_rss_mb'], 2) + 'x':>12}")
+                     f"{_fmt(q['s_per_iteration'], 2) + 'x':>7} {_fmt(q['peak_rss_mb'], 2) + 'x':>12}"
+                     + (f" {'':>10} {_fmt(q.get('peak_gpu_mb'), 2) + 'x':>12}" if gpu else ""))
         lines.append("")
     return "\n".join(lines)
 
@@ -669,6 +764,7 @@ def main(argv=None) -> int:
         return trl_worker(args.trl_worker)
     if args.iterations < 1 or args.warmup < 0:
         raise SystemExit("--iterations must be >= 1 and --warmup >= 0")
+    check_device(args.device)
     for stage in (args.only,) if args.only else STAGES:
         seqs = args.prompts * (args.samples if stage == "grpo" else 1)
         if seqs % args.micro_batch:
@@ -685,7 +781,7 @@ def main(argv=None) -> int:
     started = _dt.datetime.now().astimezone()
     load_start = _loadavg()
     print(f"vs_trl: {started:%Y-%m-%d %H:%M %Z}, load average {load_start}, {os.cpu_count()} CPUs, "
-          f"{args.threads} threads per run", flush=True)
+          f"{args.threads} threads per run, device {args.device}, {args.dtype}", flush=True)
     models = MODELS if args.model == "both" else (args.model,)
     stages = (args.only,) if args.only else STAGES
 
@@ -694,21 +790,26 @@ def main(argv=None) -> int:
         model = prepare_model(name, work, args)
         data = prepare_data(work, Path(model["tokenizer"]), args.seed, args.system_prompt)
         schedule = prompt_schedule(data, args.prompts, args.warmup + args.iterations, args.seed)
+        if args.prepare_only:
+            print(f"prepared {model['label']}: {model['mg']}, {model['mg_value']}, {data}", flush=True)
+            continue
         for stage in stages:
-            run_dir = work / "runs" / f"{name}_{stage}"
+            suffix = "" if (args.device, args.dtype) == ("cpu", "fp32") else f"_{args.device}_{args.dtype}"
+            run_dir = work / "runs" / f"{name}_{stage}{suffix}"
             run_dir.mkdir(parents=True, exist_ok=True)
             metrics = run_dir / "metrics.jsonl"
             if metrics.exists():
                 metrics.unlink()
             ours_proc = _run_measured(our_argv(stage, model, data, metrics, args), run_dir / "ours.log", args.threads,
-                                      f"ours: {model['label']} {stage}")
+                                      f"ours: {model['label']} {stage}", args.device)
             ours_iters = read_ours(metrics, stage, args)
 
             spec = trl_spec(stage, model, schedule, run_dir, args)
             spec_path = run_dir / "trl_spec.json"
             spec_path.write_text(json.dumps(spec))
             trl_proc = _run_measured([sys.executable, Path(__file__).resolve(), "--trl-worker", spec_path],
-                                     run_dir / "trl.log", args.threads, f"TRL: {model['label']} {stage}")
+                                     run_dir / "trl.log", args.threads, f"TRL: {model['label']} {stage}",
+                                     args.device)
             trl_out = json.loads(Path(spec["result"]).read_text())
 
             ours = {**summarize(ours_iters, args.warmup, stage, "ours"), **ours_proc, "per_iteration": ours_iters}
@@ -719,11 +820,15 @@ def main(argv=None) -> int:
             ratio = {k: _ratio(ours[k], trl[k]) for k in ("e2e_tps", "rollout_tps", "update_tps")}
             ratio["s_per_iteration"] = _ratio(trl["s_per_iteration"], ours["s_per_iteration"])  # speed-up
             ratio["peak_rss_mb"] = _ratio(ours["peak_rss_mb"], trl["peak_rss_mb"])
+            if args.device == "cuda":
+                ratio["peak_gpu_mb"] = _ratio(ours.get("peak_gpu_mb"), trl.get("peak_gpu_mb"))
             results.append({"model": name, "model_label": model["label"], "stage": stage, "ours": ours, "trl": trl,
                             "ratio": ratio})
             print(f"    {name} {stage}: e2e {_fmt(ours['e2e_tps'])} vs {_fmt(trl['e2e_tps'])} tok/s "
                   f"= {_fmt(ratio['e2e_tps'], 2)}x", flush=True)
 
+    if args.prepare_only:
+        return 0
     table, profile = print_table(results), print_profile(results)
     print("\n" + table + "\n" + profile)
     print("ratios: ours/TRL for tokens/s, TRL/ours for s/iter (both > 1 = we are faster), ours/TRL for RSS; "
