@@ -461,7 +461,7 @@ def _trl_grpo(spec, rec):
     try:
         from mindspeed_llm.rl.verifiers import get_verifier
     except ImportError:  # the tree before rl/verifiers/
-        from mindspeed_llm.rl.rewards import get_verifier
+        from mindspeed_llm.rl.verifiers import get_verifier
 
     tok = _trl_tokenizer(spec["hf"], spec["pad_token"])
     rows = []

@@ -148,7 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vf-coef", type=float, default=0.1)
     g.add_argument("--entropy-coeff", type=float, default=0.0)
     g.add_argument("--loss-agg-mode", choices=LOSS_AGG_MODES, default="token-mean")
-    g.add_argument("--adv-scale", choices=ADV_SCALES, default="group")
+    g.add_argument("--adv-estimator", default="grpo",
+                   help="grpo: outcome advantage estimator by name (grpo, rloo; rl/core_algos.py registry)")
+    g.add_argument("--adv-scale", choices=ADV_SCALES,
+                   help="grpo: std scaling of the advantages (default: the estimator's: group for grpo, none for rloo)")
     g.add_argument("--whiten-rewards", action="store_true")
     g.add_argument("--ppo-epochs", type=int, default=1)
     g.add_argument("--ppo-mini-batch-size", type=int,

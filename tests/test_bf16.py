@@ -50,9 +50,9 @@ def _runs(rank, world_size, runs):
 
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.rl import core_algos, trainer
-    from mindspeed_llm.rl.stages import common
+    from mindspeed_llm.rl import rollout
 
-    generate = common.generate
+    generate = rollout.generate
     recorded = {}
     dtypes = set()  # of every tensor the losses take and give, in the bf16 runs
     losses = {name: getattr(core_algos, name) for name in ("policy_loss", "value_loss")}
@@ -67,9 +67,9 @@ def _runs(rank, world_size, runs):
         return loss
 
     def recording(model, prompts, sampling, *, iteration=0, **kwargs):
-        rollout = generate(model, prompts, sampling, iteration=iteration, **kwargs)
-        recorded[iteration] = replace(rollout, log_probs=None)
-        return rollout
+        result = generate(model, prompts, sampling, iteration=iteration, **kwargs)
+        recorded[iteration] = replace(result, log_probs=None)
+        return result
 
     def replaying(model, prompts, sampling, *, iteration=0, **kwargs):
         return recorded[iteration]
@@ -80,11 +80,11 @@ def _runs(rank, world_size, runs):
         for bf16_run, (argv, fake) in enumerate(((fp32_argv, recording), (bf16_argv, replaying))):
             if parallel_state.model_parallel_is_initialized():
                 parallel_state.destroy_model_parallel()
-            common.generate = fake
+            rollout.generate = fake
             try:
                 trainer.run(parse_args(argv, world_size))
             finally:
-                common.generate = generate
+                rollout.generate = generate
     return sorted(str(d) for d in dtypes)
 
 

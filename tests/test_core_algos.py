@@ -362,3 +362,17 @@ def test_sum_across_shards_gives_the_whole_batch_statistics():
     close(torch.cat(adv), ca.group_advantages(scores, 2, scale="batch"))
     # the local statistics of one shard are not the batch's: the reduction matters here
     assert not torch.allclose(ca.masked_whiten(x[:2], mask[:2]), ca.masked_whiten(x, mask)[:2])
+
+
+def test_rloo_advantages_hand_computed():
+    # group 0: scores 1, 2, 6 -> baselines (2+6)/2=4, (1+6)/2=3.5, (1+2)/2=1.5 -> -3, -1.5, 4.5
+    # group 1: 0, NaN, 3 -> the NaN sample gets 0; the others' baselines are each other: -3, +3
+    scores = torch.tensor([1.0, 2.0, 6.0, 0.0, float("nan"), 3.0])
+    close(ca.rloo_advantages(scores, 3), [-3.0, -1.5, 4.5, -3.0, 0.0, 3.0])
+    close(ca.rloo_advantages(torch.tensor([5.0, 7.0]), 1), [0.0, 0.0])  # no other sample: no baseline
+    # = n / (n - 1) x the unscaled group advantage (GRPO with --adv-scale none)
+    close(ca.rloo_advantages(scores[:3], 3), 1.5 * ca.group_advantages(scores[:3], 3, scale="none"))
+    with pytest.raises(ValueError, match="not scaled by a std"):
+        ca.rloo_advantages(scores, 3, scale="group")
+    assert ca.OUTCOME_ADVANTAGES["rloo"] is ca.rloo_advantages
+    assert ca.OUTCOME_ADVANTAGES["grpo"](scores[:3], 3).tolist() == ca.group_advantages(scores[:3], 3).tolist()

@@ -185,7 +185,7 @@ def _file_stamps(folder):
 def _check_summary(res, samples):
     """The summary agrees with its samples, and each score is the verifier's verdict on that response."""
     from mindspeed_llm.demo.evaluate import DEFAULT_VERIFIER
-    from mindspeed_llm.rl.rewards import get_verifier
+    from mindspeed_llm.rl.verifiers import get_verifier
 
     verify = get_verifier(DEFAULT_VERIFIER)
     for s in samples:

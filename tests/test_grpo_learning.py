@@ -66,7 +66,7 @@ def _grpo_runs(rank, world_size, argv_a, argv_b, argv_with_pass):
     old log-probs come from a forward pass of their own instead of the update's (what it does off-policy)."""
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.rl import trainer
-    from mindspeed_llm.rl.rewards import register_verifier
+    from mindspeed_llm.rl.verifiers import register_verifier
     from mindspeed_llm.rl.stages import grpo
 
     register_verifier("toy_low_words")(toy_low_words)

@@ -26,12 +26,23 @@ process; TP2, PP2 and DP2 on 2 gloo processes. Against the reference, each layou
 On an AMD EPYC (Zen 3) the largest differences were a third of the metric tolerance, 1/40 of the weight
 tolerance and 1/10 of the change tolerance (each run prints its share of the tolerances).
 
-What makes this hold (and what the test catches when any one is reverted): losses divided by the mini-batch's
-global token / sequence counts (`ppo_loop.loss_totals`, summed over DP), metric shares summed over micro-batches
-and DP ranks (`TrainableModel.train_step`), whitening and the batch std all-reduced over DP (`core_algos`'
-`sum_across`), mini-batches dealt the same way at every DP size (`ppo_loop.mini_batch_units`), the loss mask kept
-apart from the response mask, and each sample's random stream keyed by its place in the global batch
-(`sampling.sample_uniforms`).
+What makes this hold, and the mutation run (2026-11-30) that reverted each one alone and watched this test fail:
+
+| reverted to per-micro-batch / per-rank                              | first failure                            |
+|---------------------------------------------------------------------|------------------------------------------|
+| loss totals per micro-batch (`ppo_loop.loss_totals`)                 | mbs4 trl_ppo actor/abs_pg_loss           |
+| loss totals not summed over DP                                       | dp2 trl_ppo actor/abs_pg_loss            |
+| metric shares not summed over DP (`TrainableModel.train_step`)       | dp2 trl_ppo actor/abs_pg_loss            |
+| GAE whitening per rank (`core_algos` `sum_across`)                   | dp2 trl_ppo actor/abs_pg_loss            |
+| `--whiten-rewards` per rank                                          | dp2 trl_ppo actor/abs_pg_loss            |
+| `--adv-scale batch` std per rank                                     | dp2 grpo_token-mean actor/pg_loss        |
+| sample streams keyed by the local row (`sampling.sample_uniforms`)   | dp2 trl_ppo actor/abs_pg_loss            |
+| mini-batches dealt per rank (`ppo_loop.mini_batch_units`)            | dp2 trl_ppo actor/abs_pg_loss (seed 4;   |
+|                                                                      | seed 11 happened to deal both ranks alike, which `test_cases_are_not_trivial` now rules out) |
+| the loss scale without its DP factor (`engine.schedule_loss_scale`)  | dp2 trl_ppo actor/grad_norm              |
+
+The group filter acting through the response mask instead of a loss mask changes no number here (filtered rows
+leave every loss either way); `test_cases_are_not_trivial` checks that filtered responses keep their lengths.
 """
 
 import json
@@ -46,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from multiproc import run_distributed  # noqa: E402
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+SEED = 4
 RTOL, ATOL = 1e-5, 1e-6  # metrics
 WEIGHT_RTOL, CHANGE_RTOL = 1e-5, 1e-3  # per tensor, relative to its norm / its change's norm
 SKIPPED = ("timing/", "e2e_tps", "update_tps", "rollout_tps", "world_size")
@@ -85,7 +97,7 @@ def _argv(paths, stage, layout, extra, out: Path):
     argv = [
         "--stage", stage, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
         "--micro-batch-size", str(mbs_ppo if stage == "trl_ppo" else mbs_grpo), "--train-iters", "1",
-        "--seed", "11", "--data-path", paths["data"], "--tokenizer-name-or-path", paths["tokenizer"],
+        "--seed", str(SEED), "--data-path", paths["data"], "--tokenizer-name-or-path", paths["tokenizer"],
         "--max-length", "64", "--max-new-tokens", "8", "--do-sample", "--temperature", "1.0",
         "--ref-model", paths[f"mg_actor_{models}"], "--optimizer", "sgd", "--sgd-momentum", "0",
         "--clip-grad", "1.0", "--ppo-epochs", "1", "--log-interval", "1",
@@ -97,18 +109,29 @@ def _argv(paths, stage, layout, extra, out: Path):
 
 
 def _run_cases(rank, world_size, runs):
-    """Every case of one layout in this process: megatron's parallel state is rebuilt for each run."""
+    """Every case of one layout in this process: megatron's parallel state is rebuilt for each run. Returns, per
+    grpo run, (rows the group filter took out of the loss, how many of those still have their response)."""
     from megatron.core import parallel_state
 
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.rl import trainer
-    from mindspeed_llm.rl.rewards import register_verifier
+    from mindspeed_llm.rl.verifiers import register_verifier
+    from mindspeed_llm.rl.stages import grpo
 
     register_verifier("odd_first_word", override=True)(odd_first_word)
+    filtered, update = [], grpo.ppo_update
+
+    def recording_update(model, exp, *args, **kwargs):
+        out = exp.loss_mask.sum(-1) == 0
+        filtered.append((int(out.sum()), int((out & (exp.response_mask.sum(-1) > 0)).sum())))
+        return update(model, exp, *args, **kwargs)
+
+    grpo.ppo_update = recording_update
     for argv in runs:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         trainer.run(parse_args(argv, world_size))
+    return filtered
 
 
 def _full_weights(root: Path, role: str):
@@ -139,9 +162,10 @@ def layout_runs(task, tmp_path_factory):
         by_world.setdefault(world, []).extend(
             _argv(task, stage, layout, extra, dirs[layout][case]) for case, (stage, extra) in cases.items()
         )
+    filtered = {}
     for world, runs in by_world.items():
-        run_distributed(_run_cases, world, runs)
-    return dirs
+        filtered[world] = run_distributed(_run_cases, world, runs)[0]
+    return dirs, filtered
 
 
 def _metrics(path: Path):
@@ -158,7 +182,8 @@ def _relative(a, b):
 @pytest.mark.parametrize("case", list(_cases()))
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "mbs1"])
 def test_one_update_is_layout_invariant(layout_runs, task, layout, case):
-    reference, other = layout_runs["mbs1"][case], layout_runs[layout][case]
+    dirs, _ = layout_runs
+    reference, other = dirs["mbs1"][case], dirs[layout][case]
     ref_metrics, metrics = _metrics(reference), _metrics(other)
     assert sorted(metrics) == sorted(ref_metrics)
     worst = 0.0  # the largest difference as a share of its tolerance
@@ -184,9 +209,17 @@ def test_one_update_is_layout_invariant(layout_runs, task, layout, case):
 
 
 def test_cases_are_not_trivial(layout_runs):
-    """The invariance above is about real updates: every case has a loss, a gradient and a moved model, and the
-    group filter both removes and keeps groups."""
-    for case, directory in layout_runs["mbs1"].items():
+    """The invariance above is about real updates: every case has a loss, a gradient and a moved model, the group
+    filter both removes and keeps groups (through the loss mask: a filtered response keeps its length, read
+    positions and packing), and the DP ranks draw different mini-batch orders."""
+    from mindspeed_llm.rl.ppo_loop import mini_batch_units
+
+    dirs, filtered = layout_runs
+    assert filtered[1] and all(out > 0 and with_response == out for out, with_response in filtered[1]), filtered
+    # DP2's 2 chunks per rank: ranks 0 and 1 must not deal their mini-batches alike by chance (as seed 11 did)
+    rank0, rank1 = (mini_batch_units(4, r, 2, 2, SEED, 1, 0) for r in (0, 1))
+    assert any(not torch.equal(a, b) for a, b in zip(rank0, rank1))
+    for case, directory in dirs["mbs1"].items():
         metrics = _metrics(directory)
         norm = metrics["actor/grad_norm" if case == "trl_ppo" else "grad_norm"]
         assert norm > 1e-3, (case, norm)

@@ -32,7 +32,6 @@ def test_timers_accumulate_and_pop():
             clock.now += 1.5
         with timers("rollout"):  # a second rollout interval adds up
             clock.now += 0.5
-        assert timers.elapsed("all") == pytest.approx(4.0)
     assert len(syncs) == 8  # before every start and every stop
     assert timers.pop() == {"timing/all": 4.0, "timing/rollout": 2.5, "timing/update": 1.5}
     assert timers.pop() == {}  # reset
@@ -77,13 +76,6 @@ def test_throughput_by_hand():
     assert M.throughput_metrics(60, 160, 2, {"all": 10.0, "rollout": 0.0}) == {"e2e_tps": pytest.approx(11.0)}
     with pytest.raises(ValueError):
         M.throughput_metrics(1, 1, 0, {"all": 1.0})
-
-
-def test_metric_aliases():
-    assert M.canonical_metric_name("vllm_tps") == "rollout_tps"
-    assert M.canonical_metric_name("e2e_tps") == "e2e_tps"
-    assert M.canonicalize_metrics({"vllm_tps": 3.0, "e2e_tps": 1.0}) == {"rollout_tps": 3.0, "e2e_tps": 1.0}
-    assert M.canonicalize_metrics({"vllm_tps": 3.0, "rollout_tps": 4.0}) == {"rollout_tps": 4.0}
 
 
 def test_length_stats():

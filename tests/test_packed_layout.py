@@ -1,4 +1,4 @@
-"""Packed prompt groups and the logits window (`rl/experience.py`, `models/forward_layout.py`) compute what the
+"""Packed prompt groups and the logits window (`rl/batch_plan.py`, `models/forward_layout.py`) compute what the
 plain per-sample layout computes.
 
 A grpo-like Experience (4 prompts of different lengths x 4 samples with ragged responses, one of them empty and
@@ -60,15 +60,14 @@ def _experience():
 
 def _worker(rank, world_size, tp, pp, roots):
     os.environ["MINDSPEED_DEVICE"] = "cpu"
-    import dataclasses
-
     from megatron.core import parallel_state as ps
 
     from mindspeed_llm import distributed
     from mindspeed_llm.checkpoint import load_megatron_weights, load_spec
     from mindspeed_llm.models import build_model
     from mindspeed_llm.rl import passes
-    from mindspeed_llm.rl.update import _model_forward
+    from mindspeed_llm.rl.batch_plan import MicroBatchPlan
+    from mindspeed_llm.rl.engine import _model_forward
 
     distributed.initialize(tp, pp, rank=rank, world_size=world_size)
 
@@ -78,23 +77,25 @@ def _worker(rank, world_size, tp, pp, roots):
         return model
 
     policy, value = load(roots["policy"], False), load(roots["value"], True)
-    plain = _experience()
-    packed = dataclasses.replace(plain, group_size=N)
-    assert packed.packs_groups(8) and packed.packs_groups(4) and not packed.packs_groups(6)
-    assert not plain.packs_groups(8)
+    exp = _experience()
+    plans = {"plain": MicroBatchPlan.build(exp, 8), "packed": MicroBatchPlan.build(exp, 8, group_size=N),
+             "packed_mb4": MicroBatchPlan.build(exp, 4, group_size=N)}
+    assert plans["packed"].packed and plans["packed_mb4"].packed and not plans["plain"].packed
+    assert not MicroBatchPlan.build(exp, 2, group_size=N).packed  # a micro-batch of half a group: rows
 
-    def unwindowed(exp, mbs):
-        mbs_list = exp.micro_batches(mbs)
+    def unwindowed(plan):
+        mbs_list = plan.micro_batches(exp)
         for mb in mbs_list:
             mb["logits_from"] = torch.zeros((), dtype=torch.long)
         return mbs_list
 
     out = {}
-    layouts = {"plain": (plain, 8, True), "windowed": (plain, 8, False), "packed": (packed, 8, False),
-               "packed_mb4": (packed, 4, False)}
-    width = plain.responses.shape[1]
-    for name, (exp, mbs, no_window) in layouts.items():
-        batches = unwindowed(exp, mbs) if no_window else exp.micro_batches(mbs)
+    layouts = {"plain": ("plain", True), "windowed": ("plain", False), "packed": ("packed", False),
+               "packed_mb4": ("packed_mb4", False)}
+    width = exp.responses.shape[1]
+    for name, (plan_name, no_window) in layouts.items():
+        plan = plans[plan_name]
+        batches = unwindowed(plan) if no_window else plan.micro_batches(exp)
         logp = passes.forward_only(
             [policy], batches, lambda o, mb: passes.response_logprobs(o, mb) * mb["response_mask"], (width,))
         values = passes.forward_only(
@@ -102,7 +103,7 @@ def _worker(rank, world_size, tp, pp, roots):
         scores = passes.forward_only([value], batches, lambda o, mb: passes.gather_last_token(o, mb).reshape(-1), ())
         out[name] = {"logp": logp, "values": values, "scores": scores}
         if no_window and name == "plain":
-            out["rows_logits_from"] = [int(mb["logits_from"]) for mb in exp.micro_batches(mbs)]
+            out["rows_logits_from"] = [int(mb["logits_from"]) for mb in plan.micro_batches(exp)]
         if name == "packed":
             out["packed_rows"] = [tuple(mb["tokens"].shape) for mb in batches]
         if pp == 1:  # gradients of sum(logp * mask) through the layout

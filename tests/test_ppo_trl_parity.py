@@ -6,7 +6,7 @@ of two PPO epochs over one mini-batch of 4 rows, with plain SGD (no momentum) at
 that the second epoch's policy ratios and values leave their clip ranges.
 
 Our side is the real stage (`mindspeed_llm.rl.trainer.run(parse_args(posttrain_argv(...) + ...))` in one gloo
-process); only the sampler of the rollout is replaced: `mindspeed_llm.rl.stages.common.generate` returns a
+process); only the sampler of the rollout is replaced: `mindspeed_llm.rl.rollout.generate` returns a
 `Rollout` holding the fixed responses. Everything downstream (layout, old / reference log-probs, critic values,
 reward-model score, KL rewards, GAE, whitening, the Megatron updates, metric reduction, the JSONL logger) runs
 unmodified. TRL's side is `PPOTrainer.train()` with `batch_generation` replaced by a function that returns the
@@ -192,8 +192,8 @@ def _our_stage(rank, world_size, argv, responses, reference_root, mutation=None)
     gradients and the run's weight changes (HF names). `mutation` plants a loss-scale bug (the mutation test)."""
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.checkpoint import load_megatron_weights
-    from mindspeed_llm.rl import trainer, update
-    from mindspeed_llm.rl.stages import STAGES, common
+    from mindspeed_llm.rl import engine, rollout, trainer
+    from mindspeed_llm.rl.stages import STAGES
 
     record = {"prompts": [], "grads": {}}
 
@@ -220,19 +220,19 @@ def _our_stage(rank, world_size, argv, responses, reference_root, mutation=None)
         stage = stage_cls(args, tokenizer)
         load_megatron_weights(stage.reference, reference_root)
         built["stage"] = stage
-        built["initial"] = {role: _hf_tensors(m.module, role == "critic") for role, m in stage.trained_roles().items()}
-        for role, trained in stage.trained_roles().items():
+        built["initial"] = {role: _hf_tensors(m.module, role == "critic") for role, m in stage.roles().items()}
+        for role, trained in stage.roles().items():
             recording_first_step(role, trained)
         return stage
 
     if mutation == "loss_divided_by_microbatch_count":
-        update.schedule_loss_scale = lambda num_microbatches, dp: float(dp)  # leaves Megatron's / num_microbatches
-    common.generate = fixed_generate
+        engine.schedule_loss_scale = lambda num_microbatches, dp: float(dp)  # leaves Megatron's / num_microbatches
+    rollout.generate = fixed_generate
     STAGES["trl_ppo"] = stage_with_reference
     trainer.run(parse_args(argv, world_size))
     stage = built["stage"]
     record["deltas"] = {}
-    for role, trained in stage.trained_roles().items():
+    for role, trained in stage.roles().items():
         final = _hf_tensors(trained.module, role == "critic")
         record["deltas"][role] = {k: final[k] - built["initial"][role][k] for k in final}
     return record

@@ -1,5 +1,6 @@
-"""Tests of mindspeed_llm.rl.rewards: answer extraction, math_acc against real label forms, format
-verifiers, crash safety, missing labels and the weighted mix.
+"""Tests of mindspeed_llm.rl.verifiers (answer extraction, math_acc against real label forms, format
+verifiers, crash safety, missing labels, validation of a selection) and of the weighted mix in
+mindspeed_llm.rl.scoring.
 
 The labels in LABEL_TABLE are copied from /work/shared/data (see its README): DeepScaleR-Preview
 ``answer`` fields (deepscaler_sample.json, row index given) and DAPO-Math-17k
@@ -12,7 +13,9 @@ import threading
 
 import pytest
 
-from mindspeed_llm.rl import rewards as R
+from mindspeed_llm.rl import verifiers as R
+from mindspeed_llm.rl.verifiers import math as verifier_math
+from mindspeed_llm.rl.verifiers import registry, worker
 
 
 def boxed(x):
@@ -133,57 +136,74 @@ def test_registry():
         R.register_verifier("format")(lambda r, l: 0.0)
 
 
+def _experience(texts, labels, ended_with_eos):
+    import torch
+
+    from mindspeed_llm.rl.experience import Experience
+
+    n = len(texts)
+    exp = Experience(tokens=torch.zeros(n, 3, dtype=torch.long), position_ids=torch.zeros(n, 3, dtype=torch.long),
+                     prompt_lengths=torch.ones(n, dtype=torch.long), responses=torch.zeros(n, 2, dtype=torch.long),
+                     response_mask=torch.ones(n, 2), ended_with_eos=torch.tensor(ended_with_eos))
+    exp.extras.update(texts=texts, labels=labels, indices=list(range(n)))
+    return exp
+
+
 def test_weighted_mix_by_hand():
+    from mindspeed_llm.rl.metrics import Timers
+    from mindspeed_llm.rl.scoring import Scorer
+
     responses = [
         "<think>t</think><answer>\\boxed{34}</answer>",  # right, formatted:   acc 1, format 1
         "<think>t</think><answer>35</answer>",           # wrong, formatted:   acc 0, format 1
         "\\boxed{34}",                                   # right, unformatted: acc 1, format 0
     ]
     labels = ["34", "34", "34"]
-    total, per, failures = R.score_batch(responses, labels, ["math_acc", "format"], [1.0, 0.5])
+    per, failures = R.score_batch(responses, labels, ["math_acc", "format"])
     assert per == {"math_acc": [1.0, 0.0, 1.0], "format": [1.0, 1.0, 0.0]}
     assert failures == {"math_acc": 0, "format": 0}
-    assert total == [1.5, 0.5, 1.0]
-    # with reward model scores: + 0.25 * rm
-    total, _, _ = R.score_batch(responses, labels, ["math_acc", "format"], [1.0, 0.5],
-                                reward_model_scores=[2.0, -4.0, 0.0], reward_model_weight=0.25)
-    assert total == [2.0, -0.5, 1.0]
-    # reward model only
-    total, per, _ = R.score_batch(responses, None, [], [], reward_model_scores=[1.0, 2.0, 3.0],
-                                  reward_model_weight=2.0)
-    assert total == [2.0, 4.0, 6.0] and per == {}
-    t, _, _ = R.score_batch(responses, labels, ["math_acc"], [2.0], as_tensor=True)
-    assert t.tolist() == [2.0, 0.0, 2.0]
-    metrics = R.reward_metrics({"math_acc": [1.0, 0.0, 1.0]}, {"math_acc": 0})
-    assert metrics["math_acc_rewards/mean"] == pytest.approx(2 / 3)
+    exp = _experience(responses, labels, [True, False, True])
+    total, metrics = Scorer(["math_acc", "format"], [1.0, 0.5])(exp, 1, Timers())
+    assert total.tolist() == [1.5, 0.5, 1.0]
+    assert metrics["math_acc_rewards/mean"] == pytest.approx(2 / 3) and metrics["format_rewards/failures"] == 0
+    # TRL's missing_eos_penalty: 0.25 off the response that did not end in EOS
+    total, _ = Scorer(["math_acc", "format"], [1.0, 0.5], missing_eos_penalty=0.25)(exp, 1, Timers())
+    assert total.tolist() == [1.5, 0.25, 1.0]
 
 
-def test_names_and_weights_must_match():
+def test_names_and_weights_are_validated_once():
+    from mindspeed_llm.arguments import ArgumentError
+    from mindspeed_llm.rl.scoring import Scorer
+
     with pytest.raises(ValueError) as err:
-        R.score_batch(["x"], ["1"], ["math_acc", "format"], [1.0])
+        R.check_verifiers(["math_acc", "format"], [1.0])
     msg = str(err.value)
     assert "--verifier-function" in msg and "--verifier-weight" in msg
+    for names, weights, needle in ((["nope"], [1.0], "valid names"), (["format", "format"], [1, 1], "more than once"),
+                                   (["format"], [float("nan")], "finite")):
+        with pytest.raises(ValueError, match=needle):
+            R.check_verifiers(names, weights)
+    with pytest.raises(ArgumentError, match="--verifier-function: unknown verifier function 'nope'"):
+        Scorer(["nope"], [1.0])
     with pytest.raises(ValueError, match="valid names"):
-        R.score_batch(["x"], ["1"], ["nope"], [1.0])
+        R.score_batch(["x"], ["1"], ["nope"])
     with pytest.raises(ValueError, match="labels"):
-        R.score_batch(["x", "y"], ["1"], ["format"], [1.0])
-    with pytest.raises(ValueError, match="reward model scores"):
-        R.score_batch(["x", "y"], None, ["format"], [1.0], reward_model_scores=[1.0])
+        R.score_batch(["x", "y"], ["1"], ["format"])
 
 
 def test_missing_label_names_the_row():
     with pytest.raises(R.MissingLabelError) as err:
-        R.score_batch(["\\boxed{1}", "\\boxed{2}", "\\boxed{3}"], ["1", None, "3"], ["format", "math_acc"], [1, 1])
+        R.score_batch(["\\boxed{1}", "\\boxed{2}", "\\boxed{3}"], ["1", None, "3"], ["format", "math_acc"])
     assert err.value.row_index == 1 and err.value.verifier == "math_acc"
     assert "row 1" in str(err.value)
     with pytest.raises(R.MissingLabelError) as err:
-        R.score_batch(["a", "b"], ["1", "  "], ["math_acc"], [1.0])
+        R.score_batch(["a", "b"], ["1", "  "], ["math_acc"])
     assert err.value.row_index == 1
     with pytest.raises(R.MissingLabelError):
         R.math_acc("\\boxed{1}", None)
     # a verifier that does not need labels is fine without them
-    total, _, _ = R.score_batch(["<think>a</think><answer>1</answer>"], None, ["format"], [1.0])
-    assert total == [1.0]
+    per, _ = R.score_batch(["<think>a</think><answer>1</answer>"], None, ["format"])
+    assert per == {"format": [1.0]}
 
 
 def test_crashing_verifier_scores_zero_and_is_counted(monkeypatch):
@@ -197,11 +217,10 @@ def test_crashing_verifier_scores_zero_and_is_counted(monkeypatch):
             return float("nan")
         return 1.0
 
-    monkeypatch.setitem(R._REGISTRY, "format", R._VerifierSpec(fn=flaky, requires_label=False))
-    total, per, failures = R.score_batch(["ok", "boom", "nan", "ok"], None, ["format"], [2.0])
+    monkeypatch.setitem(registry._REGISTRY, "format", registry._VerifierSpec(fn=flaky, requires_label=False))
+    per, failures = R.score_batch(["ok", "boom", "nan", "ok"], None, ["format"])
     assert per["format"] == [1.0, 0.0, 0.0, 1.0]
     assert failures == {"format": 2}
-    assert total == [2.0, 0.0, 0.0, 2.0]
     assert len(calls) == 4
 
 
@@ -210,7 +229,7 @@ def test_timeout_is_bounded_and_counted():
     tower = boxed("2^{2^{2^{2^{2^{2}}}}}")
     cfg = R.set_math_acc_config(timeout_seconds=1)
     try:
-        total, per, failures = R.score_batch([tower, boxed("90")], ["90", "90"], ["math_acc"], [1.0])
+        per, failures = R.score_batch([tower, boxed("90")], ["90", "90"], ["math_acc"])
     finally:
         R.set_math_acc_config(R.MathAccConfig())
     assert cfg.timeout_seconds == 1
@@ -233,20 +252,21 @@ def test_off_main_thread_uses_worker_process():
     thread.join(timeout=120)
     assert results == {"right": 1.0, "wrong": 0.0}
     # a worker that overruns its budget is killed and replaced
-    tower_args = (R._pred_text(R.ExtractedAnswer("2^{2^{2^{2^{2^{2}}}}}", "boxed")), False, "\\boxed{90}", 1, 6)
+    tower_args = (verifier_math._pred_text(R.ExtractedAnswer("2^{2^{2^{2^{2^{2}}}}}", "boxed")), False,
+                  "\\boxed{90}", 1, 6)
     with pytest.raises(R.VerifierTimeout):
-        R._WORKER.run(tower_args, budget=0.3)
-    assert R._WORKER._proc is None
-    R._WORKER.close()
+        worker.WORKER.run(tower_args, budget=0.3)
+    assert worker.WORKER._proc is None
+    worker.WORKER.close()
 
 
 def test_label_types():
     assert R.math_acc(boxed("34"), 34) == 1.0  # a numeric label (some datasets store ints)
     with pytest.raises(R.MissingLabelError):
-        R.score_batch(["a"], [math.nan], ["math_acc"], [1.0])
+        R.score_batch(["a"], [math.nan], ["math_acc"])
 
 
-from mindspeed_llm.rl.rewards import first_line_answer, parse_first_line_answer  # noqa: E402
+from mindspeed_llm.rl.verifiers import first_line_answer, parse_first_line_answer  # noqa: E402
 
 VERIFIER_NAME = "first_line_answer"
 
@@ -282,8 +302,8 @@ def test_first_line_answer_registered_and_batch_scoring():
     assert VERIFIER_NAME in R.available_verifiers()
     assert R.verifier_requires_label(VERIFIER_NAME)
     assert R.get_verifier(VERIFIER_NAME) is first_line_answer
-    totals, per, failures = R.score_batch(["2 + 2 = 4", "5", "four"], ["4", "4", "4"], [VERIFIER_NAME], [1.0])
-    assert totals == [1.0, 0.0, 0.0] and failures == {VERIFIER_NAME: 0}
+    per, failures = R.score_batch(["2 + 2 = 4", "5", "four"], ["4", "4", "4"], [VERIFIER_NAME])
+    assert per == {VERIFIER_NAME: [1.0, 0.0, 0.0]} and failures == {VERIFIER_NAME: 0}
     with pytest.raises(R.MissingLabelError):
-        R.score_batch(["4"], [None], [VERIFIER_NAME], [1.0])
+        R.score_batch(["4"], [None], [VERIFIER_NAME])
     assert parse_first_line_answer("x = \u22123") == "-3"

@@ -94,6 +94,9 @@ def test_bad_checkpoints_data_and_verifiers_fail_before_compute(stage_paths, tmp
         "unknown verifier": (grpo("--verifier-function", "nonsense"), ["--verifier-function", "math_acc", "format"]),
         "no labels for math_acc": (grpo("--data-path", str(unlabeled)), ["math_acc", "no labels", "--map-keys"]),
         "missing dataset": (grpo("--data-path", str(tmp_path / "none")), ["preprocess_data.py"]),
+        "unknown advantage estimator": (grpo("--adv-estimator", "ppo"), ["--adv-estimator ppo", "grpo, rloo"]),
+        "rloo with a std scale": (grpo("--adv-estimator", "rloo", "--adv-scale", "group"),
+                                  ["--adv-estimator rloo", "--adv-scale group does not apply"]),
     }
     results = run_distributed(_run_main_cases, 1, [argv for argv, _ in cases.values()])[0]
     for (name, (_, needles)), (code, message) in zip(cases.items(), results):

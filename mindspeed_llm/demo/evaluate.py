@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence, Union
 
-from mindspeed_llm.rl.rewards import get_verifier, score_batch
+from mindspeed_llm.rl.verifiers import score_batch
 
 __all__ = [
     "TEMPLATE_DEFAULT",
@@ -149,9 +149,8 @@ def _generate(model, tok, prompts: List[str], *, max_new_tokens: int, batch_size
 
 
 def _score(texts: List[str], labels: List[Optional[str]], verifier: str) -> List[float]:
-    get_verifier(verifier)  # unknown names fail here, listing the valid ones
-    scores, _, _ = score_batch(texts, labels, [verifier], [1.0])
-    return [float(s) for s in scores]
+    per_verifier, _ = score_batch(texts, labels, [verifier])  # an unknown name fails, listing the valid ones
+    return [float(s) for s in per_verifier[verifier]]
 
 
 def evaluate_hf(model_dir, problems: Sequence, max_new_tokens: int = 24, batch_size: int = 32,

@@ -3,7 +3,7 @@
 
 Megatron's `GPTModel` (0.16.1) applies rotary embeddings by slot, `0..S-1` for every row, and ignores
 `position_ids` for RoPE; and it applies its output layer to every position. The RL passes need both to
-differ: a packed micro-batch (`mindspeed_llm.rl.experience`) holds a prompt followed by several responses,
+differ: a packed micro-batch (`mindspeed_llm.rl.batch_plan`) holds a prompt followed by several responses,
 each of which continues at the prompt's end (its own positions), and only the positions that predict
 response tokens are read, so the prompt's logits are waste (TRL's `logits_to_keep`).
 
@@ -29,8 +29,16 @@ _LOGITS_FROM = "_layout_logits_from"
 
 def _rotary_by_position_ids(module, args, output):
     position_ids = getattr(module, _POSITIONS, None)
-    if position_ids is None or not isinstance(output, torch.Tensor):
+    if position_ids is None:
         return output
+    if not isinstance(output, torch.Tensor) or output.dim() != 4 or output.size(1) != 1 or output.size(2) != 1:
+        # e.g. a rotary module that returns (cos, sin) or per-row tables: positions would silently be ignored
+        shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+        raise TypeError(f"forward_layout: the rotary embedding returned {shape}, not the [S, 1, 1, D] table these "
+                        "hooks index by position ids; packed rows need that table")
+    if position_ids.dim() != 2 or position_ids.size(1) > output.size(0):
+        raise ValueError(f"forward_layout: position ids of shape {tuple(position_ids.shape)} do not fit the "
+                         f"rotary table of {output.size(0)} slots")
     if int(position_ids.max()) >= output.size(0):
         raise ValueError(f"position id {int(position_ids.max())} is past the rotary table ({output.size(0)} slots)")
     table = output[:, 0, 0, :]  # [S, D]

@@ -26,14 +26,15 @@ Conventions used throughout
 References: PPO (Schulman et al. 2017, arXiv:1707.06347); GAE (Schulman et al. 2015,
 arXiv:1506.02438); dual-clip PPO (Ye et al. 2020, arXiv:1912.09729); GRPO (Shao et al. 2024,
 arXiv:2402.03300); DAPO (Yu et al. 2025, arXiv:2503.14476); Dr. GRPO (Liu et al. 2025,
-arXiv:2503.20783); KL estimators k1/k2/k3 (J. Schulman, "Approximating KL divergence", 2020).
+arXiv:2503.20783); RLOO (Ahmadian et al. 2024, arXiv:2402.14740); KL estimators k1/k2/k3 (J. Schulman,
+"Approximating KL divergence", 2020).
 Behaviour is matched to Hugging Face TRL 1.12.0 where TRL has the same quantity (see
 tests/test_trl_parity.py).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -57,6 +58,10 @@ __all__ = [
     "value_loss",
     "GROUP_SCALES",
     "group_advantages",
+    "OUTCOME_ADVANTAGES",
+    "register_outcome_advantage",
+    "grpo_advantages",
+    "rloo_advantages",
 ]
 
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
@@ -573,3 +578,41 @@ def _nanstd(x: torch.Tensor, dim: int, sum_across: SumAcross = None) -> torch.Te
         (sq,) = _sums((torch.nansum((x - mean) ** 2),), sum_across)
     var = sq / (count - 1).clamp(min=1)
     return torch.where(count > 1, var.sqrt(), torch.zeros_like(var))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Outcome advantage estimators: one score per sample -> one advantage per sample, by name
+# ----------------------------------------------------------------------------------------------------
+# fn(scores [num_prompts * group_size], group_size, *, scale, sum_across) -> advantages of the same shape.
+OUTCOME_ADVANTAGES: Dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def register_outcome_advantage(name: str):
+    """Decorator: register an outcome advantage estimator under `name` (`--adv-estimator NAME`)."""
+    def register(fn):
+        OUTCOME_ADVANTAGES[name] = fn
+        return fn
+    return register
+
+
+@register_outcome_advantage("grpo")
+def grpo_advantages(scores: torch.Tensor, group_size: int, *, scale: str = "group",
+                    sum_across: SumAcross = None) -> torch.Tensor:
+    """GRPO's group-normalised advantages: :func:`group_advantages`."""
+    return group_advantages(scores, group_size, scale=scale, sum_across=sum_across)
+
+
+@register_outcome_advantage("rloo")
+def rloo_advantages(scores: torch.Tensor, group_size: int, *, scale: str = "none",
+                    sum_across: SumAcross = None) -> torch.Tensor:
+    """REINFORCE leave-one-out (Ahmadian et al. 2024, arXiv:2402.14740): each sample's baseline is the mean
+    score of the OTHER samples of its prompt, ``A_i = s_i - mean_{j != i} s_j = n / (n - 1) * (s_i - mu_g)``
+    (``n`` the group's scored samples). No std scaling (``scale`` must be ``"none"``); NaN scores are left out
+    and get 0, and a group of one has no baseline (0)."""
+    if scale != "none":
+        raise ValueError(f"rloo advantages are not scaled by a std: --adv-scale {scale} does not apply (use none)")
+    grouped = (scores if scores.is_floating_point() else scores.float()).view(-1, group_size)
+    count = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+    others = (torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (count - 1).clamp(min=1)
+    adv = torch.where(count > 1, grouped - others, torch.zeros_like(grouped))
+    return torch.nan_to_num(adv, nan=0.0).reshape(-1)

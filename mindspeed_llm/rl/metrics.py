@@ -4,7 +4,7 @@ Metric names follow MindSpeed-RL's GRPO / PPO logs: ``timing/<stage>`` (all, rol
 reference_model, reward_model, rule_reward, critic_model, adv, update, update_critic), ``actor/*``,
 ``critic/*``, ``grpo/*``, ``response_length/{mean,min,max}``, ``prompt_length/{mean,min,max}`` and the
 throughputs ``e2e_tps``, ``update_tps`` and ``rollout_tps`` (MindSpeed-RL calls the last one
-``vllm_tps``; :data:`METRIC_ALIASES` / :func:`canonical_metric_name` map it when reading).
+``vllm_tps``).
 """
 
 from __future__ import annotations
@@ -21,37 +21,15 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 __all__ = [
     "Timers",
     "TIMING_PREFIX",
-    "METRIC_ALIASES",
-    "canonical_metric_name",
-    "canonicalize_metrics",
     "throughput_metrics",
     "length_stats",
+    "prefixed",
     "reduce_metrics",
     "MetricsLogger",
     "format_log_line",
 ]
 
 TIMING_PREFIX = "timing/"
-
-# names other tools use for our metrics -> our name
-METRIC_ALIASES: Dict[str, str] = {"vllm_tps": "rollout_tps"}
-
-
-def canonical_metric_name(name: str) -> str:
-    """Our name for a metric key, mapping aliases (``vllm_tps`` -> ``rollout_tps``)."""
-    return METRIC_ALIASES.get(name, name)
-
-
-def canonicalize_metrics(metrics: Mapping[str, float]) -> Dict[str, float]:
-    """Copy of ``metrics`` with aliased keys renamed; an existing canonical key wins over its alias."""
-    out: Dict[str, float] = {}
-    for key, value in metrics.items():
-        canon = canonical_metric_name(key)
-        if canon != key and canon in metrics:
-            continue
-        out[canon] = value
-    return out
-
 
 # ----------------------------------------------------------------------------------------------
 # Timers
@@ -110,16 +88,6 @@ class Timers:
             yield self
         finally:
             self.stop(name)
-
-    def elapsed(self, name: str) -> float:
-        """Seconds accumulated so far by ``name`` in this iteration (including a running interval)."""
-        total = self._elapsed.get(name, 0.0)
-        if name in self._started:
-            total += self._clock() - self._started[name]
-        return total
-
-    def running(self) -> List[str]:
-        return list(self._started)
 
     def pop(self) -> Dict[str, float]:
         """``{prefix + name: seconds}`` for every timer used since the last pop, then resets them.
@@ -188,6 +156,11 @@ def throughput_metrics(prompt_tokens, response_tokens, world_size: int,
         if seconds is not None and seconds > 0:
             out[name] = tokens / int(world_size) / seconds
     return out
+
+
+def prefixed(prefix: str, metrics: Mapping[str, float]) -> Dict[str, float]:
+    """``{prefix/key: value}``: a role's metrics under its name (``actor/pg_loss``)."""
+    return {f"{prefix}/{k}": float(v) for k, v in metrics.items()}
 
 
 def length_stats(prefix: str, lengths) -> Dict[str, float]:

@@ -1,8 +1,9 @@
-"""Forward passes of the stage's models over an `Experience`, and the per-micro-batch reads they share.
+"""Forward passes of the stage's models over an `Experience` (in its `MicroBatchPlan`), and the per-micro-batch
+reads they share.
 
 A policy output is the logits shard `[mb, T, V/TP]` each TP rank holds; a value model output is
 `[mb, T, 1]`. Reads go through `gather_response` / `gather_last_token`, so the index arithmetic lives in
-one place (`experience.py`).
+one place (`batch_plan.py`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import torch
 from megatron.core import parallel_state
 
 from mindspeed_llm.rl.core_algos import response_mask_p1
-from mindspeed_llm.rl.experience import Experience, gather_last_token, gather_response
+from mindspeed_llm.rl.batch_plan import MicroBatchPlan, gather_last_token, gather_response
+from mindspeed_llm.rl.experience import Experience
 from mindspeed_llm.rl.logprobs import vocab_parallel_logprobs
-from mindspeed_llm.rl.update import forward_only
+from mindspeed_llm.rl.engine import forward_only
 
 
 def response_logprobs(
@@ -42,27 +44,27 @@ def response_values(output: torch.Tensor, micro_batch: Dict[str, torch.Tensor]) 
     return gather_response(output, micro_batch).squeeze(-1).float()
 
 
-def policy_logprobs(model, exp: Experience, micro_batch_size: int, temperature: float = 1.0) -> torch.Tensor:
+def policy_logprobs(model, exp: Experience, plan: MicroBatchPlan, temperature: float = 1.0) -> torch.Tensor:
     width = exp.responses.shape[1]
     return forward_only(
-        model, exp.micro_batches(micro_batch_size),
+        model, plan.micro_batches(exp),
         lambda out, mb: response_logprobs(out, mb, temperature) * mb["response_mask"], (width,),
     )
 
 
-def critic_values(model, exp: Experience, micro_batch_size: int) -> torch.Tensor:
+def critic_values(model, exp: Experience, plan: MicroBatchPlan) -> torch.Tensor:
     """Values `[B, R]` on TRL's value mask: the response plus one position past its last token."""
     width = exp.responses.shape[1]
     return forward_only(
-        model, exp.micro_batches(micro_batch_size),
+        model, plan.micro_batches(exp),
         lambda out, mb: response_values(out, mb) * response_mask_p1(mb["response_mask"]), (width,),
     )
 
 
-def reward_scores(model, exp: Experience, micro_batch_size: int) -> torch.Tensor:
+def reward_scores(model, exp: Experience, plan: MicroBatchPlan) -> torch.Tensor:
     """Reward-model score `[B]`: the value head at the last real token of prompt + response."""
     return forward_only(
-        model, exp.micro_batches(micro_batch_size),
+        model, plan.micro_batches(exp),
         lambda out, mb: gather_last_token(out, mb).reshape(-1).float(), (),
     )
 

@@ -18,6 +18,7 @@ import torch
 from megatron.core import parallel_state
 
 from mindspeed_llm.distributed import sum_over_data_parallel
+from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.core_algos import response_mask_p1
 from mindspeed_llm.rl.experience import Experience
 
@@ -43,18 +44,19 @@ def mini_batch_units(local_units: int, dp_rank: int, dp_size: int, mini_batches:
     return [units[:, k] for k in range(mini_batches)]
 
 
-def loss_totals(block: Experience) -> Dict[str, torch.Tensor]:
-    """The counts a mini-batch's losses divide by, over all DP ranks: loss tokens, sequences in the loss, and
-    value tokens (the loss mask plus one position, TRL's critic mask)."""
-    mask = block.loss_mask
+def loss_totals(mask: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """The counts a mini-batch's losses divide by, over all DP ranks, from its loss mask on this rank: loss
+    tokens, sequences in the loss, and value tokens (the loss mask plus one position, TRL's critic mask)."""
     local = torch.stack([mask.sum(), mask.bool().any(dim=-1).sum(), response_mask_p1(mask).sum()]).double()
     tokens, sequences, value_tokens = sum_over_data_parallel(local).float().unbind()
     return {"total_tokens": tokens, "total_sequences": sequences, "total_value_tokens": value_tokens}
 
 
-def ppo_update(model, exp: Experience, args, loss_fn: Callable, iteration: int, group_size: int = 1) -> Dict[str, float]:
+def ppo_update(model, exp: Experience, plan: MicroBatchPlan, args, loss_fn: Callable, iteration: int,
+               group_size: int = 1) -> Dict[str, float]:
     """`--ppo-epochs` passes over the iteration's samples in `--ppo-mini-batch-size` mini-batches, one
-    optimizer step each. A prompt's `group_size` samples stay in one mini-batch.
+    optimizer step each, cut into micro-batches by `plan`. A prompt's `group_size` samples stay in one
+    mini-batch.
 
     The mini-batches are drawn from (seed, iteration, epoch), so a resumed run replays them exactly. Returns each
     metric's mean over the steps (`lr` of the last step).
@@ -66,9 +68,9 @@ def ppo_update(model, exp: Experience, args, loss_fn: Callable, iteration: int, 
     steps: List[Dict[str, float]] = []
     for epoch in range(args.ppo_epochs):
         for units in mini_batch_units(local_units, dp_rank, dp_size, mini_batches, args.seed, iteration, epoch):
-            block = exp.select((units[:, None] * group_size + within_unit[None, :]).reshape(-1))
-            totals = loss_totals(block)
-            micro_batches = [dict(mb, **totals) for mb in block.micro_batches(args.micro_batch_size)]
+            samples = (units[:, None] * group_size + within_unit[None, :]).reshape(-1).to(exp.tokens.device)
+            totals = loss_totals(exp.loss_mask[samples])
+            micro_batches = [dict(mb, **totals) for mb in plan.micro_batches(exp, samples)]
             steps.append(model.train_step(micro_batches, loss_fn))
     out = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0] if k != "lr"}
     out["lr"] = steps[-1]["lr"]

@@ -40,22 +40,14 @@ def load_tokenizer(args):
         ) from exc
 
 
-def check_tokenizer(tokenizer, vocab_size: int) -> None:
-    if len(tokenizer) > vocab_size:
-        raise ArgumentError(
-            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab_size}: "
-            "--tokenizer-name-or-path does not belong to this checkpoint"
-        )
-
-
 def check_labels(dataset, args) -> None:
-    from mindspeed_llm.rl.rewards import get_verifier, verifier_requires_label
+    from mindspeed_llm.rl.verifiers import check_verifiers, verifier_requires_label
 
+    try:
+        check_verifiers(args.verifier_function, args.verifier_weight)
+    except ValueError as exc:  # the message lists the valid names
+        raise ArgumentError(f"--verifier-function: {exc}") from exc
     for name in args.verifier_function:
-        try:
-            get_verifier(name)
-        except ValueError as exc:  # the message lists the valid names
-            raise ArgumentError(f"--verifier-function: {exc}") from exc
         if verifier_requires_label(name) and "labels" not in dataset.extra_keys:
             raise ArgumentError(
                 f"--verifier-function {name} needs a reference answer per prompt, but {args.data_path} has no labels; "
@@ -94,26 +86,11 @@ def _gather_to_logger(metrics: Dict[str, float]) -> Dict[str, float]:
 
 
 def _evaluate(stage, dataset, args) -> Dict[str, float]:
-    """Greedy rollouts on the held-out prompts of this DP rank: mean score, KL to the reference, length."""
-    from mindspeed_llm.rl.passes import policy_logprobs
-    from mindspeed_llm.rl.metrics import Timers
-    from mindspeed_llm.rl.stages import common
-
+    """The stage's held-out metrics on this DP rank's share of the first `--eval-samples` prompts."""
     dp_rank, dp_size = distributed.data_parallel_info()
     count = len(dataset) if not args.eval_samples else min(args.eval_samples, len(dataset))
     indices = list(range(dp_rank, count, dp_size))
-    if not indices:
-        return {}
-    rows = [dataset[i] for i in indices]
-    sampling = common.sampling_config(args, stage.tokenizer, greedy=True)
-    exp = common.rollout(stage.actor.module, rows, sampling, 0, stage.tokenizer)
-    scores, _ = stage.scorer(exp, 1, Timers())
-    out = {"eval/score/mean": float(scores.mean()), "eval/response_length/mean": float(exp.response_lengths.float().mean())}
-    if stage.reference is not None:
-        logp = policy_logprobs(stage.actor.chunks, exp, 1)
-        ref = policy_logprobs([stage.reference], exp, 1)
-        out["eval/kl/mean"] = float(((logp - ref) * exp.response_mask).sum(-1).mean())
-    return out
+    return stage.evaluate([dataset[i] for i in indices]) if indices else {}
 
 
 class _ExitSignal:
@@ -138,7 +115,7 @@ def _resume(args, stage, sampler) -> int:
     """Load what --load / --finetune / --ckpt-step say; returns the iteration the run continues from."""
     if not _resumes_from_load(args):
         return 0
-    roles = stage.trained_roles()
+    roles = stage.roles()
     iteration = training_ckpt.resume_iteration(args.load, roles, args.stage, save=args.save, ckpt_step=args.ckpt_step)
     if iteration is None:
         if distributed.is_rank_0():
@@ -196,9 +173,8 @@ def run(args) -> None:
     logger = None
     try:
         stage = STAGES[args.stage](args, tokenizer)
-        check_tokenizer(tokenizer, stage.actor.module.model_spec.vocab_size)
         if args.save:
-            training_ckpt.check_save_dir(args.save, stage.trained_roles())
+            training_ckpt.check_save_dir(args.save, stage.roles())
         start = _resume(args, stage, sampler)
         logger = MetricsLogger(
             args.log_interval, jsonl_path=args.metrics_jsonl, tensorboard_dir=args.tensorboard_dir,
@@ -220,7 +196,7 @@ def _loop(args, stage, dataset, eval_dataset, sampler, logger, start: int, exit_
 
     def save(iteration: int) -> None:
         nonlocal saved
-        training_ckpt.save(args.save, iteration, stage.trained_roles(), {"sampler": sampler.state_dict()})
+        training_ckpt.save(args.save, iteration, stage.roles(), {"sampler": sampler.state_dict()})
         saved = iteration
 
     iteration = start

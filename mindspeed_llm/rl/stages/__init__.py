@@ -1,8 +1,28 @@
-"""The RL stages, by their `--stage` name."""
+"""The RL stages, by their `--stage` name, and the protocol the trainer drives them through."""
+
+from typing import Dict, List, Protocol, Sequence
 
 from mindspeed_llm.rl.stages.grpo import GRPOStage
 from mindspeed_llm.rl.stages.trl_ppo import TrlPPOStage
 
+
+class Stage(Protocol):
+    """What the outer loop (`rl/trainer.py`) knows of a stage. Built as `Stage(args, tokenizer)`, which loads its
+    models and checks them against each other and the tokenizer."""
+
+    name: str
+    log_lines: Dict[str, List[str]]  # stdout line groups (`MetricsLogger`)
+
+    def roles(self) -> Dict[str, object]:
+        """The trained models by role name (`TrainableModel`s: "actor", "critic"): what checkpoints hold."""
+
+    def iteration(self, iteration: int, rows: Sequence[dict]) -> Dict[str, float]:
+        """One iteration on this DP rank's prompts; returns its metrics (this rank's view)."""
+
+    def evaluate(self, rows: Sequence[dict]) -> Dict[str, float]:
+        """Held-out metrics (`eval/*`) of the current policy on this DP rank's prompts."""
+
+
 STAGES = {"trl_ppo": TrlPPOStage, "grpo": GRPOStage}
 
-__all__ = ["STAGES", "GRPOStage", "TrlPPOStage"]
+__all__ = ["STAGES", "Stage", "GRPOStage", "TrlPPOStage"]

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 from typing import Dict, Sequence
 
-import torch
-
 from mindspeed_llm import device
 from mindspeed_llm.distributed import sum_over_data_parallel
-from mindspeed_llm.rl import core_algos
-from mindspeed_llm.rl.metrics import Timers
-from mindspeed_llm.rl.passes import critic_values, policy_logprobs, response_values
+from mindspeed_llm.rl import core_algos, roles
+from mindspeed_llm.rl.batch_plan import MicroBatchPlan
+from mindspeed_llm.rl.evaluation import evaluate_policy
+from mindspeed_llm.rl.losses import clipped_policy_loss, clipped_value_loss
+from mindspeed_llm.rl.metrics import Timers, prefixed
+from mindspeed_llm.rl.passes import critic_values, policy_logprobs
 from mindspeed_llm.rl.ppo_loop import old_logp_is_current, ppo_update
-from mindspeed_llm.rl.stages import common
+from mindspeed_llm.rl.rollout import rollout, rollout_metrics, sampling_config
+from mindspeed_llm.rl.scoring import Scorer
 
 
 class TrlPPOStage:
@@ -30,41 +32,45 @@ class TrlPPOStage:
     def __init__(self, args, tokenizer):
         self.args = args
         self.tokenizer = tokenizer
-        self.actor = common.trainable(common.load_model(args.ref_model, "--ref-model", args), args, "actor")
-        self.reference = common.offloaded(common.frozen(common.load_model(args.ref_model, "--ref-model", args)),
+        self.actor = roles.trainable(roles.load_model(args.ref_model, "--ref-model", args), args, "actor")
+        self.reference = roles.offloaded(roles.frozen(roles.load_model(args.ref_model, "--ref-model", args)),
                                           args.offload_ref_reward)
-        self.critic = common.trainable(
-            common.load_model(args.reward_model, "--reward-model", args, value_head=True), args, "critic"
+        self.critic = roles.trainable(
+            roles.load_model(args.reward_model, "--reward-model", args, value_head=True), args, "critic"
         )
         uses_reward_model = args.reward_model_weight != 0 or not args.verifier_function
-        reward_model = common.load_reward_model(args) if uses_reward_model else None
-        common.check_same_vocab({"actor": self.actor.module, "reference": self.reference,
-                                 "critic": self.critic.module, "reward": reward_model})
-        self.scorer = common.Scorer.from_args(args, reward_model)
-        self.sampling = common.sampling_config(args, tokenizer)
+        reward_model = roles.load_reward_model(args) if uses_reward_model else None
+        roles.check_vocab({"actor": self.actor.module, "reference": self.reference,
+                           "critic": self.critic.module, "reward": reward_model}, tokenizer)
+        self.scorer = Scorer.from_args(args, reward_model)
+        self.sampling = sampling_config(args, tokenizer)
 
-    def trained_roles(self):
+    def roles(self):
         return {"actor": self.actor, "critic": self.critic}
+
+    def evaluate(self, rows: Sequence[dict]) -> Dict[str, float]:
+        return evaluate_policy(self.actor, self.reference, self.scorer, self.tokenizer, rows, self.args,
+                               self.args.offload_ref_reward)
 
     # ------------------------------------------------------------------ one iteration
     def iteration(self, iteration: int, rows: Sequence[dict]) -> Dict[str, float]:
-        args, mbs = self.args, self.args.micro_batch_size
+        args = self.args
         timers = Timers(sync=device.synchronize)
         with timers("all"):
             with timers("rollout"):
-                exp = common.rollout(self.actor.module, rows, self.sampling, iteration, self.tokenizer)
-            rollout_stats = common.rollout_metrics(exp)
+                exp = rollout(self.actor.module, rows, self.sampling, iteration, self.tokenizer)
+            plan = MicroBatchPlan.build(exp, args.micro_batch_size)
+            rollout_stats = rollout_metrics(exp)
             with timers("old_log_p"):
                 if exp.rollout_logp is not None and old_logp_is_current(args, exp):
                     exp.old_logp = exp.rollout_logp  # as TRL's PPO: the generation logits' log-probs, no pass
                 else:
-                    exp.old_logp = policy_logprobs(self.actor.chunks, exp, mbs, args.temperature)
-            with timers("reference_model"), common.on_device(self.reference, args.offload_ref_reward, timers):
-                exp.ref_logp = policy_logprobs([self.reference], exp, mbs, args.temperature)
+                    exp.old_logp = policy_logprobs(self.actor.chunks, exp, plan, args.temperature)
+            with timers("reference_model"), roles.on_device(self.reference, args.offload_ref_reward, timers):
+                exp.ref_logp = policy_logprobs([self.reference], exp, plan, args.temperature)
             with timers("critic_model"):
-                exp.values = critic_values(self.critic.chunks, exp, mbs)
-            scores, score_metrics = self.scorer(exp, mbs, timers)
-            exp.scores = common.apply_missing_eos_penalty(scores, exp, args.missing_eos_penalty)
+                exp.values = critic_values(self.critic.chunks, exp, plan)
+            exp.scores, score_metrics = self.scorer(exp, plan, timers)  # with --missing-eos-penalty
 
             with timers("adv"):
                 rewards, kl = core_algos.compute_token_rewards(
@@ -80,9 +86,9 @@ class TrlPPOStage:
                 )
 
             with timers("update"):
-                actor_metrics = ppo_update(self.actor, exp, args, self._actor_loss, iteration)
+                actor_metrics = ppo_update(self.actor, exp, plan, args, self._actor_loss, iteration)
             with timers("update_critic"):
-                critic_metrics = ppo_update(self.critic, exp, args, self._critic_loss, iteration)
+                critic_metrics = ppo_update(self.critic, exp, plan, args, self._critic_loss, iteration)
 
         kl_sum = kl.sum(-1)
         metrics = {
@@ -91,15 +97,15 @@ class TrlPPOStage:
             "non_score_reward": float((-args.kl_coef * kl_sum).mean()),
             **score_metrics,
             **rollout_stats,
-            **common.prefixed("actor", actor_metrics),
-            **common.prefixed("critic", critic_metrics),
+            **prefixed("actor", actor_metrics),
+            **prefixed("critic", critic_metrics),
         }
         metrics.update(timers.pop())
         return metrics
 
     # ------------------------------------------------------------------ loss closures (per micro-batch)
     def _actor_loss(self, logits, mb):
-        loss, m = common.clipped_policy_loss(self.args, logits, mb)  # TRL's PPO: the KL is in the reward
+        loss, m = clipped_policy_loss(self.args, logits, mb)  # TRL's PPO: the KL is in the reward
         return loss, {
             "pg_loss": m["pg_loss"], "abs_pg_loss": m["abs_pg_loss"], "ppo_ratio": m["ratio"],
             "ppo_ratio_clamped": m["ratio_clamped"], "pg_clipfrac": m["pg_clipfrac"], "ppo_kl": m["ppo_kl"],
@@ -107,9 +113,5 @@ class TrlPPOStage:
         }
 
     def _critic_loss(self, output, mb):
-        values = response_values(output, mb)
-        loss, m = core_algos.value_loss(
-            values, mb["values"], mb["returns"], core_algos.response_mask_p1(mb["loss_mask"]),
-            self.args.cliprange_value, total_tokens=mb["total_value_tokens"],
-        )
-        return self.args.vf_coef * loss, {"vf_loss": m["vf_loss"], "vf_clipfrac": m["vf_clipfrac"]}
+        loss, m = clipped_value_loss(self.args, output, mb)
+        return loss, {"vf_loss": m["vf_loss"], "vf_clipfrac": m["vf_clipfrac"]}

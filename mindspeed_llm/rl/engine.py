@@ -1,8 +1,9 @@
-"""The shared update routine: forward(-backward) over micro-batches with Megatron's pipeline schedule.
+"""The engine every model role runs on: forward(-backward) over micro-batches with Megatron's pipeline schedule.
 
-Used for the actor and the critic alike (`TrainableModel.train_step`), and for every forward-only pass
-(old / reference log-probs, values, reward scores) through `forward_only`. The RL math lives in the loss
-closures the stages pass in; this module only moves micro-batches through megatron.
+`TrainableModel.train_step` is one optimizer step of the actor or the critic; `forward_only` is every pass
+that only reads (old / reference log-probs, values, reward scores). The RL math lives in the loss closures
+the stages pass in; this module only moves micro-batches through megatron, and guards the step
+(NaN / inf, the LR schedule on resume).
 """
 
 from __future__ import annotations
@@ -256,9 +257,6 @@ class TrainableModel:
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         return metrics
-
-    def forward_only(self, micro_batches, output_fn: OutputFn, out_shape_tail=()) -> torch.Tensor:
-        return forward_only(self.chunks, micro_batches, output_fn, out_shape_tail)
 
     def _stop_if_not_finite(self, losses, results) -> None:
         """Megatron-LM's --check-for-nan-in-loss-and-grad: NaN / inf in this step's loss, metrics (last stage)

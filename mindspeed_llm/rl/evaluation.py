@@ -1,0 +1,30 @@
+"""Held-out evaluation of a policy: greedy rollouts of held-out prompts, their scores, lengths and KL to the
+reference (the stages' `evaluate`)."""
+
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+from mindspeed_llm.rl.batch_plan import MicroBatchPlan
+from mindspeed_llm.rl.metrics import Timers
+from mindspeed_llm.rl.passes import policy_logprobs
+from mindspeed_llm.rl.roles import on_device
+from mindspeed_llm.rl.rollout import rollout, sampling_config
+
+
+def evaluate_policy(actor, reference, scorer, tokenizer, rows: Sequence[dict], args, offload: bool = False
+                    ) -> Dict[str, float]:
+    """`eval/score/mean`, `eval/response_length/mean` and, with a reference, `eval/kl/mean` (the summed k1 KL of
+    a response) of greedy responses to `rows` (this DP rank's share)."""
+    timers = Timers()
+    exp = rollout(actor.module, rows, sampling_config(args, tokenizer, greedy=True), 0, tokenizer)
+    plan = MicroBatchPlan.build(exp, micro_batch_size=1)
+    scores, _ = scorer(exp, plan, timers)
+    out = {"eval/score/mean": float(scores.mean()),
+           "eval/response_length/mean": float(exp.response_lengths.float().mean())}
+    if reference is not None:
+        logp = policy_logprobs(actor.chunks, exp, plan)
+        with on_device(reference, offload, timers):
+            ref = policy_logprobs([reference], exp, plan)
+        out["eval/kl/mean"] = float(((logp - ref) * exp.response_mask).sum(-1).mean())
+    return out

@@ -1,0 +1,36 @@
+"""The loss closures of the trained roles, from the command line's settings: what `TrainableModel.train_step`
+calls on each micro-batch (the math itself is `core_algos`)."""
+
+from __future__ import annotations
+
+from mindspeed_llm.rl import core_algos
+from mindspeed_llm.rl.passes import response_logprobs, response_values
+
+
+def clipped_policy_loss(args, logits, micro_batch, kl_coef: float = 0.0):
+    """The actor's loss of both stages on one micro-batch: the clipped surrogate (`--clip-ratio`,
+    `--clip-ratio-high`, `--dual-clip`, `--loss-agg-mode`), plus `kl_coef` x the KL to the reference
+    (`--kl-penalty`; grpo's KL loss) and the entropy bonus (`--entropy-coeff`), over the loss mask.
+    Returns (loss, metrics) as shares of the mini-batch's (its totals ride in the micro-batch, `ppo_loop`).
+    Without `old_logp` in the micro-batch (see `ppo_loop.old_logp_is_current`) the old log-probs are `logp`'s."""
+    logp, entropy = response_logprobs(logits, micro_batch, args.temperature, with_entropy=True)
+    old_logp = micro_batch.get("old_logp")
+    return core_algos.policy_loss(
+        logp, logp.detach() if old_logp is None else old_logp, micro_batch["advantages"], micro_batch["loss_mask"],
+        clip_low=args.clip_ratio, clip_high=args.clip_ratio_high, dual_clip=args.dual_clip, agg=args.loss_agg_mode,
+        max_len=args.max_new_tokens, ref_logp=micro_batch.get("ref_logp"), kl_coef=kl_coef,
+        kl_kind=args.kl_penalty, entropy=entropy, entropy_coeff=args.entropy_coeff,
+        total_tokens=micro_batch["total_tokens"], total_sequences=micro_batch["total_sequences"],
+    )
+
+
+def clipped_value_loss(args, output, micro_batch):
+    """The critic's loss on one micro-batch: TRL's clipped value loss (`--cliprange-value`) on the loss mask plus
+    one position (TRL's value mask), scaled by `--vf-coef`. Returns (loss, metrics) as shares of the
+    mini-batch's."""
+    values = response_values(output, micro_batch)
+    loss, metrics = core_algos.value_loss(
+        values, micro_batch["values"], micro_batch["returns"], core_algos.response_mask_p1(micro_batch["loss_mask"]),
+        args.cliprange_value, total_tokens=micro_batch["total_value_tokens"],
+    )
+    return args.vf_coef * loss, metrics

@@ -1,0 +1,55 @@
+"""One rollout: the sampling settings from the command line, generation with the actor's own weights into an
+`Experience`, and the rollout's length statistics."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence
+
+from mindspeed_llm.inference import SamplingConfig, generate
+from mindspeed_llm.rl.experience import Experience
+from mindspeed_llm.rl.metrics import length_stats
+
+
+def sampling_config(args, tokenizer, greedy: Optional[bool] = None) -> SamplingConfig:
+    do_sample = args.do_sample if greedy is None else not greedy
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    return SamplingConfig(
+        do_sample=do_sample, temperature=args.temperature, top_k=args.top_k or None,
+        top_p=args.top_p if args.top_p < 1.0 else None, max_new_tokens=args.max_new_tokens,
+        max_length=args.max_length, eos_token_id=eos, stop_token_ids=tuple(args.stop_token_ids),
+        pad_token_id=pad, seed=args.seed,
+    )
+
+
+def rollout(actor_module, rows: Sequence[dict], sampling: SamplingConfig, iteration: int, tokenizer,
+            samples_per_prompt: int = 1) -> Experience:
+    """Generate `samples_per_prompt` responses per row, a row's samples consecutive; the rows' labels and the
+    texts ride along in `Experience.extras`.
+
+    Sample k of the prompt at position p of the global batch (`row["position"]`, set by the trainer) draws
+    from the random stream p * n + k, so a sampled rollout is the same at any data-parallel size.
+    """
+    n = samples_per_prompt
+    samples = [row for row in rows for _ in range(n)]
+    prompts = [list(row["input_ids"]) for row in samples]  # never cut: the trainer checked --max-prompt-length
+    sample_ids = [row.get("position", i) * n + k for i, row in enumerate(rows) for k in range(n)]
+    # Ids past the tokenizer (Megatron's padded vocabulary) are never sampled.
+    result = generate(actor_module, prompts, sampling, iteration=iteration, sample_ids=sample_ids,
+                      vocab_size=len(tokenizer))
+    exp = Experience.from_rollout(result)
+    exp.extras["labels"] = [row.get("labels") for row in samples]
+    exp.extras["indices"] = [row.get("index") for row in samples]
+    exp.extras["finish_reasons"] = list(result.finish_reasons)  # "eos" | "stop" | "length"
+    exp.extras["texts"] = result.decode(tokenizer)
+    return exp
+
+
+def rollout_metrics(exp: Experience) -> Dict[str, float]:
+    metrics = {}
+    metrics.update(length_stats("response_length", exp.response_lengths))
+    metrics.update(length_stats("prompt_length", exp.prompt_lengths))
+    reasons = exp.extras["finish_reasons"]
+    # Share of responses cut by --max-new-tokens / --max-length rather than ended by EOS or a stop token.
+    metrics["response_clip_ratio"] = sum(r == "length" for r in reasons) / max(len(reasons), 1)
+    return metrics

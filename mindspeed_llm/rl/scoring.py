@@ -1,0 +1,67 @@
+"""The one place a response's score is made: rule verifiers, the reward model, and penalties, mixed by their
+weights, with their metrics."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence
+
+import torch
+
+from mindspeed_llm.arguments import ArgumentError
+from mindspeed_llm.rl import verifiers
+from mindspeed_llm.rl.batch_plan import MicroBatchPlan
+from mindspeed_llm.rl.experience import Experience
+from mindspeed_llm.rl.passes import reward_scores
+from mindspeed_llm.rl.roles import on_device
+
+
+class Scorer:
+    """Sequence scores: rule verifiers and/or a reward model (weighted sum), less TRL's `missing_eos_penalty`
+    for responses that did not end in EOS; with their metrics."""
+
+    @classmethod
+    def from_args(cls, args, reward_model=None) -> "Scorer":
+        return cls(args.verifier_function, args.verifier_weight, reward_model, args.reward_model_weight,
+                   args.offload_ref_reward, args.missing_eos_penalty)
+
+    def __init__(self, verifier_names: Sequence[str], verifier_weights: Sequence[float],
+                 reward_model=None, reward_model_weight: float = 1.0, offload: bool = False,
+                 missing_eos_penalty: Optional[float] = None):
+        try:
+            verifiers.check_verifiers(verifier_names, verifier_weights)
+        except ValueError as exc:  # the message lists the valid names
+            raise ArgumentError(f"--verifier-function: {exc}") from exc
+        self.verifier_names = list(verifier_names)
+        self.verifier_weights = list(verifier_weights)
+        self.reward_model = reward_model
+        self.reward_model_weight = reward_model_weight
+        self.offload = offload
+        self.missing_eos_penalty = missing_eos_penalty
+
+    def __call__(self, exp: Experience, plan: MicroBatchPlan, timers) -> tuple:
+        on = exp.tokens.device
+        total = torch.zeros(exp.batch_size, device=on)
+        metrics: Dict[str, float] = {}
+        if self.reward_model is not None:
+            with timers("reward_model"), on_device(self.reward_model, self.offload, timers):
+                rm = reward_scores([self.reward_model], exp, plan)
+            total += self.reward_model_weight * rm
+            metrics["reward_model/mean"] = float(rm.mean())
+        if self.verifier_names:
+            with timers("rule_reward"):
+                try:
+                    per_verifier, failures = verifiers.score_batch(exp.extras["texts"], exp.extras["labels"],
+                                                                   self.verifier_names)
+                except verifiers.MissingLabelError as exc:
+                    index = exp.extras["indices"][exc.row_index]
+                    raise ArgumentError(
+                        f"prompt {index} of the dataset has no label, but --verifier-function {exc.verifier} needs "
+                        "one; preprocess with a labels column (--map-keys '{\"labels\": \"answer\"}', "
+                        "R1AlpacaStyleInstructionHandler)"
+                    ) from exc
+            for name, weight in zip(self.verifier_names, self.verifier_weights):
+                total += weight * torch.as_tensor(per_verifier[name], dtype=torch.float32, device=on)
+            metrics.update(verifiers.reward_metrics(per_verifier, failures))
+        if self.missing_eos_penalty is not None:
+            total = total - self.missing_eos_penalty * (~exp.ended_with_eos).float()
+        return total, metrics

@@ -1,0 +1,33 @@
+"""Rule-based reward verifiers, one registry.
+
+A verifier is a plain function ``fn(response_text: str, label: str | None) -> float`` registered by name
+(`registry.py`); the stages select them with ``--verifier-function NAME ...`` and weigh them with
+``--verifier-weight W ...`` (the weighted mix with a reward model is `rl/scoring.py`). Built in:
+
+* ``math_acc`` (needs a label): the final answer equals the label mathematically (`math.py`, with the answer
+  extraction and LaTeX normalisation of `answers.py` and the sandboxed worker of `worker.py`);
+* ``first_line_answer`` (needs a label): the first line answers with that number (`first_line.py`);
+* ``format`` (the R1 ``<think>``/``<answer>`` template) and ``boxed_format`` (one non-empty box) (`format.py`).
+
+A new verifier is one function and one ``@register_verifier("name")``.
+"""
+
+from mindspeed_llm.rl.verifiers.answers import ExtractedAnswer, extract_answer, last_boxed_content
+from mindspeed_llm.rl.verifiers.batch import reward_metrics, score_batch
+from mindspeed_llm.rl.verifiers.first_line import first_line_answer, parse_first_line_answer
+from mindspeed_llm.rl.verifiers.format import boxed_format_reward, format_reward
+from mindspeed_llm.rl.verifiers.math import (
+    MathAccConfig, get_math_acc_config, math_acc, math_equal, set_math_acc_config,
+)
+from mindspeed_llm.rl.verifiers.registry import (
+    MissingLabelError, VerifierTimeout, available_verifiers, check_verifiers, get_verifier, register_verifier,
+    verifier_requires_label,
+)
+
+__all__ = [
+    "MissingLabelError", "VerifierTimeout", "MathAccConfig", "register_verifier", "get_verifier",
+    "check_verifiers", "verifier_requires_label", "available_verifiers", "first_line_answer",
+    "parse_first_line_answer", "get_math_acc_config", "set_math_acc_config", "last_boxed_content",
+    "extract_answer", "ExtractedAnswer", "math_equal", "math_acc", "format_reward", "boxed_format_reward",
+    "score_batch", "reward_metrics",
+]

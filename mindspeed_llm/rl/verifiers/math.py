@@ -1,0 +1,242 @@
+"""``math_acc``: 1.0 when the final answer of a response is mathematically equal to the label, else 0.0.
+
+The final answer is the content of the *last* ``\\boxed{...}`` / ``\\fbox{...}`` (balanced braces), else the
+content of the last ``<answer>...</answer>`` tag, else the last ``Answer: ...`` line (the format
+DAPO-Math-17k's prompts ask for; ``MathAccConfig(answer_line=False)`` turns it off), else nothing (score 0).
+Scoring the whole response when none is present can be switched on with ``MathAccConfig(allow_unanchored=True)``;
+it is off by default because it rewards rambling that happens to mention the right number.
+
+Equality: a cheap normalised string comparison first, then the ``math_verify`` package (``parse`` + ``verify``),
+which handles ``\\frac{9}{10}`` == ``0.9``, ``80\\%`` == ``80``, units, ``x=3`` vs ``3``, intervals, sets,
+tuples, symbolic expressions, and so on. Before parsing, ``\\dfrac``/``\\tfrac`` become ``\\frac``,
+``\\frac12``/``\\sqrt5`` get braces, and a multiple-choice marker (``\\textbf{(B)}\\ 7``,
+``(D) \\frac{5}{3}``, ``40\\textbf{ (B)}``) is dropped, except that a bare letter label (``B``) is compared
+with the chosen letter.
+
+Timeouts: ``math_verify`` bounds its sympy work with ``signal.alarm``, which only works in the main thread of
+the main interpreter. ``MathAccConfig.timeout_mode`` (default ``"auto"``): in the main thread on POSIX,
+``math_verify``'s own signal timeouts (they replace the SIGALRM handler during a call and cancel any alarm the
+caller had set); in any other thread, the comparison runs in a helper interpreter (`verifiers/worker.py`),
+where it is the main thread; the caller waits at most a fixed budget, and a worker that overruns it is killed
+and replaced. ``"none"`` calls ``math_verify`` without timeouts (unbounded; for callers that bound the call
+themselves). A comparison that hits a timeout raises :class:`VerifierTimeout`, which batch scoring counts as a
+failure scored 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from mindspeed_llm.rl.verifiers.answers import (
+    _BOX_CMD_RE, _LETTER_RE, ExtractedAnswer, _cheap_key, _normalize_latex, _split_choice, _strip_math_delims,
+    extract_answer,
+)
+from mindspeed_llm.rl.verifiers.registry import (
+    MissingLabelError, VerifierTimeout, label_missing, register_verifier,
+)
+from mindspeed_llm.rl.verifiers.worker import WORKER
+
+@dataclass(frozen=True)
+class MathAccConfig:
+    """Settings of the ``math_acc`` verifier.
+
+    allow_unanchored: score the whole response (its tail) when it has no box, no ``<answer>`` tag
+        and no ``Answer:`` line. Off by default.
+    answer_line: accept a line ``Answer: <answer>`` (the format DAPO-Math-17k's prompts ask for)
+        when there is no box and no ``<answer>`` tag. On by default.
+    timeout_seconds: per-operation budget given to ``math_verify`` (``parsing_timeout`` and
+        ``timeout_seconds``), whole seconds >= 1 since it uses ``signal.alarm``.
+    timeout_mode: "auto" (signal in the main thread, worker process elsewhere), "signal",
+        "process", or "none" (no timeouts: only for callers that bound the call themselves).
+    max_answer_chars: longer extracted answers score 0 without being parsed.
+    unanchored_tail_chars: with ``allow_unanchored``, only this many trailing characters are parsed.
+    float_rounding: decimals used by ``math_verify`` for numeric comparison.
+    """
+
+    allow_unanchored: bool = False
+    answer_line: bool = True
+    timeout_seconds: int = 2
+    timeout_mode: str = "auto"
+    max_answer_chars: int = 1000
+    unanchored_tail_chars: int = 600
+    float_rounding: int = 6
+
+    def __post_init__(self):
+        if self.timeout_mode not in ("auto", "signal", "process", "none"):
+            raise ValueError(f"timeout_mode must be auto|signal|process|none, got {self.timeout_mode!r}")
+        if int(self.timeout_seconds) < 1:
+            raise ValueError("timeout_seconds must be >= 1 (math_verify uses signal.alarm)")
+
+
+_MATH_ACC_CONFIG = MathAccConfig()
+
+
+def get_math_acc_config() -> MathAccConfig:
+    return _MATH_ACC_CONFIG
+
+
+def set_math_acc_config(config: Optional[MathAccConfig] = None, **changes) -> MathAccConfig:
+    """Replace the process-wide ``math_acc`` settings (``config`` and/or field overrides)."""
+    global _MATH_ACC_CONFIG
+    base = config if config is not None else _MATH_ACC_CONFIG
+    _MATH_ACC_CONFIG = dataclasses.replace(base, **changes)
+    return _MATH_ACC_CONFIG
+
+
+def _mv():
+    import math_verify  # local: keeps importing the verifiers cheap, and the format verifiers usable without it
+
+    return math_verify
+
+
+_EXTRACTION_CONFIG = None
+
+
+def _boxed_extraction_config():
+    global _EXTRACTION_CONFIG
+    if _EXTRACTION_CONFIG is None:
+        mv = _mv()
+        _EXTRACTION_CONFIG = (mv.LatexExtractionConfig(boxed_match_priority=0), mv.ExprExtractionConfig())
+    return _EXTRACTION_CONFIG
+
+
+def _parse(text: str, extraction_config, timeout: Optional[int]) -> list:
+    """``math_verify.parse`` that reports a timeout (which it otherwise swallows) as VerifierTimeout."""
+    mv = _mv()
+    start = time.perf_counter()
+    out = mv.parse(text, extraction_config=extraction_config, parsing_timeout=timeout)
+    if not out and timeout and time.perf_counter() - start >= timeout - 0.05:
+        raise VerifierTimeout(f"math_verify.parse exceeded {timeout}s")
+    return out
+
+
+def _gold_text(label: str) -> str:
+    label = _normalize_latex(label)
+    if _BOX_CMD_RE.search(label):
+        return label
+    inner = _strip_math_delims(label)
+    if "$" in inner or "\\(" in inner:
+        return label  # several inline formulas: let math_verify find them
+    return "\\boxed{" + inner + "}"
+
+
+def _pred_text(answer: ExtractedAnswer) -> str:
+    text = _normalize_latex(answer.text)
+    if answer.source == "unanchored" or "$" in text or "\\(" in text:
+        return text
+    return "\\boxed{" + text + "}"
+
+
+def _gold_cache_get(key):
+    with _GOLD_CACHE_LOCK:
+        if key in _GOLD_CACHE:
+            _GOLD_CACHE.move_to_end(key)
+            return _GOLD_CACHE[key]
+    return None
+
+
+def _gold_cache_put(key, value):
+    with _GOLD_CACHE_LOCK:
+        _GOLD_CACHE[key] = value
+        while len(_GOLD_CACHE) > 4096:
+            _GOLD_CACHE.popitem(last=False)
+
+
+_GOLD_CACHE: "OrderedDict[Tuple[str, Optional[int]], list]" = OrderedDict()
+_GOLD_CACHE_LOCK = threading.Lock()
+
+
+def _math_equal_direct(
+    pred_text: str, pred_is_unanchored: bool, gold_text: str, timeout: Optional[int], float_rounding: int
+) -> bool:
+    """parse + verify with the given math_verify timeout (None = no signal use)."""
+    mv = _mv()
+    boxed_cfg = _boxed_extraction_config()
+    gold = _gold_cache_get((gold_text, timeout))
+    if gold is None:
+        gold = _parse(gold_text, boxed_cfg, timeout)
+        _gold_cache_put((gold_text, timeout), gold)
+    if not gold:
+        return False
+    if pred_is_unanchored:
+        pred_cfg = (mv.LatexExtractionConfig(), mv.ExprExtractionConfig())  # math_verify's own anchors
+    else:
+        pred_cfg = boxed_cfg
+    pred = _parse(pred_text, pred_cfg, timeout)
+    if not pred:
+        return False
+    start = time.perf_counter()
+    ok = mv.verify(gold, pred, float_rounding=float_rounding, timeout_seconds=timeout)
+    if not ok and timeout and time.perf_counter() - start >= timeout - 0.05:
+        raise VerifierTimeout(f"math_verify.verify exceeded {timeout}s")
+    return bool(ok)
+
+
+def _resolve_mode(mode: str) -> str:
+    if mode != "auto":
+        return mode
+    if os.name == "posix" and threading.current_thread() is threading.main_thread():
+        return "signal"
+    return "process"
+
+
+def math_equal(answer: str, label: str, config: Optional[MathAccConfig] = None, *, source: str = "boxed") -> bool:
+    """True when the answer text (already extracted) equals the label. See the module docstring."""
+    cfg = config or _MATH_ACC_CONFIG
+    pred = ExtractedAnswer(answer.strip(), source)
+    label = str(label).strip()
+    if not pred.text or not label:
+        return False
+    if source != "unanchored" and len(pred.text) > cfg.max_answer_chars:
+        return False
+
+    # multiple choice: a bare letter label compares letters; otherwise the "(B)" prefix is dropped
+    pred_letter, pred_value = _split_choice(pred.text)
+    gold_letter, gold_value = _split_choice(_strip_math_delims(label))
+    if gold_letter is None:
+        m = _LETTER_RE.match(_strip_math_delims(label))
+        gold_letter, gold_value = (m.group(1), "") if m else (None, gold_value)
+    if gold_letter is not None and not gold_value and source != "unanchored":
+        if pred_letter is None:
+            m = _LETTER_RE.match(_strip_math_delims(pred.text).upper())
+            pred_letter = m.group(1) if m else None
+        return pred_letter == gold_letter
+    if pred_letter is not None and pred_value:
+        pred = ExtractedAnswer(pred_value, source)
+    if gold_letter is not None and gold_value:
+        label = gold_value
+
+    if source != "unanchored" and _cheap_key(pred.text) == _cheap_key(_strip_math_delims(label)):
+        return True
+
+    pred_text = _pred_text(pred)
+    if source == "unanchored":
+        pred_text = pred_text[-cfg.unanchored_tail_chars:]
+    gold_text = _gold_text(label)
+    timeout = max(1, int(cfg.timeout_seconds))
+    mode = _resolve_mode(cfg.timeout_mode)
+    if mode == "signal":
+        return _math_equal_direct(pred_text, source == "unanchored", gold_text, timeout, cfg.float_rounding)
+    if mode == "none":
+        return _math_equal_direct(pred_text, source == "unanchored", gold_text, None, cfg.float_rounding)
+    # process: parse and verify (a handful of operations, each bounded by `timeout` in the worker)
+    budget = 6.0 * timeout + 5.0
+    return WORKER.run((pred_text, source == "unanchored", gold_text, timeout, cfg.float_rounding), budget)
+
+
+@register_verifier("math_acc", requires_label=True)
+def math_acc(response_text: str, label: Optional[str], config: Optional[MathAccConfig] = None) -> float:
+    """1.0 when the response's final answer equals ``label`` (see the module docstring), else 0.0."""
+    if label_missing(label):
+        raise MissingLabelError("math_acc")
+    cfg = config or _MATH_ACC_CONFIG
+    answer = extract_answer(response_text, allow_unanchored=cfg.allow_unanchored, answer_line=cfg.answer_line)
+    if answer is None or not answer.text:
+        return 0.0
+    return 1.0 if math_equal(answer.text, str(label), cfg, source=answer.source) else 0.0

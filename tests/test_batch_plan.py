@@ -1,0 +1,131 @@
+"""`MicroBatchPlan` (`rl/batch_plan.py`): the packed prompt-group layout built with whole-tensor ops equals a
+group-by-group construction written out by hand, and micro-batches cut from a dealt sample order carry the right
+rows, reads and per-sample tensors. (That the layouts compute the same outputs is tests/test_packed_layout.py.)"""
+
+import pytest
+import torch
+
+from mindspeed_llm.inference.rollout import Rollout
+from mindspeed_llm.rl.batch_plan import MicroBatchPlan, gather_last_token, gather_response
+from mindspeed_llm.rl.experience import Experience
+
+N = 3
+PROMPT_LENGTHS = (4, 2)
+RESPONSE_LENGTHS = ((2, 5, 1), (0, 3, 3))  # width 5; one empty response
+
+
+def _experience():
+    g = torch.Generator().manual_seed(1)
+    width, pw = 5, max(PROMPT_LENGTHS)
+    prompts, responses, lengths, plens = [], [], [], []
+    for P, group in zip(PROMPT_LENGTHS, RESPONSE_LENGTHS):
+        prompt = torch.randint(10, 99, (P,), generator=g)
+        for r in group:
+            row = torch.zeros(pw, dtype=torch.long)
+            row[:P] = prompt
+            prompts.append(row)
+            resp = torch.zeros(width, dtype=torch.long)
+            resp[:r] = torch.randint(100, 999, (r,), generator=g)
+            responses.append(resp)
+            lengths.append(r)
+            plens.append(P)
+    lengths = torch.tensor(lengths)
+    return Experience.from_rollout(Rollout(
+        prompts=torch.stack(prompts), prompt_lengths=torch.tensor(plens), responses=torch.stack(responses),
+        response_mask=(torch.arange(width)[None] < lengths[:, None]).long(), response_lengths=lengths,
+        ended_with_eos=torch.zeros(len(lengths), dtype=torch.bool), finish_reasons=["length"] * len(lengths),
+        log_probs=None, pad_token_id=0))
+
+
+def _by_hand(exp, n):
+    """The packed layout group by group, sample by sample (the construction the plan vectorises)."""
+    G = exp.batch_size // n
+    P = [int(exp.prompt_lengths[g * n]) for g in range(G)]
+    L = [[int(exp.response_lengths[g * n + k]) for k in range(n)] for g in range(G)]
+    W = [max(max(lg), 1) for lg in L]
+    S = max(p + n * w for p, w in zip(P, W))
+    tokens = torch.zeros(G, S, dtype=torch.long)
+    positions = torch.arange(S).repeat(G, 1)
+    segment = torch.full((G, S), n)
+    response_index = torch.zeros_like(exp.responses)
+    last = torch.zeros(exp.batch_size, dtype=torch.long)
+    for g in range(G):
+        tokens[g, :P[g]] = exp.tokens[g * n, :P[g]]
+        segment[g, :P[g]] = -1
+        for k in range(n):
+            row, begin = g * n + k, P[g] + k * W[g]
+            tokens[g, begin:begin + L[g][k]] = exp.responses[row, :L[g][k]]
+            positions[g, begin:begin + W[g]] = P[g] + torch.arange(W[g])
+            segment[g, begin:begin + W[g]] = k
+            for j in range(exp.responses.shape[1]):
+                response_index[row, j] = min(P[g] - 1 if j == 0 else begin + j - 1, S - 1)
+            last[row] = begin + L[g][k] - 1 if L[g][k] else P[g] - 1
+    mask = torch.ones(G, 1, S, S, dtype=torch.bool)
+    for g in range(G):
+        for q in range(S):
+            for key in range(q + 1):
+                if segment[g, key] == -1 or segment[g, key] == segment[g, q]:
+                    mask[g, 0, q, key] = False
+    return tokens, positions, mask, response_index, last
+
+
+def test_packed_layout_equals_the_construction_by_hand():
+    exp = _experience()
+    plan = MicroBatchPlan.build(exp, micro_batch_size=N, group_size=N)
+    tokens, positions, mask, response_index, last = _by_hand(exp, N)
+    assert plan.packed and torch.equal(plan.tokens, tokens) and torch.equal(plan.position_ids, positions)
+    assert torch.equal(plan.attention_mask, mask)
+    assert torch.equal(plan.response_index, response_index) and torch.equal(plan.last_token_index, last)
+    assert plan.row_of_sample.tolist() == [0, 0, 0, 1, 1, 1]
+    # a hand-checked corner: group 1 (prompt of 2, slot width 3): sample 3 is empty, its reads are the prompt's end
+    assert plan.last_token_index[3] == 1 and plan.response_index[3, 0] == 1
+    assert plan.response_index[4].tolist() == [1, 5, 6, 7, 8] and plan.last_token_index[4] == 7
+
+
+def test_rows_layout_and_micro_batches_of_a_dealt_order():
+    exp = _experience()
+    exp.advantages = torch.arange(exp.batch_size, dtype=torch.float32)[:, None].expand(-1, 5).clone()
+    rows = MicroBatchPlan.build(exp, micro_batch_size=2)
+    assert not rows.packed and rows.tokens is exp.tokens
+    assert rows.response_index[0].tolist() == [3, 4, 5, 6, 7] and rows.last_token_index[0] == 5
+    batches = rows.micro_batches(exp, torch.tensor([5, 1, 2, 0, 4, 3]))
+    assert [mb["advantages"][:, 0].tolist() for mb in batches] == [[5, 1], [2, 0], [4, 3]]
+    assert torch.equal(batches[0]["tokens"], exp.tokens[[5, 1]]) and batches[0]["row_index"].tolist() == [0, 1]
+    assert int(batches[0]["logits_from"]) == 1  # the earliest first read of the micro-batch (prompt of 2)
+
+    packed = MicroBatchPlan.build(exp, micro_batch_size=N, group_size=N)
+    batches = packed.micro_batches(exp, torch.tensor([3, 4, 5, 0, 1, 2]))  # groups dealt in another order
+    assert torch.equal(batches[0]["tokens"], packed.tokens[[1]]) and batches[0]["row_index"].tolist() == [0, 0, 0]
+    assert batches[0]["advantages"][:, 0].tolist() == [3, 4, 5] and "attention_mask" in batches[0]
+    # reads pick a sample's positions from its micro-batch's rows, past logits_from
+    mb = batches[1]
+    out = torch.arange(mb["tokens"].shape[1] - int(mb["logits_from"]))[None, :, None].float()
+    assert gather_last_token(out, mb).reshape(-1).tolist() == (packed.last_token_index[:3] - 3).float().tolist()
+    assert gather_response(out, mb).shape == (3, 5, 1)
+
+
+def test_plan_refuses_what_it_cannot_lay_out():
+    exp = _experience()
+    with pytest.raises(ValueError, match="do not split into micro-batches of 4"):
+        MicroBatchPlan.build(exp, micro_batch_size=4)
+    with pytest.raises(ValueError, match="prompts of different lengths"):
+        MicroBatchPlan.build(exp, micro_batch_size=6, group_size=6)
+    assert not MicroBatchPlan.build(exp, micro_batch_size=2, group_size=N).packed  # groups do not fit: rows
+
+
+def test_position_hooks_refuse_what_they_cannot_index():
+    """The RoPE hook indexes megatron's [S, 1, 1, D] table by position ids; any other output is an error, never
+    passed through (packed rows would silently get slot positions)."""
+    import types
+
+    from mindspeed_llm.models.forward_layout import _POSITIONS, _rotary_by_position_ids
+
+    module = types.SimpleNamespace(**{_POSITIONS: torch.tensor([[0, 1, 2, 1]])})
+    table = torch.arange(6.0).view(6, 1, 1, 1)
+    assert _rotary_by_position_ids(module, (), table)[:, 0, 0, 0].tolist() == [0, 1, 2, 1]
+    for bad in ((table, table), table.view(6, 1, 1), table.expand(6, 2, 1, 1)):
+        with pytest.raises(TypeError, match="rotary embedding returned"):
+            _rotary_by_position_ids(module, (), bad)
+    with pytest.raises(ValueError, match="past the rotary table"):
+        _rotary_by_position_ids(types.SimpleNamespace(**{_POSITIONS: torch.tensor([[0, 6]])}), (), table)
+    assert _rotary_by_position_ids(types.SimpleNamespace(), (), (table, table)) == (table, table)  # no positions set
