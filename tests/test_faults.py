@@ -39,6 +39,8 @@ import pytest
 
 from multiproc import run_distributed
 
+pytestmark = pytest.mark.slow  # see pytest.ini
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

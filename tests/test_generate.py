@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from multiproc import run_distributed  # noqa: E402
 
-from mindspeed_llm.inference import HFTokenizerAdapter, Rollout, SamplingConfig, filter_logits, sample_uniforms  # noqa: E402
+from mindspeed_llm.inference import Rollout, SamplingConfig, filter_logits, sample_uniforms  # noqa: E402
 from mindspeed_llm.inference.sampling import choose_tokens, top_k_top_p_candidates  # noqa: E402
 
 HF_CONFIG = dict(
@@ -281,19 +281,31 @@ def _check_consistent(r: Rollout, pad=PAD):
         assert r.response_mask[b, :n].all() and not r.response_mask[b, n:].any()
         assert (r.responses[b, n:] == pad).all()
         assert (r.log_probs[b, n:] == 0).all() and (r.log_probs[b, :n] <= 0).all()
-    tokens, loss_mask, position_ids, attention_mask = r.sequences()
+    tokens, position_ids, attention_mask = r.sequences()
     for b in range(B):
         L, n = int(r.prompt_lengths[b]), int(r.response_lengths[b])
         assert tokens[b, :L].tolist() == r.prompt_token_lists()[b]
         assert tokens[b, L:L + n].tolist() == r.response_token_lists()[b]
         assert (tokens[b, L + n:] == pad).all()
         assert attention_mask[b].tolist() == [1] * (L + n) + [0] * (tokens.size(1) - L - n)
-        # loss_mask[t] = 1  <=>  the target tokens[t + 1] is a response token
-        targets = [t for t in range(tokens.size(1)) if loss_mask[b, t] == 1]
-        assert targets == list(range(L - 1, L + n - 1))
     assert torch.equal(position_ids, torch.arange(tokens.size(1)).expand_as(tokens))
-    seq = r.sequences()
-    assert torch.equal(r.gather_response(seq.labels) * r.response_mask, r.responses * r.response_mask)
+    # response token j of row b is the next-token target of position L_b - 1 + j
+    assert torch.equal(_at_responses(r, _next_tokens(tokens)) * r.response_mask, r.responses * r.response_mask)
+
+
+def _next_tokens(tokens):
+    """The next-token target of every position (the last position repeats its own token)."""
+    return torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
+
+
+def _at_responses(r: Rollout, per_position):
+    """[B, T, ...] values of the positions that predict the response tokens -> [B, R, ...] (0 past a response)."""
+    B, R = r.responses.shape
+    j = torch.arange(R)[None, :]
+    index = (r.prompt_lengths[:, None] - 1 + j).clamp(0, per_position.size(1) - 1)
+    picked = per_position[torch.arange(B)[:, None], index]
+    valid = (j < r.response_lengths[:, None]).view(B, R, *([1] * (per_position.dim() - 2)))
+    return picked * valid.to(picked.dtype)
 
 
 def _hf_log_probs(model, r: Rollout, temperature=1.0):
@@ -301,8 +313,8 @@ def _hf_log_probs(model, r: Rollout, temperature=1.0):
     seq = r.sequences()
     with torch.no_grad():
         logits = model(input_ids=seq.tokens, attention_mask=seq.attention_mask).logits.float()
-    lp = torch.log_softmax(logits / temperature, -1).gather(-1, seq.labels.unsqueeze(-1)).squeeze(-1)
-    return r.gather_response(lp), r.gather_response(logits)
+    lp = torch.log_softmax(logits / temperature, -1).gather(-1, _next_tokens(seq.tokens).unsqueeze(-1)).squeeze(-1)
+    return _at_responses(r, lp), _at_responses(r, logits)
 
 
 def _assert_greedy_matches_hf(ref, results):
@@ -565,8 +577,8 @@ def test_sampling_config_validation_and_budgets():
     assert not (sample_uniforms(1, 3, [0], 6) == table[:1]).any() and not (sample_uniforms(2, 2, [0], 6) == table[:1]).any()
 
 
-def test_hf_tokenizer_adapter():
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+def test_rollout_decode_with_a_transformers_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4, "foo": 5}
@@ -574,16 +586,7 @@ def test_hf_tokenizer_adapter():
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.decoder = decoders.WordPiece(prefix="##")
     hf = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    tok = HFTokenizerAdapter(hf)
-    ids = tok.tokenize("hello world foo")
-    assert ids == [3, 4, 5]
-    assert tok.detokenize(ids) == "hello world foo"
-    assert tok.detokenize([3, 2], skip_special_tokens=True) == "hello"
-    assert (tok.eod, tok.eos_id, tok.bos, tok.pad, tok.vocab_size) == (2, 2, 1, 0, 6)
-    assert tok.offsets(ids, "hello world foo") == [0, 5, 11]  # a token starts where the previous decode ends
-    cfg = tok.sampling_config(max_new_tokens=3)
-    assert cfg.eos_ids == (2,) and cfg.pad_id == 0
     r = Rollout(prompts=torch.tensor([[1, 3]]), prompt_lengths=torch.tensor([2]), responses=torch.tensor([[4, 2, 0]]),
                 response_mask=torch.tensor([[1, 1, 0]]), response_lengths=torch.tensor([2]),
                 ended_with_eos=torch.tensor([True]), finish_reasons=["eos"], log_probs=None, pad_token_id=0)
-    assert r.decode(tok) == ["world"] and r.decode(hf) == ["world"]
+    assert r.decode(hf) == ["world"] and r.decode(hf, skip_special_tokens=False) == ["world </s>"]

@@ -56,6 +56,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from multiproc import run_distributed  # noqa: E402
 
+pytestmark = pytest.mark.slow  # see pytest.ini
+
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 SEED = 4
 RTOL, ATOL = 1e-5, 1e-6  # metrics

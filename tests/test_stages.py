@@ -13,6 +13,8 @@ import torch
 
 from stage_assets import posttrain_argv, torchrun
 
+pytestmark = pytest.mark.slow  # see pytest.ini
+
 PPO_KEYS = [
     "actor/pg_loss", "actor/abs_pg_loss", "actor/ppo_ratio", "actor/ppo_ratio_clamped", "actor/pg_clipfrac",
     "actor/ppo_kl", "actor/entropy", "actor/lr", "actor/grad_norm", "critic/vf_loss", "critic/vf_clipfrac",

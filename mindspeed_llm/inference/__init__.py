@@ -1,11 +1,10 @@
 """Rollout generation for RL on Megatron-core's inference path (static KV cache), see `generate`.
 
-`generate` is imported lazily: `SamplingConfig`, `Rollout` and `HFTokenizerAdapter` do not import megatron.
+`generate` is imported lazily: `SamplingConfig` and `Rollout` do not import megatron.
 """
 
 from mindspeed_llm.inference.rollout import Rollout, SequenceBatch
 from mindspeed_llm.inference.sampling import SamplingConfig, choose_tokens, filter_logits, sample_uniforms
-from mindspeed_llm.inference.tokenizer import HFTokenizerAdapter
 
 
 def __getattr__(name):
@@ -18,5 +17,4 @@ def __getattr__(name):
 
 __all__ = [
     "generate", "Rollout", "SequenceBatch", "SamplingConfig", "sample_uniforms", "filter_logits", "choose_tokens",
-    "HFTokenizerAdapter",
 ]
