@@ -34,6 +34,8 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
+from mindspeed_llm.files import fsync_dir
+
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
@@ -81,19 +83,6 @@ def staging_dir(root: str, iteration: Iteration) -> str:
 
 # ------------------------------------------------------------------------------------------- atomic writes
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def prepare_staging(root: str, iteration: Iteration) -> str:
     """A fresh, empty staging directory for `iteration` (a stale one from a killed run is removed)."""
     os.makedirs(os.fspath(root), exist_ok=True)
@@ -119,7 +108,7 @@ def publish(tmp_dir: str, final_dir: str) -> None:
         old = os.path.join(parent, f".{os.path.basename(final_dir)}.old-{uuid.uuid4().hex[:8]}")
         os.replace(final_dir, old)
     os.replace(tmp_dir, final_dir)
-    _fsync_dir(parent)
+    fsync_dir(parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -134,7 +123,7 @@ def write_latest(root: str, iteration: Iteration) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(root, TRACKER_FILE))
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def remove_latest(root: str) -> None:
@@ -142,7 +131,7 @@ def remove_latest(root: str) -> None:
     path = os.path.join(os.fspath(root), TRACKER_FILE)
     if os.path.exists(path):
         os.remove(path)
-        _fsync_dir(os.fspath(root))
+        fsync_dir(os.fspath(root))
 
 
 def read_latest(root: str) -> Iteration:

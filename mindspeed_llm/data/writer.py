@@ -54,6 +54,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from mindspeed_llm.data.errors import OutputExistsError, OutputWriteError
+from mindspeed_llm.files import fsync_dir
 
 logger = logging.getLogger("mindspeed_llm.data.preprocess")
 
@@ -216,19 +217,6 @@ def aside_copy(prefix: str) -> Optional[str]:
     return os.path.join(max(found, key=os.path.getmtime), stem)
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _put_back(aside: str, name: str, dst: str) -> None:
     """Make ``dst`` the file ``aside/name`` while ``aside`` stays complete (a hard link renamed over
     ``dst``), so a process killed while restoring leaves the copy intact; moved where the
@@ -273,7 +261,7 @@ def _restore_aside(aside: str, prefix: str) -> str:
             _put_back(aside, name, os.path.join(out_dir, name))
             if i == 0:
                 _fault_point("restoring")
-        _fsync_dir(out_dir)
+        fsync_dir(out_dir)
         shutil.rmtree(aside, ignore_errors=True)
         return f"restored the previous dataset at {prefix} from {aside} (an --overwrite-cache run was " \
                f"interrupted before the new dataset was complete)"
@@ -470,17 +458,17 @@ class DatasetWriter:
                                 raise
                             link = False  # no hard links here (some network / FUSE filesystems): move
                     os.replace(path, dst)
-                _fsync_dir(aside)
+                fsync_dir(aside)
                 _fault_point("aside")
                 for path in reversed(old):  # the manifest first: the prefix stops claiming a dataset
                     if os.path.lexists(path):
                         os.remove(path)
-                _fsync_dir(out_dir)
+                fsync_dir(out_dir)
             for i, (src, dst) in enumerate(zip(tmp_files, final_files)):  # the manifest last
                 os.replace(src, dst)
                 if i == 0:
                     _fault_point("swap")
-            _fsync_dir(out_dir)
+            fsync_dir(out_dir)
         except BaseException as err:
             self._rollback(aside, final_files)
             if isinstance(err, OSError):
