@@ -290,5 +290,5 @@ def test_disk_space_is_checked_up_front(tmp_path):
     from mindspeed_llm.checkpoint.training import _save_dir_problem
 
     assert _save_dir_problem(str(tmp_path), 1) is None
-    problem = _save_dir_problem(str(tmp_path / "new"), 2 ** 60)
-    assert "GiB free, but one checkpoint of this run needs about" in problem and str(tmp_path / "new") in problem
+    problem = _save_dir_problem(str(tmp_path), 2 ** 60)
+    assert "GiB free, but one checkpoint of this run needs about" in problem and str(tmp_path) in problem

@@ -356,7 +356,8 @@ class WriterLock:
 
 
 def check_save_dir(save: str, roles: Dict[str, object]) -> None:
-    """Before any training: --save can be written, and its disk has room for a checkpoint of `roles`.
+    """Before any training: the disk of --save (which `WriterLock` has created and written) has room for a
+    checkpoint of `roles`.
 
     The size is the weights plus optimizer state (Adam's two moments; fp32 main copies for bf16/fp16) of
     every rank that writes (DP rank 0), summed over the job.
@@ -380,15 +381,6 @@ def check_save_dir(save: str, roles: Dict[str, object]) -> None:
 
 
 def _save_dir_problem(save: str, needed: int) -> Optional[str]:
-    try:
-        os.makedirs(save, exist_ok=True)
-        probe = os.path.join(save, f".write-probe-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as exc:
-        reason = "No space left on device" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
-        return f"--save {save} cannot be written ({reason}); pass a --save directory this job can write"
     free = shutil.disk_usage(save).free
     if free < needed:
         return (f"--save {save}: its disk has {free / 2**30:.2f} GiB free, but one checkpoint of this run needs about "

@@ -56,7 +56,7 @@ class OptimizerSettings:
     lr_flag: str = "--lr"
 
 
-# OptimizerParamScheduler state key -> (its OptimizerSettings-derived name for messages, flag)
+# OptimizerParamScheduler state key -> what it is, for messages
 _SCHEDULE_KEYS = {
     "max_lr": "learning rate", "min_lr": "minimum learning rate", "lr_warmup_steps": "warmup iterations",
     "lr_decay_steps": "decay iterations", "lr_decay_style": "decay style", "start_wd": "weight decay",
@@ -65,7 +65,7 @@ _SCHEDULE_KEYS = {
 
 def _model_forward(model, micro_batch: MicroBatch):
     """Outputs `[rows, T - logits_from, ...]`: RoPE at the micro-batch's position ids, its attention mask
-    (None: causal), and nothing computed for the positions before `logits_from` (`rl/experience.py`)."""
+    (None: causal), and nothing computed for the positions before `logits_from` (`rl/batch_plan.py`)."""
     with forward_layout(model, micro_batch["position_ids"], int(micro_batch.get("logits_from", 0))):
         return model(micro_batch["tokens"], micro_batch["position_ids"], micro_batch.get("attention_mask"))
 
@@ -244,32 +244,32 @@ class TrainableModel:
             return loss * scale, metrics
 
         results = _run_schedule(self.chunks, micro_batches, scaled_loss_fn, forward_only=False)
+        # every rank of a DP group sits at the same pipeline stage: all have results (the last stage), or none
+        keys = sorted(results[0]) if results else []
+        local = {k: sum(torch.as_tensor(r[k]).double() for r in results) for k in keys}  # this rank's shares
         if self.check_finite:
-            self._stop_if_not_finite(losses, results)
+            self._stop_if_not_finite(losses, local)
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(increment=1)
         metrics: Dict[str, float] = {}
-        if results:  # every rank of a DP group sits at the same pipeline stage: all have results, or none
-            keys = sorted(results[0])
-            local = torch.stack([sum(torch.as_tensor(r[k]).double() for r in results) for k in keys])
-            metrics = dict(zip(keys, sum_over_data_parallel(local).tolist()))
+        if keys:
+            metrics = dict(zip(keys, sum_over_data_parallel(torch.stack([local[k] for k in keys])).tolist()))
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         return metrics
 
-    def _stop_if_not_finite(self, losses, results) -> None:
-        """Megatron-LM's --check-for-nan-in-loss-and-grad: NaN / inf in this step's loss, metrics (last stage)
-        or gradients (every stage) on any rank stops every rank before the optimizer step."""
+    def _stop_if_not_finite(self, losses, metrics) -> None:
+        """Megatron-LM's --check-for-nan-in-loss-and-grad: NaN / inf in this step's loss, its metric shares (last
+        stage) or gradients (every stage) on any rank stops every rank before the optimizer step."""
         found = []
         if losses:
             loss = torch.stack(losses).sum()
             if not bool(torch.isfinite(loss)):
                 found.append(f"the loss is {float(loss)}")
-            for key in results[0]:
-                value = sum(float(r[key]) for r in results)
-                if not math.isfinite(value):
-                    found.append(f"{key} is {value}")
+        for key, value in metrics.items():
+            if not math.isfinite(float(value)):
+                found.append(f"{key} is {float(value)}")
         # fp16 gradients carry the loss scale: an overflow there is megatron's grad scaler's to skip, not a stop
         buffers = [] if self.settings.params_dtype == "fp16" else self.ddp.buffers + self.ddp.expert_parallel_buffers
         bad = sum(int((~torch.isfinite(buffer.grad_data)).sum()) for buffer in buffers)

@@ -23,7 +23,7 @@ from mindspeed_llm.rl.core_algos import response_mask_p1
 from mindspeed_llm.rl.experience import Experience
 
 
-def mini_batch_units(local_units: int, dp_rank: int, dp_size: int, mini_batches: int, seed: int, iteration: int,
+def mini_batch_units(local_units: int, dp_rank: int, mini_batches: int, seed: int, iteration: int,
                      epoch: int) -> List[torch.Tensor]:
     """This rank's units (local indices) of each mini-batch of one epoch.
 
@@ -67,7 +67,7 @@ def ppo_update(model, exp: Experience, plan: MicroBatchPlan, args, loss_fn: Call
     within_unit = torch.arange(group_size)
     steps: List[Dict[str, float]] = []
     for epoch in range(args.ppo_epochs):
-        for units in mini_batch_units(local_units, dp_rank, dp_size, mini_batches, args.seed, iteration, epoch):
+        for units in mini_batch_units(local_units, dp_rank, mini_batches, args.seed, iteration, epoch):
             samples = (units[:, None] * group_size + within_unit[None, :]).reshape(-1).to(exp.tokens.device)
             totals = loss_totals(exp.loss_mask[samples])
             micro_batches = [dict(mb, **totals) for mb in plan.micro_batches(exp, samples)]
