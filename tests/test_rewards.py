@@ -307,3 +307,26 @@ def test_first_line_answer_registered_and_batch_scoring():
     with pytest.raises(R.MissingLabelError):
         R.score_batch(["4"], [None], [VERIFIER_NAME])
     assert parse_first_line_answer("x = \u22123") == "-3"
+
+
+# DAPO-Math-17k rows (dapo[0]: ground truth 34) as a model answers them: the last "Answer:" line decides.
+@pytest.mark.parametrize("response,label,score", [
+    ("First I guessed $\\boxed{12}$, but that double counts.\nAdding up, a + b + c = 34.\nAnswer: 34", "34", 1.0),
+    ("The sum is $\\boxed{34}$.\nAnswer: 12", "34", 0.0),  # math_acc would take the box
+    ("Answer: $\\frac{1}{2}$", "0.5", 1.0),
+    ("**Answer:** $1007$", "1007", 1.0),
+    ("the answer is $\\boxed{-3}$", "-3", 1.0),  # no Answer line: math_acc's rules
+    ("I am not sure.", "34", 0.0),
+])
+def test_math_17k_acc(response, label, score):
+    assert R.math_17k_acc(response, label) == score
+
+
+def test_mindspeed_verifier_names():
+    # base_acc is math_acc under MindSpeed-RL's name; math_17k_acc prefers the Answer line
+    both = "The sum is $\\boxed{34}$.\nAnswer: 12"
+    assert R.get_verifier("base_acc") is R.math_acc
+    assert (R.get_verifier("base_acc")(both, "34"), R.get_verifier("math_17k_acc")(both, "34")) == (1.0, 0.0)
+    assert registry.verifier_requires_label("math_17k_acc") and registry.verifier_requires_label("base_acc")
+    with pytest.raises(R.MissingLabelError, match="math_17k_acc"):
+        R.math_17k_acc("Answer: 3", None)

@@ -6,6 +6,8 @@ A verifier is a plain function ``fn(response_text: str, label: str | None) -> fl
 
 * ``math_acc`` (needs a label): the final answer equals the label mathematically (`math.py`, with the answer
   extraction and LaTeX normalisation of `answers.py` and the sandboxed worker of `worker.py`);
+  ``base_acc`` is the same check under MindSpeed-RL's name; ``math_17k_acc`` (needs a label) puts the last
+  ``Answer: ...`` line first, the format DAPO-Math-17k's prompts ask for;
 * ``first_line_answer`` (needs a label): the first line answers with that number (`first_line.py`);
 * ``format`` (the R1 ``<think>``/``<answer>`` template) and ``boxed_format`` (one non-empty box) (`format.py`).
 
@@ -17,7 +19,7 @@ from mindspeed_llm.rl.verifiers.batch import reward_metrics, score_batch
 from mindspeed_llm.rl.verifiers.first_line import first_line_answer, parse_first_line_answer
 from mindspeed_llm.rl.verifiers.format import boxed_format_reward, format_reward
 from mindspeed_llm.rl.verifiers.math import (
-    MathAccConfig, get_math_acc_config, math_acc, math_equal, set_math_acc_config,
+    MathAccConfig, get_math_acc_config, math_17k_acc, math_acc, math_equal, set_math_acc_config,
 )
 from mindspeed_llm.rl.verifiers.registry import (
     MissingLabelError, VerifierTimeout, available_verifiers, check_verifiers, get_verifier, register_verifier,
@@ -28,6 +30,6 @@ __all__ = [
     "MissingLabelError", "VerifierTimeout", "MathAccConfig", "register_verifier", "get_verifier",
     "check_verifiers", "verifier_requires_label", "available_verifiers", "first_line_answer",
     "parse_first_line_answer", "get_math_acc_config", "set_math_acc_config", "last_boxed_content",
-    "extract_answer", "ExtractedAnswer", "math_equal", "math_acc", "format_reward", "boxed_format_reward",
+    "extract_answer", "ExtractedAnswer", "math_equal", "math_acc", "math_17k_acc", "format_reward", "boxed_format_reward",
     "score_batch", "reward_metrics",
 ]

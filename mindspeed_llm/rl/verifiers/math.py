@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from mindspeed_llm.rl.verifiers.answers import (
-    _BOX_CMD_RE, _LETTER_RE, ExtractedAnswer, _cheap_key, _normalize_latex, _split_choice, _strip_math_delims,
+    _ANSWER_LINE_RE, _BOX_CMD_RE, _LETTER_RE, ExtractedAnswer, _cheap_key, _normalize_latex, _split_choice, _strip_math_delims,
     extract_answer,
 )
 from mindspeed_llm.rl.verifiers.registry import (
@@ -230,13 +230,36 @@ def math_equal(answer: str, label: str, config: Optional[MathAccConfig] = None, 
     return WORKER.run((pred_text, source == "unanchored", gold_text, timeout, cfg.float_rounding), budget)
 
 
+def _score_answer(answer: Optional[ExtractedAnswer], label, cfg: MathAccConfig) -> float:
+    if answer is None or not answer.text:
+        return 0.0
+    return 1.0 if math_equal(answer.text, str(label), cfg, source=answer.source) else 0.0
+
+
 @register_verifier("math_acc", requires_label=True)
 def math_acc(response_text: str, label: Optional[str], config: Optional[MathAccConfig] = None) -> float:
     """1.0 when the response's final answer equals ``label`` (see the module docstring), else 0.0."""
     if label_missing(label):
         raise MissingLabelError("math_acc")
     cfg = config or _MATH_ACC_CONFIG
-    answer = extract_answer(response_text, allow_unanchored=cfg.allow_unanchored, answer_line=cfg.answer_line)
-    if answer is None or not answer.text:
-        return 0.0
-    return 1.0 if math_equal(answer.text, str(label), cfg, source=answer.source) else 0.0
+    return _score_answer(
+        extract_answer(response_text, allow_unanchored=cfg.allow_unanchored, answer_line=cfg.answer_line), label, cfg
+    )
+
+
+# MindSpeed-RL's name for the same check (boxed answers of DeepScaleR-style data).
+register_verifier("base_acc", requires_label=True)(math_acc)
+
+
+@register_verifier("math_17k_acc", requires_label=True)
+def math_17k_acc(response_text: str, label: Optional[str], config: Optional[MathAccConfig] = None) -> float:
+    """DAPO-Math-17k's answer format (MindSpeed-RL's ``math_17k_acc``): its prompts ask for a last line
+    ``Answer: <answer>``, so that line decides, before any box or tag earlier in the response; without one,
+    the final answer by ``math_acc``'s rules. Equality as ``math_acc``'s."""
+    if label_missing(label):
+        raise MissingLabelError("math_17k_acc")
+    cfg = config or _MATH_ACC_CONFIG
+    lines = _ANSWER_LINE_RE.findall(response_text) if isinstance(response_text, str) else []
+    answer = (ExtractedAnswer(lines[-1].strip(), "answer_line") if lines else
+              extract_answer(response_text, allow_unanchored=cfg.allow_unanchored, answer_line=False))
+    return _score_answer(answer, label, cfg)
