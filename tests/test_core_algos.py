@@ -174,8 +174,8 @@ def test_policy_loss_hand_computed():
     close(loss, -2.6 / 3)  # (-1.2 + 0.8 - 2.2) / 3
     close(m["pg_loss"], -2.6 / 3)
     close(m["pg_clipfrac"], 2 / 3)
-    close(m["ratio"], 3.1 / 3)  # (1.5 + 0.5 + 1.1) / 3
-    close(m["ratio_clamped"], 3.1 / 3)  # (1.2 + 0.8 + 1.1) / 3
+    close(m["ppo_ratio"], 3.1 / 3)  # (1.5 + 0.5 + 1.1) / 3
+    close(m["ppo_ratio_clamped"], 3.1 / 3)  # (1.2 + 0.8 + 1.1) / 3
     close(m["abs_pg_loss"], 1.5)  # (max(1.5,1.2) + max(0.5,0.8) + 2.2) / 3
     close(m["ppo_kl"], -(math.log(1.5) + math.log(0.5) + math.log(1.1)) / 3)  # 0.0641239
     close(m["approx_kl"], 0.5 * (math.log(1.5) ** 2 + math.log(0.5) ** 2 + math.log(1.1) ** 2) / 3)
@@ -331,7 +331,7 @@ def test_split_batch_losses_add_up_to_the_whole_batch():
         for split in ([slice(0, 2), slice(2, 6)], [slice(0, 1), slice(1, 4), slice(4, 6)]):
             parts = [loss(rows, mode, total_tokens=tokens, total_sequences=sequences) for rows in split]
             close(sum(p[0] for p in parts), whole)
-            for key in ("pg_loss", "pg_clipfrac", "kl_loss", "entropy", "ratio", "abs_pg_loss"):
+            for key in ("pg_loss", "pg_clipfrac", "kl_loss", "entropy", "ppo_ratio", "abs_pg_loss"):
                 close(sum(p[1][key] for p in parts), whole_m[key])
         # with the batch's own totals, the result is the plain (unsplit) aggregation over the kept sequences
         close(whole, loss(mask.any(-1), mode)[0])

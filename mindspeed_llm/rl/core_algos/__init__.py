@@ -1,0 +1,88 @@
+"""Pure tensor math for RL post-training (TRL-style PPO and GRPO).
+
+Everything here is a plain function of tensors: torch only, no distributed code, no I/O, no global
+state. Each docstring states the formula it implements so it can be read next to the paper.
+
+Conventions used throughout
+---------------------------
+* Tensors are ``[batch, response_len]`` ("B x T"); position ``t`` of row ``b`` is the ``t``-th generated
+  token of response ``b``. Responses are right padded.
+* ``response_mask`` is 1 (or True) for real response tokens (up to and including EOS) and 0 for padding.
+  It is TRL's ``~padding_mask``. Masks may be bool or float; float masks act as per-token weights
+  where that makes sense (means, losses).
+* ``value_mask`` is the mask of positions where the critic's values (and the PPO rewards) live. TRL
+  places the scalar score one position *after* the last response token (see
+  :func:`compute_token_rewards`), so its value mask is the response mask extended by that one position
+  (TRL's ``~padding_mask_p1``); :func:`response_mask_p1` builds it.
+* Loss functions return ``(loss, metrics)`` where ``loss`` is a differentiable 0-d tensor and
+  ``metrics`` is a dict of detached 0-d tensors (no host sync is forced here; call ``.item()`` when
+  logging).
+* Global statistics. A batch may be split into micro-batches and data-parallel shards. Every mean here can
+  take the totals of the whole (mini-)batch: the losses take ``total_tokens`` / ``total_sequences`` (then a
+  micro-batch's loss is its SHARE of the batch's loss, and the shares add up to it, whatever the split),
+  and the statistics (whitening, the batch std) take ``sum_across``, a function that sums a tensor over
+  the shards (an all-reduce; identity when absent). The math stays here; the communication is the caller's.
+
+References: PPO (Schulman et al. 2017, arXiv:1707.06347); GAE (Schulman et al. 2015,
+arXiv:1506.02438); dual-clip PPO (Ye et al. 2020, arXiv:1912.09729); GRPO (Shao et al. 2024,
+arXiv:2402.03300); DAPO (Yu et al. 2025, arXiv:2503.14476); Dr. GRPO (Liu et al. 2025,
+arXiv:2503.20783); RLOO (Ahmadian et al. 2024, arXiv:2402.14740); KL estimators k1/k2/k3 (J. Schulman,
+"Approximating KL divergence", 2020).
+Behaviour is matched to Hugging Face TRL 1.12.0 where TRL has the same quantity (see
+tests/test_trl_parity.py).
+
+What is where
+-------------
+* :mod:`.stats`: ``SumAcross``; ``masked_mean``, ``masked_var``, ``masked_whiten`` (and the NaN-ignoring std
+  of the outcome advantages).
+* :mod:`.kl`: ``KL_KINDS``, ``kl_penalty`` (the k1 / k2 / k3 / abs estimators).
+* :mod:`.rewards`: ``last_response_index``, ``response_mask_p1``, ``compute_token_rewards``, ``compute_gae``.
+* :mod:`.losses`: ``AGG_MODES``, ``aggregation_weights``, ``aggregate_loss``, ``policy_loss``, ``value_loss``.
+* :mod:`.advantages`: ``GROUP_SCALES``, ``group_advantages``, the outcome-advantage registry
+  (``OUTCOME_ADVANTAGES``, ``register_outcome_advantage``), ``grpo_advantages``, ``rloo_advantages``.
+
+Every public name is re-exported here: use ``core_algos.X`` (callers and tests patch and read the package's
+attributes).
+"""
+
+from mindspeed_llm.rl.core_algos.advantages import (
+    GROUP_SCALES,
+    OUTCOME_ADVANTAGES,
+    group_advantages,
+    grpo_advantages,
+    register_outcome_advantage,
+    rloo_advantages,
+)
+from mindspeed_llm.rl.core_algos.kl import KL_KINDS, kl_penalty
+from mindspeed_llm.rl.core_algos.losses import AGG_MODES, aggregate_loss, aggregation_weights, policy_loss, value_loss
+from mindspeed_llm.rl.core_algos.rewards import (
+    compute_gae,
+    compute_token_rewards,
+    last_response_index,
+    response_mask_p1,
+)
+from mindspeed_llm.rl.core_algos.stats import SumAcross, masked_mean, masked_var, masked_whiten
+
+__all__ = [
+    "SumAcross",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "KL_KINDS",
+    "kl_penalty",
+    "last_response_index",
+    "response_mask_p1",
+    "compute_token_rewards",
+    "compute_gae",
+    "AGG_MODES",
+    "aggregation_weights",
+    "aggregate_loss",
+    "policy_loss",
+    "value_loss",
+    "GROUP_SCALES",
+    "group_advantages",
+    "OUTCOME_ADVANTAGES",
+    "register_outcome_advantage",
+    "grpo_advantages",
+    "rloo_advantages",
+]
