@@ -110,7 +110,7 @@ def test_grpo_reward_rises_on_toy_task(tmp_path):
 
     # There is signal from the start: groups differ, so some advantages are non-zero.
     assert 0.1 < scores[0] < 0.6, scores[0]
-    assert run[0]["grpo/rewards/max"] > 0.5 and run[0]["grpo/rewards/min"] < -0.5
+    assert run[0]["grpo/advantages/max"] > 0.5 and run[0]["grpo/advantages/min"] < -0.5
     assert all(math.isfinite(m["actor/pg_loss"]) and math.isfinite(m["actor/kl_loss"]) for m in run)
 
     # Learning: a clear rise, and no block of 5 iterations falls back below the previous one (beyond noise).

@@ -5,18 +5,19 @@ A Megatron user expects the parallel layout to change speed and memory, never th
 rollout of the same prompts, then one update) and saves the trained weights:
 
 * trl_ppo: 8 prompts, two mini-batches of 4 (the second step's ratios are not 1), `--whiten-rewards`;
+* trl_ppo_n2: 4 prompts x 2 samples (groups packed at mbs 4, one GAE per sample);
 * grpo with each `--loss-agg-mode`: 8 prompts x 2 samples, two mini-batches of 8, `--filter-groups` (a coin-flip
   rule reward, so some groups have no spread and leave the loss while others stay), KL loss and entropy bonus;
   `token-mean` with `--adv-scale batch` (a batch statistic over the DP ranks).
 
-The models and prompts are the tiny word-level task of `word_task.py` (256-word vocabulary), so that the 25 runs
+The models and prompts are the tiny word-level task of `word_task.py` (256-word vocabulary), so that the 30 runs
 take minutes.
 
 Both stages train with plain SGD (no momentum; gradient clipping at 1 on): a weight's change is the learning rate
 times its gradient, so comparing changes compares gradients. Adam would normalise each element and hide a wrong
 loss scale.
 
-Layouts: TP1/PP1/DP1 with micro-batch sizes 1 (the reference) and 4 (grpo: packed prompt groups), in one
+Layouts: TP1/PP1/DP1 with micro-batch sizes 1 (the reference) and 4 (packed prompt groups), in one
 process; TP2, PP2 and DP2 on 2 gloo processes. Against the reference, each layout must give:
 
 * every logged metric (losses, clip fractions, KL, entropy, scores, lengths, grad norms; not timings and
@@ -62,7 +63,7 @@ AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 SEED = 4
 RTOL, ATOL = 1e-5, 1e-6  # metrics
 WEIGHT_RTOL, CHANGE_RTOL = 1e-5, 1e-3  # per tensor, relative to its norm / its change's norm
-SKIPPED = ("timing/", "e2e_tps", "update_tps", "rollout_tps", "world_size")
+SKIPPED = ("timing/", "e2e_tps", "update_tps", "vllm_tps", "rollout_tps", "world_size")
 # name -> (tp, pp, world size, micro-batch size of trl_ppo, of grpo)
 LAYOUTS = {
     "mbs1": (1, 1, 1, 1, 1),
@@ -82,7 +83,10 @@ def odd_first_word(text, label):
 def _cases():
     """{case name: (stage, extra argv)}."""
     cases = {"trl_ppo": ("trl_ppo", ["--global-batch-size", "8", "--ppo-mini-batch-size", "4", "--whiten-rewards",
-                                     "--kl-coef", "0.05", "--lr", "0.2"])}
+                                     "--kl-coef", "0.05", "--lr", "0.2"]),
+             # two samples per prompt: groups packed with their prompt computed once at mbs 4, GAE per sample
+             "trl_ppo_n2": ("trl_ppo", ["--global-batch-size", "4", "--n-samples-per-prompt", "2",
+                                        "--ppo-mini-batch-size", "4", "--kl-coef", "0.05", "--lr", "0.2"])}
     for mode in AGG_MODES:
         extra = ["--global-batch-size", "8", "--n-samples-per-prompt", "2", "--ppo-mini-batch-size", "8",
                  "--filter-groups", "--verifier-function", "odd_first_word", "--loss-agg-mode", mode,
@@ -195,7 +199,7 @@ def test_one_update_is_layout_invariant(layout_runs, task, layout, case):
         worst = max(worst, abs(got - expected) / (ATOL + RTOL * abs(expected)))
         assert abs(got - expected) <= ATOL + RTOL * abs(expected), f"{layout} {case} {key}: {got!r} != {expected!r}"
 
-    roles = ["actor", "critic"] if case == "trl_ppo" else ["actor"]
+    roles = ["actor", "critic"] if case.startswith("trl_ppo") else ["actor"]
     worst_weight = worst_change = 0.0
     for role in roles:
         initial = _full_weights(Path(task[f"mg_{'reward' if role == 'critic' else 'actor'}_tp1pp1"]), "")
@@ -223,8 +227,10 @@ def test_cases_are_not_trivial(layout_runs):
     assert any(not torch.equal(a, b) for a, b in zip(rank0, rank1))
     for case, directory in dirs["mbs1"].items():
         metrics = _metrics(directory)
-        norm = metrics["actor/grad_norm" if case == "trl_ppo" else "grad_norm"]
+        norm = metrics["actor/grad_norm" if case.startswith("trl_ppo") else "grad_norm"]
         assert norm > 1e-3, (case, norm)
-        if case != "trl_ppo":
+        if case.startswith("trl_ppo"):
+            assert metrics["n_samples_per_prompt"] == (2 if case == "trl_ppo_n2" else 1)
+        else:
             assert 0 < metrics["grpo/filtered_groups"] < 1, (case, metrics["grpo/filtered_groups"])
             assert metrics["actor/kl_loss"] > 0 and metrics["actor/entropy"] > 0

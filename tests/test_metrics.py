@@ -69,7 +69,8 @@ def test_throughput_by_hand():
     assert out == {
         "e2e_tps": pytest.approx(220 / 4 / 11.0),      # 5.0
         "update_tps": pytest.approx(220 / 4 / 2.75),   # 20.0
-        "rollout_tps": pytest.approx(220 / 4 / 5.5),   # 10.0
+        "vllm_tps": pytest.approx(220 / 4 / 5.5),      # 10.0 (MindSpeed-RL's name)
+        "rollout_tps": pytest.approx(220 / 4 / 5.5),   # its alias
     }
     assert out["e2e_tps"] == pytest.approx(5.0) and out["update_tps"] == pytest.approx(20.0)
     # totals, bare stage names, and a missing / zero timing leaves that throughput out
@@ -78,12 +79,12 @@ def test_throughput_by_hand():
         M.throughput_metrics(1, 1, 0, {"all": 1.0})
 
 
-def test_length_stats():
-    assert M.length_stats("response_length", [4, 8, 12, 0]) == {
+def test_mean_min_max():
+    assert M.mean_min_max("response_length", [4, 8, 12, 0]) == {
         "response_length/mean": 6.0, "response_length/min": 0.0, "response_length/max": 12.0}
-    assert M.length_stats("prompt_length", torch.tensor([[3, 5]])) == {
+    assert M.mean_min_max("prompt_length", torch.tensor([[3, 5]])) == {
         "prompt_length/mean": 4.0, "prompt_length/min": 3.0, "prompt_length/max": 5.0}
-    assert M.length_stats("x", []) == {}
+    assert M.mean_min_max("x", []) == {}
 
 
 def test_reduce_without_distributed_returns_input():
@@ -157,9 +158,9 @@ def test_stdout_interval_and_line_groups():
     logger.close()
     # iterations 2 and 4 (interval) and 5 (the last one), three lines each
     assert len(printed) == 9
-    assert printed[0] == " iteration  2/ 5 | timing/all: 1.500E+00 | e2e_tps: 1.000E+02 |"
-    assert printed[1] == " iteration  2/ 5 | [actor] actor/pg_loss: -5.000E-01 | grad_norm: 3.000E+00 |"
-    assert printed[2] == " iteration  2/ 5 | [critic] critic/vf_loss: 2.000E+00 |"
+    assert printed[0] == " iteration  2/ 5 | [actor] actor/pg_loss: -5.000E-01 | grad_norm: 3.000E+00 |"
+    assert printed[1] == " iteration  2/ 5 | [critic] critic/vf_loss: 2.000E+00 |"
+    assert printed[2] == " iteration  2/ 5 | timing/all: 1.500E+00 | e2e_tps: 1.000E+02 |"
     assert printed[6].startswith(" iteration  5/ 5 |")
 
 

@@ -3,8 +3,6 @@ after a SIGKILL in the middle of a checkpoint save equals an uninterrupted run, 
 
 import json
 import math
-import os
-import sys
 import textwrap
 from pathlib import Path
 
@@ -22,15 +20,15 @@ PPO_KEYS = [
     "response_length/min", "response_length/max", "prompt_length/mean", "prompt_length/min", "prompt_length/max",
     "timing/all", "timing/rollout", "timing/old_log_p", "timing/reference_model", "timing/reward_model",
     "timing/critic_model", "timing/adv", "timing/update", "timing/update_critic", "e2e_tps", "update_tps",
-    "rollout_tps",
+    "vllm_tps", "rollout_tps", "n_samples_per_prompt",
 ]
 GRPO_KEYS = [
     "actor/entropy", "actor/kl_loss", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "grad_norm",
     "math_acc_rewards/mean", "actor/lr", "grpo/score/mean", "grpo/score/max", "grpo/score/min", "grpo/rewards/mean",
-    "grpo/rewards/max", "grpo/rewards/min", "response_length/mean", "response_length/min", "response_length/max",
+    "grpo/rewards/max", "grpo/rewards/min", "grpo/advantages/mean", "grpo/advantages/max", "grpo/advantages/min", "response_length/mean", "response_length/min", "response_length/max",
     "prompt_length/mean", "prompt_length/min", "prompt_length/max", "global_batch_size", "n_samples_per_prompt",
     "world_size", "timing/all", "timing/rollout", "timing/old_log_p", "timing/reference_model", "timing/rule_reward",
-    "timing/reward_model", "timing/adv", "timing/update", "e2e_tps", "update_tps", "rollout_tps",
+    "timing/reward_model", "timing/adv", "timing/update", "e2e_tps", "update_tps", "vllm_tps", "rollout_tps",
 ]
 LOSS_KEYS = {"trl_ppo": ["actor/pg_loss", "actor/abs_pg_loss", "critic/vf_loss"],
              "grpo": ["actor/pg_loss", "actor/kl_loss"]}
@@ -83,7 +81,8 @@ def test_three_iterations(stage_paths, tmp_path, stage, tp, pp):
             assert r["non_score_reward"] == pytest.approx(-0.3 * r["kl/mean"], rel=1e-5, abs=1e-7)
         else:  # the score is math_acc plus the reward model (weights 1); group advantages have mean 0
             assert r["grpo/score/mean"] == pytest.approx(r["math_acc_rewards/mean"] + r["reward_model/mean"], abs=1e-5)
-            assert abs(r["grpo/rewards/mean"]) < 1e-5
+            assert r["grpo/rewards/mean"] == r["grpo/score/mean"]  # GRPO's KL is a loss, not in the reward
+            assert abs(r["grpo/advantages/mean"]) < 1e-5
 
     if dp2:
         assert "eval/score/mean" in records[1] and "eval/kl/mean" in records[1] and "eval/score/mean" not in records[0]

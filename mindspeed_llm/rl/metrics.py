@@ -3,8 +3,7 @@
 Metric names follow MindSpeed-RL's GRPO / PPO logs: ``timing/<stage>`` (all, rollout, old_log_p,
 reference_model, reward_model, rule_reward, critic_model, adv, update, update_critic), ``actor/*``,
 ``critic/*``, ``grpo/*``, ``response_length/{mean,min,max}``, ``prompt_length/{mean,min,max}`` and the
-throughputs ``e2e_tps``, ``update_tps`` and ``rollout_tps`` (MindSpeed-RL calls the last one
-``vllm_tps``).
+throughputs ``e2e_tps``, ``update_tps`` and ``vllm_tps`` (alias ``rollout_tps``).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ __all__ = [
     "Timers",
     "TIMING_PREFIX",
     "throughput_metrics",
-    "length_stats",
+    "mean_min_max",
     "prefixed",
     "reduce_metrics",
     "MetricsLogger",
@@ -133,7 +132,8 @@ def throughput_metrics(prompt_tokens, response_tokens, world_size: int,
 
     * ``e2e_tps     = tokens / world_size / timing/all``
     * ``update_tps  = tokens / world_size / timing/update``
-    * ``rollout_tps = tokens / world_size / timing/rollout``  (MindSpeed-RL: ``vllm_tps``)
+    * ``vllm_tps    = tokens / world_size / timing/rollout``  (MindSpeed-RL's name; also logged as
+      ``rollout_tps``, since the rollout here is Megatron's own generation, not vLLM)
 
     Source: MindSpeed-RL ``mindspeed_rl/utils/utils.py::compute_tps`` as called by
     ``mindspeed_rl/trainer/grpo_trainer_hybrid.py`` (``e2e_tps`` with the iteration time,
@@ -151,10 +151,12 @@ def throughput_metrics(prompt_tokens, response_tokens, world_size: int,
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     tokens = _total(prompt_tokens) + _total(response_tokens)
     out: Dict[str, float] = {}
-    for name, stage in (("e2e_tps", "all"), ("update_tps", "update"), ("rollout_tps", "rollout")):
+    for name, stage in (("e2e_tps", "all"), ("update_tps", "update"), ("vllm_tps", "rollout")):
         seconds = _timing(timings, stage)
         if seconds is not None and seconds > 0:
             out[name] = tokens / int(world_size) / seconds
+    if "vllm_tps" in out:
+        out["rollout_tps"] = out["vllm_tps"]
     return out
 
 
@@ -163,14 +165,15 @@ def prefixed(prefix: str, metrics: Mapping[str, float]) -> Dict[str, float]:
     return {f"{prefix}/{k}": float(v) for k, v in metrics.items()}
 
 
-def length_stats(prefix: str, lengths) -> Dict[str, float]:
-    """``{prefix/mean, prefix/min, prefix/max}`` of per-sample lengths; empty input gives ``{}``."""
-    if hasattr(lengths, "detach"):
-        values = [float(v) for v in lengths.detach().double().reshape(-1).tolist()]
-    elif hasattr(lengths, "tolist") and not isinstance(lengths, (list, tuple)):
-        values = [float(v) for v in lengths.reshape(-1).tolist()]
+def mean_min_max(prefix: str, values) -> Dict[str, float]:
+    """``{prefix/mean, prefix/min, prefix/max}`` of per-sample values (lengths, scores); empty input gives
+    ``{}``."""
+    if hasattr(values, "detach"):
+        values = [float(v) for v in values.detach().double().reshape(-1).tolist()]
+    elif hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
+        values = [float(v) for v in values.reshape(-1).tolist()]
     else:
-        values = [float(v) for v in lengths]
+        values = [float(v) for v in values]
     if not values:
         return {}
     return {
@@ -370,10 +373,11 @@ class MetricsLogger:
 
     def format_lines(self, iteration: int, metrics: Mapping[str, object],
                      lines: Optional[Mapping[str, Sequence[str]]] = None) -> List[str]:
+        # the named lines in their order (actor, then critic, as MindSpeed-LLM prints them), then the rest
         main, groups = self._group(metrics, lines if lines is not None else self.lines)
-        out = [format_log_line(iteration, main, self.total_iterations)] if main or not groups else []
-        for name, items in groups:
-            out.append(format_log_line(iteration, items, self.total_iterations, tag=name))
+        out = [format_log_line(iteration, items, self.total_iterations, tag=name) for name, items in groups]
+        if main or not groups:
+            out.append(format_log_line(iteration, main, self.total_iterations))
         return out
 
     def log(self, iteration: int, metrics: Mapping[str, object],

@@ -7,7 +7,7 @@ from typing import Dict, Optional, Sequence
 
 from mindspeed_llm.inference import SamplingConfig, generate
 from mindspeed_llm.rl.experience import Experience
-from mindspeed_llm.rl.metrics import length_stats
+from mindspeed_llm.rl.metrics import mean_min_max
 
 
 def sampling_config(args, tokenizer, greedy: Optional[bool] = None) -> SamplingConfig:
@@ -47,8 +47,8 @@ def rollout(actor_module, rows: Sequence[dict], sampling: SamplingConfig, iterat
 
 def rollout_metrics(exp: Experience) -> Dict[str, float]:
     metrics = {}
-    metrics.update(length_stats("response_length", exp.response_lengths))
-    metrics.update(length_stats("prompt_length", exp.prompt_lengths))
+    metrics.update(mean_min_max("response_length", exp.response_lengths))
+    metrics.update(mean_min_max("prompt_length", exp.prompt_lengths))
     reasons = exp.extras["finish_reasons"]
     # Share of responses cut by --max-new-tokens / --max-length rather than ended by EOS or a stop token.
     metrics["response_clip_ratio"] = sum(r == "length" for r in reasons) / max(len(reasons), 1)

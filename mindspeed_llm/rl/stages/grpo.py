@@ -21,11 +21,15 @@ from mindspeed_llm.rl import core_algos, roles
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.evaluation import evaluate_policy
 from mindspeed_llm.rl.losses import clipped_policy_loss
-from mindspeed_llm.rl.metrics import Timers, prefixed
+from mindspeed_llm.rl.metrics import Timers, mean_min_max, prefixed
 from mindspeed_llm.rl.passes import policy_logprobs
 from mindspeed_llm.rl.ppo_loop import old_logp_is_current, ppo_update
 from mindspeed_llm.rl.rollout import rollout, rollout_metrics, sampling_config
 from mindspeed_llm.rl.scoring import Scorer
+
+
+# The actor's logged losses (`core_algos`' names; `actor/lr` and the bare `grad_norm` follow, as MindSpeed-RL logs).
+ACTOR_METRICS = ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss")
 
 
 class GRPOStage:
@@ -94,12 +98,11 @@ class GRPOStage:
             **prefixed("actor", {k: v for k, v in actor_metrics.items() if k not in ("grad_norm", "lr")}),
             "grad_norm": actor_metrics["grad_norm"],
             "actor/lr": actor_metrics["lr"],
-            "grpo/score/mean": float(exp.scores.mean()),
-            "grpo/score/max": float(exp.scores.max()),
-            "grpo/score/min": float(exp.scores.min()),
-            "grpo/rewards/mean": float(advantages.mean()),
-            "grpo/rewards/max": float(advantages.max()),
-            "grpo/rewards/min": float(advantages.min()),
+            # score: what the verifiers / reward model gave; rewards: what the advantages are computed from (the
+            # same here, since GRPO's KL is a loss, not a reward penalty); advantages: after --adv-estimator
+            **mean_min_max("grpo/score", exp.scores),
+            **mean_min_max("grpo/rewards", exp.scores),
+            **mean_min_max("grpo/advantages", advantages),
             **score_metrics,
             **rollout_stats,
             "n_samples_per_prompt": n,
@@ -113,8 +116,9 @@ class GRPOStage:
     def _loss(self, logits, mb):
         kl_coef = self.args.kl_coef if self.reference is not None else 0.0
         loss, m = clipped_policy_loss(self.args, logits, mb, kl_coef)
-        return loss, {"pg_loss": m["pg_loss"], "pg_clipfrac": m["pg_clipfrac"], "ppo_kl": m["ppo_kl"],
-                      "entropy": m["entropy"], "kl_loss": m.get("kl_loss", m["pg_loss"].new_zeros(()))}
+        if "kl_loss" not in m:  # --kl-coef 0: the column stays, at zero
+            m["kl_loss"] = m["pg_loss"].new_zeros(())
+        return loss, {k: m[k] for k in ACTOR_METRICS}
 
 
 def _advantage_estimator(args):

@@ -1,6 +1,6 @@
 """`--stage trl_ppo`: TRL-style PPO with actor, reference, critic and reward model in one SPMD group.
 
-One iteration (DESIGN.md): generate -> old log-probs, reference log-probs, values, score -> per-token
+One iteration (DESIGN.md): generate (`--n-samples-per-prompt` responses per prompt, default 1) -> old log-probs, reference log-probs, values, score -> per-token
 rewards (-kl_coef * KL, score after the last token as TRL places it) -> GAE + whitened advantages ->
 actor (clipped policy loss) and critic (clipped value loss) updates per epoch and mini-batch.
 
@@ -23,6 +23,11 @@ from mindspeed_llm.rl.passes import critic_values, policy_logprobs
 from mindspeed_llm.rl.ppo_loop import old_logp_is_current, ppo_update
 from mindspeed_llm.rl.rollout import rollout, rollout_metrics, sampling_config
 from mindspeed_llm.rl.scoring import Scorer
+
+
+# The actor's and critic's logged losses, in MindSpeed-LLM's order (`core_algos`' names; `lr`, `grad_norm` follow).
+ACTOR_METRICS = ("pg_loss", "abs_pg_loss", "ppo_ratio", "ppo_ratio_clamped", "pg_clipfrac", "ppo_kl", "entropy")
+CRITIC_METRICS = ("vf_loss", "vf_clipfrac")
 
 
 class TrlPPOStage:
@@ -54,12 +59,13 @@ class TrlPPOStage:
 
     # ------------------------------------------------------------------ one iteration
     def iteration(self, iteration: int, rows: Sequence[dict]) -> Dict[str, float]:
-        args = self.args
+        args, n = self.args, self.args.n_samples_per_prompt
         timers = Timers(sync=device.synchronize)
         with timers("all"):
-            with timers("rollout"):
-                exp = rollout(self.actor.module, rows, self.sampling, iteration, self.tokenizer)
-            plan = MicroBatchPlan.build(exp, args.micro_batch_size)
+            with timers("rollout"):  # a prompt's n samples are consecutive rows, each with its own GAE
+                exp = rollout(self.actor.module, rows, self.sampling, iteration, self.tokenizer,
+                              samples_per_prompt=n)
+            plan = MicroBatchPlan.build(exp, args.micro_batch_size, group_size=n)
             rollout_stats = rollout_metrics(exp)
             with timers("old_log_p"):
                 if exp.rollout_logp is not None and old_logp_is_current(args, exp):
@@ -86,19 +92,21 @@ class TrlPPOStage:
                 )
 
             with timers("update"):
-                actor_metrics = ppo_update(self.actor, exp, plan, args, self._actor_loss, iteration)
+                actor_metrics = ppo_update(self.actor, exp, plan, args, self._actor_loss, iteration, group_size=n)
             with timers("update_critic"):
-                critic_metrics = ppo_update(self.critic, exp, plan, args, self._critic_loss, iteration)
+                critic_metrics = ppo_update(self.critic, exp, plan, args, self._critic_loss, iteration,
+                                            group_size=n)
 
         kl_sum = kl.sum(-1)
         metrics = {
+            **prefixed("actor", actor_metrics),
+            **prefixed("critic", critic_metrics),
             "score/mean": float(exp.scores.mean()),
             "kl/mean": float(kl_sum.mean()),
             "non_score_reward": float((-args.kl_coef * kl_sum).mean()),
             **score_metrics,
             **rollout_stats,
-            **prefixed("actor", actor_metrics),
-            **prefixed("critic", critic_metrics),
+            "n_samples_per_prompt": n,
         }
         metrics.update(timers.pop())
         return metrics
@@ -106,12 +114,8 @@ class TrlPPOStage:
     # ------------------------------------------------------------------ loss closures (per micro-batch)
     def _actor_loss(self, logits, mb):
         loss, m = clipped_policy_loss(self.args, logits, mb)  # TRL's PPO: the KL is in the reward
-        return loss, {
-            "pg_loss": m["pg_loss"], "abs_pg_loss": m["abs_pg_loss"], "ppo_ratio": m["ratio"],
-            "ppo_ratio_clamped": m["ratio_clamped"], "pg_clipfrac": m["pg_clipfrac"], "ppo_kl": m["ppo_kl"],
-            "entropy": m["entropy"],
-        }
+        return loss, {k: m[k] for k in ACTOR_METRICS}
 
     def _critic_loss(self, output, mb):
         loss, m = clipped_value_loss(self.args, output, mb)
-        return loss, {"vf_loss": m["vf_loss"], "vf_clipfrac": m["vf_clipfrac"]}
+        return loss, {k: m[k] for k in CRITIC_METRICS}
