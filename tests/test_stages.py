@@ -70,6 +70,11 @@ def test_three_iterations(stage_paths, tmp_path, stage, tp, pp):
         assert not missing, f"metrics missing: {missing}"
         assert all(math.isfinite(record[k]) for k in LOSS_KEYS[stage])
         assert record["world_size"] == 2
+    # MindSpeed-LLM's actor line: its losses in the stage's order, then lr and grad_norm
+    if stage == "trl_ppo":
+        assert [k for k in records[0] if k.startswith("actor/")] == [
+            "actor/pg_loss", "actor/abs_pg_loss", "actor/ppo_ratio", "actor/ppo_ratio_clamped", "actor/pg_clipfrac",
+            "actor/ppo_kl", "actor/entropy", "actor/lr", "actor/grad_norm"]
     # The loss is really computed: it moves between iterations, and some update is non-trivial.
     assert any(r[LOSS_KEYS[stage][0]] != 0 for r in records)
     assert any(r["actor/grad_norm" if stage == "trl_ppo" else "grad_norm"] > 0 for r in records)

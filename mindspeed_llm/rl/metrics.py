@@ -139,10 +139,11 @@ def throughput_metrics(prompt_tokens, response_tokens, world_size: int,
     ``mindspeed_rl/trainer/grpo_trainer_hybrid.py`` (``e2e_tps`` with the iteration time,
     ``update_tps`` with ``timing/update``, ``vllm_tps`` with ``timing/rollout``), where tokens are
     ``(response_length/mean + prompt_length/mean) * global_batch_size * n_samples_per_prompt``; the
-    metric names are documented in its ``docs/features/log_metrics.md``. ``world_size`` is the number
-    of devices of the job (there: actor + reference + reward devices, or the actor's alone with the
-    integrated worker; here all stages share the ranks, so the torch.distributed world size).
+    metric names are documented in its ``docs/features/log_metrics.md``.
 
+    The trainer calls this on every rank with that rank's own samples (its share of the global batch) and
+    ``world_size`` = TP x PP, the devices that hold one model replica, then averages over the DP ranks: with
+    equal times on every rank that is the global batch's tokens / all devices / time, MindSpeed-RL's figure.
     ``prompt_tokens`` / ``response_tokens``: totals, or per-sample lengths to add up. ``timings`` may use
     ``timing/<stage>`` or bare ``<stage>`` keys. A throughput whose timing is missing or not positive is
     left out.
@@ -191,6 +192,8 @@ _OPS = ("mean", "sum", "max", "min")
 
 
 def _key_op(key: str, default: str) -> str:
+    if key.endswith("/failures"):  # counts: the job's total
+        return "sum"
     if key.endswith("/max"):
         return "max"
     if key.endswith("/min"):
@@ -202,7 +205,8 @@ def reduce_metrics(metrics: Mapping[str, float], group=None, op: str = "mean",
                    device="cpu") -> Dict[str, float]:
     """Reduce scalar metrics over the ranks of ``group`` (default: the world) with one collective.
 
-    Keys ending in ``/max`` are reduced with MAX, keys ending in ``/min`` with MIN, all others with
+    Keys ending in ``/max`` are reduced with MAX, keys ending in ``/min`` with MIN, counts (``/failures``)
+    with SUM, all others with
     ``op`` ("mean", "sum", "max" or "min"). Keys are sorted so that every rank packs the same layout
     into one float64 tensor on ``device`` (CPU by default; use the current CUDA device with NCCL). The
     tensor also carries a checksum of the key names: ranks that disagree on the keys raise
@@ -210,7 +214,8 @@ def reduce_metrics(metrics: Mapping[str, float], group=None, op: str = "mean",
     shapes must). The single collective is an all_gather; each rank then reduces the gathered
     ``[world, keys]`` table, so mean, max and min need no separate collectives.
 
-    Without an initialised torch.distributed (or with one rank) the metrics come back as floats, unchanged.
+    The result keeps the caller's key order. Without an initialised torch.distributed (or with one rank) the
+    metrics come back as floats, unchanged.
     """
     if op not in _OPS:
         raise ValueError(f"op must be one of {_OPS}, got {op!r}")
@@ -220,11 +225,9 @@ def reduce_metrics(metrics: Mapping[str, float], group=None, op: str = "mean",
     import torch
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return dict(zip(keys, values))
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group=group) == 1:
+        return {k: float(v) for k, v in metrics.items()}
     world = dist.get_world_size(group=group)
-    if world == 1:
-        return dict(zip(keys, values))
 
     signature = float(zlib.crc32("\n".join(keys).encode("utf-8")))  # exact in float64
     local = torch.tensor(values + [signature], dtype=torch.float64, device=device)
@@ -249,7 +252,7 @@ def reduce_metrics(metrics: Mapping[str, float], group=None, op: str = "mean",
             out[key] = float(column.max().item())
         else:
             out[key] = float(column.min().item())
-    return out
+    return {k: out[k] for k in metrics}  # the caller's order (log lines print in it)
 
 
 # ----------------------------------------------------------------------------------------------

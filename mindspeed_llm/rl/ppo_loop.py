@@ -72,9 +72,7 @@ def ppo_update(model, exp: Experience, plan: MicroBatchPlan, args, loss_fn: Call
             totals = loss_totals(exp.loss_mask[samples])
             micro_batches = [dict(mb, **totals) for mb in plan.micro_batches(exp, samples)]
             steps.append(model.train_step(micro_batches, loss_fn))
-    out = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0] if k != "lr"}
-    out["lr"] = steps[-1]["lr"]
-    return out
+    return {k: steps[-1][k] if k == "lr" else sum(s[k] for s in steps) / len(steps) for k in steps[0]}
 
 
 def old_logp_is_current(args, exp: Experience) -> bool:
