@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Qwen2.5-7B-Instruct (Hugging Face) -> Megatron-core, the initial actor (and reference) of grpo.
+# Qwen2.5 (Hugging Face) -> Megatron-core: the initial actor (and reference) of grpo or trl_ppo (7B by default;
+# the 32B PPO launcher sets HF_DIR, SAVE_DIR, TP=8 PP=4).
 set -euo pipefail
 HF_DIR=${HF_DIR:-./model_from_hf/qwen25_7b}
 SAVE_DIR=${SAVE_DIR:-./model_weights/qwen25_7b_mcore}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The trained grpo actor (--save DIR/actor) -> Hugging Face safetensors + config.json.
+# The trained actor (--save DIR/actor) of grpo or trl_ppo -> Hugging Face safetensors + config.json (LOAD_DIR).
 set -euo pipefail
 LOAD_DIR=${LOAD_DIR:-./ckpt/qwen25_7b_grpo/actor}
 SAVE_DIR=${SAVE_DIR:-./model_from_hf/qwen25_7b_grpo_hf}

@@ -2,7 +2,7 @@
 # GRPO on Qwen2.5-7B with rule rewards (math answer accuracy + R1 format) on DeepScaleR or DAPO-Math-17k.
 # Data:        bash examples/data/preprocess_data.sh deepscaler   (or math_17k)
 # Weights:     bash examples/mcore/qwen25/ckpt_convert_qwen25_hf2mcore.sh
-# Launch:      NNODES=2 NPUS_PER_NODE=8 MASTER_ADDR=<node0 ip> CURRENT_IP=<this node ip> bash $0
+# Launch:      on every node: NNODES=2 NPUS_PER_NODE=8 MASTER_ADDR=<node0 ip> NODE_RANK=<0 on node0, 1 on node1> bash $0
 # Resume:      automatic: --load equals --save (a fresh start when nothing is saved yet); SIGTERM saves first
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
