@@ -6,6 +6,9 @@
     python convert_ckpt.py --load-model-type mg --save-model-type hf --load-dir mg/qwen2 --save-dir hf/out
     python convert_ckpt.py --load-model-type hf --save-model-type mg --orm ...   # reward / critic value head
     python convert_ckpt.py --load-model-type mg --save-model-type mg --target-pipeline-parallel-size 2 ...
+
+MindSpeed-LLM's spellings parse too: --use-mcore-models (always so here), --model-type GPT, --tokenizer-model
+PATH (the tokenizer file or folder whose files are copied next to the weights, as --tokenizer-dir).
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)  # "--model-type GPT" must not pass for --model-type-hf
     p.add_argument("--load-model-type", choices=("hf", "mg"), required=True)
     p.add_argument("--save-model-type", choices=("hf", "mg"), required=True)
     p.add_argument("--load-dir", required=True, help="HF model folder, or Megatron checkpoint root")
@@ -30,6 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="value head (reward / critic): HF *ForSequenceClassification score.weight <-> "
                         "Megatron output_layer (fp32)")
     p.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from here into the output")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="MindSpeed-LLM's tokenizer flag: a tokenizer file (e.g. HF/tokenizer.json) or folder; its "
+                        "folder's tokenizer files are copied, as with --tokenizer-dir")
+    p.add_argument("--use-mcore-models", action="store_true",
+                   help="accepted for MindSpeed-LLM scripts: Megatron checkpoints here are always megatron-core's")
+    p.add_argument("--model-type", default=None,
+                   help="MindSpeed-LLM's model type: only GPT (decoder-only) is converted here")
     p.add_argument("--load-iteration", default=None,
                    help="Megatron iteration to read ('release' or a number; default: latest_checkpointed_iteration)")
     p.add_argument("--allow-non-finite", action="store_true",
@@ -39,10 +50,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _mindspeed_flags(args):
+    """Checks MindSpeed-LLM's --model-type; returns the tokenizer folder: --tokenizer-dir, or the folder of
+    MindSpeed-LLM's --tokenizer-model (a file in it, or the folder)."""
+    import os
+
+    from mindspeed_llm.checkpoint.hf_mapping import ConversionError
+
+    if args.model_type is not None and args.model_type.upper() != "GPT":
+        raise ConversionError(f"--model-type {args.model_type}: only GPT (decoder-only) models are converted here; "
+                              "pass --model-type GPT (or drop it) and name the family with --model-type-hf")
+    if args.tokenizer_model is None:
+        return args.tokenizer_dir
+    if not os.path.exists(args.tokenizer_model):
+        raise ConversionError(f"--tokenizer-model {args.tokenizer_model} does not exist")
+    folder = args.tokenizer_model if os.path.isdir(args.tokenizer_model) else os.path.dirname(args.tokenizer_model)
+    folder = folder or "."
+    if args.tokenizer_dir is not None and os.path.realpath(args.tokenizer_dir) != os.path.realpath(folder):
+        raise ConversionError(f"--tokenizer-dir {args.tokenizer_dir} and --tokenizer-model {args.tokenizer_model} "
+                              "name different tokenizers; pass one of them")
+    if args.load_model_type == "mg" and args.save_model_type == "mg":
+        print("convert_ckpt.py: --tokenizer-model is not used for mg -> mg (the tokenizer files of --load-dir are "
+              "copied)", file=sys.stderr)
+    return folder
+
+
 def run(args) -> None:
     from mindspeed_llm.checkpoint import convert_hf_to_mg, convert_mg_to_hf, convert_mg_to_mg
     from mindspeed_llm.checkpoint.hf_mapping import ConversionError
 
+    tokenizer_dir = _mindspeed_flags(args)
     progress = not args.no_progress
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     iteration = args.load_iteration
@@ -51,10 +88,10 @@ def run(args) -> None:
     if args.load_model_type == "hf" and args.save_model_type == "mg":
         convert_hf_to_mg(args.load_dir, args.save_dir, tp=tp, pp=pp, params_dtype=args.params_dtype,
                          value_head=bool(args.orm), model_type_hf=args.model_type_hf,
-                         tokenizer_dir=args.tokenizer_dir, progress=progress, allow_non_finite=args.allow_non_finite)
+                         tokenizer_dir=tokenizer_dir, progress=progress, allow_non_finite=args.allow_non_finite)
     elif args.load_model_type == "mg" and args.save_model_type == "hf":
         convert_mg_to_hf(args.load_dir, args.save_dir, params_dtype=args.params_dtype, value_head=args.orm,
-                         tokenizer_dir=args.tokenizer_dir, iteration=iteration, progress=progress,
+                         tokenizer_dir=tokenizer_dir, iteration=iteration, progress=progress,
                          allow_non_finite=args.allow_non_finite)
     elif args.load_model_type == "mg" and args.save_model_type == "mg":
         convert_mg_to_mg(args.load_dir, args.save_dir, tp=tp, pp=pp, params_dtype=args.params_dtype,

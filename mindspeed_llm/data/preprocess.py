@@ -41,7 +41,7 @@ CHUNK_ROWS = 64
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="preprocess_data.py",
+        prog="preprocess_data.py", allow_abbrev=False,
         description="Tokenize instruction data into Megatron indexed datasets for trl_ppo / grpo / SFT.")
     p.add_argument("--config", default=None,
                    help="YAML file with any of these flags as keys (configs/datasets/*.yaml); "
