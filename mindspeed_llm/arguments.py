@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
+
+from mindspeed_llm import compat_flags
 
 STAGES = ("trl_ppo", "grpo")
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ADV_SCALES = ("group", "batch", "none")
+# llama3 RoPE scaling: the values megatron-core hard-codes (its only implementation).
+LLAMA3_FIXED = {"--low-freq-factor": 1.0, "--high-freq-factor": 4.0, "--original-max-position-embeddings": 8192}
 
 
 class ArgumentError(ValueError):
@@ -37,19 +41,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hidden-size", type=int)
     g.add_argument("--ffn-hidden-size", type=int)
     g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--kv-channels", type=int)
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int)
     g.add_argument("--padded-vocab-size", type=int, dest="vocab_size")
     g.add_argument("--max-position-embeddings", type=int)
-    g.add_argument("--seq-length", type=int, help="accepted for compatibility; --max-length bounds rollouts")
-    # Accepted for compatibility with Megatron scripts: the architecture comes from the checkpoint.
+    g.add_argument("--rotary-base", type=float)
+    g.add_argument("--norm-epsilon", type=float)
+    g.add_argument("--rope-scaling-type", help="llama3 (the only frequency scaling megatron-core implements)")
+    g.add_argument("--rope-scaling-factor", type=float)
+    for flag, kind in (("--low-freq-factor", float), ("--high-freq-factor", float),
+                       ("--original-max-position-embeddings", int)):
+        g.add_argument(flag, type=kind, help=f"llama3 scaling: must be {LLAMA3_FIXED[flag]} (megatron-core's)")
+    g.add_argument("--normalization", help="RMSNorm (the only one the supported models use)")
+    g.add_argument("--position-embedding-type", help="rope (the only one the supported models use)")
     for flag in ("--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--add-qkv-bias",
-                 "--qk-layernorm", "--use-rotary-position-embeddings", "--use-mcore-models",
-                 "--no-masked-softmax-fusion", "--use-flash-attn", "--no-gradient-accumulation-fusion"):
+                 "--qk-layernorm", "--use-rotary-position-embeddings"):
         g.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
-    for flag in ("--normalization", "--position-embedding-type", "--rotary-base", "--norm-epsilon",
-                 "--make-vocab-size-divisible-by", "--attention-softmax-in-fp32", "--transformer-impl"):
-        g.add_argument(flag, help=argparse.SUPPRESS)
+    g.add_argument("--attention-dropout", type=float, default=0.0,
+                   help="dropout of the trained models' attention probabilities in their training forward "
+                        "(default 0, not Megatron-LM's 0.1; rollouts and frozen models never drop out)")
+    g.add_argument("--hidden-dropout", type=float, default=0.0,
+                   help="dropout after the trained models' attention and MLP blocks in their training forward "
+                        "(default 0, not Megatron-LM's 0.1)")
+    compat_flags.add_ignored_arguments(g)
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -57,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--distributed-backend", choices=("nccl", "gloo", "hccl"),
+                   help="accepted for compatibility: the device decides (hccl on NPU, nccl on CUDA, gloo on CPU)")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=1)
@@ -79,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, help="--fp16: a constant loss scale instead of the dynamic one")
+    g.add_argument("--initial-loss-scale", type=float, help="--fp16: the dynamic loss scale's start (2^32)")
+    g.add_argument("--min-loss-scale", type=float, help="--fp16: the dynamic loss scale's floor (1)")
+    g.add_argument("--loss-scale-window", type=float, help="--fp16: steps without overflow before it grows (1000)")
+    g.add_argument("--hysteresis", type=int, help="--fp16: overflows tolerated before it shrinks (2)")
     g.add_argument("--recompute-granularity", choices=("full", "selective"))
     g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
                    help="stop (before the optimizer step) when a loss or gradient is NaN or inf (default: on)")
@@ -105,8 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--data-path", required=True, help="output prefix written by preprocess_data.py")
     g.add_argument("--eval-data-path", help="held-out prompts (preprocessed prefix) for --eval-interval")
+    g.add_argument("--split", help="train,valid,test weights of --data-path, e.g. 98,2,0 (Megatron-LM's): "
+                                   "--eval-interval evaluates on the valid part (default: all prompts train)")
     g.add_argument("--tokenizer-type", default="PretrainedFromHF")
     g.add_argument("--tokenizer-name-or-path")
+    g.add_argument("--tokenizer-not-use-fast", action="store_true", help="load the slow (Python) tokenizer")
     g.add_argument("--max-prompt-length", type=int)
 
     g = p.add_argument_group("logging")
@@ -114,7 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-dir")
     g.add_argument("--metrics-jsonl", help="write one JSON object of metrics per iteration")
     g.add_argument("--eval-interval", type=int)
-    g.add_argument("--eval-samples", type=int, default=0, help="held-out prompts per evaluation (0 = all)")
+    g.add_argument("--eval-iters", type=int,
+                   help="held-out prompts per evaluation = this x --global-batch-size (Megatron-LM's); 0 = off")
+    g.add_argument("--eval-samples", type=int, default=0,
+                   help="held-out prompts per evaluation (0 = all, or --eval-iters x --global-batch-size)")
 
     g = p.add_argument_group("RL: models and rewards")
     g.add_argument("--ref-model", help="Megatron checkpoint of the initial actor / reference policy")
@@ -127,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep reference and reward models in host memory between uses")
 
     g = p.add_argument_group("RL: rollout")
-    g.add_argument("--max-length", type=int, default=256, help="prompt + response tokens")
+    g.add_argument("--max-length", type=int, help="prompt + response tokens (default: --max-prompt-length + "
+                                                   "--max-new-tokens when --max-prompt-length is given, else 256)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--do-sample", action="store_true")
     g.add_argument("--temperature", type=float, default=1.0)
@@ -187,6 +216,9 @@ def validate_args(args, world_size: int) -> None:
     if args.bf16 and args.fp16:
         raise ArgumentError("--bf16 and --fp16 are exclusive; pick one")
     args.params_dtype = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
+    _check_model_flags(args)
+    args.ignored_flags = compat_flags.ignored_flags(args)  # printed once at startup (compat_flags.startup_lines)
+    args.startup_notes = []
 
     stage_defaults = {
         "trl_ppo": dict(kl_coef=0.3, kl_penalty="k1", n_samples_per_prompt=1),
@@ -195,8 +227,6 @@ def validate_args(args, world_size: int) -> None:
     for name, value in stage_defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.stage == "trl_ppo" and args.n_samples_per_prompt != 1:
-        raise ArgumentError("--n-samples-per-prompt is a grpo flag; trl_ppo samples one response per prompt")
     if args.clip_ratio_high is None:
         args.clip_ratio_high = args.clip_ratio
     if args.critic_lr is None:
@@ -216,6 +246,10 @@ def validate_args(args, world_size: int) -> None:
         raise ArgumentError(f"--ppo-mini-batch-size {args.ppo_mini_batch_size} must be >= 1")
 
     # Rollout lengths.
+    if args.max_prompt_length is not None and args.max_prompt_length < 1:
+        raise ArgumentError(f"--max-prompt-length {args.max_prompt_length} must be >= 1")
+    if args.max_length is None:
+        args.max_length = 256 if args.max_prompt_length is None else args.max_prompt_length + args.max_new_tokens
     if args.max_new_tokens < 1:
         raise ArgumentError("--max-new-tokens must be >= 1")
     if args.max_new_tokens >= args.max_length:
@@ -306,11 +340,84 @@ def validate_args(args, world_size: int) -> None:
                             "other; pass one")
     if args.log_interval < 1:
         raise ArgumentError("--log-interval must be >= 1")
-    if args.eval_interval and not args.eval_data_path:
-        raise ArgumentError("--eval-interval needs --eval-data-path (a preprocessed held-out prompt set)")
+    _check_evaluation(args)
     if args.train_iters < 1:
         raise ArgumentError("--train-iters must be >= 1")
     if args.lr_warmup_fraction is not None:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.train_iters)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+
+
+def _check_model_flags(args) -> None:
+    """Model and precision flags, as far as they can be checked without the checkpoint (`rl/roles._checked_spec`
+    compares the model flags with it)."""
+    if args.normalization is not None and args.normalization != "RMSNorm":
+        raise ArgumentError(f"--normalization {args.normalization}: the supported models (llama, qwen2, qwen3, "
+                            "mistral) use RMSNorm; pass --normalization RMSNorm or drop the flag")
+    if args.position_embedding_type is not None and args.position_embedding_type != "rope":
+        raise ArgumentError(f"--position-embedding-type {args.position_embedding_type}: the supported models use "
+                            "rotary embeddings; pass --position-embedding-type rope or drop the flag")
+    if args.rope_scaling_type is not None and args.rope_scaling_type != "llama3":
+        raise ArgumentError(f"--rope-scaling-type {args.rope_scaling_type}: megatron-core implements only llama3 "
+                            "frequency scaling; pass --rope-scaling-type llama3 or drop the flag")
+    for flag, fixed in LLAMA3_FIXED.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and value != fixed:
+            raise ArgumentError(f"{flag} {value}: megatron-core's llama3 RoPE scaling is implemented for {flag} "
+                                f"{fixed} only; a model trained with another value cannot be run here")
+    for flag, value in (("--attention-dropout", args.attention_dropout), ("--hidden-dropout", args.hidden_dropout)):
+        if not 0.0 <= value < 1.0:
+            raise ArgumentError(f"{flag} {value} must be in [0, 1)")
+    for flag in compat_flags.LOSS_SCALE_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ArgumentError(f"{flag} {value} must be a finite number > 0")
+
+
+def _split_weights(text: str) -> Tuple[float, float, float]:
+    """Megatron-LM's --split: up to three train,valid,test weights ("98,2,0", "98 2 0", "969/30/1"), missing
+    ones 0, normalised by their sum."""
+    try:
+        weights = [float(x) for x in text.replace("/", ",").replace(",", " ").split()]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+        raise ArgumentError(f"--split {text!r}: expected up to three weights >= 0 for train,valid,test with a "
+                            "positive sum, e.g. --split 98,2,0")
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    return tuple(w / total for w in weights)
+
+
+def _check_evaluation(args) -> None:
+    """Where held-out prompts come from (`args.eval_source`: "eval-data-path", "split" or None) and how many an
+    evaluation takes (`args.eval_prompts`, 0 = all)."""
+    args.split_weights = _split_weights(args.split) if args.split is not None else None
+    if args.split_weights is not None and args.split_weights[0] == 0:
+        raise ArgumentError(f"--split {args.split} leaves nothing to train on; give the train part a weight")
+    valid = args.split_weights is not None and args.split_weights[1] > 0
+    if args.eval_data_path and valid:
+        raise ArgumentError(f"--eval-data-path and --split {args.split} both give held-out prompts; pick one "
+                            "(drop --eval-data-path, or give --split a valid weight of 0)")
+    for flag, value in (("--eval-interval", args.eval_interval), ("--eval-iters", args.eval_iters),
+                        ("--eval-samples", args.eval_samples)):
+        if value is not None and value < 0:
+            raise ArgumentError(f"{flag} {value} must be >= 0")
+    args.eval_source = "eval-data-path" if args.eval_data_path else ("split" if valid else None)
+    args.eval_prompts = args.eval_samples or (args.eval_iters or 0) * args.global_batch_size
+    if not args.eval_interval:
+        if valid:
+            args.startup_notes.append(f"--split {args.split} holds out a valid part, but no --eval-interval is "
+                                      "given: it is never evaluated")
+        return
+    if args.eval_source is None:
+        if args.split_weights is None:
+            raise ArgumentError("--eval-interval needs held-out prompts: --eval-data-path (a preprocessed prompt "
+                                "set) or --split with a valid part (e.g. --split 98,2,0)")
+        args.startup_notes.append(f"evaluation is off: --split {args.split} has no valid part (--eval-interval "
+                                  f"{args.eval_interval} is ignored; e.g. --split 98,2,0 evaluates)")
+        args.eval_interval = None
+    elif args.eval_iters == 0 and not args.eval_samples:
+        args.startup_notes.append("evaluation is off: --eval-iters 0 (Megatron-LM's way to skip it)")
+        args.eval_interval = None

@@ -27,8 +27,6 @@ BASE = ["--data-path", "d", "--train-iters", "1", "--global-batch-size", "4", "-
     (["--stage", "grpo", "--verifier-function", "math_acc", "format", "--verifier-weight", "1"], 1,
      "--verifier-weight has 1 values for 2 --verifier-function names"),
     (["--stage", "trl_ppo"], 1, "--reward-model is required for --stage trl_ppo"),
-    (["--stage", "trl_ppo", "--reward-model", "x", "--n-samples-per-prompt", "4"], 1,
-     "--n-samples-per-prompt is a grpo flag"),
     (["--stage", "grpo"], 1, "--stage grpo needs a reward"),
     (["--stage", "grpo", "--verifier-function", "math_acc", "--bf16", "--fp16"], 1, "--bf16 and --fp16 are exclusive"),
     (["--stage", "grpo", "--verifier-function", "math_acc", "--save-interval", "2"], 1, "--save-interval needs --save"),

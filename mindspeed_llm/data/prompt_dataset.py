@@ -130,6 +130,54 @@ class PromptDataset:
         return list(self.meta.get("template", {}).get("stop_words", []))
 
 
+def split_indices(dataset_len: int, weights, seed: int) -> List[np.ndarray]:
+    """Megatron-LM's ``--split``: the prompt indices of the train, valid and test parts (sorted, disjoint, together
+    all of ``range(dataset_len)``). ``weights`` are the parts' shares (summing to 1); part sizes are rounded as
+    Megatron-LM rounds them, and which prompts go where is a permutation drawn from ``seed`` alone, so every
+    rank and every resumed run gets the same parts."""
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + int(round(float(w) * dataset_len)))
+    diff = bounds[-1] - dataset_len
+    bounds = [bounds[0]] + [b - diff for b in bounds[1:]]
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), 0x5EED5])))
+    order = rng.permutation(dataset_len)
+    return [np.sort(order[max(0, a):max(0, b)]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+class PromptSubset:
+    """The prompts ``indices`` of a :class:`PromptDataset`, as a dataset of their own (a ``--split`` part)."""
+
+    def __init__(self, dataset: PromptDataset, indices, part: str = "train"):
+        self.dataset = dataset
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.part = part
+        self.prefix = dataset.prefix
+        self.extra_keys = dataset.extra_keys
+        self.meta = dataset.meta
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> Dict:
+        return self.dataset[int(self.indices[index])]
+
+    def get_batch(self, indices) -> List[Dict]:
+        return [self[i] for i in indices]
+
+    @property
+    def prompt_lengths(self) -> np.ndarray:
+        return self.dataset.prompt_lengths[self.indices]
+
+    @property
+    def tokenizer_info(self) -> dict:
+        return self.dataset.tokenizer_info
+
+    @property
+    def stop_words(self) -> List[str]:
+        return self.dataset.stop_words
+
+
 class PromptSampler:
     """Deterministic, DP-sharded, resumable order of prompt indices (see the module doc)."""
 

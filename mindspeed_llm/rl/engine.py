@@ -54,6 +54,12 @@ class OptimizerSettings:
     schedule_on_resume: str = "check"
     # The flag names of the role's settings, for messages (the critic's lr is --critic-lr).
     lr_flag: str = "--lr"
+    # fp16's grad scaler (Megatron-LM's flags and defaults): a constant scale, or a dynamic one.
+    loss_scale: Optional[float] = None
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: float = 1000
+    hysteresis: int = 2
 
 
 # OptimizerParamScheduler state key -> what it is, for messages
@@ -195,6 +201,11 @@ class TrainableModel:
             fp16=settings.params_dtype == "fp16",
             params_dtype=config.params_dtype,
             use_distributed_optimizer=settings.use_distributed_optimizer,
+            loss_scale=settings.loss_scale,
+            initial_loss_scale=settings.initial_loss_scale,
+            min_loss_scale=settings.min_loss_scale,
+            loss_scale_window=settings.loss_scale_window,
+            hysteresis=settings.hysteresis,
         )
         self.optimizer = get_megatron_optimizer(optimizer_config, self.chunks)
         decay_steps = max(settings.lr_decay_iters, settings.lr_warmup_iters + 1)
@@ -245,7 +256,7 @@ class TrainableModel:
 
         results = _run_schedule(self.chunks, micro_batches, scaled_loss_fn, forward_only=False)
         # every rank of a DP group sits at the same pipeline stage: all have results (the last stage), or none
-        keys = sorted(results[0]) if results else []
+        keys = list(results[0]) if results else []  # the loss closure's order, the same on every rank
         local = {k: sum(torch.as_tensor(r[k]).double() for r in results) for k in keys}  # this rank's shares
         if self.check_finite:
             self._stop_if_not_finite(losses, local)
@@ -255,8 +266,8 @@ class TrainableModel:
         metrics: Dict[str, float] = {}
         if keys:
             metrics = dict(zip(keys, sum_over_data_parallel(torch.stack([local[k] for k in keys])).tolist()))
-        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         return metrics
 
     def _stop_if_not_finite(self, losses, metrics) -> None:

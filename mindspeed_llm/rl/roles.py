@@ -5,6 +5,7 @@ optimizer settings."""
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Dict, Optional
 
 import torch
@@ -17,16 +18,63 @@ from mindspeed_llm.rl.engine import OptimizerSettings, TrainableModel
 
 
 def _checked_spec(root: str, flag: str, args) -> ModelSpec:
+    """The checkpoint's ModelSpec, after checking every model flag the command line gave against it (Megatron-LM
+    scripts describe the model with flags; here the checkpoint does, and a flag that disagrees is an error)."""
     spec = load_spec(root)
-    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                 "vocab_size"):
+
+    def mismatch(given: str, what: str) -> ValueError:
+        return ValueError(f"{given} does not match the checkpoint {flag} {root} ({what}); drop the flag or "
+                          "convert the right model")
+
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "vocab_size",
+                 "max_position_embeddings"):
         wanted = getattr(args, name, None)
         if wanted is not None and wanted != getattr(spec, name):
-            raise ValueError(
-                f"--{name.replace('_', '-')} {wanted} does not match the checkpoint {flag} {root} "
-                f"({name}={getattr(spec, name)}); drop the flag or convert the right model"
-            )
+            option = "--padded-vocab-size" if name == "vocab_size" else f"--{name.replace('_', '-')}"
+            raise mismatch(f"{option} {wanted}", f"{name}={getattr(spec, name)}")
+    for name in ("rotary_base", "norm_epsilon"):
+        wanted = getattr(args, name, None)
+        if wanted is not None and not math.isclose(wanted, getattr(spec, name), rel_tol=1e-6):
+            raise mismatch(f"--{name.replace('_', '-')} {wanted:g}", f"{name}={getattr(spec, name):g}")
+    _check_attention_flags(spec, args, mismatch)
+    scaling = getattr(args, "rope_scaling_type", None)
+    if scaling is not None and spec.rope_scaling_factor is None:
+        raise mismatch(f"--rope-scaling-type {scaling}", "no RoPE frequency scaling")
+    factor = getattr(args, "rope_scaling_factor", None)
+    if factor is not None and factor != spec.rope_scaling_factor:
+        found = "no RoPE scaling" if spec.rope_scaling_factor is None else f"factor {spec.rope_scaling_factor:g}"
+        raise mismatch(f"--rope-scaling-factor {factor:g}", f"llama3 RoPE scaling {found}")
+    if getattr(args, "untie_embeddings_and_output_weights", False) and spec.tie_word_embeddings:
+        raise mismatch("--untie-embeddings-and-output-weights", "the output layer shares the embedding's weights")
+    if getattr(args, "qk_layernorm", False) and not spec.qk_layernorm:
+        raise mismatch("--qk-layernorm", "no query/key norms")
     return spec
+
+
+def _check_attention_flags(spec: ModelSpec, args, mismatch) -> None:
+    """Grouped-query attention and q/k/v biases as Megatron-LM reads the flags: --num-query-groups counts with
+    --group-query-attention (default 1), without it every head has its own keys and values; --disable-bias-linear
+    turns the q/k/v bias off unless --add-qkv-bias turns it back on."""
+    groups = getattr(args, "num_query_groups", None)
+    if getattr(args, "group_query_attention", False):
+        groups = 1 if groups is None else groups
+        if groups != spec.num_query_groups:
+            given = f"--group-query-attention --num-query-groups {groups}" + (
+                "" if args.num_query_groups is not None else " (Megatron-LM's default)")
+            raise mismatch(given, f"num_query_groups={spec.num_query_groups}")
+    elif groups is not None and groups != spec.num_query_groups:
+        raise mismatch(f"--num-query-groups {groups}", f"num_query_groups={spec.num_query_groups}")
+    elif getattr(args, "num_attention_heads", None) is not None and spec.num_query_groups != spec.num_attention_heads:
+        raise mismatch(f"--num-attention-heads {args.num_attention_heads} without --group-query-attention "
+                       "(multi-head attention)", f"grouped-query attention with num_query_groups="
+                       f"{spec.num_query_groups}: add --group-query-attention --num-query-groups {spec.num_query_groups}")
+    add_qkv_bias = getattr(args, "add_qkv_bias", False)
+    if getattr(args, "disable_bias_linear", False) or add_qkv_bias:
+        if add_qkv_bias != spec.add_qkv_bias:
+            if add_qkv_bias:
+                raise mismatch("--add-qkv-bias", "no q/k/v biases")
+            raise mismatch("--disable-bias-linear (without --add-qkv-bias)",
+                           "q/k/v biases; add --add-qkv-bias, as Megatron-LM needs for this model")
 
 
 def load_model(root: str, flag: str, args, value_head: bool = False):
@@ -35,10 +83,16 @@ def load_model(root: str, flag: str, args, value_head: bool = False):
 
     Every problem (missing files, a causal LM where a value head is needed, a TP/PP the model cannot be
     split into, a spec that contradicts the model flags) is raised before any compute, naming `flag`.
+
+    --attention-dropout / --hidden-dropout are built into every model; they act only in train mode, i.e. in the
+    trained models' (actor, critic) update forwards: frozen models, rollouts and the log-prob / value passes run
+    in eval mode.
     """
+    dropout = dict(attention_dropout=getattr(args, "attention_dropout", 0.0),
+                   hidden_dropout=getattr(args, "hidden_dropout", 0.0))
     try:
         spec = _checked_spec(root, flag, args)
-        model = build_model(spec, params_dtype=args.params_dtype, value_head=value_head)
+        model = build_model(spec, params_dtype=args.params_dtype, value_head=value_head, **dropout)
         load_megatron_weights(model, root)
     except (ValueError, FileNotFoundError) as exc:
         raise ArgumentError(f"{flag} {root}: {exc}") from exc
@@ -64,7 +118,16 @@ def trainable(model, args, name: str) -> TrainableModel:
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         params_dtype=args.params_dtype, use_distributed_optimizer=args.use_distributed_optimizer,
         schedule_on_resume=schedule_on_resume, lr_flag="--critic-lr" if critic else "--lr",
+        **_loss_scale_settings(args),
     ), name=name, check_finite=args.check_for_nan_in_loss_and_grad)
+
+
+def _loss_scale_settings(args) -> dict:
+    """--fp16's grad-scaler flags that were given (megatron's defaults otherwise); nothing for bf16 / fp32."""
+    if args.params_dtype != "fp16":
+        return {}
+    names = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
 def load_reward_model(args):

@@ -19,10 +19,11 @@ from typing import Dict, Optional
 import torch
 from megatron.core import parallel_state
 
-from mindspeed_llm import device, distributed
+from mindspeed_llm import compat_flags, device, distributed
 from mindspeed_llm.arguments import ArgumentError
 from mindspeed_llm.checkpoint import training as training_ckpt
 from mindspeed_llm.data import PromptDataset, PromptSampler
+from mindspeed_llm.data.prompt_dataset import PromptSubset, split_indices
 from mindspeed_llm.rl.metrics import MetricsLogger, reduce_metrics, throughput_metrics
 from mindspeed_llm.rl.stages import STAGES
 
@@ -32,7 +33,7 @@ def load_tokenizer(args):
 
     path = args.tokenizer_name_or_path or args.ref_model or args.load
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, use_fast=not getattr(args, "tokenizer_not_use_fast", False))
     except Exception as exc:  # transformers' own message does not name our flag
         raise ArgumentError(
             f"cannot load a tokenizer from {path!r} ({exc}); pass --tokenizer-name-or-path, or convert the model "
@@ -85,10 +86,36 @@ def _gather_to_logger(metrics: Dict[str, float]) -> Dict[str, float]:
     return metrics
 
 
+def _prompt_sets(args):
+    """The training prompts and the held-out ones (None: no evaluation): --eval-data-path, or --split's parts of
+    --data-path (the training sampler then sees only the train part)."""
+    dataset = PromptDataset(args.data_path)
+    weights = getattr(args, "split_weights", None)
+    if weights is None:
+        eval_dataset = PromptDataset(args.eval_data_path) if args.eval_data_path else None
+        return dataset, (eval_dataset if args.eval_interval else None)
+    parts = split_indices(len(dataset), weights, args.seed)
+    sizes = f"--split {args.split} of --data-path {args.data_path} ({len(dataset)} prompts: " \
+            f"{len(parts[0])} train, {len(parts[1])} valid, {len(parts[2])} test)"
+    if weights[1] > 0 and not len(parts[1]):
+        raise ArgumentError(f"{sizes} leaves the valid part empty; give it a larger weight or use more prompts")
+    if len(parts[0]) < args.global_batch_size:
+        raise ArgumentError(f"{sizes} leaves fewer training prompts than one --global-batch-size "
+                            f"{args.global_batch_size}; give --split's train part more weight or use more prompts")
+    if distributed.is_rank_0():
+        print(sizes + (" (the test part is not used)" if len(parts[2]) else ""), flush=True)
+    train = PromptSubset(dataset, parts[0], "train")
+    if args.eval_data_path:
+        return train, (PromptDataset(args.eval_data_path) if args.eval_interval else None)
+    return train, (PromptSubset(dataset, parts[1], "valid") if args.eval_interval and len(parts[1]) else None)
+
+
 def _evaluate(stage, dataset, args) -> Dict[str, float]:
-    """The stage's held-out metrics on this DP rank's share of the first `--eval-samples` prompts."""
+    """The stage's held-out metrics on this DP rank's share of the first `args.eval_prompts` held-out prompts
+    (--eval-samples, else --eval-iters x --global-batch-size; 0 = all)."""
     dp_rank, dp_size = distributed.data_parallel_info()
-    count = len(dataset) if not args.eval_samples else min(args.eval_samples, len(dataset))
+    wanted = getattr(args, "eval_prompts", args.eval_samples)
+    count = len(dataset) if not wanted else min(wanted, len(dataset))
     indices = list(range(dp_rank, count, dp_size))
     return stage.evaluate([dataset[i] for i in indices]) if indices else {}
 
@@ -147,14 +174,16 @@ def _resume(args, stage, sampler) -> int:
 def run(args) -> None:
     distributed.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed)
     dp_rank, dp_size = distributed.data_parallel_info()
+    if distributed.is_rank_0():
+        for line in compat_flags.startup_lines(args, device.accelerator().backend):
+            print(f"posttrain_gpt.py: {line}", flush=True)
     tokenizer = load_tokenizer(args)
-    dataset = PromptDataset(args.data_path)
-    eval_dataset = PromptDataset(args.eval_data_path) if args.eval_data_path else None
+    dataset, eval_dataset = _prompt_sets(args)
     sampler = PromptSampler(len(dataset), args.global_batch_size, dp_rank, dp_size, args.seed)
     check_labels(dataset, args)
     check_prompt_lengths(dataset, args, "--data-path")
     if eval_dataset is not None:
-        check_prompt_lengths(eval_dataset, args, "--eval-data-path")
+        check_prompt_lengths(eval_dataset, args, "--eval-data-path" if args.eval_data_path else "--split (valid)")
 
     lock = training_ckpt.WriterLock(args.save) if args.save else None
     if lock is not None:

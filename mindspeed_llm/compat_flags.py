@@ -1,0 +1,93 @@
+"""Flags of MindSpeed-LLM / Megatron-LM launch scripts that parse here but change nothing, each with the reason.
+
+`posttrain_gpt.py` accepts them so that published scripts run unchanged, stores the ones a command line gave on
+`args.ignored_flags` ({flag: reason}) and prints them once at startup on rank 0 (`startup_lines`). Adding a
+switch is one line of `IGNORED_SWITCHES`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Dict, List
+
+PERFORMANCE = ("performance switches with no effect here: the models run megatron-core's local layer spec in "
+               "plain torch, without fused kernels")
+ALWAYS = "what this code always does"
+CHECKPOINT = "the checkpoint decides"
+FP16_ONLY = "loss scaling applies to --fp16 only"
+SEQ_LENGTH = "--max-length bounds prompt + response"
+SHARED_STORAGE = "checkpoints are published by rank 0, so --save must be a folder every node sees"
+
+# Switches (no value): flag -> why it has no effect.
+IGNORED_SWITCHES: Dict[str, str] = {
+    "--use-fused-swiglu": PERFORMANCE,
+    "--use-fused-rmsnorm": PERFORMANCE,
+    "--use-fused-rotary-pos-emb": PERFORMANCE,
+    "--use-flash-attn": PERFORMANCE,
+    "--no-masked-softmax-fusion": PERFORMANCE,
+    "--no-gradient-accumulation-fusion": PERFORMANCE,
+    "--no-bias-swiglu-fusion": PERFORMANCE,
+    "--no-bias-dropout-fusion": PERFORMANCE,
+    "--no-rope-fusion": PERFORMANCE,
+    "--no-persist-layer-norm": PERFORMANCE,
+    "--overlap-grad-reduce": PERFORMANCE,
+    "--overlap-param-gather": PERFORMANCE,
+    "--use-mcore-models": ALWAYS,  # the models are megatron-core GPTModels
+    "--attention-softmax-in-fp32": ALWAYS,  # megatron-core's default (TransformerConfig.attention_softmax_in_fp32)
+    "--is-instruction-dataset": ALWAYS,  # the data are preprocess_data.py's prompt datasets
+    "--variable-seq-lengths": ALWAYS,  # micro-batches are padded to their own longest sequence
+    "--no-shared-storage": SHARED_STORAGE,
+}
+
+# Flags with a value, ignored whenever given: flag -> (argparse type, reason).
+IGNORED_VALUES: Dict[str, tuple] = {
+    "--transformer-impl": (str, PERFORMANCE),
+    "--make-vocab-size-divisible-by": (int, CHECKPOINT),  # the vocabulary (padding included) is the checkpoint's
+    # Every weight, the value heads included, is loaded from a checkpoint (convert reward models with --orm);
+    # nothing is initialised fresh, so there is nothing for an init std to apply to.
+    "--init-method-std": (float, CHECKPOINT),
+    "--seq-length": (int, SEQ_LENGTH),
+}
+
+# Megatron's fp16 grad-scaler flags: honoured with --fp16 (engine.OptimizerSettings), ignored otherwise.
+LOSS_SCALE_FLAGS = ("--loss-scale", "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window",
+                    "--hysteresis")
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def add_ignored_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register every ignored flag (hidden from --help)."""
+    for flag in IGNORED_SWITCHES:
+        parser.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    for flag, (kind, _reason) in IGNORED_VALUES.items():
+        parser.add_argument(flag, type=kind, action="append", help=argparse.SUPPRESS)  # may repeat (--seq-length)
+
+
+def ignored_flags(args) -> Dict[str, str]:
+    """{flag: reason} of the ignored flags this command line gave, in table order."""
+    found = {flag: reason for flag, reason in IGNORED_SWITCHES.items() if getattr(args, _dest(flag), False)}
+    found.update({flag: reason for flag, (_, reason) in IGNORED_VALUES.items()
+                  if getattr(args, _dest(flag), None) is not None})
+    if getattr(args, "params_dtype", None) != "fp16":
+        found.update({flag: FP16_ONLY for flag in LOSS_SCALE_FLAGS if getattr(args, _dest(flag), None) is not None})
+    return found
+
+
+def startup_lines(args, backend: str) -> List[str]:
+    """What rank 0 prints once before training: the ignored flags (one line, grouped by reason), a
+    --distributed-backend the device overrides, and the notes `validate_args` left (`args.startup_notes`)."""
+    lines = []
+    by_reason: Dict[str, List[str]] = {}
+    for flag, reason in getattr(args, "ignored_flags", {}).items():
+        by_reason.setdefault(reason, []).append(flag)
+    if by_reason:
+        lines.append("ignored flags: " + "; ".join(f"{', '.join(flags)} ({reason})"
+                                                   for reason, flags in by_reason.items()))
+    wanted = getattr(args, "distributed_backend", None)
+    if wanted and wanted != backend:
+        lines.append(f"--distributed-backend {wanted}: this device's collectives use {backend}; using {backend}")
+    lines.extend(getattr(args, "startup_notes", []))
+    return lines
