@@ -87,6 +87,17 @@ def sum_over_data_parallel(tensor):
     return out
 
 
+def gather_over_data_parallel(obj) -> list:
+    """Every rank of this rank's data-parallel group's picklable `obj`, in DP rank order (`[obj]` without DP)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_data_parallel_world_size() == 1:
+        return [obj]
+    out = [None] * parallel_state.get_data_parallel_world_size()
+    dist.all_gather_object(out, obj, group=parallel_state.get_data_parallel_group())
+    return out
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank when `flag` is True on any rank of the job."""
     if not dist.is_initialized():

@@ -58,7 +58,8 @@ def test_three_iterations(stage_paths, tmp_path, stage, tp, pp):
     dp2 = tp == pp == 1
     if dp2:  # held-out evaluation, and grpo's group filter, on one layout
         extra += ["--eval-data-path", stage_paths["data_eval"], "--eval-interval", "2"]
-        extra += ["--filter-groups"] if stage == "grpo" else ["--whiten-rewards"]
+        # trl_ppo: one held-out prompt for two DP ranks (rank 1 evaluates none)
+        extra += ["--filter-groups"] if stage == "grpo" else ["--whiten-rewards", "--eval-samples", "1"]
     if stage == "trl_ppo" and tp == 2:  # critic and reward half the actor's width (argparse: the last value wins)
         extra += ["--reward-model", stage_paths["mg_reward_small_tp2pp1"]]
     check_ok(torchrun(stage_argv(stage_paths, stage, tp, pp, iters=3, extra=extra), nproc=2))

@@ -111,13 +111,18 @@ def _prompt_sets(args):
 
 
 def _evaluate(stage, dataset, args) -> Dict[str, float]:
-    """The stage's held-out metrics on this DP rank's share of the first `args.eval_prompts` held-out prompts
-    (--eval-samples, else --eval-iters x --global-batch-size; 0 = all)."""
+    """The stage's held-out metrics over the first `args.eval_prompts` held-out prompts (--eval-samples, else
+    --eval-iters x --global-batch-size; 0 = all), dealt over the DP ranks: each rank's means weighted by its
+    prompt count, so every DP rank returns the mean over all of them, even when some rank holds none."""
     dp_rank, dp_size = distributed.data_parallel_info()
     wanted = getattr(args, "eval_prompts", args.eval_samples)
     count = len(dataset) if not wanted else min(wanted, len(dataset))
+    if not count:
+        return {}
     indices = list(range(dp_rank, count, dp_size))
-    return stage.evaluate([dataset[i] for i in indices]) if indices else {}
+    local = stage.evaluate([dataset[i] for i in indices]) if indices else {}
+    shares = [(n, m) for n, m in distributed.gather_over_data_parallel((len(indices), local)) if n]
+    return {key: sum(n * m[key] for n, m in shares) / count for key in shares[0][1]}
 
 
 class _ExitSignal:
