@@ -192,7 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: int = 1):
-    args = build_parser().parse_args(argv)
+    from mindspeed_llm.run_config import config_argv  # --config FILE.yaml: a MindSpeed-RL run config
+
+    args = build_parser().parse_args(config_argv(argv))
     validate_args(args, world_size)
     return args
 

@@ -1,0 +1,615 @@
+"""`posttrain_gpt.py --config FILE.yaml`: MindSpeed-RL run configs mapped onto this program's flags
+(`mindspeed_llm/run_config.py`).
+
+* every section maps as the equivalent command line parses (grpo and PPO files in MindSpeed-RL's layout, a model
+  from `model/NAME.yaml`, roles of different models), and the shipped configs/rl files equal their launchers;
+* the command line overrides the file (exclusive switches included);
+* unknown keys (naming key, section, file, the nearest key), wrong types (naming key and file), settings this
+  program cannot honour, and ignored keys (listed once, on rank 0);
+* the checkpoint mapping: first run, resume, fine-tune from a save, and every combination that cannot map;
+* end to end (slow): a first-run file trains a tiny trl_ppo for 2 iterations, and the resume file (finetune false,
+  load = that save, no_load_optim false, the reference's original weights) resumes at iteration 2.
+"""
+
+import contextlib
+import copy
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mindspeed_llm.arguments import ArgumentError, build_parser, parse_args
+from mindspeed_llm.run_config import GENERATE, MEGATRON, RL, SAMPLING, ConfigError, Flag, config_argv, load_run_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path, data, name="run.yaml") -> str:
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(path)
+
+
+def parsed(argv, world_size=1) -> dict:
+    return vars(parse_args(list(map(str, argv)), world_size=world_size))
+
+
+def converted_model(path: Path) -> str:
+    """A directory that looks like a convert_ckpt.py output (the mapping only looks at its shape)."""
+    (path / "release").mkdir(parents=True)
+    (path / "latest_checkpointed_iteration.txt").write_text("release")
+    return str(path)
+
+
+def save_root(path: Path) -> str:
+    """A directory that looks like a --save root of this program."""
+    for role in ("actor", "critic"):
+        (path / role / "iter_0000002").mkdir(parents=True)
+    (path / "latest_checkpointed_iteration.txt").write_text("2")
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------------ MindSpeed-RL files
+QWEN25_7B = {
+    "use_mcore_models": True, "num_layers": 28, "hidden_size": 3584, "ffn_hidden_size": 18944,
+    "num_attention_heads": 28, "rotary_base": 1000000, "max_position_embeddings": 32768,
+    "make_vocab_size_divisible_by": 1, "padded_vocab_size": 152064, "untie_embeddings_and_output_weights": True,
+    "add_qkv_bias": True, "disable_bias_linear": True, "group_query_attention": True, "num_query_groups": 4,
+    "position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True, "attention_softmax_in_fp32": True,
+}
+QWEN25_7B_FLAGS = [
+    "--use-mcore-models", "--num-layers", "28", "--hidden-size", "3584", "--ffn-hidden-size", "18944",
+    "--num-attention-heads", "28", "--rotary-base", "1000000", "--max-position-embeddings", "32768",
+    "--make-vocab-size-divisible-by", "1", "--padded-vocab-size", "152064", "--untie-embeddings-and-output-weights",
+    "--add-qkv-bias", "--disable-bias-linear", "--group-query-attention", "--num-query-groups", "4",
+    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--attention-softmax-in-fp32",
+]
+
+
+def megatron_training(stage="ray_grpo"):
+    return {
+        "model": "qwen25_7b", "use_fused_rmsnorm": True, "use_mcore_models": True, "sequence_parallel": False,
+        "use_flash_attn": True, "no_masked_softmax_fusion": True, "attention_softmax_in_fp32": True,
+        "no_gradient_accumulation_fusion": True, "use_fused_swiglu": True, "use_fused_rotary_pos_emb": True,
+        "bf16": True, "use_distributed_optimizer": True, "tokenizer_type": "PretrainedFromHF",
+        "tokenizer_name_or_path": "./Qwen2.5-7B", "global_batch_size": 32, "seq_length": 2048, "save_interval": 200,
+        "train_iters": 1000, "stage": stage, "attention_dropout": 0.0, "init_method_std": 0.01, "hidden_dropout": 0.0,
+        "distributed_backend": "nccl", "no_shared_storage": True, "variable_seq_lengths": True,
+        "dataset_additional_keys": ["labels"], "data_path": "./dataset/deepscaler/data", "split": "100,0,0",
+        "no_shuffle": False, "full_shuffle_instruction_dataset": False, "seed": 1234,
+    }
+
+
+MEGATRON_FLAGS = [
+    "--use-fused-rmsnorm", "--use-flash-attn", "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
+    "--use-fused-swiglu", "--use-fused-rotary-pos-emb", "--bf16", "--use-distributed-optimizer",
+    "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", "./Qwen2.5-7B", "--global-batch-size", "32",
+    "--seq-length", "2048", "--save-interval", "200", "--train-iters", "1000", "--attention-dropout", "0.0",
+    "--init-method-std", "0.01", "--hidden-dropout", "0.0", "--distributed-backend", "nccl", "--no-shared-storage",
+    "--variable-seq-lengths", "--data-path", "./dataset/deepscaler/data", "--split", "100,0,0", "--seed", "1234",
+]
+
+
+def actor_config(**over):
+    config = {
+        "model": "qwen25_7b", "micro_batch_size": 1, "tensor_model_parallel_size": 4, "pipeline_model_parallel_size": 1,
+        "lr": "1e-6", "lr_decay_style": "constant", "min_lr": 0, "weight_decay": 0.01, "lr_warmup_fraction": 0.0,
+        "clip_grad": 1.0, "adam_beta1": 0.9, "adam_beta2": 0.95, "initial_loss_scale": 4096, "finetune": True,
+        "load": "./model_weights/qwen25_7b_mcore", "save": "./ckpt/qwen25_7b", "no_load_optim": True,
+        "no_load_rng": True,
+    }
+    config.update(over)
+    return config
+
+
+ACTOR_FLAGS = [
+    "--micro-batch-size", "1", "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "1",
+    "--lr", "1e-6", "--lr-decay-style", "constant", "--min-lr", "0", "--weight-decay", "0.01",
+    "--lr-warmup-fraction", "0.0", "--clip-grad", "1.0", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+    "--initial-loss-scale", "4096", "--ref-model", "./model_weights/qwen25_7b_mcore", "--save", "./ckpt/qwen25_7b",
+]
+
+
+def generate_config(**sampling):
+    return {
+        "trust_remote_code": True, "offload_train_optimizer": True, "offload_train_grad": True,
+        "offload_train_param": True, "infer_tensor_parallel_size": 4, "infer_pipeline_parallel_size": 1,
+        "infer_expert_parallel_size": 1, "max_num_seqs": 1024, "max_model_len": 4096, "max_num_batched_tokens": 8192,
+        "dtype": "bfloat16", "gpu_memory_utilization": 0.4, "enforce_eager": True, "enable_prefix_caching": False,
+        "sampling_config": {"logprobs": 1, "max_tokens": 2048, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                            "temperature": 1.0, "detokenize": False, **sampling},
+    }
+
+
+GENERATE_FLAGS = ["--max-length", "4096", "--max-new-tokens", "2048", "--top-p", "1.0", "--top-k", "0", "--do-sample",
+                  "--temperature", "1.0"]
+
+
+def grpo_file():
+    return copy.deepcopy({
+        "defaults": [{"model": ["qwen25_7b"]}],
+        "model": {"qwen25_7b": QWEN25_7B},
+        "megatron_training": megatron_training(),
+        "actor_config": actor_config(),
+        "rl_config": {
+            "guarantee_order": False, "use_integrated_worker": True, "blocking": True, "gamma": 1.0, "lam": 0.95,
+            "actor_forward_micro_batch_size": 1, "ref_forward_micro_batch_size": 1, "adv_estimator": "group_norm",
+            "kl_penalty": "low_var_kl", "kl_ctrl_type": "fixed", "init_kl_coef": 0.001, "mini_batch_size": 32,
+            "max_prompt_length": 2048, "epochs": 1, "clip_ratio": 0.2, "entropy_coeff": 0.0, "shuffle_minibatch": False,
+            "n_samples_per_prompt": 8, "rule_reward": True, "verifier_function": ["base_acc"], "verifier_weight": [1.0],
+            "verifier_parallel": 4, "verifier_timeout": 30, "num_cpus_for_local_task": 1.0, "use_tensorboard": True,
+            "actor_resource": {"num_npus": 16},
+        },
+        "generate_config": generate_config(),
+    })
+
+
+GRPO_FLAGS = ["--stage", "grpo", *QWEN25_7B_FLAGS, *MEGATRON_FLAGS, *ACTOR_FLAGS, "--gamma", "1.0", "--lam", "0.95",
+              "--adv-estimator", "grpo", "--kl-penalty", "low_var_kl", "--kl-coef", "0.001", "--ppo-mini-batch-size",
+              "32", "--max-prompt-length", "2048", "--ppo-epochs", "1", "--clip-ratio", "0.2", "--entropy-coeff",
+              "0.0", "--n-samples-per-prompt", "8", "--verifier-function", "base_acc", "--verifier-weight", "1.0",
+              "--tensorboard-dir", "./ckpt/qwen25_7b/tensorboard", *GENERATE_FLAGS]
+GRPO_IGNORED = [
+    "megatron_training.dataset_additional_keys", "megatron_training.full_shuffle_instruction_dataset",
+    "rl_config.guarantee_order", "rl_config.use_integrated_worker", "rl_config.blocking",
+    "rl_config.actor_forward_micro_batch_size", "rl_config.ref_forward_micro_batch_size", "rl_config.verifier_parallel",
+    "rl_config.verifier_timeout", "rl_config.num_cpus_for_local_task", "rl_config.actor_resource",
+    "generate_config.trust_remote_code", "generate_config.offload_train_optimizer", "generate_config.offload_train_grad",
+    "generate_config.offload_train_param", "generate_config.max_num_seqs", "generate_config.max_num_batched_tokens",
+    "generate_config.gpu_memory_utilization", "generate_config.enforce_eager", "generate_config.enable_prefix_caching",
+    "generate_config.sampling_config.logprobs", "generate_config.sampling_config.detokenize",
+]
+
+
+def ppo_file(critic_load="./model_weights/qwen25_7b_rm_mcore"):
+    critic = actor_config(lr="5e-6", load=critic_load)
+    del critic["initial_loss_scale"]
+    return copy.deepcopy({
+        "defaults": [{"model": ["qwen25_7b"]}],
+        "model": {"qwen25_7b": QWEN25_7B},
+        "megatron_training": megatron_training("ray_ppo"),
+        "actor_config": actor_config(),
+        "critic_config": critic,
+        "reward_config": {"model": "qwen25_7b", "tensor_model_parallel_size": 4, "micro_batch_size": 1,
+                          "lr": 1e-5, "load": "./model_weights/qwen25_7b_rm_mcore", "no_load_optim": True},
+        "ref_config": {"model": "qwen25_7b", "load": "./model_weights/qwen25_7b_mcore"},
+        "rl_config": {
+            "guarantee_order": True, "use_integrated_worker": True, "blocking": True, "gamma": 1.0, "lam": 1.0,
+            "adv_estimator": "gae", "kl_penalty": "kl", "kl_ctrl_type": "fixed", "init_kl_coef": 0.0,
+            "mini_batch_size": 32, "max_prompt_length": 2048, "epochs": 1, "clip_ratio": 0.2, "cliprange_value": 0.5,
+            "entropy_coeff": 0, "shuffle_mini_batch": False, "n_samples_per_prompt": 1, "rule_reward": False,
+            "advantage_whiten": True, "num_cpus_for_local_task": 1.0, "use_tensorboard": False,
+            "actor_resource": {"num_npus": 8}, "critic_resource": {"num_npus": 8},
+        },
+        "generate_config": generate_config(),
+    })
+
+
+PPO_FLAGS = ["--stage", "trl_ppo", *QWEN25_7B_FLAGS, *MEGATRON_FLAGS, *ACTOR_FLAGS, "--critic-lr", "5e-6",
+             "--reward-model", "./model_weights/qwen25_7b_rm_mcore", "--gamma", "1.0", "--lam", "1.0", "--kl-penalty",
+             "k1", "--kl-coef", "0.0", "--ppo-mini-batch-size", "32", "--max-prompt-length", "2048", "--ppo-epochs",
+             "1", "--clip-ratio", "0.2", "--cliprange-value", "0.5", "--entropy-coeff", "0", "--n-samples-per-prompt",
+             "1", *GENERATE_FLAGS]
+
+
+def test_every_flag_of_the_tables_is_a_flag_of_the_parser():
+    actions = build_parser()._option_string_actions
+    for table in (MEGATRON, RL, GENERATE, SAMPLING):
+        for key, entry in table.items():
+            if isinstance(entry, Flag):
+                assert entry.flag in actions, f"{key} -> {entry.flag}"
+
+
+def test_grpo_file_maps_as_its_command_line(tmp_path):
+    path = write(tmp_path, grpo_file())
+    assert parsed(["--config", path], 16) == parsed(GRPO_FLAGS, 16)
+    config = load_run_config(path)
+    assert [key for key, _ in config.ignored] == GRPO_IGNORED
+    assert not config.notes
+
+
+def test_ppo_file_maps_as_its_command_line(tmp_path):
+    path = write(tmp_path, ppo_file())
+    assert parsed(["--config", path], 16) == parsed(PPO_FLAGS, 16)
+    ignored = [key for key, _ in load_run_config(path).ignored]
+    # a frozen model's optimizer keys and load flags mean nothing
+    assert "reward_config.lr" in ignored and "reward_config.no_load_optim" in ignored
+    assert "rl_config.critic_resource" in ignored
+
+
+def test_model_from_a_model_file_next_to_the_config(tmp_path):
+    data = grpo_file()
+    del data["model"]
+    write(tmp_path, {"qwen25_7b": QWEN25_7B}, "model/qwen25_7b.yaml")
+    assert parsed(["--config", write(tmp_path, data)], 16) == parsed(GRPO_FLAGS, 16)
+    data["defaults"] = [{"model": ["qwen25_7b"]}, "_self_"]
+    data["megatron_training"]["model"] = data["actor_config"]["model"] = "qwen25_14b"  # defined nowhere
+    config = load_run_config(write(tmp_path, data))
+    assert not any(flag.startswith("--num-layers") for flag in config.argv)
+    assert any("model 'qwen25_14b' is not defined" in note for note in config.notes)
+
+
+def test_roles_of_different_models_leave_the_architecture_to_the_checkpoints(tmp_path):
+    data = ppo_file()
+    data["model"]["qwen25_1b_rm"] = {"num_layers": 4, "hidden_size": 896}
+    data["reward_config"]["model"] = "qwen25_1b_rm"
+    config = load_run_config(write(tmp_path, data))
+    assert not any(token.startswith(("--num-layers", "--hidden-size", "--swiglu")) for token in config.argv)
+    assert any("different models" in note for note in config.notes)
+    assert parsed(["--config", write(tmp_path, data)], 16)["num_layers"] is None
+
+
+@pytest.mark.parametrize("config,launcher,nodes", [
+    ("configs/rl/trl_ppo_llama32_1b.yaml", "examples/mcore/llama32/trl_ppo_llama32_1b.sh", 2),
+    ("configs/rl/grpo_qwen25_7b.yaml", "examples/mcore/qwen25/grpo_qwen25_7b.sh", 2),
+    ("configs/rl/ppo_qwen25_32b.yaml", "examples/mcore/qwen25/ppo_qwen25_32b.sh", 4),
+])
+def test_shipped_configs_equal_their_launchers(tmp_path, config, launcher, nodes):
+    """The launcher's command line (recorded by a stub) and the file plus the launcher's run-control flags
+    (auto-resume --load, SIGTERM handler, metrics file) parse to the same arguments."""
+    stub, record = tmp_path / "stub.py", tmp_path / "argv.json"
+    stub.write_text("import json, sys\njson.dump(sys.argv[2:], open(sys.argv[1], 'w'))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NPUS_PER_NODE", "NODE_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT", "CURRENT_IP", "TP", "PP")}
+    env.update(PYTHON=f"{sys.executable} {stub} {record}", LOG_FILE=str(tmp_path / "log"), NPUS_PER_NODE="8",
+               NNODES=str(nodes), NODE_RANK="0", MASTER_ADDR="10.0.0.1", CURRENT_IP="10.0.0.1")
+    result = subprocess.run(["bash", str(ROOT / launcher)], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    argv = json.loads(record.read_text())
+    launched = argv[argv.index("posttrain_gpt.py") + 1:]
+    save = launched[launched.index("--save") + 1]
+    from_file = ["--config", str(ROOT / config), "--load", save, "--exit-signal-handler",
+                 "--metrics-jsonl", f"{save}/metrics.jsonl"]
+    assert parsed(from_file, 8 * nodes) == parsed(launched, 8 * nodes)
+
+
+def test_tiny_configs_map(tmp_path):
+    args = parsed(["--config", ROOT / "configs/rl/trl_ppo_tiny.yaml"])
+    assert (args["stage"], args["ref_model"], args["reward_model"], args["reward_model_weight"]) == \
+        ("trl_ppo", "runs/tiny_trl_ppo/mg_model", "runs/tiny_trl_ppo/mg_value", 0.0)
+    assert (args["save"], args["load"], args["critic_lr"], args["stop_token_ids"]) == \
+        ("runs/tiny_trl_ppo_yaml/ckpt", None, 1e-3, [198, 1116])
+    args = parsed(["--config", ROOT / "configs/rl/trl_ppo_tiny_resume.yaml"])
+    assert (args["load"], args["ref_model"], args["finetune"], args["no_load_optim"], args["train_iters"]) == \
+        ("runs/tiny_trl_ppo_yaml/ckpt", "runs/tiny_trl_ppo/mg_model", False, False, 4)
+    assert args["reward_model"] == "runs/tiny_trl_ppo_yaml/ckpt/critic"  # its own latest weights start the critic
+    args = parsed(["--config", ROOT / "configs/rl/grpo_tiny.yaml"])
+    assert (args["stage"], args["n_samples_per_prompt"], args["ref_model"]) == ("grpo", 2, "runs/tiny_grpo/mg_model")
+
+
+def test_the_launcher_runs_the_two_tiny_configs():
+    text = (ROOT / "examples/mcore/tiny/trl_ppo_tiny_yaml.sh").read_text()
+    assert "--config configs/rl/trl_ppo_tiny.yaml" in text or "configs/rl/trl_ppo_tiny.yaml" in text
+    assert "configs/rl/trl_ppo_tiny_resume.yaml" in text
+    subprocess.run(["bash", "-n", str(ROOT / "examples/mcore/tiny/trl_ppo_tiny_yaml.sh")], check=True)
+
+
+# ------------------------------------------------------------------------------------------ the command line wins
+def test_command_line_overrides_the_file(tmp_path):
+    path = write(tmp_path, grpo_file())
+    args = parsed(["--config", path, "--lr", "1e-3", "--tensor-model-parallel-size", "8", "--fp16",
+                   "--verifier-function", "format", "--ref-model", "/elsewhere", "--temperature", "0.5"], 16)
+    assert (args["lr"], args["tensor_model_parallel_size"], args["fp16"], args["bf16"]) == (1e-3, 8, True, False)
+    assert (args["verifier_function"], args["ref_model"], args["temperature"]) == (["format"], "/elsewhere", 0.5)
+    assert args["weight_decay"] == 0.01 and args["do_sample"]  # the rest is the file's
+    # --config=FILE and the flags in any order
+    assert parsed(["--lr", "1e-3", f"--config={path}"], 16)["lr"] == 1e-3
+    # without --config the command line is untouched
+    assert config_argv(["--stage", "grpo", "--lr", "1"]) == ["--stage", "grpo", "--lr", "1"]
+
+
+def test_command_line_supplies_what_the_file_lacks(tmp_path):
+    data = grpo_file()
+    data["actor_config"].update(finetune=False, load="./ckpt/qwen25_7b")  # a resume without the reference's path
+    path = write(tmp_path, data)
+    with pytest.raises(ConfigError, match="ref_model_load_path"):
+        parsed(["--config", path], 16)
+    args = parsed(["--config", path, "--ref-model", "./model_weights/qwen25_7b_mcore"], 16)
+    assert (args["load"], args["ref_model"]) == ("./ckpt/qwen25_7b", "./model_weights/qwen25_7b_mcore")
+
+
+# ------------------------------------------------------------------------------------------ errors
+def _error(tmp_path, data, *argv) -> str:
+    path = write(tmp_path, data)
+    with pytest.raises(ArgumentError) as caught:
+        parsed(["--config", path, *argv], 16)
+    assert path in str(caught.value)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("section,key,near", [
+    ("megatron_training", "global_batch_sise", "global_batch_size"),
+    ("actor_config", "npu_count", None),
+    ("rl_config", "clip_ratioo", "clip_ratio"),
+    ("generate_config", "gpu_mem", None),
+])
+def test_unknown_key_names_key_section_file_and_nearest(tmp_path, section, key, near):
+    data = grpo_file()
+    data[section][key] = 1
+    message = _error(tmp_path, data)
+    assert f"unknown key '{key}' in section '{section}'" in message
+    if near:
+        assert f"did you mean '{near}'" in message
+    else:
+        assert "the known keys of" in message
+
+
+def test_unknown_nested_keys_and_sections(tmp_path):
+    data = grpo_file()
+    data["rl_config"]["integrated_mode_config"] = {"ref_model_path": "x"}
+    assert "unknown key 'ref_model_path' in section 'rl_config.integrated_mode_config' (did you mean " \
+           "'ref_model_load_path'?)" in _error(tmp_path, data)
+    data = grpo_file()
+    data["generate_config"]["sampling_config"]["top_kk"] = 5
+    assert "'generate_config.sampling_config' (did you mean 'top_k'?)" in _error(tmp_path, data)
+    data = grpo_file()
+    data["model"]["qwen25_7b"]["num_layer"] = 28
+    assert "unknown key 'num_layer' in section 'model.qwen25_7b' (did you mean 'num_layers'?)" in _error(tmp_path, data)
+    data = grpo_file()
+    data["rl_confg"] = {}
+    assert "unknown section 'rl_confg' (did you mean 'rl_config'?)" in _error(tmp_path, data)
+
+
+@pytest.mark.parametrize("section,key,value,expected", [
+    ("actor_config", "lr", "fast", "actor_config.lr: 'fast' is not a number (it sets --lr)"),
+    ("megatron_training", "train_iters", 2.5, "megatron_training.train_iters: 2.5 is not an integer"),
+    ("megatron_training", "bf16", "yes", "megatron_training.bf16: 'yes' is not true or false"),
+    ("actor_config", "load", ["a", "b"], "actor_config.load: ['a', 'b'] is not a path"),
+    ("rl_config", "n_samples_per_prompt", True, "rl_config.n_samples_per_prompt: True is not an integer"),
+    ("rl_config", "verifier_weight", ["high"], "rl_config.verifier_weight: ['high'] is not a number"),
+    ("actor_config", "lr_decay_style", "exp", "actor_config.lr_decay_style: 'exp' is not one of constant, linear"),
+    ("rl_config", "integrated_mode_config", "/path", "rl_config.integrated_mode_config: must be a mapping"),
+    ("rl_config", "verifier_function", 3, "rl_config.verifier_function: 3 is not a list of names"),
+])
+def test_wrong_type_names_key_and_file(tmp_path, section, key, value, expected):
+    data = grpo_file()
+    data[section][key] = value
+    assert expected in _error(tmp_path, data)
+
+
+@pytest.mark.parametrize("section,key,value,expected", [
+    ("megatron_training", "sequence_parallel", True, "sequence parallelism is not supported"),
+    ("megatron_training", "no_shuffle", True, "shuffles the prompts"),
+    ("megatron_training", "stage", "ray_dapo", "'ray_dapo' is not a stage of this program"),
+    ("rl_config", "kl_ctrl_type", "adaptive", "the KL coefficient is fixed here"),
+    ("rl_config", "shuffle_minibatch", True, "mini-batches are taken in order"),
+    ("rl_config", "kl_penalty", "full", "'full' is not a KL estimator"),
+    ("rl_config", "adv_estimator", "gae", "gae needs a critic, but the stage is grpo"),
+    ("rl_config", "verifier_function", ["acc"], "'acc' is not a verifier of this program; the valid names are: "),
+    ("generate_config", "infer_tensor_parallel_size", 2, "2 differs from the training tensor_model_parallel_size 4"),
+    ("generate_config", "dtype", "float16", "float16 differs from the training precision (bf16)"),
+    ("generate_config", "max_model_len", 1024, "1024 is less than rl_config.max_prompt_length 2048"),
+])
+def test_settings_that_cannot_be_honoured(tmp_path, section, key, value, expected):
+    data = grpo_file()
+    data[section][key] = value
+    message = _error(tmp_path, data)
+    assert f"{section}.{key}" in message and expected in message, message
+
+
+def test_group_norm_is_grpos(tmp_path):
+    data = ppo_file()
+    data["rl_config"]["adv_estimator"] = "group_norm"
+    assert "rl_config.adv_estimator: group_norm is critic-free" in _error(tmp_path, data)
+
+
+def test_role_settings_must_be_the_actors(tmp_path):
+    data = ppo_file()
+    data["critic_config"]["weight_decay"] = 0.1
+    message = _error(tmp_path, data)
+    assert "critic_config.weight_decay: 0.1 differs from the run's --weight-decay 0.01" in message
+    assert "critic_config.lr is the critic's own" in message
+    data = ppo_file()
+    data["reward_config"]["tensor_model_parallel_size"] = 8
+    assert "reward_config.tensor_model_parallel_size: 8 differs" in _error(tmp_path, data)
+    # the command line's value overrides the file's for every role
+    assert parsed(["--config", write(tmp_path, data), "--tensor-model-parallel-size", "8"], 16)[
+        "tensor_model_parallel_size"] == 8
+    data = grpo_file()
+    data["critic_config"] = {"lr": 1e-5}
+    assert "grpo trains no critic" in _error(tmp_path, data)
+
+
+def test_rule_reward(tmp_path):
+    data = grpo_file()
+    del data["rl_config"]["verifier_function"]  # MindSpeed-RL's default verifier list
+    assert parsed(["--config", write(tmp_path, data)], 16)["verifier_function"] == ["base_acc"]
+    data = grpo_file()
+    data["rl_config"].update(rule_reward=False, verifier_function=["format"])  # the lists then mean nothing
+    config = load_run_config(write(tmp_path, data), ["--reward-model", "rm"])
+    assert not any(token.startswith("--verifier") for token in config.argv)
+    assert ("rl_config.verifier_function", "rule_reward is false") in config.ignored
+    assert parsed(["--config", write(tmp_path, data), "--reward-model", "rm"], 16)["verifier_function"] == []
+
+
+def test_ignored_keys_are_listed_once_on_rank_0(tmp_path, monkeypatch, capsys):
+    path = write(tmp_path, grpo_file())
+    monkeypatch.setenv("RANK", "0")
+    config_argv(["--config", path])
+    out = capsys.readouterr().out
+    assert f"--config {path}: {len(GRPO_IGNORED)} keys have no meaning here and are ignored:" in out
+    for key in GRPO_IGNORED:
+        assert out.count(f"  {key}: ") == 1, key
+    monkeypatch.setenv("RANK", "1")
+    config_argv(["--config", path])
+    assert capsys.readouterr().out == ""
+
+
+def test_config_file_problems(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        config_argv(["--config", str(tmp_path / "missing.yaml")])
+    (tmp_path / "bad.yaml").write_text("rl_config: [unclosed\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        config_argv(["--config", str(tmp_path / "bad.yaml")])
+    with pytest.raises(ConfigError, match="given twice"):
+        config_argv(["--config", "a.yaml", "--config", "b.yaml"])
+    with pytest.raises(ConfigError, match="must be a mapping of sections"):
+        config_argv(["--config", write(tmp_path, ["a"])])
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def _ppo(tmp_path, actor, critic=None, reward=None, rl=None, **megatron):
+    data = {
+        "megatron_training": {"stage": "ray_ppo", "data_path": "d", "global_batch_size": 2, "train_iters": 3, **megatron},
+        "actor_config": actor,
+        "rl_config": {"adv_estimator": "gae", **(rl or {})},
+    }
+    if critic is not None:
+        data["critic_config"] = critic
+    if reward is not None:
+        data["reward_config"] = reward
+    return write(tmp_path, data)
+
+
+def _map(path, *argv):
+    return parsed(["--config", path, *argv])
+
+
+def test_first_run_and_resume(tmp_path):
+    policy, value = converted_model(tmp_path / "policy"), converted_model(tmp_path / "value")
+    save = str(tmp_path / "save")
+    first = _ppo(tmp_path, {"finetune": True, "load": policy, "save": save, "no_load_optim": True, "no_load_rng": True},
+                 {"finetune": True, "load": value, "save": save}, rl={"verifier_function": ["format"]})
+    args = _map(first)
+    assert (args["ref_model"], args["load"], args["save"], args["reward_model"], args["reward_model_weight"]) == \
+        (policy, None, save, value, 0.0)  # rule reward: the value-head model only starts the critic
+    assert not (args["finetune"] or args["no_load_optim"] or args["no_load_rng"])
+    save_root(Path(save))
+    resume = _ppo(tmp_path, {"finetune": False, "load": save, "save": save, "no_load_optim": False,
+                             "no_load_rng": False},
+                  {"finetune": False, "load": save, "save": save}, {"load": value},
+                  rl={"integrated_mode_config": {"ref_model_load_path": policy}})
+    args = _map(resume)
+    assert (args["ref_model"], args["load"], args["save"], args["reward_model"], args["reward_model_weight"]) == \
+        (policy, save, save, value, 1.0)
+    assert not (args["finetune"] or args["no_load_optim"] or args["no_load_rng"])
+
+
+def test_resume_flags_and_reference_sources(tmp_path):
+    policy, value = converted_model(tmp_path / "policy"), converted_model(tmp_path / "value")
+    save = save_root(tmp_path / "save")
+    data = {
+        "megatron_training": {"stage": "ray_grpo", "data_path": "d", "global_batch_size": 2, "train_iters": 3,
+                              "load": save},
+        "actor_config": {"no_load_optim": True, "no_load_rng": True},
+        "ref_config": {"load": policy},
+        "rl_config": {"verifier_function": ["math_acc"]},
+    }
+    args = _map(write(tmp_path, data))
+    assert (args["load"], args["ref_model"], args["no_load_optim"], args["no_load_rng"]) == (save, policy, True, True)
+    data["actor_config"]["finetune"] = True  # a previous save's weights only, the original reference
+    args = _map(write(tmp_path, data))
+    assert (args["load"], args["finetune"], args["ref_model"]) == (save, True, policy)
+    data["rl_config"]["integrated_mode_config"] = {"ref_model_load_path": value}
+    assert "differs from rl_config.integrated_mode_config.ref_model_load_path" in _error(tmp_path, data)
+    # Megatron's way to start from converted weights without finetune: a converted model is the initial actor
+    data = {"megatron_training": {"stage": "ray_grpo", "data_path": "d", "global_batch_size": 2, "train_iters": 3},
+            "actor_config": {"load": policy, "no_load_optim": True, "no_load_rng": True},
+            "rl_config": {"verifier_function": ["math_acc"]}}
+    args = _map(write(tmp_path, data))
+    assert (args["ref_model"], args["load"], args["no_load_optim"]) == (policy, None, False)
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("actor and reference differ", "this program starts actor and reference from one model (--ref-model)"),
+    ("resume without the reference", "set rl_config.integrated_mode_config.ref_model_load_path (or ref_config.load)"),
+    ("two save directories", "this program saves actor and critic under one --save (DIR/actor, DIR/critic)"),
+    ("critic resumes elsewhere", "saves and resumes actor and critic under one directory"),
+    ("critic from the policy", "the critic starts from a value-head checkpoint here"),
+    ("critic and reward differ", "this program starts the critic from the reward model"),
+    ("save into the initial weights", "which would replace that model's own; save to another directory"),
+    ("critic restarts, actor resumes", "the critic would start afresh while the actor resumes"),
+    ("critic flags differ", "resumes actor and critic together from one --load, with one setting"),
+    ("no critic weights", "trl_ppo needs the critic's initial weights"),
+])
+def test_checkpoint_combinations_that_cannot_map(tmp_path, case, expected):
+    policy, value = converted_model(tmp_path / "policy"), converted_model(tmp_path / "value")
+    other_value = converted_model(tmp_path / "value2")
+    save, other = save_root(tmp_path / "save"), save_root(tmp_path / "other")
+    first = {"finetune": True, "load": policy, "save": str(tmp_path / "new")}
+    resume = {"load": save, "save": save}
+    integrated = {"integrated_mode_config": {"ref_model_load_path": policy}}
+    path = {
+        "actor and reference differ": lambda: _ppo(tmp_path, first, {"load": value}, rl={
+            "integrated_mode_config": {"ref_model_load_path": value}}),
+        "resume without the reference": lambda: _ppo(tmp_path, resume, {"load": save}, {"load": value}),
+        "two save directories": lambda: _ppo(tmp_path, first, {"load": value, "save": str(tmp_path / "elsewhere")}),
+        "critic resumes elsewhere": lambda: _ppo(tmp_path, resume, {"load": other}, {"load": value}, rl=integrated),
+        "critic from the policy": lambda: _ppo(tmp_path, first, {"load": policy}),
+        "critic and reward differ": lambda: _ppo(tmp_path, first, {"load": value}, {"load": other_value}),
+        "save into the initial weights": lambda: _ppo(tmp_path, {**first, "save": policy}, {"load": value}),
+        "critic restarts, actor resumes": lambda: _ppo(tmp_path, resume, {"load": value, "finetune": True},
+                                                       {"load": value}, rl=integrated),
+        "critic flags differ": lambda: _ppo(tmp_path, {**resume, "no_load_optim": True},
+                                            {"load": save, "no_load_optim": False}, {"load": value}, rl=integrated),
+        "no critic weights": lambda: _ppo(tmp_path, resume, {"load": save}, rl={**integrated, "rule_reward": False}),
+    }[case]()
+    with pytest.raises(ConfigError) as caught:
+        _map(path)
+    assert expected in str(caught.value) and path in str(caught.value)
+
+
+# ------------------------------------------------------------------------------------------ end to end
+def _main_cases(rank, world_size, cases):
+    """posttrain_gpt.main on each argv in this process: [(exit code, stdout, stderr)]."""
+    import posttrain_gpt
+
+    results = []
+    for case in cases:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = posttrain_gpt.main(case)
+        results.append((code, out.getvalue(), err.getvalue()))
+    return results
+
+
+@pytest.mark.slow
+def test_a_mindspeed_rl_file_trains_and_its_resume_file_resumes(tmp_path):
+    """A first-run file (finetune true, load = the converted policy) trains a tiny trl_ppo for 2 iterations and
+    saves; the resume file of MindSpeed-RL's docs (finetune false, load = that save, no_load_optim / no_load_rng
+    false, the reference's original weights in integrated_mode_config) trains iteration 3 from iteration 2."""
+    import word_task
+    from multiproc import run_distributed
+
+    task = word_task.build(tmp_path / "task", reward=True)
+    save, metrics = str(tmp_path / "save"), tmp_path / "metrics.jsonl"
+    common = {"stage": "ray_ppo", "tokenizer_name_or_path": task["tokenizer"], "data_path": task["data"],
+              "global_batch_size": 2, "seed": 5, "save_interval": 1}
+    rl = {"adv_estimator": "gae", "rule_reward": False, "max_prompt_length": 16}
+    generate = {"max_model_len": 24, "sampling_config": {"max_tokens": 4, "temperature": 1.0}}
+    first = {
+        "megatron_training": {**common, "train_iters": 2},
+        "actor_config": {"micro_batch_size": 2, "lr": "1e-3", "finetune": True, "load": task["mg_actor_tp1pp1"],
+                         "save": save, "no_load_optim": True, "no_load_rng": True},
+        "critic_config": {"micro_batch_size": 2, "lr": "1e-3", "finetune": True, "load": task["mg_reward_tp1pp1"],
+                          "save": save, "no_load_optim": True, "no_load_rng": True},
+        "reward_config": {"load": task["mg_reward_tp1pp1"]},
+        "rl_config": rl, "generate_config": generate,
+    }
+    resume = {
+        "megatron_training": {**common, "train_iters": 3},
+        "actor_config": {"micro_batch_size": 2, "lr": "1e-3", "finetune": False, "load": save, "save": save,
+                         "no_load_optim": False, "no_load_rng": False},
+        "critic_config": {"micro_batch_size": 2, "lr": "1e-3", "finetune": False, "load": save, "save": save,
+                          "no_load_optim": False, "no_load_rng": False},
+        "reward_config": {"load": task["mg_reward_tp1pp1"]},
+        "rl_config": {**rl, "integrated_mode_config": {"ref_model_load_path": task["mg_actor_tp1pp1"]}},
+        "generate_config": generate,
+    }
+    cases = [["--config", write(tmp_path, first, "first.yaml"), "--metrics-jsonl", str(metrics)],
+             ["--config", write(tmp_path, resume, "resume.yaml"), "--metrics-jsonl", str(metrics)]]
+    (code1, out1, err1), (code2, out2, err2) = run_distributed(_main_cases, 1, cases)[0]
+    assert code1 == 0, err1[-3000:]
+    assert code2 == 0, err2[-3000:]
+    assert "resumed" not in out1
+    assert f"resumed from {save} at iteration 2" in out2
+    assert (Path(save) / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    for role in ("actor", "critic"):
+        assert (Path(save) / role / "iter_0000002").is_dir() and (Path(save) / role / "iter_0000003").is_dir()
+    assert [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()] == [1, 2, 3]
