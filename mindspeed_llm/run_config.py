@@ -7,8 +7,9 @@ tokens that go in front of the user's, so the parser types and checks both the s
 turns on cannot be turned off from the command line (this program's switches, Megatron's, have no ``--no-``
 form): edit the file.
 
-Every key is in a table below (one per section): it maps to a flag (typed and checked as the parser does
-it), is *ignored* with a reason (vLLM, Ray and NPU settings that mean nothing to an in-process Megatron
+Every key is in a table below (one per section; a Megatron key that is not there is this program's flag of the
+same name, and ``rl_config`` takes this program's RL flags by name too): it maps to a flag (typed and checked
+as the parser does it), is *ignored* with a reason (vLLM, Ray and NPU settings that mean nothing to an in-process Megatron
 stage; listed once at start-up), is accepted only with the one value this program always has (any other
 value is an error naming the fix), or feeds the mappings of the stage, the checkpoints, the verifiers and
 the sampler (``_resolve``). An unknown key is an error naming the key, its section and the file (and the
@@ -37,8 +38,8 @@ root (``ROOT/actor``, ``ROOT/critic``); ``--finetune`` loads weights only from a
 * ``critic_config.load`` (trl_ppo) is either the actor's ``load`` root (the critic resumes with the actor)
   or the critic's initial weights, a value-head checkpoint, mapped to ``--reward-model``; another save root is
   an error (one root holds both roles). ``reward_config.load`` is ``--reward-model`` too, so the two must
-  agree. When neither gives the critic's initial weights and the critic resumes, ``ROOT/critic`` (its own
-  latest weights) is its starting point. A trl_ppo with rule verifiers and no ``reward_config.load`` gets
+  agree. When neither gives the critic's initial weights, the critic resumes and rule verifiers
+  score, ``ROOT/critic`` (its own latest weights) is its starting point. A trl_ppo with rule verifiers and no ``reward_config.load`` gets
   ``--reward-model-weight 0``: the value-head model only starts the critic.
 
 Other mappings: ``stage`` ``ray_grpo``/``grpo`` -> grpo, ``ray_ppo``/``trl_ppo`` -> trl_ppo;
@@ -48,8 +49,8 @@ Other mappings: ``stage`` ``ray_grpo``/``grpo`` -> grpo, ``ray_ppo``/``trl_ppo``
 ``rule_reward: true`` without ``verifier_function`` -> MindSpeed-RL's default ``[base_acc]``, ``false`` drops
 the verifier lists; verifier names must be registered here (`rl/verifiers`); ``sampling_config``
 ``temperature`` > 0 -> ``--do-sample --temperature T`` (0: greedy), ``top_k: -1`` -> ``--top-k 0``,
-``max_tokens`` -> ``--max-new-tokens``; ``max_model_len`` (else ``max_prompt_length + max_tokens``) ->
-``--max-length``; ``use_tensorboard`` -> ``--tensorboard-dir`` (``megatron_training.tensorboard_dir``, else
+``max_tokens`` -> ``--max-new-tokens``; ``max_model_len`` -> ``--max-length`` (at least
+``max_prompt_length + max_tokens``); ``use_tensorboard`` -> ``--tensorboard-dir`` (``megatron_training.tensorboard_dir``, else
 ``SAVE/tensorboard``). ``infer_tensor_parallel_size`` must equal the training TP (generation runs on the
 training layout), ``dtype`` the training precision.
 """
@@ -310,7 +311,7 @@ class RunConfig:
         if self.ignored:
             lines.append(f"--config {self.path}: {len(self.ignored)} keys have no meaning here and are ignored:")
             lines += [f"  {key}: {reason}" for key, reason in self.ignored]
-        lines += [f"--config {self.path}: {note}" for note in self.notes]
+        lines += [f"--config {self.path}: {note}" for note in dict.fromkeys(self.notes)]
         return "\n".join(lines)
 
 
