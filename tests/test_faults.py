@@ -21,6 +21,8 @@ it is killed, signalled, or must exit with a code) or, for refusals that happen 
   `--override-opt_param-scheduler` the command line's applies, and the run says so.
 * A write error during a save (ENOSPC injected) removes the staging files and keeps the previous resume point.
 * `--save` that cannot be written and a prompt longer than `--max-prompt-length` are refused before training.
+* A `--save` that is not one folder seen by every node (rank 1 does not see rank 0's writer lock) is refused on
+  every rank, naming the rank, its host and the file.
 """
 
 import contextlib
@@ -292,3 +294,33 @@ def test_disk_space_is_checked_up_front(tmp_path):
     assert _save_dir_problem(str(tmp_path), 1) is None
     problem = _save_dir_problem(str(tmp_path), 2 ** 60)
     assert "GiB free, but one checkpoint of this run needs about" in problem and str(tmp_path) in problem
+
+
+def _shared_save_case(rank, world_size, root, shared):
+    """Rank 0 holds the writer lock of its --save; rank 1 looks at the same folder (shared) or at its own
+    node-local one."""
+    from mindspeed_llm.checkpoint.training import CheckpointError, WriterLock
+    from mindspeed_llm.rl.trainer import check_shared_save
+
+    save = os.path.join(root, f"node{0 if shared else rank}")
+    os.makedirs(save, exist_ok=True)
+    lock = WriterLock(os.path.join(root, "node0"))
+    if rank == 0:
+        lock.acquire(log=lambda *_: None)
+    try:
+        check_shared_save(save, os.path.join(save, WriterLock.NAME), wait_s=0.5)
+        return "accepted"
+    except CheckpointError as exc:
+        return str(exc)
+    finally:
+        if rank == 0:
+            lock.release()
+
+
+def test_save_folder_not_shared_by_every_node_is_refused(tmp_path):
+    assert run_distributed(_shared_save_case, 2, str(tmp_path / "shared"), True) == ["accepted", "accepted"]
+    messages = run_distributed(_shared_save_case, 2, str(tmp_path / "local"), False)
+    for message in messages:  # every rank raises, naming the rank that does not see the lock
+        assert f"rank 1: host {socket.gethostname()} does not see {tmp_path / 'local' / 'node1' / '.writer.lock'}" \
+            in message
+        assert "not one folder shared by every node" in message and "rank 0:" not in message

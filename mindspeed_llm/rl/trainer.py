@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import time
 from typing import Dict, Optional
 
 import torch
@@ -110,6 +112,22 @@ def _prompt_sets(args):
     return train, (PromptSubset(dataset, parts[1], "valid") if args.eval_interval and len(parts[1]) else None)
 
 
+def check_shared_save(save: str, lock_file: str, wait_s: float = 10.0) -> None:
+    """Every rank must see the writer lock rank 0 has just written into --save: rank 0 publishes every rank's
+    checkpoint shards there, so a --save that is a local folder on each node would give checkpoints that lack
+    the other nodes' shards. A rank looks for `wait_s` seconds (a network filesystem may show a new file late)."""
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(lock_file) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    missing = None if os.path.exists(lock_file) else f"host {socket.gethostname()} does not see {lock_file}"
+    messages = distributed.gather_messages(missing)
+    if messages:
+        raise training_ckpt.CheckpointError(
+            f"--save {save} is not one folder shared by every node: rank 0 wrote its writer lock there, but "
+            f"{'; '.join(messages)}. Put --save (and --load) on a filesystem every node mounts at the same path"
+        )
+
+
 def _evaluate(stage, dataset, args) -> Dict[str, float]:
     """The stage's held-out metrics over the first `args.eval_prompts` held-out prompts (--eval-samples, else
     --eval-iters x --global-batch-size; 0 = all), dealt over the DP ranks: each rank's means weighted by its
@@ -203,6 +221,7 @@ def run(args) -> None:
         problem = distributed.broadcast_object(problem)
         if problem:
             raise training_ckpt.CheckpointError(problem)
+        check_shared_save(args.save, lock.path)
     exit_signal = _ExitSignal(args.exit_signal_handler)
     logger = None
     try:
