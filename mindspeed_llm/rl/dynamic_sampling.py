@@ -1,0 +1,113 @@
+"""DAPO's dynamic sampling with refill (`--dynamic-sampling`, `--max-num-gen-batches`): groups whose samples all
+scored the same carry no signal, so more prompt groups are generated until the global batch holds
+`--global-batch-size` groups with reward variance.
+
+The kept groups are the first informative ones in the global order (generation batch, then position in the
+global batch), whatever the DP size: each DP rank generates its share of every generation batch, the ranks
+exchange their informative groups (CPU tensors, over the DP group), and rank r takes the kept groups
+[r * L, (r + 1) * L), L the local batch in prompts. Every rank therefore runs the same number of generation
+batches and ends with the same number of groups, and a run gives the same kept set at any DP size. The prompts
+come from the trainer's sampler, whose position is saved with every checkpoint, so a resumed run draws the same
+generation batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+from mindspeed_llm import distributed
+from mindspeed_llm.rl.experience import Experience
+
+# Per-row python data of an Experience that moves with its rows.
+_ROW_EXTRAS = ("labels", "indices", "finish_reasons", "texts")
+_PADDED = ("tokens", "responses", "response_mask", "rollout_logp", "loss_mask")  # [B, T] or [B, R]
+
+
+class GenerationBudgetError(RuntimeError):
+    """`--max-num-gen-batches` generation batches did not give a full batch of informative groups."""
+
+
+def informative_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[G] bool: the groups of `group_size` consecutive samples whose scores are not all equal."""
+    return scores.view(-1, group_size).std(dim=1, unbiased=False) > 0
+
+
+def _rows_to_host(exp: Experience, rows: torch.Tensor) -> Dict[str, object]:
+    """The `rows` of a scored Experience as CPU tensors and lists (picklable, to send over the DP group)."""
+    rows = rows.to(exp.tokens.device)
+    out = {name: t.index_select(0, rows).cpu() for name, t in exp.tensors().items() if name != "position_ids"}
+    picked = rows.tolist()
+    out["extras"] = {key: [exp.extras[key][i] for i in picked] for key in _ROW_EXTRAS if key in exp.extras}
+    return out
+
+
+def _concat(parts: List[Dict[str, object]], device) -> Experience:
+    """One Experience of the rows of `parts`, right-padded to the longest sequence and response."""
+    names = [f.name for f in fields(Experience) if f.name not in ("position_ids", "extras")]
+    tensors = {}
+    for name in names:
+        values = [p[name] for p in parts if name in p]
+        if len(values) != len(parts):
+            continue
+        if name in _PADDED:
+            width = max(v.shape[1] for v in values)
+            values = [torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in values]
+        tensors[name] = torch.cat(values).to(device)
+    # no wider than the rows need: sequences to the longest prompt + response, responses to the longest response
+    lengths = tensors["response_mask"].sum(-1).long()
+    width_r = int(lengths.max()) if len(lengths) else 0
+    width_t = int((tensors["prompt_lengths"] + lengths).max()) if len(lengths) else 0
+    for name in _PADDED:
+        if name in tensors:
+            tensors[name] = tensors[name][:, :width_t if name == "tokens" else width_r].contiguous()
+    tokens = tensors["tokens"]
+    positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens).contiguous()
+    exp = Experience(position_ids=positions, **tensors)
+    exp.extras = {key: [x for p in parts for x in p["extras"][key]] for key in parts[0]["extras"]}
+    return exp
+
+
+def refill(first: Experience, generate: Callable[[int], Experience], group_size: int, local_groups: int,
+           max_gen_batches: int) -> Tuple[Experience, Dict[str, float]]:
+    """The iteration's batch of `local_groups` informative groups on this rank, from the scored generation
+    batch `first` and, while the global batch lacks informative groups, `generate(j)` (j = 1, 2, ...: the j-th
+    extra generation batch, scored, `local_groups` prompts on every rank).
+
+    Returns the Experience (its rows in the kept groups' global order) and the metrics
+    `dynamic_sampling/num_gen_batches` and `dynamic_sampling/filtered_fraction` (the generated groups left out
+    for having no reward variance). Raises `GenerationBudgetError` naming `--max-num-gen-batches` when that
+    many batches are not enough.
+    """
+    dp_rank = distributed.data_parallel_info()[0]
+    samples = torch.arange(group_size)
+    candidates: List[Dict[str, object]] = []  # per generation batch: every rank's informative rows, in rank order
+    kept = generated = 0
+    exp, j = first, 0
+    while True:
+        mask = informative_groups(exp.scores, group_size)
+        groups = torch.nonzero(mask).flatten().cpu()
+        rows = (groups[:, None] * group_size + samples[None, :]).reshape(-1)
+        shares = distributed.gather_over_data_parallel((len(groups), _rows_to_host(exp, rows)))
+        candidates.extend(part for count, part in shares if count)
+        kept += sum(count for count, _ in shares)
+        generated += local_groups * len(shares)
+        j += 1
+        if kept >= local_groups * len(shares):
+            break
+        if j >= max_gen_batches:
+            raise GenerationBudgetError(
+                f"--max-num-gen-batches {max_gen_batches}: {j} generation batches gave {kept} groups with reward "
+                f"variance, fewer than the {local_groups * len(shares)} of a global batch; raise "
+                "--max-num-gen-batches, or make the task's rewards vary more (temperature, harder/easier prompts)"
+            )
+        exp = generate(j)
+    everything = _concat(candidates, first.tokens.device)
+    mine = torch.arange(dp_rank * local_groups, (dp_rank + 1) * local_groups)
+    rows = (mine[:, None] * group_size + samples[None, :]).reshape(-1)
+    batch = _concat([_rows_to_host(everything, rows)], first.tokens.device)
+    metrics = {"dynamic_sampling/num_gen_batches": float(j),
+               "dynamic_sampling/filtered_fraction": 1.0 - kept / generated}
+    return batch, metrics
