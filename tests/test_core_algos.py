@@ -374,5 +374,5 @@ def test_rloo_advantages_hand_computed():
     close(ca.rloo_advantages(scores[:3], 3), 1.5 * ca.group_advantages(scores[:3], 3, scale="none"))
     with pytest.raises(ValueError, match="not scaled by a std"):
         ca.rloo_advantages(scores, 3, scale="group")
-    assert ca.OUTCOME_ADVANTAGES["rloo"] is ca.rloo_advantages
-    assert ca.OUTCOME_ADVANTAGES["grpo"](scores[:3], 3).tolist() == ca.group_advantages(scores[:3], 3).tolist()
+    assert ca.ADV_ESTIMATORS["rloo"].fn is ca.rloo_advantages
+    assert ca.ADV_ESTIMATORS["grpo"].fn(scores[:3], 3).tolist() == ca.group_advantages(scores[:3], 3).tolist()

@@ -21,8 +21,18 @@ What is exercised, and how:
 Loss-type mapping (documented in ``core_algos.policy_loss``): grpo -> seq-mean-token-mean,
 bnpo -> token-mean, dr_grpo -> seq-mean-token-sum-norm with max_len=max_completion_length,
 dapo -> token-mean over the generation batch's tokens (``num_items_in_batch``).
+
+The methods selected by flag (issue 16), on the same stubbed ``GRPOTrainer._compute_loss``:
+
+* ``--policy-loss gspo``: TRL's ``importance_sampling_level="sequence"`` (loss and gradient);
+* ``--rollout-is tis`` / ``mis``: TRL's vLLM importance-sampling correction in ``token_truncate`` /
+  ``token_mask`` mode (``vllm_importance_sampling_clip_max`` = our threshold, no lower bound); its weights are
+  made in ``_generate_and_score_completions``, so ``_trl_vllm_is_ratio`` reproduces those lines;
+* ``--adv-estimator rloo``: TRL 1.12 ``RLOOTrainer``'s advantages (inline in its
+  ``_generate_and_score_completions``), reproduced by ``_trl_rloo_advantages``.
 """
 
+import math
 import types
 import warnings
 from collections import defaultdict
@@ -290,7 +300,8 @@ class _LogitsModel:
         return types.SimpleNamespace(logits=self.logits)
 
 
-def _trl_grpo(loss_type, beta, entropy_coef, temperature, eps, eps_high, max_completion_length, model, gas, spg):
+def _trl_grpo(loss_type, beta, entropy_coef, temperature, eps, eps_high, max_completion_length, model, gas, spg,
+              importance_sampling_level="token", vllm_is=False):
     trainer = object.__new__(GRPOTrainer)  # no __init__: only the attributes _compute_loss reads
     accelerator = types.SimpleNamespace(
         num_processes=1,
@@ -309,11 +320,11 @@ def _trl_grpo(loss_type, beta, entropy_coef, temperature, eps, eps_high, max_com
         "beta": beta,
         "epsilon_low": eps,
         "epsilon_high": eps_high,
-        "importance_sampling_level": "token",
+        "importance_sampling_level": importance_sampling_level,
         "top_entropy_quantile": 1.0,
         "off_policy_mask_threshold": None,
-        "use_vllm": False,
-        "vllm_importance_sampling_correction": False,
+        "use_vllm": vllm_is,
+        "vllm_importance_sampling_correction": vllm_is,
         "aux_loss_enabled": False,
         "max_completion_length": max_completion_length,
         "current_gradient_accumulation_steps": gas,
@@ -411,3 +422,140 @@ def test_grpo_loss_matches_trl_compute_loss(loss_type, beta, entropy_coef):
     assert_eq(metrics["entropy"], torch.tensor(logged["entropy"][-1]))
     if beta:
         assert_eq(metrics["kl"], torch.tensor(logged["kl"][-1]))
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue 16: GSPO (importance_sampling_level="sequence"), TIS / MIS (TRL's vLLM IS correction), RLOO
+# --------------------------------------------------------------------------------------------------
+def _grpo_case(seed, old_offsets=None, noise=0.25):
+    """A GRPO micro-batch (as in test_grpo_loss_matches_trl_compute_loss) with its TRL inputs."""
+    g = torch.Generator().manual_seed(seed)
+    batch, prompt_len, comp_len, vocab = 6, 3, 9, 37
+    completion_ids = torch.randint(0, vocab, (batch, comp_len), generator=g)
+    lengths = torch.tensor([9, 4, 1, 7, 9, 2])
+    completion_mask = (torch.arange(comp_len).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    comp_logits = torch.randn(batch, comp_len, vocab, generator=g) * 2
+    advantages = torch.randn(batch, generator=g)
+    with torch.no_grad():
+        logp_now = vocab_parallel_logprobs(comp_logits, completion_ids, temperature=0.7)
+    old_logp = logp_now + noise * torch.randn(batch, comp_len, generator=g)
+    if old_offsets is not None:  # per-row shifts: the sequence ratio is exp(-offset), up to the noise
+        old_logp = old_logp + old_offsets[:, None]
+    ref_logp = logp_now + 0.3 * torch.randn(batch, comp_len, generator=g)
+    head = torch.randn(batch, prompt_len - 1, vocab, generator=g)
+    tail = torch.randn(batch, 1, vocab, generator=g)
+    inputs = {
+        "prompt_ids": torch.randint(0, vocab, (batch, prompt_len), generator=g),
+        "prompt_mask": torch.ones(batch, prompt_len, dtype=torch.long),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": advantages,
+        "old_per_token_logps": old_logp,
+        "ref_per_token_logps": ref_logp,
+    }
+    return comp_logits, head, tail, inputs, g
+
+
+def _compare_with_trl(comp_logits, head, tail, inputs, trainer_kwargs, ours_kwargs, loss_type="grpo"):
+    """TRL's _compute_loss vs policy_loss: loss and gradient w.r.t. the logits. Returns (ours, TRL's trainer)."""
+    logits_trl = comp_logits.clone().requires_grad_()
+    model = _LogitsModel(torch.cat([head, logits_trl, tail], 1))
+    trainer = _trl_grpo(loss_type, trainer_kwargs.pop("beta", 0.0), 0.0, 0.7, model=model, gas=1, spg=1,
+                        max_completion_length=12, **trainer_kwargs)
+    trl_loss = trainer._compute_loss(model, inputs)
+    logits_ours = comp_logits.clone().requires_grad_()
+    logp, entropy = vocab_parallel_logprobs(logits_ours, inputs["completion_ids"], temperature=0.7, with_entropy=True)
+    loss, metrics = ca.policy_loss(logp, inputs["old_per_token_logps"], inputs["advantages"], inputs["completion_mask"],
+                                   agg=GRPO_LOSS_TYPES[loss_type], max_len=12, ref_logp=inputs["ref_per_token_logps"],
+                                   kl_kind="k3", entropy=entropy, **ours_kwargs)
+    assert_eq(loss, trl_loss)
+    loss.backward()
+    trl_loss.backward()
+    assert_eq(logits_ours.grad, logits_trl.grad)
+    return metrics, trainer, (loss - trl_loss).abs().item(), (logits_ours.grad - logits_trl.grad).abs().max().item()
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo"])
+@pytest.mark.parametrize("clip", ["wide", "paper"])
+def test_gspo_matches_trl_sequence_importance_sampling(loss_type, clip):
+    if clip == "wide":  # TRL's GRPO clip range on noisy ratios, rows shifted in and out of it
+        eps, eps_high, noise = 0.2, 0.28, 0.25
+        offsets = torch.tensor([0.3, -0.3, 0.05, -0.05, 0.0, 0.5])
+    else:  # the GSPO paper's 3e-4 / 4e-4 (our --gspo-clip-ratio defaults): rows inside, above and below the range
+        eps, eps_high, noise = 3e-4, 4e-4, 1e-6
+        offsets = torch.tensor([1e-4, -1e-4, 1e-3, -1e-3, 0.0, 5e-4])
+    comp_logits, head, tail, inputs, _ = _grpo_case(7 + len(loss_type), offsets, noise)
+    if clip == "paper":  # signs that put rows 2, 3 and 5 on the clipped side (the ratio moved with the advantage)
+        inputs["advantages"] = torch.tensor([0.7, -1.2, -0.5, 1.1, 0.9, -0.8])
+    beta = 0.04 if loss_type == "grpo" else 0.0
+    metrics, trainer, loss_diff, grad_diff = _compare_with_trl(
+        comp_logits, head, tail, inputs,
+        dict(eps=eps, eps_high=eps_high, importance_sampling_level="sequence", beta=beta),
+        dict(clip_low=eps, clip_high=eps_high, loss_type="gspo", kl_coef=beta), loss_type)
+    print(f"gspo {loss_type} {clip}: |loss - TRL| {loss_diff:.1e}, max |grad - TRL| {grad_diff:.1e}")
+    # TRL's clip ratio is a mean over sequences at this level; ours a token mean: compare per sequence
+    logp = vocab_parallel_logprobs(comp_logits, inputs["completion_ids"], temperature=0.7)
+    mask = inputs["completion_mask"].float()
+    adv = inputs["advantages"].unsqueeze(-1)
+    terms = ca.gspo_policy_terms(logp, inputs["old_per_token_logps"], adv, mask, clip_low=eps, clip_high=eps_high)
+    per_sequence = terms.clipped[:, 0].float().mean()
+    assert_eq(per_sequence, torch.tensor(trainer._metrics["train"]["clip_ratio/region_mean"][-1]))
+    assert 0 < per_sequence < 1  # some sequences clipped, some not
+
+
+def _trl_vllm_is_ratio(old_logp, sampling_logp, mask, mode, clip_max):
+    """TRL 1.12.0 GRPOTrainer._generate_and_score_completions, the token_* modes of its vLLM importance-sampling
+    correction (clip_min None), line for line."""
+    per_token_logps_diff = (old_logp - sampling_logp) * mask
+    per_token_logps_diff = torch.nan_to_num(per_token_logps_diff, nan=0.0)
+    ratio = torch.exp(per_token_logps_diff)
+    if mode == "token_truncate":
+        return torch.clamp(ratio, min=None, max=clip_max)
+    invalid = (ratio < -math.inf) | (ratio > clip_max)
+    return ratio.masked_fill(invalid, value=0.0)
+
+
+@pytest.mark.parametrize("mode,trl_mode", [("tis", "token_truncate"), ("mis", "token_mask")])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo"])
+def test_rollout_is_matches_trl_vllm_importance_sampling(mode, trl_mode, loss_type):
+    comp_logits, head, tail, inputs, g = _grpo_case(21 + len(loss_type))
+    mask = inputs["completion_mask"]
+    sampling = inputs["old_per_token_logps"] + 0.6 * torch.randn(mask.shape, generator=g)  # a rollout engine's
+    threshold = 2.0
+    w = torch.exp(inputs["old_per_token_logps"] - sampling)
+    assert ((w > threshold) & mask.bool()).any() and ((w <= threshold) & mask.bool()).any()  # both sides exercised
+    inputs["importance_sampling_ratio"] = _trl_vllm_is_ratio(inputs["old_per_token_logps"], sampling, mask, trl_mode,
+                                                             threshold)
+    metrics, _, loss_diff, grad_diff = _compare_with_trl(
+        comp_logits, head, tail, inputs, dict(eps=0.2, eps_high=0.28, vllm_is=True, beta=0.04),
+        dict(clip_low=0.2, clip_high=0.28, kl_coef=0.04, rollout_logp=sampling, rollout_is=mode,
+             rollout_is_threshold=threshold), loss_type)
+    print(f"{mode} {loss_type}: |loss - TRL| {loss_diff:.1e}, max |grad - TRL| {grad_diff:.1e}")
+    assert 0 < metrics["rollout_is_clipfrac"] < 1
+
+
+def _trl_rloo_advantages(rewards, num_generations):
+    """TRL 1.12.0 trl/trainer/rloo_trainer.py, RLOOTrainer._generate_and_score_completions: the leave-one-out
+    advantages (beta = 0: no KL in the reward; normalize_advantages False, its default), line for line."""
+    grouped_rewards = rewards.view(-1, num_generations)
+    scorable_counts = (~torch.isnan(grouped_rewards)).sum(dim=1, keepdim=True)
+    grouped_sum = torch.nansum(grouped_rewards, dim=1, keepdim=True)
+    if num_generations > 1:
+        baselines = (grouped_sum - grouped_rewards) / (scorable_counts - 1)
+        advantages = rewards - baselines.view(-1)
+    else:
+        advantages = torch.zeros_like(rewards)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 4])
+def test_rloo_matches_trl_rloo_trainer(group_size):
+    g = torch.Generator().manual_seed(group_size)
+    rewards = torch.randn(24, generator=g) * 2
+    rewards[5] = float("nan")  # an unscorable completion
+    rewards[8:12] = 1.5
+    if group_size == 4:
+        rewards[12:15] = float("nan")  # a group with one scorable completion: no baseline, advantage 0
+    ours = ca.ADV_ESTIMATORS["rloo"].fn(rewards, group_size)
+    assert_eq(ours, _trl_rloo_advantages(rewards, group_size))
+    print(f"rloo n={group_size}: max |A - TRL| {(ours - _trl_rloo_advantages(rewards, group_size)).abs().max():.1e}")

@@ -26,8 +26,9 @@ Conventions used throughout
 References: PPO (Schulman et al. 2017, arXiv:1707.06347); GAE (Schulman et al. 2015,
 arXiv:1506.02438); dual-clip PPO (Ye et al. 2020, arXiv:1912.09729); GRPO (Shao et al. 2024,
 arXiv:2402.03300); DAPO (Yu et al. 2025, arXiv:2503.14476); Dr. GRPO (Liu et al. 2025,
-arXiv:2503.20783); RLOO (Ahmadian et al. 2024, arXiv:2402.14740); KL estimators k1/k2/k3 (J. Schulman,
-"Approximating KL divergence", 2020).
+arXiv:2503.20783); RLOO (Ahmadian et al. 2024, arXiv:2402.14740); REINFORCE++ (Hu 2025, arXiv:2501.03262; verl's
+formulas); GSPO (Zheng et al. 2025, arXiv:2507.18071); KL estimators k1/k2/k3 (J. Schulman, "Approximating KL
+divergence", 2020).
 Behaviour is matched to Hugging Face TRL 1.12.0 where TRL has the same quantity (see
 tests/test_trl_parity.py).
 
@@ -35,30 +36,58 @@ What is where
 -------------
 * :mod:`.stats`: ``SumAcross``; ``masked_mean``, ``masked_var``, ``masked_whiten`` (and the NaN-ignoring std
   of the outcome advantages).
-* :mod:`.kl`: ``KL_KINDS``, ``kl_penalty`` (the k1 / k2 / k3 / abs estimators).
-* :mod:`.rewards`: ``last_response_index``, ``response_mask_p1``, ``compute_token_rewards``, ``compute_gae``.
-* :mod:`.losses`: ``AGG_MODES``, ``aggregation_weights``, ``aggregate_loss``, ``policy_loss``, ``value_loss``.
-* :mod:`.advantages`: ``GROUP_SCALES``, ``group_advantages``, the outcome-advantage registry
-  (``OUTCOME_ADVANTAGES``, ``register_outcome_advantage``), ``grpo_advantages``, ``rloo_advantages``.
+* :mod:`.kl`: ``KL_KINDS``, ``kl_penalty`` (the k1 / k2 / k3 / abs estimators), ``rollout_mismatch``.
+* :mod:`.rewards`: ``last_response_index``, ``response_mask_p1``, ``compute_token_rewards``, ``compute_gae``
+  (registered as the ``gae`` estimator), ``overlong_penalty`` (DAPO).
+* :mod:`.losses`: ``AGG_MODES``, ``aggregation_weights``, ``aggregate_loss``, the policy-loss registry
+  (``POLICY_LOSSES``, ``register_policy_loss``: ``vanilla``, ``gspo``), ``rollout_is_weights`` (TIS / MIS),
+  ``policy_loss``, ``value_loss``.
+* :mod:`.advantages`: the advantage-estimator registry (``ADV_ESTIMATORS``, ``register_advantage``; kinds
+  ``outcome`` / ``token`` / ``critic``), ``GROUP_SCALES``, ``group_advantages``, ``grpo_advantages``,
+  ``rloo_advantages``, ``dr_grpo_advantages``, ``reinforce_plus_plus_advantages``,
+  ``reinforce_plus_plus_baseline_advantages``.
+
+Registering a method is one decorator: ``@register_advantage(name, kind)`` adds a ``--adv-estimator`` choice,
+``@register_policy_loss(name)`` a ``--policy-loss`` choice (``validate_args`` checks the flags against these
+registries).
 
 Every public name is re-exported here: use ``core_algos.X`` (callers and tests patch and read the package's
 attributes).
 """
 
 from mindspeed_llm.rl.core_algos.advantages import (
+    ADV_ESTIMATORS,
+    ADV_KINDS,
     GROUP_SCALES,
-    OUTCOME_ADVANTAGES,
+    AdvantageEstimator,
+    dr_grpo_advantages,
     group_advantages,
     grpo_advantages,
-    register_outcome_advantage,
+    register_advantage,
+    reinforce_plus_plus_advantages,
+    reinforce_plus_plus_baseline_advantages,
     rloo_advantages,
 )
-from mindspeed_llm.rl.core_algos.kl import KL_KINDS, kl_penalty
-from mindspeed_llm.rl.core_algos.losses import AGG_MODES, aggregate_loss, aggregation_weights, policy_loss, value_loss
+from mindspeed_llm.rl.core_algos.kl import KL_KINDS, kl_penalty, rollout_mismatch
+from mindspeed_llm.rl.core_algos.losses import (
+    AGG_MODES,
+    POLICY_LOSSES,
+    ROLLOUT_IS_MODES,
+    PolicyTerms,
+    aggregate_loss,
+    aggregation_weights,
+    gspo_policy_terms,
+    policy_loss,
+    register_policy_loss,
+    rollout_is_weights,
+    vanilla_policy_terms,
+    value_loss,
+)
 from mindspeed_llm.rl.core_algos.rewards import (
     compute_gae,
     compute_token_rewards,
     last_response_index,
+    overlong_penalty,
     response_mask_p1,
 )
 from mindspeed_llm.rl.core_algos.stats import SumAcross, masked_mean, masked_var, masked_whiten
@@ -70,19 +99,33 @@ __all__ = [
     "masked_whiten",
     "KL_KINDS",
     "kl_penalty",
+    "rollout_mismatch",
     "last_response_index",
     "response_mask_p1",
     "compute_token_rewards",
     "compute_gae",
+    "overlong_penalty",
     "AGG_MODES",
     "aggregation_weights",
     "aggregate_loss",
+    "POLICY_LOSSES",
+    "PolicyTerms",
+    "register_policy_loss",
+    "vanilla_policy_terms",
+    "gspo_policy_terms",
+    "ROLLOUT_IS_MODES",
+    "rollout_is_weights",
     "policy_loss",
     "value_loss",
     "GROUP_SCALES",
     "group_advantages",
-    "OUTCOME_ADVANTAGES",
-    "register_outcome_advantage",
+    "ADV_KINDS",
+    "ADV_ESTIMATORS",
+    "AdvantageEstimator",
+    "register_advantage",
     "grpo_advantages",
     "rloo_advantages",
+    "dr_grpo_advantages",
+    "reinforce_plus_plus_advantages",
+    "reinforce_plus_plus_baseline_advantages",
 ]

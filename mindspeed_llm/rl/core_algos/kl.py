@@ -1,5 +1,6 @@
 """KL estimators: the per-token estimate of ``KL(pi || pi_ref)`` from the log-probs of the sampled tokens, used
-by the PPO token rewards (:mod:`.rewards`) and by the policy loss's KL term (:mod:`.losses`)."""
+by the PPO token rewards (:mod:`.rewards`) and by the policy loss's KL term (:mod:`.losses`); and the rollout
+mismatch statistics (sampler vs training forward)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,25 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     if kind == "abs":
         return (logp - ref_logp).abs()
     raise ValueError(f"unknown KL estimator kind {kind!r}; valid kinds are: {', '.join(KL_KINDS)}")
+
+
+def rollout_mismatch(old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: torch.Tensor) -> dict:
+    """How far the sampler's log-probs are from the training forward's, over the response tokens (detached).
+
+    With ``d_t = rollout_logp_t - old_logp_t`` on the tokens of ``response_mask``:
+
+    * ``abs_diff_mean``: ``mean |d_t|``; ``abs_diff_max``: ``max |d_t|`` (TRL's
+      ``sampling/sampling_logp_difference/{mean,max}``);
+    * ``k3_kl``: ``mean(exp(-d_t) + d_t - 1)``, the k3 estimate of KL(rollout || training) from the sampled tokens
+      (:func:`kl_penalty` ``k3`` with the rollout as the sampling policy).
+
+    Returns 0-d tensors; all 0 when the mask selects nothing.
+    """
+    with torch.no_grad():
+        mask = response_mask.bool()
+        diff = (rollout_logp - old_logp)[mask]
+        if diff.numel() == 0:
+            zero = torch.zeros((), dtype=old_logp.dtype, device=old_logp.device)
+            return {"abs_diff_mean": zero, "abs_diff_max": zero, "k3_kl": zero}
+        k3 = kl_penalty(rollout_logp[mask], old_logp[mask], "k3")
+        return {"abs_diff_mean": diff.abs().mean(), "abs_diff_max": diff.abs().max(), "k3_kl": k3.mean()}

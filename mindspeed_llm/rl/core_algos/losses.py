@@ -1,13 +1,17 @@
-"""Loss aggregation (token / sequence means, as shares of a split batch) and the losses: the clipped-surrogate
-policy loss (PPO / GRPO / DAPO / Dr. GRPO) with its KL and entropy terms, and the clipped value loss."""
+"""Loss aggregation (token / sequence means, as shares of a split batch) and the losses: the policy loss (PPO /
+GRPO / DAPO / Dr. GRPO / GSPO surrogates by name, ``POLICY_LOSSES``, ``--policy-loss``) with its KL and entropy
+terms and the rollout importance-sampling correction (``--rollout-is``), and the clipped value loss."""
 
 from __future__ import annotations
+
+from typing import Callable, Dict, NamedTuple, Optional
 
 import torch
 
 from mindspeed_llm.rl.core_algos.kl import kl_penalty
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+ROLLOUT_IS_MODES = ("none", "tis", "mis")
 
 
 def aggregation_weights(mask: torch.Tensor, mode: str, max_len=None, *, total_tokens=None,
@@ -60,6 +64,99 @@ def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, max_le
     return (loss_mat * weights).sum()
 
 
+class PolicyTerms(NamedTuple):
+    """What a policy-loss surrogate gives, per token ``[B, T]``: ``pg`` the loss before aggregation, ``ratio`` the
+    importance ratio it used and ``ratio_clamped`` its clipped value, ``clipped`` where the clip is active
+    (``l2 > l1``), ``dual_clipped`` where the dual clip is (None without one), ``abs_pg`` ``max(|l1|, |l2|)``."""
+
+    pg: torch.Tensor
+    ratio: torch.Tensor
+    ratio_clamped: torch.Tensor
+    clipped: torch.Tensor
+    dual_clipped: Optional[torch.Tensor]
+    abs_pg: torch.Tensor
+
+
+# fn(logp, old_logp, advantages [B, T] or [B, 1], mask [B, T] float, *, clip_low, clip_high, dual_clip) -> PolicyTerms
+POLICY_LOSSES: Dict[str, Callable[..., PolicyTerms]] = {}
+
+
+def register_policy_loss(name: str):
+    """Decorator: register a policy-loss surrogate under ``name`` (a ``--policy-loss`` choice); :func:`policy_loss`
+    aggregates it and adds the KL, entropy and rollout-correction terms."""
+    def register(fn):
+        POLICY_LOSSES[name] = fn
+        return fn
+    return register
+
+
+def _clipped_surrogate(ratio, advantages, clip_low, clip_high, dual_clip) -> PolicyTerms:
+    ratio_clamped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    l1 = -advantages * ratio
+    l2 = -advantages * ratio_clamped
+    pg = torch.maximum(l1, l2)
+    dual_active = None
+    if dual_clip is not None:
+        l3 = -advantages * dual_clip
+        dual_active = (advantages < 0) & (pg > l3)
+        pg = torch.where(dual_active, l3, pg)
+    with torch.no_grad():
+        clipped, abs_pg = l2 > l1, torch.maximum(l1.abs(), l2.abs())
+    return PolicyTerms(pg, ratio, ratio_clamped, clipped, dual_active, abs_pg)
+
+
+@register_policy_loss("vanilla")
+def vanilla_policy_terms(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_clip=None) -> PolicyTerms:
+    """PPO's clipped surrogate on the token ratio (with dual clip when ``dual_clip`` is given)::
+
+        r_t = exp(logp_t - old_logp_t)
+        pg  = max(-A r_t, -A clip(r_t, 1 - clip_low, 1 + clip_high))
+        pg  = min(pg, -A * dual_clip)   where A < 0           (dual-clip PPO, c > 1; optional)
+    """
+    return _clipped_surrogate(torch.exp(logp - old_logp), advantages, clip_low, clip_high, dual_clip)
+
+
+@register_policy_loss("gspo")
+def gspo_policy_terms(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_clip=None) -> PolicyTerms:
+    """GSPO (Zheng et al. 2025, arXiv:2507.18071): the clipped surrogate on the SEQUENCE importance ratio, the
+    geometric mean of the token ratios over the response (``mask``), in its GSPO-token form::
+
+        s_i   = exp( sum_t m_t (logp_t - old_logp_t) / max(sum_t m_t, 1) )
+        r_i,t = sg(s_i) * exp(logp_t - sg(logp_t))                  (value s_i; gradient s_i * grad logp_t)
+        pg    = max(-A r_i,t, -A clip(r_i,t, 1 - clip_low, 1 + clip_high))
+
+    With the same aggregation weight on every token of a response (every ``AGG_MODES`` mode) the loss and its
+    gradient equal TRL 1.12 ``GRPOTrainer`` with ``importance_sampling_level="sequence"`` (whose ratio is the
+    sequence's, differentiated through the mean); the paper's clip range is tiny (3e-4 / 4e-4,
+    ``--gspo-clip-ratio`` / ``--gspo-clip-ratio-high``). No dual clip.
+    """
+    if dual_clip is not None:
+        raise ValueError("gspo has no dual clip (--dual-clip applies to --policy-loss vanilla)")
+    seq_log_ratio = (logp - old_logp) * mask
+    seq_log_ratio = seq_log_ratio.sum(dim=-1, keepdim=True) / mask.sum(dim=-1, keepdim=True).clamp(min=1.0)
+    ratio = torch.exp(seq_log_ratio.detach() + (logp - logp.detach()))
+    return _clipped_surrogate(ratio, advantages, clip_low, clip_high, None)
+
+
+def rollout_is_weights(old_logp, rollout_logp, mode: str, threshold: float) -> torch.Tensor:
+    """Per-token weights that correct for the rollout engine's sampling distribution (detached).
+
+    ``w_t = exp(old_logp_t - rollout_logp_t)``: the training forward's probability of the sampled token over the
+    sampler's. With ``C = threshold``:
+
+    * ``tis`` (truncated IS): ``min(w_t, C)`` (TRL's ``vllm_importance_sampling_mode="token_truncate"``);
+    * ``mis`` (masked IS): ``w_t`` where ``w_t <= C``, else 0: the token leaves the policy-gradient term (TRL's
+      ``token_mask``); the aggregation's token / sequence counts keep it, as TRL's do.
+    """
+    with torch.no_grad():
+        w = torch.exp(old_logp - rollout_logp)
+        if mode == "tis":
+            return w.clamp(max=threshold)
+        if mode == "mis":
+            return torch.where(w <= threshold, w, torch.zeros_like(w))
+    raise ValueError(f"unknown rollout correction {mode!r}; valid modes are: tis, mis (or none)")
+
+
 def policy_loss(
     logp,
     old_logp,
@@ -70,28 +167,38 @@ def policy_loss(
     dual_clip=None,
     agg="token-mean",
     *,
+    loss_type="vanilla",
     max_len=None,
     ref_logp=None,
     kl_coef=0.0,
     kl_kind="low_var_kl",
     entropy=None,
     entropy_coeff=0.0,
+    rollout_logp=None,
+    rollout_is="none",
+    rollout_is_threshold=2.0,
     total_tokens=None,
     total_sequences=None,
 ):
-    """Clipped-surrogate policy loss (PPO / GRPO / DAPO / Dr. GRPO) with optional KL and entropy terms.
+    """Clipped-surrogate policy loss (PPO / GRPO / DAPO / Dr. GRPO / GSPO) with optional KL and entropy terms.
 
     One function computes the loss and all its metrics from the same intermediates. Per token, with
     ``A`` the advantage (``[B, T]``, or ``[B]`` broadcast over tokens as in GRPO)::
 
-        r        = exp(logp - old_logp)
-        l1       = -A * r
+        r        = exp(logp - old_logp)                                 (loss_type "vanilla"; "gspo": the
+        l1       = -A * r                                                sequence ratio, gspo_policy_terms)
         l2       = -A * clip(r, 1 - clip_low, 1 + clip_high)           (clip_high None -> clip_low)
         pg       = max(l1, l2)                                          (PPO clipped surrogate)
         pg       = min(pg, -A * dual_clip)   where A < 0                (dual-clip PPO, c > 1; optional)
+        pg       = pg * rollout_is_weights(old_logp, rollout_logp)      (only with rollout_is tis / mis)
         kl       = kl_penalty(logp, ref_logp, kl_kind)                  (only if kl_coef != 0)
 
         loss = agg(pg) + kl_coef * agg(kl) - entropy_coeff * token_mean(entropy)
+
+    ``loss_type`` names the surrogate in ``POLICY_LOSSES`` (:func:`vanilla_policy_terms`,
+    :func:`gspo_policy_terms`). ``rollout_is`` (``tis`` / ``mis``, threshold ``rollout_is_threshold``) weights the
+    surrogate per token by :func:`rollout_is_weights`; it needs ``rollout_logp``, the sampler's log-probs, and
+    ``old_logp`` from a training forward.
 
     ``agg`` is :func:`aggregate_loss` with mode ``agg`` (``max_len`` for ``seq-mean-token-sum-norm``) over
     ``response_mask``, the loss mask (response tokens that take part in the loss). Because every mode is
@@ -120,7 +227,9 @@ def policy_loss(
     * ``abs_pg_loss``: ``mean(max(|l1|, |l2|))`` -- MindSpeed-LLM trl_ppo's "absolute policy gradient
       loss", a magnitude for monitoring that does not cancel between positive and negative advantages;
     * with a KL term: ``kl_loss`` = ``agg(kl)``, ``kl`` = token mean of ``kl``; with entropy:
-      ``entropy`` = token mean; always ``loss``.
+      ``entropy`` = token mean; always ``loss``;
+    * with ``rollout_is``: ``rollout_is_weight`` = token mean of the weights, ``rollout_is_clipfrac`` = fraction
+      of tokens with ``w > threshold`` (truncated by tis, masked by mis).
 
     Returns:
         ``(loss, metrics)``.
@@ -129,6 +238,11 @@ def policy_loss(
         clip_high = clip_low
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1.0 (got {dual_clip})")
+    surrogate = POLICY_LOSSES.get(loss_type)
+    if surrogate is None:
+        raise ValueError(f"unknown policy loss {loss_type!r}; valid names are: {', '.join(POLICY_LOSSES)}")
+    if rollout_is != "none" and rollout_logp is None:
+        raise ValueError(f"policy_loss: rollout_is={rollout_is!r} needs rollout_logp (the sampler's log-probs)")
     if advantages.dim() == logp.dim() - 1:
         advantages = advantages.unsqueeze(-1)
     mask = response_mask.to(logp.dtype)
@@ -139,33 +253,33 @@ def policy_loss(
         return (x * token_w).sum()
 
     log_ratio = logp - old_logp
-    ratio = torch.exp(log_ratio)
-    ratio_clamped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    l1 = -advantages * ratio
-    l2 = -advantages * ratio_clamped
-    pg = torch.maximum(l1, l2)
-    if dual_clip is not None:
-        l3 = -advantages * dual_clip
-        dual_active = (advantages < 0) & (pg > l3)
-        pg = torch.where(dual_active, l3, pg)
+    terms = surrogate(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
+    pg = terms.pg
+    if rollout_is != "none":
+        is_weights = rollout_is_weights(old_logp, rollout_logp, rollout_is, rollout_is_threshold)
+        pg = pg * is_weights
     pg_loss = (pg * loss_w).sum()
     loss = pg_loss
 
     with torch.no_grad():
         metrics = {
             "pg_loss": pg_loss.detach(),
-            "pg_clipfrac": token_mean((l2 > l1).to(mask.dtype)),
+            "pg_clipfrac": token_mean(terms.clipped.to(mask.dtype)),
             "pg_clipfrac_lower": (
-                token_mean(dual_active.to(mask.dtype))
-                if dual_clip is not None
+                token_mean(terms.dual_clipped.to(mask.dtype))
+                if terms.dual_clipped is not None
                 else torch.zeros((), dtype=mask.dtype, device=mask.device)
             ),
             "ppo_kl": token_mean(-log_ratio),
             "approx_kl": token_mean(0.5 * log_ratio.square()),
-            "ppo_ratio": token_mean(ratio),
-            "ppo_ratio_clamped": token_mean(ratio_clamped),
-            "abs_pg_loss": token_mean(torch.maximum(l1.abs(), l2.abs())),
+            "ppo_ratio": token_mean(terms.ratio),
+            "ppo_ratio_clamped": token_mean(terms.ratio_clamped),
+            "abs_pg_loss": token_mean(terms.abs_pg),
         }
+        if rollout_is != "none":
+            metrics["rollout_is_weight"] = token_mean(is_weights)
+            metrics["rollout_is_clipfrac"] = token_mean(
+                (torch.exp(old_logp - rollout_logp) > rollout_is_threshold).to(mask.dtype))
 
     if kl_coef != 0.0:
         if ref_logp is None:

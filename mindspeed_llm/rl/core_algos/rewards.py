@@ -1,10 +1,12 @@
-"""PPO token rewards and GAE: the response / value masks, the per-token rewards (KL penalty plus the score once)
-and generalized advantage estimation with TRL's reverse loop."""
+"""PPO token rewards and GAE: the response / value masks, the per-token rewards (KL penalty plus the score once),
+generalized advantage estimation with TRL's reverse loop (``--adv-estimator gae``, the critic's) and DAPO's overlong
+penalty."""
 
 from __future__ import annotations
 
 import torch
 
+from mindspeed_llm.rl.core_algos.advantages import register_advantage
 from mindspeed_llm.rl.core_algos.kl import kl_penalty
 from mindspeed_llm.rl.core_algos.stats import SumAcross, masked_whiten
 
@@ -97,6 +99,7 @@ def compute_token_rewards(scores, logp, ref_logp, response_mask, kl_coef, kind="
     return rewards, kl
 
 
+@register_advantage("gae", kind="critic", kl_in_reward=True)
 def compute_gae(rewards, values, response_mask, gamma, lam, whiten=True, value_mask=None,
                 sum_across: SumAcross = None):
     """Generalized advantage estimation with TRL's reverse loop, then (optionally) whitening.
@@ -147,3 +150,19 @@ def compute_gae(rewards, values, response_mask, gamma, lam, whiten=True, value_m
         advantages = masked_whiten(advantages, response_mask, sum_across=sum_across)
     advantages = advantages * response_mask.to(advantages.dtype)
     return advantages, returns
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, eq. 13), added to the score.
+
+    For a response of ``n`` tokens, with ``M = max_len`` (``--max-new-tokens``), ``L = buffer_len`` and ``F = factor``::
+
+        penalty(n) = min(0, (M - L - n) / L) * F
+
+    0 up to ``M - L`` tokens, then falling linearly to ``-F`` at ``n = M`` (verl's ``overlong_buffer``). ``lengths``
+    ``[B]``; returns ``[B]`` float.
+    """
+    if buffer_len < 1:
+        raise ValueError(f"overlong buffer length must be >= 1 (got {buffer_len})")
+    n = lengths.to(torch.float32)
+    return torch.clamp((max_len - buffer_len - n) / buffer_len, max=0.0) * factor
