@@ -24,7 +24,8 @@ class Experience:
     ended_with_eos: torch.Tensor  # [B] bool
     rollout_logp: Optional[torch.Tensor] = None  # [B, R] the sampler's log-probs (generation logits / temperature)
     # [B, R] the tokens that take part in the losses: the response mask, less what the stage leaves out (grpo's
-    # --filter-groups). Lengths, read positions and packing always follow `response_mask`.
+    # --filter-groups, --mask-truncated-completions). Lengths, read positions and packing always follow
+    # `response_mask`.
     loss_mask: Optional[torch.Tensor] = None
     # Filled in as the iteration goes.
     old_logp: Optional[torch.Tensor] = None  # [B, R]

@@ -8,18 +8,23 @@ from mindspeed_llm.rl.passes import response_logprobs, response_values
 
 
 def clipped_policy_loss(args, logits, micro_batch, kl_coef: float = 0.0):
-    """The actor's loss of both stages on one micro-batch: the clipped surrogate (`--clip-ratio`,
-    `--clip-ratio-high`, `--dual-clip`, `--loss-agg-mode`), plus `kl_coef` x the KL to the reference
-    (`--kl-penalty`; grpo's KL loss) and the entropy bonus (`--entropy-coeff`), over the loss mask.
+    """The actor's loss of both stages on one micro-batch: the clipped surrogate `--policy-loss` (vanilla:
+    `--clip-ratio`, `--clip-ratio-high`, `--dual-clip`; gspo: `--gspo-clip-ratio`, `--gspo-clip-ratio-high`) under
+    `--loss-agg-mode`, weighted per token by `--rollout-is` (against the sampler's log-probs), plus `kl_coef` x the KL
+    to the reference (`--kl-penalty`; grpo's KL loss) and the entropy bonus (`--entropy-coeff`), over the loss mask.
     Returns (loss, metrics) as shares of the mini-batch's (its totals ride in the micro-batch, `ppo_loop`).
     Without `old_logp` in the micro-batch (see `ppo_loop.old_logp_is_current`) the old log-probs are `logp`'s."""
     logp, entropy = response_logprobs(logits, micro_batch, args.temperature, with_entropy=True)
     old_logp = micro_batch.get("old_logp")
+    gspo = args.policy_loss == "gspo"
     return core_algos.policy_loss(
         logp, logp.detach() if old_logp is None else old_logp, micro_batch["advantages"], micro_batch["loss_mask"],
-        clip_low=args.clip_ratio, clip_high=args.clip_ratio_high, dual_clip=args.dual_clip, agg=args.loss_agg_mode,
-        max_len=args.max_new_tokens, ref_logp=micro_batch.get("ref_logp"), kl_coef=kl_coef,
-        kl_kind=args.kl_penalty, entropy=entropy, entropy_coeff=args.entropy_coeff,
+        clip_low=args.gspo_clip_ratio if gspo else args.clip_ratio,
+        clip_high=args.gspo_clip_ratio_high if gspo else args.clip_ratio_high, dual_clip=args.dual_clip,
+        agg=args.loss_agg_mode, loss_type=args.policy_loss, max_len=args.max_new_tokens,
+        ref_logp=micro_batch.get("ref_logp"), kl_coef=kl_coef, kl_kind=args.kl_penalty, entropy=entropy,
+        entropy_coeff=args.entropy_coeff, rollout_logp=micro_batch.get("rollout_logp"), rollout_is=args.rollout_is,
+        rollout_is_threshold=args.rollout_is_threshold,
         total_tokens=micro_batch["total_tokens"], total_sequences=micro_batch["total_sequences"],
     )
 

@@ -1,11 +1,15 @@
 """One rollout: the sampling settings from the command line, generation with the actor's own weights into an
-`Experience`, and the rollout's length statistics."""
+`Experience`, the rollout's length statistics, what `--mask-truncated-completions` takes out of the losses, and how
+far the sampler's log-probs are from the training forward's."""
 
 from __future__ import annotations
 
 from typing import Dict, Optional, Sequence
 
+import torch
+
 from mindspeed_llm.inference import SamplingConfig, generate
+from mindspeed_llm.rl import core_algos
 from mindspeed_llm.rl.experience import Experience
 from mindspeed_llm.rl.metrics import mean_min_max
 
@@ -53,3 +57,27 @@ def rollout_metrics(exp: Experience) -> Dict[str, float]:
     # Share of responses cut by --max-new-tokens / --max-length rather than ended by EOS or a stop token.
     metrics["response_clip_ratio"] = sum(r == "length" for r in reasons) / max(len(reasons), 1)
     return metrics
+
+
+def truncated(exp: Experience) -> torch.Tensor:
+    """[B] bool: the responses cut by --max-new-tokens / --max-length (finish reason "length": neither EOS nor a stop
+    token ended them)."""
+    return torch.tensor([r == "length" for r in exp.extras["finish_reasons"]], dtype=torch.bool,
+                        device=exp.loss_mask.device)
+
+
+def mask_truncated_completions(exp: Experience) -> Dict[str, float]:
+    """`--mask-truncated-completions` (TRL's `mask_truncated_completions`): the truncated responses leave every loss
+    through the loss mask (their lengths, read positions and scores stay). Returns the share taken out."""
+    cut = truncated(exp)
+    exp.loss_mask = exp.loss_mask * (~cut).to(exp.loss_mask.dtype)[:, None]
+    return {"truncated_masked_fraction": float(cut.float().mean())}
+
+
+def mismatch_metrics(exp: Experience) -> Dict[str, float]:
+    """`rollout_mismatch/*` (`core_algos.rollout_mismatch`) over the response tokens, when the old log-probs come from
+    a training forward (not the sampler's own) and the sampler's exist; else none."""
+    if exp.rollout_logp is None or exp.old_logp is None or exp.old_logp is exp.rollout_logp:
+        return {}
+    stats = core_algos.rollout_mismatch(exp.old_logp, exp.rollout_logp, exp.response_mask)
+    return {f"rollout_mismatch/{k}": float(v) for k, v in stats.items()}

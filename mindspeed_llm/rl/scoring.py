@@ -1,5 +1,5 @@
-"""The one place a response's score is made: rule verifiers, the reward model, and penalties, mixed by their
-weights, with their metrics."""
+"""The one place a response's score is made: rule verifiers, the reward model, and penalties (TRL's missing-EOS
+penalty, DAPO's overlong penalty), mixed by their weights, with their metrics."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from mindspeed_llm.arguments import ArgumentError
-from mindspeed_llm.rl import verifiers
+from mindspeed_llm.rl import core_algos, verifiers
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.experience import Experience
 from mindspeed_llm.rl.passes import reward_scores
@@ -17,16 +17,19 @@ from mindspeed_llm.rl.roles import on_device
 
 class Scorer:
     """Sequence scores: rule verifiers and/or a reward model (weighted sum), less TRL's `missing_eos_penalty`
-    for responses that did not end in EOS; with their metrics."""
+    for responses that did not end in EOS, plus DAPO's overlong penalty (`core_algos.overlong_penalty`, with
+    `--overlong-buffer-len`); with their metrics."""
 
     @classmethod
     def from_args(cls, args, reward_model=None) -> "Scorer":
         return cls(args.verifier_function, args.verifier_weight, reward_model, args.reward_model_weight,
-                   args.offload_ref_reward, args.missing_eos_penalty)
+                   args.offload_ref_reward, args.missing_eos_penalty, overlong_buffer_len=args.overlong_buffer_len,
+                   overlong_penalty_factor=args.overlong_penalty_factor, max_new_tokens=args.max_new_tokens)
 
     def __init__(self, verifier_names: Sequence[str], verifier_weights: Sequence[float],
                  reward_model=None, reward_model_weight: float = 1.0, offload: bool = False,
-                 missing_eos_penalty: Optional[float] = None):
+                 missing_eos_penalty: Optional[float] = None, *, overlong_buffer_len: Optional[int] = None,
+                 overlong_penalty_factor: float = 1.0, max_new_tokens: Optional[int] = None):
         try:
             verifiers.check_verifiers(verifier_names, verifier_weights)
         except ValueError as exc:  # the message lists the valid names
@@ -37,6 +40,9 @@ class Scorer:
         self.reward_model_weight = reward_model_weight
         self.offload = offload
         self.missing_eos_penalty = missing_eos_penalty
+        if overlong_buffer_len is not None and max_new_tokens is None:
+            raise ValueError("the overlong penalty needs max_new_tokens (its response length limit)")
+        self.overlong = (overlong_buffer_len, overlong_penalty_factor, max_new_tokens)
 
     def __call__(self, exp: Experience, plan: MicroBatchPlan, timers) -> tuple:
         on = exp.tokens.device
@@ -64,4 +70,11 @@ class Scorer:
             metrics.update(verifiers.reward_metrics(per_verifier, failures))
         if self.missing_eos_penalty is not None:
             total = total - self.missing_eos_penalty * (~exp.ended_with_eos).float()
+        buffer_len, factor, max_new_tokens = self.overlong
+        if buffer_len is not None:
+            penalty = core_algos.overlong_penalty(exp.response_lengths, max_new_tokens, buffer_len, factor)
+            total = total + penalty.to(total.device)
+            metrics["overlong/penalty_mean"] = float(penalty.mean())
+            metrics["overlong/penalised_fraction"] = float(
+                (exp.response_lengths > max_new_tokens - buffer_len).float().mean())
         return total, metrics
