@@ -164,6 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--stop-token-ids", type=_int_list, default=[])
     g.add_argument("--n-samples-per-prompt", type=int)
+    g.add_argument("--recompute-old-logprobs", action="store_true",
+                   help="take the old log-probs from a training forward pass, not from the rollout's sampler (trl_ppo's "
+                        "default when one step covers the batch) nor from the update's own forward (grpo's); logs the "
+                        "rollout mismatch (rollout_mismatch/*)")
+    g.add_argument("--rollout-is", choices=("none", "tis", "mis"), default="none",
+                   help="per-token correction of the sampler/training mismatch, w = exp(old_logp - rollout_logp): tis "
+                        "weights the policy loss by min(w, C); mis by w where w <= C, and tokens with w > C leave it "
+                        "(token level). Implies --recompute-old-logprobs")
+    g.add_argument("--rollout-is-threshold", type=float, default=2.0, help="C of --rollout-is (default 2.0)")
 
     g = p.add_argument_group("RL: algorithm")
     g.add_argument("--kl-coef", type=float, help="trl_ppo: 0.3 (reward penalty); grpo: 0.001 (KL loss); 0 = off")
@@ -177,8 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vf-coef", type=float, default=0.1)
     g.add_argument("--entropy-coeff", type=float, default=0.0)
     g.add_argument("--loss-agg-mode", choices=LOSS_AGG_MODES, default="token-mean")
-    g.add_argument("--adv-estimator", default="grpo",
-                   help="grpo: outcome advantage estimator by name (grpo, rloo; rl/core_algos.py registry)")
+    g.add_argument("--adv-estimator",
+                   help="advantage estimator by name (rl/core_algos ADV_ESTIMATORS): trl_ppo takes gae (the critic's; "
+                        "default); grpo takes the critic-free ones: grpo (default), dr_grpo, rloo, reinforce_plus_plus "
+                        "(KL in the reward: --kl-coef, --kl-penalty, --gamma; no KL loss), reinforce_plus_plus_baseline")
+    g.add_argument("--policy-loss", default="vanilla",
+                   help="policy-loss surrogate by name (rl/core_algos POLICY_LOSSES): vanilla (PPO's clip, with "
+                        "--dual-clip) or gspo (sequence-level ratio, clipped by --gspo-clip-ratio[-high])")
+    g.add_argument("--gspo-clip-ratio", type=float, default=3e-4, help="gspo's lower clip range (GSPO paper: 3e-4)")
+    g.add_argument("--gspo-clip-ratio-high", type=float, default=4e-4, help="gspo's upper clip range (4e-4)")
     g.add_argument("--adv-scale", choices=ADV_SCALES,
                    help="grpo: std scaling of the advantages (default: the estimator's: group for grpo, none for rloo)")
     g.add_argument("--whiten-rewards", action="store_true")
@@ -188,6 +204,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--critic-lr", type=float, help="default: --lr")
     g.add_argument("--filter-groups", action="store_true",
                    help="grpo: leave groups whose rewards are all equal (no signal) out of the loss")
+    g.add_argument("--dynamic-sampling", action="store_true",
+                   help="grpo: DAPO's dynamic sampling: generate more prompt groups until the batch holds "
+                        "--global-batch-size groups whose rewards differ (the others are left out)")
+    g.add_argument("--max-num-gen-batches", type=int, default=10,
+                   help="with --dynamic-sampling: at most this many generation batches per iteration (10)")
+    g.add_argument("--mask-truncated-completions", action="store_true",
+                   help="responses cut by --max-new-tokens / --max-length (no EOS or stop token) leave the losses")
+    g.add_argument("--overlong-buffer-len", type=int,
+                   help="DAPO overlong penalty: a response of n > --max-new-tokens - L tokens scores "
+                        "(M - L - n) / L x --overlong-penalty-factor less (M = --max-new-tokens; off by default)")
+    g.add_argument("--overlong-penalty-factor", type=float, default=1.0, help="see --overlong-buffer-len (1.0)")
     return p
 
 
@@ -308,6 +335,11 @@ def validate_args(args, world_size: int) -> None:
                             "drop one of them")
     if args.ppo_epochs < 1:
         raise ArgumentError("--ppo-epochs must be >= 1")
+    if args.dynamic_sampling and (args.stage != "grpo" or args.n_samples_per_prompt < 2):
+        raise ArgumentError("--dynamic-sampling keeps grpo groups whose rewards differ: it needs --stage grpo and "
+                            "--n-samples-per-prompt >= 2")
+    if args.max_num_gen_batches < 1:
+        raise ArgumentError(f"--max-num-gen-batches {args.max_num_gen_batches} must be >= 1")
 
     # Models and rewards.
     if args.stage == "trl_ppo":
@@ -343,6 +375,7 @@ def validate_args(args, world_size: int) -> None:
     if args.log_interval < 1:
         raise ArgumentError("--log-interval must be >= 1")
     _check_evaluation(args)
+    _check_algorithm(args)
     if args.train_iters < 1:
         raise ArgumentError("--train-iters must be >= 1")
     if args.lr_warmup_fraction is not None:
@@ -423,3 +456,42 @@ def _check_evaluation(args) -> None:
     elif args.eval_iters == 0 and not args.eval_samples:
         args.startup_notes.append("evaluation is off: --eval-iters 0 (Megatron-LM's way to skip it)")
         args.eval_interval = None
+
+
+def _check_algorithm(args) -> None:
+    """--adv-estimator / --policy-loss against the registries of `rl/core_algos` (a registered method is a valid
+    name), which stage takes which estimator, and the overlong and rollout-correction flags."""
+    from mindspeed_llm.rl import core_algos
+
+    if args.adv_estimator is None:
+        args.adv_estimator = "gae" if args.stage == "trl_ppo" else "grpo"
+    estimator = core_algos.ADV_ESTIMATORS.get(args.adv_estimator)
+    fits = [name for name, e in core_algos.ADV_ESTIMATORS.items() if (e.kind == "critic") == (args.stage == "trl_ppo")]
+    if estimator is None:
+        raise ArgumentError(f"--adv-estimator {args.adv_estimator}: unknown; valid names for --stage {args.stage}: "
+                            f"{', '.join(fits)}")
+    if args.stage == "trl_ppo" and estimator.kind != "critic":
+        raise ArgumentError(f"--adv-estimator {args.adv_estimator} is critic-free: --stage trl_ppo trains a critic "
+                            f"and estimates with {', '.join(fits)}; use --stage grpo for {args.adv_estimator}")
+    if args.stage != "trl_ppo" and estimator.kind == "critic":
+        raise ArgumentError(f"--adv-estimator {args.adv_estimator} needs a critic: --stage trl_ppo only (grpo "
+                            f"takes {', '.join(fits)})")
+    if args.adv_scale is not None and estimator.kind != "outcome":
+        raise ArgumentError(f"--adv-scale {args.adv_scale} applies to the group estimators (grpo, dr_grpo, rloo), "
+                            f"not to --adv-estimator {args.adv_estimator}; drop it")
+    if args.policy_loss not in core_algos.POLICY_LOSSES:
+        raise ArgumentError(f"--policy-loss {args.policy_loss}: unknown; valid names: "
+                            f"{', '.join(core_algos.POLICY_LOSSES)}")
+    if args.policy_loss == "gspo" and args.dual_clip is not None:
+        raise ArgumentError("--dual-clip applies to --policy-loss vanilla; gspo has no dual clip")
+    for flag, value in (("--gspo-clip-ratio", args.gspo_clip_ratio), ("--gspo-clip-ratio-high", args.gspo_clip_ratio_high),
+                        ("--overlong-penalty-factor", args.overlong_penalty_factor)):
+        if not math.isfinite(value) or value < 0:
+            raise ArgumentError(f"{flag} {value} must be a finite number >= 0")
+    if args.overlong_buffer_len is not None and not 1 <= args.overlong_buffer_len <= args.max_new_tokens:
+        raise ArgumentError(f"--overlong-buffer-len {args.overlong_buffer_len} must be in [1, --max-new-tokens "
+                            f"{args.max_new_tokens}]")
+    if not (math.isfinite(args.rollout_is_threshold) and args.rollout_is_threshold >= 1.0):
+        raise ArgumentError(f"--rollout-is-threshold {args.rollout_is_threshold} must be a finite number >= 1")
+    if args.rollout_is != "none":
+        args.recompute_old_logprobs = True  # the weights compare the sampler with the training forward

@@ -83,3 +83,56 @@ def test_refill_keeps_the_first_informative_groups_at_any_dp_size(dp):
 def test_refill_budget_is_named():
     for message in run_distributed(_run, 2, 2):
         assert message.startswith("--max-num-gen-batches 2: 2 generation batches gave 3 groups with reward variance")
+
+
+# ---------------------------------------------------------------------------------------------- the grpo stage
+def _odd_first_word(text, label):
+    words = text.split()
+    return float(bool(words) and words[0][1:].isdigit() and int(words[0][1:]) % 2 == 1)
+
+
+def _stage_runs(rank, world_size, runs):
+    from megatron.core import parallel_state
+
+    from mindspeed_llm.arguments import parse_args
+    from mindspeed_llm.rl import trainer
+    from mindspeed_llm.rl.verifiers import register_verifier
+
+    register_verifier("odd_first_word", override=True)(_odd_first_word)
+    for argv in runs:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        trainer.run(parse_args(argv, world_size))
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_resumes_exactly_at_dp2(tmp_path):
+    """Two iterations in one go equal one iteration, a save, and a resume: the sampler's position (advanced by
+    every generation batch) and the random streams are restored, on 2 DP ranks."""
+    import json
+
+    import word_task
+    from test_layout_invariance import _full_weights
+
+    task = word_task.build(tmp_path / "task")
+    base = ["--stage", "grpo", "--micro-batch-size", "2", "--global-batch-size", "4", "--n-samples-per-prompt", "2",
+            "--seed", "5", "--data-path", task["data"], "--tokenizer-name-or-path", task["tokenizer"],
+            "--max-length", "64", "--max-new-tokens", "8", "--do-sample", "--ref-model", task["mg_actor_tp1pp1"],
+            "--dynamic-sampling", "--max-num-gen-batches", "8", "--verifier-function", "odd_first_word",
+            "--kl-coef", "0.05", "--lr", "0.1", "--log-interval", "1"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+
+    def run(out, iters, *extra):
+        return base + ["--train-iters", str(iters), "--save", str(out), "--metrics-jsonl", str(out / "m.jsonl"), *extra]
+
+    run_distributed(_stage_runs, 2, [run(whole, 2, "--save-interval", "1"), run(split, 1),
+                                     run(split, 2, "--load", str(split))])
+    rows = {name: [json.loads(line) for line in (out / "m.jsonl").read_text().splitlines()]
+            for name, out in (("whole", whole), ("split", split))}
+    assert [r["iteration"] for r in rows["split"]] == [1, 2]
+    for a, b in zip(rows["whole"], rows["split"]):
+        assert {k: v for k, v in a.items() if not k.startswith("timing/") and not k.endswith("_tps")} == \
+            {k: v for k, v in b.items() if not k.startswith("timing/") and not k.endswith("_tps")}
+    assert sum(r["dynamic_sampling/num_gen_batches"] for r in rows["whole"]) > 2  # some iteration refilled
+    a, b = _full_weights(whole, "actor"), _full_weights(split, "actor")
+    assert all(torch.equal(a[k], b[k]) for k in a)

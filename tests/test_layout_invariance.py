@@ -6,11 +6,12 @@ rollout of the same prompts, then one update) and saves the trained weights:
 
 * trl_ppo: 8 prompts, two mini-batches of 4 (the second step's ratios are not 1), `--whiten-rewards`;
 * trl_ppo_n2: 4 prompts x 2 samples (groups packed at mbs 4, one GAE per sample);
+* grpo with `--dynamic-sampling` (refill from further generation batches; the ranks exchange their groups);
 * grpo with each `--loss-agg-mode`: 8 prompts x 2 samples, two mini-batches of 8, `--filter-groups` (a coin-flip
   rule reward, so some groups have no spread and leave the loss while others stay), KL loss and entropy bonus;
   `token-mean` with `--adv-scale batch` (a batch statistic over the DP ranks).
 
-The models and prompts are the tiny word-level task of `word_task.py` (256-word vocabulary), so that the 30 runs
+The models and prompts are the tiny word-level task of `word_task.py` (256-word vocabulary), so that the 35 runs
 take minutes.
 
 Both stages train with plain SGD (no momentum; gradient clipping at 1 on): a weight's change is the learning rate
@@ -63,7 +64,8 @@ AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 SEED = 4
 RTOL, ATOL = 1e-5, 1e-6  # metrics
 WEIGHT_RTOL, CHANGE_RTOL = 1e-5, 1e-3  # per tensor, relative to its norm / its change's norm
-SKIPPED = ("timing/", "e2e_tps", "update_tps", "vllm_tps", "rollout_tps", "world_size")
+# and the rollout / training log-prob mismatch: rounding noise (~1e-6) that no tolerance relative to it can bound
+SKIPPED = ("timing/", "e2e_tps", "update_tps", "vllm_tps", "rollout_tps", "world_size", "rollout_mismatch/")
 # name -> (tp, pp, world size, micro-batch size of trl_ppo, of grpo)
 LAYOUTS = {
     "mbs1": (1, 1, 1, 1, 1),
@@ -94,6 +96,10 @@ def _cases():
         if mode == "token-mean":
             extra += ["--adv-scale", "batch"]
         cases[f"grpo_{mode}"] = ("grpo", extra)
+    # DAPO's dynamic sampling: more generation batches until 8 groups with reward spread; ranks exchange them
+    cases["grpo_dynamic_sampling"] = ("grpo", [
+        "--global-batch-size", "8", "--n-samples-per-prompt", "2", "--ppo-mini-batch-size", "8", "--dynamic-sampling",
+        "--max-num-gen-batches", "8", "--verifier-function", "odd_first_word", "--kl-coef", "0.05", "--lr", "0.5"])
     return cases
 
 
@@ -127,10 +133,11 @@ def _run_cases(rank, world_size, runs):
     register_verifier("odd_first_word", override=True)(odd_first_word)
     filtered, update = [], grpo.ppo_update
 
-    def recording_update(model, exp, *args, **kwargs):
-        out = exp.loss_mask.sum(-1) == 0
-        filtered.append((int(out.sum()), int((out & (exp.response_mask.sum(-1) > 0)).sum())))
-        return update(model, exp, *args, **kwargs)
+    def recording_update(model, exp, plan, args, *rest, **kwargs):
+        if args.filter_groups:
+            out = exp.loss_mask.sum(-1) == 0
+            filtered.append((int(out.sum()), int((out & (exp.response_mask.sum(-1) > 0)).sum())))
+        return update(model, exp, plan, args, *rest, **kwargs)
 
     grpo.ppo_update = recording_update
     for argv in runs:
@@ -231,6 +238,9 @@ def test_cases_are_not_trivial(layout_runs):
         assert norm > 1e-3, (case, norm)
         if case.startswith("trl_ppo"):
             assert metrics["n_samples_per_prompt"] == (2 if case == "trl_ppo_n2" else 1)
+        elif case == "grpo_dynamic_sampling":  # a refill happened, and the kept groups all have spread
+            assert metrics["dynamic_sampling/num_gen_batches"] > 1 and metrics["dynamic_sampling/filtered_fraction"] > 0
+            assert metrics["grpo/advantages/max"] > 0.5 and metrics["actor/kl_loss"] > 0
         else:
             assert 0 < metrics["grpo/filtered_groups"] < 1, (case, metrics["grpo/filtered_groups"])
             assert metrics["actor/kl_loss"] > 0 and metrics["actor/entropy"] > 0

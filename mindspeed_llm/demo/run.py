@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", default=None, help="task variant (mindspeed_llm.demo.task.VARIANTS)")
     p.add_argument("--nproc", type=int, default=1, help="processes (data-parallel ranks) for the stage")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--dynamic-sampling", action="store_true",
+                   help="grpo: DAPO's dynamic sampling (refill with groups whose rewards differ)")
     return p
 
 
@@ -182,6 +184,8 @@ def main(argv=None) -> int:
         stage_extra = ["--reward-model", mg_value, "--reward-model-weight", "0", "--critic-lr", str(args.lr * 10)]
     else:
         stage_extra = ["--n-samples-per-prompt", args.samples_per_prompt, "--kl-penalty", "low_var_kl"]
+        if args.dynamic_sampling:
+            stage_extra += ["--dynamic-sampling", "--max-num-gen-batches", "10"]
 
     # 5. RL
     save = out / "ckpt"

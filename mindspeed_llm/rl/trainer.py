@@ -252,13 +252,17 @@ def _loop(args, stage, dataset, eval_dataset, sampler, logger, start: int, exit_
         training_ckpt.save(args.save, iteration, stage.roles(), {"sampler": sampler.state_dict()})
         saved = iteration
 
+    def next_rows(generation_batch: int):
+        """This rank's prompts of the sampler's next global batch. `position` (the prompt's place in the global
+        batch; generation batches after the first of an iteration, `--dynamic-sampling`'s, continue the count)
+        keys its samples' random streams."""
+        first = generation_batch * args.global_batch_size + dp_rank * sampler.local_batch_size
+        return [dict(dataset[i], index=i, position=first + k) for k, i in enumerate(sampler.next_batch_indices())]
+
     iteration = start
     for iteration in range(start + 1, args.train_iters + 1):
-        # `position`: the prompt's place in the global batch, which keys its samples' random streams
-        first = dp_rank * sampler.local_batch_size
-        rows = [dict(dataset[i], index=i, position=first + k) for k, i in enumerate(sampler.next_batch_indices())]
         try:
-            metrics = stage.iteration(iteration, rows)
+            metrics = stage.iteration(iteration, next_rows(0), next_rows)
         except training_ckpt.NonFiniteError as exc:
             last = f"the last checkpoint is iteration {saved}" if saved else "no checkpoint was written"
             raise training_ckpt.NonFiniteError(
@@ -266,8 +270,8 @@ def _loop(args, stage, dataset, eval_dataset, sampler, logger, start: int, exit_
                 f"saved ({last}); lower --lr or check the data (--no-check-for-nan-in-loss-and-grad trains on)"
             ) from None
         metrics.update(throughput_metrics(
-            metrics["prompt_length/mean"] * len(rows) * args.n_samples_per_prompt,
-            metrics["response_length/mean"] * len(rows) * args.n_samples_per_prompt,
+            metrics["prompt_length/mean"] * sampler.local_batch_size * args.n_samples_per_prompt,
+            metrics["response_length/mean"] * sampler.local_batch_size * args.n_samples_per_prompt,
             args.world_size // dp_size, metrics,
         ))
         if eval_dataset is not None and args.eval_interval and iteration % args.eval_interval == 0:

@@ -1,6 +1,6 @@
 """The RL stages, by their `--stage` name, and the protocol the trainer drives them through."""
 
-from typing import Dict, List, Protocol, Sequence
+from typing import Callable, Dict, List, Protocol, Sequence
 
 from mindspeed_llm.rl.stages.grpo import GRPOStage
 from mindspeed_llm.rl.stages.trl_ppo import TrlPPOStage
@@ -16,8 +16,11 @@ class Stage(Protocol):
     def roles(self) -> Dict[str, object]:
         """The trained models by role name (`TrainableModel`s: "actor", "critic"): what checkpoints hold."""
 
-    def iteration(self, iteration: int, rows: Sequence[dict]) -> Dict[str, float]:
-        """One iteration on this DP rank's prompts; returns its metrics (this rank's view)."""
+    def iteration(self, iteration: int, rows: Sequence[dict],
+                  more_rows: Callable[[int], Sequence[dict]]) -> Dict[str, float]:
+        """One iteration on this DP rank's prompts; returns its metrics (this rank's view). `more_rows(j)` gives
+        this rank's prompts of the next global batch (j: its generation batch in this iteration, from 1), for a
+        stage that generates more than one batch (`--dynamic-sampling`)."""
 
     def evaluate(self, rows: Sequence[dict]) -> Dict[str, float]:
         """Held-out metrics (`eval/*`) of the current policy on this DP rank's prompts."""

@@ -1,9 +1,11 @@
 """`--stage grpo`: Group Relative Policy Optimization.
 
-One iteration: each prompt sampled `--n-samples-per-prompt` times -> rule verifiers and/or reward model ->
-outcome advantages (`--adv-estimator`: group-normalised, or leave-one-out) -> old and reference log-probs -> clipped loss + KL loss (+ entropy bonus)
--> update. No critic. The reference starts from `--ref-model` (default: the initial actor) and is skipped
-when `--kl-coef 0`.
+One iteration: each prompt sampled `--n-samples-per-prompt` times -> rule verifiers and/or reward model (with the
+penalties, `scoring.py`) -> old and reference log-probs -> advantages (`--adv-estimator`, a critic-free estimator of
+`core_algos.ADV_ESTIMATORS`: per sample from the scores -- grpo, dr_grpo, rloo -- or per token from the token rewards
+-- reinforce_plus_plus, whose KL to the reference is a reward penalty instead of a loss, and
+reinforce_plus_plus_baseline) -> policy loss (`--policy-loss`) + KL loss (+ entropy bonus) -> update. No critic. The
+reference starts from `--ref-model` (default: the initial actor) and is skipped when `--kl-coef 0`.
 """
 
 from __future__ import annotations
@@ -19,17 +21,25 @@ from mindspeed_llm.arguments import ArgumentError
 from mindspeed_llm.distributed import sum_over_data_parallel
 from mindspeed_llm.rl import core_algos, roles
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
+from mindspeed_llm.rl.dynamic_sampling import refill
 from mindspeed_llm.rl.evaluation import evaluate_policy
 from mindspeed_llm.rl.losses import clipped_policy_loss
 from mindspeed_llm.rl.metrics import Timers, mean_min_max, prefixed
 from mindspeed_llm.rl.passes import policy_logprobs
 from mindspeed_llm.rl.ppo_loop import old_logp_is_current, ppo_update
-from mindspeed_llm.rl.rollout import rollout, rollout_metrics, sampling_config
+from mindspeed_llm.rl.rollout import (
+    mask_truncated_completions,
+    mismatch_metrics,
+    rollout,
+    rollout_metrics,
+    sampling_config,
+)
 from mindspeed_llm.rl.scoring import Scorer
 
 
 # The actor's logged losses (`core_algos`' names; `actor/lr` and the bare `grad_norm` follow, as MindSpeed-RL logs).
 ACTOR_METRICS = ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss")
+ROLLOUT_IS_METRICS = ("rollout_is_weight", "rollout_is_clipfrac")  # with --rollout-is
 
 
 class GRPOStage:
@@ -39,7 +49,8 @@ class GRPOStage:
     def __init__(self, args, tokenizer):
         self.args = args
         self.tokenizer = tokenizer
-        self.advantages = _advantage_estimator(args)
+        self.estimator, self.advantages = _advantage_estimator(args)
+        self.actor_metrics = ACTOR_METRICS + (ROLLOUT_IS_METRICS if args.rollout_is != "none" else ())
         if not args.ref_model and os.path.isdir(os.path.join(args.load, "actor")):
             raise ArgumentError(
                 f"--load {args.load} is a grpo --save directory: pass --ref-model with the original weights too "
@@ -64,32 +75,37 @@ class GRPOStage:
                                self.args.offload_ref_reward)
 
     # ------------------------------------------------------------------ one iteration
-    def iteration(self, iteration: int, rows: Sequence[dict]) -> Dict[str, float]:
+    def iteration(self, iteration: int, rows: Sequence[dict], more_rows=None) -> Dict[str, float]:
         args, n = self.args, self.args.n_samples_per_prompt
         timers = Timers(sync=device.synchronize)
         with timers("all"):
-            with timers("rollout"):  # a prompt's n samples are consecutive rows
-                exp = rollout(self.actor.module, rows, self.sampling, iteration, self.tokenizer,
-                              samples_per_prompt=n)
-            # every pass and the update compute a prompt once per group, when micro-batches hold whole groups
-            plan = MicroBatchPlan.build(exp, args.micro_batch_size, group_size=n)
+            exp, plan, score_metrics = self._generate(iteration, rows, timers)
+            if args.dynamic_sampling:  # refill with more prompt groups until the batch's groups all carry signal
+                exp, sampling_stats = refill(
+                    exp, lambda j: self._generate(iteration, more_rows(j), timers)[0], n, len(rows),
+                    args.max_num_gen_batches)
+                plan = MicroBatchPlan.build(exp, args.micro_batch_size, group_size=n)
+                score_metrics.update(sampling_stats)
             rollout_stats = rollout_metrics(exp)
-            exp.scores, score_metrics = self.scorer(exp, plan, timers)
+            if args.mask_truncated_completions:
+                rollout_stats.update(mask_truncated_completions(exp))
 
-            with timers("adv"):
-                advantages = self.advantages(exp.scores, n, sum_across=sum_over_data_parallel)
-                exp.advantages = advantages[:, None] * exp.response_mask
-                if args.filter_groups:
-                    # Groups whose samples all scored the same carry no signal; their tokens leave the loss
-                    # (its mask, so shapes and step counts stay equal on every rank; no refill).
-                    informative = exp.scores.view(-1, n).std(dim=1, unbiased=False) > 0
-                    exp.loss_mask = exp.response_mask * informative.repeat_interleave(n)[:, None]
             with timers("old_log_p"):  # ~0 s when the update's own log-probs are the old ones
-                if not old_logp_is_current(args, exp):
+                # a pass of its own when the update takes several steps, when the KL is a reward penalty (it is
+                # computed before the update), and with --recompute-old-logprobs / --rollout-is
+                if args.recompute_old_logprobs or self.estimator.kl_in_reward or not old_logp_is_current(args, exp):
                     exp.old_logp = policy_logprobs(self.actor.chunks, exp, plan, args.temperature)
             if self.reference is not None:
                 with timers("reference_model"), roles.on_device(self.reference, args.offload_ref_reward, timers):
                     exp.ref_logp = policy_logprobs([self.reference], exp, plan, args.temperature)
+
+            with timers("adv"):
+                rewards, advantages = self._advantages(exp)
+                if args.filter_groups:
+                    # Groups whose samples all scored the same carry no signal; their tokens leave the loss
+                    # (its mask, so shapes and step counts stay equal on every rank; no refill).
+                    informative = exp.scores.view(-1, n).std(dim=1, unbiased=False) > 0
+                    exp.loss_mask = exp.loss_mask * informative.repeat_interleave(n)[:, None]
 
             with timers("update"):
                 actor_metrics = ppo_update(self.actor, exp, plan, args, self._loss, iteration, group_size=n)
@@ -99,12 +115,13 @@ class GRPOStage:
             "grad_norm": actor_metrics["grad_norm"],
             "actor/lr": actor_metrics["lr"],
             # score: what the verifiers / reward model gave; rewards: what the advantages are computed from (the
-            # same here, since GRPO's KL is a loss, not a reward penalty); advantages: after --adv-estimator
+            # score, less the KL penalty with reinforce_plus_plus); advantages: after --adv-estimator
             **mean_min_max("grpo/score", exp.scores),
-            **mean_min_max("grpo/rewards", exp.scores),
+            **mean_min_max("grpo/rewards", rewards),
             **mean_min_max("grpo/advantages", advantages),
             **score_metrics,
             **rollout_stats,
+            **mismatch_metrics(exp),
             "n_samples_per_prompt": n,
         }
         if args.filter_groups:
@@ -112,25 +129,64 @@ class GRPOStage:
         metrics.update(timers.pop())
         return metrics
 
+    def _generate(self, iteration: int, rows: Sequence[dict], timers):
+        """`rows`' groups (a prompt's n samples are consecutive rows), scored: (experience, its micro-batch plan,
+        the scorer's metrics). Every pass and the update compute a prompt once per group, when micro-batches hold
+        whole groups."""
+        n = self.args.n_samples_per_prompt
+        with timers("rollout"):
+            exp = rollout(self.actor.module, rows, self.sampling, iteration, self.tokenizer, samples_per_prompt=n)
+        plan = MicroBatchPlan.build(exp, self.args.micro_batch_size, group_size=n)
+        exp.scores, score_metrics = self.scorer(exp, plan, timers)
+        return exp, plan, score_metrics
+
     # ------------------------------------------------------------------ loss closure (per micro-batch)
+    def _advantages(self, exp):
+        """`exp.advantages` [B, R] from the estimator; returns (the per-sample rewards they come from, the advantages
+        as logged: per sample -- for a token estimator its mean over the response, a statistic of whole samples like
+        every logged one, which DP ranks average alike)."""
+        n = self.args.n_samples_per_prompt
+        if self.estimator.kind == "outcome":
+            advantages = self.advantages(exp.scores, n, sum_across=sum_over_data_parallel)
+            exp.advantages = advantages[:, None] * exp.response_mask
+            return exp.scores, advantages
+        # token estimators: the score on the last response token (verl's placement), less the KL penalty on every
+        # token when the estimator takes the KL in the reward (then it is no loss, `_loss`)
+        kl_coef = self.args.kl_coef if self.estimator.kl_in_reward and self.reference is not None else 0.0
+        zeros = torch.zeros_like(exp.response_mask)
+        token_rewards, _ = core_algos.compute_token_rewards(
+            exp.scores, exp.old_logp if kl_coef else zeros, exp.ref_logp if kl_coef else zeros, exp.response_mask,
+            kl_coef, self.args.kl_penalty, score_at="last")
+        exp.advantages = self.advantages(token_rewards, exp.response_mask, n, sum_across=sum_over_data_parallel)
+        per_sample = (exp.advantages * exp.response_mask).sum(-1) / exp.response_mask.sum(-1).clamp(min=1)
+        return token_rewards.sum(-1), per_sample
+
     def _loss(self, logits, mb):
-        kl_coef = self.args.kl_coef if self.reference is not None else 0.0
+        kl_coef = self.args.kl_coef if self.reference is not None and not self.estimator.kl_in_reward else 0.0
         loss, m = clipped_policy_loss(self.args, logits, mb, kl_coef)
-        if "kl_loss" not in m:  # --kl-coef 0: the column stays, at zero
+        if "kl_loss" not in m:  # --kl-coef 0, or the KL is in the reward: the column stays, at zero
             m["kl_loss"] = m["pg_loss"].new_zeros(())
-        return loss, {k: m[k] for k in ACTOR_METRICS}
+        return loss, {k: m[k] for k in self.actor_metrics}
 
 
 def _advantage_estimator(args):
-    """`--adv-estimator` from `core_algos.OUTCOME_ADVANTAGES`, with `--adv-scale` when given (else the
-    estimator's own default); checked on a dummy group now, so a bad pair fails before any model loads."""
-    estimator = core_algos.OUTCOME_ADVANTAGES.get(args.adv_estimator)
-    if estimator is None:
-        raise ArgumentError(f"--adv-estimator {args.adv_estimator}: unknown; valid names: "
-                            f"{', '.join(sorted(core_algos.OUTCOME_ADVANTAGES))}")
-    options = {} if args.adv_scale is None else {"scale": args.adv_scale}
+    """`--adv-estimator` from `core_algos.ADV_ESTIMATORS` (`validate_args` checked that it is critic-free): an
+    outcome estimator with `--adv-scale` when given (else its own default), a token estimator with `--gamma`.
+    Checked on a dummy group now, so a bad pair fails before any model loads. Returns (the registry entry, the
+    estimator with its options)."""
+    estimator = core_algos.ADV_ESTIMATORS.get(args.adv_estimator)
+    if estimator is None or estimator.kind == "critic":
+        raise ArgumentError(f"--adv-estimator {args.adv_estimator}: not a critic-free estimator; valid names: "
+                            f"{', '.join(k for k, e in core_algos.ADV_ESTIMATORS.items() if e.kind != 'critic')}")
+    n = args.n_samples_per_prompt
+    if estimator.kind == "outcome":
+        options = {} if args.adv_scale is None else {"scale": args.adv_scale}
+        probe = (torch.zeros(n), n)
+    else:
+        options = {"gamma": args.gamma}
+        probe = (torch.zeros(n, 1), torch.ones(n, 1), n)
     try:
-        estimator(torch.zeros(args.n_samples_per_prompt), args.n_samples_per_prompt, **options)
+        estimator.fn(*probe, **options)
     except ValueError as exc:
         raise ArgumentError(f"--adv-estimator {args.adv_estimator}: {exc}") from exc
-    return functools.partial(estimator, **options)
+    return estimator, functools.partial(estimator.fn, **options)

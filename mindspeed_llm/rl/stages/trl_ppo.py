@@ -1,8 +1,9 @@
 """`--stage trl_ppo`: TRL-style PPO with actor, reference, critic and reward model in one SPMD group.
 
 One iteration (DESIGN.md): generate (`--n-samples-per-prompt` responses per prompt, default 1) -> old log-probs, reference log-probs, values, score -> per-token
-rewards (-kl_coef * KL, score after the last token as TRL places it) -> GAE + whitened advantages ->
-actor (clipped policy loss) and critic (clipped value loss) updates per epoch and mini-batch.
+rewards (-kl_coef * KL, score after the last token as TRL places it) -> GAE + whitened advantages
+(`--adv-estimator gae`, the one estimator with a critic) -> actor (policy loss `--policy-loss`) and critic
+(clipped value loss) updates per epoch and mini-batch.
 
 Actor and reference start from `--ref-model`; critic and reward from `--reward-model` (a value-head
 checkpoint). With rule verifiers and `--reward-model-weight 0` the reward model is not loaded.
@@ -21,13 +22,20 @@ from mindspeed_llm.rl.losses import clipped_policy_loss, clipped_value_loss
 from mindspeed_llm.rl.metrics import Timers, prefixed
 from mindspeed_llm.rl.passes import critic_values, policy_logprobs
 from mindspeed_llm.rl.ppo_loop import old_logp_is_current, ppo_update
-from mindspeed_llm.rl.rollout import rollout, rollout_metrics, sampling_config
+from mindspeed_llm.rl.rollout import (
+    mask_truncated_completions,
+    mismatch_metrics,
+    rollout,
+    rollout_metrics,
+    sampling_config,
+)
 from mindspeed_llm.rl.scoring import Scorer
 
 
 # The actor's and critic's logged losses, in MindSpeed-LLM's order (`core_algos`' names; `lr`, `grad_norm` follow).
 ACTOR_METRICS = ("pg_loss", "abs_pg_loss", "ppo_ratio", "ppo_ratio_clamped", "pg_clipfrac", "ppo_kl", "entropy")
 CRITIC_METRICS = ("vf_loss", "vf_clipfrac")
+ROLLOUT_IS_METRICS = ("rollout_is_weight", "rollout_is_clipfrac")  # with --rollout-is
 
 
 class TrlPPOStage:
@@ -37,6 +45,8 @@ class TrlPPOStage:
     def __init__(self, args, tokenizer):
         self.args = args
         self.tokenizer = tokenizer
+        self.gae = core_algos.ADV_ESTIMATORS[args.adv_estimator].fn  # validate_args: a critic estimator (gae)
+        self.actor_metrics = ACTOR_METRICS + (ROLLOUT_IS_METRICS if args.rollout_is != "none" else ())
         self.actor = roles.trainable(roles.load_model(args.ref_model, "--ref-model", args), args, "actor")
         self.reference = roles.offloaded(roles.frozen(roles.load_model(args.ref_model, "--ref-model", args)),
                                           args.offload_ref_reward)
@@ -58,7 +68,7 @@ class TrlPPOStage:
                                self.args.offload_ref_reward)
 
     # ------------------------------------------------------------------ one iteration
-    def iteration(self, iteration: int, rows: Sequence[dict]) -> Dict[str, float]:
+    def iteration(self, iteration: int, rows: Sequence[dict], more_rows=None) -> Dict[str, float]:
         args, n = self.args, self.args.n_samples_per_prompt
         timers = Timers(sync=device.synchronize)
         with timers("all"):
@@ -67,8 +77,10 @@ class TrlPPOStage:
                               samples_per_prompt=n)
             plan = MicroBatchPlan.build(exp, args.micro_batch_size, group_size=n)
             rollout_stats = rollout_metrics(exp)
+            if args.mask_truncated_completions:  # they leave the actor's and the critic's losses
+                rollout_stats.update(mask_truncated_completions(exp))
             with timers("old_log_p"):
-                if exp.rollout_logp is not None and old_logp_is_current(args, exp):
+                if exp.rollout_logp is not None and old_logp_is_current(args, exp) and not args.recompute_old_logprobs:
                     exp.old_logp = exp.rollout_logp  # as TRL's PPO: the generation logits' log-probs, no pass
                 else:
                     exp.old_logp = policy_logprobs(self.actor.chunks, exp, plan, args.temperature)
@@ -86,7 +98,7 @@ class TrlPPOStage:
                 if args.whiten_rewards:
                     rewards = core_algos.masked_whiten(rewards, value_mask, shift_mean=False,
                                                        sum_across=sum_over_data_parallel) * value_mask
-                exp.advantages, exp.returns = core_algos.compute_gae(
+                exp.advantages, exp.returns = self.gae(
                     rewards, exp.values, exp.response_mask, args.gamma, args.lam, whiten=True, value_mask=value_mask,
                     sum_across=sum_over_data_parallel,
                 )
@@ -106,6 +118,7 @@ class TrlPPOStage:
             "non_score_reward": float((-args.kl_coef * kl_sum).mean()),
             **score_metrics,
             **rollout_stats,
+            **mismatch_metrics(exp),
             "n_samples_per_prompt": n,
         }
         metrics.update(timers.pop())
@@ -114,7 +127,7 @@ class TrlPPOStage:
     # ------------------------------------------------------------------ loss closures (per micro-batch)
     def _actor_loss(self, logits, mb):
         loss, m = clipped_policy_loss(self.args, logits, mb)  # TRL's PPO: the KL is in the reward
-        return loss, {k: m[k] for k in ACTOR_METRICS}
+        return loss, {k: m[k] for k in self.actor_metrics}
 
     def _critic_loss(self, output, mb):
         loss, m = clipped_value_loss(self.args, output, mb)
