@@ -376,3 +376,10 @@ def test_rloo_advantages_hand_computed():
         ca.rloo_advantages(scores, 3, scale="group")
     assert ca.ADV_ESTIMATORS["rloo"].fn is ca.rloo_advantages
     assert ca.ADV_ESTIMATORS["grpo"].fn(scores[:3], 3).tolist() == ca.group_advantages(scores[:3], 3).tolist()
+
+
+
+def test_critic_mask_leaves_out_rows_the_loss_mask_took_out():
+    response = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    loss = response * torch.tensor([[1.0], [0.0], [1.0]])  # row 1 masked out whole; row 2 an empty response
+    assert ca.critic_mask(loss, response).int().tolist() == [[1, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0]]

@@ -111,6 +111,7 @@ def _reduce_worker(rank, world_size, port, out_dir):
             "response_length/min": [2.0, -1.0][rank],
             "grpo/score/mean": [0.25, 0.75][rank],
             "math_acc_rewards/failures": [1.0, 2.0][rank],
+            "rollout_mismatch/abs_diff_max": [0.5, 0.25][rank],
         }
         results = {
             "mean": M.reduce_metrics(local),
@@ -136,11 +137,15 @@ def test_reduce_metrics_two_gloo_ranks(tmp_path):
     for rank in (0, 1):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert res["mean"] == {"actor/pg_loss": 2.0, "grpo/score/mean": 0.5, "math_acc_rewards/failures": 3.0,
-                               "response_length/max": 7.0, "response_length/min": -1.0}
+                               "response_length/max": 7.0, "response_length/min": -1.0,
+                               "rollout_mismatch/abs_diff_max": 0.5}
         assert res["sum"] == {"actor/pg_loss": 4.0, "grpo/score/mean": 1.0, "math_acc_rewards/failures": 3.0,
-                              "response_length/max": 7.0, "response_length/min": -1.0}
+                              "response_length/max": 7.0, "response_length/min": -1.0,
+                              "rollout_mismatch/abs_diff_max": 0.5}
         assert list(res["mean"]) == ["actor/pg_loss", "response_length/max", "response_length/min",
-                                     "grpo/score/mean", "math_acc_rewards/failures"]  # the caller's order
+                                     "grpo/score/mean", "math_acc_rewards/failures",
+                                     "rollout_mismatch/abs_diff_max"]  # the caller's order
+        assert res["mean"]["rollout_mismatch/abs_diff_max"] == 0.5  # a max stays a max
         assert res["max"]["actor/pg_loss"] == 3.0 and res["max"]["response_length/min"] == -1.0
         assert res["min"]["actor/pg_loss"] == 1.0 and res["min"]["response_length/max"] == 7.0
         assert "different metric keys" in res["mismatch"]

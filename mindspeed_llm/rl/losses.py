@@ -35,7 +35,7 @@ def clipped_value_loss(args, output, micro_batch):
     mini-batch's."""
     values = response_values(output, micro_batch)
     loss, metrics = core_algos.value_loss(
-        values, micro_batch["values"], micro_batch["returns"], core_algos.response_mask_p1(micro_batch["loss_mask"]),
+        values, micro_batch["values"], micro_batch["returns"], core_algos.critic_mask(micro_batch["loss_mask"], micro_batch["response_mask"]),
         args.cliprange_value, total_tokens=micro_batch["total_value_tokens"],
     )
     return args.vf_coef * loss, metrics

@@ -194,9 +194,9 @@ _OPS = ("mean", "sum", "max", "min")
 def _key_op(key: str, default: str) -> str:
     if key.endswith("/failures"):  # counts: the job's total
         return "sum"
-    if key.endswith("/max"):
+    if key.endswith(("/max", "_max")):
         return "max"
-    if key.endswith("/min"):
+    if key.endswith(("/min", "_min")):
         return "min"
     return default
 
@@ -205,7 +205,7 @@ def reduce_metrics(metrics: Mapping[str, float], group=None, op: str = "mean",
                    device="cpu") -> Dict[str, float]:
     """Reduce scalar metrics over the ranks of ``group`` (default: the world) with one collective.
 
-    Keys ending in ``/max`` are reduced with MAX, keys ending in ``/min`` with MIN, counts (``/failures``)
+    Keys ending in ``/max`` or ``_max`` are reduced with MAX, ``/min`` or ``_min`` with MIN, counts (``/failures``)
     with SUM, all others with
     ``op`` ("mean", "sum", "max" or "min"). Keys are sorted so that every rank packs the same layout
     into one float64 tensor on ``device`` (CPU by default; use the current CUDA device with NCCL). The

@@ -19,7 +19,7 @@ from megatron.core import parallel_state
 
 from mindspeed_llm.distributed import sum_over_data_parallel
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
-from mindspeed_llm.rl.core_algos import response_mask_p1
+from mindspeed_llm.rl.core_algos import critic_mask
 from mindspeed_llm.rl.experience import Experience
 
 
@@ -44,10 +44,10 @@ def mini_batch_units(local_units: int, dp_rank: int, mini_batches: int, seed: in
     return [units[:, k] for k in range(mini_batches)]
 
 
-def loss_totals(mask: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """The counts a mini-batch's losses divide by, over all DP ranks, from its loss mask on this rank: loss
-    tokens, sequences in the loss, and value tokens (the loss mask plus one position, TRL's critic mask)."""
-    local = torch.stack([mask.sum(), mask.bool().any(dim=-1).sum(), response_mask_p1(mask).sum()]).double()
+def loss_totals(mask: torch.Tensor, response_mask: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """The counts a mini-batch's losses divide by, over all DP ranks, from its loss and response masks on this
+    rank: loss tokens, sequences in the loss, and value tokens (`core_algos.critic_mask`, TRL's critic mask)."""
+    local = torch.stack([mask.sum(), mask.bool().any(dim=-1).sum(), critic_mask(mask, response_mask).sum()]).double()
     tokens, sequences, value_tokens = sum_over_data_parallel(local).float().unbind()
     return {"total_tokens": tokens, "total_sequences": sequences, "total_value_tokens": value_tokens}
 
@@ -69,7 +69,7 @@ def ppo_update(model, exp: Experience, plan: MicroBatchPlan, args, loss_fn: Call
     for epoch in range(args.ppo_epochs):
         for units in mini_batch_units(local_units, dp_rank, mini_batches, args.seed, iteration, epoch):
             samples = (units[:, None] * group_size + within_unit[None, :]).reshape(-1).to(exp.tokens.device)
-            totals = loss_totals(exp.loss_mask[samples])
+            totals = loss_totals(exp.loss_mask[samples], exp.response_mask[samples])
             micro_batches = [dict(mb, **totals) for mb in plan.micro_batches(exp, samples)]
             steps.append(model.train_step(micro_batches, loss_fn))
     return {k: steps[-1][k] if k == "lr" else sum(s[k] for s in steps) / len(steps) for k in steps[0]}

@@ -37,7 +37,7 @@ What is where
 * :mod:`.stats`: ``SumAcross``; ``masked_mean``, ``masked_var``, ``masked_whiten`` (and the NaN-ignoring std
   of the outcome advantages).
 * :mod:`.kl`: ``KL_KINDS``, ``kl_penalty`` (the k1 / k2 / k3 / abs estimators), ``rollout_mismatch``.
-* :mod:`.rewards`: ``last_response_index``, ``response_mask_p1``, ``compute_token_rewards``, ``compute_gae``
+* :mod:`.rewards`: ``last_response_index``, ``response_mask_p1``, ``critic_mask``, ``compute_token_rewards``, ``compute_gae``
   (registered as the ``gae`` estimator), ``overlong_penalty`` (DAPO).
 * :mod:`.losses`: ``AGG_MODES``, ``aggregation_weights``, ``aggregate_loss``, the policy-loss registry
   (``POLICY_LOSSES``, ``register_policy_loss``: ``vanilla``, ``gspo``), ``rollout_is_weights`` (TIS / MIS),
@@ -88,6 +88,7 @@ from mindspeed_llm.rl.core_algos.rewards import (
     compute_token_rewards,
     last_response_index,
     overlong_penalty,
+    critic_mask,
     response_mask_p1,
 )
 from mindspeed_llm.rl.core_algos.stats import SumAcross, masked_mean, masked_var, masked_whiten
@@ -101,6 +102,7 @@ __all__ = [
     "kl_penalty",
     "rollout_mismatch",
     "last_response_index",
+    "critic_mask",
     "response_mask_p1",
     "compute_token_rewards",
     "compute_gae",

@@ -39,6 +39,14 @@ def response_mask_p1(response_mask: torch.Tensor) -> torch.Tensor:
     return valid | (idx.unsqueeze(0) == nxt.unsqueeze(-1))
 
 
+def critic_mask(loss_mask: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Where the critic's value loss is taken (bool): TRL's value mask (:func:`response_mask_p1`) of the loss mask,
+    less the rows whose response the loss mask took out whole (e.g. ``--mask-truncated-completions``); an empty
+    response keeps TRL's one position."""
+    kept = loss_mask.bool().any(-1) | ~response_mask.bool().any(-1)
+    return response_mask_p1(loss_mask) & kept.unsqueeze(-1)
+
+
 def compute_token_rewards(scores, logp, ref_logp, response_mask, kl_coef, kind="k1", score_at="after_last"):
     """Per-token PPO rewards: a KL penalty on every response token plus the scalar score once.
 
