@@ -68,3 +68,25 @@ def run_distributed(fn, world_size=2, *args):
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def _posttrain_main_cases(rank, world_size, cases):
+    """posttrain_gpt.main on each argv in this process: [(exit code, stdout, stderr)]."""
+    import contextlib
+    import io
+
+    import posttrain_gpt
+
+    results = []
+    for case in cases:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = posttrain_gpt.main(case)
+        results.append((code, out.getvalue(), err.getvalue()))
+    return results
+
+
+def posttrain_in_process(cases):
+    """posttrain_gpt.main on each argv (a list of argvs), one after another in one spawned process (world size
+    1): [(exit code, stdout, stderr)] per case."""
+    return run_distributed(_posttrain_main_cases, 1, cases)[0]

@@ -25,8 +25,6 @@ it is killed, signalled, or must exit with a code) or, for refusals that happen 
   every rank, naming the rank, its host and the file.
 """
 
-import contextlib
-import io
 import json
 import os
 import signal
@@ -39,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from multiproc import run_distributed
+from multiproc import posttrain_in_process, run_distributed
 
 pytestmark = pytest.mark.slow  # see pytest.ini
 
@@ -91,21 +89,8 @@ def tracker(save: Path):
     return path.read_text().strip() if path.exists() else None
 
 
-def _main_cases(rank, world_size, cases):
-    """posttrain_gpt.main on each argv in this process: [(exit code, stdout, stderr)]."""
-    import posttrain_gpt
-
-    results = []
-    for case in cases:
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = posttrain_gpt.main(case)
-        results.append((code, out.getvalue(), err.getvalue()))
-    return results
-
-
 def in_process(cases):
-    return run_distributed(_main_cases, 1, cases)[0]
+    return posttrain_in_process(cases)
 
 
 # ---------------------------------------------------------------------------------------------- NaN / inf

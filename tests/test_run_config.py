@@ -11,9 +11,7 @@
   load = that save, no_load_optim false, the reference's original weights) resumes at iteration 2.
 """
 
-import contextlib
 import copy
-import io
 import json
 import os
 import subprocess
@@ -556,26 +554,13 @@ def test_checkpoint_combinations_that_cannot_map(tmp_path, case, expected):
 
 
 # ------------------------------------------------------------------------------------------ end to end
-def _main_cases(rank, world_size, cases):
-    """posttrain_gpt.main on each argv in this process: [(exit code, stdout, stderr)]."""
-    import posttrain_gpt
-
-    results = []
-    for case in cases:
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = posttrain_gpt.main(case)
-        results.append((code, out.getvalue(), err.getvalue()))
-    return results
-
-
 @pytest.mark.slow
 def test_a_mindspeed_rl_file_trains_and_its_resume_file_resumes(tmp_path):
     """A first-run file (finetune true, load = the converted policy) trains a tiny trl_ppo for 2 iterations and
     saves; the resume file of MindSpeed-RL's docs (finetune false, load = that save, no_load_optim / no_load_rng
     false, the reference's original weights in integrated_mode_config) trains iteration 3 from iteration 2."""
     import word_task
-    from multiproc import run_distributed
+    from multiproc import posttrain_in_process
 
     task = word_task.build(tmp_path / "task", reward=True)
     save, metrics = str(tmp_path / "save"), tmp_path / "metrics.jsonl"
@@ -604,7 +589,7 @@ def test_a_mindspeed_rl_file_trains_and_its_resume_file_resumes(tmp_path):
     }
     cases = [["--config", write(tmp_path, first, "first.yaml"), "--metrics-jsonl", str(metrics)],
              ["--config", write(tmp_path, resume, "resume.yaml"), "--metrics-jsonl", str(metrics)]]
-    (code1, out1, err1), (code2, out2, err2) = run_distributed(_main_cases, 1, cases)[0]
+    (code1, out1, err1), (code2, out2, err2) = posttrain_in_process(cases)
     assert code1 == 0, err1[-3000:]
     assert code2 == 0, err2[-3000:]
     assert "resumed" not in out1
