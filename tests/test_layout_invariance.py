@@ -181,9 +181,10 @@ def layout_runs(task, tmp_path_factory):
     return dirs, filtered
 
 
-def _metrics(path: Path):
+def _metrics(path: Path, skipped=SKIPPED):
+    """The run's one metrics row, without the `skipped` keys (by default those no tolerance compares)."""
     (record,) = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
-    return {k: v for k, v in record.items() if not k.startswith(SKIPPED)}
+    return {k: v for k, v in record.items() if not k.startswith(skipped)}
 
 
 def _relative(a, b):
