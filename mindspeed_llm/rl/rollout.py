@@ -53,9 +53,9 @@ def rollout_metrics(exp: Experience) -> Dict[str, float]:
     metrics = {}
     metrics.update(mean_min_max("response_length", exp.response_lengths))
     metrics.update(mean_min_max("prompt_length", exp.prompt_lengths))
-    reasons = exp.extras["finish_reasons"]
     # Share of responses cut by --max-new-tokens / --max-length rather than ended by EOS or a stop token.
-    metrics["response_clip_ratio"] = sum(r == "length" for r in reasons) / max(len(reasons), 1)
+    cut = truncated(exp)
+    metrics["response_clip_ratio"] = float(cut.sum()) / max(len(cut), 1)
     return metrics
 
 

@@ -21,7 +21,7 @@ from mindspeed_llm.arguments import ArgumentError
 from mindspeed_llm.distributed import sum_over_data_parallel
 from mindspeed_llm.rl import core_algos, roles
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
-from mindspeed_llm.rl.dynamic_sampling import refill
+from mindspeed_llm.rl.dynamic_sampling import informative_groups, refill
 from mindspeed_llm.rl.evaluation import evaluate_policy
 from mindspeed_llm.rl.losses import clipped_policy_loss
 from mindspeed_llm.rl.metrics import Timers, mean_min_max, prefixed
@@ -104,7 +104,7 @@ class GRPOStage:
                 if args.filter_groups:
                     # Groups whose samples all scored the same carry no signal; their tokens leave the loss
                     # (its mask, so shapes and step counts stay equal on every rank; no refill).
-                    informative = exp.scores.view(-1, n).std(dim=1, unbiased=False) > 0
+                    informative = informative_groups(exp.scores, n)
                     exp.loss_mask = exp.loss_mask * informative.repeat_interleave(n)[:, None]
 
             with timers("update"):
