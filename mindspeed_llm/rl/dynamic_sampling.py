@@ -104,7 +104,7 @@ def refill(first: Experience, generate: Callable[[int], Experience], group_size:
                 "--max-num-gen-batches, or make the task's rewards vary more (temperature, harder/easier prompts)"
             )
         exp = generate(j)
-    everything = _concat(candidates, first.tokens.device)
+    everything = _concat(candidates, "cpu")  # every rank's candidates stay in host memory; only this rank's go over
     mine = torch.arange(dp_rank * local_groups, (dp_rank + 1) * local_groups)
     rows = (mine[:, None] * group_size + samples[None, :]).reshape(-1)
     batch = _concat([_rows_to_host(everything, rows)], first.tokens.device)
