@@ -284,6 +284,8 @@ def test_disk_space_is_checked_up_front(tmp_path):
 def _shared_save_case(rank, world_size, root, shared):
     """Rank 0 holds the writer lock of its --save; rank 1 looks at the same folder (shared) or at its own
     node-local one."""
+    import torch
+
     from mindspeed_llm.checkpoint.training import CheckpointError, WriterLock
     from mindspeed_llm.rl.trainer import check_shared_save
 
@@ -292,6 +294,7 @@ def _shared_save_case(rank, world_size, root, shared):
     lock = WriterLock(os.path.join(root, "node0"))
     if rank == 0:
         lock.acquire(log=lambda *_: None)
+    torch.distributed.barrier()  # as the trainer's broadcast of rank 0's lock result: the lock exists before the check
     try:
         check_shared_save(save, os.path.join(save, WriterLock.NAME), wait_s=0.5)
         return "accepted"
