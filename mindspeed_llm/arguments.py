@@ -72,8 +72,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="mixture of experts: ranks the experts of each MoE layer are split over")
+    g.add_argument("--expert-tensor-parallel-size", type=int,
+                   help="mixture of experts: tensor parallelism inside each expert (default: "
+                        "--tensor-model-parallel-size; 1 or that size)")
+    g.add_argument("--moe-tp-extend-ep", action="store_true",
+                   help="MindSpeed: the TP ranks also split the experts (expert parallel = EP x TP, experts not "
+                        "tensor-split)")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo", "hccl"),
                    help="accepted for compatibility: the device decides (hccl on NPU, nccl on CUDA, gloo on CPU)")
+
+    g = p.add_argument_group("mixture of experts")
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="grouped GEMM experts where a kernel is installed (Transformer Engine / grouped_gemm); "
+                        "otherwise megatron's SequentialMLP, the same math")
+    g.add_argument("--moe-router-load-balancing-type", choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
+                   default="aux_loss")
+    g.add_argument("--moe-aux-loss-coeff", type=float,
+                   help="load-balancing loss coefficient (default: the checkpoint's, i.e. HF router_aux_loss_coef)")
+    g.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather")
+    g.add_argument("--moe-routing-replay", action="store_true",
+                   help="route response tokens in the training forwards by the experts the rollout chose")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=1)
@@ -226,6 +246,37 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: int = 1):
     return args
 
 
+def _check_expert_parallel(args, world_size: int) -> None:
+    """Resolve the experts' layout into `args.expert_parallel_size` (ranks the experts are split over,
+    EP x TP with --moe-tp-extend-ep) and `args.expert_tensor_parallel_size` (1 or TP)."""
+    tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
+    etp = args.expert_tensor_parallel_size
+    if ep < 1:
+        raise ArgumentError(f"--expert-model-parallel-size {ep} must be >= 1")
+    if args.moe_tp_extend_ep:
+        if etp not in (None, 1):
+            raise ArgumentError(
+                f"--moe-tp-extend-ep splits the experts over the TP ranks instead of inside each expert; it "
+                f"cannot be combined with --expert-tensor-parallel-size {etp} (drop one)")
+        etp, ep = 1, ep * tp
+    elif etp is None:
+        etp = tp
+    if etp not in (1, tp):
+        raise ArgumentError(
+            f"--expert-tensor-parallel-size {etp} must be 1 or --tensor-model-parallel-size {tp} (checkpoints "
+            f"keep experts either whole or split like the dense layers)")
+    if world_size % (etp * ep * pp):
+        raise ArgumentError(
+            f"world size {world_size} is not divisible by expert tensor parallel {etp} x expert parallel {ep}"
+            f"{' (--expert-model-parallel-size x TP, --moe-tp-extend-ep)' if args.moe_tp_extend_ep else ''} x "
+            f"--pipeline-model-parallel-size {pp}; launch a multiple of {etp * ep * pp} processes or lower "
+            f"--expert-model-parallel-size")
+    if args.moe_aux_loss_coeff is not None and (not math.isfinite(args.moe_aux_loss_coeff) or args.moe_aux_loss_coeff < 0):
+        raise ArgumentError(f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff} must be a finite number >= 0")
+    args.expert_parallel_size = ep
+    args.expert_tensor_parallel_size = etp
+
+
 def validate_args(args, world_size: int) -> None:
     """Fill stage defaults and reject inconsistent combinations with messages that name the flags."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -238,6 +289,7 @@ def validate_args(args, world_size: int) -> None:
         )
     args.world_size = world_size
     args.data_parallel_size = dp = world_size // (tp * pp)
+    _check_expert_parallel(args, world_size)
     if args.context_parallel_size != 1:
         raise ArgumentError("--context-parallel-size > 1 is not supported (megatron's local attention asserts cp == 1)")
     if args.sequence_parallel:

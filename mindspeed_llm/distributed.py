@@ -19,8 +19,14 @@ def initialize(
     rank: Optional[int] = None,
     world_size: Optional[int] = None,
     timeout_minutes: int = 30,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: Optional[int] = None,
 ) -> None:
     """Init torch.distributed (env:// as torchrun sets it) and megatron's TP/PP/DP groups, then seed.
+
+    Mixture-of-experts layers get megatron's second decomposition of the same ranks ("MoE parallel
+    folding"): expert TP (default: TP) x expert parallel x expert data parallel x PP. MindSpeed's
+    `--moe-tp-extend-ep` is expert TP 1 with the experts split over EP x TP ranks (the caller passes those).
 
     Every rank gets the same `seed` for model initialisation (megatron offsets the tensor-parallel RNG by TP
     rank itself), so a model built on any layout starts from the same weights.
@@ -36,6 +42,14 @@ def initialize(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
             f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes"
         )
+    ep = expert_model_parallel_size
+    etp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
+    if world_size % (etp * ep * pp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by expert tensor parallel {etp} x expert parallel {ep} x "
+            f"--pipeline-model-parallel-size {pp}; launch a multiple of {etp * ep * pp} processes or lower "
+            f"--expert-model-parallel-size"
+        )
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
@@ -45,7 +59,8 @@ def initialize(
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tp, pp)
+        parallel_state.initialize_model_parallel(
+            tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     seed_all(seed)
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 
@@ -30,6 +30,43 @@ def parse_dtype(name) -> torch.dtype:
         return _DTYPES[str(name).lower()]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; use one of fp32, bf16, fp16") from None
+
+
+def grouped_gemm_kernel() -> Optional[str]:
+    """The grouped-GEMM kernel megatron's MoE experts can use here ('transformer_engine', 'grouped_gemm'),
+    or None: then `--moe-grouped-gemm` falls back to `SequentialMLP` (the same per-expert matmuls)."""
+    import importlib.util
+
+    for name in ("transformer_engine", "grouped_gemm"):
+        if importlib.util.find_spec(name) is not None:
+            return name
+    return None
+
+
+def moe_config(spec: ModelSpec) -> dict:
+    """TransformerConfig fields of `spec`'s mixture of experts (empty for a dense model).
+
+    Run options (token dispatcher, load-balancing type, aux-loss coefficient, routing replay) are
+    passed by the caller as overrides; the model's own router semantics come from the checkpoint.
+    """
+    if not spec.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_topk=spec.moe_router_topk,
+        moe_router_pre_softmax=spec.moe_router_pre_softmax,
+        moe_router_score_function=spec.moe_router_score_function,
+        moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss",
+        moe_token_dispatcher_type="allgather",
+        moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=spec.moe_shared_expert_gate,
+        moe_layer_freq=list(spec.moe_layers()) if spec.moe_layer_pattern is not None else 1,
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
+    )
 
 
 def transformer_config(spec: ModelSpec, params_dtype=torch.float32, **overrides) -> TransformerConfig:
@@ -67,8 +104,19 @@ def transformer_config(spec: ModelSpec, params_dtype=torch.float32, **overrides)
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
     )
+    kwargs.update(moe_config(spec))
     kwargs.update(overrides)
+    if kwargs.get("moe_grouped_gemm") and grouped_gemm_kernel() is None:
+        kwargs["moe_grouped_gemm"] = False  # SequentialMLP: same math, one matmul per expert
     return TransformerConfig(**kwargs)
+
+
+def _layer_spec(spec: ModelSpec, config: TransformerConfig):
+    """Megatron-core's local (non-TE) spec: one layer spec for a dense model, a per-layer block spec
+    (dense and MoE layers as `moe_layer_freq` says) for a mixture of experts."""
+    if not spec.is_moe:
+        return get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
 
 
 class ValueHead(torch.nn.Module):
@@ -98,7 +146,8 @@ def build_model(
     """A GPTModel for this rank's pipeline stage. `value_head=True` gives the critic/reward model."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    spec.check_parallel(tp, pp)
+    spec.check_parallel(tp, pp, parallel_state.get_expert_model_parallel_world_size(),
+                        parallel_state.get_expert_tensor_parallel_world_size())
     config = transformer_config(spec, params_dtype, **config_overrides)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
@@ -106,7 +155,7 @@ def build_model(
         post_process = parallel_state.is_pipeline_last_stage()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"),
+        transformer_layer_spec=_layer_spec(spec, config),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=pre_process,

@@ -1,6 +1,7 @@
 """`ModelSpec`: the architecture of a decoder-only model, independent of any framework.
 
-It is read from a Hugging Face `config.json` (Llama, Qwen2/2.5, Qwen3, Mistral families) or from the
+It is read from a Hugging Face `config.json` (Llama, Qwen2/2.5, Qwen3, Mistral families and the
+mixture-of-experts families Qwen3-MoE, Qwen2-MoE, Mixtral) or from the
 Megatron model flags, stored inside every Megatron checkpoint we write (so a stage can check that the
 actor, reference, critic and reward agree on vocabulary), and written back as a clean `config.json`.
 """
@@ -10,16 +11,23 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral") + MOE_FAMILIES
 
 _HF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "LlamaForSequenceClassification"),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
     "mistral": ("MistralForCausalLM", "MistralForSequenceClassification"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification"),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeForSequenceClassification"),
+    "mixtral": ("MixtralForCausalLM", "MixtralForSequenceClassification"),
 }
+# Families whose attention has q/k/v biases, and those with per-head q/k RMSNorms.
+_QKV_BIAS = ("qwen2", "qwen2_moe")
+_QK_NORM = ("qwen3", "qwen3_moe")
 
 
 class UnsupportedModelError(ValueError):
@@ -46,6 +54,29 @@ class ModelSpec:
     qk_layernorm: bool = False
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
+    # Mixture of experts (None: a dense model). Megatron-core's router semantics:
+    #   pre_softmax=False: top-k of the logits, softmax over the k (= HF softmax, top-k, renormalise);
+    #   pre_softmax=True:  softmax over all experts, then top-k, no renormalisation (HF norm_topk_prob=False).
+    num_experts: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_router_pre_softmax: bool = False
+    moe_router_score_function: str = "softmax"
+    moe_aux_loss_coeff: float = 0.0
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False
+    # One entry per layer, 1 = MoE MLP, 0 = dense MLP of ffn_hidden_size (None: every layer is MoE).
+    moe_layer_pattern: Optional[List[int]] = None
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts)
+
+    def moe_layers(self) -> List[int]:
+        """1/0 per layer: which layers have a mixture-of-experts MLP."""
+        if not self.is_moe:
+            return [0] * self.num_layers
+        return list(self.moe_layer_pattern) if self.moe_layer_pattern is not None else [1] * self.num_layers
 
     # ------------------------------------------------------------------ Hugging Face config.json
     @classmethod
@@ -86,8 +117,14 @@ class ModelSpec:
                 rope_factor = float(scaling["factor"])
             elif rope_type not in ("default", None):
                 raise UnsupportedModelError(f"rope_scaling type {rope_type!r} is not supported (default, llama3)")
-        if config.get("attention_bias") and family != "qwen2":
-            raise UnsupportedModelError("attention_bias=true is only supported for the qwen2 family")
+        if config.get("attention_bias") and family not in _QKV_BIAS:
+            raise UnsupportedModelError(
+                f"attention_bias=true is only supported for the {' and '.join(_QKV_BIAS)} families")
+        if family in ("qwen2_moe",) and not config.get("qkv_bias", True):
+            raise UnsupportedModelError("qwen2_moe with qkv_bias=false is not supported")
+        if config.get("use_sliding_window") or (family == "mixtral" and config.get("sliding_window")):
+            raise UnsupportedModelError(
+                f"sliding-window attention (sliding_window={config.get('sliding_window')}) is not supported")
         eos = config.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
@@ -105,10 +142,11 @@ class ModelSpec:
             rotary_base=float(rotary_base if rotary_base is not None else 10000.0),
             rope_scaling_factor=rope_factor,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            add_qkv_bias=family == "qwen2",
-            qk_layernorm=family == "qwen3",
+            add_qkv_bias=family in _QKV_BIAS,
+            qk_layernorm=family in _QK_NORM,
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=eos,
+            **_moe_fields_from_hf(family, config),
         )
 
     def to_hf_config(self, torch_dtype: str = "float32", value_head: bool = False) -> Dict[str, Any]:
@@ -143,6 +181,8 @@ class ModelSpec:
             }
         if self.family == "llama":
             config.update(attention_bias=False, mlp_bias=False)
+        if self.is_moe:
+            config.update(_moe_fields_to_hf(self))
         if self.bos_token_id is not None:
             config["bos_token_id"] = self.bos_token_id
         if self.eos_token_id is not None:
@@ -161,14 +201,37 @@ class ModelSpec:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
-    def check_parallel(self, tp: int, pp: int) -> None:
-        """Errors that name the flag when the model cannot be split TP x PP ways."""
+    def check_parallel(self, tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> None:
+        """Errors that name the flag when the model cannot be split TP x PP (x EP, expert TP) ways."""
+        etp = tp if etp is None else etp
+        if self.is_moe:
+            if self.num_experts % ep:
+                raise ValueError(
+                    f"--expert-model-parallel-size {ep} (times TP with --moe-tp-extend-ep) does not divide "
+                    f"num_experts={self.num_experts}; choose an expert-parallel size that divides it"
+                )
+            if self.moe_ffn_hidden_size % etp:
+                raise ValueError(
+                    f"--expert-tensor-parallel-size {etp} does not divide moe_ffn_hidden_size="
+                    f"{self.moe_ffn_hidden_size}; choose one that divides it (or --moe-tp-extend-ep)"
+                )
+            shared = self.moe_shared_expert_intermediate_size
+            if shared and shared % tp:
+                raise ValueError(
+                    f"--tensor-model-parallel-size {tp} does not divide the shared expert's "
+                    f"intermediate size {shared}; choose a TP size that divides it"
+                )
+        elif ep != 1:
+            raise ValueError(
+                f"--expert-model-parallel-size {ep} needs a mixture-of-experts model, but this {self.family} "
+                f"model is dense; drop the flag"
+            )
         problems = []
         if self.num_attention_heads % tp:
             problems.append(f"num_attention_heads={self.num_attention_heads}")
         if self.num_query_groups % tp:
             problems.append(f"num_query_groups (key/value heads)={self.num_query_groups}")
-        if self.ffn_hidden_size % tp:
+        if 0 in self.moe_layers() and self.ffn_hidden_size % tp:
             problems.append(f"ffn_hidden_size={self.ffn_hidden_size}")
         if self.vocab_size % tp:
             problems.append(f"vocab_size={self.vocab_size}")
@@ -182,3 +245,71 @@ class ModelSpec:
                 f"--pipeline-model-parallel-size {pp} does not divide num_layers={self.num_layers}; "
                 f"choose a PP size that divides the number of layers"
             )
+
+
+# ---------------------------------------------------------------------------------------- MoE config keys
+
+def _moe_layer_pattern(config: Dict[str, Any], num_layers: int) -> Optional[List[int]]:
+    """Qwen-MoE's rule: layer i is sparse unless listed in mlp_only_layers or off decoder_sparse_step."""
+    dense = set(config.get("mlp_only_layers") or [])
+    step = int(config.get("decoder_sparse_step") or 1)
+    pattern = [0 if (i in dense or (i + 1) % step) else 1 for i in range(num_layers)]
+    return None if all(pattern) else pattern
+
+
+def _moe_fields_from_hf(family: str, config: Dict[str, Any]) -> Dict[str, Any]:
+    if family not in MOE_FAMILIES:
+        return {}
+    if config.get("router_jitter_noise"):
+        raise UnsupportedModelError(
+            f"router_jitter_noise={config['router_jitter_noise']} is not supported (set it to 0.0)")
+    if family == "mixtral":
+        # Mixtral: softmax over all experts, top-k, renormalised; experts use intermediate_size.
+        return dict(
+            num_experts=config["num_local_experts"],
+            moe_ffn_hidden_size=config["intermediate_size"],
+            moe_router_topk=config["num_experts_per_tok"],
+            moe_router_pre_softmax=False,
+            moe_aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0)),
+        )
+    fields_ = dict(
+        num_experts=config["num_experts"],
+        moe_ffn_hidden_size=config["moe_intermediate_size"],
+        moe_router_topk=config["num_experts_per_tok"],
+        moe_router_pre_softmax=not config.get("norm_topk_prob", False),
+        moe_aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0)),
+        moe_layer_pattern=_moe_layer_pattern(config, config["num_hidden_layers"]),
+    )
+    if family == "qwen2_moe":
+        fields_.update(moe_shared_expert_intermediate_size=config["shared_expert_intermediate_size"],
+                       moe_shared_expert_gate=True)
+    return fields_
+
+
+def _moe_fields_to_hf(spec: "ModelSpec") -> Dict[str, Any]:
+    if spec.family == "mixtral":
+        if spec.moe_router_pre_softmax or spec.moe_layer_pattern is not None:
+            raise UnsupportedModelError("mixtral renormalises its top-k and has no dense layers")
+        return {
+            "num_local_experts": spec.num_experts,
+            "num_experts_per_tok": spec.moe_router_topk,
+            "intermediate_size": spec.moe_ffn_hidden_size,
+            "router_aux_loss_coef": spec.moe_aux_loss_coeff,
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,
+        }
+    out = {
+        "num_experts": spec.num_experts,
+        "num_experts_per_tok": spec.moe_router_topk,
+        "moe_intermediate_size": spec.moe_ffn_hidden_size,
+        "norm_topk_prob": not spec.moe_router_pre_softmax,
+        "router_aux_loss_coef": spec.moe_aux_loss_coeff,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i, moe in enumerate(spec.moe_layers()) if not moe],
+        "use_sliding_window": False,
+    }
+    if spec.family == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size, qkv_bias=True)
+    if spec.family == "qwen3_moe":
+        out["attention_bias"] = False
+    return out

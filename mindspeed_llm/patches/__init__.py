@@ -57,7 +57,7 @@ def registry() -> List[Patch]:
 
 
 def _load_patch_modules():
-    from mindspeed_llm.patches import cpu, inference  # noqa: F401  (registration happens at import)
+    from mindspeed_llm.patches import cpu, inference, moe  # noqa: F401  (registration happens at import)
 
 
 def apply_patches(device_kind: str) -> List[str]:

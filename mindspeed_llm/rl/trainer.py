@@ -195,7 +195,9 @@ def _resume(args, stage, sampler) -> int:
 
 
 def run(args) -> None:
-    distributed.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed)
+    distributed.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed,
+                           expert_model_parallel_size=args.expert_parallel_size,
+                           expert_tensor_parallel_size=args.expert_tensor_parallel_size)
     dp_rank, dp_size = distributed.data_parallel_info()
     if distributed.is_rank_0():
         for line in compat_flags.startup_lines(args, device.accelerator().backend):
