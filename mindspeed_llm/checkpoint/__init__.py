@@ -5,10 +5,10 @@ Public API (conversion and loading; importing this package does not import megat
     convert_hf_to_mg, convert_mg_to_hf, convert_mg_to_mg   whole-checkpoint conversions (convert_ckpt.py)
     load_megatron_weights(model, root, iteration=None)     this rank's shard into a built GPTModel, strictly
     load_spec(root, iteration=None)                        the ModelSpec a checkpoint holds
-    checkpoint_info(root, iteration=None)                  spec, TP/PP, dtype, value head of a checkpoint
+    checkpoint_info(root, iteration=None)                  spec, TP/PP/EP, dtype, value head of a checkpoint
     HFWeights(dir)                                         lazy reader of HF safetensors / .bin (sharded or not)
     layout helpers: checkpoint_dir, shard_path, staging_dir, prepare_staging, publish, write_latest,
-                    read_latest, load_shard, save_file, make_payload, find_layout
+                    read_latest, load_shard, save_file, make_payload, find_layout, read_layout, expected_shards
 """
 
 from mindspeed_llm.checkpoint.convert import (
@@ -27,6 +27,7 @@ from mindspeed_llm.checkpoint.megatron_layout import (
     CheckpointNotFoundError,
     checkpoint_dir,
     checkpoint_info,
+    expected_shards,
     find_layout,
     load_shard,
     make_args,
@@ -34,6 +35,7 @@ from mindspeed_llm.checkpoint.megatron_layout import (
     prepare_staging,
     publish,
     read_latest,
+    read_layout,
     remove_latest,
     save_file,
     shard_path,
@@ -45,7 +47,7 @@ from mindspeed_llm.checkpoint.sharding import merge_model, split_model
 __all__ = [
     "convert_hf_to_mg", "convert_mg_to_hf", "convert_mg_to_mg", "load_megatron_weights", "load_spec",
     "spec_differences", "ConversionError", "HFWeights", "resolve_family", "CHECKPOINT_VERSION", "RELEASE",
-    "TRACKER_FILE", "CheckpointNotFoundError", "checkpoint_dir", "checkpoint_info", "find_layout", "load_shard",
+    "TRACKER_FILE", "CheckpointNotFoundError", "checkpoint_dir", "checkpoint_info", "expected_shards", "find_layout", "read_layout", "load_shard",
     "make_args", "make_payload", "prepare_staging", "publish", "read_latest", "remove_latest", "save_file",
     "shard_path", "staging_dir", "write_latest", "merge_model", "split_model",
 ]

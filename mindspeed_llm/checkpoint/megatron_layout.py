@@ -3,6 +3,13 @@
     <root>/latest_checkpointed_iteration.txt          "release" or the iteration number; written LAST
     <root>/release/mp_rank_TT/model_optim_rng.pt      PP == 1
     <root>/iter_0000010/mp_rank_TT_PPP/model_optim_rng.pt   PP > 1 (TT = tp rank, PPP = pp rank)
+    <root>/iter_0000010/mp_rank_TT[_PPP]_EEE/...            expert parallel EP > 1 (EEE = expert-parallel rank)
+
+A mixture-of-experts shard holds the dense tensors of its (tp, pp) rank and only the experts of its EP rank,
+under their local indices (local expert j of EP rank e is global expert e * num_experts / EP + j), split
+like the dense layers when the expert TP size equals TP and whole when it is 1 (MindSpeed's
+--moe-tp-extend-ep). With expert TP 1 and TP > 1, megatron's ranks have tp rank = ep rank % TP, so only
+those shards exist (`expected_shards`).
 
 Every `model_optim_rng.pt` is a dict (see `make_payload`):
 
@@ -14,7 +21,8 @@ Every `model_optim_rng.pt` is a dict (see `make_payload`):
                         pipeline_model_parallel_size, params_dtype (torch.dtype), bf16, fp16, value_head,
                         num_layers, hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups,
                         kv_channels, padded_vocab_size, untie_embeddings_and_output_weights, ...
-    tp_rank, pp_rank    where this shard belongs
+    tp_rank, pp_rank    where this shard belongs (ep_rank too; args record expert_model_parallel_size
+                        and expert_tensor_parallel_size)
     hf_config           (conversions only) the source config.json, so an export can keep e.g. pad_token_id
 Training checkpoints add optimizer / scheduler / RNG entries next to these.
 
@@ -30,7 +38,7 @@ import argparse
 import os
 import shutil
 import uuid
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -65,15 +73,52 @@ def checkpoint_dir(root: str, iteration: Iteration) -> str:
     return os.path.join(os.fspath(root), checkpoint_name(iteration))
 
 
-def shard_dirname(tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    if pp_size == 1:
-        return f"mp_rank_{tp_rank:02d}"
-    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def shard_dirname(tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1) -> str:
+    name = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    if ep_size > 1:
+        name += f"_{ep_rank:03d}"
+    return name
 
 
-def shard_path(ckpt_dir: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    """<ckpt_dir>/mp_rank_TT[_PPP]/model_optim_rng.pt"""
-    return os.path.join(os.fspath(ckpt_dir), shard_dirname(tp_rank, pp_rank, pp_size), CHECKPOINT_FILE)
+def shard_path(ckpt_dir: str, tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1) -> str:
+    """<ckpt_dir>/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt"""
+    return os.path.join(os.fspath(ckpt_dir), shard_dirname(tp_rank, pp_rank, pp_size, ep_rank, ep_size),
+                        CHECKPOINT_FILE)
+
+
+class ShardLayout(NamedTuple):
+    tp: int
+    pp: int
+    ep: int = 1
+    etp: int = 1  # expert tensor parallel: TP (experts split like the dense layers) or 1 (whole experts)
+
+
+def model_expert_layout(model) -> Tuple[int, int, int]:
+    """(EP, expert TP, EP rank) of a built model under megatron's parallel state; (1, TP, 0) when dense."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    spec = getattr(model, "model_spec", None)
+    if spec is None or not spec.is_moe:
+        return 1, tp, 0
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    etp = parallel_state.get_expert_tensor_parallel_world_size() if ep > 1 else tp
+    return ep, etp, parallel_state.get_expert_model_parallel_rank()
+
+
+def expected_shards(tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> List[Tuple[int, int, int]]:
+    """(tp_rank, pp_rank, ep_rank) of every shard of a layout.
+
+    Megatron orders both decompositions with TP innermost, so with expert TP == TP every (tp, ep) pair has a
+    rank; with expert TP 1 the EP ranks run over the TP ranks too and tp_rank = ep_rank % TP.
+    """
+    etp = tp if etp is None else etp
+    if ep == 1 or etp == tp:
+        return [(t, p, e) for p in range(pp) for e in range(ep) for t in range(tp)]
+    if etp != 1 or ep % tp:
+        raise ValueError(f"expert tensor parallel {etp} with TP {tp} and EP {ep} is not a layout this package "
+                         f"writes (expert TP must be 1 or TP; with 1, EP must be a multiple of TP)")
+    return [(e % tp, p, e) for p in range(pp) for e in range(ep)]
 
 
 def staging_dir(root: str, iteration: Iteration) -> str:
@@ -156,32 +201,66 @@ def read_latest(root: str) -> Iteration:
 
 # ------------------------------------------------------------------------------------------- shards
 
-def find_layout(ckpt_dir: str) -> Tuple[int, int]:
-    """(tp, pp) of a checkpoint directory, from its mp_rank_* folders (which must form a full grid)."""
+def read_layout(ckpt_dir: str) -> ShardLayout:
+    """The (tp, pp, ep, expert tp) of a checkpoint directory, from its mp_rank_* folders (which must hold every
+    shard of that layout). `mp_rank_TT_NNN` is PP or EP by the shard's own args, as in Megatron-LM."""
     ckpt_dir = os.fspath(ckpt_dir)
     if not os.path.isdir(ckpt_dir):
         raise CheckpointNotFoundError(f"checkpoint directory {ckpt_dir} does not exist")
     ranks = []
-    for name in os.listdir(ckpt_dir):
+    for name in sorted(os.listdir(ckpt_dir)):
         if not name.startswith("mp_rank_"):
             continue
-        parts = name[len("mp_rank_"):].split("_")
         try:
-            ranks.append((int(parts[0]), int(parts[1]) if len(parts) > 1 else None))
-        except (ValueError, IndexError):
+            ranks.append(tuple(int(part) for part in name[len("mp_rank_"):].split("_")))
+        except ValueError:
             continue
+    ranks = [r for r in ranks if 1 <= len(r) <= 3]
     if not ranks:
         raise CheckpointNotFoundError(f"no mp_rank_* shard folders in {ckpt_dir}")
+    widths = {len(r) for r in ranks}
+    if len(widths) > 1:
+        raise CheckpointNotFoundError(f"{ckpt_dir} mixes shard folder names of different layouts (mp_rank_*)")
+    width = widths.pop()
     tp = max(r[0] for r in ranks) + 1
-    pp = 1 if all(r[1] is None for r in ranks) else max(r[1] or 0 for r in ranks) + 1
-    for t in range(tp):
-        for p in range(pp):
-            path = shard_path(ckpt_dir, t, p, pp)
-            if not os.path.isfile(path):
-                raise CheckpointNotFoundError(
-                    f"{ckpt_dir} looks like a TP={tp} x PP={pp} checkpoint but {path} is missing"
-                )
-    return tp, pp
+    pp = ep = 1
+    args = _shard_args(os.path.join(ckpt_dir, "mp_rank_" + "_".join(
+        f"{v:02d}" if i == 0 else f"{v:03d}" for i, v in enumerate(ranks[0])), CHECKPOINT_FILE))
+    if width == 3:
+        pp, ep = max(r[1] for r in ranks) + 1, max(r[2] for r in ranks) + 1
+    elif width == 2:
+        if int(args("expert_model_parallel_size", 1) or 1) > 1 and int(args("pipeline_model_parallel_size", 1) or 1) == 1:
+            ep = max(r[1] for r in ranks) + 1
+        else:
+            pp = max(r[1] for r in ranks) + 1
+    etp = int(args("expert_tensor_parallel_size", tp) or tp) if ep > 1 else tp
+    try:
+        shards = expected_shards(tp, pp, ep, etp)
+    except ValueError as exc:
+        raise CheckpointNotFoundError(f"{ckpt_dir}: {exc}") from None
+    for t, p, e in shards:
+        path = shard_path(ckpt_dir, t, p, pp, e, ep)
+        if not os.path.isfile(path):
+            kind = f"TP={tp} x PP={pp}" + (f" x EP={ep}" if ep > 1 else "")
+            raise CheckpointNotFoundError(f"{ckpt_dir} looks like a {kind} checkpoint but {path} is missing")
+    return ShardLayout(tp, pp, ep, etp)
+
+
+def _shard_args(path: str):
+    """A getter of `args` entries of the shard at `path` (memory-mapped; missing file or key -> default)."""
+    try:
+        args = load_file(path, mmap=True).get("args")
+    except Exception:  # unreadable shards are reported by whoever loads them, with the file named
+        args = None
+    if isinstance(args, dict):
+        return lambda key, default=None: args.get(key, default)
+    return lambda key, default=None: getattr(args, key, default)
+
+
+def find_layout(ckpt_dir: str) -> Tuple[int, int]:
+    """(tp, pp) of a checkpoint directory (see `read_layout` for expert parallelism)."""
+    found = read_layout(ckpt_dir)
+    return found.tp, found.pp
 
 
 def resolve_dir(root: str, iteration: Optional[Iteration] = None) -> Tuple[str, Iteration]:
@@ -207,21 +286,24 @@ def load_file(path: str, map_location="cpu", weights_only: bool = True, mmap: bo
         return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
 
 
-def load_shard(root: str, tp_rank: int, pp_rank: int, iteration: Optional[Iteration] = None, *,
+def load_shard(root: str, tp_rank: int, pp_rank: int, iteration: Optional[Iteration] = None, ep_rank: int = 0, *,
                map_location="cpu", weights_only: bool = True, mmap: bool = False) -> Dict[str, Any]:
-    """The `model_optim_rng.pt` dict of (tp_rank, pp_rank) of `iteration` (default: latest) under `root`.
+    """The `model_optim_rng.pt` dict of (tp_rank, pp_rank, ep_rank) of `iteration` (default: latest) under
+    `root`.
 
-    The checkpoint's PP size is read from its folder names, so the path is right for any layout; a rank
+    The checkpoint's layout is read from its folder names, so the path is right for any layout; a rank
     outside that layout raises, naming both.
     """
     path, _ = resolve_dir(root, iteration)
-    tp, pp = find_layout(path)
-    if tp_rank >= tp or pp_rank >= pp:
+    found = read_layout(path)
+    if (tp_rank, pp_rank, ep_rank) not in expected_shards(*found):
         raise CheckpointNotFoundError(
-            f"{path} holds a TP={tp} x PP={pp} checkpoint; there is no shard for tp_rank={tp_rank}, "
-            f"pp_rank={pp_rank}"
+            f"{path} holds a TP={found.tp} x PP={found.pp}" + (f" x EP={found.ep}" if found.ep > 1 else "") +
+            f" checkpoint; there is no shard for tp_rank={tp_rank}, pp_rank={pp_rank}" +
+            (f", ep_rank={ep_rank}" if found.ep > 1 or ep_rank else "")
         )
-    return load_file(shard_path(path, tp_rank, pp_rank, pp), map_location, weights_only, mmap)
+    return load_file(shard_path(path, tp_rank, pp_rank, found.pp, ep_rank, found.ep), map_location, weights_only,
+                     mmap)
 
 
 def save_file(payload: Dict[str, Any], path: str) -> None:
@@ -234,11 +316,14 @@ def save_file(payload: Dict[str, Any], path: str) -> None:
 
 # ------------------------------------------------------------------------------------------- payloads
 
-def make_args(spec, tp: int, pp: int, params_dtype: torch.dtype, value_head: bool, **extra) -> argparse.Namespace:
+def make_args(spec, tp: int, pp: int, params_dtype: torch.dtype, value_head: bool, ep: int = 1,
+              etp: Optional[int] = None, **extra) -> argparse.Namespace:
     """Megatron-LM style `args` for a checkpoint of `spec` (what its loaders and our stages read)."""
     values = dict(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp if etp is None else etp,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
@@ -266,22 +351,34 @@ def make_args(spec, tp: int, pp: int, params_dtype: torch.dtype, value_head: boo
         consumed_train_samples=0,
         consumed_valid_samples=0,
     )
+    if spec.is_moe:
+        values.update(
+            num_experts=spec.num_experts,
+            moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+            moe_router_topk=spec.moe_router_topk,
+            moe_router_pre_softmax=spec.moe_router_pre_softmax,
+            moe_router_score_function=spec.moe_router_score_function,
+            moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
+            moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
+            moe_layer_freq=spec.moe_layers(),
+        )
     values.update(extra)
     return argparse.Namespace(**values)
 
 
 def make_payload(model_state: Dict[str, Any], spec, tp: int, pp: int, tp_rank: int, pp_rank: int,
-                 params_dtype: torch.dtype, value_head: bool, iteration: Iteration = RELEASE,
-                 **extra) -> Dict[str, Any]:
+                 params_dtype: torch.dtype, value_head: bool, iteration: Iteration = RELEASE, *,
+                 ep: int = 1, etp: Optional[int] = None, ep_rank: int = 0, **extra) -> Dict[str, Any]:
     """The dict saved as one rank's model_optim_rng.pt (extra keys, e.g. optimizer, are added as given)."""
     payload = {
         "model": model_state,
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": 0 if iteration == RELEASE else int(iteration),
         "model_spec": spec.to_dict(),
-        "args": make_args(spec, tp, pp, params_dtype, value_head),
+        "args": make_args(spec, tp, pp, params_dtype, value_head, ep=ep, etp=etp),
         "tp_rank": tp_rank,
         "pp_rank": pp_rank,
+        "ep_rank": ep_rank,
     }
     payload.update(extra)
     return payload
@@ -289,12 +386,12 @@ def make_payload(model_state: Dict[str, Any], spec, tp: int, pp: int, tp_rank: i
 
 def checkpoint_info(root: str, iteration: Optional[Iteration] = None) -> Dict[str, Any]:
     """What a checkpoint is, read from its first shard without loading tensors (mmap):
-    {'dir', 'iteration', 'tp', 'pp', 'spec' (ModelSpec), 'params_dtype', 'value_head', 'hf_config'}."""
+    {'dir', 'iteration', 'tp', 'pp', 'ep', 'etp', 'spec' (ModelSpec), 'params_dtype', 'value_head', 'hf_config'}."""
     from mindspeed_llm.models.spec import ModelSpec
 
     path, iteration = resolve_dir(root, iteration)
-    tp, pp = find_layout(path)
-    first = shard_path(path, 0, 0, pp)
+    tp, pp, ep, etp = read_layout(path)
+    first = shard_path(path, 0, 0, pp, 0, ep)
     payload = load_file(first, mmap=True)
     if "model_spec" not in payload:
         raise ValueError(
@@ -314,6 +411,8 @@ def checkpoint_info(root: str, iteration: Optional[Iteration] = None) -> Dict[st
         "iteration": iteration,
         "tp": tp,
         "pp": pp,
+        "ep": ep,
+        "etp": etp,
         "spec": ModelSpec.from_dict(payload["model_spec"]),
         "params_dtype": dtype if isinstance(dtype, torch.dtype) else torch.float32,
         "value_head": bool(get("value_head", False)),

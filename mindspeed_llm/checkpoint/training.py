@@ -96,6 +96,18 @@ def _layout():
     )
 
 
+def _writes_shard(module) -> bool:
+    """Whether this rank writes `module`'s shard: one rank per (tp, pp[, ep]) position.
+
+    Data-parallel replicas hold identical weights and optimizer states. With expert parallelism the ranks of
+    one dense DP group hold different experts, so a mixture of experts is written by the expert-data-parallel
+    rank 0 of each expert group; a dense model (even next to an MoE actor) by DP rank 0.
+    """
+    if layout.model_expert_layout(module)[0] > 1:
+        return parallel_state.get_expert_data_parallel_rank() == 0
+    return parallel_state.get_data_parallel_rank() == 0
+
+
 def non_finite_weights(roles: Dict[str, object]) -> Optional[str]:
     """A description of this rank's non-finite weights ('actor: 12 of 4096 values of decoder.x.weight, ...')."""
     found = []
@@ -137,21 +149,23 @@ def save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict) 
             layout.prepare_staging(os.path.join(root, name), iteration)
     barrier()
     error = None
-    if parallel_state.get_data_parallel_rank() == 0:  # DP replicas hold identical weights and optimizer
-        for name, trainable in roles.items():
-            module = trainable.module
-            state = trainable.state_dict()
-            payload = layout.make_payload(
-                state.pop("model"), module.model_spec, tp, pp, tp_rank, pp_rank, module.config.params_dtype,
-                bool(getattr(module, "is_value_model", False)), iteration,
-                rng_state=rng_states, data_position=loop_state, **state,
-            )
-            path = layout.shard_path(staging[name], tp_rank, pp_rank, pp)
-            try:
-                layout.save_file(payload, path)
-            except (OSError, RuntimeError) as exc:  # torch reports a full disk as a RuntimeError
-                error = _write_error(path, exc)
-                break
+    for name, trainable in roles.items():
+        module = trainable.module
+        if not _writes_shard(module):
+            continue
+        state = trainable.state_dict()
+        ep, etp, ep_rank = layout.model_expert_layout(module)
+        payload = layout.make_payload(
+            state.pop("model"), module.model_spec, tp, pp, tp_rank, pp_rank, module.config.params_dtype,
+            bool(getattr(module, "is_value_model", False)), iteration, ep=ep, etp=etp, ep_rank=ep_rank,
+            rng_state=rng_states, data_position=loop_state, **state,
+        )
+        path = layout.shard_path(staging[name], tp_rank, pp_rank, pp, ep_rank, ep)
+        try:
+            layout.save_file(payload, path)
+        except (OSError, RuntimeError) as exc:  # torch reports a full disk as a RuntimeError
+            error = _write_error(path, exc)
+            break
     errors = gather_messages(error)
     if errors:
         if is_rank_0():
@@ -264,10 +278,11 @@ def load(root: str, roles: Dict[str, object], iteration: int, load_optim: bool =
     loop_state = None
     for name, trainable in roles.items():
         role_root = os.path.join(root, name)
+        ep_rank = layout.model_expert_layout(trainable.module)[2]
         try:
-            state = layout.load_shard(role_root, tp_rank, pp_rank, iteration, weights_only=False)
+            state = layout.load_shard(role_root, tp_rank, pp_rank, iteration, ep_rank, weights_only=False)
         except Exception as exc:  # a truncated or flipped file: torch raises any of several types
-            raise CheckpointError(_damaged(role_root, iteration, tp_rank, pp_rank, exc, list(roles))) from None
+            raise CheckpointError(_damaged(role_root, iteration, tp_rank, pp_rank, exc, list(roles), ep_rank)) from None
         if on_schedule is not None and load_optim:
             on_schedule(name, trainable, state)
         trainable.load_state_dict(state, load_optim=load_optim)
@@ -277,11 +292,13 @@ def load(root: str, roles: Dict[str, object], iteration: int, load_optim: bool =
     return loop_state
 
 
-def _damaged(role_root: str, iteration: int, tp_rank: int, pp_rank: int, exc: BaseException, role_names) -> str:
+def _damaged(role_root: str, iteration: int, tp_rank: int, pp_rank: int, exc: BaseException, role_names,
+             ep_rank: int = 0) -> str:
     root = os.path.dirname(os.path.abspath(role_root))
     try:
-        path = layout.shard_path(layout.checkpoint_dir(role_root, iteration), tp_rank, pp_rank,
-                                 layout.find_layout(layout.checkpoint_dir(role_root, iteration))[1])
+        found = layout.read_layout(layout.checkpoint_dir(role_root, iteration))
+        path = layout.shard_path(layout.checkpoint_dir(role_root, iteration), tp_rank, pp_rank, found.pp, ep_rank,
+                                 found.ep)
     except layout.CheckpointNotFoundError as missing:
         path = str(missing)
     earlier = [i for i in complete_iterations(root, role_names) if i < iteration]

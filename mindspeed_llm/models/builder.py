@@ -146,8 +146,11 @@ def build_model(
     """A GPTModel for this rank's pipeline stage. `value_head=True` gives the critic/reward model."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    spec.check_parallel(tp, pp, parallel_state.get_expert_model_parallel_world_size(),
-                        parallel_state.get_expert_tensor_parallel_world_size())
+    if spec.is_moe:
+        spec.check_parallel(tp, pp, parallel_state.get_expert_model_parallel_world_size(),
+                            parallel_state.get_expert_tensor_parallel_world_size())
+    else:  # a dense model (e.g. the critic next to an MoE actor) ignores the expert groups
+        spec.check_parallel(tp, pp)
     config = transformer_config(spec, params_dtype, **config_overrides)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
