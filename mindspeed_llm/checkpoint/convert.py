@@ -415,6 +415,7 @@ def load_megatron_weights(model, root: str, iteration=None, strict: bool = True)
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    ep, etp, ep_rank = layout.model_expert_layout(inner)
     built = getattr(inner, "model_spec", None)
     if built is not None:
         diffs = spec_differences(info["spec"], built)
@@ -432,14 +433,20 @@ def load_megatron_weights(model, root: str, iteration=None, strict: bool = True)
             f"the checkpoint {info['dir']} holds {kind(info['value_head'])} but the model is {kind(want_value_head)}; "
             f"convert with{'out' if not want_value_head else ''} --orm or load it into the other role"
         )
-    if (info["tp"], info["pp"]) != (tp, pp):
+    if (info["tp"], info["pp"], info["ep"], info["etp"]) != (tp, pp, ep, etp):
+        extend = etp == 1 and tp > 1  # --moe-tp-extend-ep: the EP ranks run over the TP ranks too
+        flag_ep = ep // tp if extend else ep
+        experts = lambda e, t: f" x EP={e} (expert TP {t})" if e > 1 else ""  # noqa: E731
+        run_flags = f" --expert-model-parallel-size {flag_ep}" + (" --moe-tp-extend-ep" if extend else "")
+        target = f" --target-expert-parallel-size {flag_ep}" + (" --moe-tp-extend-ep" if extend else "")
         raise ValueError(
-            f"the checkpoint {info['dir']} is split TP={info['tp']} x PP={info['pp']} but this run uses "
-            f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}; reshard it with "
-            f"convert_ckpt.py --load-model-type mg --save-model-type mg --target-tensor-parallel-size {tp} "
-            f"--target-pipeline-parallel-size {pp}"
+            f"the checkpoint {info['dir']} is split TP={info['tp']} x PP={info['pp']}{experts(info['ep'], info['etp'])}"
+            f" but this run uses --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"
+            f"{run_flags if ep > 1 else ''}; reshard it with convert_ckpt.py --load-model-type mg "
+            f"--save-model-type mg --target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}"
+            f"{target if ep > 1 else ''}"
         )
-    payload = layout.load_file(layout.shard_path(info["dir"], tp_rank, pp_rank, pp))
+    payload = layout.load_file(layout.shard_path(info["dir"], tp_rank, pp_rank, pp, ep_rank, ep))
     stored = payload["model"]
     current = inner.state_dict()
     state = {}
