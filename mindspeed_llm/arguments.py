@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, kind in (("--low-freq-factor", float), ("--high-freq-factor", float),
                        ("--original-max-position-embeddings", int)):
         g.add_argument(flag, type=kind, help=f"llama3 scaling: must be {LLAMA3_FIXED[flag]} (megatron-core's)")
+    g.add_argument("--num-experts", type=int)
+    g.add_argument("--moe-router-topk", type=int)
+    g.add_argument("--moe-ffn-hidden-size", "--moe-intermediate-size", type=int, dest="moe_ffn_hidden_size")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int)
     g.add_argument("--normalization", help="RMSNorm (the only one the supported models use)")
     g.add_argument("--position-embedding-type", help="rope (the only one the supported models use)")
     for flag in ("--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--add-qkv-bias",
