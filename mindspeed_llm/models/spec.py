@@ -263,17 +263,21 @@ def _moe_fields_from_hf(family: str, config: Dict[str, Any]) -> Dict[str, Any]:
     if config.get("router_jitter_noise"):
         raise UnsupportedModelError(
             f"router_jitter_noise={config['router_jitter_noise']} is not supported (set it to 0.0)")
+    # transformers 5 saves Qwen-MoE's `num_experts` as `num_local_experts` (its attribute map); the Hub has both.
+    num_experts = config.get("num_experts", config.get("num_local_experts"))
+    if not num_experts:
+        raise UnsupportedModelError(f"{family} config.json has neither num_experts nor num_local_experts")
     if family == "mixtral":
         # Mixtral: softmax over all experts, top-k, renormalised; experts use intermediate_size.
         return dict(
-            num_experts=config["num_local_experts"],
+            num_experts=num_experts,
             moe_ffn_hidden_size=config["intermediate_size"],
             moe_router_topk=config["num_experts_per_tok"],
             moe_router_pre_softmax=False,
             moe_aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0)),
         )
     fields_ = dict(
-        num_experts=config["num_experts"],
+        num_experts=num_experts,
         moe_ffn_hidden_size=config["moe_intermediate_size"],
         moe_router_topk=config["num_experts_per_tok"],
         moe_router_pre_softmax=not config.get("norm_topk_prob", False),
