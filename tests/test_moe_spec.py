@@ -155,28 +155,23 @@ def test_router_runs_without_transformer_engine():
             delattr(moe_utils, "te_general_gemm")
 
 
-def test_grouped_gemm_falls_back_to_sequential_mlp_where_no_kernel():
+def _grouped_gemm_fallback(rank, world_size):
+    from mindspeed_llm import distributed
     from mindspeed_llm.models import builder
 
-    if builder.grouped_gemm_kernel() is not None:
-        pytest.skip("a grouped GEMM kernel is installed here")
+    distributed.initialize(1, 1)
     spec = ModelSpec.from_hf_config(QWEN3_MOE)
-    from megatron.core import parallel_state  # noqa: F401  (the config reads the expert group sizes)
-    import os
+    model = builder.build_model(spec, moe_grouped_gemm=True)
+    return {"kernel": builder.grouped_gemm_kernel(),
+            "grouped": builder.transformer_config(spec, moe_grouped_gemm=True).moe_grouped_gemm,
+            "names": [n for n, _ in model.named_parameters() if ".mlp.experts." in n]}
 
-    import torch.distributed as dist
 
-    from mindspeed_llm import distributed
-    from tests.multiproc import free_port
+def test_grouped_gemm_falls_back_to_sequential_mlp_where_no_kernel():
+    from tests.multiproc import run_distributed
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-    try:
-        distributed.initialize(1, 1)
-        config = builder.transformer_config(spec, moe_grouped_gemm=True)
-        assert config.moe_grouped_gemm is False
-        model = builder.build_model(spec, moe_grouped_gemm=True)
-        names = [n for n, _ in model.named_parameters() if ".mlp.experts." in n]
-        assert "decoder.layers.1.mlp.experts.local_experts.7.linear_fc2.weight" in names, names[:4]
-    finally:
-        distributed.destroy()
-        assert not dist.is_initialized()
+    result = run_distributed(_grouped_gemm_fallback, 1)[0]  # its own process: the CPU patches stay there
+    if result["kernel"] is not None:
+        pytest.skip(f"a grouped GEMM kernel ({result['kernel']}) is installed here")
+    assert result["grouped"] is False
+    assert "decoder.layers.1.mlp.experts.local_experts.7.linear_fc2.weight" in result["names"], result["names"][:4]
