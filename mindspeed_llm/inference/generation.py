@@ -61,6 +61,7 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron.core.utils import get_attr_wrapped_model, get_model_config, unwrap_model
 
 from mindspeed_llm import device as _device
+from mindspeed_llm.models import routing
 from mindspeed_llm.inference.rollout import Rollout
 from mindspeed_llm.inference.sampling import SamplingConfig, choose_tokens, sample_uniforms
 
@@ -108,6 +109,7 @@ def generate(
     sample_ids: Optional[Sequence[int]] = None,
     vocab_size: Optional[int] = None,
     prefill: str = "auto",
+    record_routing: bool = False,
     _dedup_prefill: bool = True,
 ) -> Rollout:
     """Generate one response per prompt with Megatron's KV cache; returns a `Rollout` (same on every rank
@@ -128,6 +130,8 @@ def generate(
             returned log-probs still normalise over the whole padded vocabulary, as a training forward does).
         prefill: "batched" (left-padded one-shot prefill), "stepwise" (Megatron controller's scheme) or
             "auto" (batched where the attention honours masks, else stepwise); see the module docstring.
+        record_routing: a mixture of experts records each token's top-k experts in every MoE layer of this
+            rank into `Rollout.routing` (`mindspeed_llm.models.routing`); nothing for a dense model.
         _dedup_prefill: private; False prefills every row even where prompts repeat (tests compare both).
     """
     sampling = sampling or SamplingConfig()
@@ -140,7 +144,7 @@ def generate(
     uniforms = _response_uniforms(sampling, iteration, sample_ids, len(prompts), plan.max_response, dev)
     group = parallel_state.get_model_parallel_group() if parallel_state.model_parallel_is_initialized() else None
     source = _model_parallel_source(group)
-    engine = _KVCacheModel(model, plan)
+    engine = _KVCacheModel(model, plan, record_routing)
     picker = _TokenPicker(sampling, uniforms, plan.starts, vocab_size, engine.last_stage, source, group)
     try:
         with torch.no_grad():
@@ -148,8 +152,12 @@ def generate(
             _decode(engine, plan, state, picker)
     finally:
         engine.release()
-        del engine  # the KV cache's memory returns to the allocator, for the training passes
-    return _finish(prompts, plan, state, sampling)
+    slot_routing = engine.routing
+    del engine  # the KV cache's memory returns to the allocator, for the training passes
+    result = _finish(prompts, plan, state, sampling)
+    if slot_routing is not None:
+        result.routing = _routing_by_position(slot_routing, plan, state)
+    return result
 
 
 # ---------------------------------------------------------------------------------------------- input checks
@@ -366,7 +374,7 @@ class _TokenPicker:
 class _KVCacheModel:
     """`model` behind Megatron's `GPTInferenceWrapper`, with a static KV cache sized for the plan's batch."""
 
-    def __init__(self, model, plan: _Plan):
+    def __init__(self, model, plan: _Plan, record_routing: bool = False):
         config = get_model_config(model)
         wrapper_config = InferenceWrapperConfig(
             hidden_size=config.hidden_size,
@@ -383,6 +391,13 @@ class _KVCacheModel:
         self.last_stage = is_pipeline_last_stage(self.wrapper.pp_group)
         self.was_training = model.training
         self.stepwise_mask = None  # [1, 1, T, T] megatron's causal mask, for the stepwise prefill
+        # [B, layers, T, topk] each slot's experts per MoE layer of this rank (-1: not run), when recording
+        self.capture = self.routing = None
+        if record_routing and routing.moe_routers(model):
+            self.capture = routing.RoutingCapture(model)
+            self.routing = torch.full((len(plan.offsets), len(self.capture.routers), plan.slots,
+                                       routing.router_topk(model)), -1, dtype=routing.ROUTING_DTYPE,
+                                      device=plan.starts.device)
 
     def prepare(self, tokens: torch.Tensor) -> None:
         """eval(), an empty context, pipeline detection; the causal mask of the stepwise prefill."""
@@ -396,6 +411,8 @@ class _KVCacheModel:
         self.context.reset()
         get_attr_wrapped_model(self.model, "set_input_tensor")(None)
         self.model.train(self.was_training)
+        if self.capture is not None:
+            self.capture.close()
 
     def forward(self, tokens: torch.Tensor, start: int, end: int,
                 rows: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
@@ -410,7 +427,20 @@ class _KVCacheModel:
             out = self.wrapper.forward_pass_with_pipeline_parallel_small_input_batch(window)
         else:
             out = self.wrapper.forward_pass_without_pipeline_parallel(window)
+        if self.capture is not None:
+            self._record(start, end, rows)
         return out[:, -1, :] if out is not None else None
+
+    def _record(self, start: int, end: int, rows: Optional[torch.Tensor]) -> None:
+        """Stores the routing of the forward over slots [start, end) (router order: slot-major, then row)."""
+        count = self.routing.size(0) if rows is None else rows.numel()
+        for layer, ids in enumerate(self.capture.last()):
+            per_slot = ids.view(end - start, count, -1).transpose(0, 1).to(self.routing.dtype)
+            if rows is None:
+                self.routing[:, layer, start:end] = per_slot
+            else:
+                self.routing[rows, layer, start:end] = per_slot
+        self.capture.clear()
 
     def _mask(self, start: int, end: int, rows: Optional[torch.Tensor]) -> torch.Tensor:
         """Megatron's attention mask (True = masked) of queries [start, end) over keys [0, end)."""
@@ -431,6 +461,9 @@ class _KVCacheModel:
             return self.forward(tokens, 0, plan.first_step)
         logits = self.forward(tokens, 0, plan.first_step, plan.unique_rows)
         batch = plan.share_index.numel()
+        if self.routing is not None:
+            prefill_row = plan.unique_rows[plan.share_index]
+            self.routing[:, :, :plan.first_step] = self.routing[prefill_row, :, :plan.first_step]
         for buffers in self.context.key_value_memory_dict.values():  # this stage's layers: [T, B, groups, dim]
             for buf in buffers:
                 if buf is not None:
@@ -483,6 +516,22 @@ def _finish(prompts: List[List[int]], plan: _Plan, state: _DecodeState, sampling
         pad_token_id=pad,
         seed=sampling.seed if sampling.do_sample else None,
     )
+
+
+def _routing_by_position(slot_routing: torch.Tensor, plan: _Plan, state: _DecodeState) -> torch.Tensor:
+    """The KV-cache slots' routing `[B, layers, slots, topk]` in the Rollout's right-padded layout
+    `[B, layers, max(L_b + r_b), topk]`: the prompt's and response's tokens at their positions, -1 on padding and
+    where the token never ran (a response's last token when the batch stopped right after it)."""
+    B, layers, slots, topk = slot_routing.shape
+    total = plan.prompt_lengths + state.response_lengths
+    width = max(int(total.max()), 1)
+    s = torch.arange(slots, device=slot_routing.device)[None, :]
+    offsets = torch.tensor(plan.offsets, dtype=torch.long, device=slot_routing.device)[:, None]
+    real = (s >= offsets) & (s < (plan.starts + state.response_lengths)[:, None])  # prompt and response slots
+    out = torch.full((B, width, layers, topk), -1, dtype=slot_routing.dtype, device=slot_routing.device)
+    b, slot = real.nonzero(as_tuple=True)
+    out[b, plan.position_ids[b, slot]] = slot_routing.permute(0, 2, 1, 3)[b, slot]
+    return out.permute(0, 2, 1, 3).contiguous()
 
 
 __all__ = ["generate", "batched_prefill_blocker", "PREFILL_MODES"]

@@ -47,6 +47,9 @@ class Rollout:
     log_probs: Optional[torch.Tensor]  # [B, R] float32: log softmax(logits / temperature) of each token; 0 at pad
     pad_token_id: int
     seed: Optional[int] = None  # the sampling seed (None for greedy); see sampling.sample_uniforms
+    # [B, layers of this rank, T, topk] int16: each token's experts per MoE layer, in the `sequences()` layout
+    # (T = max(L_b + r_b)); -1 on padding and where unknown. Only with generate(record_routing=True) on MoE.
+    routing: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ basic views
     @property

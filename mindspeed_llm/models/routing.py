@@ -43,7 +43,7 @@ ROUTING_DTYPE = torch.int16  # expert ids; -1 = unknown
 
 def moe_routers(model) -> List[TopKRouter]:
     """This rank's top-k routers of `model` (wrapped or not), in layer order; empty for a dense model."""
-    core = unwrap_model(model)
+    core = _core(model)
     return [m for m in core.modules() if isinstance(m, TopKRouter)]
 
 
@@ -222,12 +222,54 @@ def count_mismatch(observed: List[torch.Tensor], targets: List[torch.Tensor], sc
 
 # ---------------------------------------------------------------------------------------------- per-forward hook
 _COMPARE = "_routing_compare"  # on the core model: a [mismatched, compared] accumulator while comparing
+_GENERATED = "routing_generated"  # on the core model: it generated rollouts with recorded routing
+
+
+def _core(model):
+    """The GPTModel of `model`: wrapped (DDP, Float16Module) or a one-chunk list (no virtual pipeline)."""
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise ValueError("routing: virtual pipeline parallelism (several model chunks) is not supported")
+        model = model[0]
+    return unwrap_model(model)
+
+
+def is_moe(model) -> bool:
+    """A mixture of experts (on any stage: the config is the whole model's)."""
+    return getattr(_core(model).config, "num_moe_experts", None) is not None
+
+
+def mark_generated(model) -> None:
+    """`model` generated the current rollouts (`rl/rollout.py`): its old-log-prob pass compares routing."""
+    if is_moe(model):
+        setattr(_core(model), _GENERATED, True)
+
+
+def generated(model) -> bool:
+    return bool(getattr(_core(model), _GENERATED, False))
+
+
+def mismatch_fraction(counts: torch.Tensor) -> float:
+    """mismatched / compared response token-layers, summed over the pipeline stages (each has its own layers) and
+    the data-parallel ranks (each its own samples); TP ranks hold the same counts. Collective over those groups."""
+    from megatron.core import parallel_state
+    import torch.distributed as dist
+
+    from mindspeed_llm import device
+    from mindspeed_llm.distributed import sum_over_data_parallel
+
+    total = counts.to(device=device.current_device(), dtype=torch.float64)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    total = sum_over_data_parallel(total)
+    mismatched, compared = total.tolist()
+    return mismatched / compared if compared else 0.0
 
 
 def replays(model) -> bool:
     """Whether forwards of `model` replay the recorded routing: a policy MoE model built with
     `moe_enable_routing_replay=True` (`--moe-routing-replay`)."""
-    core = unwrap_model(model)
+    core = _core(model)
     return (bool(getattr(core.config, "moe_enable_routing_replay", False)) and not getattr(core, "is_value_model", False)
             and bool(moe_routers(core)))
 
@@ -238,7 +280,7 @@ def micro_batch_routing(model, micro_batch: Dict[str, torch.Tensor]):
     model replays (`replays`), and counts mismatches when a comparison is open (`compare_routing`). A no-op
     without recorded routing or for a dense model."""
     routing = micro_batch.get("routing")
-    core = unwrap_model(model)
+    core = _core(model)
     counter = getattr(core, _COMPARE, None)
     replay = routing is not None and replays(core)
     if routing is None or not (replay or counter is not None):
@@ -258,7 +300,7 @@ def micro_batch_routing(model, micro_batch: Dict[str, torch.Tensor]):
 def compare_routing(model, enabled: bool = True):
     """Within this block, every forward of `model` of a micro-batch with recorded routing adds its
     [mismatched, compared] response token-layers to the yielded tensor (this rank's share)."""
-    core = unwrap_model(model)
+    core = _core(model)
     counter = torch.zeros(2, dtype=torch.float64)
     if not enabled or not moe_routers(core):
         yield counter
@@ -273,5 +315,5 @@ def compare_routing(model, enabled: bool = True):
 __all__ = [
     "ROUTING_DTYPE", "moe_routers", "router_topk", "RoutingCapture", "capture_routing", "replay_routing",
     "token_sources", "replay_targets", "response_scope", "count_mismatch", "replays", "micro_batch_routing",
-    "compare_routing",
+    "compare_routing", "is_moe", "mark_generated", "generated", "mismatch_fraction",
 ]

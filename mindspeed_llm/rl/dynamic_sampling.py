@@ -55,6 +55,9 @@ def _concat(parts: List[Dict[str, object]], device) -> Experience:
         if name in _PADDED:
             width = max(v.shape[1] for v in values)
             values = [torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in values]
+        elif name == "routing":  # [B, layers, T, topk] (models/routing.py): padded along T with -1, "unknown"
+            width = max(v.shape[2] for v in values)
+            values = [torch.nn.functional.pad(v, (0, 0, 0, width - v.shape[2]), value=-1) for v in values]
         tensors[name] = torch.cat(values).to(device)
     # no wider than the rows need: sequences to the longest prompt + response, responses to the longest response
     lengths = tensors["response_mask"].sum(-1).long()
@@ -63,6 +66,8 @@ def _concat(parts: List[Dict[str, object]], device) -> Experience:
     for name in _PADDED:
         if name in tensors:
             tensors[name] = tensors[name][:, :width_t if name == "tokens" else width_r].contiguous()
+    if "routing" in tensors:
+        tensors["routing"] = tensors["routing"][:, :, :width_t].contiguous()
     tokens = tensors["tokens"]
     positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens).contiguous()
     exp = Experience(position_ids=positions, **tensors)

@@ -35,6 +35,9 @@ class Experience:
     advantages: Optional[torch.Tensor] = None  # [B, R]
     returns: Optional[torch.Tensor] = None  # [B, R]
     extras: Dict[str, object] = field(default_factory=dict)  # per-row python data (labels, texts)
+    # [B, MoE layers of this rank, T, topk] int16: the rollout's experts of each token (-1 unknown / padding), for
+    # --moe-routing-replay and the moe/routing_mismatch metric (`mindspeed_llm.models.routing`); None: dense model
+    routing: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         if self.loss_mask is None:
@@ -52,6 +55,7 @@ class Experience:
             response_mask=rollout.response_mask.float(),
             ended_with_eos=rollout.ended_with_eos.bool(),
             rollout_logp=None if rollout.log_probs is None else rollout.log_probs.float(),
+            routing=getattr(rollout, "routing", None),
         )
 
     # ------------------------------------------------------------------ shapes

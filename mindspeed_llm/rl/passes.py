@@ -13,6 +13,7 @@ from typing import Dict
 import torch
 from megatron.core import parallel_state
 
+from mindspeed_llm.models import routing
 from mindspeed_llm.rl.core_algos import response_mask_p1
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan, gather_last_token, gather_response
 from mindspeed_llm.rl.experience import Experience
@@ -45,11 +46,19 @@ def response_values(output: torch.Tensor, micro_batch: Dict[str, torch.Tensor]) 
 
 
 def policy_logprobs(model, exp: Experience, plan: MicroBatchPlan, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs `[B, R]` of the response tokens. With a mixture of experts, the forward of the model that generated
+    `exp` (the old-log-prob pass) also compares its routing with the rollout's: `exp.extras["routing_mismatch"]`
+    (`models/routing.py`; 0 with --moe-routing-replay, which routes by the rollout's choice)."""
     width = exp.responses.shape[1]
-    return forward_only(
-        model, plan.micro_batches(exp),
-        lambda out, mb: response_logprobs(out, mb, temperature) * mb["response_mask"], (width,),
-    )
+    compare = routing.generated(model)  # the same on every rank: a stage without MoE layers adds zeros
+    with routing.compare_routing(model, enabled=compare) as counts:
+        logp = forward_only(
+            model, plan.micro_batches(exp),
+            lambda out, mb: response_logprobs(out, mb, temperature) * mb["response_mask"], (width,),
+        )
+    if compare:
+        exp.extras["routing_mismatch"] = routing.mismatch_fraction(counts)
+    return logp
 
 
 def critic_values(model, exp: Experience, plan: MicroBatchPlan) -> torch.Tensor:

@@ -9,6 +9,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from mindspeed_llm.inference import SamplingConfig, generate
+from mindspeed_llm.models import routing
 from mindspeed_llm.rl import core_algos
 from mindspeed_llm.rl.experience import Experience
 from mindspeed_llm.rl.metrics import mean_min_max
@@ -39,8 +40,10 @@ def rollout(actor_module, rows: Sequence[dict], sampling: SamplingConfig, iterat
     prompts = [list(row["input_ids"]) for row in samples]  # never cut: the trainer checked --max-prompt-length
     sample_ids = [row.get("position", i) * n + k for i, row in enumerate(rows) for k in range(n)]
     # Ids past the tokenizer (Megatron's padded vocabulary) are never sampled.
+    # A mixture of experts records each token's experts (--moe-routing-replay, moe/routing_mismatch)
     result = generate(actor_module, prompts, sampling, iteration=iteration, sample_ids=sample_ids,
-                      vocab_size=len(tokenizer))
+                      vocab_size=len(tokenizer), record_routing=True)
+    routing.mark_generated(actor_module)
     exp = Experience.from_rollout(result)
     exp.extras["labels"] = [row.get("labels") for row in samples]
     exp.extras["indices"] = [row.get("index") for row in samples]
@@ -76,8 +79,14 @@ def mask_truncated_completions(exp: Experience) -> Dict[str, float]:
 
 def mismatch_metrics(exp: Experience) -> Dict[str, float]:
     """`rollout_mismatch/*` (`core_algos.rollout_mismatch`) over the response tokens, when the old log-probs come from
-    a training forward (not the sampler's own) and the sampler's exist; else none."""
+    a training forward (not the sampler's own) and the sampler's exist; and `moe/routing_mismatch`, the share of
+    response token x MoE layer pairs whose top-k expert set differs between the rollout and that forward
+    (`models/routing.py`), when that forward was a mixture of experts."""
+    metrics = {}
+    if exp.extras.get("routing_mismatch") is not None:  # set by the old-log-prob pass of a mixture of experts
+        metrics["moe/routing_mismatch"] = float(exp.extras["routing_mismatch"])
     if exp.rollout_logp is None or exp.old_logp is None or exp.old_logp is exp.rollout_logp:
-        return {}
+        return metrics
     stats = core_algos.rollout_mismatch(exp.old_logp, exp.rollout_logp, exp.response_mask)
-    return {f"rollout_mismatch/{k}": float(v) for k, v in stats.items()}
+    metrics.update({f"rollout_mismatch/{k}": float(v) for k, v in stats.items()})
+    return metrics

@@ -1,0 +1,231 @@
+"""Rollout routing replay (`mindspeed_llm/models/routing.py`): the rollout records each token's top-k experts, the
+training forwards route by them.
+
+* a tiny bf16 mixture of experts (in memory, seeded): without replay the training forward routes some response
+  tokens differently from the KV-cache rollout; with replay it routes every one of them as the rollout did, in the
+  row and the packed layout, and `moe/routing_mismatch` equals a hand count;
+* the same forward recorded then replayed gives bit-identical log-probs, and the router keeps its gradient;
+* a hand-built routing reaches the routers at exactly the right tokens in both layouts (and the layout map agrees
+  with `MicroBatchPlan`'s own tokens);
+* the mismatch count against a hand count.
+"""
+
+import pytest
+import torch
+
+from mindspeed_llm.models import routing
+from mindspeed_llm.models.spec import ModelSpec
+from mindspeed_llm.rl.batch_plan import MicroBatchPlan
+from mindspeed_llm.rl.experience import Experience
+from tests.multiproc import run_distributed
+
+# Many experts, top-4, small random weights: router margins are small, so bf16 rounding flips some choices.
+SPEC = ModelSpec(family="qwen3_moe", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                 num_query_groups=2, kv_channels=16, vocab_size=128, qk_layernorm=True, num_experts=16,
+                 moe_ffn_hidden_size=32, moe_router_topk=4)
+
+
+def _experience(prompt_lengths, response_lengths, width_r=None, vocab=100, seed=0):
+    """A synthetic Experience in the rollout layout (`Experience.from_rollout`'s conventions)."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(prompt_lengths)
+    R = width_r or max(response_lengths)
+    T = max(p + r for p, r in zip(prompt_lengths, response_lengths))
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    responses = torch.zeros(B, R, dtype=torch.long)
+    mask = torch.zeros(B, R)
+    for b, (p, r) in enumerate(zip(prompt_lengths, response_lengths)):
+        tokens[b, :p + r] = torch.randint(1, vocab, (p + r,), generator=g)
+        responses[b, :r] = tokens[b, p:p + r]
+        mask[b, :r] = 1
+    return Experience(tokens=tokens, position_ids=torch.arange(T).expand(B, T).clone(),
+                      prompt_lengths=torch.tensor(prompt_lengths), responses=responses, response_mask=mask,
+                      ended_with_eos=torch.zeros(B, dtype=torch.bool))
+
+
+def _groups_share_prompts(exp, n):
+    """Make the n samples of each group share the first sample's prompt (packed groups need it)."""
+    for b in range(exp.batch_size):
+        first = b - b % n
+        P = int(exp.prompt_lengths[b])
+        exp.tokens[b, :P] = exp.tokens[first, :P]
+
+
+# ---------------------------------------------------------------------------------------------- layout maps
+@pytest.mark.parametrize("group_size", [1, 2, 3])
+def test_token_sources_agree_with_the_plan_tokens(group_size):
+    """Every model position the map assigns to (sample, position) holds that sample's token there, every real token
+    of a micro-batch is assigned once per row it appears in, and padding is unassigned."""
+    n = group_size
+    prompts = [L for L in (3, 5) for _ in range(n)] if n > 1 else [3, 6, 2, 4]
+    responses = [4, 1, 6, 2, 5, 3][: 2 * n] if n > 1 else [5, 1, 3, 4]
+    exp = _experience(prompts, responses)
+    if n > 1:
+        _groups_share_prompts(exp, n)
+    plan = MicroBatchPlan.build(exp, micro_batch_size=len(prompts) if n > 1 else 2, group_size=n)
+    assert plan.packed == (n > 1)
+    for mb, first in zip(plan.micro_batches(exp), range(0, exp.batch_size, plan.micro_batch_size)):
+        sample, position = routing.token_sources(mb)
+        known = sample >= 0
+        got = exp.tokens[first + sample[known], position[known]]
+        assert torch.equal(got, mb["tokens"][known])
+        # each sample's response tokens appear exactly once; the prompt once per model row
+        for k in range(mb["responses"].shape[0]):
+            P, r = int(mb["prompt_lengths"][k]), int(mb["response_mask"][k].sum())
+            at = position[sample == k]
+            assert sorted(at[at >= P].tolist()) == list(range(P, P + r))
+        assert int(known.sum()) == sum(
+            int(mb["response_mask"][k].sum()) for k in range(mb["responses"].shape[0])) + sum(
+            int(mb["prompt_lengths"][k]) for k in range(0, mb["responses"].shape[0], n))
+
+
+def test_replay_targets_put_each_token_in_router_order():
+    """Router order is sequence-first (token s * rows + r); unknown and padding are -1."""
+    exp = _experience([2, 3], [2, 1])
+    L, k = 2, 3
+    T = exp.tokens.shape[1]
+    code = torch.arange(2 * L * T * k, dtype=torch.int16).view(2, L, T, k)
+    code[0, :, 1] = -1  # the rollout did not record sample 0's position 1
+    mb = MicroBatchPlan.build(exp, 2).micro_batches(exp)[0]
+    mb["routing"] = code
+    targets = routing.replay_targets(mb, code)
+    assert [t.shape for t in targets] == [(T * 2, k)] * L
+    for layer in range(L):
+        for s in range(T):
+            for r in range(2):
+                want = code[r, layer, s] if s < int(exp.prompt_lengths[r] + exp.response_mask[r].sum()) else -1
+                assert torch.equal(targets[layer][s * 2 + r], torch.as_tensor(want).expand(k).to(torch.int16))
+
+
+def test_count_mismatch_against_a_hand_count():
+    observed = [torch.tensor([[0, 1], [2, 3], [1, 0], [4, 5]]), torch.tensor([[0, 2], [3, 2], [5, 6], [7, 1]])]
+    targets = [torch.tensor([[1, 0], [2, 4], [0, 1], [4, 5]]), torch.tensor([[0, 1], [2, 3], [-1, -1], [7, 0]])]
+    scope = torch.tensor([True, True, True, False])
+    # layer 0: tokens 0-2 in scope: {0,1}={0,1}, {2,3}!={2,4}, {0,1}={0,1} -> 1 of 3
+    # layer 1: token 0 {0,2}!={0,1}, token 1 {2,3}={2,3}, token 2 unknown -> 1 of 2
+    assert routing.count_mismatch(observed, targets, scope).tolist() == [2.0, 5.0]
+
+
+def test_response_scope_is_every_response_token_but_the_last():
+    exp = _experience([2, 3], [3, 1])
+    mb = MicroBatchPlan.build(exp, 2).micro_batches(exp)[0]
+    scope = routing.response_scope(mb).view(-1, 2).t()  # [rows, S]
+    assert scope[0].nonzero().flatten().tolist() == [2, 3]
+    assert scope[1].nonzero().flatten().tolist() == []
+
+
+# ---------------------------------------------------------------------------------------------- with a model
+def _forward_routing(model, exp, plan):
+    """Each micro-batch's routing in the training forward (router order), via the engine's forward."""
+    from mindspeed_llm.rl import engine
+
+    seen = []
+    with torch.no_grad(), routing.capture_routing(model) as cap:
+        for mb in plan.micro_batches(exp):
+            engine._model_forward(model, mb)
+            seen.append((mb, cap.last()))
+            cap.clear()
+    return seen
+
+
+def _hand_mismatch(exp, plan, seen):
+    """Mismatched and compared (response token but the last) x layer pairs, by walking the samples."""
+    mismatched = compared = 0
+    start = 0
+    for mb, layers in seen:
+        sample, position = routing.token_sources(mb)
+        rows, S = sample.shape
+        for row in range(rows):
+            for s in range(S):
+                k = int(sample[row, s])
+                if k < 0:
+                    continue
+                b, t = start + k, int(position[row, s])
+                P, r = int(exp.prompt_lengths[b]), int(exp.response_mask[b].sum())
+                if not P <= t < P + r - 1:
+                    continue
+                for layer, ids in enumerate(layers):
+                    want = exp.routing[b, layer, t]
+                    if bool((want < 0).any()):
+                        continue
+                    compared += 1
+                    mismatched += set(ids[s * rows + row].tolist()) != set(want.tolist())
+        start += mb["responses"].shape[0]
+    return mismatched, compared
+
+
+def _replay_body(rank, world_size, ep, dtype):
+    from mindspeed_llm import distributed
+    from mindspeed_llm.inference import SamplingConfig, generate
+    from mindspeed_llm.models import build_model
+    from mindspeed_llm.rl.passes import policy_logprobs
+
+    distributed.initialize(1, 1, seed=3, expert_model_parallel_size=ep)
+    model = build_model(SPEC, params_dtype=dtype)
+    out = {}
+    g = torch.Generator().manual_seed(11)
+    n = 2
+    prompts = [torch.randint(1, 120, (int(L),), generator=g).tolist() for L in (5, 9, 3, 7)]
+    prompts = [p for p in prompts for _ in range(n)]  # prompt groups of n, as grpo
+    sampling = SamplingConfig(do_sample=True, max_new_tokens=12, seed=5, temperature=1.0)
+    rollout = generate(model, prompts, sampling, record_routing=True, sample_ids=range(len(prompts)))
+    exp = Experience.from_rollout(rollout)
+    L, T = len(routing.moe_routers(model)), exp.tokens.shape[1]
+    out["routing_shape"] = tuple(exp.routing.shape), (len(prompts), L, T, SPEC.moe_router_topk)
+    # every prompt and response token but possibly the last was recorded; padding was not
+    total = exp.prompt_lengths + exp.response_lengths
+    pos = torch.arange(T)[None, :]
+    known = (exp.routing >= 0).all(-1).all(1)  # [B, T]
+    out["recorded_all_but_last"] = bool(known[pos < (total - 1)[:, None]].all())
+    out["no_padding_recorded"] = not bool(known[pos >= total[:, None]].any())
+    routing.mark_generated(model)
+    for name, plan in (("rows", MicroBatchPlan.build(exp, 4)), ("packed", MicroBatchPlan.build(exp, 4, n))):
+        core = model
+        core.config.moe_enable_routing_replay = False
+        live = _forward_routing(model, exp, plan)
+        out[f"{name}_live_hand"] = _hand_mismatch(exp, plan, live)
+        logp_live = policy_logprobs([model], exp, plan)
+        out[f"{name}_live_metric"] = exp.extras.pop("routing_mismatch")
+        core.config.moe_enable_routing_replay = True
+        replayed = _forward_routing(model, exp, plan)
+        out[f"{name}_replay_hand"] = _hand_mismatch(exp, plan, replayed)
+        logp_replay = policy_logprobs([model], exp, plan)
+        out[f"{name}_replay_metric"] = exp.extras.pop("routing_mismatch")
+        # the replayed routing is exactly the recorded one wherever it was recorded (prompts included)
+        exact = True
+        for mb, layers in replayed:
+            for ids, want in zip(layers, routing.replay_targets(mb, mb["routing"])):
+                rows_known = (want >= 0).all(1)
+                exact &= torch.equal(ids[rows_known].long(), want[rows_known].long().sort(dim=1).values)
+        out[f"{name}_replay_exact"] = bool(exact)
+        mask = exp.response_mask.bool()
+        out[f"{name}_logp_vs_rollout"] = (float((logp_live - exp.rollout_logp)[mask].abs().max()),
+                                          float((logp_replay - exp.rollout_logp)[mask].abs().max()))
+    core.config.moe_enable_routing_replay = False
+    return out
+
+
+@pytest.fixture(scope="module")
+def bf16_ep1():
+    return run_distributed(_replay_body, 1, 1, "bf16")[0]
+
+
+def test_rollout_records_every_token(bf16_ep1):
+    r = bf16_ep1
+    assert r["routing_shape"][0] == r["routing_shape"][1]
+    assert r["recorded_all_but_last"] and r["no_padding_recorded"]
+
+
+@pytest.mark.parametrize("layout", ["rows", "packed"])
+def test_replay_routes_as_the_rollout_bf16(bf16_ep1, layout):
+    r = bf16_ep1
+    mismatched, compared = r[f"{layout}_live_hand"]
+    assert compared > 100
+    # without replay the bf16 training forward routes some response tokens differently from the rollout ...
+    assert mismatched > 0, r
+    # ... and the metric of the old-log-prob pass is that hand count
+    assert r[f"{layout}_live_metric"] == pytest.approx(mismatched / compared, abs=1e-12)
+    # with replay, every response token (and every recorded prompt token) routes as in the rollout
+    assert r[f"{layout}_replay_hand"] == (0, compared)
+    assert r[f"{layout}_replay_metric"] == 0.0
+    assert r[f"{layout}_replay_exact"]
