@@ -25,13 +25,17 @@ Forward communication: one all-reduce MAX of ``[tokens]`` and one all-reduce SUM
 the full logits) used as the ground truth in tests and as the "naive" baseline in
 benchmarks/logprobs.py.
 
-The chunked torch path is the only path and is device agnostic (CPU, CUDA, NPU).
+The chunked torch path is device agnostic (CPU, CUDA, NPU). On CUDA devices, when Triton imports,
+:func:`vocab_parallel_logprobs` runs ``mindspeed_llm.kernels.triton_logprobs`` instead (same contract
+and math); ``MINDSPEED_LOGPROBS_KERNEL=torch`` keeps this path (``mindspeed_llm.kernels``).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from mindspeed_llm.kernels import select_logprobs_kernel
 
 __all__ = ["vocab_parallel_logprobs", "reference_logprobs", "CPU_CHUNK_ELEMENTS", "ACCEL_CHUNK_ELEMENTS"]
 
@@ -207,9 +211,14 @@ def vocab_parallel_logprobs(logits, targets, tp_group=None, temperature=1.0, wit
         raise ValueError(f"targets shape {tuple(targets.shape)} does not match logits {tuple(logits.shape)}")
     flat_logits = logits.reshape(-1, logits.size(-1))
     flat_targets = targets.reshape(-1).long()
-    out = _VocabParallelLogProbs.apply(
-        flat_logits, flat_targets, tp_group, temperature, bool(with_entropy), chunk_size
-    )
+    if select_logprobs_kernel(flat_logits.device) == "triton":  # chunk_size does not apply there
+        from mindspeed_llm.kernels.triton_logprobs import triton_vocab_parallel_logprobs
+
+        out = triton_vocab_parallel_logprobs(flat_logits, flat_targets, tp_group, temperature, bool(with_entropy))
+    else:
+        out = _VocabParallelLogProbs.apply(
+            flat_logits, flat_targets, tp_group, temperature, bool(with_entropy), chunk_size
+        )
     if with_entropy:
         logp, entropy = out
         return logp.view(lead), entropy.view(lead)
