@@ -12,6 +12,8 @@ from typing import Dict, List
 
 PERFORMANCE = ("performance switches with no effect here: the models run megatron-core's local layer spec in "
                "plain torch, without fused kernels")
+MOE_PERFORMANCE = ("MindSpeed's MoE overlap / fusion / memory switches with no effect here: the experts run "
+                   "megatron-core's token dispatchers (--moe-token-dispatcher-type) in plain torch")
 ALWAYS = "what this code always does"
 CHECKPOINT = "the checkpoint decides"
 FP16_ONLY = "loss scaling applies to --fp16 only"
@@ -32,6 +34,12 @@ IGNORED_SWITCHES: Dict[str, str] = {
     "--no-persist-layer-norm": PERFORMANCE,
     "--overlap-grad-reduce": PERFORMANCE,
     "--overlap-param-gather": PERFORMANCE,
+    # MindSpeed's MoE communication / memory switches: the experts run megatron-core's own dispatchers here
+    "--moe-permutation-async-comm": MOE_PERFORMANCE,
+    "--moe-alltoall-overlap-comm": MOE_PERFORMANCE,
+    "--moe-fb-overlap": MOE_PERFORMANCE,
+    "--moe-permute-fusion": MOE_PERFORMANCE,
+    "--use-fused-moe-token-permute-and-unpermute": MOE_PERFORMANCE,
     "--use-mcore-models": ALWAYS,  # the models are megatron-core GPTModels
     "--attention-softmax-in-fp32": ALWAYS,  # megatron-core's default (TransformerConfig.attention_softmax_in_fp32)
     "--is-instruction-dataset": ALWAYS,  # the data are preprocess_data.py's prompt datasets
@@ -47,6 +55,8 @@ IGNORED_VALUES: Dict[str, tuple] = {
     # nothing is initialised fresh, so there is nothing for an init std to apply to.
     "--init-method-std": (float, CHECKPOINT),
     "--seq-length": (int, SEQ_LENGTH),
+    "--moe-zero-memory": (str, MOE_PERFORMANCE),  # level0 / level1: recomputation to save activation memory
+    "--moe-zero-memory-num-layers": (int, MOE_PERFORMANCE),
 }
 
 # Megatron's fp16 grad-scaler flags: honoured with --fp16 (engine.OptimizerSettings), ignored otherwise.
@@ -78,7 +88,8 @@ def ignored_flags(args) -> Dict[str, str]:
 
 def startup_lines(args, backend: str) -> List[str]:
     """What rank 0 prints once before training: the ignored flags (one line, grouped by reason), a
-    --distributed-backend the device overrides, and the notes `validate_args` left (`args.startup_notes`)."""
+    --distributed-backend the device overrides, the notes `validate_args` left (`args.startup_notes`) and the MoE
+    ones (`rl.moe.startup_notes`: --moe-grouped-gemm without a kernel)."""
     lines = []
     by_reason: Dict[str, List[str]] = {}
     for flag, reason in getattr(args, "ignored_flags", {}).items():
@@ -90,4 +101,7 @@ def startup_lines(args, backend: str) -> List[str]:
     if wanted and wanted != backend:
         lines.append(f"--distributed-backend {wanted}: this device's collectives use {backend}; using {backend}")
     lines.extend(getattr(args, "startup_notes", []))
+    from mindspeed_llm.rl.moe import startup_notes  # imported here: rl/ imports the parser, which imports this
+
+    lines.extend(startup_notes(args))
     return lines

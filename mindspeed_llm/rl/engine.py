@@ -25,6 +25,7 @@ from mindspeed_llm.checkpoint.training import CheckpointError, NonFiniteError
 from mindspeed_llm.distributed import any_rank, gather_messages, sum_over_data_parallel
 from mindspeed_llm.models.forward_layout import forward_layout
 from mindspeed_llm.models.routing import micro_batch_routing
+from mindspeed_llm.rl import moe
 
 MicroBatch = Dict[str, torch.Tensor]
 # loss_fn(output, micro_batch) -> (this micro-batch's share of the step's loss, {metric name: its share});
@@ -73,9 +74,11 @@ _SCHEDULE_KEYS = {
 def _model_forward(model, micro_batch: MicroBatch):
     """Outputs `[rows, T - logits_from, ...]`: RoPE at the micro-batch's position ids, its attention mask
     (None: causal), and nothing computed for the positions before `logits_from` (`rl/batch_plan.py`)."""
+    pad = moe.padding_mask(micro_batch) if moe.is_moe(model) else None
+    extra = {} if pad is None else {"padding_mask": pad}  # MoE routers leave padding out of their loss and counts
     with forward_layout(model, micro_batch["position_ids"], int(micro_batch.get("logits_from", 0))), \
             micro_batch_routing(model, micro_batch):  # --moe-routing-replay and moe/routing_mismatch (models/routing.py)
-        return model(micro_batch["tokens"], micro_batch["position_ids"], micro_batch.get("attention_mask"))
+        return model(micro_batch["tokens"], micro_batch["position_ids"], micro_batch.get("attention_mask"), **extra)
 
 
 def _run_schedule(chunks, micro_batches: Sequence[MicroBatch], step_fn, forward_only: bool):

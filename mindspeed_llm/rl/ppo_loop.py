@@ -18,6 +18,7 @@ import torch
 from megatron.core import parallel_state
 
 from mindspeed_llm.distributed import sum_over_data_parallel
+from mindspeed_llm.rl import moe
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.core_algos import critic_mask
 from mindspeed_llm.rl.experience import Experience
@@ -59,20 +60,24 @@ def ppo_update(model, exp: Experience, plan: MicroBatchPlan, args, loss_fn: Call
     mini-batch.
 
     The mini-batches are drawn from (seed, iteration, epoch), so a resumed run replays them exactly. Returns each
-    metric's mean over the steps (`lr` of the last step).
+    metric's mean over the steps (`lr` of the last step), and a MoE model's `moe/*` metrics over the whole update.
     """
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     local_units = exp.batch_size // group_size
     mini_batches = exp.batch_size * dp_size // args.ppo_mini_batch_size
     within_unit = torch.arange(group_size)
     steps: List[Dict[str, float]] = []
-    for epoch in range(args.ppo_epochs):
-        for units in mini_batch_units(local_units, dp_rank, mini_batches, args.seed, iteration, epoch):
-            samples = (units[:, None] * group_size + within_unit[None, :]).reshape(-1).to(exp.tokens.device)
-            totals = loss_totals(exp.loss_mask[samples], exp.response_mask[samples])
-            micro_batches = [dict(mb, **totals) for mb in plan.micro_batches(exp, samples)]
-            steps.append(model.train_step(micro_batches, loss_fn))
-    return {k: steps[-1][k] if k == "lr" else sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+    with moe.update_stats(model.module) as moe_stats:  # nothing for a dense model
+        for epoch in range(args.ppo_epochs):
+            for units in mini_batch_units(local_units, dp_rank, mini_batches, args.seed, iteration, epoch):
+                samples = (units[:, None] * group_size + within_unit[None, :]).reshape(-1).to(exp.tokens.device)
+                totals = loss_totals(exp.loss_mask[samples], exp.response_mask[samples])
+                micro_batches = [dict(mb, **totals) for mb in plan.micro_batches(exp, samples)]
+                moe_stats.micro_batches(len(micro_batches))
+                steps.append(model.train_step(micro_batches, loss_fn))
+    result = {k: steps[-1][k] if k == "lr" else sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+    result.update(moe_stats.metrics())  # over the whole update (module doc of rl/moe.py)
+    return result
 
 
 def old_logp_is_current(args, exp: Experience) -> bool:

