@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# GRPO on Qwen3-30B-A3B (mixture of experts: 48 layers, 128 experts, top-8) with rule rewards (math answer
+# accuracy + R1 format) on DeepScaleR or DAPO-Math-17k. Default layout, as MindSpeed-RL's Qwen3-30B-A3B recipe:
+# 2 nodes x 8 devices, TP 4, PP 1, --expert-model-parallel-size 2 with --moe-tp-extend-ep, i.e. the experts of
+# every MoE layer split over EP x TP = 8 ranks (16 experts each, whole), the dense layers over TP 4 (DP 4, expert
+# data parallel 2). Tokens reach their experts through the all-to-all dispatcher; --moe-routing-replay makes the
+# training forwards route each response token to the experts the rollout chose, so the log-probabilities of the
+# update and of the rollout come from the same experts.
+#
+# Before (paths are the defaults below):
+#   data:    TOKENIZER=./model_from_hf/qwen3_30b_a3b OUTPUT_PREFIX=./dataset/deepscaler_qwen3/data \
+#                bash examples/data/preprocess_data.sh deepscaler
+#   weights: bash examples/mcore/qwen3_moe/ckpt_convert_qwen3_moe_hf2mcore.sh   (TP 4, PP 1, EP 2, --moe-tp-extend-ep:
+#            convert with the TP / PP / EP / MOE_TP_EXTEND_EP you launch with)
+# Launch: the same command on every node, each with its own NODE_RANK (0 on the master node), with data,
+# checkpoints, tokenizer and CKPT_SAVE_DIR at the same paths everywhere (CKPT_SAVE_DIR on a shared filesystem):
+#   NODE_RANK=<0 or 1> MASTER_ADDR=<master node's address> bash examples/mcore/qwen3_moe/grpo_qwen3_30b_a3b.sh
+# Other layouts: TP, PP, EP, MOE_TP_EXTEND_EP=0|1, NNODES, NPUS_PER_NODE (see examples/mcore/launch_env.sh); the
+# world size must be a multiple of TP x PP and of EP x TP x PP (--moe-tp-extend-ep) or EP x TP x PP (without it).
+# Resume: automatic (--load equals --save; a fresh start when nothing is saved yet); SIGTERM saves first.
+# After:   bash examples/mcore/qwen3_moe/ckpt_convert_qwen3_moe_mcore2hf.sh
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+NNODES=${NNODES:-2}
+source examples/mcore/launch_env.sh
+
+TP=${TP:-4}; PP=${PP:-1}; EP=${EP:-2}; MOE_TP_EXTEND_EP=${MOE_TP_EXTEND_EP:-1}
+case "$MOE_TP_EXTEND_EP" in
+  1) EXPERT_ARGS="--expert-model-parallel-size $EP --moe-tp-extend-ep" ;;
+  0) EXPERT_ARGS="--expert-model-parallel-size $EP" ;;
+  *) _launch_fail "MOE_TP_EXTEND_EP=$MOE_TP_EXTEND_EP must be 1 (--moe-tp-extend-ep) or 0" ;;
+esac
+REF_MODEL=${REF_MODEL:-./model_weights/qwen3_30b_a3b_mcore}
+DATA_PATH=${DATA_PATH:-./dataset/deepscaler_qwen3/data}
+TOKENIZER=${TOKENIZER:-./model_from_hf/qwen3_30b_a3b}
+CKPT_SAVE_DIR=${CKPT_SAVE_DIR:-./ckpt/qwen3_30b_a3b_grpo}
+
+# Qwen3-30B-A3B, checked against every checkpoint the run loads (its config.json: head_dim 128, 4 key/value heads,
+# q/k RMSNorms, rope_theta 1e6, intermediate_size 6144 (no dense layer uses it), moe_intermediate_size 768,
+# norm_topk_prob true, router_aux_loss_coef 0.001).
+MODEL_ARGS="--num-layers 48 --hidden-size 2048 --ffn-hidden-size 6144 --num-attention-heads 32 --kv-channels 128 \
+  --group-query-attention --num-query-groups 4 --padded-vocab-size 151936 --rotary-base 1000000 \
+  --normalization RMSNorm --position-embedding-type rope --swiglu --disable-bias-linear --qk-layernorm \
+  --untie-embeddings-and-output-weights \
+  --num-experts 128 --moe-router-topk 8 --moe-ffn-hidden-size 768"
+MOE_ARGS="$EXPERT_ARGS --moe-grouped-gemm --moe-token-dispatcher-type alltoall \
+  --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.001 --moe-routing-replay"
+GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP --use-distributed-optimizer \
+  --micro-batch-size 1 --global-batch-size 32 --train-iters 1000 --bf16 \
+  --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 --clip-grad 1.0 \
+  --adam-beta1 0.9 --adam-beta2 0.999 --seed 1234"
+DATA_ARGS="--data-path $DATA_PATH --tokenizer-type PretrainedFromHF --tokenizer-name-or-path $TOKENIZER"
+RL_ARGS="--stage grpo --ref-model $REF_MODEL --n-samples-per-prompt 8 \
+  --max-prompt-length 2048 --max-new-tokens 2048 --max-length 4096 --do-sample --temperature 1.0 --top-p 1.0 \
+  --kl-coef 0.001 --kl-penalty low_var_kl --clip-ratio 0.2 --entropy-coeff 0.0 --loss-agg-mode token-mean \
+  --adv-scale group --ppo-epochs 1 --ppo-mini-batch-size 256 \
+  --verifier-function math_acc format --verifier-weight 1.0 0.1"
+OUTPUT_ARGS="--log-interval 1 --save $CKPT_SAVE_DIR --load $CKPT_SAVE_DIR --save-interval 50 --exit-signal-handler \
+  --tensorboard-dir $CKPT_SAVE_DIR/tensorboard --metrics-jsonl $CKPT_SAVE_DIR/metrics.jsonl"
+
+${PYTHON} -m torch.distributed.run $DISTRIBUTED_ARGS posttrain_gpt.py \
+  $MODEL_ARGS $MOE_ARGS $GPT_ARGS $DATA_ARGS $RL_ARGS $OUTPUT_ARGS "$@" | tee "${LOG_FILE:-logs_grpo_qwen3_30b_a3b.log}"
