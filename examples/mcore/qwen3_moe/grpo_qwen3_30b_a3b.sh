@@ -1,22 +1,25 @@
 #!/usr/bin/env bash
 # GRPO on Qwen3-30B-A3B (mixture of experts: 48 layers, 128 experts, top-8) with rule rewards (math answer
-# accuracy + R1 format) on DeepScaleR or DAPO-Math-17k. Default layout, as MindSpeed-RL's Qwen3-30B-A3B recipe:
-# 2 nodes x 8 devices, TP 4, PP 1, --expert-model-parallel-size 2 with --moe-tp-extend-ep, i.e. the experts of
-# every MoE layer split over EP x TP = 8 ranks (16 experts each, whole), the dense layers over TP 4 (DP 4, expert
-# data parallel 2). Tokens reach their experts through the all-to-all dispatcher; --moe-routing-replay makes the
-# training forwards route each response token to the experts the rollout chose, so the log-probabilities of the
-# update and of the rollout come from the same experts.
+# accuracy + R1 format) on DeepScaleR or DAPO-Math-17k. Default layout: 2 nodes x 8 devices, TP 1, PP 1,
+# --expert-model-parallel-size 8, i.e. the experts of every MoE layer split over 8 ranks (16 experts each; expert
+# data parallel 2) and the dense weights (attention, embeddings: about 1.5B parameters) data-parallel over all 16.
+# MindSpeed-RL's recipe runs TP 4 with --moe-tp-extend-ep instead; here a mixture of experts trains at TP 1 only
+# (megatron-core trains MoE layers under tensor parallelism only with sequence parallelism, which the local layer
+# spec does not have), so the experts are split by EP alone. Tokens reach their experts through the all-to-all
+# dispatcher; --moe-routing-replay makes the training forwards route each response token to the experts the rollout
+# chose, so the log-probabilities of the update and of the rollout come from the same experts.
 #
 # Before (paths are the defaults below):
 #   data:    TOKENIZER=./model_from_hf/qwen3_30b_a3b OUTPUT_PREFIX=./dataset/deepscaler_qwen3/data \
 #                bash examples/data/preprocess_data.sh deepscaler
-#   weights: bash examples/mcore/qwen3_moe/ckpt_convert_qwen3_moe_hf2mcore.sh   (TP 4, PP 1, EP 2, --moe-tp-extend-ep:
-#            convert with the TP / PP / EP / MOE_TP_EXTEND_EP you launch with)
+#   weights: bash examples/mcore/qwen3_moe/ckpt_convert_qwen3_moe_hf2mcore.sh   (TP 1, PP 1, EP 8: convert with the
+#            TP / PP / EP you launch with)
 # Launch: the same command on every node, each with its own NODE_RANK (0 on the master node), with data,
 # checkpoints, tokenizer and CKPT_SAVE_DIR at the same paths everywhere (CKPT_SAVE_DIR on a shared filesystem):
 #   NODE_RANK=<0 or 1> MASTER_ADDR=<master node's address> bash examples/mcore/qwen3_moe/grpo_qwen3_30b_a3b.sh
-# Other layouts: TP, PP, EP, MOE_TP_EXTEND_EP=0|1, NNODES, NPUS_PER_NODE (see examples/mcore/launch_env.sh); the
-# world size must be a multiple of TP x PP and of EP x TP x PP (--moe-tp-extend-ep) or EP x TP x PP (without it).
+# Other layouts: EP (a divisor of 128 whose multiple the world size is), PP, NNODES, NPUS_PER_NODE (see
+# examples/mcore/launch_env.sh), e.g. NNODES=1 EP=8 on one node of 8 devices (then every rank holds 16 experts
+# and all the dense weights, with no expert data parallelism to shard the experts' optimizer state).
 # Resume: automatic (--load equals --save; a fresh start when nothing is saved yet); SIGTERM saves first.
 # After:   bash examples/mcore/qwen3_moe/ckpt_convert_qwen3_moe_mcore2hf.sh
 set -euo pipefail
@@ -24,12 +27,7 @@ cd "$(dirname "$0")/../../.."
 NNODES=${NNODES:-2}
 source examples/mcore/launch_env.sh
 
-TP=${TP:-4}; PP=${PP:-1}; EP=${EP:-2}; MOE_TP_EXTEND_EP=${MOE_TP_EXTEND_EP:-1}
-case "$MOE_TP_EXTEND_EP" in
-  1) EXPERT_ARGS="--expert-model-parallel-size $EP --moe-tp-extend-ep" ;;
-  0) EXPERT_ARGS="--expert-model-parallel-size $EP" ;;
-  *) _launch_fail "MOE_TP_EXTEND_EP=$MOE_TP_EXTEND_EP must be 1 (--moe-tp-extend-ep) or 0" ;;
-esac
+TP=${TP:-1}; PP=${PP:-1}; EP=${EP:-8}
 REF_MODEL=${REF_MODEL:-./model_weights/qwen3_30b_a3b_mcore}
 DATA_PATH=${DATA_PATH:-./dataset/deepscaler_qwen3/data}
 TOKENIZER=${TOKENIZER:-./model_from_hf/qwen3_30b_a3b}
@@ -43,7 +41,7 @@ MODEL_ARGS="--num-layers 48 --hidden-size 2048 --ffn-hidden-size 6144 --num-atte
   --normalization RMSNorm --position-embedding-type rope --swiglu --disable-bias-linear --qk-layernorm \
   --untie-embeddings-and-output-weights \
   --num-experts 128 --moe-router-topk 8 --moe-ffn-hidden-size 768"
-MOE_ARGS="$EXPERT_ARGS --moe-grouped-gemm --moe-token-dispatcher-type alltoall \
+MOE_ARGS="--expert-model-parallel-size $EP --moe-grouped-gemm --moe-token-dispatcher-type alltoall \
   --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.001 --moe-routing-replay"
 GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP --use-distributed-optimizer \
   --micro-batch-size 1 --global-batch-size 32 --train-iters 1000 --bf16 \
