@@ -128,8 +128,9 @@ def _forward_routing(model, exp, plan):
     return seen
 
 
-def _hand_mismatch(exp, plan, seen):
-    """Mismatched and compared (response token but the last) x layer pairs, by walking the samples."""
+def _hand_mismatch(exp, plan, seen, every_token=False):
+    """Mismatched and compared (response token but the last; `every_token`: every recorded token) x layer pairs, by
+    walking the samples."""
     mismatched = compared = 0
     start = 0
     for mb, layers in seen:
@@ -142,7 +143,7 @@ def _hand_mismatch(exp, plan, seen):
                     continue
                 b, t = start + k, int(position[row, s])
                 P, r = int(exp.prompt_lengths[b]), int(exp.response_mask[b].sum())
-                if not P <= t < P + r - 1:
+                if not (every_token or P <= t < P + r - 1):
                     continue
                 for layer, ids in enumerate(layers):
                     want = exp.routing[b, layer, t]
@@ -184,6 +185,7 @@ def _replay_body(rank, world_size, ep, dtype):
         core.config.moe_enable_routing_replay = False
         live = _forward_routing(model, exp, plan)
         out[f"{name}_live_hand"] = _hand_mismatch(exp, plan, live)
+        out[f"{name}_live_every_token"] = _hand_mismatch(exp, plan, live, every_token=True)
         logp_live = policy_logprobs([model], exp, plan)
         out[f"{name}_live_metric"] = exp.extras.pop("routing_mismatch")
         core.config.moe_enable_routing_replay = True
@@ -229,3 +231,144 @@ def test_replay_routes_as_the_rollout_bf16(bf16_ep1, layout):
     assert r[f"{layout}_replay_hand"] == (0, compared)
     assert r[f"{layout}_replay_metric"] == 0.0
     assert r[f"{layout}_replay_exact"]
+
+
+def test_replay_log_probs_match_the_rollout_fp32():
+    """fp32 (no rounding flips at this size): the replayed training forward's log-probs are the rollout's, to
+    float rounding of a KV-cache decode against a full forward."""
+    r = run_distributed(_replay_body, 1, 1, "fp32")[0]
+    for layout in ("rows", "packed"):
+        assert r[f"{layout}_replay_hand"][0] == 0 and r[f"{layout}_replay_exact"]
+        # at fp32 the training forward routes every recorded token (prompts included) as the rollout recorded it
+        mismatched, compared = r[f"{layout}_live_every_token"]
+        assert mismatched == 0 and compared > r[f"{layout}_replay_hand"][1], r
+        assert r[f"{layout}_logp_vs_rollout"][1] < 1e-5, r
+
+
+def _routing_from_forward(exp, seen, L, k):
+    """The training forward's own routing, mapped back to [B, layers, T, topk] (inverse of replay_targets)."""
+    out = torch.full((exp.batch_size, L, exp.tokens.shape[1], k), -1, dtype=torch.int16)
+    start = 0
+    for mb, layers in seen:
+        sample, position = routing.token_sources(mb)
+        rows, S = sample.shape
+        for layer, ids in enumerate(layers):
+            per_pos = ids.view(S, rows, k).transpose(0, 1)  # [rows, S, k]
+            known = sample >= 0
+            out[start + sample[known], layer, position[known]] = per_pos[known].to(torch.int16)
+        start += mb["responses"].shape[0]
+    return out
+
+
+def _exactness_body(rank, world_size, ep):
+    from mindspeed_llm import distributed
+    from mindspeed_llm.models import build_model
+    from mindspeed_llm.rl import engine
+
+    distributed.initialize(1, 1, seed=4, expert_model_parallel_size=ep)
+    model = build_model(SPEC, params_dtype="bf16", moe_enable_routing_replay=True)
+    routers = routing.moe_routers(model)
+    L, k, E = len(routers), SPEC.moe_router_topk, SPEC.num_experts
+    n = 2
+    exp = _experience([4, 4, 6, 6], [5, 2, 3, 7], vocab=120, seed=rank)
+    _groups_share_prompts(exp, n)
+    out = {}
+    for name, plan in (("rows", MicroBatchPlan.build(exp, 2)), ("packed", MicroBatchPlan.build(exp, 4, n))):
+        exp.routing = None
+        live = _forward_routing(model, exp, plan)
+        # 1. the forward's own routing, replayed: bit-identical logits and router gradients
+        exp.routing = _routing_from_forward(exp, live, L, k)
+        results = {}
+        for mode in ("live", "replay"):
+            model.zero_grad()
+            for p in model.parameters():
+                p.grad = None
+            mbs = plan.micro_batches(exp)
+            logits = []
+            for mb in mbs:
+                if mode == "live":
+                    mb.pop("routing")
+                with torch.enable_grad():
+                    y = engine._model_forward(model, mb)
+                    y.float().square().mean().backward()
+                logits.append(y.detach())
+            results[mode] = (logits, [r.weight.grad.clone() for r in routers])
+        out[f"{name}_logits_equal"] = all(torch.equal(a, b) for a, b in zip(results["live"][0], results["replay"][0]))
+        out[f"{name}_router_grad_equal"] = all(torch.equal(a, b) for a, b in zip(results["live"][1],
+                                                                                  results["replay"][1]))
+        out[f"{name}_router_grad_nonzero"] = all(bool(g.abs().sum() > 0) for g in results["replay"][1])
+        # 2. an arbitrary routing (not the model's): every router gets exactly those experts at every token
+        g = torch.Generator().manual_seed(7)
+        forced = torch.rand(exp.batch_size, L, exp.tokens.shape[1], E, generator=g).argsort(-1)[..., :k]
+        exp.routing = forced.to(torch.int16)
+        seen = _forward_routing(model, exp, plan)
+        exact, differs_from_live, start = True, False, 0
+        for (mb, layers), (_, live_layers) in zip(seen, live):
+            sample, position = routing.token_sources(mb)
+            rows, S = sample.shape
+            for layer in range(L):
+                per_pos = layers[layer].view(S, rows, k).transpose(0, 1)
+                known = sample >= 0
+                want = forced[start + sample[known], layer, position[known]].sort(dim=1).values
+                exact &= torch.equal(per_pos[known].long(), want)
+                differs_from_live |= not torch.equal(layers[layer], live_layers[layer])
+            start += mb["responses"].shape[0]
+        out[f"{name}_forced_exact"] = bool(exact)
+        out[f"{name}_forced_differs_from_live"] = differs_from_live
+    return out
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_replay_is_exact_and_forces_any_routing(ep):
+    """Replaying a forward's own routing changes nothing (logits and router gradients bit-identical: the gate
+    probabilities are the router's own scores of the replayed experts); an arbitrary routing reaches every router at
+    exactly its tokens, in the row and the packed layout; at EP2 on 2 processes as well."""
+    for r in run_distributed(_exactness_body, ep, ep):
+        for layout in ("rows", "packed"):
+            assert r[f"{layout}_logits_equal"] and r[f"{layout}_router_grad_equal"], r
+            assert r[f"{layout}_router_grad_nonzero"], r
+            assert r[f"{layout}_forced_exact"] and r[f"{layout}_forced_differs_from_live"], r
+
+
+# ---------------------------------------------------------------------------------------------- the stage flag
+def _save_moe_release(rank, world_size, root, vocab):
+    from dataclasses import replace
+
+    from mindspeed_llm import distributed
+    from mindspeed_llm.checkpoint import megatron_layout as layout
+    from mindspeed_llm.models import build_model
+
+    distributed.initialize(1, 1, seed=2)
+    spec = replace(SPEC, vocab_size=vocab, hidden_size=32, kv_channels=8, ffn_hidden_size=48,
+                   moe_ffn_hidden_size=16, max_position_embeddings=128)
+    state = {k: v for k, v in build_model(spec).state_dict().items() if v is not None}
+    layout.save_file(layout.make_payload(state, spec, 1, 1, 0, 0, torch.float32, False),
+                     layout.shard_path(root + "/release", 0, 0, 1))
+    layout.write_latest(root, "release")
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "no_replay"])
+def test_grpo_stage_with_moe_routing_replay(stage_paths, tmp_path, replay):
+    """`--moe-routing-replay` end to end: a tiny bf16 Qwen3-MoE actor trains two grpo iterations (old-log-prob pass
+    recomputed), and the logged moe/routing_mismatch is 0 with replay, a fraction in [0, 1] without."""
+    import json
+
+    from stage_assets import VOCAB, torchrun
+
+    ckpt = str(tmp_path / "moe")
+    run_distributed(_save_moe_release, 1, ckpt, VOCAB)
+    metrics = tmp_path / "metrics.jsonl"
+    argv = ["--stage", "grpo", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
+            "--lr", "1e-3", "--seed", "7", "--data-path", stage_paths["data_train"], "--tokenizer-name-or-path",
+            stage_paths["tokenizer"], "--max-length", "64", "--max-new-tokens", "8", "--log-interval", "1",
+            "--load", ckpt, "--n-samples-per-prompt", "2", "--verifier-function", "math_acc", "--do-sample",
+            "--kl-coef", "0.01", "--ppo-mini-batch-size", "4", "--ppo-epochs", "1", "--recompute-old-logprobs",
+            "--bf16", "--metrics-jsonl", str(metrics)] + (["--moe-routing-replay"] if replay else [])
+    result = torchrun(argv, nproc=1)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        value = row["moe/routing_mismatch"]
+        assert value == 0.0 if replay else 0.0 <= value <= 1.0, row
+        assert all(v == v for v in row.values() if isinstance(v, float)), row  # no NaN
