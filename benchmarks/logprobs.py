@@ -1,6 +1,9 @@
 """Peak memory and time: fused ``vocab_parallel_logprobs`` vs naive full-vocab log-softmax.
 
-Both variants compute the target log-prob *and* the entropy of every token (``--no-entropy`` drops
+Variants: "fused" is the chunked torch path of ``vocab_parallel_logprobs`` (``MINDSPEED_LOGPROBS_KERNEL=torch``),
+"triton" the Triton kernel behind the same call (``MINDSPEED_LOGPROBS_KERNEL=triton``; CUDA only: on CPU its
+row is skipped with a note, its CPU check being tests/test_triton_logprobs.py under ``TRITON_INTERPRET=1``),
+"naive" ``reference_logprobs``. All variants compute the target log-prob *and* the entropy of every token (``--no-entropy`` drops
 the entropy). "naive" is ``reference_logprobs``: fp32 upcast of the whole ``[tokens, vocab]`` logits,
 ``log_softmax``, gather, ``-(exp(lsm) * lsm).sum(-1)``. Modes:
 
@@ -73,7 +76,7 @@ def _child(opts) -> dict:
         logits[start:end] = (torch.randn(end - start, opts.vocab, generator=gen) * 2).to(device, dtype)
     targets = torch.randint(0, opts.vocab, (opts.tokens,), generator=gen).to(device)
 
-    if opts.variant == "fused":
+    if opts.variant in ("fused", "triton"):  # which kernel: MINDSPEED_LOGPROBS_KERNEL, set by the parent
         def compute(x):
             return vocab_parallel_logprobs(
                 x, targets, with_entropy=with_entropy, chunk_size=opts.chunk_size or None
@@ -99,11 +102,13 @@ def _child(opts) -> dict:
             torch.cuda.synchronize()
         return out
 
-    # Warm up kernels / allocator on a tiny problem so one-off costs are not attributed to the call.
-    small = logits.detach()[:2].clone().requires_grad_(backward)
+    # Warm up kernels / allocator on a small problem so one-off costs are not attributed to the call (16 rows:
+    # Triton specializes integer arguments on divisibility by 16, so the measured call reuses this compilation).
+    warm = min(16, opts.tokens)
+    small = logits.detach()[:warm].clone().requires_grad_(backward)
     with torch.set_grad_enabled(backward):
-        o = (vocab_parallel_logprobs if opts.variant == "fused" else reference_logprobs)(
-            small, targets[:2], with_entropy=with_entropy
+        o = (vocab_parallel_logprobs if opts.variant in ("fused", "triton") else reference_logprobs)(
+            small, targets[:warm], with_entropy=with_entropy
         )
         if backward:
             sum(t.sum() for t in (o if with_entropy else (o,))).backward()
@@ -148,7 +153,25 @@ def _child(opts) -> dict:
     }
 
 
+def _triton_skip_reason(device):
+    """Why the "triton" variant cannot run on `device` (None when it can)."""
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return None  # Triton's interpreter: checks this script's triton path without a GPU (times meaningless)
+    if device != "cuda":
+        return ("skipped: the Triton kernel runs on CUDA only (on CPU it is checked under TRITON_INTERPRET=1 by "
+                "tests/test_triton_logprobs.py, not timed)")
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return "skipped: triton is not importable here"
+    return None
+
+
 def _run_child(opts, device, dtype, mode, variant) -> dict:
+    if variant == "triton":
+        reason = _triton_skip_reason(device)
+        if reason:
+            return {"device": device, "dtype": dtype, "mode": mode, "variant": variant, "skipped": reason}
     cmd = [
         sys.executable, os.path.abspath(__file__), "--_child",
         "--device", device, "--dtypes", dtype, "--modes", mode, "--variants", variant,
@@ -157,7 +180,8 @@ def _run_child(opts, device, dtype, mode, variant) -> dict:
     ]
     if opts.no_entropy:
         cmd.append("--no-entropy")
-    env = dict(os.environ, OMP_NUM_THREADS=str(opts.threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(opts.threads),
+               MINDSPEED_LOGPROBS_KERNEL="triton" if variant == "triton" else "torch")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if proc.returncode != 0:
         return {"device": device, "dtype": dtype, "mode": mode, "variant": variant,
@@ -177,7 +201,7 @@ def main(argv=None):
     ap.add_argument("--device", default="auto", help="cpu, cuda, or auto (cpu, plus cuda when available)")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--modes", default="fwd,fwd+bwd")
-    ap.add_argument("--variants", default="fused,naive")
+    ap.add_argument("--variants", default="fused,naive,triton", help="fused, naive, triton (triton: CUDA only)")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
     ap.add_argument("--repeats", type=int, default=2, help="timed calls after the first (median reported)")
     ap.add_argument("--chunk-size", type=int, default=0, help="fused rows per chunk (0: the default)")
@@ -190,6 +214,9 @@ def main(argv=None):
         print(json.dumps(_child(opts)))
         return 0
 
+    unknown = [v for v in opts.variants.split(",") if v not in ("fused", "naive", "triton")]
+    if unknown:
+        raise SystemExit(f"logprobs.py: --variants {opts.variants}: unknown variant {unknown[0]!r} (fused, naive, triton)")
     if opts.device == "auto":
         import torch
 
@@ -213,14 +240,17 @@ def main(argv=None):
                     r = _run_child(opts, device, dtype, mode, variant)
                     results.append(r)
                     print(f"  done {device} {dtype} {mode} {variant}: "
-                          + (f"error {r['error']}" if "error" in r else
+                          + (f"error {r['error']}" if "error" in r else r["skipped"] if "skipped" in r else
                              f"peak {r['peak_bytes'] / 2**20:.1f} MiB, {r['time_s']:.3f} s"),
                           file=sys.stderr, flush=True)
 
     print(f"\nlogprobs benchmark: tokens={opts.tokens} vocab={opts.vocab} entropy={not opts.no_entropy} "
           f"threads={opts.threads} (peak = extra memory of the call; fwd under no_grad)")
+    show_triton = "triton" in opts.variants.split(",")
     header = (f"{'device':6} {'dtype':5} {'mode':8} | {'naive MiB':>9} {'fused MiB':>9} {'mem x':>6} | "
               f"{'naive s':>8} {'fused s':>8} {'time x':>6}")
+    if show_triton:  # triton's memory and time, and both as a multiple of naive's
+        header += f" | {'triton MiB':>10} {'mem x':>6} {'triton s':>8} {'time x':>6}"
     print(header)
     print("-" * len(header))
     by_key = {(r["device"], r["dtype"], r["mode"], r["variant"]): r for r in results}
@@ -234,9 +264,19 @@ def main(argv=None):
                     continue
                 mem_x = fused["peak_bytes"] / max(1, naive["peak_bytes"])
                 time_x = fused["time_s"] / naive["time_s"]
-                summary.append({"device": device, "dtype": dtype, "mode": mode, "mem_ratio": mem_x, "time_ratio": time_x})
-                print(f"{device:6} {dtype:5} {mode:8} | {_fmt_mib(naive['peak_bytes'])} {_fmt_mib(fused['peak_bytes'])} "
-                      f"{mem_x:6.3f} | {naive['time_s']:8.3f} {fused['time_s']:8.3f} {time_x:6.3f}")
+                row = {"device": device, "dtype": dtype, "mode": mode, "mem_ratio": mem_x, "time_ratio": time_x}
+                line = (f"{device:6} {dtype:5} {mode:8} | {_fmt_mib(naive['peak_bytes'])} {_fmt_mib(fused['peak_bytes'])} "
+                        f"{mem_x:6.3f} | {naive['time_s']:8.3f} {fused['time_s']:8.3f} {time_x:6.3f}")
+                tri = by_key.get((device, dtype, mode, "triton"))
+                if show_triton and tri and "peak_bytes" in tri:
+                    row["triton_mem_ratio"] = tri["peak_bytes"] / max(1, naive["peak_bytes"])
+                    row["triton_time_ratio"] = tri["time_s"] / naive["time_s"]
+                    line += (f" | {tri['peak_bytes'] / 2**20:10.1f} {row['triton_mem_ratio']:6.3f} "
+                             f"{tri['time_s']:8.3f} {row['triton_time_ratio']:6.3f}")
+                elif show_triton and tri:
+                    line += " | " + ("error" if "error" in tri else "skipped (CUDA only)" if device != "cuda" else "skipped")
+                summary.append(row)
+                print(line)
     if opts.json:
         os.makedirs(os.path.dirname(os.path.abspath(opts.json)), exist_ok=True)
         with open(opts.json, "w") as fh:
