@@ -7,6 +7,13 @@
     python convert_ckpt.py --load-model-type hf --save-model-type mg --orm ...   # reward / critic value head
     python convert_ckpt.py --load-model-type mg --save-model-type mg --target-pipeline-parallel-size 2 ...
 
+Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral; the family comes from config.json's model_type):
+
+    python convert_ckpt.py --load-model-type hf --save-model-type mg --load-dir hf/qwen3_moe --save-dir mg/moe \
+        --target-tensor-parallel-size 2 --target-expert-parallel-size 4      # experts over 4 EP ranks, expert TP 2
+    ... --target-tensor-parallel-size 2 --target-expert-parallel-size 2 --moe-tp-extend-ep   # over 2 x 2 ranks, whole
+    python convert_ckpt.py --load-model-type mg --save-model-type hf ...     # every EP / expert-TP shard gathered
+
 MindSpeed-LLM's spellings parse too: --use-mcore-models (always so here), --model-type GPT, --tokenizer-model
 PATH (the tokenizer file or folder whose files are copied next to the weights, as --tokenizer-dir).
 """
@@ -26,8 +33,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-dir", required=True)
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--target-expert-parallel-size", type=int, default=1,
+                   help="mixture of experts: expert-parallel ranks the experts of each MoE layer are split over (the "
+                        "run's --expert-model-parallel-size); times TP with --moe-tp-extend-ep")
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="mixture of experts: tensor parallelism inside each expert, 1 or the TP size (default: the "
+                        "TP size, experts split like the dense MLP)")
+    p.add_argument("--moe-tp-extend-ep", action="store_true",
+                   help="MindSpeed: the experts are split over EP x TP ranks and kept whole (expert TP 1); the "
+                        "checkpoint stores expert parallel = --target-expert-parallel-size x TP")
     p.add_argument("--model-type-hf", default=None,
-                   help="llama2, llama3, qwen2, qwen25, qwen3, mistral, ... (default: config.json model_type)")
+                   help="llama2, llama3, qwen2, qwen25, qwen3, mistral, qwen3_moe, qwen2_moe, mixtral, ... (default: "
+                        "config.json model_type)")
     p.add_argument("--params-dtype", default=None, choices=("fp32", "bf16", "fp16"),
                    help="dtype of the saved weights (default: that of the loaded checkpoint)")
     p.add_argument("--orm", action="store_true", default=None,
@@ -75,6 +92,20 @@ def _mindspeed_flags(args):
     return folder
 
 
+def _no_target_layout(args) -> None:
+    """mg -> hf gathers every shard; expert-layout flags would be silently meaningless there."""
+    from mindspeed_llm.checkpoint.hf_mapping import ConversionError
+
+    given = [flag for flag, set_ in (
+        (f"--target-expert-parallel-size {args.target_expert_parallel_size}", args.target_expert_parallel_size != 1),
+        (f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}",
+         args.expert_tensor_parallel_size is not None),
+        ("--moe-tp-extend-ep", args.moe_tp_extend_ep)) if set_]
+    if given:
+        raise ConversionError(f"{', '.join(given)}: the Hugging Face export gathers every shard of the checkpoint "
+                              f"(its layout is read from it); drop the flag")
+
+
 def run(args) -> None:
     from mindspeed_llm.checkpoint import convert_hf_to_mg, convert_mg_to_hf, convert_mg_to_mg
     from mindspeed_llm.checkpoint.hf_mapping import ConversionError
@@ -82,21 +113,24 @@ def run(args) -> None:
     tokenizer_dir = _mindspeed_flags(args)
     progress = not args.no_progress
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+    moe = dict(ep=args.target_expert_parallel_size, etp=args.expert_tensor_parallel_size,
+               moe_tp_extend_ep=args.moe_tp_extend_ep)
     iteration = args.load_iteration
     if iteration is not None and iteration != "release":
         iteration = int(iteration)
     if args.load_model_type == "hf" and args.save_model_type == "mg":
         convert_hf_to_mg(args.load_dir, args.save_dir, tp=tp, pp=pp, params_dtype=args.params_dtype,
                          value_head=bool(args.orm), model_type_hf=args.model_type_hf,
-                         tokenizer_dir=tokenizer_dir, progress=progress, allow_non_finite=args.allow_non_finite)
+                         tokenizer_dir=tokenizer_dir, progress=progress, allow_non_finite=args.allow_non_finite, **moe)
     elif args.load_model_type == "mg" and args.save_model_type == "hf":
+        _no_target_layout(args)
         convert_mg_to_hf(args.load_dir, args.save_dir, params_dtype=args.params_dtype, value_head=args.orm,
                          tokenizer_dir=tokenizer_dir, iteration=iteration, progress=progress,
                          allow_non_finite=args.allow_non_finite)
     elif args.load_model_type == "mg" and args.save_model_type == "mg":
         convert_mg_to_mg(args.load_dir, args.save_dir, tp=tp, pp=pp, params_dtype=args.params_dtype,
                          iteration=iteration, value_head=args.orm, progress=progress,
-                         allow_non_finite=args.allow_non_finite)
+                         allow_non_finite=args.allow_non_finite, **moe)
     else:
         raise ConversionError("--load-model-type hf --save-model-type hf: nothing to convert")
 

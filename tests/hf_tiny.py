@@ -5,7 +5,9 @@ biases are noise (not zeros), Qwen3 q/k norms likewise, so a converter that drop
 tensor changes the logits. The configs differ per family on purpose (grouped-query attention with
 different group sizes, an explicit head_dim != hidden/heads for Qwen3, llama3 RoPE scaling, rope_theta)
 and all of them split 2 ways for tensor parallelism (heads, key/value heads, ffn and vocab even) and
-2 ways for pipeline parallelism (even layer count).
+2 ways for pipeline parallelism (even layer count). The mixture-of-experts families (MOE_FAMILIES,
+MOE_VARIANTS) also split 2 ways for expert parallelism and expert TP (even expert count and widths);
+their router (and Qwen2-MoE's shared_expert_gate) weights are random like every other matrix.
 
     from tests.hf_tiny import save_tiny
     path = save_tiny("qwen2", tmp_path / "qwen2", tie=True)                  # *ForCausalLM
@@ -22,6 +24,7 @@ from typing import Any, Dict
 import torch
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 # Architecture per family; every count divides by 2 (TP=2) and num_hidden_layers by 2 (PP=2).
 _BASE: Dict[str, Dict[str, Any]] = {
@@ -36,6 +39,26 @@ _BASE: Dict[str, Dict[str, Any]] = {
                   rope_theta=1000000.0),
     "mistral": dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
                     rope_theta=10000.0, sliding_window=None),
+    # Mixtures of experts: the expert width differs from the dense width (moe_intermediate_size !=
+    # intermediate_size) so a converter that mixes them up fails on shapes; 4 or 8 experts, top-2.
+    "qwen3_moe": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                      num_experts_per_tok=2, norm_topk_prob=True, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, rope_theta=1000000.0, router_aux_loss_coef=0.001),
+    "qwen2_moe": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=48, num_experts=4,
+                      num_experts_per_tok=2, shared_expert_intermediate_size=80, norm_topk_prob=False,
+                      num_attention_heads=4, num_key_value_heads=2, rope_theta=1000000.0, router_aux_loss_coef=0.001),
+    "mixtral": dict(hidden_size=64, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                    num_attention_heads=8, num_key_value_heads=2, head_dim=8, rope_theta=1000000.0,
+                    sliding_window=None, router_aux_loss_coef=0.02),
+}
+
+# MoE variants: (family, config overrides). "qwen3_moe-mixed" has a dense layer (mlp_only_layers, dense
+# tensor names, intermediate_size) between sparse ones and HF norm_topk_prob=False (megatron pre-softmax).
+MOE_VARIANTS: Dict[str, tuple] = {
+    "qwen3_moe": ("qwen3_moe", {}),
+    "qwen3_moe-mixed": ("qwen3_moe", dict(mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen2_moe": ("qwen2_moe", {}),
+    "mixtral": ("mixtral", {}),
 }
 
 PAD_TOKEN_ID = 0

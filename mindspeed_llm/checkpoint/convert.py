@@ -1,8 +1,10 @@
 """Hugging Face <-> Megatron-core conversion, Megatron resharding, and the loader the stages use.
 
     convert_hf_to_mg(hf_dir, mg_root, tp=2, pp=1, params_dtype="bf16", value_head=False)
-    convert_mg_to_hf(mg_root, hf_dir)                 # any TP/PP; value head detected from the checkpoint
-    convert_mg_to_mg(mg_root, new_root, tp=1, pp=2)   # reshard
+    convert_hf_to_mg(moe_dir, mg_root, tp=2, ep=2)    # mixture of experts: experts over 2 EP ranks, expert TP 2
+    convert_hf_to_mg(moe_dir, mg_root, tp=2, ep=1, moe_tp_extend_ep=True)  # experts over EP x TP ranks, whole
+    convert_mg_to_hf(mg_root, hf_dir)                 # any TP/PP/EP; value head detected from the checkpoint
+    convert_mg_to_mg(mg_root, new_root, tp=1, pp=2)   # reshard (ep=, etp=, moe_tp_extend_ep= likewise)
     load_megatron_weights(model, mg_root)             # this rank's shard into a built GPTModel, strictly
 
 The conversions stream one pipeline stage at a time (memory: about one stage's weights twice), show a
@@ -51,16 +53,64 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="layer", disable=not enabled, leave=False)
 
 
-def _check_target_parallel(spec, tp: int, pp: int) -> None:
+def expert_layout(spec, tp: int, ep: int = 1, etp: Optional[int] = None, moe_tp_extend_ep: bool = False):
+    """(effective expert-parallel size, expert tensor-parallel size) of the converter's flags, as the
+    training flags resolve them: --moe-tp-extend-ep spreads the experts over EP x TP ranks, whole (expert
+    TP 1); otherwise expert TP defaults to TP (experts split like the dense MLP). Errors name the flag."""
+    if ep < 1:
+        raise ConversionError(f"--target-expert-parallel-size {ep}: must be >= 1")
+    if not spec.is_moe:
+        if ep != 1:
+            raise ConversionError(
+                f"--target-expert-parallel-size {ep} needs a mixture-of-experts model, but this {spec.family} model "
+                f"is dense; drop the flag")
+        if moe_tp_extend_ep:
+            raise ConversionError(
+                f"--moe-tp-extend-ep needs a mixture-of-experts model, but this {spec.family} model is dense; drop "
+                f"the flag")
+        if etp not in (None, tp):
+            raise ConversionError(
+                f"--expert-tensor-parallel-size {etp} needs a mixture-of-experts model, but this {spec.family} model "
+                f"is dense; drop the flag")
+        return 1, tp
+    if moe_tp_extend_ep:
+        if etp not in (None, 1):
+            raise ConversionError(
+                f"--moe-tp-extend-ep keeps every expert whole (expert tensor parallel 1); it cannot be combined with "
+                f"--expert-tensor-parallel-size {etp} (drop one)")
+        return ep * tp, 1
+    etp = tp if etp is None else etp
+    if etp not in (1, tp):
+        raise ConversionError(
+            f"--expert-tensor-parallel-size {etp} must be 1 or --target-tensor-parallel-size {tp} (experts are kept "
+            f"either whole or split like the dense layers)")
+    if etp == 1 and tp > 1 and ep % tp:
+        # Megatron then gives rank r tp_rank r % TP and ep_rank r % EP; the shard layout keeps one shard per
+        # expert-parallel rank, which needs EP to be a multiple of TP.
+        raise ConversionError(
+            f"--expert-tensor-parallel-size 1 with --target-tensor-parallel-size {tp} needs a "
+            f"--target-expert-parallel-size that is a multiple of {tp} (got {ep}); pass --moe-tp-extend-ep to split "
+            f"the experts over EP x TP ranks, or drop --expert-tensor-parallel-size")
+    return ep, etp
+
+
+def _check_target_parallel(spec, tp: int, pp: int, ep: int = 1, etp: Optional[int] = None,
+                           moe_tp_extend_ep: bool = False) -> None:
     if tp < 1:
         raise ConversionError(f"--target-tensor-parallel-size {tp}: must be >= 1")
     if pp < 1:
         raise ConversionError(f"--target-pipeline-parallel-size {pp}: must be >= 1")
     try:
-        spec.check_parallel(tp, pp)
+        spec.check_parallel(tp, pp, ep, etp)
     except ValueError as err:
         message = str(err).replace("--tensor-model-parallel-size", "--target-tensor-parallel-size")
         message = message.replace("--pipeline-model-parallel-size", "--target-pipeline-parallel-size")
+        if moe_tp_extend_ep:
+            message = message.replace(
+                f"--expert-model-parallel-size {ep} (times TP with --moe-tp-extend-ep)",
+                f"--target-expert-parallel-size {ep // tp} x --target-tensor-parallel-size {tp} (--moe-tp-extend-ep)")
+        message = message.replace("--expert-model-parallel-size", "--target-expert-parallel-size")
+        message = message.replace(" (times TP with --moe-tp-extend-ep)", "")
         raise ConversionError(message) from None
 
 
@@ -179,18 +229,29 @@ def _cast(tensors: Dict[str, torch.Tensor], dtype: torch.dtype, value_head: bool
 
 def _write_checkpoint(save_dir: str, stages, spec, tp: int, pp: int, dtype: torch.dtype, value_head: bool,
                       total_layers: int, desc: str, progress: bool, hf_config=None, tokenizer_src=None,
-                      finite: Optional["_FiniteCheck"] = None) -> None:
-    """`stages(stage) -> full local tensors of that stage`; writes all TP x PP shards, then publishes."""
+                      finite: Optional["_FiniteCheck"] = None, ep: int = 1, etp: Optional[int] = None) -> None:
+    """`stages(stage) -> full local tensors of that stage`; writes all TP x PP (x EP) shards, then publishes."""
+    etp = tp if etp is None else etp
     staging = layout.prepare_staging(save_dir, layout.RELEASE)
     bar = _progress(total_layers, desc, progress)
+    extra = {"hf_config": hf_config} if hf_config is not None else {}
     try:
         for stage in range(pp):
             stage_sd = _cast(stages(stage, bar), dtype, value_head, finite)
-            for tp_rank, shard in enumerate(sharding.split_stage(stage_sd, tp, value_head, True, spec, pp, stage)):
-                extra = {"hf_config": hf_config} if hf_config is not None else {}
-                payload = layout.make_payload(shard, spec, tp, pp, tp_rank, stage, dtype, value_head, **extra)
-                layout.save_file(payload, layout.shard_path(staging, tp_rank, stage, pp))
+            if not spec.is_moe:
+                for tp_rank, shard in enumerate(sharding.split_stage(stage_sd, tp, value_head, True, spec, pp, stage)):
+                    payload = layout.make_payload(shard, spec, tp, pp, tp_rank, stage, dtype, value_head, **extra)
+                    layout.save_file(payload, layout.shard_path(staging, tp_rank, stage, pp))
+                del stage_sd
+                continue
+            pairs = [(t, e) for t, p, e in layout.expected_shards(tp, pp, ep, etp) if p == stage]
+            shards = sharding.split_stage_experts(stage_sd, spec, pp, stage, tp, ep, etp, pairs, value_head)
             del stage_sd
+            for (tp_rank, ep_rank), shard in shards.items():
+                payload = layout.make_payload(shard, spec, tp, pp, tp_rank, stage, dtype, value_head, ep=ep, etp=etp,
+                                              ep_rank=ep_rank, **extra)
+                layout.save_file(payload, layout.shard_path(staging, tp_rank, stage, pp, ep_rank=ep_rank, ep_size=ep))
+            del shards
     except Exception:
         shutil.rmtree(staging, ignore_errors=True)  # refused (e.g. non-finite weights): leave nothing behind
         raise
@@ -208,8 +269,13 @@ def _write_checkpoint(save_dir: str, stages, spec, tp: int, pp: int, dtype: torc
 
 def convert_hf_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, params_dtype=None,
                      value_head: bool = False, model_type_hf: Optional[str] = None,
-                     tokenizer_dir: Optional[str] = None, progress: bool = True, allow_non_finite: bool = False):
+                     tokenizer_dir: Optional[str] = None, progress: bool = True, allow_non_finite: bool = False,
+                     ep: int = 1, etp: Optional[int] = None, moe_tp_extend_ep: bool = False):
     """Convert a Hugging Face folder into a Megatron-LM release checkpoint (TP x PP shards) under `save_dir`.
+
+    A mixture of experts is also split over `ep` expert-parallel ranks with expert tensor parallelism `etp`
+    (default TP; 1 keeps experts whole); `moe_tp_extend_ep` (MindSpeed's --moe-tp-extend-ep) stores the
+    experts over ep x tp ranks, whole. Experts are read in the Hub (per-expert) or transformers' fused format.
 
     `params_dtype` (fp32/bf16/fp16) defaults to the dtype of the HF weights. With `value_head` the HF
     folder must be a *ForSequenceClassification model (score.weight [1, hidden]); the head stays fp32.
@@ -222,8 +288,10 @@ def convert_hf_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, par
     config = hfm.read_hf_config(load_dir)
     hfm.resolve_family(model_type_hf, config, where=os.path.join(load_dir, "config.json"))
     spec = ModelSpec.from_hf_config(config)
-    _check_target_parallel(spec, tp, pp)
+    ep, etp = expert_layout(spec, tp, ep, etp, moe_tp_extend_ep)
+    _check_target_parallel(spec, tp, pp, ep, etp, moe_tp_extend_ep)
     weights = hfm.HFWeights(load_dir)
+    weights.expose_fused_experts(spec)
     hfm.check_hf_names(weights, spec, value_head)
     hfm.check_hf_shapes(weights, spec, value_head, config_file=os.path.join(load_dir, "config.json"))
     finite = _FiniteCheck(load_dir, allow_non_finite)
@@ -244,7 +312,7 @@ def convert_hf_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, par
 
     _write_checkpoint(save_dir, stage_tensors, spec, tp, pp, dtype, value_head, spec.num_layers,
                       "hf->mg layers", progress, hf_config=config, tokenizer_src=tokenizer_dir or load_dir,
-                      finite=finite)
+                      finite=finite, ep=ep, etp=etp)
     finite.report()
     return spec
 
@@ -252,14 +320,26 @@ def convert_hf_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, par
 # ------------------------------------------------------------------------------------------- Megatron -> HF
 
 def _load_stage(info, stage: int) -> Dict[str, torch.Tensor]:
-    shards = []
-    for r in range(info["tp"]):
-        path = layout.shard_path(info["dir"], r, stage, info["pp"])
-        try:
-            shards.append(layout.load_file(path)["model"])
-        except (RuntimeError, EOFError) as err:
-            raise _unreadable_shard(path, err) from None
-    return sharding.merge_stage(shards, info["value_head"])
+    """One stage's unsplit tensors (local layer names; a mixture of experts' experts under global indices)."""
+    tp, pp = info["tp"], info["pp"]
+    if not info["spec"].is_moe:
+        shards = []
+        for r in range(tp):
+            shards.append(_read_shard(layout.shard_path(info["dir"], r, stage, pp)))
+        return sharding.merge_stage(shards, info["value_head"])
+    ep, etp = info.get("ep", 1), info.get("etp", tp)
+    shards = {}
+    for t, p, e in layout.expected_shards(tp, pp, ep, etp):
+        if p == stage:
+            shards[(t, e)] = _read_shard(layout.shard_path(info["dir"], t, stage, pp, ep_rank=e, ep_size=ep))
+    return sharding.merge_stage_experts(shards, info["spec"], tp, ep, etp, info["value_head"])
+
+
+def _read_shard(path: str) -> Dict[str, torch.Tensor]:
+    try:
+        return layout.load_file(path)["model"]
+    except (RuntimeError, EOFError) as err:
+        raise _unreadable_shard(path, err) from None
 
 
 def _check_value_head_flag(info, value_head: Optional[bool], root: str) -> bool:
@@ -302,7 +382,7 @@ def convert_mg_to_hf(load_dir: str, save_dir: str, params_dtype=None, value_head
             full = sharding.stage_to_full(_load_stage(info, stage), spec, pp, stage, value_head)
             finite.check_all(full)
             for index in sharding.stage_layers(spec.num_layers, pp, stage):
-                layer = {rel: full.pop(hfm.layer_key(index, rel)) for rel in hfm.mg_layer_names(spec)}
+                layer = {rel: full.pop(hfm.layer_key(index, rel)) for rel in hfm.mg_layer_names(spec, index)}
                 hf_state.update(hfm.mg_layer_to_hf(layer, spec, index))
                 bar.update(1)
             hf_state.update(hfm.mg_nonlayer_to_hf(full, spec, value_head))
@@ -345,13 +425,16 @@ def _hf_order(state: Dict[str, torch.Tensor], spec, value_head: bool):
 # ------------------------------------------------------------------------------------------- Megatron -> Megatron
 
 def convert_mg_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, params_dtype=None, iteration=None,
-                     value_head: Optional[bool] = None, progress: bool = True, allow_non_finite: bool = False):
-    """Reshard a Megatron checkpoint to a new TP x PP (and optionally dtype) as a release checkpoint."""
+                     value_head: Optional[bool] = None, progress: bool = True, allow_non_finite: bool = False,
+                     ep: int = 1, etp: Optional[int] = None, moe_tp_extend_ep: bool = False):
+    """Reshard a Megatron checkpoint to a new TP x PP (x EP, expert TP; see convert_hf_to_mg) and optionally
+    dtype, as a release checkpoint."""
     load_dir, save_dir = os.fspath(load_dir), os.fspath(save_dir)
     info = _checkpoint_info(load_dir, iteration)
     spec = info["spec"]
     value_head = _check_value_head_flag(info, value_head, load_dir)
-    _check_target_parallel(spec, tp, pp)
+    ep, etp = expert_layout(spec, tp, ep, etp, moe_tp_extend_ep)
+    _check_target_parallel(spec, tp, pp, ep, etp, moe_tp_extend_ep)
     dtype = parse_dtype(params_dtype) or info["params_dtype"]
     if _same_path(load_dir, save_dir):
         raise ConversionError(f"--save-dir {save_dir} is the --load-dir; write the resharded checkpoint elsewhere")
@@ -366,7 +449,7 @@ def convert_mg_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, par
         return sharding.stage_state_dict(full, spec, pp, stage, value_head)
 
     _write_checkpoint(save_dir, stage_tensors, spec, tp, pp, dtype, value_head, spec.num_layers, "mg->mg layers",
-                      progress, hf_config=info.get("hf_config"), tokenizer_src=load_dir, finite=finite)
+                      progress, hf_config=info.get("hf_config"), tokenizer_src=load_dir, finite=finite, ep=ep, etp=etp)
     finite.report()
     return spec
 

@@ -1,4 +1,5 @@
-"""Hugging Face <-> Megatron-core tensor names and layouts (Llama, Qwen2/2.5, Qwen3, Mistral families).
+"""Hugging Face <-> Megatron-core tensor names and layouts (Llama, Qwen2/2.5, Qwen3, Mistral families and the
+mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral).
 
 All four families share the Llama layout on the Hugging Face side; they differ only in optional tensors
 (Qwen2: q/k/v biases; Qwen3: per-head q/k RMSNorms). The Megatron side is the local-spec `GPTModel`:
@@ -20,6 +21,24 @@ All four families share the Llama layout on the Hugging Face side; they differ o
 Fused layouts: `linear_qkv` rows are grouped per key/value head g as [q rows of the heads of group g |
 k rows of g | v rows of g] (the bias likewise); `linear_fc1` rows are [gate ; up].
 
+Mixture-of-experts layers (every layer of a MoE model except Qwen-MoE's `mlp_only_layers`, which keep the
+dense names above) replace the MLP rows; M = `mlp.` (Qwen-MoE) or `block_sparse_moe.` (Mixtral), expert
+projections gate/up/down = gate_proj/up_proj/down_proj (Qwen-MoE) or w1/w3/w2 (Mixtral):
+
+| Hugging Face (Hub / save_pretrained format)          | Megatron-core (global expert index j)           |
+|------------------------------------------------------|-------------------------------------------------|
+| model.layers.i.M.gate.weight [E, hidden] (router)    | decoder.layers.i.mlp.router.weight              |
+| model.layers.i.M.experts.j.{gate,up}.weight          | ...mlp.experts.local_experts.j.linear_fc1.weight|
+| model.layers.i.M.experts.j.down.weight               | ...mlp.experts.local_experts.j.linear_fc2.weight|
+| model.layers.i.mlp.shared_expert.{gate,up}_proj      | ...mlp.shared_experts.linear_fc1.weight         |
+| model.layers.i.mlp.shared_expert.down_proj           | ...mlp.shared_experts.linear_fc2.weight         |
+| model.layers.i.mlp.shared_expert_gate.weight [1, h]  | ...mlp.shared_experts.gate_weight               |
+
+transformers 5.x holds experts fused in memory (`mlp.experts.gate_up_proj` [E, 2F, hidden] = [gate ; up] per
+expert, `mlp.experts.down_proj` [E, hidden, F], Mixtral's router as `mlp.gate.weight`) but its
+`save_pretrained` (5.24) writes the per-expert Hub names above, and `from_pretrained` reads them back into the
+same tensors (tests/test_moe_convert.py checks both). Both formats are read here; the Hub format is written.
+
 This module holds full (not tensor-parallel) tensors only; `sharding.py` splits and merges them.
 It needs torch and safetensors, not megatron.
 """
@@ -40,6 +59,9 @@ MODEL_TYPE_ALIASES = {
     "qwen2": "qwen2", "qwen25": "qwen2", "qwen2.5": "qwen2", "qwen2_5": "qwen2",
     "qwen3": "qwen3",
     "mistral": "mistral",
+    "qwen3_moe": "qwen3_moe", "qwen3moe": "qwen3_moe",
+    "qwen2_moe": "qwen2_moe", "qwen2moe": "qwen2_moe", "qwen15_moe": "qwen2_moe", "qwen1.5_moe": "qwen2_moe",
+    "mixtral": "mixtral",
 }
 
 EMBED = "embedding.word_embeddings.weight"
@@ -51,6 +73,18 @@ HF_EMBED = "embed_tokens.weight"
 HF_FINAL_NORM = "norm.weight"
 HF_LM_HEAD = "lm_head.weight"
 HF_SCORE = "score.weight"
+
+# Megatron names (relative to decoder.layers.i.) of a mixture-of-experts MLP.
+MOE_ROUTER = "mlp.router.weight"
+SHARED_FC1 = "mlp.shared_experts.linear_fc1.weight"
+SHARED_FC2 = "mlp.shared_experts.linear_fc2.weight"
+SHARED_GATE = "mlp.shared_experts.gate_weight"
+EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|_extra_state)$")
+
+
+def expert_name(j: int, linear: str, what: str = "weight") -> str:
+    """`mlp.experts.local_experts.j.linear_fc1.weight` (linear: linear_fc1 | linear_fc2)."""
+    return f"mlp.experts.local_experts.{j}.{linear}.{what}"
 
 # HF files that carry the tokenizer (and generation defaults): copied next to converted weights.
 TOKENIZER_FILES = (
@@ -114,6 +148,9 @@ class HFWeights:
         self._files: Dict[str, str] = {}  # raw key -> file
         self._handles: Dict[str, object] = {}
         self._bins: Dict[str, Dict[str, torch.Tensor]] = {}
+        # Per-expert names read out of transformers' fused expert tensors: name -> (fused name, expert, part).
+        self._views: Dict[str, tuple] = {}
+        self._cached: tuple = (None, None)  # (fused name, tensor): one fused tensor is read once for its experts
         self._discover()
         raw = list(self._files)
         self.prefix = "model." if any(k.startswith("model.") for k in raw) else ""
@@ -179,13 +216,61 @@ class HFWeights:
                 raise _unreadable(file, err) from None
         return self._bins[file]
 
+    def expose_fused_experts(self, spec) -> None:
+        """Let transformers' fused expert tensors (`layers.i.mlp.experts.gate_up_proj` [E, 2F, hidden] and
+        `down_proj` [E, hidden, F]) read as the per-expert Hub names of `spec`'s family; Mixtral's fused
+        router `layers.i.mlp.gate.weight` reads as `block_sparse_moe.gate.weight`. No-op for a dense model
+        or the Hub format."""
+        if not spec.is_moe:
+            return
+        moe, (gate, up, down) = moe_hf_names(spec)
+        fused = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+        for name in list(self._by_name):
+            match = fused.match(name)
+            if not match:
+                continue
+            layer, kind = match.group(1), match.group(2)
+            shape = self._raw_shape(name)
+            rows = spec.num_experts
+            if len(shape) != 3 or shape[0] != rows or (kind == "gate_up_proj" and shape[1] % 2):
+                raise ConversionError(
+                    f"fused expert tensor {self.prefix}{name} in {self.path} has shape {tuple(shape)}; "
+                    f"{'[num_experts, 2 x expert width, hidden]' if kind == 'gate_up_proj' else '[num_experts, hidden, expert width]'} "
+                    f"with num_experts={rows} was expected: use the config.json these weights were saved with")
+            base = f"layers.{layer}.{moe}experts."
+            for j in range(rows):
+                if kind == "gate_up_proj":
+                    self._views[f"{base}{j}.{gate}.weight"] = (name, j, 0)
+                    self._views[f"{base}{j}.{up}.weight"] = (name, j, 1)
+                else:
+                    self._views[f"{base}{j}.{down}.weight"] = (name, j, None)
+            del self._by_name[name]
+            if moe != "mlp.":
+                router = f"layers.{layer}.mlp.gate.weight"
+                if router in self._by_name:
+                    self._by_name[f"layers.{layer}.{moe}gate.weight"] = self._by_name.pop(router)
+
+    def _view(self, name: str) -> torch.Tensor:
+        source, j, part = self._views[name]
+        if self._cached[0] != source:
+            self._cached = (source, self._raw_get(source))
+        tensor = self._cached[1][j]
+        if part is not None:
+            tensor = torch.chunk(tensor, 2, dim=0)[part]
+        return tensor.clone()
+
     def names(self) -> List[str]:
-        return list(self._by_name)
+        return list(self._by_name) + list(self._views)
 
     def has(self, name: str) -> bool:
-        return name in self._by_name
+        return name in self._by_name or name in self._views
 
     def get(self, name: str) -> torch.Tensor:
+        if name in self._views:
+            return self._view(name)
+        return self._raw_get(name)
+
+    def _raw_get(self, name: str) -> torch.Tensor:
         if name not in self._by_name:
             raise ConversionError(f"Hugging Face checkpoint {self.path} has no tensor {self.prefix}{name}")
         key = self._by_name[name]
@@ -201,6 +286,13 @@ class HFWeights:
 
     def shape(self, name: str) -> tuple:
         """The shape of tensor `name`, without reading its data (safetensors)."""
+        if name in self._views:
+            source, _, part = self._views[name]
+            fused = self._raw_shape(source)
+            return (fused[1] // 2 if part is not None else fused[1], fused[2])
+        return self._raw_shape(name)
+
+    def _raw_shape(self, name: str) -> tuple:
         key = self._by_name[name]
         file = self._files[key]
         if file.endswith(".safetensors"):
@@ -277,19 +369,47 @@ def layer_key(index: int, rel: str) -> str:
     return f"{LAYER_PREFIX}{index}.{rel}"
 
 
-def mg_layer_names(spec) -> List[str]:
-    """Names (relative to decoder.layers.i.) of one layer's tensors, in GPTModel order."""
+def is_moe_layer(spec, index: int) -> bool:
+    """Whether global layer `index` has a mixture-of-experts MLP."""
+    return bool(spec.is_moe and spec.moe_layers()[index])
+
+
+def moe_hf_names(spec):
+    """(prefix of the MoE block, (gate, up, down) expert projection names) of `spec`'s family."""
+    if spec.family == "mixtral":
+        return "block_sparse_moe.", ("w1", "w3", "w2")
+    return "mlp.", ("gate_proj", "up_proj", "down_proj")
+
+
+def _attention_names(spec) -> List[str]:
     names = ["input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight"]
     if spec.add_qkv_bias:
         names.append("self_attention.linear_qkv.bias")
     if spec.qk_layernorm:
         names += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
-    names += ["pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    return names + ["pre_mlp_layernorm.weight"]
+
+
+def mg_layer_names(spec, index: int = 0, num_experts: Optional[int] = None) -> List[str]:
+    """Names (relative to decoder.layers.i.) of global layer `index`'s tensors, in GPTModel order.
+
+    A MoE layer lists experts 0..num_experts-1 (default: all of them, global indices; a shard passes its
+    number of local experts)."""
+    names = _attention_names(spec)
+    if not is_moe_layer(spec, index):
+        return names + ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    names.append(MOE_ROUTER)
+    for j in range(spec.num_experts if num_experts is None else num_experts):
+        names += [expert_name(j, "linear_fc1"), expert_name(j, "linear_fc2")]
+    if spec.moe_shared_expert_intermediate_size:
+        if spec.moe_shared_expert_gate:
+            names.append(SHARED_GATE)
+        names += [SHARED_FC1, SHARED_FC2]
     return names
 
 
 def hf_layer_names(spec, index: int) -> List[str]:
-    """HF names (without the decoder prefix) of layer `index`."""
+    """HF names (without the decoder prefix) of layer `index`, in the Hub (per-expert) format."""
     p = f"layers.{index}."
     names = [p + "input_layernorm.weight"]
     names += [p + f"self_attn.{x}_proj.weight" for x in ("q", "k", "v", "o")]
@@ -298,12 +418,22 @@ def hf_layer_names(spec, index: int) -> List[str]:
     if spec.qk_layernorm:
         names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
     names += [p + "post_attention_layernorm.weight"]
-    names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+    if not is_moe_layer(spec, index):
+        return names + [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+    moe, projs = moe_hf_names(spec)
+    names.append(p + moe + "gate.weight")
+    for j in range(spec.num_experts):
+        names += [p + f"{moe}experts.{j}.{x}.weight" for x in projs]
+    if spec.moe_shared_expert_intermediate_size:
+        names += [p + f"mlp.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")]
+        if spec.moe_shared_expert_gate:
+            names.append(p + "mlp.shared_expert_gate.weight")
     return names
 
 
 def hf_layer_to_mg(get: Callable[[str], torch.Tensor], spec, index: int) -> Dict[str, torch.Tensor]:
-    """Layer `index` from HF tensors (get(name) without decoder prefix) -> {relative Megatron name: tensor}."""
+    """Layer `index` from HF tensors (get(name) without decoder prefix) -> {relative Megatron name: tensor}
+    (MoE experts under their global index)."""
     p = f"layers.{index}."
     attn = p + "self_attn."
     out = {
@@ -319,13 +449,29 @@ def hf_layer_to_mg(get: Callable[[str], torch.Tensor], spec, index: int) -> Dict
         out["self_attention.q_layernorm.weight"] = get(attn + "q_norm.weight")
         out["self_attention.k_layernorm.weight"] = get(attn + "k_norm.weight")
     out["pre_mlp_layernorm.weight"] = get(p + "post_attention_layernorm.weight")
-    out["mlp.linear_fc1.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], dim=0)
-    out["mlp.linear_fc2.weight"] = get(p + "mlp.down_proj.weight")
+    if not is_moe_layer(spec, index):
+        out["mlp.linear_fc1.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")],
+                                                 dim=0)
+        out["mlp.linear_fc2.weight"] = get(p + "mlp.down_proj.weight")
+        return out
+    moe, (gate, up, down) = moe_hf_names(spec)
+    out[MOE_ROUTER] = get(p + moe + "gate.weight")
+    for j in range(spec.num_experts):
+        e = f"{p}{moe}experts.{j}."
+        out[expert_name(j, "linear_fc1")] = torch.cat([get(e + gate + ".weight"), get(e + up + ".weight")], dim=0)
+        out[expert_name(j, "linear_fc2")] = get(e + down + ".weight")
+    if spec.moe_shared_expert_intermediate_size:
+        s = p + "mlp.shared_expert."
+        if spec.moe_shared_expert_gate:
+            out[SHARED_GATE] = get(p + "mlp.shared_expert_gate.weight")
+        out[SHARED_FC1] = torch.cat([get(s + "gate_proj.weight"), get(s + "up_proj.weight")], dim=0)
+        out[SHARED_FC2] = get(s + "down_proj.weight")
     return out
 
 
 def mg_layer_to_hf(layer: Dict[str, torch.Tensor], spec, index: int, prefix: str = "model.") -> Dict[str, torch.Tensor]:
-    """{relative Megatron name: full tensor} of layer `index` -> {HF name (with prefix): tensor}."""
+    """{relative Megatron name: full tensor} of layer `index` (experts under global indices) -> {HF name (with
+    prefix): tensor}, experts in the per-expert Hub format."""
     p = f"{prefix}layers.{index}."
     attn = p + "self_attn."
     q, k, v = split_qkv(layer["self_attention.linear_qkv.weight"], spec)
@@ -341,10 +487,28 @@ def mg_layer_to_hf(layer: Dict[str, torch.Tensor], spec, index: int, prefix: str
         out[attn + "q_norm.weight"] = layer["self_attention.q_layernorm.weight"]
         out[attn + "k_norm.weight"] = layer["self_attention.k_layernorm.weight"]
     out[p + "post_attention_layernorm.weight"] = layer["pre_mlp_layernorm.weight"]
-    gate, up = torch.chunk(layer["mlp.linear_fc1.weight"], 2, dim=0)
-    out[p + "mlp.gate_proj.weight"] = gate
-    out[p + "mlp.up_proj.weight"] = up
-    out[p + "mlp.down_proj.weight"] = layer["mlp.linear_fc2.weight"]
+    if not is_moe_layer(spec, index):
+        gate, up = torch.chunk(layer["mlp.linear_fc1.weight"], 2, dim=0)
+        out[p + "mlp.gate_proj.weight"] = gate
+        out[p + "mlp.up_proj.weight"] = up
+        out[p + "mlp.down_proj.weight"] = layer["mlp.linear_fc2.weight"]
+        return out
+    moe, (gate_name, up_name, down_name) = moe_hf_names(spec)
+    out[p + moe + "gate.weight"] = layer[MOE_ROUTER]
+    for j in range(spec.num_experts):
+        e = f"{p}{moe}experts.{j}."
+        gate, up = torch.chunk(layer[expert_name(j, "linear_fc1")], 2, dim=0)
+        out[e + gate_name + ".weight"] = gate
+        out[e + up_name + ".weight"] = up
+        out[e + down_name + ".weight"] = layer[expert_name(j, "linear_fc2")]
+    if spec.moe_shared_expert_intermediate_size:
+        s = p + "mlp.shared_expert."
+        gate, up = torch.chunk(layer[SHARED_FC1], 2, dim=0)
+        out[s + "gate_proj.weight"] = gate
+        out[s + "up_proj.weight"] = up
+        out[s + "down_proj.weight"] = layer[SHARED_FC2]
+        if spec.moe_shared_expert_gate:
+            out[p + "mlp.shared_expert_gate.weight"] = layer[SHARED_GATE]
     return out
 
 
@@ -426,9 +590,29 @@ def hf_expected_shapes(spec, value_head: bool) -> Dict[str, tuple]:
         if spec.qk_layernorm:
             out[a + "q_norm.weight"] = ((d,), f"head_dim={d}")
             out[a + "k_norm.weight"] = ((d,), f"head_dim={d}")
-        out[p + "mlp.gate_proj.weight"] = ((f, h), f"{ff}, {hf}")
-        out[p + "mlp.up_proj.weight"] = ((f, h), f"{ff}, {hf}")
-        out[p + "mlp.down_proj.weight"] = ((h, f), f"{hf}, {ff}")
+        if not is_moe_layer(spec, i):
+            out[p + "mlp.gate_proj.weight"] = ((f, h), f"{ff}, {hf}")
+            out[p + "mlp.up_proj.weight"] = ((f, h), f"{ff}, {hf}")
+            out[p + "mlp.down_proj.weight"] = ((h, f), f"{hf}, {ff}")
+            continue
+        moe, (gate, up, down) = moe_hf_names(spec)
+        n, m = spec.num_experts, spec.moe_ffn_hidden_size
+        nf = f"{'num_local_experts' if spec.family == 'mixtral' else 'num_experts'}={n}"
+        mf = f"{'intermediate_size' if spec.family == 'mixtral' else 'moe_intermediate_size'}={m}"
+        out[p + moe + "gate.weight"] = ((n, h), f"{nf}, {hf}")
+        for j in range(n):
+            e = f"{p}{moe}experts.{j}."
+            out[e + gate + ".weight"] = ((m, h), f"{mf}, {hf}")
+            out[e + up + ".weight"] = ((m, h), f"{mf}, {hf}")
+            out[e + down + ".weight"] = ((h, m), f"{hf}, {mf}")
+        shared = spec.moe_shared_expert_intermediate_size
+        if shared:
+            sf = f"shared_expert_intermediate_size={shared}"
+            out[p + "mlp.shared_expert.gate_proj.weight"] = ((shared, h), f"{sf}, {hf}")
+            out[p + "mlp.shared_expert.up_proj.weight"] = ((shared, h), f"{sf}, {hf}")
+            out[p + "mlp.shared_expert.down_proj.weight"] = ((h, shared), f"{hf}, {sf}")
+            if spec.moe_shared_expert_gate:
+                out[p + "mlp.shared_expert_gate.weight"] = ((1, h), hf)
     return out
 
 

@@ -14,6 +14,14 @@ TP rules (measured against GPTModel, see tests/test_models_parity.py):
 - row-parallel, split on dim 1: linear_proj, linear_fc2;
 - replicated: every norm, the value head.
 
+Mixture of experts (MoE layers): the router weight and the shared expert's gate are replicated; the shared
+expert splits like a dense MLP (fc1 [gate ; up], fc2 on dim 1); each routed expert splits like a dense MLP
+over the *expert* tensor-parallel size `etp` (1: whole; == TP: expert TP rank == TP rank). Expert parallelism
+(`ep` ranks) gives expert-parallel rank e the experts [e*E/ep, (e+1)*E/ep) under local indices 0..E/ep-1
+(megatron's numbering). A shard is then keyed (tp_rank, pp_rank, ep_rank) and holds the dense part of its
+tp_rank and the experts of its ep_rank (the expert-TP slice of its tp_rank when etp == TP). Which
+(tp_rank, ep_rank) pairs exist is `megatron_layout.expected_shards`'s business.
+
 PP rules: the embedding lives on the first stage; the final norm and the output layer on the last. With
 tied embeddings and PP > 1 megatron gives the last stage its own `output_layer.weight`, initialised as a
 copy of the first stage's word embeddings (kept equal in training by the embedding-group all-reduce):
@@ -29,7 +37,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from mindspeed_llm.checkpoint.hf_mapping import EMBED, FINAL_NORM, LAYER_PREFIX, OUTPUT, ConversionError
+from mindspeed_llm.checkpoint.hf_mapping import (EMBED, EXPERT_RE, FINAL_NORM, LAYER_PREFIX, MOE_ROUTER, OUTPUT,
+                                                  SHARED_FC1, SHARED_FC2, SHARED_GATE, ConversionError, expert_name,
+                                                  is_moe_layer)
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 EXTRA_STATE = "_extra_state"
@@ -38,11 +48,11 @@ EXTRA_STATE = "_extra_state"
 _LINEARS_WITH_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
                              "mlp.linear_fc2")
 
-_ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+_ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight", SHARED_FC2)
 _COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
-_FC1 = "mlp.linear_fc1.weight"
+_FC1 = ("mlp.linear_fc1.weight", SHARED_FC1)
 _REPLICATED = ("input_layernorm.weight", "pre_mlp_layernorm.weight", "self_attention.q_layernorm.weight",
-               "self_attention.k_layernorm.weight")
+               "self_attention.k_layernorm.weight", MOE_ROUTER, SHARED_GATE)
 
 
 def is_extra_state(name: str) -> bool:
@@ -63,17 +73,21 @@ def tp_rule(name: str, value_head: bool = False) -> str:
     rel = match.group(2) if match else name
     if rel in _COLUMN_PARALLEL:
         return "column"
-    if rel == _FC1:
+    if rel in _FC1:
         return "fc1"
     if rel in _ROW_PARALLEL:
         return "row"
+    expert = EXPERT_RE.match(rel)
+    if expert:  # split over the expert tensor-parallel size, like a dense MLP
+        return "fc1" if expert.group(2) == "linear_fc1" else "row"
     if rel in _REPLICATED:
         return "replicated"
     raise ConversionError(f"no tensor-parallel rule for Megatron tensor {name!r}")
 
 
 def split_tensor(name: str, tensor: torch.Tensor, tp: int, value_head: bool = False) -> List[torch.Tensor]:
-    """The `tp` slices of one full tensor (each an independent copy, so saving one saves only its bytes)."""
+    """The `tp` slices of one full tensor (each an independent copy, so saving one saves only its bytes).
+    Routed experts are split by the caller's expert-TP size passed as `tp`."""
     rule = tp_rule(name, value_head)
     if tp == 1 or rule == "replicated":
         return [tensor.clone() for _ in range(tp)]
@@ -89,7 +103,9 @@ def split_tensor(name: str, tensor: torch.Tensor, tp: int, value_head: bool = Fa
 
 def _chunk(name, tensor, tp, dim):
     if tensor.shape[dim] % tp:
-        raise ConversionError(f"{name} has {tensor.shape[dim]} rows/columns on dim {dim}: not divisible by TP={tp}")
+        what = "expert TP" if is_expert(name) else "TP"
+        raise ConversionError(
+            f"{name} has {tensor.shape[dim]} rows/columns on dim {dim}: not divisible by {what}={tp}")
     return list(torch.chunk(tensor, tp, dim=dim))
 
 
@@ -140,19 +156,54 @@ def to_global(name: str, stage: int, num_layers: int, pp: int) -> str:
     return f"{LAYER_PREFIX}{int(match.group(1)) + stage * (num_layers // pp)}.{match.group(2)}"
 
 
-def expected_local_names(spec, pp: int, stage: int, value_head: bool, extra_state: bool = False) -> List[str]:
-    """The tensor names a (stage, any TP rank) GPTModel holds, in its state_dict order."""
+def is_expert(name: str) -> bool:
+    """A routed expert's tensor (global or local layer name)."""
+    match = _LAYER_RE.match(name)
+    return bool(EXPERT_RE.match(match.group(2) if match else name))
+
+
+def expert_index(name: str) -> Optional[int]:
+    """The expert index j of `decoder.layers.i.mlp.experts.local_experts.j....`; None for other tensors."""
+    match = _LAYER_RE.match(name)
+    expert = EXPERT_RE.match(match.group(2)) if match else None
+    return int(expert.group(1)) if expert else None
+
+
+def with_expert_index(name: str, j: int) -> str:
+    match = _LAYER_RE.match(name)
+    expert = EXPERT_RE.match(match.group(2))
+    return f"{LAYER_PREFIX}{match.group(1)}.{expert_name(j, expert.group(2), expert.group(3))}"
+
+
+def _extra_state_linears(spec, index: int, num_experts: Optional[int]) -> List[str]:
+    """The parallel linears of global layer `index` (they carry an `_extra_state`, None in the local spec)."""
+    linears = ["self_attention.linear_qkv", "self_attention.linear_proj"]
+    if not is_moe_layer(spec, index):
+        return linears + ["mlp.linear_fc1", "mlp.linear_fc2"]
+    for j in range(spec.num_experts if num_experts is None else num_experts):
+        linears += [f"mlp.experts.local_experts.{j}.linear_fc1", f"mlp.experts.local_experts.{j}.linear_fc2"]
+    if spec.moe_shared_expert_intermediate_size:
+        linears += ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"]
+    return linears
+
+
+def expected_local_names(spec, pp: int, stage: int, value_head: bool, extra_state: bool = False,
+                         ep: int = 1) -> List[str]:
+    """The tensor names a (stage, any TP rank, any EP rank of `ep`) GPTModel holds, in its state_dict order
+    (experts under local indices); `ep` == 1: all experts (the full stage, global indices)."""
     from mindspeed_llm.checkpoint.hf_mapping import mg_layer_names
 
+    local = spec.num_experts // ep if spec.is_moe else None
     names = []
     if stage == 0:
         names.append(EMBED)
     per = spec.num_layers // pp
     for i in range(per):
-        for rel in mg_layer_names(spec):
+        index = stage * per + i
+        for rel in mg_layer_names(spec, index, local):
             names.append(f"{LAYER_PREFIX}{i}.{rel}")
         if extra_state:
-            names += [f"{LAYER_PREFIX}{i}.{lin}.{EXTRA_STATE}" for lin in _LINEARS_WITH_EXTRA_STATE]
+            names += [f"{LAYER_PREFIX}{i}.{lin}.{EXTRA_STATE}" for lin in _extra_state_linears(spec, index, local)]
     if stage == pp - 1:
         names.append(FINAL_NORM)
         if value_head or not spec.tie_word_embeddings or pp > 1:
@@ -183,7 +234,10 @@ def stage_state_dict(full: Dict[str, torch.Tensor], spec, pp: int, stage: int, v
 
 def split_stage(stage_sd: Dict[str, torch.Tensor], tp: int, value_head: bool, with_extra_state: bool = True,
                 spec=None, pp: int = 1, stage: int = 0) -> List[Dict[str, Optional[torch.Tensor]]]:
-    """One stage's unsplit tensors -> the `tp` shards (in GPTModel state_dict order, `_extra_state` = None)."""
+    """One stage's unsplit tensors -> the `tp` shards (in GPTModel state_dict order, `_extra_state` = None);
+    experts (if any) whole and all in every shard (EP 1, expert TP 1 when tp == 1)."""
+    if spec is not None and spec.is_moe and tp > 1:
+        raise ConversionError("split_stage: a mixture of experts at TP > 1 needs split_stage_experts (expert TP)")
     shards: List[Dict[str, Optional[torch.Tensor]]] = [{} for _ in range(tp)]
     order = (expected_local_names(spec, pp, stage, value_head, extra_state=with_extra_state)
              if spec is not None else list(stage_sd))
@@ -194,6 +248,39 @@ def split_stage(stage_sd: Dict[str, torch.Tensor], tp: int, value_head: bool, wi
             continue
         for shard, part in zip(shards, split_tensor(name, stage_sd[name], tp, value_head)):
             shard[name] = part
+    return shards
+
+
+def split_stage_experts(stage_sd: Dict[str, torch.Tensor], spec, pp: int, stage: int, tp: int, ep: int, etp: int,
+                        pairs, value_head: bool, with_extra_state: bool = True
+                        ) -> Dict[Tuple[int, int], Dict[str, Optional[torch.Tensor]]]:
+    """One stage's unsplit tensors (experts under global indices) -> {(tp_rank, ep_rank): shard} for the
+    (tp_rank, ep_rank) `pairs` asked for. Shard (t, e) holds the dense TP slice t and the experts of
+    expert-parallel rank e under local indices, split over `etp` (slice t when etp == tp, whole when 1)."""
+    if etp not in (1, tp):
+        raise ConversionError(f"expert tensor-parallel size {etp} must be 1 or the TP size {tp}")
+    local = spec.num_experts // ep if spec.is_moe else 0
+    order = expected_local_names(spec, pp, stage, value_head, extra_state=with_extra_state, ep=ep)
+    dense_parts: Dict[str, List[torch.Tensor]] = {}
+    shards = {}
+    for t, e in pairs:
+        shard: Dict[str, Optional[torch.Tensor]] = {}
+        for name in order:
+            if is_extra_state(name):
+                shard[name] = None
+                continue
+            j = expert_index(name)
+            if j is None:
+                if name not in dense_parts:
+                    dense_parts[name] = split_tensor(name, stage_sd[name], tp, value_head)
+                shard[name] = dense_parts[name][t]
+                continue
+            source = stage_sd[with_expert_index(name, e * local + j)]
+            if etp == 1:
+                shard[name] = source
+            else:
+                shard[name] = split_tensor(name, source, etp)[t].clone()
+        shards[(t, e)] = shard
     return shards
 
 
@@ -208,6 +295,50 @@ def merge_stage(shards: List[Dict[str, torch.Tensor]], value_head: bool) -> Dict
     return {n: merge_tensor(n, [s[n] for s in shards], value_head) for n in names}
 
 
+def merge_stage_experts(shards: Dict[Tuple[int, int], Dict[str, torch.Tensor]], spec, tp: int, ep: int, etp: int,
+                        value_head: bool) -> Dict[str, torch.Tensor]:
+    """{(tp_rank, ep_rank): shard} of one stage -> unsplit tensors (local layer names, experts renumbered to
+    their global index, `_extra_state` dropped). Dense tensors come from one shard per tp_rank, experts
+    from the shards of each ep_rank (every expert-TP slice, or any one shard when etp == 1)."""
+    keys = sorted(shards)
+    first = shards[keys[0]]
+    names = [n for n in first if not is_extra_state(n)]
+    for key in keys[1:]:
+        other = [n for n in shards[key] if not is_extra_state(n)]
+        if set(other) != set(names):
+            diff = sorted(set(other) ^ set(names))
+            raise ConversionError(
+                f"the shard tp_rank={key[0]} ep_rank={key[1]} holds different tensors than tp_rank={keys[0][0]} "
+                f"ep_rank={keys[0][1]}: {diff[:5]}")
+    by_tp = {}
+    for t, e in keys:
+        by_tp.setdefault(t, shards[(t, e)])
+    missing_tp = [t for t in range(tp) if t not in by_tp]
+    if missing_tp:
+        raise ConversionError(f"no shard holds tensor-parallel rank(s) {missing_tp} of TP={tp}")
+    local = spec.num_experts // ep if spec.is_moe else 0
+    out = {}
+    for name in names:
+        j = expert_index(name)
+        if j is None:
+            out[name] = merge_tensor(name, [by_tp[t][name] for t in range(tp)], value_head)
+            continue
+        for e in range(ep):
+            if etp == 1:
+                holder = next((shards[k] for k in keys if k[1] == e), None)
+                if holder is None:
+                    raise ConversionError(f"no shard holds expert-parallel rank {e} of EP={ep}")
+                tensor = holder[name]
+            else:
+                missing = [t for t in range(tp) if (t, e) not in shards]
+                if missing:
+                    raise ConversionError(
+                        f"expert-parallel rank {e}: the expert tensor-parallel shard(s) tp_rank={missing} are missing")
+                tensor = merge_tensor(name, [shards[(t, e)][name] for t in range(tp)])
+            out[with_expert_index(name, e * local + j)] = tensor
+    return out
+
+
 def stage_to_full(stage_sd: Dict[str, torch.Tensor], spec, pp: int, stage: int, value_head: bool) -> Dict[str, torch.Tensor]:
     """Unsplit local tensors of one stage -> global names; the last stage's tied embedding copy is dropped."""
     out = {}
@@ -219,22 +350,38 @@ def stage_to_full(stage_sd: Dict[str, torch.Tensor], spec, pp: int, stage: int, 
 
 
 def split_model(full: Dict[str, torch.Tensor], spec, tp: int, pp: int, value_head: bool,
-                with_extra_state: bool = True) -> Dict[Tuple[int, int], Dict[str, Optional[torch.Tensor]]]:
-    """A full state dict -> {(tp_rank, pp_rank): shard}."""
-    spec.check_parallel(tp, pp)
+                with_extra_state: bool = True, ep: int = 1, etp: Optional[int] = None, pairs=None):
+    """A full state dict -> {(tp_rank, pp_rank): shard}, or for a mixture of experts split over experts
+    (ep > 1) or expert TP != TP {(tp_rank, pp_rank, ep_rank): shard} for the (tp_rank, pp_rank, ep_rank)
+    triples `pairs` (default: every combination)."""
+    etp = tp if etp is None else etp
+    spec.check_parallel(tp, pp, ep, etp)
+    three = ep > 1 or etp != tp
     out = {}
     for stage in range(pp):
         stage_sd = stage_state_dict(full, spec, pp, stage, value_head)
-        for rank, shard in enumerate(split_stage(stage_sd, tp, value_head, with_extra_state, spec, pp, stage)):
-            out[(rank, stage)] = shard
+        if not spec.is_moe:
+            for rank, shard in enumerate(split_stage(stage_sd, tp, value_head, with_extra_state, spec, pp, stage)):
+                out[(rank, stage, 0) if three else (rank, stage)] = shard
+            continue
+        wanted = ([(t, e) for t, p, e in pairs if p == stage] if pairs is not None
+                  else [(t, e) for t in range(tp) for e in range(ep)])
+        split = split_stage_experts(stage_sd, spec, pp, stage, tp, ep, etp, wanted, value_head, with_extra_state)
+        for (t, e), shard in split.items():
+            out[(t, stage, e) if three else (t, stage)] = shard
     return out
 
 
-def merge_model(shards: Dict[Tuple[int, int], Dict[str, torch.Tensor]], spec, tp: int, pp: int,
-                value_head: bool) -> Dict[str, torch.Tensor]:
-    """{(tp_rank, pp_rank): shard} -> a full state dict."""
+def merge_model(shards, spec, tp: int, pp: int, value_head: bool, ep: int = 1,
+                etp: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """{(tp_rank, pp_rank): shard} or {(tp_rank, pp_rank, ep_rank): shard} -> a full state dict."""
+    etp = tp if etp is None else etp
     full = {}
     for stage in range(pp):
-        stage_sd = merge_stage([shards[(r, stage)] for r in range(tp)], value_head)
+        per_stage = {(k[0], k[2] if len(k) > 2 else 0): v for k, v in shards.items() if k[1] == stage}
+        if spec.is_moe:
+            stage_sd = merge_stage_experts(per_stage, spec, tp, ep, etp, value_head)
+        else:
+            stage_sd = merge_stage([per_stage[(r, 0)] for r in range(tp)], value_head)
         full.update(stage_to_full(stage_sd, spec, pp, stage, value_head))
     return full
