@@ -155,22 +155,39 @@ def _hand_mismatch(exp, plan, seen, every_token=False):
     return mismatched, compared
 
 
-def _replay_body(rank, world_size, ep, dtype):
+def _replay_body(rank, world_size, ep, dtype, pp=1, prefill="auto", dispatcher="allgather"):
+    """Generate with recording, then the old-log-prob pass and direct forwards with and without replay. At PP > 1
+    only the pass (megatron's schedule) runs; each stage records and replays its own layers. The DP ranks of EP2
+    hold other prompts."""
+    from megatron.core import parallel_state
+
     from mindspeed_llm import distributed
     from mindspeed_llm.inference import SamplingConfig, generate
     from mindspeed_llm.models import build_model
     from mindspeed_llm.rl.passes import policy_logprobs
 
-    distributed.initialize(1, 1, seed=3, expert_model_parallel_size=ep)
-    model = build_model(SPEC, params_dtype=dtype)
+    distributed.initialize(1, pp, seed=3, expert_model_parallel_size=ep)
+    model = build_model(SPEC, params_dtype=dtype, moe_token_dispatcher_type=dispatcher)
     out = {}
-    g = torch.Generator().manual_seed(11)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    g = torch.Generator().manual_seed(11 + dp_rank)
     n = 2
     prompts = [torch.randint(1, 120, (int(L),), generator=g).tolist() for L in (5, 9, 3, 7)]
     prompts = [p for p in prompts for _ in range(n)]  # prompt groups of n, as grpo
-    sampling = SamplingConfig(do_sample=True, max_new_tokens=12, seed=5, temperature=1.0)
-    rollout = generate(model, prompts, sampling, record_routing=True, sample_ids=range(len(prompts)))
+    sampling = SamplingConfig(do_sample=True, max_new_tokens=12 + 4 * dp_rank, seed=5, temperature=1.0)
+    rollout = generate(model, prompts, sampling, record_routing=True, prefill=prefill,
+                       sample_ids=[dp_rank * 100 + i for i in range(len(prompts))])
     exp = Experience.from_rollout(rollout)
+    out["response_width"] = exp.responses.shape[1]
+    if pp > 1:
+        routing.mark_generated(model)
+        out["layers_here"] = exp.routing.shape[1]
+        for name, plan in (("rows", MicroBatchPlan.build(exp, 4)), ("packed", MicroBatchPlan.build(exp, 4, n))):
+            for replay in (False, True):
+                model.config.moe_enable_routing_replay = replay
+                policy_logprobs([model], exp, plan)
+                out[f"{name}_{'replay' if replay else 'live'}_metric"] = exp.extras.pop("routing_mismatch")
+        return out
     L, T = len(routing.moe_routers(model)), exp.tokens.shape[1]
     out["routing_shape"] = tuple(exp.routing.shape), (len(prompts), L, T, SPEC.moe_router_topk)
     # every prompt and response token but possibly the last was recorded; padding was not
@@ -233,10 +250,11 @@ def test_replay_routes_as_the_rollout_bf16(bf16_ep1, layout):
     assert r[f"{layout}_replay_exact"]
 
 
-def test_replay_log_probs_match_the_rollout_fp32():
+@pytest.mark.parametrize("prefill", ["batched", "stepwise"])
+def test_replay_log_probs_match_the_rollout_fp32(prefill):
     """fp32 (no rounding flips at this size): the replayed training forward's log-probs are the rollout's, to
-    float rounding of a KV-cache decode against a full forward."""
-    r = run_distributed(_replay_body, 1, 1, "fp32")[0]
+    float rounding of a KV-cache decode against a full forward; both prefill schemes record every token."""
+    r = run_distributed(_replay_body, 1, 1, "fp32", 1, prefill)[0]
     for layout in ("rows", "packed"):
         assert r[f"{layout}_replay_hand"][0] == 0 and r[f"{layout}_replay_exact"]
         # at fp32 the training forward routes every recorded token (prompts included) as the rollout recorded it
@@ -372,3 +390,28 @@ def test_grpo_stage_with_moe_routing_replay(stage_paths, tmp_path, replay):
         value = row["moe/routing_mismatch"]
         assert value == 0.0 if replay else 0.0 <= value <= 1.0, row
         assert all(v == v for v in row.values() if isinstance(v, float)), row  # no NaN
+
+
+def test_mismatch_metric_sums_over_dp_ranks_at_ep2():
+    """EP2 on 2 processes (all-to-all dispatcher), the DP ranks with other prompts and response budgets (12 and 16
+    tokens: the ranks decode in lock-step until both are done): each rank's rollout has its own lengths, replay is
+    exact on both, and the metric is the two ranks' hand counts pooled."""
+    results = run_distributed(_replay_body, 2, 2, "bf16", 1, "auto", "alltoall")
+    assert [r["response_width"] for r in results] == [12, 16]
+    for layout in ("rows", "packed"):
+        mismatched = sum(r[f"{layout}_live_hand"][0] for r in results)
+        compared = sum(r[f"{layout}_live_hand"][1] for r in results)
+        assert results[0][f"{layout}_live_hand"] != results[1][f"{layout}_live_hand"]  # the ranks' data differ
+        for r in results:
+            assert r[f"{layout}_live_metric"] == pytest.approx(mismatched / compared, abs=1e-12)
+            assert r[f"{layout}_replay_metric"] == 0.0 and r[f"{layout}_replay_exact"]
+
+
+def test_each_pipeline_stage_replays_its_own_layers():
+    """PP2: every stage records its one MoE layer; the pass replays on both (0) and all ranks log the same value."""
+    results = run_distributed(_replay_body, 2, 1, "bf16", 2)
+    assert [r["layers_here"] for r in results] == [1, 1]
+    for layout in ("rows", "packed"):
+        assert results[0][f"{layout}_live_metric"] == results[1][f"{layout}_live_metric"]
+        assert results[0][f"{layout}_live_metric"] > 0, results  # bf16 flips some routing without replay
+        assert results[0][f"{layout}_replay_metric"] == results[1][f"{layout}_replay_metric"] == 0.0

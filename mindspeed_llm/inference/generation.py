@@ -140,6 +140,12 @@ def generate(
     dev = _device.current_device()
     budgets = sampling.response_budgets([len(p) for p in prompts])
     plan = _plan(prompts, budgets, batched=batched, share_prefill=_dedup_prefill, device=dev)
+    peers = _expert_peers(model)
+    if peers is not None:  # as many decode slots as the expert-parallel peer with the most (see _decode)
+        steps = _group_max(plan.slots - plan.first_step, peers)
+        if steps > plan.slots - plan.first_step:
+            plan = _plan(prompts, budgets, batched=batched, share_prefill=_dedup_prefill, device=dev,
+                         decode_slots=steps)
     state = _DecodeState.start(plan, prompts, sampling)
     uniforms = _response_uniforms(sampling, iteration, sample_ids, len(prompts), plan.max_response, dev)
     group = parallel_state.get_model_parallel_group() if parallel_state.model_parallel_is_initialized() else None
@@ -149,7 +155,7 @@ def generate(
     try:
         with torch.no_grad():
             engine.prepare(state.tokens)
-            _decode(engine, plan, state, picker)
+            _decode(engine, plan, state, picker, peers)
     finally:
         engine.release()
     slot_routing = engine.routing
@@ -223,9 +229,11 @@ class _Plan:
     unique_rows: Optional[torch.Tensor]  # the rows that run the shared prefill
 
 
-def _plan(prompts: List[List[int]], budgets: List[int], *, batched: bool, share_prefill: bool, device) -> _Plan:
+def _plan(prompts: List[List[int]], budgets: List[int], *, batched: bool, share_prefill: bool, device,
+          decode_slots: int = 0) -> _Plan:
     """Lays the batch out in the KV cache: prompts left-padded to the longest one (batched prefill) or
-    right-padded (stepwise), and finds the rows that can share a prefill row."""
+    right-padded (stepwise), and finds the rows that can share a prefill row. `decode_slots`: at least that many
+    slots after the prefill (expert-parallel peers decode in lock-step)."""
     lengths = [len(p) for p in prompts]
     L_min, L_max, R_max = min(lengths), max(lengths), max(budgets)
     if batched:
@@ -236,6 +244,7 @@ def _plan(prompts: List[List[int]], budgets: List[int], *, batched: bool, share_
         T = max(L + R for L, R in zip(lengths, budgets))
         offsets = [0] * len(prompts)
         starts, first_step = lengths, L_min
+    T = max(T, first_step + decode_slots)
     share_index = unique_rows = None
     if share_prefill:
         # Batched: the whole prompt (its left padding follows from its length). Stepwise: the first L_min tokens.
@@ -478,9 +487,36 @@ class _KVCacheModel:
 
 
 # ---------------------------------------------------------------------------------------------- loop and result
-def _decode(engine: _KVCacheModel, plan: _Plan, state: _DecodeState, picker: _TokenPicker) -> None:
-    """Prefills, then picks one slot's tokens per step and runs that slot, until every row has stopped."""
-    if state.all_finished():  # every budget is 0: nothing to run
+def _expert_peers(model):
+    """The expert-parallel group of a mixture of experts at EP > 1, else None. Its ranks hold other rollouts (they are
+    data-parallel replicas) but exchange tokens in every MoE layer of every forward, so they must run the same
+    number of forwards: each decodes until all of them have stopped (a rank that is done runs its finished rows)."""
+    if getattr(get_model_config(model), "num_moe_experts", None) is None:
+        return None
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    if parallel_state.get_expert_model_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_expert_model_parallel_group()
+
+
+def _group_max(value: int, group) -> int:
+    out = torch.tensor([value], dtype=torch.long, device=_device.current_device())
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return int(out.item())
+
+
+def _all_finished(state: _DecodeState, peers) -> bool:
+    """Every row has stopped, here and (at EP > 1) on every expert-parallel peer."""
+    if peers is None:
+        return state.all_finished()
+    return _group_max(int(not state.all_finished()), peers) == 0
+
+
+def _decode(engine: _KVCacheModel, plan: _Plan, state: _DecodeState, picker: _TokenPicker, peers=None) -> None:
+    """Prefills, then picks one slot's tokens per step and runs that slot, until every row has stopped (on every
+    expert-parallel peer too, `_expert_peers`)."""
+    if _all_finished(state, peers):  # every budget is 0: nothing to run
         return
     logits = engine.prefill(state.tokens)
     for pos in range(plan.first_step, plan.slots):
@@ -488,7 +524,7 @@ def _decode(engine: _KVCacheModel, plan: _Plan, state: _DecodeState, picker: _To
         if bool(generating.any()):  # stepwise prefill: the unfinished rows may all be inside their prompts
             new_tokens, new_log_probs = picker.pick(logits, pos)
             state.record(pos, generating, new_tokens, new_log_probs)
-        if state.all_finished():
+        if _all_finished(state, peers):
             break
         logits = engine.decode_step(state.tokens, pos)
 
