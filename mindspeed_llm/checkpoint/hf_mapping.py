@@ -150,6 +150,7 @@ class HFWeights:
         self._bins: Dict[str, Dict[str, torch.Tensor]] = {}
         # Per-expert names read out of transformers' fused expert tensors: name -> (fused name, expert, part).
         self._views: Dict[str, tuple] = {}
+        self._fused: Dict[str, str] = {}  # fused name -> raw key
         self._cached: tuple = (None, None)  # (fused name, tensor): one fused tensor is read once for its experts
         self._discover()
         raw = list(self._files)
@@ -244,7 +245,7 @@ class HFWeights:
                     self._views[f"{base}{j}.{up}.weight"] = (name, j, 1)
                 else:
                     self._views[f"{base}{j}.{down}.weight"] = (name, j, None)
-            del self._by_name[name]
+            self._fused[name] = self._by_name.pop(name)  # read only through the per-expert views
             if moe != "mlp.":
                 router = f"layers.{layer}.mlp.gate.weight"
                 if router in self._by_name:
@@ -271,9 +272,9 @@ class HFWeights:
         return self._raw_get(name)
 
     def _raw_get(self, name: str) -> torch.Tensor:
-        if name not in self._by_name:
+        if name not in self._by_name and name not in self._fused:
             raise ConversionError(f"Hugging Face checkpoint {self.path} has no tensor {self.prefix}{name}")
-        key = self._by_name[name]
+        key = self._by_name.get(name) or self._fused[name]
         file = self._files[key]
         if file.endswith(".safetensors"):
             try:
@@ -293,7 +294,7 @@ class HFWeights:
         return self._raw_shape(name)
 
     def _raw_shape(self, name: str) -> tuple:
-        key = self._by_name[name]
+        key = self._by_name.get(name) or self._fused[name]
         file = self._files[key]
         if file.endswith(".safetensors"):
             try:
