@@ -1,7 +1,8 @@
 """The Triton log-prob + entropy kernel (mindspeed_llm.kernels.triton_logprobs) on CPU, under Triton's
 interpreter: values and gradients against ``reference_logprobs`` (fp32 log-softmax on the full logits)
-and against the chunked torch path, single shard and TP=2 over gloo; and the kernel choice
-(``MINDSPEED_LOGPROBS_KERNEL``).
+and against the chunked torch path, single shard and TP=2 over gloo; the real kernels compiled by Triton down to
+an sm_90 cubin (no GPU needed to compile: catches what the interpreter lets through, e.g. a loop-carried type
+change); and the kernel choice (``MINDSPEED_LOGPROBS_KERNEL``).
 
 ``TRITON_INTERPRET=1`` must be set before the kernels are defined and would change how any other Triton
 code in the pytest process behaves, so the interpreted checks run in a child process: this file run as a
@@ -238,13 +239,48 @@ def check_tp2():
     print("tp2 ok")
 
 
-def _run_interpreted(check, timeout=300):
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+def check_compiles_for_cuda():
+    """The real (not interpreted) kernels through Triton's compiler down to a cubin for sm_90 (H100 / H200),
+    with the wheel's own ptxas: no GPU is needed to compile, only to run."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mindspeed_llm.kernels import triton_logprobs as mod
+
+    target = GPUTarget("cuda", 90, 32)
+    for dtype in ("bf16", "fp16", "fp32"):
+        fwd = {"logits_ptr": f"*{dtype}", "stride_row": "i32", "targets_ptr": "*i64", "vocab_start": "i32",
+               "vocab_shard": "i32", "temperature": "fp32", "max_ptr": "*fp32", "stats_ptr": "*fp32", "n_rows": "i32",
+               "WITH_ENTROPY": "constexpr", "BLOCK_V": "constexpr"}
+        for with_entropy in (True, False):
+            kernel = triton.compile(ASTSource(mod._logprobs_fwd_kernel, fwd, constexprs={
+                "WITH_ENTROPY": with_entropy, "BLOCK_V": mod.FWD_BLOCK_V}), target=target, options={"num_warps": 8})
+            assert kernel.asm.get("cubin"), (dtype, with_entropy)
+        bwd = {"logits_ptr": f"*{dtype}", "stride_row": "i64", "grad_ptr": f"*{dtype}", "grad_stride_row": "i64",
+               "log_z_ptr": "*fp32", "entropy_ptr": "*fp32", "grad_logp_ptr": "*fp32", "grad_ent_ptr": "*fp32",
+               "local_target_ptr": "*i64", "vocab_shard": "i32", "temperature": "fp32",
+               "HAS_GRAD_LOGP": "constexpr", "HAS_GRAD_ENT": "constexpr", "BLOCK_V": "constexpr"}
+        for has_lp, has_h in ((True, True), (True, False), (False, True)):
+            kernel = triton.compile(ASTSource(mod._logprobs_bwd_kernel, bwd, constexprs={
+                "HAS_GRAD_LOGP": has_lp, "HAS_GRAD_ENT": has_h, "BLOCK_V": mod.BWD_BLOCK_V}),
+                target=target, options={"num_warps": 8})
+            assert kernel.asm.get("cubin"), (dtype, has_lp, has_h)
+    print("compiled for sm_90")
+
+
+def _run_interpreted(check, timeout=300, interpret=True):
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_DEFAULT_FP_FUSION="1",
                PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
     env.pop("MINDSPEED_LOGPROBS_KERNEL", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), check], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, (f"{check} failed under TRITON_INTERPRET=1 (exit {proc.returncode}):\n"
+    mode = "under TRITON_INTERPRET=1" if interpret else "(Triton's compiler, no interpreter)"
+    assert proc.returncode == 0, (f"{check} failed {mode} (exit {proc.returncode}):\n"
                                   f"{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}")
 
 
@@ -265,6 +301,11 @@ def test_edge_cases_and_dispatch():
 @needs_triton
 def test_tensor_parallel_2_ranks():
     _run_interpreted("check_tp2")
+
+
+@needs_triton
+def test_kernels_compile_for_cuda_without_a_gpu():
+    _run_interpreted("check_compiles_for_cuda", interpret=False)
 
 
 def test_kernel_choice(monkeypatch):
