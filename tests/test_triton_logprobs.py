@@ -308,6 +308,37 @@ def test_kernels_compile_for_cuda_without_a_gpu():
     _run_interpreted("check_compiles_for_cuda", interpret=False)
 
 
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="runs the compiled kernel on a CUDA device")
+def test_cuda_kernel_at_a_real_vocabulary():
+    """On a GPU: the compiled kernel, Qwen2.5's vocabulary (38 column blocks), against the reference and the torch
+    path, through vocab_parallel_logprobs' default choice on CUDA."""
+    from mindspeed_llm.kernels import select_logprobs_kernel
+    from mindspeed_llm.rl.logprobs import reference_logprobs, vocab_parallel_logprobs
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 is set: this test is about the compiled kernel")
+    dev = torch.device("cuda")
+    assert os.environ.get("MINDSPEED_LOGPROBS_KERNEL", "auto") != "auto" or select_logprobs_kernel(dev) == "triton"
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = (torch.randn(64, 152064, generator=g) * 3).to(dev, dtype)
+        targets = torch.randint(0, 152064, (64,), generator=g).to(dev)
+        weights = [torch.randn(64, generator=g).to(dev) for _ in range(2)]
+        for temperature in (1.0, 0.7):
+            with _kernel_env("triton"):
+                tri = _outputs_and_grad(lambda x: vocab_parallel_logprobs(x, targets, temperature=temperature,
+                                                                          with_entropy=True), logits, weights, "both")
+            with _kernel_env("torch"):
+                chunked = _outputs_and_grad(lambda x: vocab_parallel_logprobs(
+                    x, targets, temperature=temperature, with_entropy=True), logits, weights, "both")
+            ref = _outputs_and_grad(lambda x: reference_logprobs(x, targets, temperature, True), logits, weights, "both")
+            for other in (ref, chunked):
+                for i in range(2):
+                    torch.testing.assert_close(tri[i], other[i], atol=1e-4, rtol=1e-5)
+                torch.testing.assert_close(tri[2].float(), other[2].float(), **_tol(dtype))
+
+
 def test_kernel_choice(monkeypatch):
     import mindspeed_llm.kernels as kernels
 
