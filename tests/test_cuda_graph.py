@@ -59,7 +59,9 @@ def _replay_engine_class():
 
 
 def _cases(rank, world_size, tp, graph, replay=False):
-    """[(case, ordinary Rollout, fixed-shape Rollout, engine facts)] for greedy / sampled, batched / stepwise."""
+    """[(case, ordinary Rollout, fixed-shape Rollout, engine facts)] for greedy / sampled, batched / stepwise.
+    On the CPU unless `graph` (then on CUDA: one GPU, so TP1)."""
+    os.environ["MINDSPEED_DEVICE"] = "cuda" if graph else "cpu"
     from megatron.core import parallel_state
 
     from mindspeed_llm import device as _device
@@ -74,8 +76,7 @@ def _cases(rank, world_size, tp, graph, replay=False):
     torch.manual_seed(0)
     # Large init: well-separated logits, so a greedy choice is not a near tie that rounding could flip.
     model = build_model(ModelSpec.from_hf_config(HF_CONFIG), init_method_std=0.3)
-    if graph:
-        model = model.to(_device.current_device())
+    model = model.to(_device.current_device())
     prompts = _prompts()
     out = []
     for name, sampling, prefill in (
@@ -124,7 +125,6 @@ def test_fixed_shape_decode_matches_ordinary_steps_tp2():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graph capture needs a CUDA device")
 def test_cuda_graph_decode_matches_ordinary_steps():
-    os.environ.setdefault("MINDSPEED_DEVICE", "cuda")
     (results,) = run_distributed(_cases, 1, 1, True)
     _check(results)
     assert all(f[2] for *_, facts in results for f in facts)
