@@ -333,6 +333,13 @@ def _exactness_body(rank, world_size, ep):
             start += mb["responses"].shape[0]
         out[f"{name}_forced_exact"] = bool(exact)
         out[f"{name}_forced_differs_from_live"] = differs_from_live
+    # a recomputed forward in the backward would route live: replay refuses activation recompute
+    model.config.recompute_granularity = "selective"
+    try:
+        engine._model_forward(model, plan.micro_batches(exp)[0])
+    except ValueError as exc:
+        out["recompute_error"] = str(exc)
+    model.config.recompute_granularity = None
     return out
 
 
@@ -346,6 +353,7 @@ def test_replay_is_exact_and_forces_any_routing(ep):
             assert r[f"{layout}_logits_equal"] and r[f"{layout}_router_grad_equal"], r
             assert r[f"{layout}_router_grad_nonzero"], r
             assert r[f"{layout}_forced_exact"] and r[f"{layout}_forced_differs_from_live"], r
+        assert "does not support activation recompute" in r.get("recompute_error", ""), r
 
 
 # ---------------------------------------------------------------------------------------------- the stage flag
@@ -415,3 +423,26 @@ def test_each_pipeline_stage_replays_its_own_layers():
         assert results[0][f"{layout}_live_metric"] == results[1][f"{layout}_live_metric"]
         assert results[0][f"{layout}_live_metric"] > 0, results  # bf16 flips some routing without replay
         assert results[0][f"{layout}_replay_metric"] == results[1][f"{layout}_replay_metric"] == 0.0
+
+
+def _allgather_uneven_body(rank, world_size):
+    from mindspeed_llm import distributed
+    from mindspeed_llm.inference import SamplingConfig, generate
+    from mindspeed_llm.models import build_model
+
+    distributed.initialize(1, 1, seed=3, expert_model_parallel_size=2)
+    model = build_model(SPEC, moe_token_dispatcher_type="allgather")
+    prompts = [[5, 6, 7], [8, 9] + [3] * (2 * rank)]  # rank 1's longest prompt is longer: another prefill size
+    try:
+        generate(model, prompts, SamplingConfig(max_new_tokens=2))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_allgather_dispatcher_refuses_uneven_expert_parallel_rollouts():
+    """At EP2 the all-gather dispatcher needs equal token counts: uneven prompt widths are refused on both ranks,
+    naming the flag, instead of a hang or a gloo error."""
+    for message in run_distributed(_allgather_uneven_body, 2):
+        assert message is not None and "--moe-token-dispatcher-type alltoall" in message, message
+        assert "prefill tokens 6..8" in message, message

@@ -142,6 +142,7 @@ def generate(
     plan = _plan(prompts, budgets, batched=batched, share_prefill=_dedup_prefill, device=dev)
     peers = _expert_peers(model)
     if peers is not None:  # as many decode slots as the expert-parallel peer with the most (see _decode)
+        _check_allgather_shapes(model, plan, len(prompts), peers)
         steps = _group_max(plan.slots - plan.first_step, peers)
         if steps > plan.slots - plan.first_step:
             plan = _plan(prompts, budgets, batched=batched, share_prefill=_dedup_prefill, device=dev,
@@ -498,6 +499,23 @@ def _expert_peers(model):
     if parallel_state.get_expert_model_parallel_world_size() == 1:
         return None
     return parallel_state.get_expert_model_parallel_group()
+
+
+def _check_allgather_shapes(model, plan: _Plan, batch_size: int, peers) -> None:
+    """Megatron's all-gather token dispatcher gathers equal-sized token blocks from the expert-parallel ranks: the
+    prefill and decode forwards must hold as many tokens on each. Refuses (on every rank) when they would not."""
+    if getattr(get_model_config(model), "moe_token_dispatcher_type", None) != "allgather":
+        return
+    prefill_rows = batch_size if plan.unique_rows is None else plan.unique_rows.numel()
+    shape = torch.tensor([prefill_rows * plan.first_step, batch_size], dtype=torch.long, device=_device.current_device())
+    spread = torch.cat([shape, -shape])
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=peers)
+    if bool((spread[:2] != -spread[2:]).any()):
+        raise ValueError(
+            "generate: the expert-parallel ranks hold rollouts of different shapes (prefill tokens "
+            f"{-int(spread[2])}..{int(spread[0])}, batch {-int(spread[3])}..{int(spread[1])}), which megatron's "
+            "all-gather token dispatcher cannot exchange; use --moe-token-dispatcher-type alltoall with "
+            "--expert-model-parallel-size > 1")
 
 
 def _group_max(value: int, group) -> int:

@@ -286,6 +286,10 @@ def micro_batch_routing(model, micro_batch: Dict[str, torch.Tensor]):
     if routing is None or not (replay or counter is not None):
         yield
         return
+    if replay and (core.config.recompute_granularity is not None or getattr(core.config, "moe_layer_recompute", False)):
+        # a recomputed forward inside the backward would route live: the replay is set for the forward only
+        raise ValueError("--moe-routing-replay does not support activation recompute (recompute_granularity / "
+                         "moe_layer_recompute); turn recompute off")
     targets = replay_targets(micro_batch, routing)
     with contextlib.ExitStack() as stack:
         capture = stack.enter_context(capture_routing(core)) if counter is not None else None
