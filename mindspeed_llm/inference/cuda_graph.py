@@ -11,12 +11,14 @@ same computation on the same buffers, with the slot as a *tensor*:
 
 * inputs: the step's tokens and positions are copied into fixed ``[B, 1]`` buffers, the slot into a ``[1]``
   long tensor;
-* each attention layer (``Attention._adjust_key_value_for_inference``, wrapped while such an engine is active):
+* each attention layer (``Attention._adjust_key_value_for_inference``, wrapped once per process; the wrapper acts
+  only for the inference context of such an engine and passes every other call through):
   rotates the new key with the rotary row of the slot (``index_select``) and writes key and value into the
   cache with ``index_copy_`` at the slot, then attends over ALL ``T`` slots of the cache; the query gets its
   rotary row the same way;
 * the attention mask hides the left padding and every slot after the current one
-  (``key_is_pad | arange(T) > slot``). Megatron's masked softmax gives those slots exactly zero weight, and
+  (``key_is_pad | arange(T) > slot``). Megatron's masked softmax fills them with -10000 before the softmax, so
+  their weight underflows to exactly zero, and
   the slots after the prefill are zeroed once (``torch.empty`` memory may hold NaN, and 0 * NaN is NaN).
 
 The prefill (Python-int slots, a forward per call) goes through the same wrapper and caches keys *after*
@@ -30,13 +32,16 @@ buffers, NCCL communicators) and then captured; every step (the first included) 
 copying its inputs. One capture per `generate` call, because the KV cache is allocated per call. The graph is
 freed by ``release()``. Not supported (the engine then runs the ordinary step, and says why in
 ``static_reason``): pipeline parallelism (p2p send/recv between stages per step), recording MoE routing (the
-hooks collect per-forward Python lists), ``flash_decode``.
+hooks collect per-forward Python lists), ``flash_decode``; and for the graph, MoE layers (the token
+dispatchers read split sizes on the host).
 
 Switch: ``MINDSPEED_DECODE_CUDA_GRAPH=1`` (see :func:`decode_cuda_graph_requested`); off by default and never
-on for a non-CUDA device. Hook in ``generation.generate`` (not wired here: see the module's owner)::
+on for a non-CUDA device. Hook in ``generation.generate`` (not wired here: generation.py has another owner),
+in place of ``engine = _KVCacheModel(model, plan, record_routing)`` (a local import: this module imports
+generation)::
 
-    engine_cls = cuda_graph.engine_class(dev)   # _KVCacheModel unless the switch is on and dev is CUDA
-    engine = engine_cls(model, plan, record_routing)
+    from mindspeed_llm.inference import cuda_graph
+    engine = cuda_graph.engine_class(dev)(model, plan, record_routing)  # _KVCacheModel unless switched on
 """
 
 from __future__ import annotations
@@ -188,6 +193,8 @@ class StaticDecodeKVCacheModel(generation._KVCacheModel):
             return "MoE routing is being recorded (Python-side hooks per forward)"
         if getattr(generation.get_model_config(self.model), "flash_decode", False):
             return "flash_decode=True (megatron's own decode kernel)"
+        if self.graph and generation.routing.moe_routers(self.model):
+            return "CUDA graph of a model with MoE layers (the token dispatchers read split sizes on the host)"
         return None
 
     def release(self) -> None:
