@@ -103,3 +103,24 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def build_moe(root: Path, ep: int = 2) -> dict:
+    """The word task (`word_task.build`: word-level tokenizer, prompts, a dense Qwen2 reward model at TP1 PP1)
+    plus a tiny random Qwen3-MoE policy (2 layers, 4 experts, top-2, load-balancing coefficient 0.01) converted
+    with `convert_hf_to_mg` for expert parallelism `ep`: {"tokenizer", "data", "mg_reward_tp1pp1",
+    "hf_moe_actor", "mg_moe_actor_ep{ep}"}."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import word_task
+    from hf_tiny import save_tiny
+
+    from mindspeed_llm.checkpoint import convert_hf_to_mg
+
+    paths = word_task.build(root, reward=True)
+    hf = save_tiny("qwen3_moe", root / "hf_moe_actor", seed=5, vocab_size=word_task.VOCAB, num_experts=4,
+                   num_experts_per_tok=2, router_aux_loss_coef=0.01)
+    paths["hf_moe_actor"] = hf
+    out = root / f"mg_moe_actor_ep{ep}"
+    convert_hf_to_mg(hf, str(out), 1, 1, tokenizer_dir=paths["tokenizer"], progress=False, ep=ep)
+    paths[f"mg_moe_actor_ep{ep}"] = str(out)
+    return paths

@@ -218,3 +218,117 @@ def test_moe_metrics_equal_a_hand_count_at_ep2():
         assert metrics["moe/load_balancing_loss"] == pytest.approx(hand, rel=1e-5)
         assert float(idle.sum()) == 0.0
     assert counts.min() < counts.max()  # not a degenerate routing
+
+
+# ---------------------------------------------------------------------------------------------- the stages at EP2
+MOE_KEYS = ["moe/load_balancing_loss", "moe/tokens_per_expert_min", "moe/tokens_per_expert_max",
+            "moe/expert_imbalance"]
+
+
+@pytest.fixture(scope="module")
+def moe_task(tmp_path_factory):
+    import stage_assets
+
+    return stage_assets.build_moe(tmp_path_factory.mktemp("moe_task"), ep=2)
+
+
+def _stage_argv(task, stage, out, iters, *extra):
+    argv = ["--stage", stage, "--micro-batch-size", "2", "--global-batch-size", "4", "--seed", "5",
+            "--data-path", task["data"], "--tokenizer-name-or-path", task["tokenizer"], "--max-length", "64",
+            "--max-new-tokens", "8", "--do-sample", "--lr", "0.01", "--log-interval", "1",
+            "--ref-model", task["mg_moe_actor_ep2"], "--expert-model-parallel-size", "2",
+            "--moe-token-dispatcher-type", "alltoall", "--train-iters", str(iters), "--save", str(out),
+            "--metrics-jsonl", str(out / "m.jsonl")]
+    if stage == "grpo":  # MoE actor and reference, a rule reward
+        argv += ["--n-samples-per-prompt", "2", "--verifier-function", "odd_first_word", "--kl-coef", "0.05"]
+    else:  # MoE actor and reference, dense critic and reward model
+        argv += ["--reward-model", task["mg_reward_tp1pp1"], "--temperature", "1.0"]
+    return argv + list(extra)
+
+
+def _shards(root, role, iteration):
+    """{shard folder: model state} of one saved role."""
+    folder = root / role / f"iter_{iteration:07d}"
+    return {p.parent.name: torch.load(p, weights_only=False)["model"] for p in sorted(folder.glob("*/model_optim_rng.pt"))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["grpo", "trl_ppo"])
+def test_moe_actor_at_ep2_trains_and_resumes_bitwise(moe_task, tmp_path, stage):
+    """Two iterations with a save after each equal one iteration, a save, and a second run with --load, bit for
+    bit (metrics and every expert-parallel shard), with the MoE metrics logged and finite."""
+    import json
+
+    from test_dynamic_sampling import _stage_runs  # registers the odd_first_word verifier, runs trainer.run
+
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    run_distributed(_stage_runs, 2, [_stage_argv(moe_task, stage, whole, 2, "--save-interval", "1"),
+                                     _stage_argv(moe_task, stage, split, 1),
+                                     _stage_argv(moe_task, stage, split, 2, "--load", str(split))])
+    rows = {name: [json.loads(line) for line in (out / "m.jsonl").read_text().splitlines()]
+            for name, out in (("whole", whole), ("split", split))}
+    assert [r["iteration"] for r in rows["whole"]] == [1, 2] == [r["iteration"] for r in rows["split"]]
+    for r in rows["whole"]:
+        for key in MOE_KEYS:
+            assert math.isfinite(r[f"actor/{key}"]), key
+        assert not any(k.startswith("critic/moe/") for k in r)  # the critic is dense
+        assert r["actor/moe/tokens_per_expert_min"] <= r["actor/moe/tokens_per_expert_max"]
+        assert r["actor/moe/expert_imbalance"] >= 1.0 and r["actor/moe/load_balancing_loss"] > 0
+        assert math.isfinite(r["actor/pg_loss"])
+    steady = lambda r: {k: v for k, v in r.items() if not k.startswith("timing/") and not k.endswith("_tps")}  # noqa: E731
+    assert steady(rows["whole"][1]) == steady(rows["split"][1])
+    roles = ["actor"] if stage == "grpo" else ["actor", "critic"]
+    for role in roles:
+        a, b = _shards(whole, role, 2), _shards(split, role, 2)
+        # the actor: one shard per expert-parallel rank; the dense critic: one
+        assert sorted(a) == sorted(b) == (["mp_rank_00_000", "mp_rank_00_001"] if role == "actor" else ["mp_rank_00"])
+        for shard in a:
+            for key, value in a[shard].items():
+                if isinstance(value, torch.Tensor):
+                    assert torch.equal(value, b[shard][key]), f"{role}/{shard}/{key}"
+    experts = _shards(whole, "actor", 2)
+    assert not torch.equal(experts["mp_rank_00_000"]["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"],
+                           experts["mp_rank_00_001"]["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"])
+
+
+@pytest.mark.slow
+def test_moe_flags_that_cannot_work_are_refused_by_name(moe_task, tmp_path):
+    from multiproc import _posttrain_main_cases
+
+    dense = moe_task["mg_actor_tp1pp1"]
+
+    def argv(*extra, actor=moe_task["mg_moe_actor_ep2"]):
+        return _stage_argv(moe_task, "grpo", tmp_path / "out", 1, "--ref-model", actor, "--verifier-function",
+                           "format", *extra)  # a built-in verifier: this process registers none
+
+    cases = {
+        "dense actor at EP2": (argv(actor=dense), ["--expert-model-parallel-size 2 needs a mixture-of-experts actor",
+                                                   f"--ref-model {dense}"]),
+        "routing replay with a dense actor": (argv("--expert-model-parallel-size", "1", "--moe-routing-replay",
+                                                   actor=dense), ["--moe-routing-replay needs a mixture-of-experts"]),
+        "expert count": (argv("--num-experts", "8"), ["--num-experts 8 does not match the checkpoint --ref-model",
+                                                      "num_experts=4"]),
+        "top-k": (argv("--moe-router-topk", "1"), ["--moe-router-topk 1 does not match", "moe_router_topk=2"]),
+        "expert width (MindSpeed's name)": (argv("--moe-intermediate-size", "64"),
+                                            ["--moe-ffn-hidden-size 64 does not match", "moe_ffn_hidden_size=32"]),
+        "experts on a dense model": (argv("--num-experts", "4", "--expert-model-parallel-size", "1", actor=dense),
+                                     ["--num-experts 4 does not match", "a dense model"]),
+    }
+    results = run_distributed(_posttrain_main_cases, 2, [a for a, _ in cases.values()])[0]
+    for (name, (_, needles)), (code, out, err) in zip(cases.items(), results):
+        assert code == 2, f"{name}: exit {code}\n{err[-3000:]}"
+        assert "Traceback" not in err, f"{name}: {err[-3000:]}"
+        for needle in needles:
+            assert needle in err, f"{name}: {needle!r} not in {err[-2000:]!r}"
+
+
+def test_a_trained_moe_model_needs_tp1():
+    from mindspeed_llm.arguments import ArgumentError
+    from mindspeed_llm.rl.moe import check_trainable
+
+    moe_model = types.SimpleNamespace(model_spec=_spec())
+    check_trainable(moe_model, 1, "actor", "--ref-model")
+    check_trainable(types.SimpleNamespace(model_spec=_spec(num_experts=None)), 2, "critic", "--reward-model")
+    with pytest.raises(ArgumentError, match="the actor \\(--ref-model\\) is a mixture-of-experts model.*"
+                                            "--tensor-model-parallel-size 2 only together with --sequence-parallel"):
+        check_trainable(moe_model, 2, "actor", "--ref-model")

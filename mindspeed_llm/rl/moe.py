@@ -49,9 +49,16 @@ LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balan
 def model_options(spec: ModelSpec, args, flag: str, root: str, policy: bool) -> Dict[str, object]:
     """`build_model` overrides for the run's MoE flags (empty for a dense model). `policy`: a causal LM (actor or
     reference), the models --moe-routing-replay applies to."""
-    if getattr(args, "moe_routing_replay", False) and policy and not spec.is_moe:
-        raise ArgumentError(f"--moe-routing-replay needs a mixture-of-experts actor, but {flag} {root} is a dense "
-                            f"{spec.family} model; drop the flag")
+    if policy and not spec.is_moe:
+        # the critic / reward model may be dense next to an MoE actor (they ignore the expert groups), the policy not
+        if getattr(args, "moe_routing_replay", False):
+            raise ArgumentError(f"--moe-routing-replay needs a mixture-of-experts actor, but {flag} {root} is a "
+                                f"dense {spec.family} model; drop the flag")
+        ep = getattr(args, "expert_parallel_size", 1)
+        if ep > 1:
+            raise ArgumentError(f"--expert-model-parallel-size {getattr(args, 'expert_model_parallel_size', ep)} "
+                                f"needs a mixture-of-experts actor, but {flag} {root} is a dense {spec.family} "
+                                "model; drop the flag")
     if not spec.is_moe:
         return {}
     coeff = args.moe_aux_loss_coeff if getattr(args, "moe_aux_loss_coeff", None) is not None else spec.moe_aux_loss_coeff
