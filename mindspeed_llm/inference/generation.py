@@ -507,7 +507,8 @@ def _check_allgather_shapes(model, plan: _Plan, batch_size: int, peers) -> None:
     if getattr(get_model_config(model), "moe_token_dispatcher_type", None) != "allgather":
         return
     prefill_rows = batch_size if plan.unique_rows is None else plan.unique_rows.numel()
-    shape = torch.tensor([prefill_rows * plan.first_step, batch_size], dtype=torch.long, device=_device.current_device())
+    shape = torch.tensor([prefill_rows * plan.first_step, batch_size], dtype=torch.long,
+                         device=_device.current_device())
     spread = torch.cat([shape, -shape])
     dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=peers)
     if bool((spread[:2] != -spread[2:]).any()):

@@ -270,7 +270,8 @@ def replays(model) -> bool:
     """Whether forwards of `model` replay the recorded routing: a policy MoE model built with
     `moe_enable_routing_replay=True` (`--moe-routing-replay`)."""
     core = _core(model)
-    return (bool(getattr(core.config, "moe_enable_routing_replay", False)) and not getattr(core, "is_value_model", False)
+    return (bool(getattr(core.config, "moe_enable_routing_replay", False))
+            and not getattr(core, "is_value_model", False)
             and bool(moe_routers(core)))
 
 
@@ -286,7 +287,8 @@ def micro_batch_routing(model, micro_batch: Dict[str, torch.Tensor]):
     if routing is None or not (replay or counter is not None):
         yield
         return
-    if replay and (core.config.recompute_granularity is not None or getattr(core.config, "moe_layer_recompute", False)):
+    recompute = core.config.recompute_granularity is not None or getattr(core.config, "moe_layer_recompute", False)
+    if replay and recompute:
         # a recomputed forward inside the backward would route live: the replay is set for the forward only
         raise ValueError("--moe-routing-replay does not support activation recompute (recompute_granularity / "
                          "moe_layer_recompute); turn recompute off")

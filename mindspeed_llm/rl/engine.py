@@ -77,7 +77,7 @@ def _model_forward(model, micro_batch: MicroBatch):
     pad = moe.padding_mask(micro_batch) if moe.is_moe(model) else None
     extra = {} if pad is None else {"padding_mask": pad}  # MoE routers leave padding out of their loss and counts
     with forward_layout(model, micro_batch["position_ids"], int(micro_batch.get("logits_from", 0))), \
-            micro_batch_routing(model, micro_batch):  # --moe-routing-replay and moe/routing_mismatch (models/routing.py)
+            micro_batch_routing(model, micro_batch):  # --moe-routing-replay, moe/routing_mismatch
         return model(micro_batch["tokens"], micro_batch["position_ids"], micro_batch.get("attention_mask"), **extra)
 
 
