@@ -201,8 +201,9 @@ def test_reshard_between_expert_layouts(tmp_path):
 
 
 def test_other_sizes_round_trip(tmp_path):
-    """No size is assumed: 6 layers, 12 experts top-3 with odd-per-rank counts (EP 4: 3 per rank), PP 3, and
-    Mixtral with 8 experts over --moe-tp-extend-ep 2 x TP 2."""
+    """No size is assumed: 6 layers, 12 experts top-3 with odd-per-rank counts (EP 4: 3 per rank), PP 3,
+    Mixtral with 8 experts over --moe-tp-extend-ep 2 x TP 2, every other layer dense (decoder_sparse_step),
+    tied embeddings (the last stage's copy at PP 2)."""
     cases = [
         ("qwen3_moe", dict(num_layers=6, num_experts=12, num_experts_per_tok=3, moe_intermediate_size=24,
                            mlp_only_layers=[0, 5]), dict(tp=2, pp=3, ep=4)),
@@ -210,6 +211,8 @@ def test_other_sizes_round_trip(tmp_path):
                            mlp_only_layers=[0, 5]), dict(tp=2, pp=3, ep=6, etp=1)),
         ("mixtral", dict(num_local_experts=8), dict(tp=2, ep=2, moe_tp_extend_ep=True)),
         ("qwen2_moe", dict(num_experts=6, shared_expert_intermediate_size=40), dict(tp=2, ep=3, pp=2)),
+        ("qwen3_moe", dict(decoder_sparse_step=2, tie=True), dict(tp=2, ep=4, pp=2)),
+        ("mixtral", dict(tie=True, num_layers=2), dict(pp=2, ep=2)),
     ]
     for index, (family, config, kw) in enumerate(cases):
         src = save_tiny(family, tmp_path / f"hf{index}", seed=index, **config)

@@ -39,7 +39,12 @@ LAYOUTS = {
     "tp2ep2-etp2": (dict(tp=2, ep=2), (2, 1, 2, 2), 4),
 }
 EXTEND = "tp2ep2-etp1"  # also loaded from a --moe-tp-extend-ep (EP1 x TP2) conversion
-LM_CASES = list(MOE_VARIANTS)
+# Sizes none of the other tests use (16 experts top-4, head_dim 16, every other layer dense through
+# decoder_sparse_step, tied embeddings): nothing in the conversion may assume the tiny configs' sizes.
+OTHER = {"qwen3_moe-other": ("qwen3_moe", dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=16,
+                                               head_dim=16, decoder_sparse_step=2, tie=True))}
+VARIANTS = {**MOE_VARIANTS, **OTHER}
+LM_CASES = list(VARIANTS)
 VALUE_CASES = ["qwen3_moe-value", "qwen2_moe-value", "mixtral-value"]
 VALUE_LAYOUTS = ("ep2", "tp2ep2-etp1", "pp2", "tp2ep2-etp2")
 NUM_LAYERS = 4
@@ -92,7 +97,7 @@ def parity(tmp_path_factory):
     per_layout = {name: [] for name in LAYOUTS}
     for index, name in enumerate(LM_CASES + VALUE_CASES):
         value = name.endswith("-value")
-        family, overrides = MOE_VARIANTS[name[:-len("-value")] if value else name]
+        family, overrides = VARIANTS[name[:-len("-value")] if value else name]
         kwargs = dict(seq_cls=value, seed=200 + index, num_layers=NUM_LAYERS, **overrides)
         hf_dir = save_tiny(family, base / name / "hf", **kwargs)
         ids = _token_ids(256, seed=index, pad_tail=3 if value else 0)
