@@ -107,9 +107,10 @@ def _free_port() -> int:
 
 def build_moe(root: Path, ep: int = 2) -> dict:
     """The word task (`word_task.build`: word-level tokenizer, prompts, a dense Qwen2 reward model at TP1 PP1)
-    plus a tiny random Qwen3-MoE policy (2 layers, 4 experts, top-2, load-balancing coefficient 0.01) converted
-    with `convert_hf_to_mg` for expert parallelism `ep`: {"tokenizer", "data", "mg_reward_tp1pp1",
-    "hf_moe_actor", "mg_moe_actor_ep{ep}"}."""
+    plus a tiny random Qwen3-MoE policy and a Qwen3-MoE reward model (value head; 2 layers, 4 experts, top-2,
+    load-balancing coefficient 0.01) converted with `convert_hf_to_mg` for expert parallelism `ep`: {"tokenizer",
+    "data", "mg_actor_tp1pp1" (dense), "mg_reward_tp1pp1" (dense), "hf_moe_actor", "mg_moe_actor_ep{ep}",
+    "mg_moe_reward_ep{ep}"}."""
     sys.path.insert(0, str(Path(__file__).parent))
     import word_task
     from hf_tiny import save_tiny
@@ -120,7 +121,11 @@ def build_moe(root: Path, ep: int = 2) -> dict:
     hf = save_tiny("qwen3_moe", root / "hf_moe_actor", seed=5, vocab_size=word_task.VOCAB, num_experts=4,
                    num_experts_per_tok=2, router_aux_loss_coef=0.01)
     paths["hf_moe_actor"] = hf
-    out = root / f"mg_moe_actor_ep{ep}"
-    convert_hf_to_mg(hf, str(out), 1, 1, tokenizer_dir=paths["tokenizer"], progress=False, ep=ep)
-    paths[f"mg_moe_actor_ep{ep}"] = str(out)
+    reward = save_tiny("qwen3_moe", root / "hf_moe_reward", seq_cls=True, seed=6, vocab_size=word_task.VOCAB,
+                       num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.01)
+    for role, source, value_head in (("actor", hf, False), ("reward", reward, True)):
+        out = root / f"mg_moe_{role}_ep{ep}"
+        convert_hf_to_mg(source, str(out), 1, 1, value_head=value_head, tokenizer_dir=paths["tokenizer"],
+                         progress=False, ep=ep)
+        paths[f"mg_moe_{role}_ep{ep}"] = str(out)
     return paths

@@ -233,7 +233,7 @@ def moe_task(tmp_path_factory):
 
 
 def _stage_argv(task, stage, out, iters, *extra):
-    argv = ["--stage", stage, "--micro-batch-size", "2", "--global-batch-size", "4", "--seed", "5",
+    argv = ["--stage", stage.split("-")[0], "--micro-batch-size", "2", "--global-batch-size", "4", "--seed", "5",
             "--data-path", task["data"], "--tokenizer-name-or-path", task["tokenizer"], "--max-length", "64",
             "--max-new-tokens", "8", "--do-sample", "--lr", "0.01", "--log-interval", "1",
             "--ref-model", task["mg_moe_actor_ep2"], "--expert-model-parallel-size", "2",
@@ -241,8 +241,9 @@ def _stage_argv(task, stage, out, iters, *extra):
             "--metrics-jsonl", str(out / "m.jsonl")]
     if stage == "grpo":  # MoE actor and reference, a rule reward
         argv += ["--n-samples-per-prompt", "2", "--verifier-function", "odd_first_word", "--kl-coef", "0.05"]
-    else:  # MoE actor and reference, dense critic and reward model
-        argv += ["--reward-model", task["mg_reward_tp1pp1"], "--temperature", "1.0"]
+    else:  # MoE actor and reference; dense critic and reward model, or MoE ones (trl_ppo-moe-critic)
+        reward = task["mg_moe_reward_ep2"] if stage.endswith("moe-critic") else task["mg_reward_tp1pp1"]
+        argv += ["--reward-model", reward, "--temperature", "1.0"]
     return argv + list(extra)
 
 
@@ -253,7 +254,7 @@ def _shards(root, role, iteration):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["grpo", "trl_ppo"])
+@pytest.mark.parametrize("stage", ["grpo", "trl_ppo", "trl_ppo-moe-critic"])
 def test_moe_actor_at_ep2_trains_and_resumes_bitwise(moe_task, tmp_path, stage):
     """Two iterations with a save after each equal one iteration, a save, and a second run with --load, bit for
     bit (metrics and every expert-parallel shard), with the MoE metrics logged and finite."""
@@ -271,7 +272,13 @@ def test_moe_actor_at_ep2_trains_and_resumes_bitwise(moe_task, tmp_path, stage):
     for r in rows["whole"]:
         for key in MOE_KEYS:
             assert math.isfinite(r[f"actor/{key}"]), key
-        assert not any(k.startswith("critic/moe/") for k in r)  # the critic is dense
+        if stage == "trl_ppo-moe-critic":  # the critic's own update, its own counts
+            for key in MOE_KEYS:
+                assert math.isfinite(r[f"critic/{key}"]), key
+            assert r["critic/moe/tokens_per_expert_max"] != r["actor/moe/tokens_per_expert_max"] or \
+                r["critic/moe/load_balancing_loss"] != r["actor/moe/load_balancing_loss"]
+        else:
+            assert not any(k.startswith("critic/moe/") for k in r)  # a dense critic
         assert r["actor/moe/tokens_per_expert_min"] <= r["actor/moe/tokens_per_expert_max"]
         assert r["actor/moe/expert_imbalance"] >= 1.0 and r["actor/moe/load_balancing_loss"] > 0
         assert math.isfinite(r["actor/pg_loss"])
@@ -281,7 +288,8 @@ def test_moe_actor_at_ep2_trains_and_resumes_bitwise(moe_task, tmp_path, stage):
     for role in roles:
         a, b = _shards(whole, role, 2), _shards(split, role, 2)
         # the actor: one shard per expert-parallel rank; the dense critic: one
-        assert sorted(a) == sorted(b) == (["mp_rank_00_000", "mp_rank_00_001"] if role == "actor" else ["mp_rank_00"])
+        moe_role = role == "actor" or stage == "trl_ppo-moe-critic"
+        assert sorted(a) == sorted(b) == (["mp_rank_00_000", "mp_rank_00_001"] if moe_role else ["mp_rank_00"])
         for shard in a:
             for key, value in a[shard].items():
                 if isinstance(value, torch.Tensor):
