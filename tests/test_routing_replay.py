@@ -373,10 +373,12 @@ def _save_moe_release(rank, world_size, root, vocab):
     layout.write_latest(root, "release")
 
 
-@pytest.mark.parametrize("replay", [True, False], ids=["replay", "no_replay"])
-def test_grpo_stage_with_moe_routing_replay(stage_paths, tmp_path, replay):
-    """`--moe-routing-replay` end to end: a tiny bf16 Qwen3-MoE actor trains two grpo iterations (old-log-prob pass
-    recomputed), and the logged moe/routing_mismatch is 0 with replay, a fraction in [0, 1] without."""
+@pytest.mark.parametrize("stage,replay", [("grpo", True), ("grpo", False), ("trl_ppo", True)],
+                         ids=["grpo_replay", "grpo_no_replay", "trl_ppo_replay"])
+def test_stage_with_moe_routing_replay(stage_paths, tmp_path, stage, replay):
+    """`--moe-routing-replay` end to end: a tiny bf16 Qwen3-MoE actor trains two iterations (old-log-prob pass
+    recomputed; trl_ppo with a dense critic), and the logged moe/routing_mismatch is 0 with replay, a fraction in
+    [0, 1] without."""
     import json
 
     from stage_assets import VOCAB, torchrun
@@ -384,12 +386,16 @@ def test_grpo_stage_with_moe_routing_replay(stage_paths, tmp_path, replay):
     ckpt = str(tmp_path / "moe")
     run_distributed(_save_moe_release, 1, ckpt, VOCAB)
     metrics = tmp_path / "metrics.jsonl"
-    argv = ["--stage", "grpo", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
+    argv = ["--stage", stage, "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
             "--lr", "1e-3", "--seed", "7", "--data-path", stage_paths["data_train"], "--tokenizer-name-or-path",
             stage_paths["tokenizer"], "--max-length", "64", "--max-new-tokens", "8", "--log-interval", "1",
-            "--load", ckpt, "--n-samples-per-prompt", "2", "--verifier-function", "math_acc", "--do-sample",
-            "--kl-coef", "0.01", "--ppo-mini-batch-size", "4", "--ppo-epochs", "1", "--recompute-old-logprobs",
-            "--bf16", "--metrics-jsonl", str(metrics)] + (["--moe-routing-replay"] if replay else [])
+            "--do-sample", "--recompute-old-logprobs", "--bf16", "--metrics-jsonl", str(metrics)]
+    if stage == "grpo":
+        argv += ["--load", ckpt, "--n-samples-per-prompt", "2", "--verifier-function", "math_acc", "--kl-coef", "0.01",
+                 "--ppo-mini-batch-size", "4", "--ppo-epochs", "1"]
+    else:
+        argv += ["--ref-model", ckpt, "--reward-model", stage_paths["mg_reward_tp1pp1"], "--temperature", "1.0"]
+    argv += ["--moe-routing-replay"] if replay else []
     result = torchrun(argv, nproc=1)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
