@@ -452,3 +452,23 @@ def test_allgather_dispatcher_refuses_uneven_expert_parallel_rollouts():
     for message in run_distributed(_allgather_uneven_body, 2):
         assert message is not None and "--moe-token-dispatcher-type alltoall" in message, message
         assert "prefill tokens 6..8" in message, message
+
+
+def test_dynamic_sampling_concat_pads_routing_as_unknown():
+    """grpo's refill joins rows of generation batches of other widths: the routing is padded with -1 (unknown)
+    along the positions and cut to the joined sequence width, each row's recorded values kept."""
+    from mindspeed_llm.rl import dynamic_sampling
+
+    short, wide = _experience([2, 2], [1, 2]), _experience([3, 3], [4, 1])
+    for exp, fill in ((short, 5), (wide, 9)):
+        T = exp.tokens.shape[1]
+        exp.routing = torch.full((2, 2, T, 3), fill, dtype=torch.int16)
+        exp.routing[:, :, T - 1] = -1
+    parts = [dynamic_sampling._rows_to_host(short, torch.tensor([1])),
+             dynamic_sampling._rows_to_host(wide, torch.tensor([0]))]
+    joined = dynamic_sampling._concat(parts, "cpu")
+    T = joined.tokens.shape[1]
+    assert T == 7 and joined.routing.shape == (2, 2, T, 3)
+    assert torch.equal(joined.routing[0, :, :3], short.routing[1, :, :3])
+    assert bool((joined.routing[0, :, 4:] == -1).all()) and bool((joined.routing[0, :, 3] == -1).all())
+    assert torch.equal(joined.routing[1], wide.routing[0])
