@@ -77,6 +77,21 @@ def _forward(model, ids, tp, pp):
     return out
 
 
+def _case_diff(model, case, tp, pp):
+    """max |output - transformers| of one case (logits, or per-token and pooled values) on the last stage;
+    None on other stages."""
+    out = _forward(model, case["ids"], tp, pp)
+    if out is None:
+        return None
+    ref = case["ref"]
+    if not case["value"]:
+        return (out - ref["logits"]).abs().max().item()
+    diff = (out - ref["values"]).abs().max().item()
+    last = (case["ids"] != PAD_TOKEN_ID).long().cumsum(-1).argmax(-1)  # last non-pad position
+    pooled = out[torch.arange(out.shape[0]), last]
+    return max(diff, (pooled - ref["pooled"]).abs().max().item())
+
+
 def _parity_worker(rank, world_size, jobs, error_roots):
     os.environ["MINDSPEED_DEVICE"] = "cpu"
     import dataclasses
@@ -98,18 +113,9 @@ def _parity_worker(rank, world_size, jobs, error_roots):
             keys = set(stored["model"]) ^ set(model.state_dict())
             if keys:
                 results["key_mismatch"][(layout, case["name"])] = sorted(keys)
-            out = _forward(model, case["ids"], tp, pp)
-            if out is None:
-                continue
-            ref = case["ref"]
-            if case["value"]:
-                diff = (out - ref["values"]).abs().max().item()
-                last = (case["ids"] != PAD_TOKEN_ID).long().cumsum(-1).argmax(-1)  # last non-pad position
-                pooled = out[torch.arange(out.shape[0]), last]
-                diff = max(diff, (pooled - ref["pooled"]).abs().max().item())
-            else:
-                diff = (out - ref["logits"]).abs().max().item()
-            results["diffs"][(layout, case["name"])] = diff
+            diff = _case_diff(model, case, tp, pp)
+            if diff is not None:
+                results["diffs"][(layout, case["name"])] = diff
         if layout == "tp2":
             # Loader errors: spec mismatch, value head vs LM, TP/PP layout mismatch, missing tracker.
             spec = load_spec(error_roots["lm_tp2"])

@@ -87,6 +87,19 @@ def _check_expert_shards(mg, src, hf, family, tp, pp, ep, etp):
     assert checked
 
 
+def _assert_same_shards(a, b, label):
+    """Two Megatron checkpoints have the same layout and the same tensors in every shard."""
+    info = layout.checkpoint_info(a)
+    other = layout.checkpoint_info(b)
+    assert [info[k] for k in ("tp", "pp", "ep", "etp")] == [other[k] for k in ("tp", "pp", "ep", "etp")], label
+    for t, p, e in layout.expected_shards(info["tp"], info["pp"], info["ep"], info["etp"]):
+        sa = layout.load_shard(a, t, p, ep_rank=e)["model"]
+        sb = layout.load_shard(b, t, p, ep_rank=e)["model"]
+        assert sorted(sa) == sorted(sb), label
+        for key, value in sa.items():
+            assert (value is None and sb[key] is None) or torch.equal(value, sb[key]), (label, key)
+
+
 # ------------------------------------------------------------------------------------------- round trips
 
 @pytest.mark.parametrize("orm", [False, True], ids=["lm", "orm"])
@@ -161,13 +174,7 @@ def test_fused_expert_format_reads_like_the_hub_format(tmp_path):
             a, b = tmp_path / f"a_{name}", tmp_path / f"b_{name}"
             convert_hf_to_mg(hub, a, progress=False, **kw)
             convert_hf_to_mg(fused, b, progress=False, **kw)
-            info = layout.checkpoint_info(a)
-            for t, p, e in layout.expected_shards(info["tp"], info["pp"], info["ep"], info["etp"]):
-                sa = layout.load_shard(a, t, p, ep_rank=e)["model"]
-                sb = layout.load_shard(b, t, p, ep_rank=e)["model"]
-                assert sorted(sa) == sorted(sb)
-                for key, value in sa.items():
-                    assert (value is None and sb[key] is None) or torch.equal(value, sb[key]), (name, kw, key)
+            _assert_same_shards(a, b, (name, kw))
 
 
 def test_reshard_between_expert_layouts(tmp_path):
@@ -184,16 +191,7 @@ def test_reshard_between_expert_layouts(tmp_path):
             target, direct = tmp_path / f"{name}_{hop}", tmp_path / f"{name}_{hop}_direct"
             convert_mg_to_mg(previous, target, progress=False, **kw)
             convert_hf_to_mg(src, direct, progress=False, **kw)
-            info = layout.checkpoint_info(target)
-            assert (info["tp"], info["pp"], info["ep"], info["etp"]) == (
-                layout.checkpoint_info(direct)["tp"], layout.checkpoint_info(direct)["pp"],
-                layout.checkpoint_info(direct)["ep"], layout.checkpoint_info(direct)["etp"])
-            for t, p, e in layout.expected_shards(info["tp"], info["pp"], info["ep"], info["etp"]):
-                sa = layout.load_shard(target, t, p, ep_rank=e)["model"]
-                sb = layout.load_shard(direct, t, p, ep_rank=e)["model"]
-                assert sorted(sa) == sorted(sb), (name, kw)
-                for key, value in sa.items():
-                    assert (value is None and sb[key] is None) or torch.equal(value, sb[key]), (name, kw, key)
+            _assert_same_shards(target, direct, (name, kw))
             out = tmp_path / f"{name}_{hop}_hf"
             convert_mg_to_hf(target, out, progress=False)
             _assert_identical(original, _hf_tensors(out))

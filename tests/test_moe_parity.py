@@ -23,11 +23,10 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
-from hf_tiny import MOE_VARIANTS, PAD_TOKEN_ID, build_tiny, save_tiny
+from hf_tiny import MOE_VARIANTS, build_tiny, save_tiny
 from multiproc import run_distributed
-from test_models_parity import TOL, _forward, _hf_reference, _token_ids
+from test_models_parity import TOL, _case_diff, _hf_reference, _token_ids
 
 # name -> (convert_hf_to_mg keyword arguments, distributed.initialize (tp, pp, ep, expert tp), world size)
 LAYOUTS = {
@@ -73,18 +72,9 @@ def _moe_worker(rank, world_size, jobs):
             keys = {k for k in set(stored["model"]) ^ set(model.state_dict())}
             if keys:
                 results["key_mismatch"][(layout, case["name"])] = sorted(keys)
-            out = _forward(model, case["ids"], tp, pp)
-            if out is None:
-                continue
-            ref = case["ref"]
-            if case["value"]:
-                diff = (out - ref["values"]).abs().max().item()
-                last = (case["ids"] != PAD_TOKEN_ID).long().cumsum(-1).argmax(-1)  # last non-pad position
-                pooled = out[torch.arange(out.shape[0]), last]
-                diff = max(diff, (pooled - ref["pooled"]).abs().max().item())
-            else:
-                diff = (out - ref["logits"]).abs().max().item()
-            results["diffs"][(layout, case["name"])] = diff
+            diff = _case_diff(model, case, tp, pp)
+            if diff is not None:
+                results["diffs"][(layout, case["name"])] = diff
         ps.destroy_model_parallel()
     return results
 
