@@ -263,25 +263,29 @@ def split_stage_experts(stage_sd: Dict[str, torch.Tensor], spec, pp: int, stage:
     order = expected_local_names(spec, pp, stage, value_head, extra_state=with_extra_state, ep=ep)
     dense_parts: Dict[str, List[torch.Tensor]] = {}
     shards = {}
-    for t, e in pairs:
-        shard: Dict[str, Optional[torch.Tensor]] = {}
-        for name in order:
-            if is_extra_state(name):
-                shard[name] = None
-                continue
-            j = expert_index(name)
-            if j is None:
-                if name not in dense_parts:
-                    dense_parts[name] = split_tensor(name, stage_sd[name], tp, value_head)
-                shard[name] = dense_parts[name][t]
-                continue
-            source = stage_sd[with_expert_index(name, e * local + j)]
-            if etp == 1:
-                shard[name] = source
-            else:
-                shard[name] = split_tensor(name, source, etp)[t].clone()
-        shards[(t, e)] = shard
-    return shards
+    for e in sorted({e for _, e in pairs}):
+        expert_parts: Dict[str, List[torch.Tensor]] = {}  # this EP rank's experts, split once for all its tp ranks
+        for t in sorted(t for t, e2 in pairs if e2 == e):
+            shard: Dict[str, Optional[torch.Tensor]] = {}
+            for name in order:
+                if is_extra_state(name):
+                    shard[name] = None
+                    continue
+                j = expert_index(name)
+                if j is None:
+                    if name not in dense_parts:
+                        dense_parts[name] = split_tensor(name, stage_sd[name], tp, value_head)
+                    shard[name] = dense_parts[name][t]
+                    continue
+                source = stage_sd[with_expert_index(name, e * local + j)]
+                if etp == 1:
+                    shard[name] = source
+                    continue
+                if name not in expert_parts:
+                    expert_parts[name] = split_tensor(name, source, etp)
+                shard[name] = expert_parts[name][t]
+            shards[(t, e)] = shard
+    return {pair: shards[pair] for pair in pairs}
 
 
 def merge_stage(shards: List[Dict[str, torch.Tensor]], value_head: bool) -> Dict[str, torch.Tensor]:
