@@ -340,3 +340,24 @@ def test_a_trained_moe_model_needs_tp1():
     with pytest.raises(ArgumentError, match="the actor \\(--ref-model\\) is a mixture-of-experts model.*"
                                             "--tensor-model-parallel-size 2 only together with --sequence-parallel"):
         check_trainable(moe_model, 2, "actor", "--ref-model")
+
+
+def test_mindspeed_moe_switches_are_ignored_once_and_grouped_gemm_fallback_is_noted():
+    from mindspeed_llm import compat_flags
+    from mindspeed_llm.arguments import parse_args
+    from mindspeed_llm.models.builder import grouped_gemm_kernel
+
+    switches = ["--moe-permutation-async-comm", "--moe-alltoall-overlap-comm", "--moe-fb-overlap",
+                "--moe-permute-fusion", "--use-fused-moe-token-permute-and-unpermute"]
+    args = parse_args(["--stage", "grpo", "--data-path", "d", "--train-iters", "1", "--global-batch-size", "4",
+                       "--ref-model", "r", "--verifier-function", "format", "--moe-grouped-gemm",
+                       "--moe-zero-memory", "level1", "--moe-zero-memory-num-layers", "2", *switches], world_size=1)
+    lines = compat_flags.startup_lines(args, backend="gloo")
+    ignored = [line for line in lines if line.startswith("ignored flags: ")]
+    assert len(ignored) == 1
+    for flag in switches + ["--moe-zero-memory", "--moe-zero-memory-num-layers"]:
+        assert ignored[0].count(flag + ",") + ignored[0].count(flag + " (") == 1, flag
+    notes = [line for line in lines if line.startswith("--moe-grouped-gemm")]
+    assert len(notes) == (1 if grouped_gemm_kernel() is None else 0)
+    if notes:
+        assert "SequentialMLP" in notes[0]
