@@ -296,3 +296,32 @@ def test_error_missing_expert_and_fused_shape(tmp_path, capsys):
                          "--save-dir", tmp_path / "out2")
     assert "fused expert tensor model.layers.0.mlp.experts." in err and "num_experts=4" in err, err
     assert "(8, 64, " in err
+
+
+def test_split_and_merge_model_in_memory(tmp_path):
+    """sharding.split_model / merge_model (the in-memory API): a MoE checkpoint merged from its TP2 x PP2 files
+    splits back into the same shards, and over TP2 x PP2 x EP2 with expert TP 1 ((tp, pp, ep) keys, only the
+    pairs megatron's ranks have) merges back to the same full state dict."""
+    from mindspeed_llm.checkpoint import merge_model, split_model
+
+    src = _save(tmp_path, "qwen3_moe-mixed")
+    mg = tmp_path / "mg"
+    convert_hf_to_mg(src, mg, tp=2, pp=2, progress=False)
+    info = layout.checkpoint_info(mg)
+    shards = {(t, p): layout.load_shard(mg, t, p)["model"] for t in range(2) for p in range(2)}
+    full = merge_model(shards, info["spec"], 2, 2, False)
+    again = split_model(full, info["spec"], 2, 2, False)
+    assert sorted(again) == sorted(shards)
+    for key, shard in shards.items():
+        assert sorted(shard) == sorted(again[key])
+        for name, value in shard.items():
+            assert (value is None and again[key][name] is None) or torch.equal(value, again[key][name]), name
+    pairs = layout.expected_shards(2, 2, 2, 1)
+    split = split_model(full, info["spec"], 2, 2, False, ep=2, etp=1, pairs=pairs)
+    assert sorted(split) == sorted(pairs) == [(0, 0, 0), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
+    local = split[(1, 0, 1)]["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"]
+    assert torch.equal(local, full["decoder.layers.0.mlp.experts.local_experts.4.linear_fc1.weight"])  # 8 experts / 2
+    back = merge_model(split, info["spec"], 2, 2, False, ep=2, etp=1)
+    assert sorted(back) == sorted(full)
+    for name, value in full.items():
+        assert torch.equal(back[name], value), name
