@@ -250,7 +250,8 @@ def _stage_argv(task, stage, out, iters, *extra):
 def _shards(root, role, iteration):
     """{shard folder: model state} of one saved role."""
     folder = root / role / f"iter_{iteration:07d}"
-    return {p.parent.name: torch.load(p, weights_only=False)["model"] for p in sorted(folder.glob("*/model_optim_rng.pt"))}
+    return {p.parent.name: torch.load(p, weights_only=False)["model"]
+            for p in sorted(folder.glob("*/model_optim_rng.pt"))}
 
 
 @pytest.mark.slow
@@ -282,7 +283,9 @@ def test_moe_actor_at_ep2_trains_and_resumes_bitwise(moe_task, tmp_path, stage):
         assert r["actor/moe/tokens_per_expert_min"] <= r["actor/moe/tokens_per_expert_max"]
         assert r["actor/moe/expert_imbalance"] >= 1.0 and r["actor/moe/load_balancing_loss"] > 0
         assert math.isfinite(r["actor/pg_loss"])
-    steady = lambda r: {k: v for k, v in r.items() if not k.startswith("timing/") and not k.endswith("_tps")}  # noqa: E731
+    def steady(r):  # wall-clock times and throughputs differ between runs
+        return {k: v for k, v in r.items() if not k.startswith("timing/") and not k.endswith("_tps")}
+
     assert steady(rows["whole"][1]) == steady(rows["split"][1])
     roles = ["actor"] if stage == "grpo" else ["actor", "critic"]
     for role in roles:

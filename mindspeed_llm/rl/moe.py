@@ -61,7 +61,8 @@ def model_options(spec: ModelSpec, args, flag: str, root: str, policy: bool) -> 
                                 "model; drop the flag")
     if not spec.is_moe:
         return {}
-    coeff = args.moe_aux_loss_coeff if getattr(args, "moe_aux_loss_coeff", None) is not None else spec.moe_aux_loss_coeff
+    coeff = getattr(args, "moe_aux_loss_coeff", None)
+    coeff = spec.moe_aux_loss_coeff if coeff is None else coeff  # the flag, else the checkpoint's (HF config)
     options = dict(
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,
@@ -185,7 +186,8 @@ class UpdateStats:
                 values += entry["values"].detach().double().cpu()
             values = _all_reduce(values, pp_group)
             values = _all_reduce(values, dp_group) / dist.get_world_size(dp_group)
-            out[f"moe/{self.loss_name}"] = float(values[moe_layers].sum()) / len(moe_layers) / max(self.num_micro_batches, 1)
+            per_micro_batch = float(values[moe_layers].sum()) / max(self.num_micro_batches, 1)
+            out[f"moe/{self.loss_name}"] = per_micro_batch / len(moe_layers)
             clear_aux_losses_tracker()
         counts = _all_reduce(_all_reduce(self.counts.clone(), dp_group), pp_group)[moe_layers]  # [L_moe, E]
         mean = counts.mean(dim=1).clamp(min=1e-12)

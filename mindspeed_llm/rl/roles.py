@@ -59,7 +59,8 @@ def _check_moe_flags(spec: ModelSpec, args, mismatch) -> None:
     (a dense checkpoint has no experts)."""
     experts = getattr(args, "num_experts", None)
     if experts is not None and experts != (spec.num_experts or 0):
-        raise mismatch(f"--num-experts {experts}", f"num_experts={spec.num_experts}" if spec.is_moe else "a dense model")
+        found = f"num_experts={spec.num_experts}" if spec.is_moe else "a dense model"
+        raise mismatch(f"--num-experts {experts}", found)
     for name, option in (("moe_router_topk", "--moe-router-topk"), ("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
                          ("moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size")):
         wanted = getattr(args, name, None)
