@@ -189,6 +189,7 @@ def _metrics_case(rank, world_size):
         forward_only(model, [dict(mb, responses=mb["response_mask"]) for mb in micro_batches],
                      lambda out, mb: out[:, :1, 0])
     idle_counts = idle.counts.clone()
+    assert idle.metrics()["moe/load_balancing_loss"] == 0.0  # megatron's tracker saw nothing either
 
     router_weights = [model.decoder.layers[i].mlp.router.weight.detach() for i in range(LAYERS)]
     counts = torch.zeros(LAYERS, E, dtype=torch.float64)
