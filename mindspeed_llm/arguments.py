@@ -265,6 +265,11 @@ def _check_expert_parallel(args, world_size: int) -> None:
         etp, ep = 1, ep * tp
     elif etp is None:
         etp = tp
+    if etp == 1 and tp > 1 and ep % tp:
+        raise ArgumentError(
+            f"--expert-tensor-parallel-size 1 with --tensor-model-parallel-size {tp} needs an expert-parallel size "
+            f"that is a multiple of {tp} (the expert ranks run over the TP ranks), not {ep}; use --moe-tp-extend-ep "
+            f"or --expert-model-parallel-size {tp * max(1, ep // tp)}")
     if etp not in (1, tp):
         raise ArgumentError(
             f"--expert-tensor-parallel-size {etp} must be 1 or --tensor-model-parallel-size {tp} (checkpoints "

@@ -120,6 +120,8 @@ def test_expert_parallel_flags_resolve():
     (["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "4"], 8,
      "--expert-tensor-parallel-size 4 must be 1 or --tensor-model-parallel-size 2"),
     (["--expert-model-parallel-size", "0"], 1, "must be >= 1"),
+    (["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"], 2,
+     "needs an expert-parallel size that is a multiple of 2 .* not 1; use --moe-tp-extend-ep"),
     (["--moe-aux-loss-coeff", "-1"], 1, "--moe-aux-loss-coeff -1.0 must be a finite number >= 0"),
 ])
 def test_inconsistent_expert_flags_are_named(extra, world, message):
