@@ -249,7 +249,7 @@ def generated(model) -> bool:
     return bool(getattr(_core(model), _GENERATED, False))
 
 
-def mismatch_fraction(counts: torch.Tensor) -> float:
+def mismatch_fraction(counts: torch.Tensor) -> Optional[float]:
     """mismatched / compared response token-layers, summed over the pipeline stages (each has its own layers) and
     the data-parallel ranks (each its own samples); TP ranks hold the same counts. Collective over those groups."""
     from megatron.core import parallel_state
@@ -263,7 +263,7 @@ def mismatch_fraction(counts: torch.Tensor) -> float:
         dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
     total = sum_over_data_parallel(total)
     mismatched, compared = total.tolist()
-    return mismatched / compared if compared else 0.0
+    return mismatched / compared if compared else None  # nothing compared (e.g. one-token responses): no metric
 
 
 def replays(model) -> bool:
