@@ -95,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default="aux_loss")
     g.add_argument("--moe-aux-loss-coeff", type=float,
                    help="load-balancing loss coefficient (default: the checkpoint's, i.e. HF router_aux_loss_coef)")
-    g.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather")
+    g.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"),
+                   help="default: alltoall with expert parallelism, else allgather (Megatron-LM's default); "
+                        "allgather needs equal token counts on the expert-parallel ranks, which RL batches lack")
     g.add_argument("--moe-routing-replay", action="store_true",
                    help="route response tokens in the training forwards by the experts the rollout chose")
 
@@ -282,6 +284,13 @@ def _check_expert_parallel(args, world_size: int) -> None:
             f"--expert-model-parallel-size")
     if args.moe_aux_loss_coeff is not None and (not math.isfinite(args.moe_aux_loss_coeff) or args.moe_aux_loss_coeff < 0):
         raise ArgumentError(f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff} must be a finite number >= 0")
+    if args.moe_token_dispatcher_type is None:
+        args.moe_token_dispatcher_type = "alltoall" if ep > 1 else "allgather"
+    elif args.moe_token_dispatcher_type == "allgather" and ep > 1:
+        raise ArgumentError(
+            f"--moe-token-dispatcher-type allgather cannot run expert parallel {ep}: megatron's all-gather "
+            f"dispatcher needs the same number of tokens on every expert-parallel rank, and RL micro-batches differ "
+            f"in length from rank to rank; use --moe-token-dispatcher-type alltoall (the default with experts split)")
     args.expert_parallel_size = ep
     args.expert_tensor_parallel_size = etp
 

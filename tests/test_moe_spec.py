@@ -100,6 +100,8 @@ def _parse(*extra, world):
 def test_expert_parallel_flags_resolve():
     args = _parse("--expert-model-parallel-size", "2", world=2)
     assert (args.expert_parallel_size, args.expert_tensor_parallel_size) == (2, 1)
+    assert args.moe_token_dispatcher_type == "alltoall"  # all-gather needs equal token counts per EP rank
+    assert _parse(world=1).moe_token_dispatcher_type == "allgather"
     args = _parse("--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", world=4)
     assert (args.expert_parallel_size, args.expert_tensor_parallel_size) == (2, 2)
     # MindSpeed's --moe-tp-extend-ep: the TP ranks split the experts too, experts are not tensor-split.
@@ -120,6 +122,8 @@ def test_expert_parallel_flags_resolve():
     (["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "4"], 8,
      "--expert-tensor-parallel-size 4 must be 1 or --tensor-model-parallel-size 2"),
     (["--expert-model-parallel-size", "0"], 1, "must be >= 1"),
+    (["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"], 2,
+     "allgather cannot run expert parallel 2: .* use --moe-token-dispatcher-type alltoall"),
     (["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"], 2,
      "needs an expert-parallel size that is a multiple of 2 .* not 1; use --moe-tp-extend-ep"),
     (["--moe-aux-loss-coeff", "-1"], 1, "--moe-aux-loss-coeff -1.0 must be a finite number >= 0"),
