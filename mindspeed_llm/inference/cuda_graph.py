@@ -11,8 +11,9 @@ same computation on the same buffers, with the slot as a *tensor*:
 
 * inputs: the step's tokens and positions are copied into fixed ``[B, 1]`` buffers, the slot into a ``[1]``
   long tensor;
-* each attention layer (``Attention._adjust_key_value_for_inference``, wrapped once per process; the wrapper acts
-  only for the inference context of such an engine and passes every other call through):
+* each attention layer (``Attention._adjust_key_value_for_inference``, wrapped once per process by
+  ``mindspeed_llm/patches/static_decode.py``; the wrapper acts only for the inference context of such an engine
+  and passes every other call through):
   rotates the new key with the rotary row of the slot (``index_select``) and writes key and value into the
   cache with ``index_copy_`` at the slot, then attends over ALL ``T`` slots of the cache; the query gets its
   rotary row the same way;
@@ -36,12 +37,7 @@ hooks collect per-forward Python lists), ``flash_decode``; and for the graph, Mo
 dispatchers read split sizes on the host).
 
 Switch: ``MINDSPEED_DECODE_CUDA_GRAPH=1`` (see :func:`decode_cuda_graph_requested`); off by default and never
-on for a non-CUDA device. Hook in ``generation.generate`` (not wired here: generation.py has another owner),
-in place of ``engine = _KVCacheModel(model, plan, record_routing)`` (a local import: this module imports
-generation)::
-
-    from mindspeed_llm.inference import cuda_graph
-    engine = cuda_graph.engine_class(dev)(model, plan, record_routing)  # _KVCacheModel unless switched on
+on for a non-CUDA device; ``generation.generate`` asks :func:`engine_class` for its engine.
 """
 
 from __future__ import annotations
@@ -53,12 +49,15 @@ from typing import Optional
 import torch
 
 from mindspeed_llm.inference import generation
+from mindspeed_llm.patches.static_decode import STATIC_ATTR as _STATIC_ATTR
+from mindspeed_llm.patches.static_decode import StaticState as _StaticState
+from mindspeed_llm.patches.static_decode import install_attention_wrapper as _install_attention_wrapper
+from mindspeed_llm.patches.static_decode import no_rng_fork as _no_rng_fork
 
 __all__ = ["StaticDecodeKVCacheModel", "decode_cuda_graph_requested", "engine_class", "static_decode_engine",
            "DECODE_CUDA_GRAPH_ENV"]
 
 DECODE_CUDA_GRAPH_ENV = "MINDSPEED_DECODE_CUDA_GRAPH"
-_STATIC_ATTR = "_mindspeed_static_decode"  # set on a StaticInferenceContext: this engine's wrapper applies
 
 
 def decode_cuda_graph_requested(device) -> bool:
@@ -75,94 +74,6 @@ def engine_class(device):
     if decode_cuda_graph_requested(device):
         return _GraphedEngine
     return generation._KVCacheModel
-
-
-class _StaticState:
-    """What the wrapped attention reads from the inference context while a static engine runs."""
-
-    def __init__(self):
-        self.slot: Optional[torch.Tensor] = None  # [1] long: the decode step's slot; None: prefill (int slots)
-
-
-def _install_attention_wrapper():
-    """Wraps ``Attention._adjust_key_value_for_inference`` once per process; the wrapper acts only for a
-    context that carries ``_mindspeed_static_decode`` (set by the static engine, removed by its release), so
-    every other caller, and training, gets the previous function unchanged."""
-    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-    from megatron.core.transformer import attention as attention_module
-    from megatron.core.transformer.enums import AttnMaskType
-
-    Attention = attention_module.Attention
-    previous = Attention._adjust_key_value_for_inference
-    if getattr(previous, "_mindspeed_static_decode", False):
-        return
-    mscale_of = attention_module._yarn_get_concentration_factor_from_config
-
-    def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb=None,
-                                        *args, **kwargs):
-        state = getattr(inference_context, _STATIC_ATTR, None) if inference_context is not None else None
-        if state is None or self.training or kwargs.get("inference_params") is not None:
-            return previous(self, inference_context, query, key, value, rotary_pos_emb, *args, **kwargs)
-        if self.layer_number not in inference_context.key_value_memory_dict:  # first call: allocate as megatron
-            inference_context.key_value_memory_dict[self.layer_number] = tuple(
-                self._allocate_memory(inference_context.max_sequence_length, inference_context.max_batch_size,
-                                      size, t.dtype)
-                for size, t in ((self.key_hidden_size, key), (self.val_hidden_size, value)))
-        key_memory, value_memory = inference_context.key_value_memory_dict[self.layer_number]
-        b0 = inference_context.batch_size_offset
-        b1 = b0 + key.size(1)
-        q_emb = k_emb = None
-        if rotary_pos_emb is not None:
-            q_pos_emb, k_pos_emb = rotary_pos_emb
-        if state.slot is None:  # prefill: int slots, like megatron, but keys cached after rotary
-            start = inference_context.sequence_len_offset
-            end = start + key.size(0)
-            if rotary_pos_emb is not None:
-                q_emb, k_emb = q_pos_emb[start:end], k_pos_emb[start:end]
-            index = slice(start, end)
-            keys_until = end
-        else:  # fixed-shape decode step: the slot is a tensor, every slot is read (the mask hides the future)
-            if rotary_pos_emb is not None:
-                q_emb, k_emb = q_pos_emb.index_select(0, state.slot), k_pos_emb.index_select(0, state.slot)
-            index = None
-            keys_until = key_memory.size(0)
-        if k_emb is not None:
-            key = apply_rotary_pos_emb(key, k_emb, config=self.config, mscale=mscale_of(self.config),
-                                       cp_group=self.pg_collection.cp)
-        if index is None:
-            key_memory[:, b0:b1].index_copy_(0, state.slot, key)
-            value_memory[:, b0:b1].index_copy_(0, state.slot, value)
-            mask_type = AttnMaskType.no_mask  # the explicit mask carries padding and future slots
-        else:
-            key_memory[index, b0:b1] = key
-            value_memory[index, b0:b1] = value
-            mask_type = self.attn_mask_type if inference_context.sequence_len_offset == 0 else AttnMaskType.no_mask
-        rotary = (q_emb, None) if q_emb is not None else None  # key already rotated: Attention.forward skips None
-        return (query, key_memory[:keys_until, b0:b1], value_memory[:keys_until, b0:b1], rotary, mask_type, None)
-
-    _adjust_key_value_for_inference.__wrapped__ = previous
-    _adjust_key_value_for_inference._mindspeed_static_decode = True
-    Attention._adjust_key_value_for_inference = _adjust_key_value_for_inference
-
-
-@contextlib.contextmanager
-def _no_rng_fork():
-    """Megatron's core attention forks the tensor-parallel CUDA RNG state (get/set of the generator state, host
-    side) around its dropout even in eval mode, where the dropout is the identity and draws nothing; that state
-    juggling has no place in a graph capture, so the fork is a no-op while capturing."""
-    from megatron.core import tensor_parallel
-
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    had = "fork" in vars(tracker)
-    original = tracker.fork
-    tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
-    try:
-        yield
-    finally:
-        if had:
-            tracker.fork = original
-        else:
-            del tracker.fork
 
 
 class StaticDecodeKVCacheModel(generation._KVCacheModel):

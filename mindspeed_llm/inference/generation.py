@@ -151,7 +151,10 @@ def generate(
     uniforms = _response_uniforms(sampling, iteration, sample_ids, len(prompts), plan.max_response, dev)
     group = parallel_state.get_model_parallel_group() if parallel_state.model_parallel_is_initialized() else None
     source = _model_parallel_source(group)
-    engine = _KVCacheModel(model, plan, record_routing)
+    from mindspeed_llm.inference import cuda_graph  # imports this module: a local import
+
+    # _KVCacheModel, or its fixed-shape CUDA-graph variant where MINDSPEED_DECODE_CUDA_GRAPH=1 on CUDA.
+    engine = cuda_graph.engine_class(dev)(model, plan, record_routing)
     picker = _TokenPicker(sampling, uniforms, plan.starts, vocab_size, engine.last_stage, source, group)
     try:
         with torch.no_grad():

@@ -6,6 +6,8 @@ devices it applies to. `mindspeed_llm.device.setup()` applies the registry once 
 
 On CUDA nothing is patched. On NPU `torch_npu`'s own `transfer_to_npu` redirection does the work.
 On CPU the patches in `cpu.py` answer megatron-core 0.16.1's hard-coded `torch.cuda` calls.
+`moe.py` mends two spots of megatron's MoE code that assume Transformer Engine or CUDA tensors. `static_decode.py`
+holds the patches the CUDA-graph decode engine installs on demand (only when it runs; see that module).
 """
 
 from __future__ import annotations
