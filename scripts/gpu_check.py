@@ -589,8 +589,9 @@ def _vs_trl_figures(path: Path) -> dict:
 
 def _logprobs_figures(path: Path) -> dict:
     data = json.loads(path.read_text())
-    out = {f"{s['device']} {s['dtype']} {s['mode']}": {"mem_ratio": _r(s["mem_ratio"], 3),
-                                                        "time_ratio": _r(s["time_ratio"], 3)}
+    # triton_*: the Triton kernel's ratios to the naive path, where CUDA ran it (benchmarks/logprobs.py).
+    keys = ("mem_ratio", "time_ratio", "triton_mem_ratio", "triton_time_ratio")
+    out = {f"{s['device']} {s['dtype']} {s['mode']}": {k: _r(s[k], 3) for k in keys if s.get(k) is not None}
            for s in data["summary"]}
     out["tokens"], out["vocab"] = data["config"]["tokens"], data["config"]["vocab"]
     errors = [r for r in data["results"] if "error" in r]
