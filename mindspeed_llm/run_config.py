@@ -150,6 +150,9 @@ def _top_k(value):
     return value
 
 
+# MindSpeed's sequence-keeping all-to-all is megatron's all-to-all dispatcher here.
+_DISPATCHERS = {"alltoall_seq": "alltoall"}
+
 _RAY = "Ray scheduling: every role runs in this one torchrun process group"
 _VLLM = "a vLLM engine setting: generation runs on the training model in place, without vLLM"
 _RESOURCES = "the process count is torchrun's (--nproc_per_node x --nnodes)"
@@ -171,7 +174,11 @@ MEGATRON: Dict[str, Any] = {
                                             "stages use; set it to false (or drop it)"),
     "context_parallel_size": Accept(_is(1), "context parallelism is not supported (megatron's local attention "
                                             "asserts cp == 1); set it to 1"),
-    "expert_model_parallel_size": Accept(_is(1), "MoE models are not supported; set it to 1"),
+    # expert_model_parallel_size / moe_* keys map to the flags of their names (mixture of experts)
+    "moe_token_dispatcher_type": Flag("--moe-token-dispatcher-type", convert=lambda v: _DISPATCHERS.get(v, v)),
+    "norm_topk_prob": Ignored("the router's normalisation is the checkpoint's (config.json's norm_topk_prob)"),
+    "enable_expert_parallel": Ignored("expert parallelism is --expert-model-parallel-size > 1"),
+    "gemm_gradient_accumulation_fusion": Ignored("a fused kernel switch: the local layer spec runs plain torch"),
     "no_shuffle": Accept(_is(False), "this program shuffles the prompts every epoch (seeded by --seed); set "
                                      "no_shuffle: false"),
     # without a flag here (ignored only while the parser has no flag of that name)
@@ -252,7 +259,7 @@ GENERATE: Dict[str, Any] = {
     "offload_train_param": Ignored("no separate inference engine needs the memory: training state stays put"),
     "infer_tensor_parallel_size": Slot("infer_tensor_parallel_size", "number"),
     "infer_pipeline_parallel_size": Slot("infer_pipeline_parallel_size", "number"),
-    "infer_expert_parallel_size": Accept(_is(1), "MoE models are not supported; set it to 1"),
+    "infer_expert_parallel_size": Slot("infer_expert_parallel_size", "number"),
     "max_num_seqs": Ignored(_VLLM),
     "max_num_batched_tokens": Ignored(_VLLM),
     "max_model_len": Flag("--max-length"),
@@ -833,6 +840,12 @@ def _resolve_sampling(reader, run, put, flags, effective, given) -> None:
     if infer_pp is not None and infer_pp not in (1, pp) and "pipeline_model_parallel_size" not in given:
         raise reader.error(run.origin("infer_pipeline_parallel_size"),
                            f"{infer_pp}: generation runs on the training layout (pipeline_model_parallel_size {pp}); "
+                           "set it to 1 or to the training size")
+    infer_ep = run.slot("infer_expert_parallel_size")
+    ep = effective("expert_model_parallel_size")
+    if infer_ep is not None and infer_ep not in (1, ep) and "expert_model_parallel_size" not in given:
+        raise reader.error(run.origin("infer_expert_parallel_size"),
+                           f"{infer_ep}: generation runs on the training layout (expert_model_parallel_size {ep}); "
                            "set it to 1 or to the training size")
     dtype = run.slot("dtype")
     if dtype is not None:

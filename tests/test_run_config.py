@@ -247,6 +247,7 @@ def test_roles_of_different_models_leave_the_architecture_to_the_checkpoints(tmp
     ("configs/rl/trl_ppo_llama32_1b.yaml", "examples/mcore/llama32/trl_ppo_llama32_1b.sh", 2),
     ("configs/rl/grpo_qwen25_7b.yaml", "examples/mcore/qwen25/grpo_qwen25_7b.sh", 2),
     ("configs/rl/ppo_qwen25_32b.yaml", "examples/mcore/qwen25/ppo_qwen25_32b.sh", 4),
+    ("configs/rl/grpo_qwen3_30b_a3b.yaml", "examples/mcore/qwen3_moe/grpo_qwen3_30b_a3b.sh", 2),
 ])
 def test_shipped_configs_equal_their_launchers(tmp_path, config, launcher, nodes):
     """The launcher's command line (recorded by a stub) and the file plus the launcher's run-control flags
@@ -254,7 +255,7 @@ def test_shipped_configs_equal_their_launchers(tmp_path, config, launcher, nodes
     stub, record = tmp_path / "stub.py", tmp_path / "argv.json"
     stub.write_text("import json, sys\njson.dump(sys.argv[2:], open(sys.argv[1], 'w'))\n")
     env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NPUS_PER_NODE", "NODE_RANK", "MASTER_ADDR",
-                                                           "MASTER_PORT", "CURRENT_IP", "TP", "PP")}
+                                                           "MASTER_PORT", "CURRENT_IP", "TP", "PP", "EP")}
     env.update(PYTHON=f"{sys.executable} {stub} {record}", LOG_FILE=str(tmp_path / "log"), NPUS_PER_NODE="8",
                NNODES=str(nodes), NODE_RANK="0", MASTER_ADDR="10.0.0.1", CURRENT_IP="10.0.0.1")
     result = subprocess.run(["bash", str(ROOT / launcher)], env=env, capture_output=True, text=True)
@@ -382,6 +383,8 @@ def test_wrong_type_names_key_and_file(tmp_path, section, key, value, expected):
     ("rl_config", "verifier_function", ["acc"], "'acc' is not a verifier of this program; the valid names are: "),
     ("generate_config", "infer_tensor_parallel_size", 2, "2 differs from the training tensor_model_parallel_size 4"),
     ("generate_config", "dtype", "float16", "float16 differs from the training precision (bf16)"),
+    ("generate_config", "infer_expert_parallel_size", 2,
+     "2: generation runs on the training layout (expert_model_parallel_size 1)"),
     ("generate_config", "max_model_len", 1024, "1024 is less than rl_config.max_prompt_length 2048"),
 ])
 def test_settings_that_cannot_be_honoured(tmp_path, section, key, value, expected):
@@ -598,3 +601,21 @@ def test_a_mindspeed_rl_file_trains_and_its_resume_file_resumes(tmp_path):
     for role in ("actor", "critic"):
         assert (Path(save) / role / "iter_0000002").is_dir() and (Path(save) / role / "iter_0000003").is_dir()
     assert [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_mindspeed_moe_keys(tmp_path):
+    """MindSpeed-RL's MoE keys: the experts' flags by name, its sequence-keeping all-to-all as megatron's all-to-all,
+    the router's normalisation left to the checkpoint, and expert-parallel switches ignored once."""
+    data = grpo_file()
+    data["megatron_training"].update(moe_token_dispatcher_type="alltoall_seq", norm_topk_prob=True,
+                                     enable_expert_parallel=True, gemm_gradient_accumulation_fusion=True,
+                                     moe_aux_loss_coeff=0.001, expert_model_parallel_size=2)
+    data["generate_config"]["infer_expert_parallel_size"] = 2
+    path = write(tmp_path, data)
+    config = load_run_config(path)
+    ignored = [key for key, _ in config.ignored]
+    for key in ("norm_topk_prob", "enable_expert_parallel", "gemm_gradient_accumulation_fusion"):
+        assert f"megatron_training.{key}" in ignored, ignored
+    args = parsed(["--config", path], 16)
+    assert args["moe_token_dispatcher_type"] == "alltoall" and args["expert_parallel_size"] == 2
+    assert args["moe_aux_loss_coeff"] == 0.001
