@@ -309,6 +309,26 @@ def prepare_smollm2(cache_dir: Union[str, os.PathLike, None] = None, *, verify: 
 # ----------------------------------------------------------------------------------------------
 
 
+def seeded_random_model(model_class, config, seed: int):
+    """`model_class(config)` with deterministic random weights for `seed`, leaving torch's global RNG as it was:
+    matrices ~ N(0, 0.02), norms 1 + N(0, 0.1) (not all ones, so a dropped norm shows), tied weights re-tied."""
+    import torch
+
+    torch_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = model_class(config)
+    finally:
+        torch.random.set_rng_state(torch_state)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.02 * noise)
+    model.tie_weights()
+    return model
+
+
 def tiny_random_llama(out_dir: Union[str, os.PathLike], tokenizer_dir: Union[str, os.PathLike, None] = None, *,
                       num_layers: int = 2, hidden_size: int = 64, seed: int = 0) -> Path:
     """Write a tiny random fp32 Llama (``num_layers`` x ``hidden_size``, tied embeddings, rope_theta
@@ -320,7 +340,6 @@ def tiny_random_llama(out_dir: Union[str, os.PathLike], tokenizer_dir: Union[str
     Weights: matrices ~ N(0, 0.02) from a seeded generator, norms 1 + N(0, 0.1), so the output is
     deterministic for a seed and not degenerate.
     """
-    import torch
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     out = Path(out_dir)
@@ -339,18 +358,7 @@ def tiny_random_llama(out_dir: Union[str, os.PathLike], tokenizer_dir: Union[str
                head_dim=hidden_size // heads, max_position_embeddings=2048, vocab_size=len(tok), **ids)
     config = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
     config.architectures = ["LlamaForCausalLM"]
-    torch_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    finally:
-        torch.random.set_rng_state(torch_state)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.02 * noise)
-    model.tie_weights()
+    model = seeded_random_model(LlamaForCausalLM, config, seed)
     model.generation_config = GenerationConfig(bos_token_id=cfg["bos_token_id"], eos_token_id=cfg["eos_token_id"],
                                                pad_token_id=cfg["pad_token_id"])
     out.mkdir(parents=True, exist_ok=True)

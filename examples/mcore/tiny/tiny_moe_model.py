@@ -20,10 +20,9 @@ from pathlib import Path
 
 
 def write_tiny_moe(out_dir, *, experts: int = 8, topk: int = 2, layers: int = 2, seed: int = 0) -> Path:
-    import torch
     from transformers import AutoTokenizer, GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from mindspeed_llm.demo.model import TOKENIZER_FILES, prepare_smollm2_tokenizer
+    from mindspeed_llm.demo.model import TOKENIZER_FILES, prepare_smollm2_tokenizer, seeded_random_model
 
     if experts < 2 or not 1 <= topk <= experts:
         raise ValueError(f"--experts {experts} / --topk {topk}: need at least 2 experts and 1 <= topk <= experts")
@@ -39,18 +38,7 @@ def write_tiny_moe(out_dir, *, experts: int = 8, topk: int = 2, layers: int = 2,
         num_experts=experts, num_experts_per_tok=topk, moe_intermediate_size=32, decoder_sparse_step=1,
         mlp_only_layers=[], norm_topk_prob=True, router_aux_loss_coef=0.001, output_router_logits=False,
         **special)
-    torch_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = Qwen3MoeForCausalLM(config)
-    finally:
-        torch.random.set_rng_state(torch_state)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.02 * noise)
-    model.tie_weights()
+    model = seeded_random_model(Qwen3MoeForCausalLM, config, seed)
     model.generation_config = GenerationConfig(**special)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
