@@ -7,7 +7,8 @@
     python convert_ckpt.py --load-model-type hf --save-model-type mg --orm ...   # reward / critic value head
     python convert_ckpt.py --load-model-type mg --save-model-type mg --target-pipeline-parallel-size 2 ...
 
-Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral; the family comes from config.json's model_type):
+Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 in bf16 (FP8 checkpoints: dequantise first);
+the family comes from config.json's model_type):
 
     python convert_ckpt.py --load-model-type hf --save-model-type mg --load-dir hf/qwen3_moe --save-dir mg/moe \
         --target-tensor-parallel-size 2 --target-expert-parallel-size 4      # experts over 4 EP ranks, expert TP 2
@@ -43,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MindSpeed: the experts are split over EP x TP ranks and kept whole (expert TP 1); the "
                         "checkpoint stores expert parallel = --target-expert-parallel-size x TP")
     p.add_argument("--model-type-hf", default=None,
-                   help="llama2, llama3, qwen2, qwen25, qwen3, mistral, qwen3_moe, qwen2_moe, mixtral, ... (default: "
-                        "config.json model_type)")
+                   help="llama2, llama3, qwen2, qwen25, qwen3, mistral, qwen3_moe, qwen2_moe, mixtral, deepseek_v3, ... "
+                        "(default: config.json model_type)")
     p.add_argument("--params-dtype", default=None, choices=("fp32", "bf16", "fp16"),
                    help="dtype of the saved weights (default: that of the loaded checkpoint)")
     p.add_argument("--orm", action="store_true", default=None,

@@ -25,6 +25,8 @@ import torch
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+# DeepSeek-V3 (multi-latent attention, YaRN, sigmoid group-limited routing with expert bias, shared expert,
+# first_k_dense_replace dense layers): DEEPSEEK_VARIANTS below.
 
 # Architecture per family; every count divides by 2 (TP=2) and num_hidden_layers by 2 (PP=2).
 _BASE: Dict[str, Dict[str, Any]] = {
@@ -50,6 +52,27 @@ _BASE: Dict[str, Dict[str, Any]] = {
     "mixtral": dict(hidden_size=64, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
                     num_attention_heads=8, num_key_value_heads=2, head_dim=8, rope_theta=1000000.0,
                     sliding_window=None, router_aux_loss_coef=0.02),
+    # Every MLA width differs (q_lora 24, kv_lora 16, nope 16, rope 8, value 12) so a swapped tensor fails on
+    # shapes; routed_scaling_factor != 1, 4 groups of which 2 are kept, YaRN factor 4 past 64 positions with
+    # mscale != mscale_all_dim (attention factor and softmax scale both != 1). Layer 0 is dense.
+    "deepseek_v3": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+                        num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=4,
+                        routed_scaling_factor=2.5, n_group=4, topk_group=2, first_k_dense_replace=1,
+                        norm_topk_prob=True, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=12, rope_interleave=True, attention_bias=False,
+                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7,
+                                         "rope_theta": 10000.0},
+                        max_position_embeddings=256),
+}
+
+# DeepSeek-V3 variants: (config overrides). "noqlora": q_proj instead of the q LoRA pair (DeepSeek-V2-Lite
+# style), 2 groups keep 1, top-2, 2 shared experts, 3 layers of which 2 dense, plain RoPE (no YaRN).
+DEEPSEEK_VARIANTS: Dict[str, dict] = {
+    "deepseek_v3": {},
+    "deepseek_v3-noqlora": dict(q_lora_rank=None, n_group=2, topk_group=1, num_experts_per_tok=2, n_shared_experts=2,
+                                first_k_dense_replace=2, num_layers=4, routed_scaling_factor=1.5,
+                                rope_parameters={"rope_type": "default", "rope_theta": 50000.0}),
 }
 
 # MoE variants: (family, config overrides). "qwen3_moe-mixed" has a dense layer (mlp_only_layers, dense
@@ -94,6 +117,9 @@ def randomize_(model: torch.nn.Module, seed: int) -> torch.nn.Module:
         else:
             value = 0.05 * noise
         param.copy_(value.to(param.dtype))
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: not zero, so it matters
+            buffer.copy_(0.05 * torch.randn(buffer.shape, generator=gen, dtype=torch.float32))
     return model
 
 

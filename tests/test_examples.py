@@ -189,17 +189,54 @@ def test_qwen3_moe_conversion_refuses_a_bad_moe_tp_extend_ep(tmp_path):
     assert "MOE_TP_EXTEND_EP=yes must be 1 (--moe-tp-extend-ep) or 0" in result.stderr
 
 
-def test_the_deepseek3_launcher_refuses_at_once_and_says_why(tmp_path):
-    """No hollow launcher: DeepSeek-V3 is not a family this program loads, so the script stops before torchrun
-    (nothing recorded) naming the family and what is missing. When the family lands this test fails on purpose:
-    replace the refusal by the real launcher."""
-    from mindspeed_llm.models.spec import SUPPORTED_FAMILIES
+# DeepSeek-V3's config.json (Hugging Face deepseek-ai/DeepSeek-V3, the bf16 dequantised copy: no quantization_config).
+DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], vocab_size=129280, hidden_size=7168,
+    intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_nextn_predict_layers=1,
+    num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, ep_size=1,
+    routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
+    qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8, topk_group=4, num_experts_per_tok=8, moe_layer_freq=1,
+    first_k_dense_replace=3, norm_topk_prob=True, scoring_func="sigmoid", aux_loss_alpha=0.001, seq_aux=True,
+    hidden_act="silu", max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000,
+    rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=1.0, mscale_all_dim=1.0,
+                      original_max_position_embeddings=4096, type="yarn"),
+    tie_word_embeddings=False, attention_bias=False, bos_token_id=0, eos_token_id=1)
+DEEPSEEK3_HF2MG = "examples/mcore/deepseek3/ckpt_convert_deepseek3_hf2mcore.sh"
 
-    assert "deepseek_v3" not in SUPPORTED_FAMILIES, "DeepSeek-V3 is supported now: write the real launcher"
-    result, record = _launch(tmp_path, DEEPSEEK3, NNODES="48", NODE_RANK="0", MASTER_ADDR="10.0.0.1")
-    assert result.returncode == 2 and not record.exists()
-    assert "DeepSeek-V3 (model_type deepseek_v3) is not supported" in result.stderr
-    assert "Nothing was launched" in result.stderr
+
+@pytest.mark.parametrize("layout", [{}, {"EP": "32", "NNODES": "4"}], ids=["default", "ep32"])
+def test_the_deepseek3_launcher_fits_the_model_and_converts_at_its_layout(tmp_path, monkeypatch, layout):
+    """DeepSeek-V3's launcher: its model flags agree with DeepSeek-V3's config.json through the checks every loaded
+    checkpoint gets, its layout (TP 1, PP 1: 61 layers) splits the model and trains a mixture of experts here, and
+    the conversion script writes that layout."""
+    from types import SimpleNamespace
+
+    from mindspeed_llm.models import ModelSpec
+    from mindspeed_llm.rl import moe, roles
+
+    run_dir, convert_dir = tmp_path / "run", tmp_path / "convert"
+    run_dir.mkdir()
+    convert_dir.mkdir()
+    nodes = layout.get("NNODES", "8")
+    env = dict(layout, NNODES=nodes)
+    result, record = _launch(run_dir, DEEPSEEK3, NODE_RANK="0", MASTER_ADDR="10.0.0.1", **env)
+    assert result.returncode == 0, result.stderr
+    args = parse_args(_after(json.loads(record.read_text()), "posttrain_gpt.py"), world_size=8 * int(nodes))
+    spec = ModelSpec.from_hf_config(DEEPSEEK_V3)
+    monkeypatch.setattr(roles, "load_spec", lambda root: spec)
+    roles._checked_spec(args.ref_model, "--ref-model", args)  # raises on a flag that disagrees
+    spec.check_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                        args.expert_parallel_size, args.expert_tensor_parallel_size)
+    moe.check_trainable(SimpleNamespace(model_spec=spec), args.tensor_model_parallel_size, "actor", "--ref-model")
+    assert args.expert_parallel_size == int(layout.get("EP", 64))
+
+    result, record = _launch(convert_dir, DEEPSEEK3_HF2MG, **layout)
+    assert result.returncode == 0, result.stderr
+    conv = _convert_parser().parse_args(_after(json.loads(record.read_text()), "convert_ckpt.py"))
+    assert conv.target_tensor_parallel_size == args.tensor_model_parallel_size
+    assert conv.target_pipeline_parallel_size == args.pipeline_model_parallel_size
+    assert conv.target_expert_parallel_size == args.expert_model_parallel_size
+    assert conv.save_dir.rstrip("/") == args.ref_model.rstrip("/")
 
 
 def _tiny_moe_commands(tmp_path):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import shutil
 from typing import Dict, List, Optional
 
@@ -220,7 +221,8 @@ def _cast(tensors: Dict[str, torch.Tensor], dtype: torch.dtype, value_head: bool
     """Everything in `dtype` except the value head, which megatron keeps in fp32."""
     out = {}
     for name, t in tensors.items():
-        keep_fp32 = value_head and name == hfm.OUTPUT
+        # the value head, and DeepSeek-V3's expert bias (megatron's router buffer is fp32, as in transformers)
+        keep_fp32 = (value_head and name == hfm.OUTPUT) or name.endswith(hfm.EXPERT_BIAS)
         out[name] = t.to(torch.float32 if keep_fp32 else dtype)
         if finite is not None:
             finite.check_cast(name, t, out[name])
@@ -292,8 +294,14 @@ def convert_hf_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, par
     _check_target_parallel(spec, tp, pp, ep, etp, moe_tp_extend_ep)
     weights = hfm.HFWeights(load_dir)
     weights.expose_fused_experts(spec)
-    hfm.check_hf_names(weights, spec, value_head)
+    hfm.check_hf_names(weights, spec, value_head, mtp_layers=hfm.mtp_layer_count(config))
     hfm.check_hf_shapes(weights, spec, value_head, config_file=os.path.join(load_dir, "config.json"))
+    mtp = hfm.mtp_names(weights.names(), spec)
+    if mtp:
+        print(f"note: {len(mtp)} tensors of {hfm.mtp_layer_count(config)} multi-token-prediction layer(s) "
+              f"(layers.{spec.num_layers}.* on) are not converted: RL training and generation use the "
+              f"{spec.num_layers} decoder layers only",
+              file=sys.stderr)
     finite = _FiniteCheck(load_dir, allow_non_finite)
     checked = _CheckedHFWeights(weights, finite)
     dtype = parse_dtype(params_dtype) or weights.dtype()
@@ -390,7 +398,7 @@ def convert_mg_to_hf(load_dir: str, save_dir: str, params_dtype=None, value_head
         bar.close()
     ordered = {}
     for name, t in _hf_order(hf_state, spec, value_head):
-        ordered[name] = t.to(dtype)
+        ordered[name] = t.to(torch.float32 if name.endswith("e_score_correction_bias") else dtype)
         finite.check_cast(name, t, ordered[name])
     hf_state = ordered
 

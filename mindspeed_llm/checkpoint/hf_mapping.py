@@ -1,5 +1,5 @@
 """Hugging Face <-> Megatron-core tensor names and layouts (Llama, Qwen2/2.5, Qwen3, Mistral families and the
-mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral).
+mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3).
 
 All four families share the Llama layout on the Hugging Face side; they differ only in optional tensors
 (Qwen2: q/k/v biases; Qwen3: per-head q/k RMSNorms). The Megatron side is the local-spec `GPTModel`:
@@ -39,6 +39,15 @@ expert, `mlp.experts.down_proj` [E, hidden, F], Mixtral's router as `mlp.gate.we
 `save_pretrained` (5.24) writes the per-expert Hub names above, and `from_pretrained` reads them back into the
 same tensors (tests/test_moe_convert.py checks both). Both formats are read here; the Hub format is written.
 
+DeepSeek-V3 (model_type deepseek_v3): multi-latent attention replaces q/k/v (names under self_attn. / self_attention.):
+q_a_proj -> linear_q_down_proj, q_a_layernorm -> q_layernorm, q_b_proj -> linear_q_up_proj (or q_proj ->
+linear_q_proj when q_lora_rank is null), kv_a_proj_with_mqa -> linear_kv_down_proj, kv_a_layernorm ->
+kv_layernorm, kv_b_proj -> linear_kv_up_proj, o_proj -> linear_proj, all unchanged (rope dims interleaved as
+DeepSeek ships them, rope_interleave=true); `mlp.gate.e_score_correction_bias` -> the router's `expert_bias`
+buffer (fp32); `mlp.shared_experts.*` -> `mlp.shared_experts.linear_fc1/fc2`; the first_k_dense_replace layers
+keep the dense names. FP8 checkpoints (`*.weight_scale_inv`) are refused; multi-token-prediction layers
+(`layers.i` with i >= num_hidden_layers) are skipped.
+
 This module holds full (not tensor-parallel) tensors only; `sharding.py` splits and merges them.
 It needs torch and safetensors, not megatron.
 """
@@ -62,6 +71,7 @@ MODEL_TYPE_ALIASES = {
     "qwen3_moe": "qwen3_moe", "qwen3moe": "qwen3_moe",
     "qwen2_moe": "qwen2_moe", "qwen2moe": "qwen2_moe", "qwen15_moe": "qwen2_moe", "qwen1.5_moe": "qwen2_moe",
     "mixtral": "mixtral",
+    "deepseek_v3": "deepseek_v3", "deepseek3": "deepseek_v3", "deepseekv3": "deepseek_v3",
 }
 
 EMBED = "embedding.word_embeddings.weight"
@@ -79,6 +89,46 @@ MOE_ROUTER = "mlp.router.weight"
 SHARED_FC1 = "mlp.shared_experts.linear_fc1.weight"
 SHARED_FC2 = "mlp.shared_experts.linear_fc2.weight"
 SHARED_GATE = "mlp.shared_experts.gate_weight"
+EXPERT_BIAS = "mlp.router.expert_bias"  # DeepSeek-V3's e_score_correction_bias (fp32 buffer)
+# Multi-latent attention (DeepSeek-V3): Megatron name (relative to decoder.layers.i.) -> HF name under self_attn.
+MLA_NAMES = (
+    ("self_attention.linear_q_down_proj.weight", "q_a_proj.weight"),
+    ("self_attention.q_layernorm.weight", "q_a_layernorm.weight"),
+    ("self_attention.linear_q_up_proj.weight", "q_b_proj.weight"),
+    ("self_attention.linear_q_proj.weight", "q_proj.weight"),
+    ("self_attention.linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight"),
+    ("self_attention.kv_layernorm.weight", "kv_a_layernorm.weight"),
+    ("self_attention.linear_kv_up_proj.weight", "kv_b_proj.weight"),
+    ("self_attention.linear_proj.weight", "o_proj.weight"),
+)
+
+
+def mla_names(spec):
+    """(Megatron, HF) attention names of a multi-latent attention layer: q_a/q_b with q_lora_rank, else q_proj."""
+    skip = ("self_attention.linear_q_proj.weight",) if spec.q_lora_rank is not None else (
+        "self_attention.linear_q_down_proj.weight", "self_attention.q_layernorm.weight",
+        "self_attention.linear_q_up_proj.weight")
+    return [(mg, hf) for mg, hf in MLA_NAMES if mg not in skip]
+
+
+def shared_hf_prefix(spec) -> str:
+    """HF prefix of the shared expert: Qwen2-MoE's `mlp.shared_expert.`, DeepSeek-V3's `mlp.shared_experts.`."""
+    return "mlp.shared_experts." if spec.family == "deepseek_v3" else "mlp.shared_expert."
+
+
+def fp8_scale_names(names) -> List[str]:
+    return sorted(n for n in names if n.endswith("weight_scale_inv"))
+
+
+def mtp_names(names, spec) -> List[str]:
+    """HF tensors of DeepSeek-V3's multi-token-prediction layers (`layers.i.` with i >= num_hidden_layers):
+    not part of the decoder, so not converted."""
+    out = []
+    for name in names:
+        match = re.match(r"^layers\.(\d+)\.", name)
+        if match and int(match.group(1)) >= spec.num_layers:
+            out.append(name)
+    return out
 EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|_extra_state)$")
 
 
@@ -383,6 +433,8 @@ def moe_hf_names(spec):
 
 
 def _attention_names(spec) -> List[str]:
+    if spec.is_mla:
+        return ["input_layernorm.weight"] + [mg for mg, _ in mla_names(spec)] + ["pre_mlp_layernorm.weight"]
     names = ["input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight"]
     if spec.add_qkv_bias:
         names.append("self_attention.linear_qkv.bias")
@@ -400,6 +452,8 @@ def mg_layer_names(spec, index: int = 0, num_experts: Optional[int] = None) -> L
     if not is_moe_layer(spec, index):
         return names + ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
     names.append(MOE_ROUTER)
+    if spec.moe_router_enable_expert_bias:
+        names.append(EXPERT_BIAS)
     for j in range(spec.num_experts if num_experts is None else num_experts):
         names += [expert_name(j, "linear_fc1"), expert_name(j, "linear_fc2")]
     if spec.moe_shared_expert_intermediate_size:
@@ -413,7 +467,10 @@ def hf_layer_names(spec, index: int) -> List[str]:
     """HF names (without the decoder prefix) of layer `index`, in the Hub (per-expert) format."""
     p = f"layers.{index}."
     names = [p + "input_layernorm.weight"]
-    names += [p + f"self_attn.{x}_proj.weight" for x in ("q", "k", "v", "o")]
+    if spec.is_mla:
+        names += [p + "self_attn." + hf for _, hf in mla_names(spec)]
+    else:
+        names += [p + f"self_attn.{x}_proj.weight" for x in ("q", "k", "v", "o")]
     if spec.add_qkv_bias:
         names += [p + f"self_attn.{x}_proj.bias" for x in ("q", "k", "v")]
     if spec.qk_layernorm:
@@ -423,10 +480,12 @@ def hf_layer_names(spec, index: int) -> List[str]:
         return names + [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
     moe, projs = moe_hf_names(spec)
     names.append(p + moe + "gate.weight")
+    if spec.moe_router_enable_expert_bias:
+        names.append(p + moe + "gate.e_score_correction_bias")
     for j in range(spec.num_experts):
         names += [p + f"{moe}experts.{j}.{x}.weight" for x in projs]
     if spec.moe_shared_expert_intermediate_size:
-        names += [p + f"mlp.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")]
+        names += [p + f"{shared_hf_prefix(spec)}{x}_proj.weight" for x in ("gate", "up", "down")]
         if spec.moe_shared_expert_gate:
             names.append(p + "mlp.shared_expert_gate.weight")
     return names
@@ -437,12 +496,16 @@ def hf_layer_to_mg(get: Callable[[str], torch.Tensor], spec, index: int) -> Dict
     (MoE experts under their global index)."""
     p = f"layers.{index}."
     attn = p + "self_attn."
-    out = {
-        "input_layernorm.weight": get(p + "input_layernorm.weight"),
-        "self_attention.linear_proj.weight": get(attn + "o_proj.weight"),
-        "self_attention.linear_qkv.weight": fuse_qkv(
-            get(attn + "q_proj.weight"), get(attn + "k_proj.weight"), get(attn + "v_proj.weight"), spec),
-    }
+    if spec.is_mla:
+        out = {"input_layernorm.weight": get(p + "input_layernorm.weight")}
+        out.update({mg: get(attn + hf) for mg, hf in mla_names(spec)})
+    else:
+        out = {
+            "input_layernorm.weight": get(p + "input_layernorm.weight"),
+            "self_attention.linear_proj.weight": get(attn + "o_proj.weight"),
+            "self_attention.linear_qkv.weight": fuse_qkv(
+                get(attn + "q_proj.weight"), get(attn + "k_proj.weight"), get(attn + "v_proj.weight"), spec),
+        }
     if spec.add_qkv_bias:
         out["self_attention.linear_qkv.bias"] = fuse_qkv(
             get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias"), spec)
@@ -457,12 +520,14 @@ def hf_layer_to_mg(get: Callable[[str], torch.Tensor], spec, index: int) -> Dict
         return out
     moe, (gate, up, down) = moe_hf_names(spec)
     out[MOE_ROUTER] = get(p + moe + "gate.weight")
+    if spec.moe_router_enable_expert_bias:
+        out[EXPERT_BIAS] = get(p + moe + "gate.e_score_correction_bias")
     for j in range(spec.num_experts):
         e = f"{p}{moe}experts.{j}."
         out[expert_name(j, "linear_fc1")] = torch.cat([get(e + gate + ".weight"), get(e + up + ".weight")], dim=0)
         out[expert_name(j, "linear_fc2")] = get(e + down + ".weight")
     if spec.moe_shared_expert_intermediate_size:
-        s = p + "mlp.shared_expert."
+        s = p + shared_hf_prefix(spec)
         if spec.moe_shared_expert_gate:
             out[SHARED_GATE] = get(p + "mlp.shared_expert_gate.weight")
         out[SHARED_FC1] = torch.cat([get(s + "gate_proj.weight"), get(s + "up_proj.weight")], dim=0)
@@ -475,12 +540,16 @@ def mg_layer_to_hf(layer: Dict[str, torch.Tensor], spec, index: int, prefix: str
     prefix): tensor}, experts in the per-expert Hub format."""
     p = f"{prefix}layers.{index}."
     attn = p + "self_attn."
-    q, k, v = split_qkv(layer["self_attention.linear_qkv.weight"], spec)
-    out = {
-        p + "input_layernorm.weight": layer["input_layernorm.weight"],
-        attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v,
-        attn + "o_proj.weight": layer["self_attention.linear_proj.weight"],
-    }
+    if spec.is_mla:
+        out = {p + "input_layernorm.weight": layer["input_layernorm.weight"]}
+        out.update({attn + hf: layer[mg] for mg, hf in mla_names(spec)})
+    else:
+        q, k, v = split_qkv(layer["self_attention.linear_qkv.weight"], spec)
+        out = {
+            p + "input_layernorm.weight": layer["input_layernorm.weight"],
+            attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v,
+            attn + "o_proj.weight": layer["self_attention.linear_proj.weight"],
+        }
     if spec.add_qkv_bias:
         qb, kb, vb = split_qkv(layer["self_attention.linear_qkv.bias"], spec)
         out.update({attn + "q_proj.bias": qb, attn + "k_proj.bias": kb, attn + "v_proj.bias": vb})
@@ -496,6 +565,8 @@ def mg_layer_to_hf(layer: Dict[str, torch.Tensor], spec, index: int, prefix: str
         return out
     moe, (gate_name, up_name, down_name) = moe_hf_names(spec)
     out[p + moe + "gate.weight"] = layer[MOE_ROUTER]
+    if spec.moe_router_enable_expert_bias:
+        out[p + moe + "gate.e_score_correction_bias"] = layer[EXPERT_BIAS]
     for j in range(spec.num_experts):
         e = f"{p}{moe}experts.{j}."
         gate, up = torch.chunk(layer[expert_name(j, "linear_fc1")], 2, dim=0)
@@ -503,7 +574,7 @@ def mg_layer_to_hf(layer: Dict[str, torch.Tensor], spec, index: int, prefix: str
         out[e + up_name + ".weight"] = up
         out[e + down_name + ".weight"] = layer[expert_name(j, "linear_fc2")]
     if spec.moe_shared_expert_intermediate_size:
-        s = p + "mlp.shared_expert."
+        s = p + shared_hf_prefix(spec)
         gate, up = torch.chunk(layer[SHARED_FC1], 2, dim=0)
         out[s + "gate_proj.weight"] = gate
         out[s + "up_proj.weight"] = up
@@ -515,8 +586,14 @@ def mg_layer_to_hf(layer: Dict[str, torch.Tensor], spec, index: int, prefix: str
 
 # ------------------------------------------------------------------------------------------- whole model
 
-def check_hf_names(weights: HFWeights, spec, value_head: bool) -> None:
-    """Every tensor the conversion needs is present and no tensor would be silently dropped."""
+def mtp_layer_count(config: dict) -> int:
+    """DeepSeek-V3's multi-token-prediction layers declared by config.json (transformers 5: num_mtp_layers)."""
+    return int(config.get("num_nextn_predict_layers") or config.get("num_mtp_layers") or 0)
+
+
+def check_hf_names(weights: HFWeights, spec, value_head: bool, mtp_layers: int = 0) -> None:
+    """Every tensor the conversion needs is present and no tensor would be silently dropped (except the
+    `mtp_layers` multi-token-prediction layers after the decoder's, which are not converted)."""
     expected = {HF_EMBED, HF_FINAL_NORM}
     for i in range(spec.num_layers):
         expected.update(hf_layer_names(spec, i))
@@ -540,6 +617,20 @@ def check_hf_names(weights: HFWeights, spec, value_head: bool) -> None:
             )
         expected.add(HF_LM_HEAD)
     present = set(weights.names())
+    scales = fp8_scale_names(present)
+    if scales:
+        raise ConversionError(
+            f"the Hugging Face checkpoint {weights.path} is FP8-quantised ({weights.prefix}{scales[0]} and "
+            f"{len(scales) - 1} more weight_scale_inv tensors); dequantise it to bf16 first (e.g. DeepSeek-V3's "
+            f"inference/fp8_cast_bf16.py), drop quantization_config from its config.json, and convert that")
+    mtp = mtp_names(present, spec)
+    if mtp:
+        if not mtp_layers:
+            raise ConversionError(
+                f"the Hugging Face checkpoint {weights.path} has tensors past num_hidden_layers={spec.num_layers} "
+                f"({weights.prefix}{mtp[0]}) but its config.json declares no num_nextn_predict_layers; use the "
+                f"config.json these weights were saved with")
+        present -= set(mtp)  # multi-token-prediction layers: not converted (convert_hf_to_mg notes it)
     missing = sorted(expected - present)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -580,41 +671,81 @@ def hf_expected_shapes(spec, value_head: bool) -> Dict[str, tuple]:
         p, a = f"layers.{i}.", f"layers.{i}.self_attn."
         out[p + "input_layernorm.weight"] = ((h,), hf)
         out[p + "post_attention_layernorm.weight"] = ((h,), hf)
-        out[a + "q_proj.weight"] = ((q, h), f"{qf}, {hf}")
-        out[a + "k_proj.weight"] = ((kv, h), f"{kvf}, {hf}")
-        out[a + "v_proj.weight"] = ((kv, h), f"{kvf}, {hf}")
-        out[a + "o_proj.weight"] = ((h, q), f"{hf}, {qf}")
-        if spec.add_qkv_bias:
-            out[a + "q_proj.bias"] = ((q,), qf)
-            out[a + "k_proj.bias"] = ((kv,), kvf)
-            out[a + "v_proj.bias"] = ((kv,), kvf)
-        if spec.qk_layernorm:
-            out[a + "q_norm.weight"] = ((d,), f"head_dim={d}")
-            out[a + "k_norm.weight"] = ((d,), f"head_dim={d}")
+        if spec.is_mla:
+            out.update(_mla_shapes(spec, a))
+        else:
+            _attention_shapes(spec, out, a, h, q, kv, qf, kvf, hf, d)
         if not is_moe_layer(spec, i):
             out[p + "mlp.gate_proj.weight"] = ((f, h), f"{ff}, {hf}")
             out[p + "mlp.up_proj.weight"] = ((f, h), f"{ff}, {hf}")
             out[p + "mlp.down_proj.weight"] = ((h, f), f"{hf}, {ff}")
             continue
-        moe, (gate, up, down) = moe_hf_names(spec)
-        n, m = spec.num_experts, spec.moe_ffn_hidden_size
-        nf = f"{'num_local_experts' if spec.family == 'mixtral' else 'num_experts'}={n}"
-        mf = f"{'intermediate_size' if spec.family == 'mixtral' else 'moe_intermediate_size'}={m}"
-        out[p + moe + "gate.weight"] = ((n, h), f"{nf}, {hf}")
-        for j in range(n):
-            e = f"{p}{moe}experts.{j}."
-            out[e + gate + ".weight"] = ((m, h), f"{mf}, {hf}")
-            out[e + up + ".weight"] = ((m, h), f"{mf}, {hf}")
-            out[e + down + ".weight"] = ((h, m), f"{hf}, {mf}")
-        shared = spec.moe_shared_expert_intermediate_size
-        if shared:
-            sf = f"shared_expert_intermediate_size={shared}"
-            out[p + "mlp.shared_expert.gate_proj.weight"] = ((shared, h), f"{sf}, {hf}")
-            out[p + "mlp.shared_expert.up_proj.weight"] = ((shared, h), f"{sf}, {hf}")
-            out[p + "mlp.shared_expert.down_proj.weight"] = ((h, shared), f"{hf}, {sf}")
-            if spec.moe_shared_expert_gate:
-                out[p + "mlp.shared_expert_gate.weight"] = ((1, h), hf)
+        _moe_shapes(spec, out, p, h, hf)
     return out
+
+
+def _mla_shapes(spec, a: str) -> Dict[str, tuple]:
+    h, n = spec.hidden_size, spec.num_attention_heads
+    nope, rope, v, kv, ql = (spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim, spec.kv_lora_rank,
+                             spec.q_lora_rank)
+    hf, nf = f"hidden_size={h}", f"num_attention_heads={n}"
+    qk = f"{nf}, qk_nope_head_dim={nope}, qk_rope_head_dim={rope}"
+    out = {
+        a + "kv_a_proj_with_mqa.weight": ((kv + rope, h), f"kv_lora_rank={kv}, qk_rope_head_dim={rope}, {hf}"),
+        a + "kv_a_layernorm.weight": ((kv,), f"kv_lora_rank={kv}"),
+        a + "kv_b_proj.weight": ((n * (nope + v), kv), f"{nf}, qk_nope_head_dim={nope}, v_head_dim={v}, "
+                                                       f"kv_lora_rank={kv}"),
+        a + "o_proj.weight": ((h, n * v), f"{hf}, {nf}, v_head_dim={v}"),
+    }
+    if ql is None:
+        out[a + "q_proj.weight"] = ((n * (nope + rope), h), f"{qk}, {hf}")
+    else:
+        out[a + "q_a_proj.weight"] = ((ql, h), f"q_lora_rank={ql}, {hf}")
+        out[a + "q_a_layernorm.weight"] = ((ql,), f"q_lora_rank={ql}")
+        out[a + "q_b_proj.weight"] = ((n * (nope + rope), ql), f"{qk}, q_lora_rank={ql}")
+    return out
+
+
+def _attention_shapes(spec, out, a, h, q, kv, qf, kvf, hf, d) -> None:
+    out[a + "q_proj.weight"] = ((q, h), f"{qf}, {hf}")
+    out[a + "k_proj.weight"] = ((kv, h), f"{kvf}, {hf}")
+    out[a + "v_proj.weight"] = ((kv, h), f"{kvf}, {hf}")
+    out[a + "o_proj.weight"] = ((h, q), f"{hf}, {qf}")
+    if spec.add_qkv_bias:
+        out[a + "q_proj.bias"] = ((q,), qf)
+        out[a + "k_proj.bias"] = ((kv,), kvf)
+        out[a + "v_proj.bias"] = ((kv,), kvf)
+    if spec.qk_layernorm:
+        out[a + "q_norm.weight"] = ((d,), f"head_dim={d}")
+        out[a + "k_norm.weight"] = ((d,), f"head_dim={d}")
+
+
+def _moe_shapes(spec, out, p, h, hf) -> None:
+    moe, (gate, up, down) = moe_hf_names(spec)
+    n, m = spec.num_experts, spec.moe_ffn_hidden_size
+    nf = f"{_EXPERT_COUNT_KEY.get(spec.family, 'num_experts')}={n}"
+    mf = f"{'intermediate_size' if spec.family == 'mixtral' else 'moe_intermediate_size'}={m}"
+    out[p + moe + "gate.weight"] = ((n, h), f"{nf}, {hf}")
+    if spec.moe_router_enable_expert_bias:
+        out[p + moe + "gate.e_score_correction_bias"] = ((n,), nf)
+    for j in range(n):
+        e = f"{p}{moe}experts.{j}."
+        out[e + gate + ".weight"] = ((m, h), f"{mf}, {hf}")
+        out[e + up + ".weight"] = ((m, h), f"{mf}, {hf}")
+        out[e + down + ".weight"] = ((h, m), f"{hf}, {mf}")
+    shared = spec.moe_shared_expert_intermediate_size
+    if shared:
+        sf = (f"n_shared_experts x moe_intermediate_size={shared}" if spec.family == "deepseek_v3"
+              else f"shared_expert_intermediate_size={shared}")
+        s = p + shared_hf_prefix(spec)
+        out[s + "gate_proj.weight"] = ((shared, h), f"{sf}, {hf}")
+        out[s + "up_proj.weight"] = ((shared, h), f"{sf}, {hf}")
+        out[s + "down_proj.weight"] = ((h, shared), f"{hf}, {sf}")
+        if spec.moe_shared_expert_gate:
+            out[p + "mlp.shared_expert_gate.weight"] = ((1, h), hf)
+
+
+_EXPERT_COUNT_KEY = {"mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts"}
 
 
 def check_hf_shapes(weights: HFWeights, spec, value_head: bool, config_file: str = "config.json") -> None:

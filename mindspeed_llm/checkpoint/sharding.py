@@ -37,9 +37,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from mindspeed_llm.checkpoint.hf_mapping import (EMBED, EXPERT_RE, FINAL_NORM, LAYER_PREFIX, MOE_ROUTER, OUTPUT,
-                                                  SHARED_FC1, SHARED_FC2, SHARED_GATE, ConversionError, expert_name,
-                                                  is_moe_layer)
+from mindspeed_llm.checkpoint.hf_mapping import (EMBED, EXPERT_BIAS, EXPERT_RE, FINAL_NORM, LAYER_PREFIX, MOE_ROUTER,
+                                                  OUTPUT, SHARED_FC1, SHARED_FC2, SHARED_GATE, ConversionError,
+                                                  expert_name, is_moe_layer)
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 EXTRA_STATE = "_extra_state"
@@ -49,10 +49,16 @@ _LINEARS_WITH_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear
                              "mlp.linear_fc2")
 
 _ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight", SHARED_FC2)
-_COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
+# Multi-latent attention's projections are all column-parallel in the local spec, the down projections too
+# (their output rows split over TP and gathered again); each up projection's rows are whole heads.
+_MLA_COLUMN = ("self_attention.linear_q_down_proj.weight", "self_attention.linear_q_up_proj.weight",
+               "self_attention.linear_q_proj.weight", "self_attention.linear_kv_down_proj.weight",
+               "self_attention.linear_kv_up_proj.weight")
+_COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias") + _MLA_COLUMN
 _FC1 = ("mlp.linear_fc1.weight", SHARED_FC1)
 _REPLICATED = ("input_layernorm.weight", "pre_mlp_layernorm.weight", "self_attention.q_layernorm.weight",
-               "self_attention.k_layernorm.weight", MOE_ROUTER, SHARED_GATE)
+               "self_attention.k_layernorm.weight", "self_attention.kv_layernorm.weight", MOE_ROUTER, EXPERT_BIAS,
+               SHARED_GATE)
 
 
 def is_extra_state(name: str) -> bool:
@@ -177,7 +183,12 @@ def with_expert_index(name: str, j: int) -> str:
 
 def _extra_state_linears(spec, index: int, num_experts: Optional[int]) -> List[str]:
     """The parallel linears of global layer `index` (they carry an `_extra_state`, None in the local spec)."""
-    linears = ["self_attention.linear_qkv", "self_attention.linear_proj"]
+    if spec.is_mla:
+        from mindspeed_llm.checkpoint.hf_mapping import mla_names
+
+        linears = [mg[:-len(".weight")] for mg, _ in mla_names(spec) if "layernorm" not in mg]
+    else:
+        linears = ["self_attention.linear_qkv", "self_attention.linear_proj"]
     if not is_moe_layer(spec, index):
         return linears + ["mlp.linear_fc1", "mlp.linear_fc2"]
     for j in range(spec.num_experts if num_experts is None else num_experts):

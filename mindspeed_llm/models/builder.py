@@ -14,6 +14,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 
 from mindspeed_llm.models.forward_layout import install_layout_hooks
@@ -66,7 +67,35 @@ def moe_config(spec: ModelSpec) -> dict:
         moe_grouped_gemm=False,
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
+        moe_router_num_groups=spec.moe_router_num_groups,
+        moe_router_group_topk=spec.moe_router_group_topk,
+        moe_router_topk_scaling_factor=spec.moe_router_topk_scaling_factor,
+        moe_router_enable_expert_bias=spec.moe_router_enable_expert_bias,
+        # transformers' DeepSeek-V3 router computes its logits in fp32 whatever the model's dtype
+        **(dict(moe_router_dtype="fp32") if spec.moe_router_enable_expert_bias else {}),
     )
+
+
+def mla_config(spec: ModelSpec) -> dict:
+    """MLATransformerConfig fields of `spec`'s multi-latent attention (empty without MLA).
+
+    Megatron's q/kv RMSNorms on the compressed projections come with `qk_layernorm`; `kv_channels` is the
+    value head dim (the attention output width per head); YaRN acts on the rope part of each head."""
+    if not spec.is_mla:
+        return {}
+    fields = dict(
+        multi_latent_attention=True, qk_layernorm=True, q_lora_rank=spec.q_lora_rank,
+        kv_lora_rank=spec.kv_lora_rank, qk_head_dim=spec.qk_nope_head_dim, qk_pos_emb_head_dim=spec.qk_rope_head_dim,
+        v_head_dim=spec.v_head_dim, kv_channels=spec.v_head_dim, rotary_base=spec.rotary_base,
+    )
+    if spec.yarn_factor is not None:
+        fields.update(rope_type="yarn", rotary_scaling_factor=spec.yarn_factor,
+                      original_max_position_embeddings=spec.yarn_original_max_position_embeddings,
+                      beta_fast=spec.yarn_beta_fast, beta_slow=spec.yarn_beta_slow, mscale=spec.yarn_mscale,
+                      mscale_all_dim=spec.yarn_mscale_all_dim)
+    else:  # plain RoPE; a scaling factor of 1 keeps megatron's softmax scale at 1/sqrt(q head dim)
+        fields.update(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    return fields
 
 
 def transformer_config(spec: ModelSpec, params_dtype=torch.float32, **overrides) -> TransformerConfig:
@@ -105,10 +134,11 @@ def transformer_config(spec: ModelSpec, params_dtype=torch.float32, **overrides)
         apply_rope_fusion=False,
     )
     kwargs.update(moe_config(spec))
+    kwargs.update(mla_config(spec))
     kwargs.update(overrides)
     if kwargs.get("moe_grouped_gemm") and grouped_gemm_kernel() is None:
         kwargs["moe_grouped_gemm"] = False  # SequentialMLP: same math, one matmul per expert
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if spec.is_mla else TransformerConfig)(**kwargs)
 
 
 def _layer_spec(spec: ModelSpec, config: TransformerConfig):

@@ -9,7 +9,8 @@ response tokens are read, so the prompt's logits are waste (TRL's `logits_to_kee
 
 Both are done with PyTorch hooks registered when the model is built, not by patching megatron: a forward
 hook on `model.rotary_pos_emb` turns its `[S, 1, 1, D]` table into `[S, B, 1, D]` rows indexed by the
-position ids (the shape megatron's own mRoPE path hands to attention, which broadcasts it over heads), and a
+position ids (the shape megatron's own mRoPE path hands to attention, which broadcasts it over heads; with
+multi-latent attention, DeepSeek-V3, every layer's own rotary module, whose YaRN table comes with its mscale), and a
 forward pre-hook on `model.output_layer` drops the hidden states before `logits_from`. The hooks read
 options that `forward_layout(...)` sets for the duration of one forward; outside it they change nothing.
 With `position_ids = arange(S)` and `logits_from = 0` the output is exactly megatron's.
@@ -31,6 +32,9 @@ def _rotary_by_position_ids(module, args, output):
     position_ids = getattr(module, _POSITIONS, None)
     if position_ids is None:
         return output
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        # YaRN (multi-latent attention) returns (table, mscale): index the table, keep the rest
+        return (_rotary_by_position_ids(module, args, output[0]), *output[1:])
     if not isinstance(output, torch.Tensor) or output.dim() != 4 or output.size(1) != 1 or output.size(2) != 1:
         # e.g. a rotary module that returns (cos, sin) or per-row tables: positions would silently be ignored
         shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
@@ -53,13 +57,19 @@ def _output_from_position(module, args, kwargs):
     return (hidden_states[start:], *args[1:]), kwargs
 
 
+def _rotary_modules(model):
+    """The model's rotary embeddings: GPTModel's own (`model.rotary_pos_emb`), or with multi-latent attention
+    (which has none at the model level) each attention layer's `self_attention.rotary_pos_emb`."""
+    return [module for name, module in model.named_modules()
+            if name == "rotary_pos_emb" or name.endswith(".rotary_pos_emb")]
+
+
 def install_layout_hooks(model) -> None:
     """Register the hooks on a freshly built GPTModel (every pipeline stage; the output hook where there
     is an output layer). Idempotent."""
     if getattr(model, "has_layout_hooks", False):
         return
-    rotary = getattr(model, "rotary_pos_emb", None)
-    if rotary is not None:
+    for rotary in _rotary_modules(model):
         rotary.register_forward_hook(_rotary_by_position_ids)
     output_layer = getattr(model, "output_layer", None)
     if output_layer is not None:
@@ -76,16 +86,16 @@ def forward_layout(model, position_ids: Optional[torch.Tensor] = None, logits_fr
     if not getattr(core, "has_layout_hooks", False):
         raise RuntimeError("forward_layout: this model was not built by mindspeed_llm.models.build_model "
                            "(no layout hooks); its positions and output window cannot be set")
-    rotary = getattr(core, "rotary_pos_emb", None)
+    rotaries = _rotary_modules(core)
     output_layer = getattr(core, "output_layer", None)
-    if rotary is not None:
+    for rotary in rotaries:
         setattr(rotary, _POSITIONS, position_ids)
     if output_layer is not None:
         setattr(output_layer, _LOGITS_FROM, int(logits_from))
     try:
         yield
     finally:
-        if rotary is not None:
+        for rotary in rotaries:
             setattr(rotary, _POSITIONS, None)
         if output_layer is not None:
             setattr(output_layer, _LOGITS_FROM, 0)

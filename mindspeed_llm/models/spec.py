@@ -1,7 +1,7 @@
 """`ModelSpec`: the architecture of a decoder-only model, independent of any framework.
 
 It is read from a Hugging Face `config.json` (Llama, Qwen2/2.5, Qwen3, Mistral families and the
-mixture-of-experts families Qwen3-MoE, Qwen2-MoE, Mixtral) or from the
+mixture-of-experts families Qwen3-MoE, Qwen2-MoE, Mixtral, and DeepSeek-V3 with multi-latent attention) or from the
 Megatron model flags, stored inside every Megatron checkpoint we write (so a stage can check that the
 actor, reference, critic and reward agree on vocabulary), and written back as a clean `config.json`.
 """
@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, List, Optional
 
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral") + MOE_FAMILIES
 
 _HF_ARCHITECTURES = {
@@ -24,6 +24,7 @@ _HF_ARCHITECTURES = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification"),
     "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeForSequenceClassification"),
     "mixtral": ("MixtralForCausalLM", "MixtralForSequenceClassification"),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3ForSequenceClassification"),
 }
 # Families whose attention has q/k/v biases, and those with per-head q/k RMSNorms.
 _QKV_BIAS = ("qwen2", "qwen2_moe")
@@ -67,6 +68,29 @@ class ModelSpec:
     moe_shared_expert_gate: bool = False
     # One entry per layer, 1 = MoE MLP, 0 = dense MLP of ffn_hidden_size (None: every layer is MoE).
     moe_layer_pattern: Optional[List[int]] = None
+    # DeepSeek-V3 routing: sigmoid scores + expert bias (e_score_correction_bias) choose the experts,
+    # group-limited top-k (n_group groups, topk_group kept), weights renormalised then scaled.
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_enable_expert_bias: bool = False
+    # Multi-latent attention (DeepSeek-V3; kv_lora_rank None: ordinary attention). q_lora_rank None: q_proj.
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: Optional[int] = None
+    qk_nope_head_dim: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    # YaRN RoPE (rope_type yarn; factor None: plain RoPE on the rope part).
+    yarn_factor: Optional[float] = None
+    yarn_original_max_position_embeddings: Optional[int] = None
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
 
     @property
     def is_moe(self) -> bool:
@@ -100,6 +124,8 @@ class ModelSpec:
         if config.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {config.get('hidden_act')!r}: only silu (SwiGLU) is supported")
         heads = config["num_attention_heads"]
+        if family == "deepseek_v3":
+            return cls._from_deepseek_v3(config)
         rope_factor = None
         scaling = config.get("rope_scaling") or (config.get("rope_parameters") or None)
         rotary_base = config.get("rope_theta")
@@ -149,6 +175,130 @@ class ModelSpec:
             **_moe_fields_from_hf(family, config),
         )
 
+    @classmethod
+    def _from_deepseek_v3(cls, config: Dict[str, Any]) -> "ModelSpec":
+        """DeepSeek-V3 (MLA, YaRN, sigmoid group-limited routing with expert bias, shared experts)."""
+        def bad(key, why):
+            return UnsupportedModelError(f"deepseek_v3 config.json: {key}={config.get(key)!r} {why}")
+
+        expected = {"hidden_act": "silu", "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                    "attention_bias": False, "rope_interleave": True, "moe_layer_freq": 1, "norm_topk_prob": True}
+        why = {"hidden_act": "is not supported (only silu / SwiGLU)",
+               "scoring_func": "is not supported (megatron's router here: sigmoid with expert bias)",
+               "topk_method": "is not supported (noaux_tc: expert choice by score + e_score_correction_bias)",
+               "attention_bias": "is not supported (MLA projections without bias)",
+               "rope_interleave": "is not supported (megatron's MLA reads the rope dims interleaved, as "
+                                  "DeepSeek's own checkpoints hold them)",
+               "moe_layer_freq": "is not supported (every layer from first_k_dense_replace on is MoE)",
+               "norm_topk_prob": "is not supported (megatron's sigmoid router always renormalises its top-k)"}
+        for key, value in expected.items():
+            if key in config and config[key] is not None and config[key] != value:
+                raise bad(key, why[key])
+        layers = config["num_hidden_layers"]
+        experts, topk = config["n_routed_experts"], config["num_experts_per_tok"]
+        groups, group_topk = config.get("n_group") or 1, config.get("topk_group") or 1
+        if experts % groups:
+            raise bad("n_group", f"does not divide n_routed_experts={experts}")
+        if groups > 1 and group_topk < groups and topk // group_topk != 2:
+            # both sum the top-2 scores per group only when num_experts_per_tok // topk_group == 2
+            raise bad("topk_group", f"with num_experts_per_tok={topk}: megatron ranks groups by their top "
+                      f"{topk}//topk_group scores, transformers by their top 2; they agree only when "
+                      f"num_experts_per_tok // topk_group == 2")
+        limited = groups > 1 and group_topk < groups
+        dense = int(config.get("first_k_dense_replace") or 0)
+        scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+        if rope_type not in ("yarn", "default", None):
+            raise UnsupportedModelError(f"deepseek_v3 config.json: rope type {rope_type!r} is not supported "
+                                        "(yarn, default)")
+        rotary_base = scaling.get("rope_theta", config.get("rope_theta", 10000.0))
+        yarn = {}
+        if rope_type == "yarn":
+            yarn = dict(
+                yarn_factor=float(scaling["factor"]),
+                yarn_original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+                yarn_beta_fast=float(scaling.get("beta_fast") or 32.0),
+                yarn_beta_slow=float(scaling.get("beta_slow") or 1.0),
+                yarn_mscale=float(scaling.get("mscale") or 1.0),
+                yarn_mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0),
+            )
+        eos = config.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        shared = config.get("n_shared_experts") or 0
+        heads = config["num_attention_heads"]
+        return cls(
+            family="deepseek_v3",
+            num_layers=layers,
+            hidden_size=config["hidden_size"],
+            ffn_hidden_size=config["intermediate_size"],
+            num_attention_heads=heads,
+            num_query_groups=heads,
+            kv_channels=config["v_head_dim"],  # megatron's attention output width per head
+            vocab_size=config["vocab_size"],
+            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            norm_epsilon=config.get("rms_norm_eps", 1e-6),
+            rotary_base=float(rotary_base),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_id=eos,
+            num_experts=experts,
+            moe_ffn_hidden_size=config["moe_intermediate_size"],
+            moe_router_topk=topk,
+            moe_router_pre_softmax=False,
+            moe_router_score_function="sigmoid",
+            moe_aux_loss_coeff=float(config.get("aux_loss_alpha") or 0.0),
+            moe_shared_expert_intermediate_size=shared * config["moe_intermediate_size"] or None,
+            moe_layer_pattern=[0] * dense + [1] * (layers - dense) if dense else None,
+            moe_router_num_groups=groups if limited else None,
+            moe_router_group_topk=group_topk if limited else None,
+            moe_router_topk_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
+            moe_router_enable_expert_bias=True,
+            q_lora_rank=config.get("q_lora_rank"),
+            kv_lora_rank=config["kv_lora_rank"],
+            qk_nope_head_dim=config["qk_nope_head_dim"],
+            qk_rope_head_dim=config["qk_rope_head_dim"],
+            v_head_dim=config["v_head_dim"],
+            **yarn,
+        )
+
+    def _deepseek_v3_to_hf(self) -> Dict[str, Any]:
+        dense = self.moe_layers().index(1) if 1 in self.moe_layers() else self.num_layers
+        shared = self.moe_shared_expert_intermediate_size or 0
+        out = {
+            "num_key_value_heads": self.num_attention_heads,
+            "n_routed_experts": self.num_experts,
+            "num_experts_per_tok": self.moe_router_topk,
+            "moe_intermediate_size": self.moe_ffn_hidden_size,
+            "n_shared_experts": shared // self.moe_ffn_hidden_size,
+            "n_group": self.moe_router_num_groups or 1,
+            "topk_group": self.moe_router_group_topk or 1,
+            "routed_scaling_factor": self.moe_router_topk_scaling_factor or 1.0,
+            "norm_topk_prob": True,
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
+            "first_k_dense_replace": dense,
+            "moe_layer_freq": 1,
+            "aux_loss_alpha": self.moe_aux_loss_coeff,
+            "q_lora_rank": self.q_lora_rank,
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "head_dim": self.qk_rope_head_dim,
+            "rope_interleave": True,
+            "attention_bias": False,
+            "num_nextn_predict_layers": 0,  # MTP layers are not converted
+        }
+        if self.yarn_factor is not None:
+            out["rope_scaling"] = {
+                "rope_type": "yarn", "factor": self.yarn_factor,
+                "original_max_position_embeddings": self.yarn_original_max_position_embeddings,
+                "beta_fast": self.yarn_beta_fast, "beta_slow": self.yarn_beta_slow,
+                "mscale": self.yarn_mscale, "mscale_all_dim": self.yarn_mscale_all_dim,
+            }
+        return out
+
     def to_hf_config(self, torch_dtype: str = "float32", value_head: bool = False) -> Dict[str, Any]:
         """A clean config.json for `transformers` (no quantization_config, with `architectures`)."""
         causal, seq_cls = _HF_ARCHITECTURES[self.family]
@@ -181,7 +331,9 @@ class ModelSpec:
             }
         if self.family == "llama":
             config.update(attention_bias=False, mlp_bias=False)
-        if self.is_moe:
+        if self.family == "deepseek_v3":
+            config.update(self._deepseek_v3_to_hf())
+        elif self.is_moe:
             config.update(_moe_fields_to_hf(self))
         if self.bos_token_id is not None:
             config["bos_token_id"] = self.bos_token_id
@@ -227,6 +379,11 @@ class ModelSpec:
                 f"model is dense; drop the flag"
             )
         problems = []
+        if self.is_mla:  # megatron's MLA splits the down projections' output rows over TP too
+            if self.q_lora_rank is not None and self.q_lora_rank % tp:
+                problems.append(f"q_lora_rank={self.q_lora_rank}")
+            if (self.kv_lora_rank + self.qk_rope_head_dim) % tp:
+                problems.append(f"kv_lora_rank + qk_rope_head_dim={self.kv_lora_rank + self.qk_rope_head_dim}")
         if self.num_attention_heads % tp:
             problems.append(f"num_attention_heads={self.num_attention_heads}")
         if self.num_query_groups % tp:

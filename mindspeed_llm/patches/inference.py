@@ -116,19 +116,20 @@ def _grouped_decode_attention(original):
                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)
         sq, b, heads, hn = query.shape
         sk, groups = key.size(0), key.size(2)
+        hv = value.size(-1)  # the value head dim: != hn under multi-latent attention (DeepSeek-V3)
         per_group = heads // groups  # query heads g * per_group ... (g + 1) * per_group - 1 read group g
         # [sq, b, np, hn] -> [b, np, sq, hn] -> [b * ng, per_group * sq, hn]
         q = query.permute(1, 2, 0, 3).reshape(b * groups, per_group * sq, hn)
-        # [sk, b, ng, hn] -> [b * ng, hn, sk] and [b * ng, sk, hn]: views of the cache
+        # [sk, b, ng, hn] -> [b * ng, hn, sk] and [sk, b, ng, hv] -> [b * ng, sk, hv]: views of the cache
         k = key.reshape(sk, b * groups, hn).permute(1, 2, 0)
-        v = value.reshape(sk, b * groups, hn).transpose(0, 1)
+        v = value.reshape(sk, b * groups, hv).transpose(0, 1)
         scores = parallel_state.get_global_memory_buffer().get_tensor(
             (b * groups, per_group * sq, sk), q.dtype, "mpu")
         scores = torch.baddbmm(scores, q, k, beta=0.0, alpha=self.softmax_scale)
         probs = self.scale_mask_softmax(scores.view(b, heads, sq, sk), attention_mask, self.softmax_offset)
         context = torch.bmm(probs.reshape(b * groups, per_group * sq, sk), v)  # dropout: identity in eval
-        # [b * ng, per_group * sq, hn] -> [b, np, sq, hn] -> [sq, b, np * hn]
-        context = context.view(b, heads, sq, hn).permute(2, 0, 1, 3).contiguous()
+        # [b * ng, per_group * sq, hv] -> [b, np, sq, hv] -> [sq, b, np * hv]
+        context = context.view(b, heads, sq, hv).permute(2, 0, 1, 3).contiguous()
         return context.view(sq, b, self.hidden_size_per_partition)
 
     forward.__wrapped__ = original

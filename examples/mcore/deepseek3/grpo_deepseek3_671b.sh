@@ -1,33 +1,66 @@
 #!/usr/bin/env bash
-# GRPO on DeepSeek-V3 / R1 (671B): NOT RUNNABLE YET. This program cannot load the DeepSeek-V3 family, so the script
-# stops at once (exit 2) with the list of what is missing, before anything is launched.
+# GRPO on DeepSeek-V3 / R1 (671B: 61 layers, multi-latent attention, 256 routed experts top-8 in 8 groups of which
+# 4 are kept, one shared expert, layers 0-2 dense) with rule rewards (math answer accuracy + R1 format).
+# Default layout: 8 nodes x 8 devices, TP 1, PP 1, --expert-model-parallel-size 64 (4 of the 256 experts of every
+# MoE layer per rank); the dense part (MLA attention, the 3 dense MLPs, shared experts, embeddings: about 17B
+# parameters) is data-parallel over all 64 ranks, its optimizer state sharded by --use-distributed-optimizer.
 #
-# What was checked (megatron-core 0.16.1, local layer spec, CPU, fp32): a tiny DeepSeek-V3 built from
-# megatron's MLATransformerConfig (multi-latent attention with q/kv LoRA projections and their RMSNorms, YaRN RoPE on
-# the rope part, sigmoid routing with expert bias, group-limited top-k, routed scaling factor, a shared expert,
-# dense first layers through moe_layer_freq) gives transformers' DeepseekV3ForCausalLM logits to 1e-6 at TP 1 and
-# TP 2, trains (forward + backward), and generates the same greedy tokens through mindspeed_llm's static KV cache.
-# The missing pieces are in this program, not in megatron:
-#   1. mindspeed_llm/models/spec.py: no deepseek_v3 family (MLA sizes, YaRN parameters, n_group / topk_group,
-#      routed_scaling_factor, e_score_correction_bias, first_k_dense_replace, n_shared_experts).
-#   2. mindspeed_llm/models/builder.py: no MLATransformerConfig; megatron's local DotProductAttention refuses the
-#      k_channels / v_channels MLA passes it (TypeError), and MultiLatentAttention takes Transformer Engine for
-#      present without it (isinstance(..., TELinear) on a mock: TypeError) unless its HAVE_TE is patched to False.
-#   3. mindspeed_llm/models/forward_layout.py: MLA keeps its rotary embedding in every attention layer (GPTModel has
-#      none), so packed rows' position ids would be ignored silently.
-#   4. mindspeed_llm/patches/inference.py: the decode-step attention assumes the value head dim equals the key's
-#      (MLA: 128 vs 192), a RuntimeError at the first decode step.
-#   5. convert_ckpt.py: no MLA / router-bias mapping, no FP8 block dequantisation (weight_scale_inv) of the
-#      released checkpoint, no skipping of the multi-token-prediction layer 61.
-#   6. 61 layers need an uneven pipeline split (MindSpeed-RL: 9,10,10,10,11,11 over PP 6); PP must divide the
-#      layer count here.
-# Intended layout once those land (MindSpeed-RL's recipe on 8-device nodes): 48 nodes, TP 4, PP 6, EP 16 with
-# --moe-tp-extend-ep (experts over 64 ranks), --moe-router-load-balancing-type seq_aux_loss, alltoall dispatcher,
-# --moe-routing-replay, 32 samples per prompt.
+# Honest limits of this layout (read before launching):
+# - NOT RUN at this size: the family is verified on tiny DeepSeek-V3 models (tests/test_deepseek_v3.py: conversion
+#   bit for bit at TP / PP / EP, transformers' logits at TP1, TP2, EP2, TP2 x EP2, PP2, greedy generation, packed
+#   positions). Whether 17B dense parameters per rank plus 4 experts x 58 layers fit one device is not checked.
+# - PP 1: 61 layers is prime and a pipeline stage here holds an equal share of the layers (MindSpeed-RL's uneven
+#   9,10,10,10,11,11 split over PP 6 is not supported), so the only pipeline size is 1.
+# - TP 1: megatron-core trains MoE layers under tensor parallelism only with sequence parallelism, which the local
+#   layer spec does not have (MindSpeed-RL runs TP 4 with --moe-tp-extend-ep); experts are split by EP alone.
+# - The released checkpoint is FP8 (weight_scale_inv tensors): convert_ckpt.py refuses it; dequantise to bf16 first
+#   (DeepSeek-V3's inference/fp8_cast_bf16.py) and drop quantization_config from config.json. Its
+#   multi-token-prediction layer 61 is skipped by the conversion (not trained, not exported).
+# - The expert bias (e_score_correction_bias) is updated by megatron's aux-loss-free balancing during training
+#   (--moe-router-bias-update-rate is megatron's default 1e-3), and the sequence aux loss uses coefficient 1e-4.
+#
+# Before:  data:    TOKENIZER=./model_from_hf/deepseek_v3_bf16 OUTPUT_PREFIX=./dataset/deepscaler_ds3/data \
+#                       bash examples/data/preprocess_data.sh deepscaler
+#          weights: bash examples/mcore/deepseek3/ckpt_convert_deepseek3_hf2mcore.sh   (same TP / PP / EP)
+# Launch: the same command on every node, each with its own NODE_RANK (0 on the master node), data, checkpoints
+# and CKPT_SAVE_DIR at the same paths everywhere:
+#   NODE_RANK=<0..7> MASTER_ADDR=<master node's address> bash examples/mcore/deepseek3/grpo_deepseek3_671b.sh
+# Other layouts: EP (a divisor of 256 whose multiple the world size is), NNODES, NPUS_PER_NODE.
+# Resume: automatic (--load equals --save); SIGTERM saves first.
+# After:   bash examples/mcore/deepseek3/ckpt_convert_deepseek3_mcore2hf.sh
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-echo "error: $0: DeepSeek-V3 (model_type deepseek_v3) is not supported by this program yet: mindspeed_llm/models/spec.py," \
-     "builder.py and convert_ckpt.py have no multi-latent-attention family (see the list at the top of this script)." \
-     "Nothing was launched. Supported families: python -c 'from mindspeed_llm.models.spec import SUPPORTED_FAMILIES;" \
-     "print(SUPPORTED_FAMILIES)'; for a mixture of experts see examples/mcore/qwen3_moe/grpo_qwen3_30b_a3b.sh" >&2
-exit 2
+NNODES=${NNODES:-8}
+source examples/mcore/launch_env.sh
+
+TP=${TP:-1}; PP=${PP:-1}; EP=${EP:-64}
+REF_MODEL=${REF_MODEL:-./model_weights/deepseek_v3_mcore}
+DATA_PATH=${DATA_PATH:-./dataset/deepscaler_ds3/data}
+TOKENIZER=${TOKENIZER:-./model_from_hf/deepseek_v3_bf16}
+CKPT_SAVE_DIR=${CKPT_SAVE_DIR:-./ckpt/deepseek_v3_grpo}
+
+# DeepSeek-V3, checked against every checkpoint the run loads (the MLA sizes, YaRN and routing come from the
+# checkpoint's config: q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v_head_dim 128, YaRN factor 40,
+# n_group 8, topk_group 4, routed_scaling_factor 2.5, first_k_dense_replace 3).
+MODEL_ARGS="--num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128 \
+  --padded-vocab-size 129280 --rotary-base 10000 --normalization RMSNorm --position-embedding-type rope --swiglu \
+  --disable-bias-linear --untie-embeddings-and-output-weights \
+  --num-experts 256 --moe-router-topk 8 --moe-ffn-hidden-size 2048 --moe-shared-expert-intermediate-size 2048"
+MOE_ARGS="--expert-model-parallel-size $EP --moe-grouped-gemm --moe-token-dispatcher-type alltoall \
+  --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 0.0001 --moe-routing-replay"
+GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP --use-distributed-optimizer \
+  --micro-batch-size 1 --global-batch-size 64 --train-iters 1000 --bf16 \
+  --lr 1e-6 --lr-decay-style constant --weight-decay 0.0 --clip-grad 1.0 \
+  --adam-beta1 0.9 --adam-beta2 0.95 --seed 1234"
+DATA_ARGS="--data-path $DATA_PATH --tokenizer-type PretrainedFromHF --tokenizer-name-or-path $TOKENIZER"
+RL_ARGS="--stage grpo --ref-model $REF_MODEL --n-samples-per-prompt 32 \
+  --max-prompt-length 2048 --max-new-tokens 4096 --max-length 6144 --do-sample --temperature 1.0 --top-p 1.0 \
+  --kl-coef 0.001 --kl-penalty low_var_kl --clip-ratio 0.2 --entropy-coeff 0.0 --loss-agg-mode token-mean \
+  --adv-scale group --ppo-epochs 1 --ppo-mini-batch-size 2048 \
+  --verifier-function math_acc format --verifier-weight 1.0 0.1"
+OUTPUT_ARGS="--log-interval 1 --save $CKPT_SAVE_DIR --load $CKPT_SAVE_DIR --save-interval 20 --exit-signal-handler \
+  --tensorboard-dir $CKPT_SAVE_DIR/tensorboard --metrics-jsonl $CKPT_SAVE_DIR/metrics.jsonl"
+
+${PYTHON} -m torch.distributed.run $DISTRIBUTED_ARGS posttrain_gpt.py \
+  $MODEL_ARGS $MOE_ARGS $GPT_ARGS $DATA_ARGS $RL_ARGS $OUTPUT_ARGS "$@" \
+  | tee "${LOG_FILE:-logs_grpo_deepseek3_671b.log}"

@@ -1,0 +1,49 @@
+"""Patches that let megatron-core 0.16.1's multi-latent attention (DeepSeek-V3) run on the local layer spec
+(all devices; without Transformer Engine).
+
+1. `MultiLatentAttention.__init__` builds its core attention with `k_channels=` / `v_channels=` (the key head dim
+   nope + rope, and the value head dim), keywords only TE's attention takes: the local `DotProductAttention`
+   raises TypeError. Its math needs neither: the scores read the head dim from the tensors, the softmax scale
+   comes in as `softmax_scale` (MLA passes its YaRN-corrected one) and the output width is
+   `config.kv_channels`, which `build_model` sets to the value head dim. The wrapper accepts the two keywords,
+   checks that the value width agrees with `kv_channels`, and drops them.
+2. `multi_latent_attention.HAVE_TE` is True whenever `megatron.core.extensions.transformer_engine` imports,
+   which it does without TE (it mocks the package), so `MultiLatentAttention.__init__` runs
+   `isinstance(self.linear_proj, TELinear)` against a mock: TypeError. The flag is made to mean what it says:
+   TE really importable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from mindspeed_llm.patches import register
+
+
+@register(
+    "megatron.core.transformer.dot_product_attention.DotProductAttention.__init__",
+    "MLA builds its core attention with k_channels/v_channels (TE's keywords); the local attention takes neither "
+    "and needs neither (value width = config.kv_channels, softmax_scale passed in)",
+    devices=("cpu", "cuda", "npu"),
+)
+def _accept_mla_channels(original):
+    def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+        config = kwargs.get("config", args[0] if args else None)
+        if v_channels is not None and config is not None and v_channels != config.kv_channels:
+            raise ValueError(
+                f"multi-latent attention: value head dim {v_channels} != kv_channels {config.kv_channels}; the local "
+                "attention's output width is kv_channels, so set kv_channels to v_head_dim")
+        original(self, *args, **kwargs)
+
+    __init__.__wrapped__ = original
+    return __init__
+
+
+@register(
+    "megatron.core.transformer.multi_latent_attention.HAVE_TE",
+    "HAVE_TE is True when megatron's TE extension module imports, which it does without TE (mocked); "
+    "MultiLatentAttention then calls isinstance(..., TELinear) on a mock and raises TypeError",
+    devices=("cpu", "cuda", "npu"),
+)
+def _mla_have_te(original):
+    return bool(original) and importlib.util.find_spec("transformer_engine") is not None
