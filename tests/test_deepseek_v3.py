@@ -309,3 +309,95 @@ def test_parallel_sizes_that_do_not_divide_mla_are_named():
     spec.check_parallel(2, 2, 2, 2)
     with pytest.raises(ValueError, match="q_lora_rank=24"):
         spec.check_parallel(16, 1, 1, 1)
+
+
+# ------------------------------------------------------------------------------------------- a stage
+
+@pytest.mark.slow
+def test_grpo_trains_a_deepseek_v3_actor_at_ep2(tmp_path):
+    """One GRPO iteration (rule reward) with a tiny DeepSeek-V3 actor and reference at EP2 (all-to-all dispatcher):
+    MoE metrics finite, both expert-parallel shards saved with their own experts moved, the dense part (MLA) moved,
+    and the routing bias changed by megatron's aux-loss-free balancing update."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import word_task
+    from test_dynamic_sampling import _stage_runs
+
+    from mindspeed_llm.checkpoint import convert_hf_to_mg
+
+    task = word_task.build(tmp_path / "task")
+    hf = save_tiny("deepseek_v3", tmp_path / "hf", seed=11, vocab_size=word_task.VOCAB)
+    actor = tmp_path / "mg_ep2"
+    convert_hf_to_mg(hf, actor, ep=2, tokenizer_dir=task["tokenizer"], progress=False)
+    out = tmp_path / "out"
+    argv = ["--stage", "grpo", "--micro-batch-size", "2", "--global-batch-size", "4", "--seed", "5",
+            "--data-path", task["data"], "--tokenizer-name-or-path", task["tokenizer"], "--max-length", "64",
+            "--max-new-tokens", "8", "--do-sample", "--lr", "0.01", "--log-interval", "1",
+            "--ref-model", str(actor), "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+            "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.001",
+            "--train-iters", "1", "--save", str(out), "--metrics-jsonl", str(out / "m.jsonl"),
+            "--n-samples-per-prompt", "2", "--verifier-function", "odd_first_word", "--kl-coef", "0.05"]
+    run_distributed(_stage_runs, 2, [argv])
+    rows = [json.loads(line) for line in (out / "m.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1]
+    for key in ("actor/moe/seq_load_balancing_loss", "actor/moe/tokens_per_expert_max", "actor/pg_loss"):
+        assert torch.isfinite(torch.tensor(rows[0][key])), key
+    saved = {p.parent.name: torch.load(p, weights_only=False)["model"]
+             for p in sorted((out / "actor" / "iter_0000001").glob("*/model_optim_rng.pt"))}
+    before = {e: torch.load(next((actor / "release").glob(f"mp_rank_00_00{e}/model_optim_rng.pt")),
+                            weights_only=False)["model"] for e in range(2)}
+    assert sorted(saved) == ["mp_rank_00_000", "mp_rank_00_001"]
+    for e in range(2):
+        now, then = saved[f"mp_rank_00_00{e}"], before[e]
+        for key in ("decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight",
+                    "decoder.layers.0.self_attention.linear_q_down_proj.weight",
+                    "decoder.layers.1.mlp.router.expert_bias"):
+            assert not torch.equal(now[key], then[key].to(now[key].dtype)), (e, key)
+
+
+# ------------------------------------------------------------------------------------------- the MLA patches
+
+def _without_patch_worker(rank, world_size, target):
+    """Build a tiny DeepSeek-V3 with the patch of `target` undone (the others applied); the error, or None."""
+    os.environ["MINDSPEED_DEVICE"] = "cpu"
+    from hf_tiny import tiny_config
+
+    from mindspeed_llm import distributed, patches
+    from mindspeed_llm.models import ModelSpec, build_model
+
+    distributed.initialize(1, 1, rank=rank, world_size=world_size)
+    for owner, attr, original, applied in list(patches._APPLIED):
+        if applied == target:
+            setattr(owner, attr, original)
+    spec = ModelSpec.from_hf_config(tiny_config("deepseek_v3", **_variant("deepseek_v3")).to_dict())
+    try:
+        model = build_model(spec)
+        ids = torch.randint(3, 256, (2, 12))
+        mask = torch.zeros(2 * 12, dtype=torch.bool)
+        mask[-3:] = True  # padding, as the RL passes mark it for megatron's MoE
+        model.train()
+        model(ids, torch.arange(12).expand(2, 12), None, padding_mask=mask.view(2, 12)).sum().backward()
+    except Exception as err:  # noqa: BLE001 - the message is the result
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+@pytest.mark.parametrize("target", [
+    None,
+    "megatron.core.transformer.dot_product_attention.DotProductAttention.__init__",
+    "megatron.core.transformer.multi_latent_attention.HAVE_TE",
+    "megatron.core.transformer.moe.router.TopKRouter._apply_expert_bias",
+], ids=["all", "k_v_channels", "have_te", "expert_bias_padding"])
+def test_each_mla_patch_is_needed(target):
+    """With every patch a training forward + backward (with a padding mask) runs; without any one of the three it
+    fails in megatron (TypeError for the first two, a broadcast RuntimeError for the expert-bias count)."""
+    (error,) = run_distributed(_without_patch_worker, 1, target)
+    if target is None:
+        assert error is None, error
+    else:
+        expected = {"expert_bias": "routing_map & (~padding_mask)", "HAVE_TE": "TypeError", "__init__": "TypeError"}
+        marker = next(v for k, v in expected.items() if target.endswith(k))
+        assert error is not None and marker in error, error

@@ -11,6 +11,11 @@
    which it does without TE (it mocks the package), so `MultiLatentAttention.__init__` runs
    `isinstance(self.linear_proj, TELinear)` against a mock: TypeError. The flag is made to mean what it says:
    TE really importable.
+3. `TopKRouter._apply_expert_bias` (DeepSeek-V3's aux-loss-free balancing counts the tokens each expert gets in a
+   training forward) masks padding with `routing_map & ~padding_mask`: routing_map is [tokens, experts], the
+   padding mask [tokens], so the broadcast fails (RuntimeError) whenever megatron's MoE gets a padding mask, as
+   the RL passes give it. The mask is applied per token (unsqueezed over the experts); the count is otherwise
+   megatron's.
 """
 
 from __future__ import annotations
@@ -47,3 +52,23 @@ def _accept_mla_channels(original):
 )
 def _mla_have_te(original):
     return bool(original) and importlib.util.find_spec("transformer_engine") is not None
+
+
+@register(
+    "megatron.core.transformer.moe.router.TopKRouter._apply_expert_bias",
+    "the expert-bias token count masks padding with routing_map [tokens, experts] & ~padding_mask [tokens]: a "
+    "broadcast error whenever a padding mask is given; mask per token",
+    devices=("cpu", "cuda", "npu"),
+)
+def _expert_bias_padding(original):
+    import torch
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1).bool()
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    _apply_expert_bias.__wrapped__ = original
+    return _apply_expert_bias
