@@ -10,12 +10,14 @@ e_score_correction_bias random too):
 
 Checked: HF -> Megatron -> HF is bit-identical at TP2, EP2, PP2 and TP2 x PP2 x EP2 (and the export loads in
 transformers); the logits of a converted checkpoint equal transformers' (fp32, eager attention, 80 tokens, past
-YaRN's original 64) at TP1, TP2 (expert TP 2), EP2, TP2 x EP2 with expert TP 1, and PP2; a forward with
+YaRN's original 64) at TP1, TP2 (expert TP 2), EP2, TP2 x EP2 with expert TP 1, and PP2, and a value head's outputs
+DeepseekV3ForSequenceClassification's at TP1, EP2, PP2; a forward with
 position ids other than the slots (`forward_layout`, as packed RL rows use it) equals transformers with those
 position ids, which needs the position ids to reach every MLA layer's own rotary embedding; greedy generation
 through the static KV cache (`mindspeed_llm.inference.generation.generate`, batched and stepwise prefill) equals
 `transformers.generate`. Errors: FP8 checkpoints (weight_scale_inv) are refused naming the tensor and the fix,
-multi-token-prediction layers are skipped with a note, unsupported config values are named.
+multi-token-prediction layers are skipped with a note, unsupported config values are named. Stage: one GRPO
+iteration trains a tiny DeepSeek-V3 actor at EP2; each MLA megatron patch (patches/mla.py) is shown needed.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ import os
 import pytest
 import torch
 
-from hf_tiny import DEEPSEEK_VARIANTS, build_tiny, save_tiny
+from hf_tiny import DEEPSEEK_VARIANTS, PAD_TOKEN_ID, build_tiny, save_tiny
 from multiproc import run_distributed
+from test_models_parity import _hf_reference
 
 TOL = 1e-5
 BATCH, SEQ = 2, 80
@@ -40,6 +43,8 @@ LAYOUTS = {
     "pp2": (dict(pp=2), (1, 2, 1, 1)),
 }
 CASES = list(DEEPSEEK_VARIANTS)
+VALUE_CASES = ["deepseek_v3-value"]  # DeepseekV3ForSequenceClassification: the critic / reward model
+VALUE_LAYOUTS = ("tp1", "ep2", "pp2")
 PROMPTS = [[5, 9, 17, 33, 4, 8, 90], [7, 3, 11], [12, 13, 14, 15, 16]]
 MAX_NEW = 10
 
@@ -80,7 +85,7 @@ def _worker(rank, world_size, jobs):
     from mindspeed_llm.inference.generation import generate
     from mindspeed_llm.inference.sampling import SamplingConfig
     from mindspeed_llm.models import build_model, forward_layout
-    from test_models_parity import _forward
+    from test_models_parity import _case_diff
 
     results = {"diffs": {}, "key_mismatch": {}, "ranks": {}, "packed": {}, "unpacked": {}, "greedy": {}}
     for layout, (tp, pp, ep, etp), cases in jobs:
@@ -92,16 +97,16 @@ def _worker(rank, world_size, jobs):
         for case in cases:
             name, ref = case["name"], case["ref"]
             spec = load_spec(case["root"])
-            model = build_model(spec).eval()
+            model = build_model(spec, value_head=case["value"]).eval()
             load_megatron_weights(model, case["root"])
             stored = load_shard(case["root"], ranks[0], ranks[1], ep_rank=ranks[2] if ep > 1 else 0)
             keys = set(stored["model"]) ^ set(model.state_dict())
             if keys:
                 results["key_mismatch"][(layout, name)] = sorted(keys)
-            out = _forward(model, case["ids"], tp, pp)
-            if out is not None:
-                results["diffs"][(layout, name)] = (out - ref["logits"]).abs().max().item()
-            if layout != "tp1":
+            diff = _case_diff(model, case, tp, pp)
+            if diff is not None:
+                results["diffs"][(layout, name)] = diff
+            if layout != "tp1" or case["value"]:
                 continue
             ids, pos = ref["packed_ids"], ref["packed_pos"]
             with torch.no_grad():
@@ -124,18 +129,24 @@ def parity(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("deepseek_parity")
     per_layout = {name: [] for name in LAYOUTS}
-    for index, name in enumerate(CASES):
-        kwargs = dict(seed=300 + index, **_variant(name))
+    for index, name in enumerate(CASES + VALUE_CASES):
+        value = name.endswith("-value")
+        kwargs = dict(seed=300 + index, seq_cls=value, **_variant(name[:-len("-value")] if value else name))
         hf_dir = save_tiny("deepseek_v3", base / name / "hf", **kwargs)
         ids = torch.randint(3, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(index))
-        ref = _hf_refs(build_tiny("deepseek_v3", **kwargs), ids)
+        if value:
+            ids[1, -3:] = PAD_TOKEN_ID  # right padding: the pooled score is the last real token's
+        model = build_tiny("deepseek_v3", **kwargs)
+        ref = _hf_reference(model, ids, True) if value else _hf_refs(model, ids)
         for layout, (convert, _) in LAYOUTS.items():
+            if value and layout not in VALUE_LAYOUTS:
+                continue
             root = base / name / f"mg_{layout}"
-            convert_hf_to_mg(hf_dir, root, progress=False, **convert)
-            per_layout[layout].append(dict(name=name, root=str(root), ids=ids, ref=ref))
+            convert_hf_to_mg(hf_dir, root, progress=False, value_head=value, **convert)
+            per_layout[layout].append(dict(name=name, root=str(root), ids=ids, ref=ref, value=value))
     jobs = [(layout, LAYOUTS[layout][1], cases) for layout, cases in per_layout.items()]
     merged = {"diffs": {}, "key_mismatch": {}, "ranks": {}, "packed": {}, "unpacked": {}, "greedy": {},
-              "refs": {c["name"]: c["ref"] for c in per_layout["tp1"]}}
+              "refs": {c["name"]: c["ref"] for c in per_layout["tp1"] if not c["value"]}}
     for result in run_distributed(_worker, 2, jobs):
         for key in ("diffs", "key_mismatch", "packed", "unpacked", "greedy"):
             merged[key].update(result[key])
@@ -149,6 +160,13 @@ def parity(tmp_path_factory):
 def test_logits_match_transformers(parity, layout, case):
     diff = parity["diffs"][(layout, case)]
     assert diff <= TOL, f"{case} at {layout}: max |logits - transformers| = {diff:.3g}"
+
+
+@pytest.mark.parametrize("layout", VALUE_LAYOUTS)
+def test_value_head_matches_sequence_classification(parity, layout):
+    """Per-token values equal score(hidden) and the last non-pad token's value transformers' pooled score."""
+    diff = parity["diffs"][(layout, "deepseek_v3-value")]
+    assert diff <= TOL, f"value head at {layout}: max |value - transformers| = {diff:.3g}"
 
 
 def test_shard_keys_equal_gptmodel_state_dict(parity):
