@@ -333,7 +333,8 @@ def test_parallel_sizes_that_do_not_divide_mla_are_named():
 
 @pytest.mark.slow
 def test_grpo_trains_a_deepseek_v3_actor_at_ep2(tmp_path):
-    """One GRPO iteration (rule reward) with a tiny DeepSeek-V3 actor and reference at EP2 (all-to-all dispatcher):
+    """One GRPO iteration (rule reward) with a tiny DeepSeek-V3 actor and reference at EP2 (all-to-all dispatcher,
+    --moe-routing-replay as the 671B launcher runs):
     MoE metrics finite, both expert-parallel shards saved with their own experts moved, the dense part (MLA) moved,
     and the routing bias changed by megatron's aux-loss-free balancing update."""
     import json
@@ -357,7 +358,8 @@ def test_grpo_trains_a_deepseek_v3_actor_at_ep2(tmp_path):
             "--ref-model", str(actor), "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
             "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.001",
             "--train-iters", "1", "--save", str(out), "--metrics-jsonl", str(out / "m.jsonl"),
-            "--n-samples-per-prompt", "2", "--verifier-function", "odd_first_word", "--kl-coef", "0.05"]
+            "--n-samples-per-prompt", "2", "--verifier-function", "odd_first_word", "--kl-coef", "0.05",
+            "--moe-routing-replay"]
     run_distributed(_stage_runs, 2, [argv])
     rows = [json.loads(line) for line in (out / "m.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1]
