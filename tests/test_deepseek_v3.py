@@ -421,3 +421,39 @@ def test_each_mla_patch_is_needed(target):
         expected = {"expert_bias": "routing_map & (~padding_mask)", "HAVE_TE": "TypeError", "__init__": "TypeError"}
         marker = next(v for k, v in expected.items() if target.endswith(k))
         assert error is not None and marker in error, error
+
+
+def _bf16_load_worker(rank, world_size, root):
+    os.environ["MINDSPEED_DEVICE"] = "cpu"
+    from mindspeed_llm import distributed
+    from mindspeed_llm.checkpoint import load_megatron_weights, load_spec
+    from mindspeed_llm.models import build_model
+
+    distributed.initialize(1, 1, rank=rank, world_size=world_size)
+    model = build_model(load_spec(root), params_dtype="bf16")
+    load_megatron_weights(model, root)
+    bias = model.decoder.layers[1].mlp.router.expert_bias
+    with torch.no_grad():
+        logits = model(torch.randint(3, 256, (1, 8)), torch.arange(8).unsqueeze(0), None)
+    return str(bias.dtype), str(model.decoder.layers[1].mlp.router.weight.dtype), bool(torch.isfinite(logits).all())
+
+
+def test_bf16_checkpoint_keeps_the_expert_bias_fp32(tmp_path):
+    """A bf16 conversion (as for the 671B model) stores every weight in bf16 but the routing bias in fp32 (megatron's
+    router buffer and transformers' are fp32: a bf16 bias would move expert choices), loads into a bf16 model, and
+    exports the bias back in fp32."""
+    from mindspeed_llm.checkpoint import convert_hf_to_mg, convert_mg_to_hf, load_shard
+
+    hf_dir = save_tiny("deepseek_v3", tmp_path / "hf", seed=9)
+    convert_hf_to_mg(hf_dir, tmp_path / "mg", params_dtype="bf16", progress=False)
+    shard = load_shard(tmp_path / "mg", 0, 0)["model"]
+    assert shard["decoder.layers.1.mlp.router.expert_bias"].dtype == torch.float32
+    assert shard["decoder.layers.1.self_attention.linear_kv_up_proj.weight"].dtype == torch.bfloat16
+    (result,) = run_distributed(_bf16_load_worker, 1, str(tmp_path / "mg"))
+    assert result == ("torch.float32", "torch.bfloat16", True)
+    convert_mg_to_hf(tmp_path / "mg", tmp_path / "back", progress=False)
+    source, back = _load(hf_dir), _load(tmp_path / "back")
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert back[bias].dtype == torch.float32 and torch.equal(back[bias], source[bias])
+    name = "model.layers.1.self_attn.q_b_proj.weight"
+    assert back[name].dtype == torch.bfloat16 and torch.equal(back[name], source[name].to(torch.bfloat16))
