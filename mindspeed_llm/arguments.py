@@ -89,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("mixture of experts")
     g.add_argument("--moe-grouped-gemm", action="store_true",
-                   help="grouped GEMM experts where a kernel is installed (Transformer Engine / grouped_gemm); "
-                        "otherwise megatron's SequentialMLP, the same math")
+                   help="accepted: the experts run as megatron's SequentialMLP (the same math; the grouped kernel "
+                        "path is not wired in this build, see models/builder.grouped_gemm_kernel)")
     g.add_argument("--moe-router-load-balancing-type", choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
                    default="aux_loss")
     g.add_argument("--moe-aux-loss-coeff", type=float,

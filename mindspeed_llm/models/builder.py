@@ -34,13 +34,13 @@ def parse_dtype(name) -> torch.dtype:
 
 
 def grouped_gemm_kernel() -> Optional[str]:
-    """The grouped-GEMM kernel megatron's MoE experts can use here ('transformer_engine', 'grouped_gemm'),
-    or None: then `--moe-grouped-gemm` falls back to `SequentialMLP` (the same per-expert matmuls)."""
-    import importlib.util
+    """The grouped-GEMM kernel the MoE experts use here: None, always, in this build.
 
-    for name in ("transformer_engine", "grouped_gemm"):
-        if importlib.util.find_spec(name) is not None:
-            return name
+    Megatron's local-spec grouped experts (`GroupedMLP`) need the CUDA-only `grouped_gemm` package and hold each
+    layer's experts fused (`experts.weight1` / `weight2`), which the per-expert checkpoints (`local_experts.j`)
+    do not map yet; `--moe-grouped-gemm` therefore runs megatron's `SequentialMLP`: the same math, one matmul
+    per expert. (Transformer Engine's grouped experts belong to the TE spec, which these models do not use.)
+    """
     return None
 
 
@@ -137,7 +137,7 @@ def transformer_config(spec: ModelSpec, params_dtype=torch.float32, **overrides)
     kwargs.update(mla_config(spec))
     kwargs.update(overrides)
     if kwargs.get("moe_grouped_gemm") and grouped_gemm_kernel() is None:
-        kwargs["moe_grouped_gemm"] = False  # SequentialMLP: same math, one matmul per expert
+        kwargs["moe_grouped_gemm"] = False  # SequentialMLP: same math, one matmul per expert (see grouped_gemm_kernel)
     return (MLATransformerConfig if spec.is_mla else TransformerConfig)(**kwargs)
 
 

@@ -77,8 +77,8 @@ def model_options(spec: ModelSpec, args, flag: str, root: str, policy: bool) -> 
 def startup_notes(args) -> List[str]:
     """What rank 0 prints once about the MoE flags (empty when nothing needs saying)."""
     if getattr(args, "moe_grouped_gemm", False) and grouped_gemm_kernel() is None:
-        return ["--moe-grouped-gemm: no grouped-GEMM kernel (Transformer Engine / grouped_gemm) is installed; "
-                "the experts run as megatron's SequentialMLP (the same math, one matmul per expert)"]
+        return ["--moe-grouped-gemm: the experts run as megatron's SequentialMLP (the same math, one matmul per "
+                "expert); the grouped kernel path (grouped_gemm, fused expert weights) is not wired in this build"]
     return []
 
 
