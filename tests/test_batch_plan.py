@@ -129,3 +129,6 @@ def test_position_hooks_refuse_what_they_cannot_index():
     with pytest.raises(ValueError, match="past the rotary table"):
         _rotary_by_position_ids(types.SimpleNamespace(**{_POSITIONS: torch.tensor([[0, 6]])}), (), table)
     assert _rotary_by_position_ids(types.SimpleNamespace(), (), (table, table)) == (table, table)  # no positions set
+    # YaRN's (table, mscale): the table is indexed, the scale kept
+    emb, mscale = _rotary_by_position_ids(module, (), (table, 1.25))
+    assert emb[:, 0, 0, 0].tolist() == [0, 1, 2, 1] and mscale == 1.25

@@ -32,8 +32,10 @@ def _rotary_by_position_ids(module, args, output):
     position_ids = getattr(module, _POSITIONS, None)
     if position_ids is None:
         return output
-    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-        # YaRN (multi-latent attention) returns (table, mscale): index the table, keep the rest
+    if (isinstance(output, tuple) and len(output) == 2 and isinstance(output[0], torch.Tensor)
+            and isinstance(output[1], (int, float))):
+        # YaRN (multi-latent attention) returns (table, mscale): index the table, keep the scale. A pair of
+        # tensors, e.g. (cos, sin), is not that and is refused below.
         return (_rotary_by_position_ids(module, args, output[0]), *output[1:])
     if not isinstance(output, torch.Tensor) or output.dim() != 4 or output.size(1) != 1 or output.size(2) != 1:
         # e.g. a rotary module that returns (cos, sin) or per-row tables: positions would silently be ignored
