@@ -138,7 +138,12 @@ class UpdateStats:
         self.num_layers = core.config.num_layers if self.enabled else 0
         self.loss_name = LOSS_NAMES.get(core.config.moe_router_load_balancing_type) if self.enabled else None
         self.coeff = float(core.config.moe_aux_loss_coeff or 0.0) if self.enabled else 0.0
-        self.counts = torch.zeros(self.num_layers, self.spec.num_experts if self.enabled else 0, dtype=torch.float64)
+        # Kept on the model's device and read once in metrics(): a host copy per router forward would be a
+        # device sync in every MoE layer of every training micro-batch.
+        from mindspeed_llm import device
+
+        self.counts = torch.zeros(self.num_layers, self.spec.num_experts if self.enabled else 0, dtype=torch.long,
+                                  device=device.current_device())
         self.num_micro_batches = 0
         self._handles = []
 
@@ -149,7 +154,7 @@ class UpdateStats:
         pad = args[1] if len(args) > 1 else None
         if pad is not None:
             routing_map = routing_map & ~pad.reshape(-1, 1)
-        self.counts[router.layer_number - 1] += routing_map.sum(0).detach().double().cpu()
+        self.counts[router.layer_number - 1] += routing_map.sum(0).detach().to(self.counts.dtype)
 
     def micro_batches(self, count: int) -> None:
         self.num_micro_batches += count
@@ -189,7 +194,8 @@ class UpdateStats:
             per_micro_batch = float(values[moe_layers].sum()) / max(self.num_micro_batches, 1)
             out[f"moe/{self.loss_name}"] = per_micro_batch / len(moe_layers)
             clear_aux_losses_tracker()
-        counts = _all_reduce(_all_reduce(self.counts.clone(), dp_group), pp_group)[moe_layers]  # [L_moe, E]
+        counts = _all_reduce(_all_reduce(self.counts.clone(), dp_group), pp_group)
+        counts = counts[moe_layers].double().cpu()  # [L_moe, E]
         mean = counts.mean(dim=1).clamp(min=1e-12)
         out["moe/tokens_per_expert_min"] = float(counts.min())
         out["moe/tokens_per_expert_max"] = float(counts.max())
