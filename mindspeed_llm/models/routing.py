@@ -210,14 +210,13 @@ def response_scope(micro_batch: Dict[str, torch.Tensor]) -> torch.Tensor:
 def count_mismatch(observed: List[torch.Tensor], targets: List[torch.Tensor], scope: torch.Tensor) -> torch.Tensor:
     """[mismatched, compared] over the tokens in `scope` with a known target and all layers: a token-layer
     mismatches when its top-k SET differs (both sides are compared sorted)."""
-    mismatched = compared = 0
+    totals = torch.zeros(2, dtype=torch.float64, device=scope.device)  # summed on the device: no host sync per layer
     for seen, want in zip(observed, targets):
         want = want.to(seen.device).long()
         keep = scope.to(seen.device) & (want >= 0).all(dim=1)
         differ = (seen.long().sort(dim=1).values != want.sort(dim=1).values).any(dim=1)
-        mismatched += int((differ & keep).sum())
-        compared += int(keep.sum())
-    return torch.tensor([mismatched, compared], dtype=torch.float64)
+        totals = totals.to(seen.device) + torch.stack([(differ & keep).sum(), keep.sum()]).double()
+    return totals
 
 
 # ---------------------------------------------------------------------------------------------- per-forward hook
@@ -306,8 +305,10 @@ def micro_batch_routing(model, micro_batch: Dict[str, torch.Tensor]):
 def compare_routing(model, enabled: bool = True):
     """Within this block, every forward of `model` of a micro-batch with recorded routing adds its
     [mismatched, compared] response token-layers to the yielded tensor (this rank's share)."""
+    from mindspeed_llm import device
+
     core = _core(model)
-    counter = torch.zeros(2, dtype=torch.float64)
+    counter = torch.zeros(2, dtype=torch.float64, device=device.current_device())
     if not enabled or not moe_routers(core):
         yield counter
         return
