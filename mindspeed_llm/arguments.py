@@ -102,7 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="route response tokens in the training forwards by the experts the rollout chose")
 
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--micro-batch-size", type=int, default=1,
+                   help="samples per micro-batch (a multiple of --n-samples-per-prompt packs prompt groups); with "
+                        "--max-tokens-per-micro-batch it only picks that layout")
+    g.add_argument("--max-tokens-per-micro-batch", type=int,
+                   help="token budget of each update micro-batch (verl's dynamic batch size): samples (or prompt "
+                        "groups) sorted by length share micro-batches of at most this many padded tokens")
+    g.add_argument("--forward-max-tokens-per-micro-batch", type=int,
+                   help="the same for the forward-only passes (old / reference log-probs, values, reward; no "
+                        "activations kept, so usually larger; default: --max-tokens-per-micro-batch)")
     g.add_argument("--global-batch-size", type=int, required=True,
                    help="prompts per iteration (grpo: each is sampled --n-samples-per-prompt times)")
     g.add_argument("--train-iters", type=int, required=True)
@@ -285,12 +293,17 @@ def _check_expert_parallel(args, world_size: int) -> None:
     if args.moe_aux_loss_coeff is not None and (not math.isfinite(args.moe_aux_loss_coeff) or args.moe_aux_loss_coeff < 0):
         raise ArgumentError(f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff} must be a finite number >= 0")
     if args.moe_token_dispatcher_type is None:
-        args.moe_token_dispatcher_type = "alltoall" if ep > 1 else "allgather"
+        args.moe_token_dispatcher_type = "alltoall" if ep > 1 or pp > 1 else "allgather"
     elif args.moe_token_dispatcher_type == "allgather" and ep > 1:
         raise ArgumentError(
             f"--moe-token-dispatcher-type allgather cannot run expert parallel {ep}: megatron's all-gather "
             f"dispatcher needs the same number of tokens on every expert-parallel rank, and RL micro-batches differ "
             f"in length from rank to rank; use --moe-token-dispatcher-type alltoall (the default with experts split)")
+    elif args.moe_token_dispatcher_type == "allgather" and pp > 1:
+        raise ArgumentError(
+            f"--moe-token-dispatcher-type allgather cannot run --pipeline-model-parallel-size {pp}: micro-batches "
+            "are cut to their own length, so the pipeline stages exchange variable shapes, which megatron allows "
+            "with the all-to-all dispatcher only; use --moe-token-dispatcher-type alltoall (the default with PP)")
     args.expert_parallel_size = ep
     args.expert_tensor_parallel_size = etp
 
@@ -403,6 +416,7 @@ def validate_args(args, world_size: int) -> None:
     if args.optimizer == "sgd" and args.use_distributed_optimizer:
         raise ArgumentError("--optimizer sgd does not work with --use-distributed-optimizer (megatron refuses it); "
                             "drop one of them")
+    _check_token_budgets(args)
     if args.ppo_epochs < 1:
         raise ArgumentError("--ppo-epochs must be >= 1")
     if args.dynamic_sampling and (args.stage != "grpo" or args.n_samples_per_prompt < 2):
@@ -452,6 +466,27 @@ def validate_args(args, world_size: int) -> None:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.train_iters)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+
+
+def _check_token_budgets(args) -> None:
+    """--max-tokens-per-micro-batch / --forward-max-tokens-per-micro-batch hold at least the widest model row: a
+    sample (prompt + response), or a packed prompt group (prompt + n responses)."""
+    n = args.n_samples_per_prompt
+    packed = n > 1 and args.micro_batch_size % n == 0
+    widest = args.max_prompt_length + (n if packed else 1) * args.max_new_tokens
+    what = (f"a packed prompt group (--max-prompt-length {args.max_prompt_length} + --n-samples-per-prompt {n} x "
+            f"--max-new-tokens {args.max_new_tokens}; --micro-batch-size {args.micro_batch_size} packs groups, a "
+            f"size that is not a multiple of {n} lays out one row per sample)" if packed
+            else f"one sample (--max-prompt-length {args.max_prompt_length} + --max-new-tokens "
+                 f"{args.max_new_tokens})")
+    if args.forward_max_tokens_per_micro_batch is not None and args.max_tokens_per_micro_batch is None:
+        args.startup_notes.append("--forward-max-tokens-per-micro-batch: the forward-only passes cut micro-batches "
+                                  "by tokens; the update's are --micro-batch-size samples each")
+    for flag, budget in (("--max-tokens-per-micro-batch", args.max_tokens_per_micro_batch),
+                         ("--forward-max-tokens-per-micro-batch", args.forward_max_tokens_per_micro_batch)):
+        if budget is not None and budget < widest:
+            raise ArgumentError(f"{flag} {budget} is smaller than the widest model row, {widest} tokens for {what}; "
+                                f"give at least {widest}")
 
 
 def _check_model_flags(args) -> None:

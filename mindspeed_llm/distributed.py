@@ -102,6 +102,18 @@ def sum_over_data_parallel(tensor):
     return out
 
 
+def max_over_data_parallel(value: int) -> int:
+    """The largest `value` of this rank's data-parallel group (`value` itself without DP): e.g. a micro-batch count
+    that every DP rank must share (expert-parallel peers exchange tokens in every forward)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_data_parallel_world_size() == 1:
+        return int(value)
+    out = torch.tensor([int(value)], dtype=torch.long, device=device.current_device())
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+    return int(out.item())
+
+
 def gather_over_data_parallel(obj) -> list:
     """Every rank of this rank's data-parallel group's picklable `obj`, in DP rank order (`[obj]` without DP)."""
     from megatron.core import parallel_state

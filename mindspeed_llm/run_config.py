@@ -154,6 +154,9 @@ def _top_k(value):
 _DISPATCHERS = {"alltoall_seq": "alltoall"}
 
 _RAY = "Ray scheduling: every role runs in this one torchrun process group"
+_NO_SAMPLE_CAP = "no cap on samples per micro-batch: with use_dynamic_bsz the token budget alone bounds one"
+# MindSpeed-RL's default max_packing_token_size
+_PACKING_DEFAULT = 4096
 _VLLM = "a vLLM engine setting: generation runs on the training model in place, without vLLM"
 _RESOURCES = "the process count is torchrun's (--nproc_per_node x --nnodes)"
 
@@ -211,6 +214,20 @@ RL: Dict[str, Any] = {
     "reward_resource": Ignored(_RESOURCES),
     "actor_forward_micro_batch_size": Ignored("forward passes use --micro-batch-size"),
     "ref_forward_micro_batch_size": Ignored("forward passes use --micro-batch-size"),
+    # dynamic batch size: see _resolve_token_budgets
+    "use_dynamic_bsz": Slot("use_dynamic_bsz", "bool"),
+    "max_packing_token_size": Slot("max_packing_token_size", "number"),
+    "update_max_packing_token_size": Slot("update_max_packing_token_size", "number"),
+    "actor_max_packing_token_size": Slot("actor_max_packing_token_size", "number"),
+    "ref_max_packing_token_size": Slot("ref_max_packing_token_size", "number"),
+    "dynamic_max_batch_size": Ignored(_NO_SAMPLE_CAP),
+    "update_dynamic_max_batch_size": Ignored(_NO_SAMPLE_CAP),
+    "actor_dynamic_max_batch_size": Ignored(_NO_SAMPLE_CAP),
+    "ref_dynamic_max_batch_size": Ignored(_NO_SAMPLE_CAP),
+    "use_remove_padding": Ignored("micro-batches are cut to their own longest row (and packed prompt groups hold a "
+                                  "prompt once); there is no flattened (thd) layout"),
+    "use_dp_batch_balance": Ignored("every DP rank holds an equal share of the prompts, and the ranks run as many "
+                                    "micro-batches as the one with the most"),
     "verifier_parallel": Ignored("the verifiers run in this program's own worker"),
     "verifier_timeout": Ignored("the verifiers bound their own time (math_acc's timeout)"),
     "gamma": Flag("--gamma"),
@@ -644,6 +661,7 @@ def _resolve(reader: _Reader, run: _Role, roles: Dict[str, Tuple[_Role, Optional
     rule_verifiers = _resolve_verifiers(reader, run, put, flags)
     _resolve_checkpoints(reader, run, roles, stage, put, flags, given, rule_verifiers, cli_argv)
     _resolve_sampling(reader, run, put, flags, effective, given)
+    _resolve_token_budgets(reader, run, put)
 
     if run.slot("use_tensorboard") and "tensorboard_dir" not in flags:
         save = flags["save"].value if "save" in flags else _cli_value(cli_argv, "--save")
@@ -813,6 +831,35 @@ def _resolve_verifiers(reader, run, put, flags) -> bool:
     where = run.origin("verifier_function") if "verifier_function" in run.slots else run.origin("rule_reward")
     put("--verifier-function", names, where)
     return bool(names)
+
+
+def _resolve_token_budgets(reader, run, put) -> None:
+    """MindSpeed-RL's dynamic batch size: with ``use_dynamic_bsz: true``, ``update_max_packing_token_size`` (else
+    ``max_packing_token_size``, else MindSpeed-RL's 4096) -> ``--max-tokens-per-micro-batch``, and the smaller of
+    ``actor_max_packing_token_size`` / ``ref_max_packing_token_size`` (each else ``max_packing_token_size``) ->
+    ``--forward-max-tokens-per-micro-batch`` (one budget serves every forward-only pass here). MindSpeed-RL counts a
+    micro-batch's real tokens (its rows flattened); here rows x its longest row (sorted by length, the padding is
+    small). Without it the budgets are ignored."""
+    names = ("max_packing_token_size", "update_max_packing_token_size", "actor_max_packing_token_size",
+             "ref_max_packing_token_size")
+    if not run.slot("use_dynamic_bsz", False):
+        for name in names:
+            if name in run.slots:
+                reader.ignored.append((run.origin(name), "use_dynamic_bsz is not true: micro-batches are "
+                                                         "--micro-batch-size samples each"))
+        return
+    where = run.origin("use_dynamic_bsz")
+    base = run.slot("max_packing_token_size", _PACKING_DEFAULT)
+    update = run.slot("update_max_packing_token_size", base)
+    forward = {name: run.slot(name, base) for name in ("actor_max_packing_token_size", "ref_max_packing_token_size")}
+    put("--max-tokens-per-micro-batch", int(update), run.origin("update_max_packing_token_size")
+        if "update_max_packing_token_size" in run.slots else where)
+    smallest = min(forward, key=forward.get)
+    if len(set(forward.values())) > 1:
+        reader.notes.append(f"{', '.join(f'{k} {v}' for k, v in forward.items())}: every forward-only pass here takes "
+                            f"one budget, the smaller ({int(forward[smallest])})")
+    put("--forward-max-tokens-per-micro-batch", int(forward[smallest]),
+        run.origin(smallest) if smallest in run.slots else where)
 
 
 def _resolve_sampling(reader, run, put, flags, effective, given) -> None:

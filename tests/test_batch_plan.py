@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mindspeed_llm.inference.rollout import Rollout
-from mindspeed_llm.rl.batch_plan import MicroBatchPlan, gather_last_token, gather_response
+from mindspeed_llm.rl.batch_plan import MicroBatchPlan, gather_last_token, gather_response, token_budget_groups
 from mindspeed_llm.rl.experience import Experience
 
 N = 3
@@ -90,12 +90,18 @@ def test_rows_layout_and_micro_batches_of_a_dealt_order():
     assert rows.response_index[0].tolist() == [3, 4, 5, 6, 7] and rows.last_token_index[0] == 5
     batches = rows.micro_batches(exp, torch.tensor([5, 1, 2, 0, 4, 3]))
     assert [mb["advantages"][:, 0].tolist() for mb in batches] == [[5, 1], [2, 0], [4, 3]]
-    assert torch.equal(batches[0]["tokens"], exp.tokens[[5, 1]]) and batches[0]["row_index"].tolist() == [0, 1]
+    # each micro-batch at its own length: samples 5 and 1 hold 2 + 3 and 4 + 5 tokens, responses of 3 and 5
+    assert torch.equal(batches[0]["tokens"], exp.tokens[[5, 1], :9]) and batches[0]["row_index"].tolist() == [0, 1]
     assert int(batches[0]["logits_from"]) == 1  # the earliest first read of the micro-batch (prompt of 2)
+    # samples 4 and 3 (2 + 3 and 2 + 0 tokens): rows of 5, responses cut to 3 columns, reads clamped into the rows
+    assert batches[2]["tokens"].shape == (2, 5) and batches[2]["responses"].shape == (2, 3)
+    assert batches[2]["advantages"].shape == (2, 3) and batches[2]["response_index"].tolist() == [[1, 2, 3]] * 2
 
     packed = MicroBatchPlan.build(exp, micro_batch_size=N, group_size=N)
     batches = packed.micro_batches(exp, torch.tensor([3, 4, 5, 0, 1, 2]))  # groups dealt in another order
-    assert torch.equal(batches[0]["tokens"], packed.tokens[[1]]) and batches[0]["row_index"].tolist() == [0, 0, 0]
+    # group 1: a prompt of 2 and 3 slots of 3; group 0: a prompt of 4 and 3 slots of 5
+    assert torch.equal(batches[0]["tokens"], packed.tokens[[1], :11]) and batches[0]["row_index"].tolist() == [0, 0, 0]
+    assert batches[1]["tokens"].shape == (1, 19) and batches[0]["responses"].shape == (3, 3)
     assert batches[0]["advantages"][:, 0].tolist() == [3, 4, 5] and "attention_mask" in batches[0]
     # reads pick a sample's positions from its micro-batch's rows, past logits_from
     mb = batches[1]
@@ -132,3 +138,64 @@ def test_position_hooks_refuse_what_they_cannot_index():
     # YaRN's (table, mscale): the table is indexed, the scale kept
     emb, mscale = _rotary_by_position_ids(module, (), (table, 1.25))
     assert emb[:, 0, 0, 0].tolist() == [0, 1, 2, 1] and mscale == 1.25
+
+
+def test_micro_batches_at_their_own_length_read_what_the_full_width_reads():
+    """Cutting a micro-batch to its own longest row and response changes no read: from a model output that is a
+    function of (row, position), every sample reads at its response and last token what it reads at full width."""
+    exp = _experience()
+    exp.advantages = torch.arange(exp.batch_size, dtype=torch.float32)[:, None].expand(-1, 5).clone()
+    for micro_batch_size, group_size, order in ((2, 1, [5, 1, 2, 0, 4, 3]), (N, N, [3, 4, 5, 0, 1, 2])):
+        plan = MicroBatchPlan.build(exp, micro_batch_size=micro_batch_size, group_size=group_size)
+        for mb in plan.micro_batches(exp, torch.tensor(order)):
+            samples = mb["advantages"][:, 0].long()
+            rows, width = mb["tokens"].shape
+            assert width == int(plan.row_lengths[plan.row_of_sample[samples]].max())
+            first = int(mb["logits_from"])
+            out = (torch.arange(rows)[:, None] * 1000 + torch.arange(first, width)[None, :]).float()[..., None]
+            mask = mb["response_mask"].bool()
+            assert mask.shape[1] == max(int(exp.response_lengths[samples].max()), 1)
+            want = (mb["row_index"][:, None] * 1000 + plan.response_index[samples, :mask.shape[1]]).float()
+            assert torch.equal(gather_response(out, mb)[..., 0][mask], want[mask])
+            want_last = (mb["row_index"] * 1000 + plan.last_token_index[samples]).float()
+            assert torch.equal(gather_last_token(out, mb).reshape(-1), want_last)
+
+
+def test_token_budget_groups_by_hand():
+    # sorted longest first: 9 (1), 9 (3), 5 (0), 3 (2), 2 (4); 2 x 9 = 18 fits, 3 x 9 does not; 3 x 5 = 15 fits
+    assert token_budget_groups([5, 9, 3, 9, 2], 18) == [[1, 3], [0, 2, 4]]
+    # more micro-batches on another DP rank: the costliest group of 2+ units is halved (18 > 15, then 15 > 9)
+    assert token_budget_groups([5, 9, 3, 9, 2], 18, count=3) == [[1], [3], [0, 2, 4]]
+    assert token_budget_groups([5, 9, 3, 9, 2], 18, count=4) == [[1], [3], [0, 2], [4]]
+    assert token_budget_groups([5, 9, 3, 9, 2], 18, count=9) == [[1], [3], [0], [2], [4]]  # at most one a unit
+    assert token_budget_groups([20, 4], 18) == [[0], [1]]  # wider than the budget: alone
+    assert token_budget_groups([4, 4, 4], 100) == [[0, 1, 2]]
+
+
+def test_token_budget_micro_batches_keep_groups_whole_and_agree_over_ranks():
+    exp = _experience()
+    exp.advantages = torch.arange(exp.batch_size, dtype=torch.float32)[:, None].expand(-1, 5).clone()
+    # rows of 6, 9, 5, 2, 5, 5 tokens (samples 0..5), dealt as 5, 1, 2, 0, 4, 3; sorted: 9 (1), 6 (0), then the
+    # 5s in dealt order (5, 2, 4), 2 (3); budget 10: two rows of 5 fit, a row of 6 or 9 goes alone
+    plan = MicroBatchPlan.build(exp, micro_batch_size=1, max_tokens=10)
+    batches = plan.micro_batches(exp, torch.tensor([5, 1, 2, 0, 4, 3]), update=True)
+    assert [mb["advantages"][:, 0].long().tolist() for mb in batches] == [[1], [0], [5, 2], [4, 3]]
+    assert [tuple(mb["tokens"].shape) for mb in batches] == [(1, 9), (1, 6), (2, 5), (2, 5)]
+    # where each sample stands in the order given (forward_only puts its outputs back there)
+    assert [mb["order"].tolist() for mb in batches] == [[1], [3], [0, 2], [4, 5]]
+    # the forward passes take the update's budget unless they have their own
+    assert [mb["advantages"][:, 0].long().tolist() for mb in plan.micro_batches(exp)] == [[1], [0], [2, 4], [5, 3]]
+    forward = MicroBatchPlan.build(exp, micro_batch_size=1, max_tokens=10, forward_max_tokens=18)
+    assert [mb["advantages"][:, 0].long().tolist() for mb in forward.micro_batches(exp)] == [[1, 0], [2, 4, 5], [3]]
+    # another DP rank needs 3 micro-batches: the costliest group is halved
+    calls = []
+    wide = MicroBatchPlan.build(exp, micro_batch_size=1, max_tokens=100, equalize=lambda c: calls.append(c) or 3)
+    got = [mb["advantages"][:, 0].long().tolist() for mb in wide.micro_batches(exp, torch.arange(6), update=True)]
+    assert calls == [1] and got == [[1, 0], [2], [4, 5, 3]]
+
+    packed = MicroBatchPlan.build(exp, micro_batch_size=N, group_size=N, max_tokens=30)
+    batches = packed.micro_batches(exp, torch.tensor([3, 4, 5, 0, 1, 2]), update=True)
+    # group rows of 11 (group 1) and 19 (group 0): 2 x 19 > 30, one group each, longest first, whole and in order
+    assert [tuple(mb["tokens"].shape) for mb in batches] == [(1, 19), (1, 11)]
+    assert [mb["advantages"][:, 0].long().tolist() for mb in batches] == [[0, 1, 2], [3, 4, 5]]
+    assert [mb["row_index"].tolist() for mb in batches] == [[0, 0, 0]] * 2

@@ -143,7 +143,8 @@ def test_packed_groups_and_window_equal_plain_rows(converted, tp, pp):
     # The layouts really differ: the window starts past 0, packing makes one row per prompt.
     assert res["rows_logits_from"] == [min(PROMPT_LENGTHS[:2]) - 1, min(PROMPT_LENGTHS[2:]) - 1]
     longest = [P + N * max(max(g), 1) for P, g in zip(PROMPT_LENGTHS, RESPONSE_LENGTHS)]
-    assert res["packed_rows"] == [(2, max(longest)), (2, max(longest))]
+    # each micro-batch (two groups) at its own longest row
+    assert res["packed_rows"] == [(2, max(longest[:2])), (2, max(longest[2:]))]
     mask = _experience().response_mask.bool()
     ref = res["plain"]
     assert ref["logp"][mask].abs().min() > 0  # real log-probs, not zeros

@@ -619,3 +619,34 @@ def test_mindspeed_moe_keys(tmp_path):
     args = parsed(["--config", path], 16)
     assert args["moe_token_dispatcher_type"] == "alltoall" and args["expert_parallel_size"] == 2
     assert args["moe_aux_loss_coeff"] == 0.001
+
+
+def test_mindspeed_dynamic_batch_size_keys(tmp_path):
+    """MindSpeed-RL's dynamic batch size: with use_dynamic_bsz, update_max_packing_token_size is the update's token
+    budget, the smaller of actor_ / ref_max_packing_token_size the forward passes' (each else
+    max_packing_token_size, else MindSpeed-RL's 4096); without it the budgets are listed as ignored."""
+    data = grpo_file()
+    data["rl_config"].update(use_dynamic_bsz=True, max_packing_token_size=20000, update_max_packing_token_size=18432,
+                             ref_max_packing_token_size=24576, actor_dynamic_max_batch_size=8,
+                             use_remove_padding=True)
+    path = write(tmp_path, data)
+    config = load_run_config(path)
+    args = parsed(["--config", path], 8)
+    assert args["max_tokens_per_micro_batch"] == 18432
+    assert args["forward_max_tokens_per_micro_batch"] == 20000  # actor's: max_packing_token_size, below ref's
+    ignored = [key for key, _ in config.ignored]
+    assert "rl_config.actor_dynamic_max_batch_size" in ignored and "rl_config.use_remove_padding" in ignored
+    assert any("one budget" in note for note in config.notes), config.notes
+
+    data["rl_config"] = {k: v for k, v in data["rl_config"].items() if "packing" not in k}
+    args = parsed(["--config", write(tmp_path, data, "default.yaml")], 8)
+    assert args["max_tokens_per_micro_batch"] == args["forward_max_tokens_per_micro_batch"] == 4096
+
+    data["rl_config"].update(use_dynamic_bsz=False, update_max_packing_token_size=8192)
+    path = write(tmp_path, data, "off.yaml")
+    assert "rl_config.update_max_packing_token_size" in [key for key, _ in load_run_config(path).ignored]
+    assert parsed(["--config", path], 8)["max_tokens_per_micro_batch"] is None
+
+    data["rl_config"].update(use_dynamic_bsz=True, update_max_packing_token_size=1000)  # below --max-length 4096
+    with pytest.raises(ArgumentError, match="--max-tokens-per-micro-batch 1000 is smaller than the widest model row"):
+        parsed(["--config", write(tmp_path, data, "small.yaml")], 8)

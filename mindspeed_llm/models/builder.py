@@ -136,6 +136,14 @@ def transformer_config(spec: ModelSpec, params_dtype=torch.float32, **overrides)
     kwargs.update(moe_config(spec))
     kwargs.update(mla_config(spec))
     kwargs.update(overrides)
+    if kwargs["pipeline_model_parallel_size"] > 1:
+        # Micro-batches are cut to their own length (`rl/batch_plan.py`): the pipeline stages exchange each one's
+        # shape before its activations (megatron's variable_seq_lengths), which megatron allows with the
+        # all-to-all token dispatcher only (a check megatron makes on dense models too): all-gather's default
+        # gives way to it (the same dropless routing; --moe-token-dispatcher-type allgather is refused with PP).
+        kwargs["variable_seq_lengths"] = True
+        if kwargs.get("moe_token_dispatcher_type", "allgather") == "allgather":
+            kwargs["moe_token_dispatcher_type"] = "alltoall"
     if kwargs.get("moe_grouped_gemm") and grouped_gemm_kernel() is None:
         kwargs["moe_grouped_gemm"] = False  # SequentialMLP: same math, one matmul per expert (see grouped_gemm_kernel)
     return (MLATransformerConfig if spec.is_mla else TransformerConfig)(**kwargs)

@@ -15,16 +15,29 @@ Either way a sample's outputs are read at `response_index` (the position whose o
 j, or the critic's state for it) and `last_token_index` (the reward model's read), relative to `logits_from`, the
 micro-batch's first position that predicts a response token: the model computes outputs from there on only
 (`mindspeed_llm.models.forward_layout`). Every read goes through `gather_response` / `gather_last_token`.
+
+How micro-batches are cut:
+
+* every micro-batch is cut to its own length: its model rows to its longest row, its response-aligned tensors
+  (`experience.RESPONSE_FIELDS`) to its longest response; read indices past a row's end (masked columns) are
+  clamped into it. `forward_only` pads per-token outputs back to the batch's width.
+* by count (`--micro-batch-size` samples, in the order given), or by a token budget (`max_tokens`, verl's dynamic
+  batch size, `--max-tokens-per-micro-batch`): the units (samples; whole prompt groups when packed) are sorted by
+  their row's length, longest first, and consecutive units share a micro-batch while rows x longest row <= the
+  budget (`token_budget_groups`). Every DP rank then runs as many micro-batches as the rank with the most
+  (`equalize`: expert-parallel peers exchange tokens in every forward, and the MoE loss weighting counts them), by
+  halving the costliest. The losses are normalised by the mini-batch's global counts, so how the units are grouped
+  changes float rounding only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from mindspeed_llm.rl.experience import Experience
+from mindspeed_llm.rl.experience import RESPONSE_FIELDS, Experience
 
 MicroBatch = Dict[str, torch.Tensor]
 
@@ -42,16 +55,34 @@ class MicroBatchPlan:
     response_index: torch.Tensor  # [B, R] positions (in its row) whose outputs predict the response tokens
     last_token_index: torch.Tensor  # [B] position of the sample's last real token
     first_read: torch.Tensor  # [B] the sample's first position read (prompt length - 1)
+    row_lengths: torch.Tensor  # [rows] positions of each model row that hold data (prompt + response slots)
+    # A token budget per micro-batch (None: `micro_batch_size` samples each), for the update's steps and for the
+    # forward-only passes; `equalize(count)` -> the largest count over the DP ranks (None: no DP to agree with).
+    max_tokens: Optional[int] = None
+    forward_max_tokens: Optional[int] = None
+    equalize: Optional[Callable[[int], int]] = None
 
     @classmethod
-    def build(cls, exp: Experience, micro_batch_size: int, group_size: int = 1) -> "MicroBatchPlan":
+    def build(cls, exp: Experience, micro_batch_size: int, group_size: int = 1, *, max_tokens: Optional[int] = None,
+              forward_max_tokens: Optional[int] = None,
+              equalize: Optional[Callable[[int], int]] = None) -> "MicroBatchPlan":
         """The plan of `exp`: packed prompt groups when `group_size` n > 1 samples share each prompt and a
-        micro-batch holds whole groups (`micro_batch_size` a multiple of n), else one row per sample."""
+        micro-batch holds whole groups (`micro_batch_size` a multiple of n), else one row per sample. With
+        `max_tokens` (the update) / `forward_max_tokens` (the forward-only passes; default `max_tokens`),
+        micro-batches are cut by that token budget instead of by `micro_batch_size` (see the module doc)."""
         if exp.batch_size % micro_batch_size:
             raise ValueError(f"{exp.batch_size} samples do not split into micro-batches of {micro_batch_size}")
+        for name, budget in (("max_tokens", max_tokens), ("forward_max_tokens", forward_max_tokens)):
+            if budget is not None and budget < 1:
+                raise ValueError(f"{name} {budget} must be >= 1")
+        budgets = dict(max_tokens=max_tokens, forward_max_tokens=forward_max_tokens if forward_max_tokens is not None
+                       else max_tokens, equalize=equalize)
         packed = group_size > 1 and micro_batch_size % group_size == 0
         if packed:
-            return cls(micro_batch_size, group_size, *_packed_rows(exp, group_size), first_read=exp.prompt_lengths - 1)
+            tokens, position_ids, mask, row_of_sample, response_index, last_token_index, row_lengths = _packed_rows(
+                exp, group_size)
+            return cls(micro_batch_size, group_size, tokens, position_ids, mask, row_of_sample, response_index,
+                       last_token_index, first_read=exp.prompt_lengths - 1, row_lengths=row_lengths, **budgets)
         width = exp.responses.shape[1]
         response_index = exp.prompt_lengths[:, None] - 1 + torch.arange(width, device=exp.tokens.device)[None, :]
         return cls(
@@ -60,40 +91,110 @@ class MicroBatchPlan:
             response_index=response_index.clamp(max=exp.tokens.shape[1] - 1),  # columns past a response are masked
             last_token_index=exp.prompt_lengths + exp.response_lengths - 1,
             first_read=exp.prompt_lengths - 1,
+            row_lengths=exp.prompt_lengths + exp.response_lengths,
+            **budgets,
         )
+
+    @classmethod
+    def for_run(cls, exp: Experience, args, group_size: int = 1) -> "MicroBatchPlan":
+        """The plan of a stage's iteration from the command line: `--micro-batch-size`, `--max-tokens-per-micro-batch`
+        (the update), `--forward-max-tokens-per-micro-batch` (the passes), micro-batch counts agreed over DP."""
+        from mindspeed_llm.distributed import max_over_data_parallel
+
+        return cls.build(exp, args.micro_batch_size, group_size,
+                         max_tokens=getattr(args, "max_tokens_per_micro_batch", None),
+                         forward_max_tokens=getattr(args, "forward_max_tokens_per_micro_batch", None),
+                         equalize=max_over_data_parallel)
 
     @property
     def packed(self) -> bool:
         return self.attention_mask is not None
 
-    def micro_batches(self, exp: Experience, samples: Optional[torch.Tensor] = None) -> List[MicroBatch]:
+    def micro_batches(self, exp: Experience, samples: Optional[torch.Tensor] = None,
+                      update: bool = False) -> List[MicroBatch]:
         """Micro-batches of `samples` (indices into `exp`, in this order; default: all, in order): `exp`'s
-        per-sample tensors, the model rows they read, and the read indices. When packed, `samples` must keep
-        each prompt group whole and in order, as `ppo_loop` deals them."""
+        per-sample tensors, the model rows they read and the read indices, each cut to its own length. When
+        packed, `samples` must keep each prompt group whole and in order, as `ppo_loop` deals them. `update`: a
+        step of the update (its token budget), else a forward-only pass."""
         device = exp.tokens.device
         if samples is None:
             samples = torch.arange(exp.batch_size, device=device)
         samples = torch.as_tensor(samples, dtype=torch.long, device=device)
         per_sample = {k: v for k, v in exp.tensors().items() if k not in ("tokens", "position_ids")}
         n = self.group_size
+        # host copies, once per call: no device sync per micro-batch
+        row_lengths, rows_of_sample = self.row_lengths.tolist(), self.row_of_sample.tolist()
+        response_lengths = exp.response_lengths.tolist()
         out = []
-        for chunk in samples.split(self.micro_batch_size):
+        sample_list = samples.tolist()
+        for positions in self._chunks(sample_list, rows_of_sample, row_lengths,
+                                      self.max_tokens if update else self.forward_max_tokens):
+            chunk_list = [sample_list[i] for i in positions]
+            chunk = torch.tensor(chunk_list, dtype=torch.long, device=device)
             rows = self.row_of_sample[chunk[::n]]
+            width = max(row_lengths[rows_of_sample[b]] for b in chunk_list[::n])
+            response_width = max(max(response_lengths[b] for b in chunk_list), 1)
             mb = {name: value[chunk] for name, value in per_sample.items()}
-            mb.update(tokens=self.tokens[rows], position_ids=self.position_ids[rows],
+            for name in RESPONSE_FIELDS:
+                if name in mb:
+                    mb[name] = mb[name][:, :response_width]
+            mb.update(tokens=self.tokens[rows, :width], position_ids=self.position_ids[rows, :width],
                       row_index=torch.arange(len(rows), device=device).repeat_interleave(n),
-                      response_index=self.response_index[chunk], last_token_index=self.last_token_index[chunk],
-                      logits_from=self.first_read[chunk].min())
+                      # columns past a response (masked) read the row's last position
+                      response_index=self.response_index[chunk, :response_width].clamp(max=width - 1),
+                      last_token_index=self.last_token_index[chunk], logits_from=self.first_read[chunk].min(),
+                      # where its samples stand in `samples`: a token budget takes them in another order
+                      order=torch.tensor(positions, dtype=torch.long, device=device))
             if self.attention_mask is not None:
-                mb["attention_mask"] = self.attention_mask[rows]
+                mb["attention_mask"] = self.attention_mask[rows][..., :width, :width]
             out.append(mb)
         return out
+
+    def _chunks(self, samples: List[int], rows_of_sample: List[int], row_lengths: List[int],
+                max_tokens: Optional[int]) -> List[List[int]]:
+        """`samples` cut into micro-batches (as positions in `samples`): `micro_batch_size` at a time, or whole
+        units (samples; prompt groups when packed) by the token budget, as many on every DP rank."""
+        positions = list(range(len(samples)))
+        if max_tokens is None:
+            size = self.micro_batch_size
+            return [positions[i:i + size] for i in range(0, len(samples), size)]
+        n = self.group_size
+        units = [positions[i:i + n] for i in range(0, len(samples), n)]
+        widths = [row_lengths[rows_of_sample[samples[unit[0]]]] for unit in units]
+        groups = token_budget_groups(widths, max_tokens)
+        if self.equalize is not None:
+            count = self.equalize(len(groups))
+            if count > len(groups):
+                groups = token_budget_groups(widths, max_tokens, count)
+        return [[i for u in group for i in units[u]] for group in groups]
+
+
+def token_budget_groups(widths: Sequence[int], max_tokens: int, count: int = 0) -> List[List[int]]:
+    """Units of these row widths grouped into micro-batches of at most `max_tokens` padded tokens (rows x the
+    longest row): sorted by width, longest first (ties in the given order), consecutive units share a micro-batch
+    while the budget holds; a unit wider than the budget goes alone. With `count` above the number of groups, the
+    group with the most padded tokens (of those with 2+ units) is halved until there are `count` (at most one a
+    unit). Returns the units' indices per micro-batch."""
+    order = sorted(range(len(widths)), key=lambda i: -widths[i])
+    groups: List[List[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * widths[groups[-1][0]] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    count = min(count, len(widths))
+    while len(groups) < count:
+        splittable = [g for g in range(len(groups)) if len(groups[g]) > 1]
+        g = max(splittable, key=lambda g: (len(groups[g]) * widths[groups[g][0]], -g))
+        half = (len(groups[g]) + 1) // 2
+        groups[g:g + 1] = [groups[g][:half], groups[g][half:]]
+    return groups
 
 
 def _packed_rows(exp: Experience, n: int):
     """Model rows `[prompt | response_1 | ... | response_n]` per group, built with whole-tensor ops, and each
     sample's read indices: (tokens, position_ids, attention_mask, row_of_sample, response_index,
-    last_token_index)."""
+    last_token_index, row_lengths)."""
     B, R = exp.responses.shape
     G, device = B // n, exp.tokens.device
     if B % n:
@@ -134,7 +235,8 @@ def _packed_rows(exp: Experience, n: int):
     response_index = torch.where(col == 0, P[group_of, None] - 1, start[:, None] + col - 1).clamp(max=S - 1)
     length = exp.response_lengths
     last_token_index = torch.where(length > 0, start + length - 1, P[group_of] - 1)
-    return tokens, position_ids, attention_mask, group_of, response_index, last_token_index
+    row_lengths = P + n * W  # the prompt and n response slots; the tail past them is padding
+    return tokens, position_ids, attention_mask, group_of, response_index, last_token_index, row_lengths
 
 
 def gather_response(output: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:

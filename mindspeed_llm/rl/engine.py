@@ -148,6 +148,13 @@ def _broadcast_from_last_stage(tensor: Optional[torch.Tensor], shape, dtype) -> 
     return tensor
 
 
+def _padded(out: torch.Tensor, shape_tail) -> torch.Tensor:
+    """`out` `[rows, w, ...]` zero-padded along dim 1 to `shape_tail[0]` (as is when it has no such dim)."""
+    if not shape_tail or out.dim() < 2 or out.size(1) == shape_tail[0]:
+        return out
+    return torch.nn.functional.pad(out, (0, 0) * (out.dim() - 2) + (0, shape_tail[0] - out.size(1)))
+
+
 @torch.no_grad()
 def forward_only(model, micro_batches: Sequence[MicroBatch], output_fn: OutputFn, out_shape_tail=()) -> torch.Tensor:
     """Forward every micro-batch and concatenate `output_fn`'s results along rows, on every PP stage.
@@ -167,7 +174,14 @@ def forward_only(model, micro_batches: Sequence[MicroBatch], output_fn: OutputFn
         for c, mode in zip(chunks, was_training):
             c.train(mode)
     rows = sum(mb["responses"].shape[0] for mb in micro_batches)  # samples (packed groups hold several)
-    local = torch.cat([r["out"] for r in results]) if parallel_state.is_pipeline_last_stage() else None
+    local = None
+    if parallel_state.is_pipeline_last_stage():
+        # a micro-batch's per-token outputs are as wide as its longest response (`batch_plan`): pad to the batch's;
+        # and token-budget micro-batches hold the samples in another order (`order`): put them back
+        local = torch.cat([_padded(r["out"], out_shape_tail) for r in results])
+        if all("order" in mb for mb in micro_batches):
+            order = torch.cat([mb["order"] for mb in micro_batches]).to(local.device)
+            local = torch.empty_like(local).index_copy_(0, order, local)
     return _broadcast_from_last_stage(local, (rows, *out_shape_tail), torch.float32)
 
 

@@ -14,6 +14,12 @@ from typing import Dict, Optional
 import torch
 
 
+# The per-token fields, response-aligned `[B, R]` (column j is response token j): a micro-batch may cut them to its
+# own longest response (`rl/batch_plan.py`).
+RESPONSE_FIELDS = ("responses", "response_mask", "rollout_logp", "loss_mask", "old_logp", "ref_logp", "values",
+                   "advantages", "returns")
+
+
 @dataclass
 class Experience:
     tokens: torch.Tensor  # [B, T] long

@@ -72,7 +72,7 @@ def ppo_update(model, exp: Experience, plan: MicroBatchPlan, args, loss_fn: Call
             for units in mini_batch_units(local_units, dp_rank, mini_batches, args.seed, iteration, epoch):
                 samples = (units[:, None] * group_size + within_unit[None, :]).reshape(-1).to(exp.tokens.device)
                 totals = loss_totals(exp.loss_mask[samples], exp.response_mask[samples])
-                micro_batches = [dict(mb, **totals) for mb in plan.micro_batches(exp, samples)]
+                micro_batches = [dict(mb, **totals) for mb in plan.micro_batches(exp, samples, update=True)]
                 moe_stats.micro_batches(len(micro_batches))
                 steps.append(model.train_step(micro_batches, loss_fn))
     result = {k: steps[-1][k] if k == "lr" else sum(s[k] for s in steps) / len(steps) for k in steps[0]}

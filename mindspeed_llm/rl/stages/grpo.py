@@ -84,7 +84,7 @@ class GRPOStage:
                 exp, sampling_stats = refill(
                     exp, lambda j: self._generate(iteration, more_rows(j), timers)[0], n, len(rows),
                     args.max_num_gen_batches)
-                plan = MicroBatchPlan.build(exp, args.micro_batch_size, group_size=n)
+                plan = MicroBatchPlan.for_run(exp, args, group_size=n)
                 score_metrics.update(sampling_stats)
             rollout_stats = rollout_metrics(exp)
             if args.mask_truncated_completions:
@@ -136,7 +136,7 @@ class GRPOStage:
         n = self.args.n_samples_per_prompt
         with timers("rollout"):
             exp = rollout(self.actor.module, rows, self.sampling, iteration, self.tokenizer, samples_per_prompt=n)
-        plan = MicroBatchPlan.build(exp, self.args.micro_batch_size, group_size=n)
+        plan = MicroBatchPlan.for_run(exp, self.args, group_size=n)
         exp.scores, score_metrics = self.scorer(exp, plan, timers)
         return exp, plan, score_metrics
 

@@ -76,7 +76,7 @@ class TrlPPOStage:
             with timers("rollout"):  # a prompt's n samples are consecutive rows, each with its own GAE
                 exp = rollout(self.actor.module, rows, self.sampling, iteration, self.tokenizer,
                               samples_per_prompt=n)
-            plan = MicroBatchPlan.build(exp, args.micro_batch_size, group_size=n)
+            plan = MicroBatchPlan.for_run(exp, args, group_size=n)
             rollout_stats = rollout_metrics(exp)
             if args.mask_truncated_completions:  # they leave the actor's and the critic's losses
                 rollout_stats.update(mask_truncated_completions(exp))
