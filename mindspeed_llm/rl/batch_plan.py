@@ -117,16 +117,13 @@ class MicroBatchPlan:
         packed, `samples` must keep each prompt group whole and in order, as `ppo_loop` deals them. `update`: a
         step of the update (its token budget), else a forward-only pass."""
         device = exp.tokens.device
-        if samples is None:
-            samples = torch.arange(exp.batch_size, device=device)
-        samples = torch.as_tensor(samples, dtype=torch.long, device=device)
         per_sample = {k: v for k, v in exp.tensors().items() if k not in ("tokens", "position_ids")}
         n = self.group_size
         # host copies, once per call: no device sync per micro-batch
+        sample_list = list(range(exp.batch_size)) if samples is None else torch.as_tensor(samples).tolist()
         row_lengths, rows_of_sample = self.row_lengths.tolist(), self.row_of_sample.tolist()
         response_lengths = exp.response_lengths.tolist()
         out = []
-        sample_list = samples.tolist()
         for positions in self._chunks(sample_list, rows_of_sample, row_lengths,
                                       self.max_tokens if update else self.forward_max_tokens):
             chunk_list = [sample_list[i] for i in positions]
