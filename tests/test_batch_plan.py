@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mindspeed_llm.inference.rollout import Rollout
+from mindspeed_llm.rl.core_algos import response_mask_p1
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan, gather_last_token, gather_response, token_budget_groups
 from mindspeed_llm.rl.experience import Experience
 
@@ -93,15 +94,16 @@ def test_rows_layout_and_micro_batches_of_a_dealt_order():
     # each micro-batch at its own length: samples 5 and 1 hold 2 + 3 and 4 + 5 tokens, responses of 3 and 5
     assert torch.equal(batches[0]["tokens"], exp.tokens[[5, 1], :9]) and batches[0]["row_index"].tolist() == [0, 1]
     assert int(batches[0]["logits_from"]) == 1  # the earliest first read of the micro-batch (prompt of 2)
-    # samples 4 and 3 (2 + 3 and 2 + 0 tokens): rows of 5, responses cut to 3 columns, reads clamped into the rows
-    assert batches[2]["tokens"].shape == (2, 5) and batches[2]["responses"].shape == (2, 3)
-    assert batches[2]["advantages"].shape == (2, 3) and batches[2]["response_index"].tolist() == [[1, 2, 3]] * 2
+    # samples 4 and 3 (2 + 3 and 2 + 0 tokens): rows of 5, responses cut to 3 columns and the one past them (the
+    # critic's value mask), reads clamped into the rows
+    assert batches[2]["tokens"].shape == (2, 5) and batches[2]["responses"].shape == (2, 4)
+    assert batches[2]["advantages"].shape == (2, 4) and batches[2]["response_index"].tolist() == [[1, 2, 3, 4]] * 2
 
     packed = MicroBatchPlan.build(exp, micro_batch_size=N, group_size=N)
     batches = packed.micro_batches(exp, torch.tensor([3, 4, 5, 0, 1, 2]))  # groups dealt in another order
     # group 1: a prompt of 2 and 3 slots of 3; group 0: a prompt of 4 and 3 slots of 5
     assert torch.equal(batches[0]["tokens"], packed.tokens[[1], :11]) and batches[0]["row_index"].tolist() == [0, 0, 0]
-    assert batches[1]["tokens"].shape == (1, 19) and batches[0]["responses"].shape == (3, 3)
+    assert batches[1]["tokens"].shape == (1, 19) and batches[0]["responses"].shape == (3, 4)
     assert batches[0]["advantages"][:, 0].tolist() == [3, 4, 5] and "attention_mask" in batches[0]
     # reads pick a sample's positions from its micro-batch's rows, past logits_from
     mb = batches[1]
@@ -154,11 +156,13 @@ def test_micro_batches_at_their_own_length_read_what_the_full_width_reads():
             first = int(mb["logits_from"])
             out = (torch.arange(rows)[:, None] * 1000 + torch.arange(first, width)[None, :]).float()[..., None]
             mask = mb["response_mask"].bool()
-            assert mask.shape[1] == max(int(exp.response_lengths[samples].max()), 1)
+            assert mask.shape[1] == min(int(exp.response_lengths[samples].max()) + 1, exp.responses.shape[1])
             want = (mb["row_index"][:, None] * 1000 + plan.response_index[samples, :mask.shape[1]]).float()
             assert torch.equal(gather_response(out, mb)[..., 0][mask], want[mask])
             want_last = (mb["row_index"] * 1000 + plan.last_token_index[samples]).float()
             assert torch.equal(gather_last_token(out, mb).reshape(-1), want_last)
+            # the critic's value mask (one past each response) loses no column to the cut
+            assert response_mask_p1(mb["response_mask"]).sum() == response_mask_p1(exp.response_mask[samples]).sum()
 
 
 def test_token_budget_groups_by_hand():

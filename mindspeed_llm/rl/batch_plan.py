@@ -19,8 +19,8 @@ micro-batch's first position that predicts a response token: the model computes 
 How micro-batches are cut:
 
 * every micro-batch is cut to its own length: its model rows to its longest row, its response-aligned tensors
-  (`experience.RESPONSE_FIELDS`) to its longest response; read indices past a row's end (masked columns) are
-  clamped into it. `forward_only` pads per-token outputs back to the batch's width.
+  (`experience.RESPONSE_FIELDS`) to its longest response and one column more (TRL's value mask covers the
+  position after a response's last token); read indices past a row's end (masked columns) are clamped into it. `forward_only` pads per-token outputs back to the batch's width.
 * by count (`--micro-batch-size` samples, in the order given), or by a token budget (`max_tokens`, verl's dynamic
   batch size, `--max-tokens-per-micro-batch`): the units (samples; whole prompt groups when packed) are sorted by
   their row's length, longest first, and consecutive units share a micro-batch while rows x longest row <= the
@@ -130,7 +130,8 @@ class MicroBatchPlan:
             chunk = torch.tensor(chunk_list, dtype=torch.long, device=device)
             rows = self.row_of_sample[chunk[::n]]
             width = max(row_lengths[rows_of_sample[b]] for b in chunk_list[::n])
-            response_width = max(max(response_lengths[b] for b in chunk_list), 1)
+            # the longest response and one column more: the critic's value mask reaches one past the last token
+            response_width = min(max(response_lengths[b] for b in chunk_list) + 1, exp.responses.shape[1])
             mb = {name: value[chunk] for name, value in per_sample.items()}
             for name in RESPONSE_FIELDS:
                 if name in mb:
