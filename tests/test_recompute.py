@@ -300,7 +300,8 @@ def _model_level_body(rank, world_size):
                   "full_block": FULL_BLOCK, "core_attn": _selective("core_attn"), "mlp": _selective("mlp"),
                   "both": _selective("core_attn", "mlp")},
         "moe": {"full_uniform": FULL_UNIFORM, "full_block": FULL_BLOCK, "moe": _selective("moe"),
-                "shared_experts": _selective("shared_experts"), "all": _selective("core_attn", "moe", "shared_experts")},
+                "shared_experts": _selective("shared_experts"),
+                "all": _selective("core_attn", "moe", "shared_experts")},
         "mla": {"full_uniform": FULL_UNIFORM, "full_block": FULL_BLOCK, "mla_up_proj": _selective("mla_up_proj"),
                 "core_attn": _selective("core_attn"), "moe_mlp": _selective("moe", "mlp", "shared_experts")},
     }
@@ -470,3 +471,220 @@ def test_layernorm_recompute_is_refused_as_megatron_fails_without_te(model_level
     assert "FP8GlobalStateManager" in model_level["layernorm_error"]
     with pytest.raises(ArgumentError, match="--recompute-modules layernorm fails without Transformer Engine"):
         _parse(["--recompute-granularity", "selective", "--recompute-modules", "layernorm"])
+
+
+# ---------------------------------------------------------------------------------------------- the stages
+SEED = 4
+SKIPPED = ("timing/", "e2e_tps", "update_tps", "vllm_tps", "rollout_tps")  # wall-clock
+RECOMPUTE = {
+    "none": [],
+    "full_uniform": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+    "full_block": ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"],
+    "selective": ["--recompute-activations"],
+}
+DROPOUT = ["--attention-dropout", "0.2", "--hidden-dropout", "0.2"]
+# layout -> (tp, pp, world size, micro-batch size); TP1 runs in one process
+LAYOUTS = {"tp1": (1, 1, 1, 2), "tp2": (2, 1, 2, 4), "pp2": (1, 2, 2, 2)}
+
+
+def _stage_cases(layout):
+    """{case: (stage, extra argv)}: each stage with each recompute setting; dropout at TP1 (plain and full
+    recompute), --distribute-saved-activations at TP2."""
+    stages = {"trl_ppo": ["--global-batch-size", "4", "--kl-coef", "0.05", "--lr", "0.2"],
+              "grpo": ["--global-batch-size", "4", "--n-samples-per-prompt", "2", "--verifier-function",
+                       "odd_first_word", "--kl-coef", "0.05", "--entropy-coeff", "0.01", "--lr", "0.5"]}
+    cases = {}
+    for stage, extra in stages.items():
+        for name, flags in RECOMPUTE.items():
+            cases[f"{stage}/{name}"] = (stage, extra + flags)
+        if layout == "tp1":
+            for name in ("none", "full_uniform", "selective"):
+                cases[f"{stage}/dropout_{name}"] = (stage, extra + DROPOUT + RECOMPUTE[name])
+        if layout == "tp2":
+            cases[f"{stage}/full_distributed"] = (stage, extra + RECOMPUTE["full_uniform"] +
+                                                  ["--distribute-saved-activations"])
+    return cases
+
+
+def _stage_argv(paths, stage, layout, extra, out: Path):
+    tp, pp, _, mbs = LAYOUTS[layout]
+    models = f"tp{tp}pp{pp}"
+    argv = ["--stage", stage, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+            "--micro-batch-size", str(mbs), "--train-iters", "1", "--seed", str(SEED), "--data-path", paths["data"],
+            "--tokenizer-name-or-path", paths["tokenizer"], "--max-length", "64", "--max-new-tokens", "8",
+            "--do-sample", "--temperature", "1.0", "--ref-model", paths[f"mg_actor_{models}"], "--optimizer", "sgd",
+            "--sgd-momentum", "0", "--clip-grad", "1.0", "--log-interval", "1",
+            "--metrics-jsonl", str(out / "metrics.jsonl")]
+    if stage == "trl_ppo":
+        argv += ["--reward-model", paths[f"mg_reward_{models}"]]
+    return argv + list(extra)
+
+
+def odd_first_word(text, label):
+    """A coin-flip rule reward (as in test_layout_invariance): the groups' rewards differ."""
+    words = text.split()
+    return float(bool(words) and words[0][1:].isdigit() and int(words[0][1:]) % 2 == 1)
+
+
+def _stage_body(rank, world_size, runs, replay_check):
+    """Every run of one layout in this process (megatron's parallel state rebuilt for each). Per run: how each role
+    was built (flag, value head, trained, recompute granularity), the trained roles' weights after the update, and
+    their layers' forward calls in train / eval mode. With `replay_check`, the PP2 routing replay check too."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from mindspeed_llm.arguments import parse_args
+    from mindspeed_llm.rl import roles, trainer
+    from mindspeed_llm.rl.verifiers import register_verifier
+
+    register_verifier("odd_first_word", override=True)(odd_first_word)
+    load_model, trainable = roles.load_model, roles.trainable
+    built, trainables, counters = [], [], []
+
+    def recording_load(root, flag, args, value_head=False, trained=False):
+        model = load_model(root, flag, args, value_head=value_head, trained=trained)
+        built.append((flag, value_head, trained, model.config.recompute_granularity))
+        counter = _Calls(model, (TransformerLayer,))
+        counters.append((flag, value_head, trained, counter))
+        return model
+
+    def recording_trainable(model, args, name, flag):
+        role = trainable(model, args, name, flag)
+        trainables.append((name, role))
+        return role
+
+    roles.load_model, roles.trainable = recording_load, recording_trainable
+    results = []
+    try:
+        for argv in runs:
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
+            built.clear(), trainables.clear(), counters.clear()
+            trainer.run(parse_args(argv, world_size))
+            results.append({
+                "built": list(built),
+                "weights": {name: {k: v.detach().clone() for k, v in role.module.state_dict().items()
+                                   if torch.is_tensor(v)} for name, role in trainables},
+                "calls": [(flag, value_head, was_trained, dict(c.train), dict(c.eval))
+                          for flag, value_head, was_trained, c in counters],
+            })
+            for *_, c in counters:
+                c.close()
+    finally:
+        roles.load_model, roles.trainable = load_model, trainable
+    return {"runs": results, "replay": _pp2_replay_check() if replay_check else None}
+
+
+def _pp2_replay_check():
+    """PP2, 4 micro-batches on megatron's 1F1B schedule (stage 0 recomputes micro-batch 0 after micro-batch 1's
+    forward): with a planted routing replayed, the gradients with full recompute and with --moe-layer-recompute
+    equal those without; without the checkpoint snapshot they do not."""
+    from megatron.core import parallel_state
+    from test_routing_replay import SPEC
+
+    from mindspeed_llm import distributed
+    from mindspeed_llm.models import build_model
+
+    parallel_state.destroy_model_parallel()
+    distributed.initialize(1, 2, seed=6)
+    replay = dict(moe_enable_routing_replay=True)
+    state = build_model(SPEC, **replay).state_dict()
+    batches = [mb for _ in range(2) for mb in
+               _batches(SPEC.vocab_size, 1, SPEC.moe_router_topk, SPEC.num_experts)["rows"]]  # 4 micro-batches
+    planted, _, _ = _step(SPEC, state, replay, batches)
+    live, _, _ = _step(SPEC, state, replay, [{k: v for k, v in mb.items() if k != "routing"} for mb in batches])
+    out = {"planted_differs_from_live": not _same(planted, live)}
+    for name, fields in (("full_uniform", FULL_UNIFORM), ("moe_layer_recompute", dict(moe_layer_recompute=True))):
+        grads, _, _ = _step(SPEC, state, dict(replay, **fields), batches)
+        out[name] = _same(grads, planted)
+    with _unpatched("tensor_parallel.checkpoint"):
+        grads, _, _ = _step(SPEC, state, dict(replay, **FULL_UNIFORM), batches)
+    out["without_snapshot_differs"] = not _same(grads, planted)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stage_runs(tmp_path_factory):
+    """{layout: {case: (metrics row, rank results)}} after every case on every layout, and the PP2 replay check."""
+    import word_task
+
+    task = word_task.build(tmp_path_factory.mktemp("word_task"), layouts=((1, 1), (2, 1), (1, 2)), reward=True)
+    root = tmp_path_factory.mktemp("recompute_runs")
+    out, replay = {}, None
+    for layout, (_, _, world, _) in LAYOUTS.items():
+        cases = _stage_cases(layout)
+        dirs = {case: root / layout / case.replace("/", "_") for case in cases}
+        runs = [_stage_argv(task, stage, layout, extra, dirs[case]) for case, (stage, extra) in cases.items()]
+        ranks = run_distributed(_stage_body, world, runs, layout == "pp2")
+        if layout == "pp2":
+            replay = [r["replay"] for r in ranks]
+        out[layout] = {}
+        for i, case in enumerate(cases):
+            (row,) = [json.loads(line) for line in (dirs[case] / "metrics.jsonl").read_text().splitlines()]
+            out[layout][case] = ({k: v for k, v in row.items() if not k.startswith(SKIPPED)},
+                                 [r["runs"][i] for r in ranks])
+    return out, replay
+
+
+def _compare(runs, case, reference):
+    (metrics, ranks), (ref_metrics, ref_ranks) = runs[case], runs[reference]
+    assert sorted(metrics) == sorted(ref_metrics)
+    differ = {k: (metrics[k], ref_metrics[k]) for k in metrics if metrics[k] != ref_metrics[k]}
+    assert not differ, f"{case}: metrics differ from {reference}: {differ}"
+    for rank, (got, ref) in enumerate(zip(ranks, ref_ranks)):
+        assert sorted(got["weights"]) == sorted(ref["weights"])
+        for role in ref["weights"]:
+            assert _same(got["weights"][role], ref["weights"][role]), f"{case} rank {rank}: {role} weights differ"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_one_update_equals_the_run_without_recompute(stage_runs, layout):
+    """Both stages, every recompute setting: the logged metrics and the trained weights after one SGD update are
+    bit-identical to the run without recompute (with dropout: to the run with the same dropout)."""
+    runs = stage_runs[0][layout]
+    for case in runs:
+        stage, name = case.split("/")
+        if name != "none" and name != "dropout_none":
+            _compare(runs, case, f"{stage}/{'dropout_none' if name.startswith('dropout') else 'none'}")
+    for stage in ("trl_ppo", "grpo"):  # a real update, that dropout changes
+        metrics = runs[f"{stage}/none"][0]
+        assert metrics["actor/grad_norm" if stage == "trl_ppo" else "grad_norm"] > 1e-3, metrics
+        if layout == "tp1":
+            plain, dropped = (runs[f"{stage}/{name}"][1][0]["weights"]["actor"] for name in ("none", "dropout_none"))
+            assert not _same(plain, dropped)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_trained_roles_recompute_and_frozen_roles_do_not(stage_runs, layout):
+    """The actor (and trl_ppo's critic) are built with the run's recompute, the reference and reward model
+    without; in the update the actor's layers run twice per micro-batch with full uniform recompute (forward and
+    recompute), once without; generation and the log-prob / value passes run in eval mode, as often either way."""
+    runs = stage_runs[0][layout]
+    for case, (_, ranks) in runs.items():
+        stage, name = case.split("/")
+        setting = {"none": None, "selective": "selective"}.get(name.replace("dropout_", ""), "full")
+        for flag, value_head, trained, granularity in ranks[0]["built"]:
+            assert granularity == (setting if trained else None), (case, flag, value_head, trained, granularity)
+        roles_built = sorted((flag, value_head, trained) for flag, value_head, trained, _ in ranks[0]["built"])
+        critic = [("--reward-model", True, True)] if stage == "trl_ppo" else []
+        frozen = [("--reward-model", True, False)] if stage == "trl_ppo" else []
+        assert roles_built == sorted([("--ref-model", False, True), ("--ref-model", False, False)] + critic + frozen)
+    for stage in ("trl_ppo", "grpo"):
+        for rank in range(len(runs[f"{stage}/none"][1])):
+            plain = {(f, v, t): (train, ev) for f, v, t, train, ev in runs[f"{stage}/none"][1][rank]["calls"]}
+            full = {(f, v, t): (train, ev) for f, v, t, train, ev in runs[f"{stage}/full_uniform"][1][rank]["calls"]}
+            for role, (train, ev) in plain.items():
+                assert full[role][1] == ev  # eval-mode forwards (generation, passes): the same
+                trained = role[2]
+                assert full[role][0] == ({layer: 2 * n for layer, n in train.items()} if trained else train), role
+                assert bool(train) == trained  # frozen roles never run in train mode
+
+
+@pytest.mark.slow
+def test_replay_under_pipeline_recompute(stage_runs):
+    for rank, result in enumerate(stage_runs[1]):
+        assert result["planted_differs_from_live"], (rank, result)
+        assert result["full_uniform"] and result["moe_layer_recompute"], (rank, result)
+        assert result["without_snapshot_differs"], (rank, result)
