@@ -4,14 +4,16 @@ megatron-core recomputes the trained models' training forwards, and that changes
 
 Tolerance: none. A recompute runs the same deterministic forward again on the same inputs (megatron's
 checkpoint restores the RNG states, so dropout draws the same masks), and on CPU the kernels are deterministic,
-so every gradient, weight and logged metric is asserted bit-identical to the run without recompute.
+so every gradient, weight and logged metric is asserted bit-identical to the run without recompute. The one
+exception is selective recompute of the shared experts: the same numbers, but the MoE layer's input gradient sums
+its branches in another order, so those cases are compared within float32 rounding (`ROUNDING`).
 
 * flag rules: the combinations megatron-core's TransformerConfig refuses are refused by `validate_args`, naming
   the flags (each checked against megatron's own refusal), and so are those it would ignore;
 * model level (one process, tiny models, packed prompt groups with padding): gradients with full (uniform and
-  block) and every selective module equal those without; layers run twice in a training step and once in a
-  forward-only pass; the saved bytes fall; multi-latent attention's per-layer rotary gets the packed positions
-  in the recomputed forward; block recompute keeps the padding mask (the patch shown needed);
+  block) and every selective module the local spec runs equal those without; layers run twice in a training
+  step and once in a forward-only pass; the saved bytes fall; multi-latent attention's per-layer rotary gets the
+  packed positions in the recomputed forward; block recompute keeps the padding mask (the patch shown needed);
 * routing replay under recompute: a planted routing (not the live one) changes the gradient identically with
   and without recompute, at PP2 with 1F1B's micro-batches in flight too (the snapshot patch shown needed);
 * the real stages (slow): one update of trl_ppo and grpo on the word task gives the same logged metrics and
@@ -488,15 +490,16 @@ LAYOUTS = {"tp1": (1, 1, 1, 2), "tp2": (2, 1, 2, 4), "pp2": (1, 2, 2, 2)}
 
 
 def _stage_cases(layout):
-    """{case: (stage, extra argv)}: each stage with each recompute setting; dropout at TP1 (plain and full
-    recompute), --distribute-saved-activations at TP2."""
+    """{case: (stage, extra argv)}: each stage with each recompute setting; dropout at TP1 (plain, full and
+    selective recompute), --distribute-saved-activations at TP2."""
     stages = {"trl_ppo": ["--global-batch-size", "4", "--kl-coef", "0.05", "--lr", "0.2"],
               "grpo": ["--global-batch-size", "4", "--n-samples-per-prompt", "2", "--verifier-function",
                        "odd_first_word", "--kl-coef", "0.05", "--entropy-coeff", "0.01", "--lr", "0.5"]}
     cases = {}
     for stage, extra in stages.items():
         for name, flags in RECOMPUTE.items():
-            cases[f"{stage}/{name}"] = (stage, extra + flags)
+            if not (layout == "pp2" and name == "full_block"):  # one layer per stage: block 1 is uniform 1 there
+                cases[f"{stage}/{name}"] = (stage, extra + flags)
         if layout == "tp1":
             for name in ("none", "full_uniform", "selective"):
                 cases[f"{stage}/dropout_{name}"] = (stage, extra + DROPOUT + RECOMPUTE[name])
