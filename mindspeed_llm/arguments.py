@@ -16,6 +16,17 @@ STAGES = ("trl_ppo", "grpo")
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ADV_SCALES = ("group", "batch", "none")
+# megatron-core 0.16.1's selective recompute modules that run on the local layer spec (TransformerConfig's
+# recompute_modules); the other two are refused by name (`_check_recompute`)
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "mla_up_proj")
+REFUSED_RECOMPUTE_MODULES = {
+    "moe_act": "recomputes the grouped-GEMM experts' activation (megatron-core needs --moe-grouped-gemm's GroupedMLP), "
+               "but the experts run as SequentialMLP here: use moe (the whole MoE layer) instead",
+    # CheckpointWithoutOutput() sets fp8 = (False is not None) and then reads Transformer Engine's FP8 state
+    "layernorm": "fails without Transformer Engine in megatron-core 0.16.1 (its CheckpointWithoutOutput reads TE's "
+                 "FP8 state even when fp8 is off: NameError), and the local spec runs without TE; the norms' "
+                 "outputs are small next to core_attn's",
+}
 # llama3 RoPE scaling: the values megatron-core hard-codes (its only implementation).
 LLAMA3_FIXED = {"--low-freq-factor": 1.0, "--high-freq-factor": 4.0, "--original-max-position-embeddings": 8192}
 
@@ -135,9 +146,33 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-loss-scale", type=float, help="--fp16: the dynamic loss scale's floor (1)")
     g.add_argument("--loss-scale-window", type=float, help="--fp16: steps without overflow before it grows (1000)")
     g.add_argument("--hysteresis", type=int, help="--fp16: overflows tolerated before it shrinks (2)")
-    g.add_argument("--recompute-granularity", choices=("full", "selective"))
     g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
                    help="stop (before the optimizer step) when a loss or gradient is NaN or inf (default: on)")
+
+    g = p.add_argument_group("activation recompute (Megatron-LM's flags; the trained models' update forwards only)")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"),
+                   help="full: whole transformer layers are recomputed in the backward (needs --recompute-method and "
+                        "--recompute-num-layers); selective: the --recompute-modules of every layer (default "
+                        "core_attn). The actor's and critic's update forwards only: generation, the log-prob, value "
+                        "and reward passes and the frozen models run without it")
+    g.add_argument("--recompute-method", choices=("uniform", "block"),
+                   help="full recompute: uniform checkpoints each pipeline stage's layers in groups of "
+                        "--recompute-num-layers; block checkpoints the first --recompute-num-layers layers of each "
+                        "stage and keeps the others' activations")
+    g.add_argument("--recompute-num-layers", type=int,
+                   help="full recompute: layers per group (uniform) or checkpointed layers (block), counted per "
+                        "pipeline stage (megatron's num_layers / --pipeline-model-parallel-size layers of a stage)")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Megatron-LM's shorthand for --recompute-granularity selective")
+    g.add_argument("--recompute-modules", nargs="+", metavar="MODULE",
+                   help="selective recompute: the submodules recomputed in every layer, of "
+                        f"{', '.join(RECOMPUTE_MODULES)} (default core_attn; megatron's moe_act and layernorm do not "
+                        "run on the local spec and are refused)")
+    g.add_argument("--distribute-saved-activations", action="store_true",
+                   help="full recompute with TP > 1: each TP rank keeps 1/TP of every checkpointed layer input")
+    g.add_argument("--moe-layer-recompute", action="store_true",
+                   help="megatron-core's (deprecated) switch: selective recompute with the moe module added "
+                        "(core_attn and moe unless --recompute-modules names others)")
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save")
@@ -329,6 +364,7 @@ def validate_args(args, world_size: int) -> None:
         raise ArgumentError("--bf16 and --fp16 are exclusive; pick one")
     args.params_dtype = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
     _check_model_flags(args)
+    _check_recompute(args)
     args.ignored_flags = compat_flags.ignored_flags(args)  # printed once at startup (compat_flags.startup_lines)
     args.startup_notes = []
 
@@ -513,6 +549,66 @@ def _check_model_flags(args) -> None:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ArgumentError(f"{flag} {value} must be a finite number > 0")
+
+
+def _check_recompute(args) -> None:
+    """Megatron-LM's recompute flags, resolved into `args.recompute_granularity` (None: off), `recompute_method`,
+    `recompute_num_layers` (full) and `recompute_modules` (selective), refusing what megatron-core's
+    TransformerConfig or Megatron-LM's validate_args refuse, and flags that would have no effect.
+    `rl/recompute.model_options` checks the rest against each trained model's layers."""
+    granularity = args.recompute_granularity
+    if args.recompute_activations:
+        if granularity == "full":
+            raise ArgumentError("--recompute-activations is Megatron-LM's --recompute-granularity selective, which "
+                                "contradicts --recompute-granularity full; pass one of them")
+        granularity = "selective"
+    modules = list(dict.fromkeys(args.recompute_modules)) if args.recompute_modules is not None else None
+    if args.moe_layer_recompute:
+        if granularity == "full":
+            raise ArgumentError("--moe-layer-recompute is selective recompute of the MoE layers; megatron-core refuses "
+                                "it with --recompute-granularity full (which recomputes whole layers): drop one")
+        granularity = "selective"
+        modules = (modules or ["core_attn"]) + ([] if "moe" in (modules or []) else ["moe"])  # megatron-core's rule
+    method, layers = args.recompute_method, args.recompute_num_layers
+    if granularity is None:
+        given = [flag for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers),
+                                          ("--recompute-modules", modules),
+                                          ("--distribute-saved-activations", args.distribute_saved_activations))
+                 if value not in (None, False)]
+        if given:
+            raise ArgumentError(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without "
+                                "--recompute-granularity full or selective; add one or drop them")
+    elif granularity == "full":
+        if method is None or layers is None:
+            raise ArgumentError(
+                "--recompute-granularity full needs --recompute-method uniform|block and --recompute-num-layers N "
+                "(megatron-core refuses full recompute without them): uniform checkpoints each pipeline stage's "
+                "layers in groups of N, block the first N layers of each stage; e.g. --recompute-method uniform "
+                "--recompute-num-layers 1")
+        if layers < 1:
+            raise ArgumentError(f"--recompute-num-layers {layers} must be >= 1")
+        if modules is not None:
+            raise ArgumentError("--recompute-modules chooses selective recompute's submodules; "
+                                "--recompute-granularity full recomputes whole layers: drop one of them")
+        if args.distribute_saved_activations and args.tensor_model_parallel_size < 2:
+            raise ArgumentError("--distribute-saved-activations splits the checkpointed activations over the tensor-"
+                                "parallel ranks: it needs --tensor-model-parallel-size > 1 (Megatron-LM's rule)")
+    else:
+        for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers)):
+            if value is not None:
+                raise ArgumentError(f"{flag} applies to --recompute-granularity full; selective recompute (of the "
+                                    "--recompute-modules of every layer) takes neither: drop it")
+        if args.distribute_saved_activations:
+            raise ArgumentError("--distribute-saved-activations applies to --recompute-granularity full only "
+                                "(Megatron-LM's rule)")
+        modules = modules or ["core_attn"]  # megatron-core's default
+        for name in modules:
+            if name in REFUSED_RECOMPUTE_MODULES:
+                raise ArgumentError(f"--recompute-modules {name} {REFUSED_RECOMPUTE_MODULES[name]}")
+            if name not in RECOMPUTE_MODULES:
+                raise ArgumentError(f"--recompute-modules {name}: unknown; choose from {', '.join(RECOMPUTE_MODULES)}")
+    args.recompute_granularity = granularity
+    args.recompute_modules = modules if granularity == "selective" else None
 
 
 def _split_weights(text: str) -> Tuple[float, float, float]:

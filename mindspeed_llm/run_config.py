@@ -20,7 +20,9 @@ read from ``model/NAME.yaml`` next to the file when there), ``megatron_training`
 ``actor_config`` (overrides the base), ``critic_config``, ``reward_config``, ``ref_config``, ``rl_config``,
 ``generate_config``. This program trains every role with one layout and one optimizer setting: the keys of
 ``critic_config`` / ``reward_config`` / ``ref_config`` must agree with the actor's (``critic_config.lr``
-becomes ``--critic-lr``; frozen roles' optimizer keys are ignored). The architecture keys (``model``)
+becomes ``--critic-lr``; frozen roles' optimizer and activation recompute keys are ignored). The recompute keys
+(``recompute_granularity``, ``recompute_method``, ``recompute_num_layers``, MindSpeed-RL's documented
+``recompute_activations``) are the flags of their names, applied to the actor and the critic. The architecture keys (``model``)
 become the model flags, which are checked against every checkpoint, only when all roles use one model.
 
 Checkpoints. Here ``--ref-model`` is the initial actor and the reference; ``--reward-model`` is the reward
@@ -187,8 +189,6 @@ MEGATRON: Dict[str, Any] = {
     # without a flag here (ignored only while the parser has no flag of that name)
     "use_mc2": Ignored("an NPU communication-overlap kernel; the local torch layers are used here"),
     "attention_bias": Ignored("the architecture is read from the checkpoint"),
-    "recompute_method": Ignored("megatron's recompute layout; --recompute-granularity is what applies here"),
-    "recompute_num_layers": Ignored("megatron's recompute layout; --recompute-granularity is what applies here"),
     "full_shuffle_instruction_dataset": Ignored("prompts are shuffled over the whole dataset every epoch here"),
     "dataset_additional_keys": Ignored("the preprocessed dataset carries its labels (preprocess_data.py "
                                        "--map-keys); the verifiers check they are there"),
@@ -198,6 +198,12 @@ MEGATRON: Dict[str, Any] = {
 OPTIM = {"lr", "min_lr", "lr_decay_style", "lr_decay_iters", "lr_warmup_iters", "lr_warmup_fraction", "weight_decay",
          "clip_grad", "adam_beta1", "adam_beta2", "adam_eps", "optimizer", "sgd_momentum", "loss_scale",
          "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis", "use_distributed_optimizer"}
+
+# Activation recompute keys (recompute_granularity, recompute_method, recompute_num_layers, recompute_activations, ...
+# map to the flags of their names): a frozen role's (reward_config, ref_config) are ignored, it runs no backward;
+# the critic's must be the actor's (one set of flags for both trained roles).
+RECOMPUTE = {"recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_activations",
+             "recompute_modules", "distribute_saved_activations", "moe_layer_recompute"}
 
 # rl_config also takes this program's own RL flags by name (the parser's "RL: ..." groups), e.g.
 # missing_eos_penalty, loss_agg_mode, adv_scale, vf_coef.
@@ -475,6 +481,8 @@ class _Reader:
                 role.slots[entry.name] = (self.slot_value(entry, value, where), where)
             elif frozen and where.rsplit(".", 1)[-1] in OPTIM:
                 self.ignored.append((where, "a frozen model has no optimizer"))
+            elif frozen and where.rsplit(".", 1)[-1] in RECOMPUTE:
+                self.ignored.append((where, "a frozen model runs no backward: nothing to recompute"))
             else:
                 if entry.convert is not None:
                     try:

@@ -650,3 +650,32 @@ def test_mindspeed_dynamic_batch_size_keys(tmp_path):
     data["rl_config"].update(use_dynamic_bsz=True, update_max_packing_token_size=1000)  # below --max-length 4096
     with pytest.raises(ArgumentError, match="--max-tokens-per-micro-batch 1000 is smaller than the widest model row"):
         parsed(["--config", write(tmp_path, data, "small.yaml")], 8)
+
+
+def test_recompute_keys_map_to_the_flags(tmp_path):
+    """MindSpeed-RL's recompute keys (actor_config, as its DeepSeek-V3 and Qwen3-235B configs set them; the
+    critic's must agree) are Megatron-LM's flags; a frozen role's are ignored (no backward); its documented
+    recompute_activations is --recompute-activations."""
+    keys = {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 4}
+    data = ppo_file()
+    data["actor_config"].update(keys)
+    data["critic_config"].update(keys)
+    data["ref_config"].update(keys)
+    data["reward_config"]["recompute_activations"] = True
+    path = write(tmp_path, data)
+    flags = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "4"]
+    assert parsed(["--config", path], 16) == parsed(PPO_FLAGS + flags, 16)
+    ignored = dict(load_run_config(path).ignored)
+    for key in keys:
+        assert ignored[f"ref_config.{key}"] == "a frozen model runs no backward: nothing to recompute"
+    assert "reward_config.recompute_activations" in ignored
+    assert not any(key.startswith(("actor_config.recompute", "critic_config.recompute")) for key in ignored)
+
+    data["critic_config"]["recompute_num_layers"] = 2
+    with pytest.raises(ConfigError, match="critic_config.recompute_num_layers: 2 differs from the run's "
+                                          "--recompute-num-layers 4"):
+        load_run_config(write(tmp_path, data))
+
+    data = grpo_file()
+    data["actor_config"]["recompute_activations"] = True
+    assert parsed(["--config", write(tmp_path, data)], 16) == parsed(GRPO_FLAGS + ["--recompute-activations"], 16)

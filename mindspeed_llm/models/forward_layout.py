@@ -12,7 +12,8 @@ hook on `model.rotary_pos_emb` turns its `[S, 1, 1, D]` table into `[S, B, 1, D]
 position ids (the shape megatron's own mRoPE path hands to attention, which broadcasts it over heads; with
 multi-latent attention, DeepSeek-V3, every layer's own rotary module, whose YaRN table comes with its mscale), and a
 forward pre-hook on `model.output_layer` drops the hidden states before `logits_from`. The hooks read
-options that `forward_layout(...)` sets for the duration of one forward; outside it they change nothing.
+options that `forward_layout(...)` sets for the duration of one forward (as `forward_state.per_forward` settings, so
+that a recomputed layer sees them again); outside it they change nothing.
 With `position_ids = arange(S)` and `logits_from = 0` the output is exactly megatron's.
 """
 
@@ -23,6 +24,8 @@ from typing import Optional
 
 import torch
 from megatron.core.utils import unwrap_model
+
+from mindspeed_llm.models.forward_state import per_forward
 
 _POSITIONS = "_layout_position_ids"
 _LOGITS_FROM = "_layout_logits_from"
@@ -88,16 +91,12 @@ def forward_layout(model, position_ids: Optional[torch.Tensor] = None, logits_fr
     if not getattr(core, "has_layout_hooks", False):
         raise RuntimeError("forward_layout: this model was not built by mindspeed_llm.models.build_model "
                            "(no layout hooks); its positions and output window cannot be set")
-    rotaries = _rotary_modules(core)
     output_layer = getattr(core, "output_layer", None)
-    for rotary in rotaries:
-        setattr(rotary, _POSITIONS, position_ids)
-    if output_layer is not None:
-        setattr(output_layer, _LOGITS_FROM, int(logits_from))
-    try:
-        yield
-    finally:
-        for rotary in rotaries:
-            setattr(rotary, _POSITIONS, None)
+    with contextlib.ExitStack() as stack:
+        # per_forward: a recomputed layer (activation recompute) rotates by these positions too, e.g. MLA's own
+        # rotary inside each layer (models/forward_state.py)
+        for rotary in _rotary_modules(core):
+            stack.enter_context(per_forward(rotary, _POSITIONS, position_ids))
         if output_layer is not None:
-            setattr(output_layer, _LOGITS_FROM, 0)
+            stack.enter_context(per_forward(output_layer, _LOGITS_FROM, int(logits_from)))
+        yield

@@ -17,9 +17,13 @@ the process shares (actor, reference, critic):
 * replay: megatron's top-k routing (`moe_utils.topk_routing_with_score_function`) asks `router.router_replay`
   for the top-k when it is set; `replay_routing` puts an object there that answers with the given ids (and,
   for the rows given as -1, megatron's own top-k), and restores the router's own afterwards. The gate probs
-  are `scores.gather(1, ids)`, as megatron's REPLAY_FORWARD does. Megatron's REPLAY_BACKWARD is for
-  activation recompute (a second forward inside the backward); these passes do not recompute, so the forward
-  replay is all there is. The load-balancing loss keeps the live routing (megatron computes it apart).
+  are `scores.gather(1, ids)`, as megatron's REPLAY_FORWARD does. Under activation recompute a checkpointed
+  router runs again inside the backward, outside this block and (1F1B pipelines) after later micro-batches'
+  forwards: megatron's REPLAY_BACKWARD keeps a per-router queue of targets, consumed in forward order. Here the
+  object is a `forward_state.per_forward` setting instead: the checkpoint wrapper of `patches/recompute.py`
+  re-enters the settings that were live when its region was checkpointed, so the recomputed router gets its own
+  micro-batch's target whichever layers are checkpointed (block recompute leaves some out, which a queue fed by
+  every forward would misalign). The load-balancing loss keeps the live routing (megatron computes it apart).
 
 Token order: a router sees the hidden states `[S, rows, H]` of its forward flattened sequence-first, token
 `s * rows + r`. The stored routing is per sample and position, `[B, layers, T, topk]` in the Experience's
@@ -37,6 +41,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.utils import unwrap_model
+
+from mindspeed_llm.models.forward_state import per_forward
 
 ROUTING_DTYPE = torch.int16  # expert ids; -1 = unknown
 
@@ -132,16 +138,14 @@ def replay_routing(model, targets: List[torch.Tensor]):
     if len(targets) != len(routers):
         raise ValueError(f"routing replay: {len(targets)} layers of routing for {len(routers)} MoE layers on this "
                          "rank; the rollout was recorded by another model or pipeline layout")
-    saved = [r.router_replay for r in routers]
-    for router, target in zip(routers, targets):
+    for router in routers:
         if router.config.moe_router_fusion or getattr(router, "routing_type", None) == "sinkhorn":
             raise ValueError("routing replay: fused or sinkhorn routing does not consult router_replay")
-        router.router_replay = _Replay(target)
-    try:
+    with contextlib.ExitStack() as stack:
+        # per_forward: a recomputed router (activation recompute, in the backward) replays this target too
+        for router, target in zip(routers, targets):
+            stack.enter_context(per_forward(router, "router_replay", _Replay(target)))
         yield
-    finally:
-        for router, old in zip(routers, saved):
-            router.router_replay = old
 
 
 # ---------------------------------------------------------------------------------------------- layouts
@@ -286,11 +290,6 @@ def micro_batch_routing(model, micro_batch: Dict[str, torch.Tensor]):
     if routing is None or not (replay or counter is not None):
         yield
         return
-    recompute = core.config.recompute_granularity is not None or getattr(core.config, "moe_layer_recompute", False)
-    if replay and recompute:
-        # a recomputed forward inside the backward would route live: the replay is set for the forward only
-        raise ValueError("--moe-routing-replay does not support activation recompute (recompute_granularity / "
-                         "moe_layer_recompute); turn recompute off")
     targets = replay_targets(micro_batch, routing)
     with contextlib.ExitStack() as stack:
         capture = stack.enter_context(capture_routing(core)) if counter is not None else None

@@ -4,10 +4,12 @@ Each patch is a `Patch`: the dotted target it replaces, a factory for the replac
 devices it applies to. `mindspeed_llm.device.setup()` applies the registry once per process;
 `remove_patches()` restores every original (the tests use it to show that each patch is needed).
 
-On CUDA nothing is patched. On NPU `torch_npu`'s own `transfer_to_npu` redirection does the work.
-On CPU the patches in `cpu.py` answer megatron-core 0.16.1's hard-coded `torch.cuda` calls.
-`mla.py` lets multi-latent attention (DeepSeek-V3) build on the local spec. `moe.py` mends two spots of megatron's MoE code that assume Transformer Engine or CUDA tensors. `static_decode.py`
-holds the patches the CUDA-graph decode engine installs on demand (only when it runs; see that module).
+On NPU `torch_npu`'s own `transfer_to_npu` redirection does the device work. On CPU the patches in `cpu.py`
+answer megatron-core 0.16.1's hard-coded `torch.cuda` calls. On every device: `mla.py` lets multi-latent attention
+(DeepSeek-V3) build on the local spec; `moe.py` mends two spots of megatron's MoE code that assume Transformer
+Engine or CUDA tensors (one of them CPU only); `recompute.py` gives a recomputed region its micro-batch's
+per-forward settings and block recompute its padding mask. `static_decode.py` holds the patches the CUDA-graph
+decode engine installs on demand (only when it runs; see that module).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def registry() -> List[Patch]:
 
 
 def _load_patch_modules():
-    from mindspeed_llm.patches import cpu, inference, mla, moe  # noqa: F401  (registration happens at import)
+    from mindspeed_llm.patches import cpu, inference, mla, moe, recompute  # noqa: F401  (registration at import)
 
 
 def apply_patches(device_kind: str) -> List[str]:

@@ -14,7 +14,7 @@ from mindspeed_llm import device
 from mindspeed_llm.arguments import ArgumentError
 from mindspeed_llm.checkpoint import load_megatron_weights, load_spec
 from mindspeed_llm.models import ModelSpec, build_model
-from mindspeed_llm.rl import moe
+from mindspeed_llm.rl import moe, recompute
 from mindspeed_llm.rl.engine import OptimizerSettings, TrainableModel
 
 
@@ -98,7 +98,7 @@ def _check_attention_flags(spec: ModelSpec, args, mismatch) -> None:
                            "q/k/v biases; add --add-qkv-bias, as Megatron-LM needs for this model")
 
 
-def load_model(root: str, flag: str, args, value_head: bool = False):
+def load_model(root: str, flag: str, args, value_head: bool = False, trained: bool = False):
     """A GPTModel (or value-head model) for this rank on the accelerator, weights from a Megatron checkpoint
     at `root` (built in host memory, as megatron's CPU initialisation does, then moved).
 
@@ -107,13 +107,14 @@ def load_model(root: str, flag: str, args, value_head: bool = False):
 
     --attention-dropout / --hidden-dropout are built into every model; they act only in train mode, i.e. in the
     trained models' (actor, critic) update forwards: frozen models, rollouts and the log-prob / value passes run
-    in eval mode.
+    in eval mode. Activation recompute (--recompute-*) is built into the `trained` ones only (`rl/recompute.py`).
     """
     dropout = dict(attention_dropout=getattr(args, "attention_dropout", 0.0),
                    hidden_dropout=getattr(args, "hidden_dropout", 0.0))
     try:
         spec = _checked_spec(root, flag, args)
         options = moe.model_options(spec, args, flag, root, policy=not value_head)
+        options.update(recompute.model_options(spec, args, trained=trained, policy=not value_head))
         model = build_model(spec, params_dtype=args.params_dtype, value_head=value_head, **dropout, **options)
         load_megatron_weights(model, root)
     except (ValueError, FileNotFoundError) as exc:

@@ -4,6 +4,8 @@
 # Weights:     bash examples/mcore/qwen25/ckpt_convert_qwen25_hf2mcore.sh
 # Launch:      on every node: NNODES=2 NPUS_PER_NODE=8 MASTER_ADDR=<node0 ip> NODE_RANK=<0 on node0, 1 on node1> bash $0
 # Resume:      automatic: --load equals --save (a fresh start when nothing is saved yet); SIGTERM saves first
+# Memory:      full activation recompute (uniform, 1 layer) in the actor's update forwards: a layer keeps its input
+#              instead of its activations, [s, s] attention included (benchmarks/recompute_memory.py)
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 source examples/mcore/launch_env.sh
@@ -17,7 +19,8 @@ CKPT_SAVE_DIR=${CKPT_SAVE_DIR:-./ckpt/qwen25_7b_grpo}
 GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP \
   --micro-batch-size 1 --global-batch-size 32 --train-iters 1000 --bf16 \
   --lr 1e-6 --lr-decay-style constant --weight-decay 0.01 --clip-grad 1.0 \
-  --adam-beta1 0.9 --adam-beta2 0.95 --seed 1234"
+  --adam-beta1 0.9 --adam-beta2 0.95 --seed 1234 \
+  --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 DATA_ARGS="--data-path $DATA_PATH --tokenizer-type PretrainedFromHF --tokenizer-name-or-path $TOKENIZER"
 RL_ARGS="--stage grpo --ref-model $REF_MODEL --n-samples-per-prompt 8 \
   --max-prompt-length 2048 --max-new-tokens 2048 --max-length 4096 --do-sample --temperature 1.0 --top-p 1.0 \

@@ -16,6 +16,8 @@
 # checkpoints, tokenizer and CKPT_SAVE_DIR at the same paths everywhere (CKPT_SAVE_DIR on a shared filesystem):
 #   NODE_RANK=<0..3> MASTER_ADDR=<master node's address> bash examples/mcore/qwen25/ppo_qwen25_32b.sh
 # Resume: automatic (--load equals --save; a fresh start when nothing is saved yet); SIGTERM saves first.
+# Memory: full activation recompute (uniform, 1 layer) in the actor's and critic's update forwards: a layer keeps
+# its input instead of its activations ([s, s] attention included), for each of up to PP micro-batches in flight.
 # After:   LOAD_DIR=./ckpt/qwen25_32b_trl_ppo/actor SAVE_DIR=./model_from_hf/qwen25_32b_trl_ppo_hf \
 #              TOKENIZER_DIR=./model_from_hf/qwen25_32b bash examples/mcore/qwen25/ckpt_convert_qwen25_mcore2hf.sh
 set -euo pipefail
@@ -39,7 +41,8 @@ MODEL_ARGS="--num-layers 64 --hidden-size 5120 --ffn-hidden-size 27648 --num-att
 GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP --use-distributed-optimizer \
   --micro-batch-size 1 --global-batch-size 64 --train-iters 1000 --bf16 \
   --lr 1e-6 --critic-lr 5e-6 --lr-decay-style constant --weight-decay 0.01 --clip-grad 1.0 \
-  --adam-beta1 0.9 --adam-beta2 0.95 --seed 1234"
+  --adam-beta1 0.9 --adam-beta2 0.95 --seed 1234 \
+  --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 DATA_ARGS="--data-path $DATA_PATH --tokenizer-type PretrainedFromHF --tokenizer-name-or-path $TOKENIZER"
 RL_ARGS="--stage trl_ppo --ref-model $REF_MODEL --reward-model $CRITIC_MODEL --reward-model-weight 0 \
   --verifier-function math_acc --verifier-weight 1.0 --n-samples-per-prompt 4 \

@@ -58,7 +58,7 @@ class GRPOStage:
             )
         initial = args.ref_model or args.load
         flag = "--ref-model" if args.ref_model else "--load"
-        self.actor = roles.trainable(roles.load_model(initial, flag, args), args, "actor", flag)
+        self.actor = roles.trainable(roles.load_model(initial, flag, args, trained=True), args, "actor", flag)
         self.reference = roles.offloaded(roles.frozen(roles.load_model(initial, flag, args)),
                                          args.offload_ref_reward) if args.kl_coef > 0 else None
         reward_model = roles.load_reward_model(args) if args.reward_model else None

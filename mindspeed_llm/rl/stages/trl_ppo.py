@@ -47,12 +47,12 @@ class TrlPPOStage:
         self.tokenizer = tokenizer
         self.gae = core_algos.ADV_ESTIMATORS[args.adv_estimator].fn  # validate_args: a critic estimator (gae)
         self.actor_metrics = ACTOR_METRICS + (ROLLOUT_IS_METRICS if args.rollout_is != "none" else ())
-        self.actor = roles.trainable(roles.load_model(args.ref_model, "--ref-model", args), args, "actor",
-                                    "--ref-model")
+        self.actor = roles.trainable(roles.load_model(args.ref_model, "--ref-model", args, trained=True), args,
+                                     "actor", "--ref-model")
         self.reference = roles.offloaded(roles.frozen(roles.load_model(args.ref_model, "--ref-model", args)),
                                           args.offload_ref_reward)
         self.critic = roles.trainable(
-            roles.load_model(args.reward_model, "--reward-model", args, value_head=True), args, "critic",
+            roles.load_model(args.reward_model, "--reward-model", args, value_head=True, trained=True), args, "critic",
             "--reward-model")
         uses_reward_model = args.reward_model_weight != 0 or not args.verifier_function
         reward_model = roles.load_reward_model(args) if uses_reward_model else None
