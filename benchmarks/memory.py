@@ -23,7 +23,8 @@ What is measured (``--device cpu``; ``--device cuda`` runs the same code with CU
   with mmap, so RSS follows them). On CUDA: ``torch.cuda.max_memory_allocated`` minus the allocation before
   the step (the profiler's timeline is still used for the phase split);
 * the phase split of the peak (markers in the profiler's timeline from the same module hooks and from gradient
-  hooks on each layer's output): for every forward and backward phase, the most memory live above its start;
+  hooks on each layer's output, `summarize_phases`): one layer's forward and backward, the head's forward and
+  backward, each as the most memory live above the live bytes when it starts;
 * the time of one plain step (no hooks, no profiler) after a warm-up step;
 * the forward-only log-prob pass (`passes.policy_logprobs`, no grad) and the rollout (`inference.generate` on
   megatron's static KV cache), by the same peak method;
@@ -37,20 +38,25 @@ layer per checkpoint); ``attention`` local (megatron's unfused attention, which 
 scores) / sdpa (passed to `build_model(..., attention=...)` once it accepts the option; until then those cases
 say so); ``layout`` row / packed (`[prompt | r1 .. rn]` with its mask); micro-batching (padding analysis below).
 
-What is computed: per-layer coefficients fitted by least squares to the measurements (bytes per token per layer as
-a linear function of hidden, FFN, q and kv projection widths and, for the local attention's ``s^2`` part, heads
-x s; a held-out shape checks the fit), their division under tensor parallelism (hidden-sized tensors stay
-replicated without sequence parallelism, the rest divides; checked against the TP2 measurement), the padding of
-today's / own-length / token-budget micro-batches at a skewed length mix, and the per-device projection of
-each launcher (`examples/mcore/*/*.sh`, read through its own command line and `arguments.parse_args`) for the
-rollout, the forward-only passes and the update, with and without each lever, against 64 GB and 80 GB.
-Every assumption is printed and in the JSON (``assumptions``).
+What is computed: coefficients fitted to the measurements (`fit_model`: least squares with non-negative
+coefficients) -- saved bytes per token per layer by part as linear functions of hidden, FFN, q and kv widths and,
+for the local attention's ``s^2`` part, heads x s (MoE: experts, top-k x hidden, top-k x expert FFN); one layer's
+working set without recompute (a recomputed layer's backward adds what recompute did not keep, checked against the
+measured selective / full cases) and the head's; held-out shapes check them (`check_fit`: saved bytes and the
+composed peak); their division under tensor parallelism (hidden-sized tensors stay replicated without sequence
+parallelism, the rest divides; checked against the TP2 measurement); the padding of today's / own-length /
+token-budget micro-batches at a skewed length mix; and the per-device projection of each launcher
+(`examples/mcore/*/*.sh`, read through its own command line and `arguments.parse_args`) for the rollout, the
+forward-only passes and the update at its worst pipeline stage, with and without each lever (`Levers`), against
+64 GB and 80 GB, and the cheapest levers that fit 56 GB (`recommend`). Every assumption is printed and in the JSON
+(``assumptions``). Cases a shared 24 GB machine cannot hold are skipped by a rough estimate (``--max-case-gb``) and
+say so; ``--reuse`` / ``--only`` add cases to an earlier JSON without measuring the rest again.
 
 Usage::
 
-    python benchmarks/memory.py --json runs/memory.json              # default shape, 2k/4k/8k, about 30 min
-    python benchmarks/memory.py --lengths 2048 4096 --max-case-gb 6
-    python benchmarks/memory.py --toy --json /tmp/m.json             # seconds (tests/test_benchmark_memory.py)
+    python benchmarks/memory.py --json runs/memory.json              # default shape, 2k/4k/8k, ~25 min on 2 cores
+    python benchmarks/memory.py --reuse runs/memory.json --only "s=4096 none" --max-case-gb 14 --json runs/m2.json
+    python benchmarks/memory.py --toy --no-tp2 --json /tmp/m.json    # seconds (tests/test_benchmark_memory.py)
     python benchmarks/memory.py --project-only runs/memory.json      # redo fit + projection from a JSON
 """
 
@@ -723,7 +729,8 @@ def measure_generate(shape: Shape, batch: int, prompt: int, new_tokens: int, dev
     del model
     gc.collect()
     return dict(shape=asdict(shape), batch=batch, prompt=prompt, new_tokens=new_tokens, slots=slots, peak=peak,
-                kv_cache=kv_cache, prefill_working_set=peak - kv_cache, time_s=elapsed, device=str(device.current_device()))
+                kv_cache=kv_cache, prefill_working_set=peak - kv_cache, time_s=elapsed,
+                device=str(device.current_device()))
 
 
 def storage_bytes(tensors) -> int:
@@ -773,8 +780,8 @@ def measure_model_state(shape: Shape, distributed_optimizer: bool = False) -> di
             moments.extend(v for k, v in state.items() if torch.is_tensor(v) and k != "step" and v.dim() > 0)
     main_bytes, moment_bytes = storage_bytes(main), storage_bytes(moments)
     result = dict(shape=asdict(shape), params=numel, distributed_optimizer=distributed_optimizer,
-                  bytes=dict(weights=weights, param_buffer_extra=max(0, param_buffers - weights), grad_buffer=grad_buffers,
-                             main_params=main_bytes, adam_moments=moment_bytes))
+                  bytes=dict(weights=weights, param_buffer_extra=max(0, param_buffers - weights),
+                             grad_buffer=grad_buffers, main_params=main_bytes, adam_moments=moment_bytes))
     result["bytes_per_param"] = {k: v / numel for k, v in result["bytes"].items()}
     result["bytes_per_param"]["total"] = sum(result["bytes"].values()) / numel
     del tm
@@ -1454,8 +1461,9 @@ def project(launch: Launch, coef: dict, levers: Levers) -> dict:
             if levers.recompute == "full" else 0
         other = levers.recompute if levers.recompute != "full" else "none"
         tokens = mb_rows * mb_len
-        saved = tokens * ((layers - full_layers) * predict_layer_saved(c, policy, other, mb_len, launch.tp)["layer_total"]
-                          + full_layers * predict_layer_saved(c, policy, "full", mb_len, launch.tp)["layer_total"])
+        per_token = {mode: predict_layer_saved(c, policy, mode, mb_len, launch.tp)["layer_total"]
+                     for mode in (other, "full")}
+        saved = tokens * ((layers - full_layers) * per_token[other] + full_layers * per_token["full"])
         saved += shared_bytes(policy, mb_rows, mb_len, False)
         candidates = []
         if layers - full_layers:
@@ -1635,8 +1643,9 @@ def project_launchers(coef: dict, launchers: Sequence[str]) -> dict:
         counted = param_counts(model_shape(model))["total"]
         out[path] = dict(
             model=model, stage=launch.stage, world=launch.world, tp=launch.tp, pp=launch.pp, ep=launch.ep,
-            dp=launch.dp, expert_dp=launch.expert_dp, roles=[dict(name=r.name, trainable=r.trainable, value_head=r.value_head, offloadable=r.offloadable)
-                                                     for r in launch.roles],
+            dp=launch.dp, expert_dp=launch.expert_dp,
+            roles=[dict(name=r.name, trainable=r.trainable, value_head=r.value_head, offloadable=r.offloadable)
+                   for r in launch.roles],
             rollout_rows=launch.rollout_rows, unique_prompts=launch.unique_prompts,
             micro_batch_size=launch.micro_batch_size, prompt_cap=launch.prompt_cap, response_cap=launch.response_cap,
             mini_batch=launch.mini_batch, flags=launch.flags, params_counted=counted,
@@ -1682,11 +1691,14 @@ def grid_cases(grid: dict) -> List[Case]:
 
 
 def run_cases(cases: Sequence[Case], device_type: str, max_bytes: float, log, timing_tags=("main", "packed"),
-              reuse: Optional[Dict[str, dict]] = None):
+              reuse: Optional[Dict[str, dict]] = None, only: Optional[str] = None):
     results = []
     for i, case in enumerate(cases):
         if reuse and case.name in reuse:
             results.append(reuse[case.name])
+            continue
+        if only and not re.search(only, case.name):
+            results.append(dict(case=case_dict(case), skipped=f"not selected (--only {only})"))
             continue
         guess = rough_case_bytes(case)
         if case.attention != "local" and not sdpa_available():
@@ -1817,8 +1829,9 @@ def report(data: dict) -> str:
             shape = Shape(**g["shape"])
             fit = (predict_working_set(data["fit"]["coefficients"], shape, "forward", "none", g["prompt"], g["batch"])
                    + g["batch"] * shape.heads * g["prompt"] ** 2 * 2 + g["kv_cache"])
+            error = 100 * (fit - g["peak"]) / g["peak"]
             rows.append([g["batch"], g["prompt"], g["new_tokens"], f"{g['kv_cache'] / 2**20:.1f}",
-                         f"{g['peak'] / 2**20:.1f}", f"{fit / 2**20:.1f}", f"{100 * (fit - g['peak']) / g['peak']:+.1f}%"])
+                         f"{g['peak'] / 2**20:.1f}", f"{fit / 2**20:.1f}", f"{error:+.1f}%"])
         out.append(print_table(rows, ["rows", "prompt", "new", "KV MiB", "peak MiB", "fit MiB", "err"]))
         for k in data.get("kv_check", []):
             out.append(f"KV check: {k['new_tokens'][0]} -> {k['new_tokens'][1]} new tokens: peak rises "
@@ -1857,7 +1870,8 @@ def report(data: dict) -> str:
                                       "all phases fit", ""]))
         rec = p["recommended"]
         out.append(f"needs (<= {TARGET_TRAIN_GB} GB in every phase): " + ("; ".join(rec["changes"]) or "nothing")
-                   + f" -> rollout {rec['rollout_gb']:.1f}, passes {rec['passes_gb']:.1f}, train {rec['train_gb']:.1f} GB"
+                   + f" -> rollout {rec['rollout_gb']:.1f}, passes {rec['passes_gb']:.1f}, "
+                     f"train {rec['train_gb']:.1f} GB"
                    + (f" ({'; '.join(rec['notes'])})" if rec["notes"] else ""))
         alt = p.get("recommended_without_routing_replay")
         if alt:
@@ -1998,6 +2012,7 @@ def parse(argv=None):
     p.add_argument("--reuse", metavar="JSON",
                    help="take the cases an earlier --json measured (same name), the rollout, model-state, TP2 and "
                         "peak-check results from it, and measure only the rest")
+    p.add_argument("--only", metavar="REGEX", help="measure only the cases whose name matches (with --reuse)")
     p.add_argument("--json", metavar="PATH")
     return p.parse_args(argv)
 
@@ -2041,7 +2056,8 @@ def main(argv=None) -> int:
     if opts.reuse:
         with open(opts.reuse) as f:
             old = json.load(f)
-        data["meta"]["reused_from"] = dict(path=opts.reuse, date=old["meta"]["date"])
+        data["meta"]["reused_from"] = dict(path=opts.reuse, date=old["meta"]["date"],
+                                           earlier=old["meta"].get("reused_from"))
     data["peak_check"] = dict(scripted=check_peak_method(opts.device))
     log(f"peak method on a scripted sequence: {data['peak_check']['scripted']}")
     if "rss" in old.get("peak_check", {}):
@@ -2052,7 +2068,7 @@ def main(argv=None) -> int:
         log(f"RSS check: {data['peak_check']['rss']}")
     cases = main_cases(shape, lengths, attentions) + ([] if opts.no_fit_grid else grid_cases(grid))
     reuse = {c["case"]["name"]: c for c in old.get("cases", []) if "saved" in c}
-    data["cases"] = run_cases(cases, opts.device, max_bytes, log, reuse=reuse)
+    data["cases"] = run_cases(cases, opts.device, max_bytes, log, reuse=reuse, only=opts.only)
     for key in ("generate", "model_state", "model_state_distributed_optimizer_dp1", "tp2"):
         if key in old:
             data[key] = old[key]
