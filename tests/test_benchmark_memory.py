@@ -4,6 +4,7 @@ keeps exactly the bf16 layer input, 2 x H bytes per token per layer, less than s
 state 2 + 4 + 4 + 8 bytes per parameter; the peak method exact on a scripted sequence)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,7 +102,7 @@ def test_memory_benchmark_toy_run(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--toy", "--no-tp2", "--no-rss-check",
            "--no-fit-grid", "--launchers", "examples/mcore/qwen25/grpo_qwen25_7b.sh", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Targets:" in proc.stdout and "needs (<= 56 GB" in proc.stdout
     data = json.loads(out.read_text())
