@@ -6,7 +6,8 @@ devices it applies to. `mindspeed_llm.device.setup()` applies the registry once 
 
 On CUDA nothing is patched. On NPU `torch_npu`'s own `transfer_to_npu` redirection does the work.
 On CPU the patches in `cpu.py` answer megatron-core 0.16.1's hard-coded `torch.cuda` calls.
-`mla.py` lets multi-latent attention (DeepSeek-V3) build on the local spec. `moe.py` mends two spots of megatron's MoE code that assume Transformer Engine or CUDA tensors. `static_decode.py`
+`mla.py` lets multi-latent attention (DeepSeek-V3) build on the local spec. `moe.py` mends two spots of megatron's MoE code that assume Transformer Engine or CUDA tensors. `optimizer.py` lets the
+distributed optimizer take CPU and NPU tensors. `static_decode.py`
 holds the patches the CUDA-graph decode engine installs on demand (only when it runs; see that module).
 """
 
@@ -59,7 +60,7 @@ def registry() -> List[Patch]:
 
 
 def _load_patch_modules():
-    from mindspeed_llm.patches import cpu, inference, mla, moe  # noqa: F401  (registration happens at import)
+    from mindspeed_llm.patches import cpu, inference, mla, moe, optimizer  # noqa: F401  (registration at import)
 
 
 def apply_patches(device_kind: str) -> List[str]:
