@@ -10,7 +10,9 @@ On the DP2 runs of `model_state_runs.py` (bf16, 3 iterations):
   the critic nothing; at every optimizer step the state is all back (the bytes equal the run without the flags);
   the bytes are counted by a traversal of megatron's own attributes (`model_state_runs.allocated_bytes`);
 * each flag alone takes exactly its part off the device at the rollout: --offload-train-optimizer the Adam moments,
-  --offload-train-grad the grad buffers, --offload-train-param the fp32 main weights (and the critic's weights).
+  --offload-train-grad the grad buffers, --offload-train-param the fp32 main weights (and the critic's weights);
+* under the virtual-device guard (`device_guard.py`) both stages run with the distributed optimizer and every flag:
+  no host tensor meets device math on the way off the device and back.
 """
 
 import json
@@ -101,3 +103,37 @@ def test_offload_param_without_main_weights_says_so():
     assert any("--offload-train-param offloads nothing here" in n for n in parse_args(base).startup_notes)
     assert not any("--offload-train-param" in n for n in parse_args(base + ["--bf16"]).startup_notes)
     assert not any("--offload-train-param" in n for n in parse_args(base[:-1]).startup_notes)
+
+
+def _guarded(rank, world_size, runs):
+    """posttrain_gpt.main on each argv inside the virtual-device guard (`device_guard.py`): its exit codes."""
+    import os
+
+    os.environ["MINDSPEED_DEVICE"] = "cpu"
+    from device_guard import virtual_device
+    from megatron.core import parallel_state
+
+    import posttrain_gpt
+
+    codes = []
+    for argv in runs:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        with virtual_device():
+            codes.append(posttrain_gpt.main(argv))
+    return codes
+
+
+def test_offload_and_the_distributed_optimizer_keep_device_tensors_on_the_device(model_state_runs, tmp_path):
+    """Under the virtual-device guard (an op mixing host and device tensors fails, as on a GPU), both stages run two
+    iterations with the distributed optimizer, bf16 and every offload flag: the host copies and the freed and
+    re-allocated device storage never meet device math. (No --save: the checkpoint gathers on megatron's gloo
+    group, host tensors by design, which the guard cannot tell from a device group.)"""
+    from model_state_runs import OFFLOAD, stage_argv
+
+    from multiproc import run_distributed
+
+    task = model_state_runs["task"]
+    runs = [stage_argv(task, stage, tmp_path / stage, "--use-distributed-optimizer", "--bf16", *OFFLOAD, iters=2,
+                       save=False) for stage in ("trl_ppo", "grpo")]
+    assert run_distributed(_guarded, 1, runs) == [[0, 0]]
