@@ -17,6 +17,8 @@ In one process (DP1), on the DP2 checkpoints:
 
 * the state saved at DP2 loads at DP1 (megatron's dp_zero format holds the buffers without their DP padding): the
   loaded main weights and moments equal the file's, bit for bit, and training continues, saying it resharded;
+* each patch of `patches/optimizer.py` is needed: without it megatron raises its error (the CUDA type check, the
+  size mismatch of a param group mixing fp32 and bf16 parameters, `step` / the leaf view on load);
 * a checkpoint of the other optimizer kind is refused in both directions, naming the flag and --no-load-optim (which
   then runs); `--finetune` takes the weights only; a truncated `distrib_optim.pt` is an error naming the file and
   the previous complete iteration.
@@ -122,9 +124,66 @@ def test_model_state_bytes_per_parameter_at_dp2(model_state_runs):
 
 
 # ---------------------------------------------------------------------------------------------- at DP1
-def _dp1_body(rank, world_size, reshard_argv, distrib_files, cases):
-    """Load a DP2 checkpoint at DP1 and return each role's gathered state next to the file's, then run the
-    command lines of `cases` through posttrain_gpt.main."""
+PATCHES = {  # patches/optimizer.py target -> what megatron raises without it
+    "type checks": "DistributedOptimizer.__init__",
+    "group order": "DistributedOptimizer._build_optimizer_group_ranges",
+    "loading with step": "DistributedOptimizer._set_main_param_and_optimizer_states",
+}
+
+
+def _patch_cases(reward_checkpoint):
+    """Each patch of patches/optimizer.py taken away in turn, on a bf16 value-head model (its fp32 value head shares a
+    param group with bf16 weights) with the distributed optimizer: {case: the error megatron raises, or None}."""
+    import contextlib
+
+    from mindspeed_llm import patches
+    from mindspeed_llm.arguments import parse_args
+    from mindspeed_llm.rl import roles
+    from mindspeed_llm.rl.engine import OptimizerSettings, TrainableModel
+
+    args = parse_args(["--stage", "grpo", "--ref-model", "m", "--data-path", "d", "--global-batch-size", "1",
+                       "--train-iters", "1", "--verifier-function", "math_acc", "--bf16"])
+
+    @contextlib.contextmanager
+    def without(target):
+        owner, attr, original, _ = next(entry for entry in patches._APPLIED if entry[3].endswith(target))
+        patched = getattr(owner, attr)
+        setattr(owner, attr, original)
+        try:
+            yield
+        finally:
+            setattr(owner, attr, patched)
+
+    def trainable():
+        model = roles.load_model(reward_checkpoint, "--reward-model", args, value_head=True)
+        trained = TrainableModel(model, OptimizerSettings(lr=1e-3, params_dtype="bf16", use_distributed_optimizer=True))
+        (sub,) = trained.distributed_optimizers
+        sub._init_optimizer_states_with_dummy_values()  # Adam's state, as after a first step
+        return trained, sub
+
+    def error(fn):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 (the message is the result)
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    found = {}
+    with without(PATCHES["type checks"]):
+        found["type checks"] = error(trainable)
+    with without(PATCHES["group order"]):
+        found["group order"] = error(lambda: trainable()[0].parameter_state())
+    trained, sub = trainable()
+    state = trained.parameter_state()
+    with without(PATCHES["loading with step"]):
+        found["loading with step"] = error(lambda: sub.load_parameter_state_from_dp_zero(state))
+    found["all patches"] = error(lambda: sub.load_parameter_state_from_dp_zero(state))
+    return found
+
+
+def _dp1_body(rank, world_size, reshard_argv, distrib_files, cases, reward_checkpoint):
+    """Each optimizer patch shown needed; a DP2 checkpoint loaded at DP1, each role's gathered state returned next to
+    the file's; then the command lines of `cases` through posttrain_gpt.main."""
     from multiproc import _posttrain_main_cases
 
     from megatron.core import parallel_state
@@ -137,12 +196,13 @@ def _dp1_body(rank, world_size, reshard_argv, distrib_files, cases):
 
     args = parse_args(reshard_argv, world_size)
     distributed.initialize(1, 1, args.seed)
+    patch_errors = _patch_cases(reward_checkpoint)
     stage = STAGES[args.stage](args, load_tokenizer(args))
     training_ckpt.load(args.load, stage.roles(), 1)
     pairs = {name: (trainable.parameter_state(), torch.load(distrib_files[name], weights_only=False))
              for name, trainable in stage.roles().items()}
     parallel_state.destroy_model_parallel()  # posttrain_gpt.main sets it up again, in the same process group
-    return pairs, _posttrain_main_cases(rank, world_size, cases)
+    return patch_errors, pairs, _posttrain_main_cases(rank, world_size, cases)
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +231,18 @@ def dp1(model_state_runs, tmp_path_factory):
         "damaged": argv("damaged", *dist, "--load", str(damaged)),
     }
     reshard = argv("reshard_probe", *dist, "--load", str(source), "--ckpt-step", "1")
-    pairs, results = run_distributed(_dp1_body, 1, reshard, distrib, list(cases.values()))[0]
-    return pairs, dict(zip(cases, results)), {"out": out, "truncated": truncated}
+    patch_errors, pairs, results = run_distributed(_dp1_body, 1, reshard, distrib, list(cases.values()),
+                                                   task["mg_reward_tp1pp1"])[0]
+    return pairs, dict(zip(cases, results)), {"out": out, "truncated": truncated, "patch_errors": patch_errors}
+
+
+def test_each_optimizer_patch_is_needed(dp1):
+    errors = dp1[2]["patch_errors"]
+    assert errors["type checks"].startswith("TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor")
+    assert errors["group order"].startswith("RuntimeError: The size of tensor a")
+    assert errors["loading with step"] in ("KeyError: 'step'", ) or "a leaf Variable that requires grad" in \
+        errors["loading with step"], errors["loading with step"]
+    assert errors["all patches"] is None
 
 
 def test_dp2_state_loads_at_dp1_bit_for_bit(dp1):

@@ -380,7 +380,7 @@ def _read_parameter_state(name: str, trainable, state: dict, role_root: str, ite
     parameter_state, error = None, None
     if trainable.reads_parameter_state():
         try:
-            parameter_state = layout.load_file(path, weights_only=False)
+            parameter_state = layout.load_file(path)  # tensors, dtypes and numbers only: weights_only
         except Exception as exc:  # missing, truncated or flipped
             error = _damaged(role_root, iteration, tp_rank, pp_rank, exc, list(roles), ep_rank, path=path)
         else:

@@ -4,11 +4,13 @@ Each patch is a `Patch`: the dotted target it replaces, a factory for the replac
 devices it applies to. `mindspeed_llm.device.setup()` applies the registry once per process;
 `remove_patches()` restores every original (the tests use it to show that each patch is needed).
 
-On CUDA nothing is patched. On NPU `torch_npu`'s own `transfer_to_npu` redirection does the work.
-On CPU the patches in `cpu.py` answer megatron-core 0.16.1's hard-coded `torch.cuda` calls.
-`mla.py` lets multi-latent attention (DeepSeek-V3) build on the local spec. `moe.py` mends two spots of megatron's MoE code that assume Transformer Engine or CUDA tensors. `optimizer.py` lets the
-distributed optimizer take CPU and NPU tensors. `static_decode.py`
-holds the patches the CUDA-graph decode engine installs on demand (only when it runs; see that module).
+On NPU `torch_npu`'s own `transfer_to_npu` redirection does most of the work. On CPU the patches in `cpu.py`
+answer megatron-core 0.16.1's hard-coded `torch.cuda` calls. `mla.py` lets multi-latent attention (DeepSeek-V3)
+build on the local spec. `moe.py` mends two spots of megatron's MoE code that assume Transformer Engine or CUDA
+tensors. `optimizer.py` lets the distributed optimizer take CPU and NPU tensors and mends two of its checkpoint
+paths (a param group mixing fp32 and bf16 parameters; loading with torch Adam's `step`), those two on every device,
+CUDA included. `static_decode.py` holds the patches
+the CUDA-graph decode engine installs on demand (only when it runs; see that module).
 """
 
 from __future__ import annotations
