@@ -222,6 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--missing-eos-penalty", type=float)
     g.add_argument("--offload-ref-reward", action="store_true",
                    help="keep reference and reward models in host memory between uses")
+    g.add_argument("--offload-train-optimizer", action="store_true",
+                   help="keep the actor's and critic's optimizer moments (Adam's exp_avg / exp_avg_sq) in host memory "
+                        "from one update to the next (MindSpeed-RL's offload_train_optimizer)")
+    g.add_argument("--offload-train-grad", action="store_true",
+                   help="free the actor's and critic's grad buffers from one update to the next")
+    g.add_argument("--offload-train-param", action="store_true",
+                   help="keep the fp32 main weights of bf16 / fp16 models in host memory from one update to the next, "
+                        "and the critic's weights during the rollout (the actor's weights generate: they stay)")
 
     g = p.add_argument_group("RL: rollout")
     g.add_argument("--max-length", type=int, help="prompt + response tokens (default: --max-prompt-length + "
@@ -449,6 +457,9 @@ def validate_args(args, world_size: int) -> None:
             f"--ppo-mini-batch-size {mini} must be a multiple of --n-samples-per-prompt {n} x data-parallel size {dp}: "
             "a prompt's samples stay in one mini-batch, and every DP rank holds whole prompts of each"
         )
+    if args.offload_train_param and args.params_dtype == "fp32" and args.stage == "grpo":
+        args.startup_notes.append("--offload-train-param offloads nothing here: an fp32 actor has no separate main "
+                                  "weights, and its weights generate (with --bf16 it offloads the fp32 main weights)")
     if args.optimizer == "sgd" and args.use_distributed_optimizer:
         raise ArgumentError("--optimizer sgd does not work with --use-distributed-optimizer (megatron refuses it); "
                             "drop one of them")

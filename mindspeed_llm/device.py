@@ -75,6 +75,13 @@ def synchronize() -> None:
         torch.npu.synchronize()
 
 
+def host_buffer(nbytes: int) -> torch.Tensor:
+    """`nbytes` bytes (uint8) of host memory for copies of device tensors: pinned on an accelerator, so that the
+    copies can run asynchronously (`non_blocking=True`) at full bandwidth; plain memory on the CPU (nothing to pin
+    for)."""
+    return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=not accelerator().is_cpu)
+
+
 def manual_seed(seed: int) -> None:
     """Seed python, numpy, torch (CPU) and the accelerator's generators."""
     random.seed(seed)

@@ -277,9 +277,9 @@ SAMPLING: Dict[str, Any] = {
 
 GENERATE: Dict[str, Any] = {
     "trust_remote_code": Ignored("the models are Megatron checkpoints built by this program"),
-    "offload_train_optimizer": Ignored("no separate inference engine needs the memory: training state stays put"),
-    "offload_train_grad": Ignored("no separate inference engine needs the memory: training state stays put"),
-    "offload_train_param": Ignored("no separate inference engine needs the memory: training state stays put"),
+    "offload_train_optimizer": Flag("--offload-train-optimizer"),
+    "offload_train_grad": Flag("--offload-train-grad"),
+    "offload_train_param": Flag("--offload-train-param"),
     "infer_tensor_parallel_size": Slot("infer_tensor_parallel_size", "number"),
     "infer_pipeline_parallel_size": Slot("infer_pipeline_parallel_size", "number"),
     "infer_expert_parallel_size": Slot("infer_expert_parallel_size", "number"),

@@ -537,7 +537,7 @@ def load_megatron_weights(model, root: str, iteration=None, strict: bool = True)
             f"--save-model-type mg --target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}"
             f"{target if ep > 1 else ''}"
         )
-    payload = layout.load_file(layout.shard_path(info["dir"], tp_rank, pp_rank, pp, ep_rank, ep))
+    payload = layout.load_file(layout.shard_path(info["dir"], tp_rank, pp_rank, pp, ep_rank, ep), mmap=True)
     stored = payload["model"]
     current = inner.state_dict()
     state = {}

@@ -24,7 +24,10 @@ Every `model_optim_rng.pt` is a dict (see `make_payload`):
     tp_rank, pp_rank    where this shard belongs (ep_rank too; args record expert_model_parallel_size
                         and expert_tensor_parallel_size)
     hf_config           (conversions only) the source config.json, so an export can keep e.g. pad_token_id
-Training checkpoints add optimizer / scheduler / RNG entries next to these.
+Training checkpoints add optimizer / scheduler / RNG entries next to these; with --use-distributed-optimizer
+each shard folder also holds `distrib_optim.pt` (Megatron-LM's layout: the sharded fp32 main weights and Adam
+moments of the whole model shard, gathered from its data-parallel ranks in megatron's dp_zero format, which
+loads at any DP size; `args.use_distributed_optimizer` and `args.data_parallel_size` record how it was saved).
 
 Publication: a checkpoint is written into `staging_dir(root, iteration)` (a dot-name no reader looks at),
 moved into place with `publish` (os.replace of the whole directory), and only then is the tracker file
@@ -46,6 +49,7 @@ from mindspeed_llm.files import fsync_dir
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILE = "model_optim_rng.pt"
+OPTIMIZER_STATE_FILE = "distrib_optim.pt"  # Megatron-LM's name: the distributed optimizer's sharded state
 CHECKPOINT_VERSION = 3.0
 RELEASE = "release"
 
@@ -84,6 +88,13 @@ def shard_path(ckpt_dir: str, tp_rank: int, pp_rank: int, pp_size: int, ep_rank:
     """<ckpt_dir>/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt"""
     return os.path.join(os.fspath(ckpt_dir), shard_dirname(tp_rank, pp_rank, pp_size, ep_rank, ep_size),
                         CHECKPOINT_FILE)
+
+
+def optimizer_state_path(ckpt_dir: str, tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0,
+                         ep_size: int = 1) -> str:
+    """<ckpt_dir>/mp_rank_TT[_PPP][_EEE]/distrib_optim.pt, beside the shard's model_optim_rng.pt."""
+    return os.path.join(os.fspath(ckpt_dir), shard_dirname(tp_rank, pp_rank, pp_size, ep_rank, ep_size),
+                        OPTIMIZER_STATE_FILE)
 
 
 class ShardLayout(NamedTuple):

@@ -8,7 +8,12 @@ Layout (Megatron-LM's, one tree per role)::
     <save>/.writer.lock                               <- host and pid of the run writing here
 
 Each shard holds `model`, `optimizer`, `opt_param_scheduler`, `iteration`, `model_spec` and, in the same
-file, the loop state (`rng_state` of every DP rank, `data_position` of the prompt sampler).
+file, the loop state (`rng_state` of every DP rank, `data_position` of the prompt sampler). With
+--use-distributed-optimizer the shard folder also holds `distrib_optim.pt` (Megatron-LM's file: the fp32 main
+weights and Adam moments that megatron's optimizer `state_dict()` leaves out, gathered over the DP ranks by DP rank
+0), staged and published with the rest; a resume scatters it again, at the saved DP size or another one, and checks
+that the main weights and moments were restored (`TrainableModel.load_state_dict`). A checkpoint saved with the
+other kind of optimizer is refused unless `--no-load-optim`.
 
 What is guaranteed:
 
@@ -20,10 +25,16 @@ What is guaranteed:
 * A failed write (disk full, permissions) removes its staging files and names the cause; the previous
   checkpoint stays the resume point.
 * One writer per directory (`WriterLock`).
+* A shard that cannot be read on any rank stops every rank with the file named (no rank is left waiting in a
+  collective).
+
+State a role keeps in host memory between updates (--offload-train-*) comes back to the device for a save or a
+load and leaves again after it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -128,6 +139,16 @@ def _remove_staging_leftovers(role_root: str) -> None:
             shutil.rmtree(os.path.join(role_root, name), ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _on_device(roles: Dict[str, object]):
+    """Every role's offloaded training state on the device for the block (`TrainableModel.on_device`)."""
+    with contextlib.ExitStack() as stack:
+        for trainable in roles.values():
+            if hasattr(trainable, "on_device"):
+                stack.enter_context(trainable.on_device())
+        yield
+
+
 def save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict) -> None:
     """Write `roles` ({name: TrainableModel}) and `loop_state` (sampler position etc.) for `iteration`.
 
@@ -135,13 +156,21 @@ def save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict) 
     staging files and raises `CheckpointError` naming it. Either way the previous checkpoint stays the
     resume point.
     """
+    with _on_device(roles):
+        _save(root, iteration, roles, loop_state)
+
+
+def _save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict) -> None:
     problems = gather_messages(non_finite_weights(roles))
     if problems:
         raise NonFiniteError(
             f"the weights are not finite ({'; '.join(problems)}); iteration {iteration} was not saved to {root}"
         )
     rng_states = _gather_dp(_rng_state())
+    # the distributed optimizer's sharded state, gathered onto DP rank 0 (collectives: every rank, every role)
+    parameter_states = {name: _parameter_state(trainable) for name, trainable in roles.items()}
     tp_rank, pp_rank, tp, pp = _layout()
+    dp = parallel_state.get_data_parallel_world_size()
     staging = {name: layout.staging_dir(os.path.join(root, name), iteration) for name in roles}
     if is_rank_0():
         for name in roles:
@@ -151,20 +180,28 @@ def save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict) 
     error = None
     for name, trainable in roles.items():
         module = trainable.module
-        if not _writes_shard(module):
-            continue
-        state = trainable.state_dict()
         ep, etp, ep_rank = layout.model_expert_layout(module)
-        payload = layout.make_payload(
-            state.pop("model"), module.model_spec, tp, pp, tp_rank, pp_rank, module.config.params_dtype,
-            bool(getattr(module, "is_value_model", False)), iteration, ep=ep, etp=etp, ep_rank=ep_rank,
-            rng_state=rng_states, data_position=loop_state, **state,
-        )
-        path = layout.shard_path(staging[name], tp_rank, pp_rank, pp, ep_rank, ep)
-        try:
-            layout.save_file(payload, path)
-        except (OSError, RuntimeError) as exc:  # torch reports a full disk as a RuntimeError
-            error = _write_error(path, exc)
+        files = []
+        if _writes_shard(module):
+            state = trainable.state_dict()
+            payload = layout.make_payload(
+                state.pop("model"), module.model_spec, tp, pp, tp_rank, pp_rank, module.config.params_dtype,
+                bool(getattr(module, "is_value_model", False)), iteration, ep=ep, etp=etp, ep_rank=ep_rank,
+                rng_state=rng_states, data_position=loop_state, **state,
+            )
+            payload["args"].use_distributed_optimizer = bool(_distributed_optimizers(trainable))
+            payload["args"].data_parallel_size = dp
+            files.append((payload, layout.shard_path(staging[name], tp_rank, pp_rank, pp, ep_rank, ep)))
+        if parameter_states[name] is not None:
+            files.append((parameter_states[name],
+                          layout.optimizer_state_path(staging[name], tp_rank, pp_rank, pp, ep_rank, ep)))
+        for payload, path in files:
+            try:
+                layout.save_file(payload, path)
+            except (OSError, RuntimeError) as exc:  # torch reports a full disk as a RuntimeError
+                error = _write_error(path, exc)
+                break
+        if error:
             break
     errors = gather_messages(error)
     if errors:
@@ -186,6 +223,14 @@ def save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict) 
             layout.write_latest(os.path.join(root, name), iteration)
         layout.write_latest(root, iteration)  # the resume point: only once every role is complete
     barrier()
+
+
+def _distributed_optimizers(trainable) -> list:
+    return list(getattr(trainable, "distributed_optimizers", []))
+
+
+def _parameter_state(trainable):
+    return trainable.parameter_state() if _distributed_optimizers(trainable) else None
 
 
 def _write_error(path: str, exc: BaseException) -> str:
@@ -271,36 +316,97 @@ def load(root: str, roles: Dict[str, object], iteration: int, load_optim: bool =
     """Restore `roles` from `iteration` under `root`; returns the loop state saved with it.
 
     A shard that cannot be read is an error naming the file and the previous complete iteration to pass as
-    `--ckpt-step`. `on_schedule(name, trainable, state)`, when given, sees each role's state before its
-    optimizer and LR schedule are restored (to reconcile the schedule with the command line).
+    `--ckpt-step` (on every rank, whichever rank failed). `on_schedule(name, trainable, state)`, when given, sees
+    each role's state before its optimizer and LR schedule are restored (to reconcile the schedule with the
+    command line).
     """
+    with _on_device(roles):
+        return _load(root, roles, iteration, load_optim, load_rng, on_schedule)
+
+
+def _load(root: str, roles: Dict[str, object], iteration: int, load_optim: bool, load_rng: bool,
+          on_schedule) -> dict:
     tp_rank, pp_rank, _, _ = _layout()
     loop_state = None
     for name, trainable in roles.items():
         role_root = os.path.join(root, name)
         ep_rank = layout.model_expert_layout(trainable.module)[2]
+        state, error = None, None
         try:
             state = layout.load_shard(role_root, tp_rank, pp_rank, iteration, ep_rank, weights_only=False)
         except Exception as exc:  # a truncated or flipped file: torch raises any of several types
-            raise CheckpointError(_damaged(role_root, iteration, tp_rank, pp_rank, exc, list(roles), ep_rank)) from None
+            error = _damaged(role_root, iteration, tp_rank, pp_rank, exc, list(roles), ep_rank)
+        _raise_on_every_rank(error)
+        parameter_state, source = None, ""
+        if load_optim:
+            parameter_state, source = _read_parameter_state(name, trainable, state, role_root, iteration, roles)
         if on_schedule is not None and load_optim:
             on_schedule(name, trainable, state)
-        trainable.load_state_dict(state, load_optim=load_optim)
+        trainable.load_state_dict(state, load_optim=load_optim, **(
+            dict(parameter_state=parameter_state, source=source) if _distributed_optimizers(trainable) else {}))
         loop_state = state["data_position"]
         if load_rng:
             _set_rng_state(state["rng_state"][parallel_state.get_data_parallel_rank()])
     return loop_state
 
 
+def _raise_on_every_rank(error: Optional[str]) -> None:
+    """A problem found on some ranks stops all of them (with every rank's message), before any collective that
+    the failed ranks would never join."""
+    errors = gather_messages(error)
+    if errors:
+        raise CheckpointError(errors[0].split(": ", 1)[1] if len(errors) == 1 else "; ".join(errors))
+
+
+def _read_parameter_state(name: str, trainable, state: dict, role_root: str, iteration: int, roles):
+    """The distributed optimizer's `distrib_optim.pt` for this rank (None where another rank reads it) and its
+    path. A checkpoint saved with the other kind of optimizer, a missing or unreadable file, or one that does not
+    fit the model is an error on every rank, naming the file and the fix."""
+    saved = getattr(state.get("args"), "use_distributed_optimizer", False)
+    ours = bool(_distributed_optimizers(trainable))
+    if bool(saved) != ours:
+        had = lambda flag: ("with" if flag else "without") + " --use-distributed-optimizer"  # noqa: E731
+        raise CheckpointError(
+            f"{name}: the checkpoint of iteration {iteration} under {role_root} was saved {had(saved)}, this run is "
+            f"{had(ours)}: its optimizer state does not load into this optimizer. Run {had(saved)} as it was saved, "
+            "or pass --no-load-optim to keep its weights and restart the optimizer")
+    if not ours:
+        return None, ""
+    tp_rank, pp_rank, _, _ = _layout()
+    ep_rank = layout.model_expert_layout(trainable.module)[2]
+    ckpt_dir = layout.checkpoint_dir(role_root, iteration)
+    found = layout.read_layout(ckpt_dir)
+    path = layout.optimizer_state_path(ckpt_dir, tp_rank, pp_rank, found.pp, ep_rank, found.ep)
+    parameter_state, error = None, None
+    if trainable.reads_parameter_state():
+        try:
+            parameter_state = layout.load_file(path)  # tensors, dtypes and numbers only: weights_only
+        except Exception as exc:  # missing, truncated or flipped
+            error = _damaged(role_root, iteration, tp_rank, pp_rank, exc, list(roles), ep_rank, path=path)
+        else:
+            problem = trainable.parameter_state_problem(parameter_state)
+            saved_dp = getattr(state.get("args"), "data_parallel_size", None)
+            dp = parallel_state.get_data_parallel_world_size()
+            if problem:
+                error = (f"{path} does not fit this {name} ({problem}); it was saved at data-parallel size {saved_dp}, "
+                         f"this run has {dp}: resume with the model and precision it was saved with, or pass "
+                         "--no-load-optim to keep the weights and restart the optimizer")
+            elif saved_dp is not None and saved_dp != dp and is_rank_0():
+                print(f"{name}: the distributed optimizer's state was saved at data-parallel size {saved_dp}; "
+                      f"resharded to {dp}", flush=True)
+    _raise_on_every_rank(error)
+    return parameter_state, path
+
+
 def _damaged(role_root: str, iteration: int, tp_rank: int, pp_rank: int, exc: BaseException, role_names,
-             ep_rank: int = 0) -> str:
+             ep_rank: int = 0, path: Optional[str] = None) -> str:
     root = os.path.dirname(os.path.abspath(role_root))
     try:
         found = layout.read_layout(layout.checkpoint_dir(role_root, iteration))
-        path = layout.shard_path(layout.checkpoint_dir(role_root, iteration), tp_rank, pp_rank, found.pp, ep_rank,
-                                 found.ep)
+        path = path or layout.shard_path(layout.checkpoint_dir(role_root, iteration), tp_rank, pp_rank, found.pp,
+                                         ep_rank, found.ep)
     except layout.CheckpointNotFoundError as missing:
-        path = str(missing)
+        path = path or str(missing)
     earlier = [i for i in complete_iterations(root, role_names) if i < iteration]
     hint = f"resume from the previous complete one with --ckpt-step {earlier[-1]}" if earlier else \
         "there is no earlier complete checkpoint to fall back on"

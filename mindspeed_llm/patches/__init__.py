@@ -8,7 +8,9 @@ On NPU `torch_npu`'s own `transfer_to_npu` redirection does the device work. On 
 answer megatron-core 0.16.1's hard-coded `torch.cuda` calls. On every device: `mla.py` lets multi-latent attention
 (DeepSeek-V3) build on the local spec; `moe.py` mends two spots of megatron's MoE code that assume Transformer
 Engine or CUDA tensors (one of them CPU only); `recompute.py` gives a recomputed region its micro-batch's
-per-forward settings and block recompute its padding mask. `static_decode.py` holds the patches the CUDA-graph
+per-forward settings and block recompute its padding mask; `optimizer.py` lets the distributed optimizer take CPU
+and NPU tensors and mends two of its checkpoint paths (a param group mixing fp32 and bf16 parameters; loading with
+torch Adam's `step`), those two on every device, CUDA included. `static_decode.py` holds the patches the CUDA-graph
 decode engine installs on demand (only when it runs; see that module).
 """
 
@@ -61,7 +63,7 @@ def registry() -> List[Patch]:
 
 
 def _load_patch_modules():
-    from mindspeed_llm.patches import cpu, inference, mla, moe, recompute  # noqa: F401  (registration at import)
+    from mindspeed_llm.patches import cpu, inference, mla, moe, optimizer, recompute  # noqa: F401  (registration)
 
 
 def apply_patches(device_kind: str) -> List[str]:

@@ -3,7 +3,9 @@
 # i.e. one model replica (DP 1; 8 nodes give DP 2). The score is a rule reward (math answer accuracy, as
 # MindSpeed-RL's PPO recipe); the critic starts from a Qwen2.5-32B reward model (value head), which does not score
 # (--reward-model-weight 0, so it is loaded once, as the critic). Actor and reference come from --ref-model.
-# Each prompt is sampled --n-samples-per-prompt times; every sample gets its own GAE.
+# Each prompt is sampled --n-samples-per-prompt times; every sample gets its own GAE. The optimizer state is sharded
+# over the DP ranks (--use-distributed-optimizer; at DP 1 it is whole), and the actor's and critic's moments, grads and
+# fp32 main weights, and the critic's weights, wait in host memory during the rollout (--offload-train-*).
 #
 # Before (paths below are the defaults; Qwen2.5 7B and 32B share one tokenizer, so a DeepScaleR set made for
 # grpo_qwen25_7b.sh serves too):
@@ -41,7 +43,7 @@ MODEL_ARGS="--num-layers 64 --hidden-size 5120 --ffn-hidden-size 27648 --num-att
 GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP --use-distributed-optimizer \
   --micro-batch-size 1 --global-batch-size 64 --train-iters 1000 --bf16 \
   --lr 1e-6 --critic-lr 5e-6 --lr-decay-style constant --weight-decay 0.01 --clip-grad 1.0 \
-  --adam-beta1 0.9 --adam-beta2 0.95 --seed 1234 \
+  --adam-beta1 0.9 --adam-beta2 0.95 --seed 1234 --offload-train-optimizer --offload-train-grad --offload-train-param \
   --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 DATA_ARGS="--data-path $DATA_PATH --tokenizer-type PretrainedFromHF --tokenizer-name-or-path $TOKENIZER"
 RL_ARGS="--stage trl_ppo --ref-model $REF_MODEL --reward-model $CRITIC_MODEL --reward-model-weight 0 \

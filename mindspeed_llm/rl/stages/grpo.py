@@ -59,8 +59,9 @@ class GRPOStage:
         initial = args.ref_model or args.load
         flag = "--ref-model" if args.ref_model else "--load"
         self.actor = roles.trainable(roles.load_model(initial, flag, args, trained=True), args, "actor", flag)
-        self.reference = roles.offloaded(roles.frozen(roles.load_model(initial, flag, args)),
-                                         args.offload_ref_reward) if args.kl_coef > 0 else None
+        self.reference = roles.offloaded(roles.frozen(roles.load_model(
+            initial, flag, args, on_host=args.offload_ref_reward)), args.offload_ref_reward) \
+            if args.kl_coef > 0 else None
         reward_model = roles.load_reward_model(args) if args.reward_model else None
         roles.check_vocab({"actor": self.actor.module, "reference": self.reference, "reward": reward_model},
                           tokenizer)
@@ -79,6 +80,7 @@ class GRPOStage:
         args, n = self.args, self.args.n_samples_per_prompt
         timers = Timers(sync=device.synchronize)
         with timers("all"):
+            self.actor.offload(timers)  # --offload-train-*: the training state waits in host memory until the update
             exp, plan, score_metrics = self._generate(iteration, rows, timers)
             if args.dynamic_sampling:  # refill with more prompt groups until the batch's groups all carry signal
                 exp, sampling_stats = refill(
@@ -107,7 +109,7 @@ class GRPOStage:
                     informative = informative_groups(exp.scores, n)
                     exp.loss_mask = exp.loss_mask * informative.repeat_interleave(n)[:, None]
 
-            with timers("update"):
+            with timers("update"), self.actor.on_device(timers):
                 actor_metrics = ppo_update(self.actor, exp, plan, args, self._loss, iteration, group_size=n)
 
         metrics = {
