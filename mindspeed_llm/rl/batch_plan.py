@@ -7,9 +7,14 @@ Two layouts of model rows; the per-sample tensors (`[mb, R]`, `[mb]`) are the sa
   mask alone, position ids `arange(T)`.
 * packed prompt groups (grpo's n samples of a prompt in consecutive rows, when the micro-batch holds whole
   groups): one model row per group, `[prompt | response_1 | ... | response_n]`, each response padded to the
-  group's longest, an attention mask that lets every response see the prompt and itself (causally) but not the
-  other responses, and position ids that continue each response at the prompt's end. Every sample's outputs
-  equal those of its own row (up to float rounding), while the prompt is computed once instead of n times.
+  group's longest, attention that lets every response see the prompt and itself (causally) but not the other
+  responses, and position ids that continue each response at the prompt's end. Every sample's outputs equal those
+  of its own row (up to float rounding), while the prompt is computed once instead of n times. The attention
+  pattern is described, not materialised: `PackedGroups` (`models/attention.py`: each row's prompt length and
+  slot width, the group size, as Python ints computed once per plan) goes with every micro-batch
+  (`micro_batch["packed_groups"]`); the fused core attention reads it as megatron's `packed_seq_params`, and only
+  megatron's local attention gets the dense `[rows, 1, S, S]` mask, built per micro-batch
+  (`PackedGroups.dense_mask`, `rl/engine.py`).
 
 Either way a sample's outputs are read at `response_index` (the position whose output predicts response token
 j, or the critic's state for it) and `last_token_index` (the reward model's read), relative to `logits_from`, the
@@ -24,6 +29,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from mindspeed_llm.models.attention import PackedGroups
 from mindspeed_llm.rl.experience import Experience
 
 MicroBatch = Dict[str, torch.Tensor]
@@ -37,7 +43,7 @@ class MicroBatchPlan:
     group_size: int  # consecutive samples per model row: n when packed, else 1
     tokens: torch.Tensor  # [rows, S] model input
     position_ids: torch.Tensor  # [rows, S]
-    attention_mask: Optional[torch.Tensor]  # [rows, 1, S, S], True = masked (megatron); None: causal
+    groups: Optional[PackedGroups]  # the packed layout of every row; None: one row per sample, causal
     row_of_sample: torch.Tensor  # [B] the model row each sample is read from
     response_index: torch.Tensor  # [B, R] positions (in its row) whose outputs predict the response tokens
     last_token_index: torch.Tensor  # [B] position of the sample's last real token
@@ -64,7 +70,7 @@ class MicroBatchPlan:
 
     @property
     def packed(self) -> bool:
-        return self.attention_mask is not None
+        return self.groups is not None
 
     def micro_batches(self, exp: Experience, samples: Optional[torch.Tensor] = None) -> List[MicroBatch]:
         """Micro-batches of `samples` (indices into `exp`, in this order; default: all, in order): `exp`'s
@@ -76,24 +82,27 @@ class MicroBatchPlan:
         samples = torch.as_tensor(samples, dtype=torch.long, device=device)
         per_sample = {k: v for k, v in exp.tensors().items() if k not in ("tokens", "position_ids")}
         n = self.group_size
+        # the rows of the packed micro-batches as Python ints: one host read per call, none in the forwards
+        packed_rows = self.row_of_sample[samples[::n]].tolist() if self.groups is not None else None
+        rows_per_batch = self.micro_batch_size // n
         out = []
-        for chunk in samples.split(self.micro_batch_size):
+        for index, chunk in enumerate(samples.split(self.micro_batch_size)):
             rows = self.row_of_sample[chunk[::n]]
             mb = {name: value[chunk] for name, value in per_sample.items()}
             mb.update(tokens=self.tokens[rows], position_ids=self.position_ids[rows],
                       row_index=torch.arange(len(rows), device=device).repeat_interleave(n),
                       response_index=self.response_index[chunk], last_token_index=self.last_token_index[chunk],
                       logits_from=self.first_read[chunk].min())
-            if self.attention_mask is not None:
-                mb["attention_mask"] = self.attention_mask[rows]
+            if self.groups is not None:
+                mb["packed_groups"] = self.groups.select(
+                    packed_rows[index * rows_per_batch:(index + 1) * rows_per_batch])
             out.append(mb)
         return out
 
 
 def _packed_rows(exp: Experience, n: int):
     """Model rows `[prompt | response_1 | ... | response_n]` per group, built with whole-tensor ops, and each
-    sample's read indices: (tokens, position_ids, attention_mask, row_of_sample, response_index,
-    last_token_index)."""
+    sample's read indices: (tokens, position_ids, groups, row_of_sample, response_index, last_token_index)."""
     B, R = exp.responses.shape
     G, device = B // n, exp.tokens.device
     if B % n:
@@ -120,10 +129,7 @@ def _packed_rows(exp: Experience, n: int):
     zero = torch.zeros((), dtype=exp.tokens.dtype, device=device)
     tokens = torch.where(in_prompt, prompt_tokens, torch.where(in_response, response_tokens, zero))
     position_ids = torch.where(in_block, P[:, None] + j, s.expand(G, S))
-    segment = torch.where(in_prompt, -1, torch.where(in_block, block, n))  # -1 prompt, k response k, n tail
-    key_visible = (segment[:, None, :] == -1) | (segment[:, None, :] == segment[:, :, None])
-    causal = torch.ones((S, S), dtype=torch.bool, device=device).tril()
-    attention_mask = ~(key_visible & causal)[:, None]
+    groups = PackedGroups(n, tuple(P.tolist()), tuple(W.tolist()), S)
 
     # sample b = g * n + k: its slot starts at P_g + k W_g; token 0 is predicted from the prompt's last position,
     # token j > 0 from response token j - 1
@@ -134,7 +140,7 @@ def _packed_rows(exp: Experience, n: int):
     response_index = torch.where(col == 0, P[group_of, None] - 1, start[:, None] + col - 1).clamp(max=S - 1)
     length = exp.response_lengths
     last_token_index = torch.where(length > 0, start + length - 1, P[group_of] - 1)
-    return tokens, position_ids, attention_mask, group_of, response_index, last_token_index
+    return tokens, position_ids, groups, group_of, response_index, last_token_index
 
 
 def gather_response(output: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
