@@ -194,7 +194,10 @@ def use_core_attention(layer_spec, attention: str):
         raise ValueError(f"attention={attention!r}; use one of {ATTENTIONS}")
     if attention == "local":
         return layer_spec
-    layers = getattr(getattr(layer_spec, "submodules", None), "layer_specs", None) or [layer_spec]
+    # a block spec (TransformerBlockSubmodules, or a ModuleSpec of one) lists its layers; a layer spec is one
+    block = getattr(layer_spec, "layer_specs", None) or getattr(getattr(layer_spec, "submodules", None), "layer_specs",
+                                                                 None)
+    layers = block or [layer_spec]
     swapped = 0
     for layer in layers:
         attention_spec = layer.submodules.self_attention
