@@ -1,8 +1,10 @@
 """The one place that knows about accelerators.
 
 Picks Ascend NPU (when `torch_npu` imports and a device is present), else CUDA, else CPU; the matching
-collective backend (hccl / nccl / gloo); and applies, once, the Megatron patches that device needs
-(see `mindspeed_llm.patches`). Everything else asks this module for `current_device()` and never
+collective backend (hccl / nccl / gloo); applies, once, the Megatron patches that device needs
+(see `mindspeed_llm.patches`); and runs the fused attention kernel of that device (`attention`: torch's
+`scaled_dot_product_attention` on CPU / CUDA, `torch_npu.npu_fusion_attention` on NPU), which the core attention
+of `mindspeed_llm.models.attention` calls. Everything else asks this module for `current_device()` and never
 branches on the accelerator itself.
 """
 
