@@ -154,8 +154,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, sc
       one head dim (CPU SDPA falls back to its math kernel, which saves the probabilities, otherwise).
 
     CPU and CUDA: `torch.nn.functional.scaled_dot_product_attention` (torch picks its flash / memory-efficient /
-    math kernel; on CPU the flash kernel saves only q, k, v, out and the log-sum-exp for backward; dropout and
-    `lower_right` on CPU go through its math kernel / a `[sq, sk]` bool mask). NPU: `torch_npu.npu_fusion_attention`
+    math kernel; on CPU the flash kernel saves only q, k, v, out and the log-sum-exp for backward; dropout goes
+    through its math kernel, `lower_right` through a `[sq, sk]` bool mask except on CUDA). NPU: `torch_npu.npu_fusion_attention`
     (`fusion_attention` overrides it, for tests) in the "BNSD" layout: `masked` as its `atten_mask` with
     `sparse_mode=0`, `upper_left` / `lower_right` as `sparse_mode` 2 / 3 with the compressed 2048 x 2048 causal
     mask, key/value heads fewer than query heads read natively, `keep_prob = 1 - dropout_p`. The NPU translation
@@ -191,10 +191,15 @@ def _sdpa_attention(query, key, value, scale, masked, causal, dropout_p):
         return F.scaled_dot_product_attention(query, key, value, attn_mask=~masked, dropout_p=dropout_p,
                                               scale=scale, enable_gqa=gqa)
     if causal == "lower_right" and query.size(2) != key.size(2):
-        from torch.nn.attention.bias import causal_lower_right
+        sq, sk = query.size(2), key.size(2)
+        if accelerator().kind == "cuda":  # torch's flash / memory-efficient kernels take it without a mask
+            from torch.nn.attention.bias import causal_lower_right
 
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(query.size(2),
-                                              key.size(2)), dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+            keep = causal_lower_right(sq, sk)
+        else:  # elsewhere torch would materialise this very [sq, sk] mask itself (one for all heads and rows)
+            keep = torch.ones((sq, sk), dtype=torch.bool, device=query.device).tril(sk - sq)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=keep, dropout_p=dropout_p, scale=scale,
+                                              enable_gqa=gqa)
     return F.scaled_dot_product_attention(query, key, value, is_causal=causal is not None, dropout_p=dropout_p,
                                           scale=scale, enable_gqa=gqa)
 
