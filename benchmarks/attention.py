@@ -11,8 +11,8 @@ heads, ffn 2.7x hidden) takes one row of s tokens through a training forward in 
 
 Measured per layer: the bytes of the distinct storages saved for backward (`torch.autograd.graph.saved_tensors_hooks`,
 the weights the linear layers save left out) of a 2-layer model minus those of a 1-layer model (embedding, output
-layer and loss cancel), and the largest saved activation (elements); on CUDA also the peak of `torch.cuda.max_memory_allocated` over forward + backward, per layer the
-same way. `--check` also compares the two attentions on the device in fp32 (logits and every parameter gradient of
+layer and loss cancel), and the largest saved activation (elements); on CUDA also the peak of
+`torch.cuda.max_memory_allocated` over forward + backward, per layer the same way. `--check` also compares the two attentions on the device in fp32 (logits and every parameter gradient of
 the 2-layer model, both layouts) and exits 1 when they differ by more than 1e-4 (logits) / 1e-3 of each gradient's
 largest entry: on CUDA this is the check that torch's own SDPA kernels give megatron's results (scripts/gpu_check.py
 runs it).

@@ -317,8 +317,8 @@ def _check_attention_backend(args) -> None:
                             "for the fused attention kernel, the second for megatron's local attention; drop one")
     args.attention = "local" if backend in LOCAL_ATTENTION_BACKENDS else "sdpa"
     if args.attention == "local":
-        args.startup_notes.append(f"--attention-backend {backend}: megatron's local DotProductAttention (the reference; "
-                                  "its memory grows with the square of the sequence length)")
+        args.startup_notes.append(f"--attention-backend {backend}: megatron's local DotProductAttention (the "
+                                  "reference; its memory grows with the square of the sequence length)")
 
 
 def validate_args(args, world_size: int) -> None:

@@ -155,7 +155,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, sc
 
     CPU and CUDA: `torch.nn.functional.scaled_dot_product_attention` (torch picks its flash / memory-efficient /
     math kernel; on CPU the flash kernel saves only q, k, v, out and the log-sum-exp for backward; dropout goes
-    through its math kernel, `lower_right` through a `[sq, sk]` bool mask except on CUDA). NPU: `torch_npu.npu_fusion_attention`
+    through its math kernel, `lower_right` through a `[sq, sk]` bool mask except on CUDA). NPU:
+    `torch_npu.npu_fusion_attention`
     (`fusion_attention` overrides it, for tests) in the "BNSD" layout: `masked` as its `atten_mask` with
     `sparse_mode=0`, `upper_left` / `lower_right` as `sparse_mode` 2 / 3 with the compressed 2048 x 2048 causal
     mask, key/value heads fewer than query heads read natively, `keep_prob = 1 - dropout_p`. The NPU translation

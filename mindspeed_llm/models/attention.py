@@ -136,14 +136,14 @@ class SDPAttention(DotProductAttention):
             raise ValueError(f"SDPAttention: packed sequences in the {packed_seq_params.qkv_format!r} format are not "
                              "supported (only PackedGroups)")
         sq, b, sk = query.size(0), query.size(1), key.size(0)
-        heads = lambda t: t.permute(1, 2, 0, 3)  # noqa: E731  [s, b, n, d] -> [b, n, s, d], a view
+        q, k, v = _heads_first(query), _heads_first(key), _heads_first(value)
         if attention_mask is not None:
-            out = self._attend(heads(query), heads(key), heads(value), masked=attention_mask)
+            out = self._attend(q, k, v, masked=attention_mask)
         else:
             causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal and sq > 1
             # sq < sk without a mask: a block of queries continuing cached keys (megatron asserts sq == sk there)
             variant = None if not causal else "upper_left" if sq == sk else "lower_right"
-            out = self._attend(heads(query), heads(key), heads(value), causal=variant)
+            out = self._attend(q, k, v, causal=variant)
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
     def _attend(self, query, key, value, masked=None, causal=None):
@@ -184,6 +184,11 @@ class SDPAttention(DotProductAttention):
                 pieces.append(query.new_zeros((S - end, width)))
             out.append(torch.cat(pieces))
         return torch.stack(out, dim=1)
+
+
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    """Megatron's `[s, b, heads, dim]` as the kernels' `[b, heads, s, dim]` (a view)."""
+    return t.permute(1, 2, 0, 3)
 
 
 def use_core_attention(layer_spec, attention: str):
