@@ -27,6 +27,10 @@ REFUSED_RECOMPUTE_MODULES = {
                  "FP8 state even when fp8 is off: NameError), and the local spec runs without TE; the norms' "
                  "outputs are small next to core_attn's",
 }
+# Megatron-LM's --attention-backend choices; local / unfused mean megatron's local attention here, the others the
+# fused one (mindspeed_llm/models/attention.py).
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+LOCAL_ATTENTION_BACKENDS = ("unfused", "local")
 # llama3 RoPE scaling: the values megatron-core hard-codes (its only implementation).
 LLAMA3_FIXED = {"--low-freq-factor": 1.0, "--high-freq-factor": 4.0, "--original-max-position-embeddings": 8192}
 
@@ -79,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hidden-dropout", type=float, default=0.0,
                    help="dropout after the trained models' attention and MLP blocks in their training forward "
                         "(default 0, not Megatron-LM's 0.1)")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="core attention of every model: auto / flash / fused (default auto) run the device's fused "
+                        "attention kernel (torch's scaled_dot_product_attention on CPU / CUDA, npu_fusion_attention "
+                        "on NPU; memory linear in the sequence length); local / unfused run megatron's local "
+                        "DotProductAttention (the reference; memory grows with the square of the sequence length)")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="the fused attention kernel (the default here); refused with --attention-backend local / "
+                        "unfused")
     compat_flags.add_ignored_arguments(g)
 
     g = p.add_argument_group("parallelism")
@@ -351,6 +363,20 @@ def _check_expert_parallel(args, world_size: int) -> None:
     args.expert_tensor_parallel_size = etp
 
 
+def _check_attention_backend(args) -> None:
+    """`args.attention`, the core attention every model is built with (`build_model(attention=...)`): "sdpa" (the
+    device's fused kernel) unless --attention-backend local / unfused asks for megatron's local attention, which is
+    said at startup (it is not the default)."""
+    backend = args.attention_backend
+    if args.use_flash_attn and backend in LOCAL_ATTENTION_BACKENDS:
+        raise ArgumentError(f"--use-flash-attn and --attention-backend {backend} contradict each other: the first asks "
+                            "for the fused attention kernel, the second for megatron's local attention; drop one")
+    args.attention = "local" if backend in LOCAL_ATTENTION_BACKENDS else "sdpa"
+    if args.attention == "local":
+        args.startup_notes.append(f"--attention-backend {backend}: megatron's local DotProductAttention (the "
+                                  "reference; its memory grows with the square of the sequence length)")
+
+
 def validate_args(args, world_size: int) -> None:
     """Fill stage defaults and reject inconsistent combinations with messages that name the flags."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -375,6 +401,7 @@ def validate_args(args, world_size: int) -> None:
     _check_recompute(args)
     args.ignored_flags = compat_flags.ignored_flags(args)  # printed once at startup (compat_flags.startup_lines)
     args.startup_notes = []
+    _check_attention_backend(args)
 
     stage_defaults = {
         "trl_ppo": dict(kl_coef=0.3, kl_penalty="k1", n_samples_per_prompt=1),

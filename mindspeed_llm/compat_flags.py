@@ -11,7 +11,7 @@ import argparse
 from typing import Dict, List
 
 PERFORMANCE = ("performance switches with no effect here: the models run megatron-core's local layer spec in "
-               "plain torch, without fused kernels")
+               "plain torch, without these fused kernels (attention: --attention-backend)")
 MOE_PERFORMANCE = ("MindSpeed's MoE overlap / fusion / memory switches with no effect here: the experts run "
                    "megatron-core's token dispatchers (--moe-token-dispatcher-type) in plain torch")
 ALWAYS = "what this code always does"
@@ -25,7 +25,6 @@ IGNORED_SWITCHES: Dict[str, str] = {
     "--use-fused-swiglu": PERFORMANCE,
     "--use-fused-rmsnorm": PERFORMANCE,
     "--use-fused-rotary-pos-emb": PERFORMANCE,
-    "--use-flash-attn": PERFORMANCE,
     "--no-masked-softmax-fusion": PERFORMANCE,
     "--no-gradient-accumulation-fusion": PERFORMANCE,
     "--no-bias-swiglu-fusion": PERFORMANCE,

@@ -392,14 +392,21 @@ def _without_patch_worker(rank, world_size, target):
     for owner, attr, original, applied in list(patches._APPLIED):
         if applied == target:
             setattr(owner, attr, original)
+    from mindspeed_llm.models.attention import PackedGroups
+
     spec = ModelSpec.from_hf_config(tiny_config("deepseek_v3", **_variant("deepseek_v3")).to_dict())
     try:
+        for attention in ("sdpa", "local"):  # the default fused core attention, and megatron's local one
+            model = build_model(spec, attention=attention)
+            ids = torch.randint(3, 256, (2, 12))
+            mask = torch.zeros(2 * 12, dtype=torch.bool)
+            mask[-3:] = True  # padding, as the RL passes mark it for megatron's MoE
+            model.train()
+            model(ids, torch.arange(12).expand(2, 12), None, padding_mask=mask.view(2, 12)).sum().backward()
+        # a packed micro-batch of one prompt group (one row: prompt 4, 2 responses of 4), fused attention
+        groups = PackedGroups(2, (4,), (4,), 12)
         model = build_model(spec)
-        ids = torch.randint(3, 256, (2, 12))
-        mask = torch.zeros(2 * 12, dtype=torch.bool)
-        mask[-3:] = True  # padding, as the RL passes mark it for megatron's MoE
-        model.train()
-        model(ids, torch.arange(12).expand(2, 12), None, padding_mask=mask.view(2, 12)).sum().backward()
+        model(ids[:1], torch.arange(12)[None], None, packed_seq_params=groups.seq_params()).sum().backward()
     except Exception as err:  # noqa: BLE001 - the message is the result
         return f"{type(err).__name__}: {err}"
     return None
@@ -410,15 +417,19 @@ def _without_patch_worker(rank, world_size, target):
     "megatron.core.transformer.dot_product_attention.DotProductAttention.__init__",
     "megatron.core.transformer.multi_latent_attention.HAVE_TE",
     "megatron.core.transformer.moe.router.TopKRouter._apply_expert_bias",
-], ids=["all", "k_v_channels", "have_te", "expert_bias_padding"])
+    "megatron.core.transformer.multi_latent_attention.MLASelfAttention.get_query_key_value_tensors",
+], ids=["all", "k_v_channels", "have_te", "expert_bias_padding", "sbhd_packed_params"])
 def test_each_mla_patch_is_needed(target):
-    """With every patch a training forward + backward (with a padding mask) runs; without any one of the three it
-    fails in megatron (TypeError for the first two, a broadcast RuntimeError for the expert-bias count)."""
+    """With every patch a training forward + backward (with a padding mask) runs with either core attention, and
+    so does a packed micro-batch of one row; without any one of the patches it fails in megatron (TypeError for
+    the first two: the local attention's constructor, the TE check; a broadcast RuntimeError for the expert-bias
+    count; a shape error when MLA squeezes the one row's batch dim)."""
     (error,) = run_distributed(_without_patch_worker, 1, target)
     if target is None:
         assert error is None, error
     else:
-        expected = {"expert_bias": "routing_map & (~padding_mask)", "HAVE_TE": "TypeError", "__init__": "TypeError"}
+        expected = {"expert_bias": "routing_map & (~padding_mask)", "HAVE_TE": "TypeError", "__init__": "TypeError",
+                    "get_query_key_value_tensors": "must have same number of dimensions"}
         marker = next(v for k, v in expected.items() if target.endswith(k))
         assert error is not None and marker in error, error
 

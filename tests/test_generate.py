@@ -7,7 +7,9 @@ its shards with `load_megatron_weights` into Megatron GPTModels in three layouts
 TP=2 then PP=2 in a second), every case of a layout in its one spawn. The spawned bodies return `Rollout`s;
 all comparisons with `transformers` happen here in the parent. The rollouts run with the CPU speed patches of
 `mindspeed_llm/patches/inference.py`; each layout also generates once with megatron's own code in their place,
-which must give the same rollouts.
+which must give the same rollouts. The models run the default fused core attention (`models/attention.py`); each
+layout also loads the weights into a model with megatron's local attention, which must generate the same greedy
+tokens (batched, stepwise, shared prefill), patched and unpatched.
 """
 
 from __future__ import annotations
@@ -157,6 +159,28 @@ def _repeated_prompt_cases(model, prompts):
     return out
 
 
+def _local_attention_cases(spec, root, prompts):
+    """The same weights with megatron's local core attention (`build_model(attention="local")`, the reference of
+    the default fused one): greedy rollouts batched, stepwise and with GRPO's shared prefill, run patched (the
+    grouped decode step of patches/inference.py acts on this attention only) and unpatched."""
+    from mindspeed_llm.checkpoint import load_megatron_weights
+    from mindspeed_llm.inference import generate
+    from mindspeed_llm.models import build_model
+    from mindspeed_llm.models.attention import model_attention
+
+    local = build_model(spec, attention="local")
+    load_megatron_weights(local, root)
+    greedy = SamplingConfig(max_new_tokens=MAX_NEW, pad_token_id=PAD)
+    rows = [prompts[i] for i in (0, 0, 1, 3, 1, 1, 0, 5)] + [prompts[3][:6]]  # as _repeated_prompt_cases
+    out = {"local_attention": model_attention(local)}
+    for mode in ("batched", "stepwise"):
+        out[f"local_free_{mode}"] = generate(local, prompts, greedy, prefill=mode)
+        out[f"local_dup_{mode}"] = generate(local, rows, greedy, prefill=mode, iteration=2)
+        with _megatron_unpatched_inference():
+            out[f"local_free_{mode}_unpatched"] = generate(local, prompts, greedy, prefill=mode)
+    return out
+
+
 def _layout_cases(tp, pp, root, prompts, eos, stop):
     """Every case of one layout (weights: the Megatron checkpoint under `root`); a dict of Rollouts and flags."""
     from megatron.core import parallel_state
@@ -208,6 +232,7 @@ def _layout_cases(tp, pp, root, prompts, eos, stop):
             model, prompts, SamplingConfig(max_new_tokens=MAX_NEW, pad_token_id=PAD), prefill="stepwise")
     out["inference_patches"] = n_patched
     out.update(_repeated_prompt_cases(model, prompts))
+    out.update(_local_attention_cases(spec, root, prompts))
     out["device"] = device.accelerator().kind
     errors = []
     for kwargs in (dict(prompt_token_lists=[[5], []]), dict(prompt_token_lists=[[5]], prefill="both")):
@@ -437,6 +462,23 @@ def test_inference_speed_patches_are_exact(dp2, tp2, pp2):
             patched, unpatched = result[mode], result[mode + "_unpatched"]
             assert torch.equal(patched.responses, unpatched.responses), mode
             torch.testing.assert_close(patched.log_probs, unpatched.log_probs, atol=1e-5, rtol=0)
+
+
+def test_fused_and_local_attention_generate_the_same(dp2, tp2, pp2):
+    """The default fused core attention (models/attention.py) and megatron's local one generate the same greedy
+    tokens, batched and stepwise and with the shared prefill of repeated prompts, in every layout (log-probs to
+    fp32 rounding); the local attention's rollouts also equal megatron's unpatched code (the grouped decode patch
+    of patches/inference.py acts on it)."""
+    for result in dp2 + tp2 + pp2:
+        assert result["local_attention"] == "local"
+        for mode in ("batched", "stepwise"):
+            fused, local = result["free" if mode == "batched" else "free_stepwise"], result[f"local_free_{mode}"]
+            assert torch.equal(fused.responses, local.responses), mode
+            torch.testing.assert_close(fused.log_probs, local.log_probs, atol=1e-5, rtol=0)
+            assert torch.equal(result[f"dup_greedy_{mode}"].responses, result[f"local_dup_{mode}"].responses), mode
+            unpatched = result[f"local_free_{mode}_unpatched"]
+            assert torch.equal(local.responses, unpatched.responses), mode
+            torch.testing.assert_close(local.log_probs, unpatched.log_probs, atol=1e-5, rtol=0)
 
 
 def test_repeated_prompts_prefilled_once(ref, dp2, tp2, pp2):

@@ -13,8 +13,9 @@ and the rotary embedding of a slot is that of position s for every row. Two ways
   in the prefill, key-padding in each decode step). Every row then generates from slot L_max on, one
   forward per new token. A row's tokens sit at slots shifted by its pad count; rotary attention scores
   depend only on the distance between query and key, so the shift changes nothing (it is exactly what
-  `transformers` does with left padding). Needs attention that honours an explicit mask: Megatron's
-  local (unfused-softmax) attention without a sliding window, which is how `mindspeed_llm.models` builds.
+  `transformers` does with left padding). Needs attention that honours an explicit mask: both core attentions
+  `mindspeed_llm.models` builds do (the fused `SDPAttention`, the default, and megatron's local unfused-softmax
+  attention without a sliding window).
 * `prefill="stepwise"` (Megatron's controller's scheme; the fallback for other attention backends):
   prompts are right-padded, one forward prefills the first L_min = min_b L_b positions, then one position
   per step: rows still inside their prompt take their next prompt token ("forced"), the others a new
@@ -30,8 +31,9 @@ inference tensor cached here would break a later training forward of the same le
 Speed: megatron computes only the last position's logits per forward (`StaticInferenceContext` sets
 `materialize_only_last_token_logits`). On the CPU, `mindspeed_llm/patches/inference.py` makes each decode step
 cost O(new tokens) in rotary work instead of O(cached tokens), reads grouped key/value heads in place instead
-of `repeat_interleave` copies of the cache, and skips the autograd Functions of linear layers and TP regions under
-no_grad; all exact (tests/test_generate.py compares with megatron's unpatched code).
+of `repeat_interleave` copies of the cache (megatron's local attention; the fused `SDPAttention` reads them in
+place itself), and skips the autograd Functions of linear layers and TP regions under no_grad; all exact
+(tests/test_generate.py compares with megatron's unpatched code).
 
 Parallelism: the logits come out of the last pipeline stage already gathered over tensor parallelism
 (`runtime_gather_output=True`). The last stage picks the tokens and broadcasts them (with their log-probs)
@@ -62,6 +64,7 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config, unwrap
 
 from mindspeed_llm import device as _device
 from mindspeed_llm.models import routing
+from mindspeed_llm.models.attention import model_attention
 from mindspeed_llm.inference.rollout import Rollout
 from mindspeed_llm.inference.sampling import SamplingConfig, choose_tokens, sample_uniforms
 
@@ -89,10 +92,15 @@ def _default_dp_rank() -> int:
     return 0
 
 
-def batched_prefill_blocker(config) -> Optional[str]:
-    """Why `prefill="batched"` cannot run on a model with this TransformerConfig (None: it can)."""
+def batched_prefill_blocker(model) -> Optional[str]:
+    """Why `prefill="batched"` cannot run on `model` (None: it can): its core attention must honour explicit masks,
+    as both of `mindspeed_llm.models`' do (the fused `SDPAttention`, megatron's local attention without a fused
+    softmax or a sliding window)."""
+    config = get_model_config(model)
     if config.attention_backend != AttnBackend.local:
         return f"attention_backend={config.attention_backend.name} ignores explicit masks (needs local)"
+    if model_attention(model) == "sdpa":  # models/attention.py: masks as given, no sliding window (refused there)
+        return None
     if config.masked_softmax_fusion:
         return "masked_softmax_fusion=True: the fused causal softmax ignores explicit masks"
     if getattr(config, "window_size", None) is not None:
@@ -192,7 +200,7 @@ def _use_batched_prefill(model, prefill: str) -> bool:
         raise ValueError(f"generate: prefill={prefill!r}; choose one of {PREFILL_MODES}")
     if getattr(unwrap_model(model), "is_value_model", False):
         raise ValueError("generate: this is a value-head model (critic/reward); it has no logits")
-    blocker = batched_prefill_blocker(get_model_config(model))
+    blocker = batched_prefill_blocker(model)
     if prefill == "batched" and blocker:
         raise ValueError(f"generate: prefill='batched' is not possible: {blocker}; use prefill='stepwise'")
     return prefill == "batched" or (prefill == "auto" and blocker is None)

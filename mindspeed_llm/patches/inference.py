@@ -38,6 +38,8 @@ The patches:
    `np // ng` query heads (the heads `repeat_interleave` pairs it with, stacked along the query axis), so
    the cache is read in place. Same baddbmm (alpha = softmax_scale, the global "mpu" buffer), the same
    `scale_mask_softmax` module on the same [b, np, sq, sk] scores, dropout skipped (identity in eval).
+   It acts on megatron's local attention (`--attention-backend local`) only: the default fused core attention
+   (`mindspeed_llm/models/attention.py`) overrides `forward` and reads grouped heads in place itself.
 3. `linear_with_grad_accumulation_and_async_allreduce` with autograd off and no sequence parallelism:
    return `torch.matmul(input, weight.t())` (+ bias), the very expression the Function's forward
    evaluates in that case, without building the Function.

@@ -29,6 +29,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from mindspeed_llm import device
 from mindspeed_llm.checkpoint.training import CheckpointError, NonFiniteError
 from mindspeed_llm.distributed import any_rank, gather_messages, sum_over_data_parallel
+from mindspeed_llm.models.attention import model_attention
 from mindspeed_llm.models.forward_layout import forward_layout
 from mindspeed_llm.models.routing import micro_batch_routing
 from mindspeed_llm.rl import moe
@@ -79,13 +80,23 @@ _SCHEDULE_KEYS = {
 
 
 def _model_forward(model, micro_batch: MicroBatch):
-    """Outputs `[rows, T - logits_from, ...]`: RoPE at the micro-batch's position ids, its attention mask
-    (None: causal), and nothing computed for the positions before `logits_from` (`rl/batch_plan.py`)."""
+    """Outputs `[rows, T - logits_from, ...]`: RoPE at the micro-batch's position ids, causal attention or its
+    packed prompt groups, and nothing computed for the positions before `logits_from` (`rl/batch_plan.py`).
+
+    Packed groups reach the fused core attention as megatron's `packed_seq_params` (`models/attention.py`);
+    megatron's local attention gets them as the dense mask, built here for this micro-batch only."""
     pad = moe.padding_mask(micro_batch) if moe.is_moe(model) else None
     extra = {} if pad is None else {"padding_mask": pad}  # MoE routers leave padding out of their loss and counts
+    tokens, mask = micro_batch["tokens"], None
+    groups = micro_batch.get("packed_groups")
+    if groups is not None:
+        if model_attention(model) == "sdpa":
+            extra["packed_seq_params"] = groups.seq_params()
+        else:
+            mask = groups.dense_mask(tokens.device)
     with forward_layout(model, micro_batch["position_ids"], int(micro_batch.get("logits_from", 0))), \
             micro_batch_routing(model, micro_batch):  # --moe-routing-replay, moe/routing_mismatch
-        return model(micro_batch["tokens"], micro_batch["position_ids"], micro_batch.get("attention_mask"), **extra)
+        return model(tokens, micro_batch["position_ids"], mask, **extra)
 
 
 def _run_schedule(chunks, micro_batches: Sequence[MicroBatch], step_fn, forward_only: bool):
