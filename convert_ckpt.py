@@ -111,7 +111,12 @@ def run(args) -> None:
     from mindspeed_llm.checkpoint import convert_hf_to_mg, convert_mg_to_hf, convert_mg_to_mg
     from mindspeed_llm.checkpoint.hf_mapping import ConversionError
 
+    from mindspeed_llm.checkpoint.megatron_layout import conversion_target_problem
+
     tokenizer_dir = _mindspeed_flags(args)
+    problem = conversion_target_problem(args.save_dir, args.save_model_type)
+    if problem:
+        raise ConversionError(problem)
     progress = not args.no_progress
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     moe = dict(ep=args.target_expert_parallel_size, etp=args.expert_tensor_parallel_size,

@@ -33,7 +33,7 @@ BASE = ["--data-path", "d", "--train-iters", "1", "--global-batch-size", "4", "-
     (["--stage", "grpo", "--verifier-function", "math_acc", "--micro-batch-size", "0"], 1,
      "--micro-batch-size 0 must be >= 1"),
     (["--stage", "grpo", "--verifier-function", "math_acc", "--lr", "nan"], 1, "--lr nan must be a finite number"),
-    (["--stage", "grpo", "--verifier-function", "math_acc", "--lr=-1e-3"], 1, "--lr -0.001 must be a finite number >= 0"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--lr=-1e-3"], 1, "--lr -0.001 must be > 0"),
     (["--stage", "trl_ppo", "--reward-model", "x", "--critic-lr", "inf"], 1, "--critic-lr inf must be a finite"),
     (["--stage", "grpo", "--verifier-function", "math_acc", "--ckpt-step", "3"], 1, "--ckpt-step 3 needs --load DIR"),
     (["--stage", "grpo", "--verifier-function", "math_acc", "--override-opt_param-scheduler",
@@ -95,10 +95,20 @@ def test_bad_checkpoints_data_and_verifiers_fail_before_compute(stage_paths, tmp
         "unknown advantage estimator": (grpo("--adv-estimator", "ppo"), ["--adv-estimator ppo", "grpo, rloo"]),
         "rloo with a std scale": (grpo("--adv-estimator", "rloo", "--adv-scale", "group"),
                                   ["--adv-estimator rloo", "--adv-scale group does not apply"]),
+        "stop id outside the tokenizer": (grpo("--stop-token-ids", "999999"),
+                                          ["--stop-token-ids 999999: outside the tokenizer's ids"]),
+        # divergence without a NaN (--check-for-divergence): the first step multiplies the weights' norm
+        "--lr 1e6": (ppo("--lr", "1e6", "--train-iters", "2", "--save", str(tmp_path / "diverged"),
+                         "--save-interval", "1"),
+                     ["iteration 1: actor: rank 0: one optimizer step changed the weights' norm from", "the update diverged",
+                      "nothing of this iteration was saved (no checkpoint was written); lower --lr"]),
     }
+    exit_codes = {"--lr 1e6": 1}  # training stopped, not a command-line mistake
     results = run_distributed(_run_main_cases, 1, [argv for argv, _ in cases.values()])[0]
+    assert not (tmp_path / "diverged" / "latest_checkpointed_iteration.txt").exists()
+    assert not (tmp_path / "diverged" / "actor" / "iter_0000001").exists()
     for (name, (_, needles)), (code, message) in zip(cases.items(), results):
-        assert code == 2, f"{name}: exit {code}\n{message}"
+        assert code == exit_codes.get(name, 2), f"{name}: exit {code}\n{message}"
         assert "Traceback" not in message, f"{name}: {message}"
         for needle in needles:
             assert needle in message, f"{name}: {needle!r} not in {message!r}"
