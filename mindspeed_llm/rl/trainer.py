@@ -26,6 +26,7 @@ from mindspeed_llm import compat_flags, device, distributed
 from mindspeed_llm.arguments import ArgumentError
 from mindspeed_llm.checkpoint import training as training_ckpt
 from mindspeed_llm.checkpoint.errors import DivergenceError
+from mindspeed_llm.checkpoint.megatron_layout import checkpoint_traces
 from mindspeed_llm.data import PromptDataset, PromptSampler
 from mindspeed_llm.data.prompt_dataset import PromptSubset, split_indices
 from mindspeed_llm.rl.metrics import MetricsLogger, reduce_metrics, throughput_metrics
@@ -112,6 +113,43 @@ def _prompt_sets(args):
     if args.eval_data_path:
         return train, (PromptDataset(args.eval_data_path) if args.eval_interval else None)
     return train, (PromptSubset(dataset, parts[1], "valid") if args.eval_interval and len(parts[1]) else None)
+
+
+def _output_path_problem(args) -> Optional[str]:
+    """Why an output of the run cannot be written where asked, found before any model is built: a --metrics-jsonl
+    or --tensorboard-dir under a file (or a directory given as the JSONL file), a --save that is a file, or a --save
+    holding checkpoints this run would write over (it starts at iteration 1 there: without --load of that directory,
+    or with --finetune)."""
+    for flag, path, is_dir in (("--metrics-jsonl", args.metrics_jsonl, False), ("--tensorboard-dir",
+                                                                             args.tensorboard_dir, True),
+                               ("--save", args.save, True)):
+        if not path:
+            continue
+        if os.path.exists(path) and os.path.isdir(path) != is_dir:
+            return f"{flag} {path} is a {'file' if is_dir else 'directory'}; pass a {'directory' if is_dir else 'file'}"
+        parent = os.path.dirname(os.path.abspath(path))
+        while parent and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if parent and not os.path.isdir(parent):
+            return f"{flag} {path} lies under {parent}, which is a file; pass a path in a directory"
+    if args.save and os.path.isdir(args.save):
+        traces = checkpoint_traces(args.save)
+        resumes_there = _resumes_from_load(args) and os.path.abspath(args.load) == os.path.abspath(args.save)
+        if traces and (not resumes_there or args.finetune):
+            why = ("--finetune restarts the iteration count" if resumes_there else
+                   "this run does not resume from it (--load)")
+            return (f"--save {args.save} already holds checkpoints ({', '.join(traces[:4])}"
+                    f"{' ...' if len(traces) > 4 else ''}) and {why}: its saves would replace them; pass --load "
+                    f"{args.save} to resume them, or another --save")
+    return None
+
+
+def check_output_paths(args) -> None:
+    """`_output_path_problem`, judged on rank 0 (one filesystem view) and raised on every rank."""
+    problem = _output_path_problem(args) if distributed.is_rank_0() else None
+    problem = distributed.broadcast_object(problem)
+    if problem:
+        raise training_ckpt.CheckpointError(problem)
 
 
 def check_shared_save(save: str, lock_file: str, wait_s: float = 10.0) -> None:
@@ -212,6 +250,7 @@ def run(args) -> None:
     if eval_dataset is not None:
         check_prompt_lengths(eval_dataset, args, "--eval-data-path" if args.eval_data_path else "--split (valid)")
 
+    check_output_paths(args)
     lock = training_ckpt.WriterLock(args.save) if args.save else None
     if lock is not None:
         problem = None
