@@ -141,6 +141,23 @@ def run(args) -> None:
         raise ConversionError("--load-model-type hf --save-model-type hf: nothing to convert")
 
 
+def _os_error(err: OSError, args) -> str:
+    """One line for a failed read or write: a full disk and a permission problem named as such, with the fix."""
+    import errno
+
+    from mindspeed_llm.checkpoint.megatron_layout import CheckpointWriteError
+
+    if isinstance(err, CheckpointWriteError) or not err.strerror:  # already a sentence naming the file
+        text = str(err)
+    else:
+        text = f"{err.filename or args.save_dir}: {err.strerror}"
+    if err.errno == errno.ENOSPC or "No space left" in text:
+        return f"{text}; free space there or pass another --save-dir"
+    if isinstance(err, PermissionError) or "permission denied" in text:
+        return f"{text}; pass a --save-dir (and --load-dir) this user can write (and read)"
+    return text
+
+
 def main(argv=None) -> int:
     import logging
 
@@ -160,7 +177,10 @@ def main(argv=None) -> int:
         log.propagate = False
     try:
         run(args)
-    except (ConversionError, UnsupportedModelError, OSError, ValueError) as err:
+    except OSError as err:
+        print(f"convert_ckpt.py: error: {_os_error(err, args)}", file=sys.stderr)
+        return 1
+    except (ConversionError, UnsupportedModelError, ValueError) as err:
         print(f"convert_ckpt.py: error: {err}", file=sys.stderr)
         return 1
     print(f"convert_ckpt.py: wrote {args.save_model_type} checkpoint to {args.save_dir}", file=sys.stderr)

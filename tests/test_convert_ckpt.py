@@ -465,3 +465,34 @@ def test_error_training_save_root_points_to_the_roles(tmp_path, capsys):
     assert "is a training --save directory" in err
     assert _cli("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", root / "critic",
                 "--save-dir", tmp_path / "out", "--orm") == 0
+
+
+def test_write_errors_and_save_dirs_are_named(tmp_path, capsys, monkeypatch):
+    """A full disk (torch's zip writer says "unexpected pos"), a --save-dir that is a file, and one holding
+    something that is not an earlier conversion are each one line naming the path and the fix, no traceback."""
+    src = save_tiny("llama", tmp_path / "hf", seed=11)
+    argv = ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(src), "--no-progress"]
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64384 vs 64272")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    assert convert_ckpt.main([*argv, "--save-dir", str(tmp_path / "mg")]) == 1
+    err = capsys.readouterr().err
+    assert "No space left on device writing" in err and "model_optim_rng.pt" in err and "free space there" in err
+    monkeypatch.setattr(torch, "save", real_save)
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert convert_ckpt.main([*argv, "--save-dir", str(a_file)]) == 1
+    assert f"--save-dir {a_file} is a file" in capsys.readouterr().err
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    assert convert_ckpt.main([*argv, "--save-dir", str(other)]) == 1
+    assert "not an earlier mg conversion" in capsys.readouterr().err and (other / "notes.txt").read_text() == "keep me"
+    # an earlier conversion may be replaced
+    assert convert_ckpt.main([*argv, "--save-dir", str(tmp_path / "mg2")]) == 0
+    assert convert_ckpt.main([*argv, "--save-dir", str(tmp_path / "mg2")]) == 0

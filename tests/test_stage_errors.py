@@ -59,6 +59,31 @@ def _run_main_cases(rank, world_size, cases):
     return messages
 
 
+def _damaged_copies(paths, tmp_path) -> dict:
+    """Copies of the stage assets' dataset with a truncated .idx / .bin, and of the actor checkpoint with a
+    truncated / zero-filled shard."""
+    import shutil
+    from pathlib import Path
+
+    data = Path(paths["data_train"])
+    out = {}
+    for kind in ("idx", "bin"):
+        folder = tmp_path / f"data_{kind}"
+        shutil.copytree(data.parent, folder)
+        prefix = folder / data.name
+        target = sorted(folder.glob(f"{data.name}*input_ids*.{kind}"))[0]
+        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+        out[kind] = str(prefix)
+    for kind in ("truncated", "zeroed"):
+        root = tmp_path / f"actor_{kind}"
+        shutil.copytree(paths["mg_actor_tp1pp1"], root)
+        shard = sorted(root.rglob("model_optim_rng.pt"))[0]
+        size = shard.stat().st_size
+        shard.write_bytes(shard.read_bytes()[: size // 2] if kind == "truncated" else bytes(size))
+        out[f"{kind}_shard"] = str(root)
+    return out
+
+
 def test_bad_checkpoints_data_and_verifiers_fail_before_compute(stage_paths, tmp_path):
     from hf_tiny import save_tiny
     from mindspeed_llm.checkpoint import convert_hf_to_mg
@@ -80,6 +105,7 @@ def test_bad_checkpoints_data_and_verifiers_fail_before_compute(stage_paths, tmp
         return posttrain_argv(stage_paths, "trl_ppo", iters=1, extra=list(extra))
 
     actor, reward = stage_paths["mg_actor_tp1pp1"], stage_paths["mg_reward_tp1pp1"]
+    damaged = _damaged_copies(stage_paths, tmp_path)
     cases = {
         "missing checkpoint": (grpo("--ref-model", str(tmp_path / "nowhere")), ["--ref-model", "does not exist"]),
         "reward without value head": (ppo("--reward-model", actor), ["--reward-model", "value-head", "--orm"]),
@@ -95,6 +121,13 @@ def test_bad_checkpoints_data_and_verifiers_fail_before_compute(stage_paths, tmp
         "unknown advantage estimator": (grpo("--adv-estimator", "ppo"), ["--adv-estimator ppo", "grpo, rloo"]),
         "rloo with a std scale": (grpo("--adv-estimator", "rloo", "--adv-scale", "group"),
                                   ["--adv-estimator rloo", "--adv-scale group does not apply"]),
+        "truncated .idx": (grpo("--data-path", damaged["idx"]), [".idx cannot be read", "the dataset is damaged",
+                                                                  "preprocess_data.py"]),
+        "truncated .bin": (grpo("--data-path", damaged["bin"]), [".bin holds", "the file is truncated"]),
+        "truncated --ref-model shard": (grpo("--ref-model", damaged["truncated_shard"]),
+                                        ["--ref-model", "cannot be read: the file is damaged"]),
+        "zero-filled --ref-model shard": (grpo("--ref-model", damaged["zeroed_shard"]),
+                                          ["--ref-model", "cannot be read: the file is damaged"]),
         "stop id outside the tokenizer": (grpo("--stop-token-ids", "999999"),
                                           ["--stop-token-ids 999999: outside the tokenizer's ids"]),
         # divergence without a NaN (--check-for-divergence): the first step multiplies the weights' norm

@@ -337,11 +337,22 @@ def _safe_globals():
     return torch.serialization.safe_globals([argparse.Namespace])
 
 
+class CheckpointReadError(UserError, ValueError):
+    """A checkpoint file exists but cannot be read (truncated, zero-filled, overwritten); the message names it."""
+
+
 def load_file(path: str, map_location="cpu", weights_only: bool = True, mmap: bool = False) -> Dict[str, Any]:
+    """torch.load of a checkpoint file; a missing one raises `CheckpointNotFoundError`, a damaged one
+    `CheckpointReadError`, both naming the file."""
     if not os.path.isfile(path):
         raise CheckpointNotFoundError(f"checkpoint shard {path} does not exist")
-    with _safe_globals():
-        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+    try:
+        with _safe_globals():
+            return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+    except Exception as exc:  # torch raises any of several types for a damaged file
+        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        raise CheckpointReadError(f"{path} cannot be read: the file is damaged (truncated or overwritten?): "
+                                  f"{first}; convert or copy the checkpoint again") from exc
 
 
 def load_shard(root: str, tp_rank: int, pp_rank: int, iteration: Optional[Iteration] = None, ep_rank: int = 0, *,

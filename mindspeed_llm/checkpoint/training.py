@@ -641,9 +641,17 @@ def check_save_dir(save: str, roles: Dict[str, object]) -> None:
         raise CheckpointError(problem)
 
 
+def _size(nbytes: int) -> str:
+    """Bytes in the largest unit that keeps them above 1 (GiB, MiB, KiB, B)."""
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
+
+
 def _save_dir_problem(save: str, needed: int) -> Optional[str]:
     free = shutil.disk_usage(save).free
     if free < needed:
-        return (f"--save {save}: its disk has {free / 2**30:.2f} GiB free, but one checkpoint of this run needs about "
-                f"{needed / 2**30:.2f} GiB; free space or pass another --save")
+        return (f"--save {save}: its disk has {_size(free)} free, but one checkpoint of this run needs about "
+                f"{_size(needed)}; free space or pass another --save")
     return None
