@@ -496,3 +496,18 @@ def test_write_errors_and_save_dirs_are_named(tmp_path, capsys, monkeypatch):
     # an earlier conversion may be replaced
     assert convert_ckpt.main([*argv, "--save-dir", str(tmp_path / "mg2")]) == 0
     assert convert_ckpt.main([*argv, "--save-dir", str(tmp_path / "mg2")]) == 0
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, capsys):
+    from hf_tiny import write_tokenizer
+
+    src = save_tiny("llama", tmp_path / "hf", seed=12)  # a 256-token vocabulary
+    big, fits = tmp_path / "big", tmp_path / "fits"
+    write_tokenizer(big, 1000)
+    write_tokenizer(fits, 256)
+    argv = ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(src), "--no-progress"]
+    assert convert_ckpt.main([*argv, "--save-dir", str(tmp_path / "mg"), "--tokenizer-dir", str(big)]) == 1
+    err = capsys.readouterr().err
+    assert f"--tokenizer-dir {big} has 1000 tokens but the model's vocabulary has 256" in err
+    assert not (tmp_path / "mg").exists()
+    assert convert_ckpt.main([*argv, "--save-dir", str(tmp_path / "mg"), "--tokenizer-dir", str(fits)]) == 0

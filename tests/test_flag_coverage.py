@@ -8,9 +8,10 @@ literal (the tables that loop over names) anywhere but the two mapping tables (`
 of the same names, and `compat_flags.py`). Flags that `validate_args` resolves into others (e.g.
 `--lr-warmup-fraction` -> `lr_warmup_iters`) are read there, which counts.
 
-At ea923d8 (before activation recompute was applied) this test lists `--recompute-granularity` (read nowhere: its
-only trace was `config.recompute_granularity`, megatron's field) and `--no-save-optim`; a planted flag is listed
-too (`test_a_planted_unused_flag_is_found`).
+Run on the sources of ea923d8 (before activation recompute was applied) this test lists `--swiglu`,
+`--use-rotary-position-embeddings`, `--recompute-granularity` (read nowhere: its only trace was
+`config.recompute_granularity`, megatron's field) and `--no-save-optim`; a planted flag is listed too
+(`test_a_planted_unused_flag_is_found`).
 """
 
 import argparse

@@ -125,9 +125,9 @@ def test_bad_checkpoints_data_and_verifiers_fail_before_compute(stage_paths, tmp
                                                                   "preprocess_data.py"]),
         "truncated .bin": (grpo("--data-path", damaged["bin"]), [".bin holds", "the file is truncated"]),
         "truncated --ref-model shard": (grpo("--ref-model", damaged["truncated_shard"]),
-                                        ["--ref-model", "cannot be read: the file is damaged"]),
+                                        ["--ref-model", "cannot be read: it is truncated or corrupt"]),
         "zero-filled --ref-model shard": (grpo("--ref-model", damaged["zeroed_shard"]),
-                                          ["--ref-model", "cannot be read: the file is damaged"]),
+                                          ["--ref-model", "cannot be read: it is truncated or corrupt"]),
         "stop id outside the tokenizer": (grpo("--stop-token-ids", "999999"),
                                           ["--stop-token-ids 999999: outside the tokenizer's ids"]),
         # divergence without a NaN (--check-for-divergence): the first step multiplies the weights' norm

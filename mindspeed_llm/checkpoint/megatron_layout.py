@@ -350,9 +350,9 @@ def load_file(path: str, map_location="cpu", weights_only: bool = True, mmap: bo
         with _safe_globals():
             return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
     except Exception as exc:  # torch raises any of several types for a damaged file
-        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
-        raise CheckpointReadError(f"{path} cannot be read: the file is damaged (truncated or overwritten?): "
-                                  f"{first}; convert or copy the checkpoint again") from exc
+        detail = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise CheckpointReadError(f"{path} cannot be read: it is truncated or corrupt ({detail}); copy it again or "
+                                  "convert from another checkpoint") from exc
 
 
 def load_shard(root: str, tp_rank: int, pp_rank: int, iteration: Optional[Iteration] = None, ep_rank: int = 0, *,
