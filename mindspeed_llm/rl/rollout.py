@@ -8,6 +8,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.inference import SamplingConfig, generate
 from mindspeed_llm.models import routing
 from mindspeed_llm.rl import core_algos
@@ -16,6 +17,13 @@ from mindspeed_llm.rl.metrics import mean_min_max
 
 
 def sampling_config(args, tokenizer, greedy: Optional[bool] = None) -> SamplingConfig:
+    """The rollout's sampling settings from the command line; a --stop-token-ids id the tokenizer cannot produce
+    (generation never samples past it) is refused, naming the tokenizer's size."""
+    outside = [t for t in args.stop_token_ids if not 0 <= t < len(tokenizer)]
+    if outside:
+        raise ArgumentError(f"--stop-token-ids {' '.join(map(str, outside))}: outside the tokenizer's ids 0.."
+                            f"{len(tokenizer) - 1} (--tokenizer-name-or-path), so no response could ever stop there; "
+                            "give ids of this tokenizer")
     do_sample = args.do_sample if greedy is None else not greedy
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
