@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mindspeed_llm.rl.core_algos import kl
+
 __all__ = ["fused_policy_loss", "fused_value_loss", "POLICY_METRICS", "VALUE_METRICS", "BLOCK_T"]
 
 BLOCK_T = 1024
@@ -44,9 +46,9 @@ POLICY_METRICS = ("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "pg_clipfrac_l
 VALUE_METRICS = ("vf_max_sum", "vf_clipfrac", "vpred", "returns")
 _KL_CODES = {"k1": 1, "k2": 2, "k3": 3, "low_var_kl": 3, "abs": 4}
 _IS_CODES = {"none": 0, "tis": 1, "mis": 2}
-# core_algos.kl: the k3 / low_var_kl bounds (log-ratio, then the estimate).
-_K3_LOG_RATIO_BOUND = 20.0
-_K3_VALUE_BOUND = 10.0
+# The k3 / low_var_kl bounds of core_algos.kl (log-ratio, then the estimate), as compile-time constants.
+_K3_LOG_RATIO_BOUND = tl.constexpr(kl._K3_LOG_RATIO_BOUND)
+_K3_VALUE_BOUND = tl.constexpr(kl._K3_VALUE_BOUND)
 
 
 @triton.jit

@@ -95,7 +95,7 @@ def _scan(a: torch.Tensor, c) -> torch.Tensor:
         chunk_coef = float(c) ** CHUNK
     starts = _scan(x[..., 0], chunk_coef)  # x at each chunk's first position
     next_start = F.pad(starts[..., 1:], (0, 1))  # x at the next chunk's first position (0 after the last)
-    x = x.addcmul_(to_end, next_start.unsqueeze(-1))  # x is _double's own tensor (CHUNK > 1: one step at least)
+    x = torch.addcmul(x, to_end, next_start.unsqueeze(-1))  # out of place: the level above read x[..., 0]
     return x.view(*lead, chunks * CHUNK)[..., :length]
 
 
