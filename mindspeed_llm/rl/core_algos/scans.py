@@ -11,23 +11,22 @@ Both are the first-order linear recurrence run from the end of the row::
   ``m_T = 0``): a masked position cuts the return, nothing after the response counts.
 
 :func:`reverse_linear_scan` is the torch implementation of (1), on every device and the reference of the Triton
-kernel. One step of (1) maps ``x_{t+1}`` to ``a_t + c_t x_{t+1}``; two steps compose as
-``(C, A) then (C', A') = (C C', A + C A')``, which is associative, so the row can be scanned in doubling steps
-(Hillis-Steele): after the step of span ``s`` position ``t`` holds the composition over ``[t, t + s)``, and
-``log2(span)`` steps of whole-tensor ops finish a span. Done on the full row that is ``log2 T`` passes over the
-``[B, T]`` tensor; instead the row is cut into chunks of ``CHUNK`` (16) positions: ``log2 CHUNK`` (4) doubling
-steps scan every chunk at once (each position then has its value with a zero carry and the product of the
-coefficients to its chunk's end), the chunks' first positions are scanned the same way, recursively
-(``T / 16`` positions, then ``T / 256``, ...), and one multiply-add brings each chunk the value at the start of the
-next. About ``6 + 6 log16 T`` kernel launches (about 40 at T = 16k), each over the tensor or a 16x smaller one,
-and no launch per position. A constant coefficient is a Python float: the doubling steps use its powers
-(``c^s``, computed in float64) instead of a tensor of products.
+kernel. The row is cut into chunks of ``CHUNK`` (16) positions, all scanned at once in ``log2 CHUNK`` (4) steps of
+whole-tensor ops: at the step of span ``s`` every block of ``2 s`` positions has both halves scanned (each with a
+zero carry at its end), and the earlier half gets the later half's first value times the product of the
+coefficients from each position to the half's end (``c^(s - i)`` for a constant ``c``, a running product tensor
+otherwise), in place (the two halves never overlap). The chunks' first positions are then scanned the same way,
+recursively (``T / 16`` positions, then ``T / 256``, ...), and one multiply-add brings every position the value at
+the next chunk's start times its product to its chunk's end. That is about ``6 log16 T`` kernel launches (about 30
+at T = 16k), about three passes over the ``[B, T]`` tensor, and no launch per position. A constant coefficient is a
+Python float whose powers are computed in float64. When an input needs a gradient the steps write fresh copies
+instead of in place (autograd keeps what it saved), so the scan is differentiable.
 
 Precision: the same products and sums as the loop in another order (a tree of depth ``log2 T`` instead of a
 chain of ``T``), in the inputs' dtype. In fp32 the results differ from the loop's by rounding only: against a
-float64 loop both errors are a few ``eps * sum_k |c^(k-t) a_k|`` (the loop's grows like ``T``, the scan's like
-``log T``), which is the tolerance ``tests/test_scans.py`` states. A non-finite ``a_k`` makes the positions
-before ``k`` (of its row) non-finite, as in the loop.
+float64 loop both errors are a few ``eps * sum_k |c^(k-t) a_k|`` (bounded by ``T`` such units for the loop, by
+about ``2 log2 T`` for the scan), which is the tolerance ``tests/test_scans.py`` states. A non-finite ``a_k``
+makes the positions before ``k`` (of its row) non-finite, as in the loop.
 
 On CUDA (and Ascend with Triton-Ascend) :func:`gae_scan` and :func:`discounted_returns` run
 ``mindspeed_llm.kernels.triton_scans`` instead (one launch, fp32 accumulation; forward only, so the torch path
@@ -46,70 +45,87 @@ import torch.nn.functional as F
 
 from mindspeed_llm.kernels import select_kernel
 
-CHUNK = 16  # positions scanned together by the doubling steps (measured best of 8-128 on CPU, benchmarks/README)
+CHUNK = 16  # positions scanned together (8-64 within noise on CPU at B 256, T 16k; fewer means more launches)
 
 
-def _double(a: torch.Tensor, c):
-    """Doubling steps of (1) along the last dim of ``a`` (``[..., L]``, ``L <= CHUNK`` in use). Returns ``x``, the
-    scan with ``x_L = 0``, and, for a tensor ``c``, the products ``prod_{j >= t} c_j`` to the end. Out of place
-    (fresh tensors, written through views: differentiable, and no copy of a strided slice)."""
-    length = a.size(-1)
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _powers(c: float, count: int, like: torch.Tensor) -> torch.Tensor:
+    """``[c^count, c^(count-1), ..., c^1]`` (float64 powers, then ``like``'s dtype and device)."""
+    return torch.tensor([float(c) ** (count - i) for i in range(count)], dtype=like.dtype, device=like.device)
+
+
+def _scan_chunks_(x: torch.Tensor, c, grad: bool):
+    """Scan every run of ``CHUNK`` positions of ``x`` (``[..., n, CHUNK]``, this call's own) with a zero carry at
+    its end, in place. For a tensor ``c`` (``x``'s shape, own) it becomes the products ``prod_{j >= t} c_j`` to the
+    chunk's end. With ``grad`` every step writes fresh copies instead, so autograd keeps what it saved."""
+    lead = x.shape[:-1]
+    tensor_c = isinstance(c, torch.Tensor)
     span = 1
-    power = c  # c^span for a constant coefficient
-    while span < length:
-        keep = length - span
-        x = a.clone()
-        if isinstance(c, torch.Tensor):
-            x[..., :keep].addcmul_(c[..., :keep], a[..., span:])
-            products = c.clone()
-            products[..., :keep].mul_(c[..., span:])
-            c = products
+    while span < CHUNK:
+        blocks = (*lead, CHUNK // (2 * span), 2, span)
+        src, c_src = x, c
+        if grad:
+            x = x.clone()
+            c = c.clone() if tensor_c else c
+        later_first = src.view(blocks)[..., 1, :1]  # the value each block's later half carries into its first half
+        head = x.view(blocks)[..., 0, :]
+        if tensor_c:
+            coef = c_src.view(blocks)[..., 0, :]  # products to the first half's end
+            if grad:
+                head.copy_(torch.addcmul(src.view(blocks)[..., 0, :], coef, later_first))
+                c.view(blocks)[..., 0, :].copy_(coef * c_src.view(blocks)[..., 1, :1])
+            else:
+                head.addcmul_(coef, later_first)
+                coef.mul_(c_src.view(blocks)[..., 1, :1])
         else:
-            x[..., :keep].add_(a[..., span:], alpha=power)
-            power = power * power
-        a = x
+            if grad:
+                head.copy_(torch.addcmul(src.view(blocks)[..., 0, :], _powers(c, span, x), later_first))
+            else:
+                head.addcmul_(_powers(c, span, x), later_first)
         span *= 2
-    return a, c
+    return x, c
 
 
-def _scan(a: torch.Tensor, c) -> torch.Tensor:
-    """(1) along the last dim of ``a``; ``c`` a float or a tensor of ``a``'s shape."""
-    length = a.size(-1)
-    if length <= CHUNK:
-        return _double(a, c)[0]
+def _scan_(x: torch.Tensor, c, grad: bool) -> torch.Tensor:
+    """(1) along the last dim of ``x``, this call's own contiguous tensor (written in place without ``grad``);
+    ``c`` a float or this call's own tensor of ``x``'s shape."""
+    length = x.size(-1)
+    lead = x.shape[:-1]
+    tensor_c = isinstance(c, torch.Tensor)
     chunks = -(-length // CHUNK)
     pad = chunks * CHUNK - length
-    lead = a.shape[:-1]
     if pad:  # padding: a = 0 (and c = 0), so x = 0 there
-        a = F.pad(a, (0, pad))
-        c = F.pad(c, (0, pad)) if isinstance(c, torch.Tensor) else c
-    a = a.reshape(*lead, chunks, CHUNK)
-    if isinstance(c, torch.Tensor):
-        c = c.reshape(*lead, chunks, CHUNK)
-    x, to_end = _double(a, c)  # every chunk with a zero carry; to_end: the products to the chunk's end
-    if isinstance(c, torch.Tensor):
-        chunk_coef = to_end[..., 0]
-    else:
-        # c^(CHUNK - i) from position i to the chunk's end, and c^CHUNK over a whole chunk (float64 powers).
-        to_end = torch.tensor([float(c) ** (CHUNK - i) for i in range(CHUNK)], dtype=a.dtype, device=a.device)
-        chunk_coef = float(c) ** CHUNK
-    starts = _scan(x[..., 0], chunk_coef)  # x at each chunk's first position
-    next_start = F.pad(starts[..., 1:], (0, 1))  # x at the next chunk's first position (0 after the last)
-    x = torch.addcmul(x, to_end, next_start.unsqueeze(-1))  # out of place: the level above read x[..., 0]
+        x = F.pad(x, (0, pad))
+        c = F.pad(c, (0, pad)) if tensor_c else c
+    x = x.view(*lead, chunks, CHUNK)
+    c = c.view(*lead, chunks, CHUNK) if tensor_c else c
+    x, to_end = _scan_chunks_(x, c, grad)  # to_end: a tensor c's products to each chunk's end
+    if chunks > 1:
+        if tensor_c:
+            chunk_coef = to_end[..., 0].clone(memory_format=torch.contiguous_format)
+        else:
+            to_end, chunk_coef = _powers(c, CHUNK, x), float(c) ** CHUNK
+        starts = _scan_(x[..., 0].clone(memory_format=torch.contiguous_format), chunk_coef, grad)
+        next_start = F.pad(starts[..., 1:], (0, 1)).unsqueeze(-1)  # x at the next chunk's start (0 after the last)
+        x = torch.addcmul(x, to_end, next_start) if grad else x.addcmul_(to_end, next_start)
     return x.view(*lead, chunks * CHUNK)[..., :length]
 
 
 def reverse_linear_scan(a: torch.Tensor, c: Union[float, torch.Tensor]) -> torch.Tensor:
     """``x_t = a_t + c_t x_{t+1}`` along the last dim, ``x_T = 0`` (module docstring): ``a`` ``[..., T]``; ``c``
     a float (a constant coefficient) or a tensor broadcastable to ``a``. Returns ``x``, ``a``'s shape, in the
-    dtype of ``a`` and ``c``; differentiable. No kernel launch per position."""
+    dtype of ``a`` and ``c``; differentiable; the inputs are not written. No kernel launch per position."""
+    grad = _needs_grad(a, c)
     if isinstance(c, torch.Tensor):
         dtype = torch.result_type(a, c)
-        c = c.to(dtype).expand_as(a)
+        c = c.to(dtype).expand_as(a).clone(memory_format=torch.contiguous_format)
     else:
         dtype = a.dtype
-    a = a.to(dtype)
-    return a.clone() if a.size(-1) == 0 else _scan(a, c)
+    x = a.to(dtype).clone(memory_format=torch.contiguous_format)
+    return x if x.size(-1) == 0 else _scan_(x, c, grad)
 
 
 def gae_scan(rewards: torch.Tensor, values: torch.Tensor, value_mask: torch.Tensor, gamma: float, lam: float,
@@ -129,10 +145,15 @@ def gae_scan(rewards: torch.Tensor, values: torch.Tensor, value_mask: torch.Tens
 
         return triton_gae(rewards, values, value_mask, gamma, lam)
     values = values * value_mask.to(values.dtype)
-    delta = rewards.to(torch.result_type(rewards, values), copy=True)  # (r_t + gamma V_{t+1}) - V_t, the loop's order
-    delta[:, :-1].add_(values[:, 1:], alpha=gamma)
-    delta.sub_(values)
-    advantages = reverse_linear_scan(delta, gamma * lam)
+    grad = _needs_grad(rewards, values)
+    if grad:
+        delta = rewards + gamma * F.pad(values[:, 1:], (0, 1)) - values  # (r_t + gamma V_{t+1}) - V_t
+    else:  # the same in two passes, into a tensor the scan then owns
+        delta = torch.empty(values.shape, dtype=torch.result_type(rewards, values), device=values.device)
+        torch.add(rewards[:, :-1], values[:, 1:], alpha=gamma, out=delta[:, :-1])
+        delta[:, -1:] = rewards[:, -1:]
+        delta.sub_(values)
+    advantages = delta if delta.size(-1) == 0 else _scan_(delta, gamma * lam, grad)
     return advantages, advantages + values
 
 
@@ -144,8 +165,13 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float, 
         from mindspeed_llm.kernels.triton_scans import triton_discounted_returns
 
         return triton_discounted_returns(rewards, mask, gamma)
-    next_mask = F.pad(mask.to(rewards.dtype)[:, 1:], (0, 1))
-    return reverse_linear_scan(rewards, gamma * next_mask)
+    coef = torch.zeros_like(rewards)  # gamma * m_{t+1}, m_T = 0
+    coef[:, :-1] = mask[:, 1:]
+    if gamma != 1.0:
+        coef.mul_(gamma)
+    if rewards.size(-1) == 0:
+        return rewards.clone()
+    return _scan_(rewards.clone(memory_format=torch.contiguous_format), coef, _needs_grad(rewards))
 
 
 def gae_scan_loop(rewards, values, value_mask, gamma, lam) -> Tuple[torch.Tensor, torch.Tensor]:
