@@ -258,8 +258,9 @@ def _check_losses(calls):
                 rounded = [t.to(dtype) for t in (values, old_v, returns)]
                 results = {}
                 # The kernel on the dtype's values; the torch path on the same values in fp32 (and, for bf16, in bf16).
-                for name, kernel, inputs in (("kernel", "triton", rounded), ("torch", "torch", [t.float() for t in rounded]),
-                                             ("torch in dtype", "torch", rounded)):
+                variants = (("kernel", "triton", rounded), ("torch", "torch", [t.float() for t in rounded]),
+                            ("torch in dtype", "torch", rounded))
+                for name, kernel, inputs in variants:
                     x = inputs[0].clone().requires_grad_()
                     calls.clear()
                     with _env("MINDSPEED_LOSS_KERNEL", kernel):
@@ -274,7 +275,8 @@ def _check_losses(calls):
                 for k in want[1]:
                     torch.testing.assert_close(got[1][k].float(), want[1][k], rtol=rtol, atol=1e-6,
                                                msg=lambda m: f"{case}: {k}: {m}")
-                torch.testing.assert_close(got[2].float(), want[2], rtol=rtol, atol=1e-7, msg=lambda m: f"{case}: grad {m}")
+                torch.testing.assert_close(got[2].float(), want[2], rtol=rtol, atol=1e-7,
+                                           msg=lambda m: f"{case}: grad {m}")
                 torch.testing.assert_close(got[0].float(), results["torch in dtype"][0].float(), rtol=0.05, atol=0.02)
                 n += 1
     # An exact tie of the max with different sides: v = 0.5 clipped to 0.25, returns 0.375 midway, so

@@ -45,7 +45,8 @@ What is where
   ``gae_scan_loop``, ``discounted_returns_loop`` (the per-position definitions, for tests and benchmarks).
 * :mod:`.rewards`: ``last_response_index``, ``response_mask_p1``, ``critic_mask``, ``compute_token_rewards``, ``compute_gae``
   (registered as the ``gae`` estimator), ``overlong_penalty`` (DAPO).
-* :mod:`.losses`: ``AGG_MODES``, ``aggregation_denominator``, ``aggregation_weights``, ``aggregate_loss``, the policy-loss registry
+* :mod:`.losses`: ``AGG_MODES``, ``aggregation_denominator``, ``aggregation_weights``, ``aggregate_loss``, the
+  policy-loss registry
   (``POLICY_LOSSES``, ``register_policy_loss``: ``vanilla``, ``gspo``), ``rollout_is_weights`` (TIS / MIS),
   ``policy_loss``, ``value_loss`` (on CUDA / Ascend the fused kernels of ``mindspeed_llm.kernels.triton_rl_losses``).
 * :mod:`.advantages`: the advantage-estimator registry (``ADV_ESTIMATORS``, ``register_advantage``; kinds

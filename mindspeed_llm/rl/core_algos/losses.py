@@ -28,7 +28,9 @@ def aggregation_denominator(mask: torch.Tensor, mode: str, max_len=None, *, tota
     m = mask if mask.is_floating_point() else mask.to(torch.float32)
 
     def total(value, local):
-        return local.clamp(min=1) if value is None else torch.as_tensor(value, dtype=m.dtype, device=m.device).clamp(min=1)
+        if value is None:
+            return local.clamp(min=1)
+        return torch.as_tensor(value, dtype=m.dtype, device=m.device).clamp(min=1)
 
     if mode == "token-mean":
         return total(total_tokens, m.sum())
@@ -353,7 +355,8 @@ def _fused_policy_loss(logp, old_logp, advantages, response_mask, clip_low, clip
         sequence_log_ratio = ((logp.detach() - old_logp) * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
     return fused_policy_loss(
         logp, old_logp, advantages, response_mask,
-        aggregation_denominator(response_mask, agg, max_len, total_tokens=total_tokens, total_sequences=total_sequences),
+        aggregation_denominator(response_mask, agg, max_len, total_tokens=total_tokens,
+                                total_sequences=total_sequences),
         aggregation_denominator(response_mask, "token-mean", total_tokens=total_tokens),
         clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, sequence_log_ratio=sequence_log_ratio,
         ref_logp=ref_logp, kl_coef=kl_coef, kl_kind=kl_kind, entropy=entropy, entropy_coeff=entropy_coeff,

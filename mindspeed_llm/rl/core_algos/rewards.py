@@ -1,6 +1,6 @@
 """PPO token rewards and GAE: the response / value masks, the per-token rewards (KL penalty plus the score once),
-generalized advantage estimation with TRL's reverse recursion as a scan (``--adv-estimator gae``, the critic's) and DAPO's overlong
-penalty."""
+generalized advantage estimation with TRL's reverse recursion, as a scan (``--adv-estimator gae``, the critic's), and
+DAPO's overlong penalty."""
 
 from __future__ import annotations
 
