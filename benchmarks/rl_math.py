@@ -24,14 +24,18 @@ Every (device, op, T, variant) runs in a fresh subprocess so measurements do not
   memory = ``torch.cuda.max_memory_allocated()`` minus the allocated memory before the call. It counts what the
   call allocates: outputs, intermediates, gradients.
 * Time: the median of ``--repeats`` further calls (the first call, the memory measurement, is the warm-up), the
-  device synchronised around each.
+  device synchronised around each; ``cpu s``, the process's CPU time of the same calls (less sensitive to other
+  processes on a shared machine than the wall time, not to their use of memory bandwidth). With ``--rounds N``
+  the whole sweep runs N times, one variant after the other in each round (so a load change hits every variant),
+  and each row reports the median over the rounds (the rounds' values are in the JSON).
 * ``max_abs_diff``: the largest difference of a ``scan`` / ``triton`` result from the ``loop`` (scans), or of the
   ``triton`` loss, metrics and gradient from ``torch`` (losses), computed in the same subprocess.
 
 Usage::
 
     python benchmarks/rl_math.py                                  # B 256, T 512 4096 16384, CPU (+ CUDA if present)
-    python benchmarks/rl_math.py --lengths 512 4096 --json runs/rl_math.json
+    python benchmarks/rl_math.py --rounds 3 --json runs/rl_math.json      # what benchmarks/README.md records
+    python benchmarks/rl_math.py --lengths 512 4096
     python benchmarks/rl_math.py --device cuda --ops gae policy_loss
 
 Exit status 1 when a measurement failed (its row says why) or a requested device is not there.
@@ -149,14 +153,16 @@ def _child(opts) -> dict:
     first = call()
     sync()
     peak = (torch.cuda.max_memory_allocated() if device.type == "cuda" else _peak_rss_bytes()) - before
-    times = []
+    times, cpu_times = [], []
     for _ in range(opts.repeats):
         sync()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         call()
         sync()
         times.append(time.perf_counter() - start)
-    result = {"peak_bytes": int(peak), "time_s": statistics.median(times), "times_s": times}
+        cpu_times.append(time.process_time() - cpu_start)
+    result = {"peak_bytes": int(peak), "time_s": statistics.median(times), "times_s": times,
+              "cpu_s": statistics.median(cpu_times)}
     baseline = BASELINE[opts.op]
     if opts.variant != baseline and not opts.no_check:
         opts.variant = baseline
@@ -201,6 +207,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=256, help="rows B")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls after the first (median reported)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (shared 2-core machine: 1)")
+    ap.add_argument("--rounds", type=int, default=1, help="sweeps; each row reports the median over them")
     ap.add_argument("--no-check", action="store_true", help="skip the max_abs_diff computation")
     ap.add_argument("--json", metavar="PATH", help="write all results to this JSON file")
     # one measurement, in a child process
@@ -221,39 +228,49 @@ def main(argv=None):
         print("--device cuda: no CUDA device here")
         return 1
     failed = False
+    cases = [(device, op, length) for device in devices for op in opts.ops for length in opts.lengths]
+    measured = {}  # (device, op, length, variant) -> one result per round
+    for _ in range(opts.rounds):
+        for device, op, length in cases:
+            skip = _triton_skip_reason(device)
+            for variant in VARIANTS[op]:
+                r = {"skipped": skip} if variant == "triton" and skip else _run_child(opts, device, op, length, variant)
+                measured.setdefault((device, op, length, variant), []).append(r)
     rows = []
-    print(f"B={opts.batch}, median of {opts.repeats} calls, threads={opts.threads}; peak = extra memory of the call "
-          f"(losses: forward + backward)")
-    header = (f"{'device':6} {'op':12} {'T':>6} | {'variant':7} {'time s':>9} {'x base':>7} {'peak MiB':>9} "
-              f"{'max|diff|':>10}")
+    print(f"B={opts.batch}, median of {opts.repeats} calls (of {opts.rounds} rounds), threads={opts.threads}; "
+          f"peak = extra memory of the call (losses: forward + backward)")
+    header = (f"{'device':6} {'op':12} {'T':>6} | {'variant':7} {'time s':>9} {'cpu s':>9} {'x base':>7} "
+              f"{'peak MiB':>9} {'max|diff|':>10}")
     print(header)
     print("-" * len(header))
-    for device in devices:
-        skip = _triton_skip_reason(device)
-        for op in opts.ops:
-            for length in opts.lengths:
-                base = None
-                for variant in VARIANTS[op]:
-                    if variant == "triton" and skip:
-                        r = {"skipped": skip}
-                    else:
-                        r = _run_child(opts, device, op, length, variant)
-                    row = {"device": device, "op": op, "batch": opts.batch, "length": length, "variant": variant, **r}
-                    rows.append(row)
-                    if "error" in r:
-                        failed = True
-                        print(f"{device:6} {op:12} {length:6} | {variant:7} FAILED: {r['error']}")
-                        continue
-                    if "skipped" in r:
-                        print(f"{device:6} {op:12} {length:6} | {variant:7} skipped: {r['skipped']}")
-                        continue
-                    if variant == BASELINE[op]:
-                        base = r
-                    row["speedup"] = base["time_s"] / r["time_s"] if base else None
-                    diff = f"{r['max_abs_diff']:10.2e}" if "max_abs_diff" in r else f"{'-':>10}"
-                    speed = f"{row['speedup']:6.1f}x" if row["speedup"] else f"{'-':>7}"
-                    print(f"{device:6} {op:12} {length:6} | {variant:7} {r['time_s']:9.4f} {speed} "
-                          f"{r['peak_bytes'] / 2**20:9.1f} {diff}")
+    for device, op, length in cases:
+        base = None
+        for variant in VARIANTS[op]:
+            runs = measured[(device, op, length, variant)]
+            row = {"device": device, "op": op, "batch": opts.batch, "length": length, "variant": variant}
+            rows.append(row)
+            errors = [r["error"] for r in runs if "error" in r]
+            if errors:
+                failed = True
+                row["error"] = errors[0]
+                print(f"{device:6} {op:12} {length:6} | {variant:7} FAILED: {errors[0]}")
+                continue
+            if "skipped" in runs[0]:
+                row["skipped"] = runs[0]["skipped"]
+                print(f"{device:6} {op:12} {length:6} | {variant:7} skipped: {row['skipped']}")
+                continue
+            for key in ("time_s", "cpu_s", "peak_bytes"):
+                row[key] = statistics.median(r[key] for r in runs)
+            if any("max_abs_diff" in r for r in runs):
+                row["max_abs_diff"] = max(r["max_abs_diff"] for r in runs)
+            row["rounds"] = runs
+            if variant == BASELINE[op]:
+                base = row
+            row["speedup"] = base["time_s"] / row["time_s"] if base else None
+            diff = f"{row['max_abs_diff']:10.2e}" if "max_abs_diff" in row else f"{'-':>10}"
+            speed = f"{row['speedup']:6.1f}x" if row["speedup"] else f"{'-':>7}"
+            print(f"{device:6} {op:12} {length:6} | {variant:7} {row['time_s']:9.4f} {row['cpu_s']:9.4f} {speed} "
+                  f"{row['peak_bytes'] / 2**20:9.1f} {diff}")
     if opts.json:
         os.makedirs(os.path.dirname(os.path.abspath(opts.json)), exist_ok=True)
         with open(opts.json, "w") as fh:

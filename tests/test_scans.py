@@ -186,3 +186,28 @@ def test_scan_kernel_choice(monkeypatch):
     rewards, values, mask = _case(20, 1)
     torch.testing.assert_close(scans.gae_scan(rewards, values, mask, 1.0, 0.9)[0],
                                scans.gae_scan_loop(rewards, values, mask, 1.0, 0.9)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_benchmark_rl_math_child_measures_and_checks(monkeypatch):
+    """benchmarks/rl_math.py's measurement of one (op, T, variant), in process (no spawn): it times the call, and the
+    scan's and the losses' results match their baselines (max_abs_diff)."""
+    import argparse
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "rl_math.py")
+    spec = importlib.util.spec_from_file_location("rl_math_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setenv("MINDSPEED_LOSS_KERNEL", "torch")
+    threads = torch.get_num_threads()
+    try:
+        for op, variant in (("gae", "scan"), ("rpp_returns", "scan"), ("policy_loss", "torch"), ("value_loss", "torch")):
+            opts = argparse.Namespace(device="cpu", op=op, variant=variant, batch=3, length=50, repeats=1, threads=1,
+                                      no_check=False)
+            result = bench._child(opts)
+            assert result["time_s"] > 0 and isinstance(result["peak_bytes"], int), (op, result)  # peak: fresh process only
+            if variant == "scan":
+                assert result["max_abs_diff"] < 1e-5, (op, result)
+    finally:
+        torch.set_num_threads(threads)
