@@ -4,8 +4,9 @@ Each patch is a `Patch`: the dotted target it replaces, a factory for the replac
 devices it applies to. `mindspeed_llm.device.setup()` applies the registry once per process;
 `remove_patches()` restores every original (the tests use it to show that each patch is needed).
 
-On CUDA nothing is patched. On NPU `torch_npu`'s own `transfer_to_npu` redirection does the work.
-On CPU the patches in `cpu.py` answer megatron-core 0.16.1's hard-coded `torch.cuda` calls.
+On CPU the patches in `cpu.py` answer megatron-core 0.16.1's hard-coded `torch.cuda` calls (on NPU `torch_npu`'s
+own `transfer_to_npu` redirection does that work, on CUDA nothing is needed). `inference.py` holds exact speed
+patches of the decode step, applied on every device.
 `mla.py` lets multi-latent attention (DeepSeek-V3) build on the local spec. `moe.py` mends two spots of megatron's MoE code that assume Transformer Engine or CUDA tensors. `static_decode.py`
 holds the patches the CUDA-graph decode engine installs on demand (only when it runs; see that module).
 """
