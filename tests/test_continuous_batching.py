@@ -161,3 +161,22 @@ def test_expert_parallel_peers_equal_the_static_engine_and_run_the_same_forwards
         assert forwards[0] == forwards[1], (name, forwards)
         assert results[0][case][2].stats["dummy_forwards"] > 0
     assert results[1][2][2].stats["dummy_forwards"] == 0
+
+
+def test_rollout_flags_reach_the_sampling_config():
+    """`--rollout-max-num-seqs` / `--rollout-max-num-batched-tokens` ride in the stages' SamplingConfig (rl/rollout.py),
+    which `rollout()` hands to `generate`; left out, there is no limit."""
+    from types import SimpleNamespace
+
+    from mindspeed_llm.arguments import parse_args
+    from mindspeed_llm.rl.rollout import sampling_config
+
+    base = ["--stage", "grpo", "--verifier-function", "math_acc", "--data-path", "d", "--train-iters", "1",
+            "--global-batch-size", "4", "--ref-model", "r"]
+    tokenizer = SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    args = parse_args(base + ["--rollout-max-num-seqs", "16", "--rollout-max-num-batched-tokens", "512"])
+    for greedy in (None, True):  # the rollout's and the evaluation's settings
+        config = sampling_config(args, tokenizer, greedy=greedy)
+        assert (config.max_num_seqs, config.max_num_batched_tokens) == (16, 512)
+    config = sampling_config(parse_args(base), tokenizer)
+    assert config.max_num_seqs is None and config.max_num_batched_tokens is None

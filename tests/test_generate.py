@@ -719,7 +719,8 @@ def test_sampling_config_validation_and_budgets():
     assert cfg.response_budgets([3, 7, 10, 12]) == [4, 3, 0, 0]
     assert SamplingConfig(max_new_tokens=None, max_length=6).response_budgets([2, 6]) == [4, 0]
     assert SamplingConfig(eos_token_id=[5, 6]).eos_ids == (5, 6) and SamplingConfig(eos_token_id=5).pad_id == 5
-    for bad in (dict(max_new_tokens=None), dict(temperature=0.0), dict(top_p=1.5), dict(top_k=-1)):
+    for bad in (dict(max_new_tokens=None), dict(temperature=0.0), dict(top_p=1.5), dict(top_k=-1),
+                dict(max_num_seqs=0), dict(max_num_batched_tokens=2.5), dict(max_num_seqs=True)):
         with pytest.raises(ValueError):
             SamplingConfig(**bad)
     # one stream per (seed, iteration, sample id); a longer table extends a stream, never changes its start

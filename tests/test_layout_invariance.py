@@ -19,7 +19,9 @@ times its gradient, so comparing changes compares gradients. Adam would normalis
 loss scale.
 
 Layouts: TP1/PP1/DP1 with micro-batch sizes 1 (the reference) and 4 (packed prompt groups), in one
-process; TP2, PP2 and DP2 on 2 gloo processes. Against the reference, each layout must give:
+process; TP2, PP2 and DP2 on 2 gloo processes. The PP2 and DP2 runs also bound the generation engine
+(`--rollout-max-num-seqs`, `--rollout-max-num-batched-tokens`: few samples in flight, chunked prefills), which must
+change nothing either. Against the reference, each layout must give:
 
 * every logged metric (losses, clip fractions, KL, entropy, scores, lengths, grad norms; not timings and
   throughputs) within rtol 1e-5, atol 1e-6;
@@ -74,6 +76,9 @@ LAYOUTS = {
     "pp2": (1, 2, 2, 2, 2),
     "dp2": (1, 1, 2, 2, 4),
 }
+# the generation engine's limits (speed and memory only) on two of the layouts
+ROLLOUT_LIMITS = {"pp2": ["--rollout-max-num-seqs", "3", "--rollout-max-num-batched-tokens", "8"],
+                  "dp2": ["--rollout-max-num-seqs", "2"]}
 
 
 def odd_first_word(text, label):
@@ -117,7 +122,7 @@ def _argv(paths, stage, layout, extra, out: Path):
     ]
     if stage == "trl_ppo":
         argv += ["--reward-model", paths[f"mg_reward_{models}"]]
-    return argv + list(extra)
+    return argv + ROLLOUT_LIMITS.get(layout, []) + list(extra)
 
 
 def _run_cases(rank, world_size, runs):
