@@ -90,7 +90,8 @@ def install_layout_hooks(model) -> None:
     is an output layer). Idempotent."""
     if getattr(model, "has_layout_hooks", False):
         return
-    for rotary in _rotary_modules(model):
+    model.layout_rotary_modules = _rotary_modules(model)  # found once: forward_layout runs per forward
+    for rotary in model.layout_rotary_modules:
         rotary.register_forward_pre_hook(_rotary_at_least, with_kwargs=True)
         rotary.register_forward_hook(_rotary_by_position_ids)
     output_layer = getattr(model, "output_layer", None)
@@ -110,7 +111,9 @@ def forward_layout(model, position_ids: Optional[torch.Tensor] = None, logits_fr
     if not getattr(core, "has_layout_hooks", False):
         raise RuntimeError("forward_layout: this model was not built by mindspeed_llm.models.build_model "
                            "(no layout hooks); its positions and output window cannot be set")
-    rotaries = _rotary_modules(core)
+    rotaries = getattr(core, "layout_rotary_modules", None)
+    if rotaries is None:
+        rotaries = _rotary_modules(core)
     output_layer = getattr(core, "output_layer", None)
     for rotary in rotaries:
         setattr(rotary, _POSITIONS, position_ids)
