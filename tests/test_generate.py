@@ -650,6 +650,15 @@ def test_kv_cache_scales_with_rows_in_flight_and_engine_errors(dp2, tp2, pp2):
 
 # ============================================================================ pure-python pieces
 
+def test_decode_speed_patches_are_registered_for_every_device():
+    """The exact decode patches of mindspeed_llm/patches/inference.py (plain torch, exact everywhere: its docstring)
+    apply on CUDA and NPU too, not only on the CPU where the tests above compare them with megatron's code."""
+    from mindspeed_llm.patches import inference, registry
+
+    mine = [p for p in registry() if p.make.__module__ == inference.__name__]
+    assert len(mine) == 5 and all(set(p.devices) == {"cpu", "cuda", "npu"} for p in mine), mine
+
+
 def test_filter_logits_matches_transformers_warpers():
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
