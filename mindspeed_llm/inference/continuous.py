@@ -30,10 +30,11 @@ last row stops, and the cache is sized by the whole batch. Here:
   every rank then takes the same decisions (`_Scheduler` is plain host-side bookkeeping, identical on every rank
   of a model-parallel group).
 * **Pipeline parallelism**: the slots are split into PP groups, one "unit" (moves, prefills, KV copies and one
-  decode step) per group in turn; stage s runs unit t - s at tick t, so every stage works on every tick once PP
-  groups are busy (the scheme the brief calls "(t - s) mod PP"). A group's next unit is decided as soon as its
-  previous one left the last stage (its tokens are known): tau(k) = k with PP groups, in general
-  tau(k) = (k // G) * max(G, PP) + k % G for G groups (G = 1: the whole batch passes the stages in turn).
+  decode step) per group in turn; stage s runs unit t - s, i.e. group (t - s) mod PP, at tick t, so every stage
+  works on every tick while the groups have rows. A group's next unit is decided as soon as its previous one left
+  the last stage (its tokens are known). Unit k starts at tick tau(k) = k with PP groups; in general
+  tau(k) = (k // G) * max(G, PP) + k % G for G groups (G = 1: the whole batch passes the stages in turn, as
+  megatron's wrapper does).
   Hidden states go stage to stage with megatron's `communication_utils` helpers (receive, then send: a chain,
   no cycle); their shapes follow from the units, which every rank knows.
 * **Expert parallelism**: the expert-parallel peers hold other rollouts but exchange tokens in every MoE layer of
@@ -400,7 +401,7 @@ class ContinuousEngine:
         self.groups = int(pipeline_groups or self.pp)
         token_cap = sampling.max_num_batched_tokens
         rows = min(sampling.max_num_seqs or B, B, (token_cap or B) * self.groups)
-        self.slots = max(len(s.known) - s.response_length + s.budget for s in samples)  # max_b L_b + R_b
+        self.slots = max(s.prompt_length + s.budget for s in samples)  # max_b L_b + R_b: every position used
         self.scheduler = Scheduler(samples, split_capacity(rows, self.groups, token_cap), token_cap=token_cap,
                                    share_prefill=share_prefill, pad_id=sampling.pad_id, eos_ids=sampling.eos_ids,
                                    stop_ids=sampling.stop_ids, max_decode_steps=max_decode_steps)
