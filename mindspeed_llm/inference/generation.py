@@ -235,8 +235,8 @@ def _choose_engine(model, engine: str, prefill: str, batched: bool, sampling: Sa
     blockers = []
     if prefill == "stepwise":
         blockers.append("prefill='stepwise' is the static engine's scheme")
-    if not batched and prefill != "stepwise":
-        blockers.append(f"its attention ignores explicit masks ({batched_prefill_blocker(get_model_config(model))})")
+    if not batched and prefill != "stepwise":  # `_use_batched_prefill` asked `batched_prefill_blocker`
+        blockers.append("its core attention ignores explicit masks (batched_prefill_blocker says why)")
     if cuda_graph.decode_cuda_graph_requested(device):
         blockers.append(f"{cuda_graph.DECODE_CUDA_GRAPH_ENV}=1 asks for the static engine's CUDA-graph decode step")
     if peers is not None and getattr(get_model_config(model), "moe_token_dispatcher_type", None) == "allgather":
