@@ -94,6 +94,8 @@ RANGES: Dict[str, Bound] = {
     "--temperature": _positive("logits are divided by it (sampling and the training log-probs)"),
     "--top-p": Bound(low=0, high=1, low_open=True, source="nucleus sampling's mass (Holtzman et al. 2020)"),
     "--top-k": _at_least(0, "tokens kept; 0 turns it off"),
+    "--rollout-max-num-seqs": _at_least(1, "rows in flight; leave it out for no limit"),
+    "--rollout-max-num-batched-tokens": _at_least(1, "tokens of one forward; leave it out for no limit"),
     # sizes and counts
     "--micro-batch-size": _at_least(1, "samples"),
     "--global-batch-size": _at_least(1, "prompts"),

@@ -256,6 +256,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--stop-token-ids", type=_int_list, default=[])
+    g.add_argument("--rollout-max-num-seqs", type=int,
+                   help="samples in flight at once in generation (vLLM's / MindSpeed-RL's max_num_seqs): a finished "
+                        "sample's slot takes the next one, and the KV cache holds this many rows (default: the "
+                        "whole local batch)")
+    g.add_argument("--rollout-max-num-batched-tokens", type=int,
+                   help="tokens of one generation forward (vLLM's max_num_batched_tokens): a decode step's rows, a "
+                        "prefill's rows x padded width (longer prompts are prefilled in chunks; default: no limit)")
     g.add_argument("--n-samples-per-prompt", type=int)
     g.add_argument("--recompute-old-logprobs", action="store_true",
                    help="take the old log-probs from a training forward pass, not from the rollout's sampler (trl_ppo's "

@@ -40,6 +40,10 @@ BASE = ["--data-path", "d", "--train-iters", "1", "--global-batch-size", "4", "-
       "--use-checkpoint-opt_param-scheduler"], 1, "contradict each other"),
     (["--stage", "grpo", "--verifier-function", "math_acc", "--n-samples-per-prompt", "4", "--ppo-mini-batch-size",
       "4", "--global-batch-size", "4"], 2, "--ppo-mini-batch-size 4 must be a multiple of --n-samples-per-prompt 4 x"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--rollout-max-num-seqs", "0"], 1,
+     "--rollout-max-num-seqs 0 must be >= 1"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--rollout-max-num-batched-tokens=-4"], 1,
+     "--rollout-max-num-batched-tokens -4 must be >= 1"),
 ])
 def test_inconsistent_flags_are_refused_by_name(extra, world, needle):
     with pytest.raises(ArgumentError) as err:
