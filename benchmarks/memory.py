@@ -1634,8 +1634,8 @@ def micro_batch_shape(launch: Launch, levers: Levers, budget: Optional[int]) -> 
     the cap (the largest sum of s^2 B tokens can have: cap x B), every token read (an upper bound: prompts can
     be short)."""
     n = launch.n_samples
-    if levers.layout == "packed":
-        width, rows, read = launch.prompt_cap + n * launch.response_cap, launch.micro_batch_size // n, n
+    if levers.layout == "packed":  # --micro-batch-size a multiple of n (at least n)
+        width, rows, read = launch.prompt_cap + n * launch.response_cap, max(1, launch.micro_batch_size // n), n
     else:
         width, rows, read = launch.prompt_cap + launch.response_cap, launch.micro_batch_size, 1
     if budget is None:
@@ -1794,19 +1794,37 @@ def lever_flags(launch: Launch, levers: Levers) -> List[str]:
     return out
 
 
+# The recommendation's headroom for the fit: a phase fits when its model state plus its other bytes (KV cache,
+# activations, working sets, buffers) with this share added stay within the limit (the fit's peaks are within
+# about +-10% at the main shape; see the fit check)
+FIT_MARGIN = 0.10
+
+
 def _fits(p: dict, limit: float, phases=("rollout", "passes", "train")) -> bool:
-    return all(p[ph] <= limit for ph in phases)
+    return all(p[ph] + FIT_MARGIN * (p[ph] - p[f"{ph}_states"]) <= limit for ph in phases)
+
+
+def _padding_ratio(launch: Launch, budget: Optional[int]) -> float:
+    """Processed / real tokens of the update's micro-batches at the skewed mix of the launcher's rollout (by count
+    when `budget` is None)."""
+    launch_prompts, responses = skewed_mix(launch.rollout_rows, launch.n_samples, launch.prompt_cap,
+                                           launch.response_cap)
+    costs = micro_batch_costs(launch_prompts, responses, launch.n_samples, launch.micro_batch_size,
+                              budget or launch.prompt_cap + launch.response_cap)
+    return costs["by_count" if budget is None else "token_budget"]["tokens_ratio"]
 
 
 def recommend(launch: Launch, coefs: Dict[str, dict], table: StateBytes, limit_gb: float = TARGET_TRAIN_GB) -> dict:
-    """The cheapest levers under which the update, the passes and the rollout each fit `limit_gb`, with the fused
+    """The cheapest levers under which the update, the passes and the rollout each fit `limit_gb` (with the fit's
+    headroom, `FIT_MARGIN`), with the fused
     attention and the distributed optimizer wherever DP > 1 (no extra communication volume): at the launcher's
     layout first, then other (PP, EP) layouts (`layouts`). Cheapest first: recompute (none, selective, full of k
     layers per stage, smallest k first) outside, model-state offload inside (nothing, --offload-ref-reward, the
     --offload-train-* flags too), for the update and the passes at one row at the cap; then the largest token
-    budget (8, 4, 2 or 1 rows at the cap) that keeps the update within the limit and the largest forward budget
-    (16 .. 1 rows) for the passes; then the rows in flight of the rollout, halving (--rollout-max-num-seqs), first
-    with the offloads chosen and then with all --offload-train-* flags."""
+    budget (4, 2 or 1 rows at the cap) that keeps the update within the limit and the largest forward budget
+    (8 .. 1 rows) for the passes (a budget that pads more than micro-batches by count is not taken); then the
+    rollout: all rows at once, with the offloads chosen, then with every --offload-train-* flag, then with the rows
+    in flight halving (--rollout-max-num-seqs)."""
     limit = limit_gb * GB
     cap = launch.prompt_cap + launch.response_cap
     notes: List[str] = []
@@ -1842,27 +1860,30 @@ def recommend(launch: Launch, coefs: Dict[str, dict], table: StateBytes, limit_g
         chosen = Levers(attention="sdpa", distributed_optimizer=True, recompute="full", offload_ref_reward=True,
                         offload_optimizer=True, offload_grad=True, offload_param=True, micro_batch_tokens=cap,
                         forward_micro_batch_tokens=cap)
-    for rows in (8, 4, 2, 1):
-        candidate = replace(chosen, micro_batch_tokens=rows * cap)
-        if _fits(project(launch, coefs, candidate, table), limit, ("train",)):
-            chosen = candidate
-            break
-    for rows in (16, 8, 4, 2, 1):
-        candidate = replace(chosen, forward_micro_batch_tokens=rows * cap)
-        if _fits(project(launch, coefs, candidate, table), limit, ("passes",)):
-            chosen = candidate if candidate.forward_micro_batch_tokens != chosen.micro_batch_tokens \
-                else replace(candidate, forward_micro_batch_tokens=None)
-            break
+    # budgets of at most 4 (update) / 8 (passes) rows at the cap: beyond that fewer, larger micro-batches save
+    # little and only take the margin; a budget that pads more than 1.2x (or than micro-batches by count) at the
+    # skewed mix is not taken (a few samples in one budget micro-batch are padded to their longest); a budget of
+    # one row at the cap only replaces micro-batches of one sample (it lets short samples share one), or is the
+    # last resort where micro-batches by count do not fit
+    padding = max(1.2, _padding_ratio(launch, None))
+    for key, phase, sizes in (("micro_batch_tokens", "train", (4, 2)),
+                              ("forward_micro_batch_tokens", "passes", (8, 4, 2))):
+        options = [rows * cap for rows in sizes if _padding_ratio(launch, rows * cap) <= padding]
+        options += ([cap] if launch.micro_batch_size == 1 else []) + [None, cap]
+        for budget in options:
+            candidate = replace(chosen, **{key: budget})
+            if _fits(project(launch, coefs, candidate, table), limit, (phase,)):
+                chosen = candidate
+                break
+    # the rollout: all rows at once, with the training state's offload if needed, then fewer rows in flight
     total = with_layout(launch, chosen).rollout_rows
+    offload = dict(offload_optimizer=True, offload_grad=True, offload_param=True)
     found = None
-    for option in (dict(), dict(offload_optimizer=True, offload_grad=True, offload_param=True)):
-        r = total
-        while r >= 1 and found is None:
-            candidate = replace(chosen, **option, rollout_max_num_seqs=None if r == total else r)
-            if _fits(project(launch, coefs, candidate, table), limit, ("rollout",)):
-                found = candidate
-            r //= 2
-        if found:
+    for option, rows in [(dict(), None), (offload, None)] + [(offload, r) for r in
+                                                             (total // 2 ** k for k in range(1, 12)) if r >= 1]:
+        candidate = replace(chosen, **option, rollout_max_num_seqs=rows)
+        if _fits(project(launch, coefs, candidate, table), limit, ("rollout",)):
+            found = candidate
             break
     if found is None:
         notes.append(f"the rollout does not fit {limit_gb:g} GB even one row at a time")
@@ -1991,9 +2012,10 @@ def grid_cases(grid: dict, attentions: Sequence[str]) -> List[Case]:
 
 
 def run_cases(cases: Sequence[Case], device_type: str, max_bytes: float, log, timing_tags=("main", "packed"),
-              reuse: Optional[Dict[str, dict]] = None, only: Optional[str] = None, save=None):
+              reuse: Optional[Dict[str, dict]] = None, only: Optional[str] = None, save=None, date: str = ""):
     """Measures `cases` (those in `reuse` taken from it, those `only` does not match skipped), calling `save`
-    with the results so far after each measured case (a long run keeps what it measured)."""
+    with the results so far after each measured case (a long run keeps what it measured); each measured case
+    records its run's `date` (`measured_on`), which reuse keeps."""
     results = []
     for i, case in enumerate(cases):
         if reuse and case.name in reuse:
@@ -2015,6 +2037,7 @@ def run_cases(cases: Sequence[Case], device_type: str, max_bytes: float, log, ti
             results.append(dict(case=case_dict(case), error=f"{type(exc).__name__}: {exc}"[:500]))
             log(f"[{i + 1}/{len(cases)}] error {case.name}: {exc}")
             continue
+        r["measured_on"] = date
         results.append(r)
         log(f"[{i + 1}/{len(cases)}] {case.name}: saved/layer/token {r['per_layer']['layer_total']:.0f} B, "
             f"peak {r['peak'] / 2**20:.1f} MiB ({time.perf_counter() - start:.1f} s)")
@@ -2118,11 +2141,20 @@ def report(data: dict) -> str:
         pl = c["per_layer"]
         rows.append([name, c["tokens"], f"{pl['layer_total']:.0f}", f"{pl.get('attention', 0):.0f}",
                      f"{c['peak'] / 2**20:.0f}", f"{c['global_buffer'] / 2**20:.0f}",
-                     f"{c['time_s']:.1f}" if "time_s" in c else "-",
-                     "reused" if c["case"]["name"] in set(data["meta"].get("reused_cases", [])) else ""])
+                     f"{c['time_s']:.1f}" if "time_s" in c else "-", c.get("measured_on", "")])
     out.append("Measured (" + data["meta"]["shape_text"] + "):")
     out.append(print_table(rows, ["case", "tokens", "saved B/tok/layer", "of it attention", "peak MiB",
-                                  "buffer MiB", "time s", ""]))
+                                  "buffer MiB", "time s", "measured"]))
+    checks = data.get("peak_check", {})
+    scripted = checks.get("scripted", {})
+    out.append(f"\nPeak method: a scripted sequence {scripted.get('measured')} B measured, {scripted.get('expected')} B "
+               "expected")
+    for key, label in (("rss", "glibc's default"), ("rss_fixed_mmap_threshold", "MALLOC_MMAP_THRESHOLD_=131072")):
+        rss = checks.get(key)
+        if rss and "rss_rise" in rss:
+            out.append(f"  RSS of a fresh process over one step ({rss['case'].split(' h')[0]}, {label}): rises "
+                       f"{rss['rss_rise'] / 2**20:.0f} MiB, the profiler's peak {rss['profiler_peak'] / 2**20:.0f} MiB "
+                       f"({100 * (rss['rss_rise'] / rss['profiler_peak'] - 1):+.0f}%)")
     fit = data["fit"]
     out.append("\nFit check (saved per token per layer; peak of the step), by the fit of the case's attention:")
     rows = [[e["name"].split(" L")[0], e["tag"], f"{e.get('saved_per_layer_token', 0):.0f}",
@@ -2438,13 +2470,12 @@ def main(argv=None) -> int:
     for key in ("generate", "model_state", "model_state_distributed_optimizer_dp1", "tp2"):
         if key in old_extras:
             data[key] = old_extras[key]
-    if "rss" in old_extras.get("peak_check", {}):
-        data["peak_check"].update({k: v for k, v in old_extras["peak_check"].items() if k.startswith("rss")})
-    elif opts.device == "cpu" and not opts.no_rss_check:
-        rss_case = Case(shape, lengths[0], attentions[0])
-        data["peak_check"]["rss"] = check_peak_rss(rss_case)
-        data["peak_check"]["rss_fixed_mmap_threshold"] = check_peak_rss(rss_case, 128 << 10)
-        log(f"RSS check: {data['peak_check']['rss']}, {data['peak_check']['rss_fixed_mmap_threshold']}")
+    for key, threshold in (("rss", None), ("rss_fixed_mmap_threshold", 128 << 10)):
+        if key in old_extras.get("peak_check", {}):
+            data["peak_check"][key] = old_extras["peak_check"][key]
+        elif opts.device == "cpu" and not opts.no_rss_check:
+            data["peak_check"][key] = check_peak_rss(Case(shape, lengths[0], attentions[0]), threshold)
+            log(f"RSS check ({key}): {data['peak_check'][key]}")
     if "generate" not in data and not opts.no_generate:
         p1, p2 = (lengths[0] // 4, lengths[0] // 2)
         data["generate"] = [measure_generate(shape, b, p, n, attention, opts.device) for attention in attentions
@@ -2461,9 +2492,11 @@ def main(argv=None) -> int:
         log(f"TP2: {'error' if 'error' in data['tp2'] else 'done'}")
     save()
     cases = main_cases(shape, lengths, attentions) + ([] if opts.no_fit_grid else grid_cases(grid, attentions))
-    reuse = {c["case"]["name"]: c for c in old.get("cases", []) if "saved" in c}
+    reuse = {c["case"]["name"]: dict(c, measured_on=c.get("measured_on") or f"before {old['meta']['date']}")
+             for c in old.get("cases", []) if "saved" in c}
     reuse = {name: c for name, c in reuse.items() if not (opts.remeasure and re.search(opts.remeasure, name))}
-    data["cases"] = run_cases(cases, opts.device, max_bytes, log, reuse=reuse, only=opts.only, save=save)
+    data["cases"] = run_cases(cases, opts.device, max_bytes, log, reuse=reuse, only=opts.only, save=save,
+                              date=data["meta"]["date"])
     data["meta"]["reused_cases"] = sorted(name for name in reuse if name in {c.name for c in cases})
     data["meta"]["wall_s"] = time.time() - started
     data["meta"]["machine"]["load_average_end"] = os.getloadavg()

@@ -176,10 +176,12 @@ def test_micro_batch_costs_of_a_hand_case_and_of_the_real_plan():
 
 def test_recommendation_fits_the_limit_with_the_fewest_levers():
     launch = _tiny_launch(levers=memory.Levers(distributed_optimizer=True))
-    limit_gb = 1e-9 * (PARAMS * (6 + 12 / 2) + 4000)  # the actor's state with the distributed optimizer, little else
+    limit_gb = 1e-9 * (PARAMS * (6 + 12 / 2) + 5000)  # the actor's state with the distributed optimizer, little else
     rec = memory.recommend(launch, COEFS, RULE, limit_gb=limit_gb)
     p = memory.project(launch, COEFS, memory.Levers(**rec["levers"]), RULE)
-    assert max(p["rollout"], p["passes"], p["train"]) <= limit_gb * memory.GB and not rec["notes"]
+    assert not rec["notes"]  # it fits at the launcher's layout
+    for phase in ("rollout", "passes", "train"):  # the fit's headroom on what is not model state
+        assert p[phase] + memory.FIT_MARGIN * (p[phase] - p[f"{phase}_states"]) <= limit_gb * memory.GB
     assert rec["levers"]["offload_ref_reward"] and rec["levers"]["distributed_optimizer"]
     assert "--offload-ref-reward" in rec["flags"]
 

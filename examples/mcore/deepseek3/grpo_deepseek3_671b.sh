@@ -11,7 +11,7 @@
 #   positions).
 # - DOES NOT FIT a 64 or 80 GB device at this layout, by its model state alone (benchmarks/memory.py, which measures
 #   the bytes per parameter of each part of the state but not multi-latent attention's activations; `python
-#   benchmarks/memory.py --project-only runs/memory/m2.json`): a rank holds the 17.0B dense parameters and 4 experts
+#   benchmarks/memory.py --project-only runs/memory/memory.json`): a rank holds the 17.0B dense parameters and 4 experts
 #   x 58 layers (10.2B), so the update needs at least 290 GB (the dense part at 2 + 4 + 12/64 B a parameter with the
 #   distributed optimizer, the experts at 18 B: expert data parallelism is 1), 345 GB with the reference on the
 #   device; with every offload (--offload-ref-reward, --offload-train-*) the rollout still holds 54.7 GB of weights

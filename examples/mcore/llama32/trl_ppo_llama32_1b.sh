@@ -4,10 +4,10 @@
 # Companions: ckpt_convert_llama32_hf2mcore.sh, ckpt_convert_llama32_orm_hf2mcore.sh,
 # data_convert_llama32_trl_ppo.sh (run them first), ckpt_convert_llama32_mcore2hf.sh (after).
 # Memory: per device (one node, DP 8), projected by benchmarks/memory.py from CPU measurements (benchmarks/README.md;
-# `python benchmarks/memory.py --project-only runs/memory/m2.json`): rollout 23.8 GB, forward passes 23.9 GB, update
-# 28.3 GB. The model state of the two trained 1.24B models dominates: the distributed optimizer (their fp32 main
-# weights and Adam moments over the 8 DP ranks) takes it from 49.4 to 23.5 GB; micro-batches stay --micro-batch-size
-# samples (a token budget would pad these few short samples more).
+# `python benchmarks/memory.py --project-only runs/memory/memory.json`): rollout 23.8 GB, forward passes 23.9 GB, update
+# 28.3 GB. The model state of the two trained 1.24B models dominates: the distributed optimizer (their fp32 main weights
+# and Adam moments over the 8 DP ranks) takes it from 49.4 to 23.5 GB; micro-batches stay --micro-batch-size samples (a
+# token budget would pad these few short samples more).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 source examples/mcore/launch_env.sh

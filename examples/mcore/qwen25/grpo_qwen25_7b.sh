@@ -5,15 +5,15 @@
 # Launch:      on every node: NNODES=2 NPUS_PER_NODE=8 MASTER_ADDR=<node0 ip> NODE_RANK=<0 on node0, 1 on node1> bash $0
 # Resume:      automatic: --load equals --save (a fresh start when nothing is saved yet); SIGTERM saves first
 # Memory:      per device (TP 4, DP 2), projected by benchmarks/memory.py from CPU measurements (see
-#              benchmarks/README.md; `python benchmarks/memory.py --project-only runs/memory/m2.json`): rollout 36.2 GB
-#              (all 128 rows of a rank at once: KV cache 7.5 GB), forward passes 31.4 GB, update 42.9 GB, within the
+#              benchmarks/README.md; `python benchmarks/memory.py --project-only runs/memory/memory.json`): rollout 36.2
+#              GB (all 128 rows of a rank at once: KV cache 7.5 GB), forward passes 31.4 GB, update 42.9 GB, within the
 #              56 GB target of a 64 GB device. The fused attention (the default) keeps no [s, s] tensor, so no
-#              activation recompute is needed: the distributed optimizer (fp32 main weights and Adam moments over the
-#              2 DP ranks: 12 instead of 18 B a parameter) and token-budget micro-batches of at most 4096 tokens (one
-#              sample at the cap; short ones share a micro-batch) in the update, 32768 in the forward-only passes.
-#              Full recompute (--recompute-granularity full --recompute-method uniform --recompute-num-layers 1)
-#              would take the update to 29.4 GB at the price of a second forward in it; without the distributed
-#              optimizer the update needs 54.3 GB, with --attention-backend local 64.5 GB.
+#              activation recompute is needed: the distributed optimizer (fp32 main weights and Adam moments over the 2
+#              DP ranks: 12 instead of 18 B a parameter) and token-budget micro-batches of at most 4096 tokens (one
+#              sample at the cap; short ones share a micro-batch) in the update, 32768 in the forward-only passes. Full
+#              recompute (--recompute-granularity full --recompute-method uniform --recompute-num-layers 1) would take
+#              the update to 29.4 GB at the price of a second forward in it; without the distributed optimizer the
+#              update needs 54.3 GB, with --attention-backend local 64.5 GB.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 source examples/mcore/launch_env.sh

@@ -20,8 +20,8 @@
 # Resume: automatic (--load equals --save; a fresh start when nothing is saved yet); SIGTERM saves first.
 # Memory: per device (TP 8, PP 4: the first stage holds 4 micro-batches in flight under 1F1B), projected by
 # benchmarks/memory.py from CPU measurements (benchmarks/README.md; `python benchmarks/memory.py --project-only
-# runs/memory/m2.json`): rollout 17.9 GB (all 256 rows of a rank at once: KV cache 8.6 GB, the prefill of 64 prompts 7.2
-# GB; the training state waits in host memory), forward passes 8.7 GB, update 52.7 GB (21.5 GB of model state, 4
+# runs/memory/memory.json`): rollout 17.9 GB (all 256 rows of a rank at once: KV cache 8.6 GB, the prefill of 64 prompts
+# 7.2 GB; the training state waits in host memory), forward passes 8.7 GB, update 52.7 GB (21.5 GB of model state, 4
 # micro-batches' activations of 7.6 GB each), within the 56 GB target of a 64 GB device. Full activation recompute of
 # the first 3 of each stage's 16 layers (block) in the actor's and critic's update forwards, the reference model in host
 # memory outside its pass (--offload-ref-reward), the actor's and critic's training state in host memory from one update

@@ -12,10 +12,10 @@
 # them too).
 #
 # Memory: per device, projected by benchmarks/memory.py from CPU measurements (benchmarks/README.md; `python
-# benchmarks/memory.py --project-only runs/memory/m2.json`): rollout 13.7 GB (all 16 rows of a rank at once), forward
-# passes 18.2 GB, update 48.1 GB (43.0 GB of it model state: 8 experts x 48 layers at 18 B a parameter), within the 56
-# GB target of a 64 GB device. EP 8 does not fit: with every lever below its update needs 59.0 GB (53.9 GB of model
-# state; EP 8 with PP 2 would fit, 43.1 GB, at the price of pipeline bubbles). At EP 16: full activation recompute
+# benchmarks/memory.py --project-only runs/memory/memory.json`): rollout 13.7 GB (all 16 rows of a rank at once),
+# forward passes 18.2 GB, update 48.1 GB (43.0 GB of it model state: 8 experts x 48 layers at 18 B a parameter), within
+# the 56 GB target of a 64 GB device. EP 8 does not fit: with every lever below its update needs 59.0 GB (53.9 GB of
+# model state; EP 8 with PP 2 would fit, 43.1 GB, at the price of pipeline bubbles). At EP 16: full activation recompute
 # (uniform, 1 layer), the distributed optimizer (the dense weights' main weights and moments over DP 16), the reference
 # in host memory outside its pass (--offload-ref-reward), the actor's training state in host memory from one update to
 # the next (--offload-train-*: it leaves room in the rollout and the forward passes), token-budget micro-batches of at
