@@ -154,6 +154,7 @@ def test_micro_batch_costs_of_a_hand_case_and_of_the_real_plan():
 
     prompts, responses = [2, 2, 2, 2], [6, 1, 1, 1]  # lengths 8, 3, 3, 3: 17 real tokens, 64 + 27 = 91 s^2
     assert token_budget_groups([8, 3, 3, 3], 8) == [[0], [1, 2], [3]]
+    assert token_budget_groups([8, 3, 3, 3], 9) == [[0], [1, 2, 3]]  # 3 rows x 3 = 9 tokens: within the budget
     costs = memory.micro_batch_costs(prompts, responses, group=1, micro_batch_size=2, budget=8)
     assert costs["real_tokens"] == 17 and costs["real_attention_work"] == 91
     assert costs["padded"]["processed_tokens"] == 32 and costs["padded"]["attention_work"] == 4 * 64
@@ -165,6 +166,13 @@ def test_micro_batch_costs_of_a_hand_case_and_of_the_real_plan():
         plan = memory.plan_micro_batch_tokens(prompts, responses, 1, 2, budget)
         assert plan["processed_tokens"] == costs[mode]["processed_tokens"], mode
         assert plan["attention_work"] == costs[mode]["attention_work"], mode
+    # by count, in ppo_loop's drawn order of the units (here [2, 0, 1, 3]): each 8 pairs with a 3, 2 x 2 x 8 tokens
+    prompts, responses = [2, 2, 2, 2], [6, 6, 1, 1]
+    costs = memory.micro_batch_costs(prompts, responses, group=1, micro_batch_size=2, budget=16)
+    assert costs["by_count"]["processed_tokens"] == 32 and costs["token_budget"]["processed_tokens"] == 16 + 6
+    for budget, mode in ((None, "by_count"), (16, "token_budget")):
+        assert memory.plan_micro_batch_tokens(prompts, responses, 1, 2, budget)["processed_tokens"] == \
+            costs[mode]["processed_tokens"], mode
     prompts, responses = memory.skewed_mix(100, 4, 200, 1000)
     assert sum(r == 1000 for r in responses) == 10 and all(100 <= r <= 500 for r in responses if r != 1000)
     assert all(prompts[i] == prompts[i - i % 4] for i in range(100))  # a group shares its prompt
