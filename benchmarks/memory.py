@@ -2147,8 +2147,8 @@ def report(data: dict) -> str:
                                   "buffer MiB", "time s", "measured"]))
     checks = data.get("peak_check", {})
     scripted = checks.get("scripted", {})
-    out.append(f"\nPeak method: a scripted sequence {scripted.get('measured')} B measured, {scripted.get('expected')} B "
-               "expected")
+    out.append(f"\nPeak method: a scripted sequence {scripted.get('measured')} B measured, "
+               f"{scripted.get('expected')} B expected")
     for key, label in (("rss", "glibc's default"), ("rss_fixed_mmap_threshold", "MALLOC_MMAP_THRESHOLD_=131072")):
         rss = checks.get(key)
         if rss and "rss_rise" in rss:
