@@ -55,8 +55,8 @@ keep, checked against the measured selective / full cases) and the head's; held-
 stay replicated without sequence parallelism, the rest divides; checked against the TP2 measurement); the padding
 of micro-batches at a skewed length mix; the model-state table (`StateBytes.measured`: which parts the distributed
 optimizer divides, what offload leaves); and the per-device projection of each launcher (`examples/mcore/*/*.sh`,
-read through its own command line and `arguments.parse_args`) for the rollout (its rows in flight a parameter: the
-engine branch's ``--rollout-max-num-seqs``), the forward-only passes and the update at its worst pipeline stage,
+read through its own command line and `arguments.parse_args`) for the rollout (its rows in flight
+``--rollout-max-num-seqs``, its prefill ``--rollout-max-num-batched-tokens``), the forward-only passes and the update at its worst pipeline stage,
 as launched and with each lever flipped (`Levers`, `lever_rows`), against 64 GB and 80 GB, and the cheapest levers
 and layout that fit 56 GB in every phase (`recommend`). DeepSeek-V3 (multi-latent attention, not measured) gets its
 model state only. Every assumption is printed and in the JSON (``assumptions``). Cases a shared 24 GB machine
@@ -1476,7 +1476,8 @@ class Levers:
     offload_param: bool = False
     micro_batch_tokens: Optional[int] = None  # --max-tokens-per-micro-batch; None: --micro-batch-size samples
     forward_micro_batch_tokens: Optional[int] = None  # --forward-max-tokens-per-micro-batch (None: the update's)
-    rollout_max_num_seqs: Optional[int] = None  # rows in flight in the rollout (engine branch); None: all at once
+    rollout_max_num_seqs: Optional[int] = None  # --rollout-max-num-seqs: rows in flight; None: all at once
+    rollout_max_num_batched_tokens: Optional[int] = None  # --rollout-max-num-batched-tokens: a prefill's tokens
     expert_parallel: Optional[int] = None  # layout: EP (None: the launcher's)
     pipeline_parallel: Optional[int] = None  # layout: PP (None: the launcher's)
 
@@ -1494,6 +1495,8 @@ class Levers:
                  f"budget {self.micro_batch_tokens}" if self.micro_batch_tokens else "",
                  f"fwd budget {self.forward_micro_batch_tokens}" if self.forward_micro_batch_tokens else "",
                  f"max-num-seqs {self.rollout_max_num_seqs}" if self.rollout_max_num_seqs else "",
+                 f"max-num-batched-tokens {self.rollout_max_num_batched_tokens}"
+                 if self.rollout_max_num_batched_tokens else "",
                  f"EP{self.expert_parallel}" if self.expert_parallel else "",
                  f"PP{self.pipeline_parallel}" if self.pipeline_parallel else ""]
         return ", ".join(p for p in parts if p)
@@ -1581,7 +1584,9 @@ def read_launcher(path: str) -> Launch:
                     offload_optimizer=bool(args.offload_train_optimizer), offload_grad=bool(args.offload_train_grad),
                     offload_param=bool(args.offload_train_param),
                     micro_batch_tokens=args.max_tokens_per_micro_batch,
-                    forward_micro_batch_tokens=args.forward_max_tokens_per_micro_batch)
+                    forward_micro_batch_tokens=args.forward_max_tokens_per_micro_batch,
+                    rollout_max_num_seqs=args.rollout_max_num_seqs,
+                    rollout_max_num_batched_tokens=args.rollout_max_num_batched_tokens)
     flags = {k: getattr(args, k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                            "expert_model_parallel_size", "micro_batch_size", "global_batch_size",
                                            "n_samples_per_prompt", "max_prompt_length", "max_new_tokens",
@@ -1708,6 +1713,8 @@ def project(launch: Launch, coefs: Dict[str, dict], levers: Levers, table: State
             # rollout: KV cache of this stage's layers for the rows in flight, + the prefill or a decode step
             rows = min(levers.rollout_max_num_seqs or launch.rollout_rows, launch.rollout_rows)
             prompts = max(1, math.ceil(rows / launch.n_samples))  # a prompt's samples share one prefill
+            if levers.rollout_max_num_batched_tokens:  # the engine prefills at most that many tokens at once
+                prompts = min(prompts, max(1, levers.rollout_max_num_batched_tokens // launch.prompt_cap))
             slots = launch.prompt_cap + launch.response_cap
             kv_heads = max(1, policy.kv_heads // launch.tp)
             kv_cache = 2 * layers * slots * rows * kv_heads * policy.head_dim * 2
@@ -1764,8 +1771,7 @@ def project(launch: Launch, coefs: Dict[str, dict], levers: Levers, table: State
 
 
 def lever_flags(launch: Launch, levers: Levers) -> List[str]:
-    """The command-line flags of `levers` (the ones that exist in main; the rollout's rows in flight are the
-    engine branch's --rollout-max-num-seqs), and the layout variables of the launchers."""
+    """The command-line flags of `levers`, and the layout variables of the launchers."""
     layers = launch.roles[0].shape.layers // (levers.pipeline_parallel or launch.pp)
     out = []
     if levers.attention == "local":
@@ -1786,7 +1792,9 @@ def lever_flags(launch: Launch, levers: Levers) -> List[str]:
     if levers.forward_micro_batch_tokens:
         out.append(f"--forward-max-tokens-per-micro-batch {levers.forward_micro_batch_tokens}")
     if levers.rollout_max_num_seqs:
-        out.append(f"--rollout-max-num-seqs {levers.rollout_max_num_seqs} (engine branch, not in main yet)")
+        out.append(f"--rollout-max-num-seqs {levers.rollout_max_num_seqs}")
+    if levers.rollout_max_num_batched_tokens:
+        out.append(f"--rollout-max-num-batched-tokens {levers.rollout_max_num_batched_tokens}")
     if levers.pipeline_parallel and levers.pipeline_parallel != launch.pp:
         out.append(f"PP={levers.pipeline_parallel}")
     if levers.expert_parallel and levers.expert_parallel != launch.ep:
@@ -2075,10 +2083,10 @@ ASSUMPTIONS = [
     "the published ones (JSON projection.*.params_counted).",
     "Launcher flags come from running each launcher (its default node count, 8 devices a node) with a stub python "
     "and mindspeed_llm.arguments.parse_args; critic / reward models are value-head models of the same trunk.",
-    "Rollout: without --rollout-max-num-seqs (engine branch, not in main) all gbs x n / DP rows of a rank are "
-    "generated at once on megatron's static KV cache, 2 x layers x (prompt cap + response cap) x rows x kv heads / "
-    "TP x head dim x 2 B per stage; with N rows in flight the cache holds N rows; a prompt's n samples share one "
-    "prefill, which runs the prompt cap for ceil(rows / n) prompts at once.",
+    "Rollout: without --rollout-max-num-seqs all gbs x n / DP rows of a rank are in flight at once; the engine's KV "
+    "cache is 2 x layers x (prompt cap + response cap) x rows x kv heads / TP x head dim x 2 B per stage; with N "
+    "rows in flight it holds N rows; a prompt's n samples share one prefill, which runs the prompt cap for "
+    "ceil(rows / n) prompts at once, or for --rollout-max-num-batched-tokens / prompt cap of them.",
     "A decode step on an accelerator with the local attention adds megatron's repeat_interleave of one layer's K "
     "and V cache to all query heads (the fused attention reads the KV groups in place), and [rows, V] logits x "
     "10 B for sampling; computed, not measured.",

@@ -5,9 +5,12 @@
 # Launch:      on every node: NNODES=2 NPUS_PER_NODE=8 MASTER_ADDR=<node0 ip> NODE_RANK=<0 on node0, 1 on node1> bash $0
 # Resume:      automatic: --load equals --save (a fresh start when nothing is saved yet); SIGTERM saves first
 # Memory:      per device (TP 4, DP 2), projected by benchmarks/memory.py from CPU measurements (see
-#              benchmarks/README.md; `python benchmarks/memory.py --project-only runs/memory/memory.json`): rollout 36.2
-#              GB (all 128 rows of a rank at once: KV cache 7.5 GB), forward passes 31.4 GB, update 42.9 GB, within the
-#              56 GB target of a 64 GB device. The fused attention (the default) keeps no [s, s] tensor, so no
+#              benchmarks/README.md; `python benchmarks/memory.py --project-only runs/memory/memory.json`): rollout 35.2
+#              GB (all 128 rows of a rank in flight, --rollout-max-num-seqs 128: KV cache 7.5 GB; prefills of at most
+#              16384 tokens, --rollout-max-num-batched-tokens), forward passes 31.4 GB, update 42.9 GB, within the
+#              56 GB target of a 64 GB device. The KV cache is --rollout-max-num-seqs x --max-length: keep it when
+#              raising --global-batch-size or --n-samples-per-prompt (rows beyond it wait for a free slot); halve it
+#              when doubling --max-length (64 rows: rollout 31.4 GB). The fused attention (the default) keeps no [s, s] tensor, so no
 #              activation recompute is needed: the distributed optimizer (fp32 main weights and Adam moments over the 2
 #              DP ranks: 12 instead of 18 B a parameter) and token-budget micro-batches of at most 4096 tokens (one
 #              sample at the cap; short ones share a micro-batch) in the update, 32768 in the forward-only passes. Full
@@ -27,6 +30,7 @@ CKPT_SAVE_DIR=${CKPT_SAVE_DIR:-./ckpt/qwen25_7b_grpo}
 GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP --use-distributed-optimizer \
   --micro-batch-size 1 --global-batch-size 32 --train-iters 1000 --bf16 \
   --max-tokens-per-micro-batch 4096 --forward-max-tokens-per-micro-batch 32768 \
+  --rollout-max-num-seqs 128 --rollout-max-num-batched-tokens 16384 \
   --lr 1e-6 --lr-decay-style constant --weight-decay 0.01 --clip-grad 1.0 \
   --adam-beta1 0.9 --adam-beta2 0.95 --seed 1234"
 DATA_ARGS="--data-path $DATA_PATH --tokenizer-type PretrainedFromHF --tokenizer-name-or-path $TOKENIZER"

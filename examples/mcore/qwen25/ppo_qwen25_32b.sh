@@ -20,8 +20,10 @@
 # Resume: automatic (--load equals --save; a fresh start when nothing is saved yet); SIGTERM saves first.
 # Memory: per device (TP 8, PP 4: the first stage holds 4 micro-batches in flight under 1F1B), projected by
 # benchmarks/memory.py from CPU measurements (benchmarks/README.md; `python benchmarks/memory.py --project-only
-# runs/memory/memory.json`): rollout 17.9 GB (all 256 rows of a rank at once: KV cache 8.6 GB, the prefill of 64 prompts
-# 7.2 GB; the training state waits in host memory), forward passes 8.7 GB, update 52.7 GB (21.5 GB of model state, 4
+# runs/memory/memory.json`): rollout 11.6 GB (all 256 rows of a rank in flight, --rollout-max-num-seqs 256: KV cache
+# 8.6 GB; prefills of at most 16384 tokens, --rollout-max-num-batched-tokens, instead of 64 prompts' 7.2 GB at once; the
+# training state waits in host memory; the KV cache is --rollout-max-num-seqs x --max-length: keep it when raising the
+# batch, halve it when doubling --max-length), forward passes 8.7 GB, update 52.7 GB (21.5 GB of model state, 4
 # micro-batches' activations of 7.6 GB each), within the 56 GB target of a 64 GB device. Full activation recompute of
 # the first 3 of each stage's 16 layers (block) in the actor's and critic's update forwards, the reference model in host
 # memory outside its pass (--offload-ref-reward), the actor's and critic's training state in host memory from one update
@@ -54,7 +56,8 @@ GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP --
   --lr 1e-6 --critic-lr 5e-6 --lr-decay-style constant --weight-decay 0.01 --clip-grad 1.0 \
   --adam-beta1 0.9 --adam-beta2 0.95 --seed 1234 --offload-train-optimizer --offload-train-grad --offload-train-param \
   --recompute-granularity full --recompute-method block --recompute-num-layers 3 \
-  --max-tokens-per-micro-batch 4096 --forward-max-tokens-per-micro-batch 32768"
+  --max-tokens-per-micro-batch 4096 --forward-max-tokens-per-micro-batch 32768 \
+  --rollout-max-num-seqs 256 --rollout-max-num-batched-tokens 16384"
 DATA_ARGS="--data-path $DATA_PATH --tokenizer-type PretrainedFromHF --tokenizer-name-or-path $TOKENIZER"
 RL_ARGS="--stage trl_ppo --ref-model $REF_MODEL --reward-model $CRITIC_MODEL --reward-model-weight 0 \
   --offload-ref-reward --verifier-function math_acc --verifier-weight 1.0 --n-samples-per-prompt 4 \
