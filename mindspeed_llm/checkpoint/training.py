@@ -7,8 +7,8 @@ Layout (Megatron-LM's, one tree per role)::
     <save>/latest_checkpointed_iteration.txt          <- written last of all: the resume point
     <save>/.writer.lock                               <- host and pid of the run writing here
 
-Each shard holds `model`, `optimizer`, `opt_param_scheduler`, `iteration`, `model_spec` and, in the same
-file, the loop state (`rng_state` of every DP rank, `data_position` of the prompt sampler).
+Each shard holds `model`, `optimizer`, `opt_param_scheduler`, `iteration`, `model_spec` (a LoRA run: `model` holds the
+adapters only, and `lora` their config and base, `rl/lora.py`) and, in the same file, the loop state (`rng_state` of every DP rank, `data_position` of the prompt sampler).
 
 What is guaranteed:
 
@@ -283,6 +283,10 @@ def load(root: str, roles: Dict[str, object], iteration: int, load_optim: bool =
             state = layout.load_shard(role_root, tp_rank, pp_rank, iteration, ep_rank, weights_only=False)
         except Exception as exc:  # a truncated or flipped file: torch raises any of several types
             raise CheckpointError(_damaged(role_root, iteration, tp_rank, pp_rank, exc, list(roles), ep_rank)) from None
+        if "lora" in state and not getattr(trainable, "is_lora", False):
+            raise CheckpointError(f"--load {root}: the {name} checkpoint holds LoRA adapters (targets "
+                                  f"{' '.join(state['lora']['config']['target_modules'])}), not full weights; pass "
+                                  "the --lora-* flags it was trained with")
         if on_schedule is not None and load_optim:
             on_schedule(name, trainable, state)
         trainable.load_state_dict(state, load_optim=load_optim)
@@ -376,13 +380,15 @@ def check_save_dir(save: str, roles: Dict[str, object]) -> None:
     """Before any training: the disk of --save (which `WriterLock` has created and written) has room for a
     checkpoint of `roles`.
 
-    The size is the weights plus optimizer state (Adam's two moments; fp32 main copies for bf16/fp16) of
+    The size is the trained weights plus optimizer state (Adam's two moments; fp32 main copies for bf16/fp16) of
     every rank that writes (DP rank 0), summed over the job.
     """
     local = 0
     if parallel_state.get_data_parallel_rank() == 0:
         for trainable in roles.values():
             for param in trainable.module.parameters():
+                if not param.requires_grad:
+                    continue  # a LoRA run's frozen base is not saved
                 per_value = param.element_size() + 8 + (4 if param.dtype != torch.float32 else 0)
                 local += param.numel() * per_value
     total = torch.tensor([local], dtype=torch.float64, device=device.current_device())

@@ -341,13 +341,20 @@ class TrainableModel:
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict:
         return {
-            "model": self.module.state_dict(),
+            "model": self._module_state(),
             "optimizer": self.optimizer.state_dict(),
             "opt_param_scheduler": self.scheduler.state_dict(),
         }
 
+    def _module_state(self) -> dict:
+        """What a checkpoint holds of the model (all of it; a LoRA model's adapters only, `rl/lora.py`)."""
+        return self.module.state_dict()
+
+    def _load_module_state(self, model_state: dict) -> None:
+        self.module.load_state_dict(model_state, strict=True)
+
     def load_state_dict(self, state: dict, load_optim: bool = True) -> None:
-        self.module.load_state_dict(state["model"], strict=True)
+        self._load_module_state(state["model"])
         if load_optim:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
