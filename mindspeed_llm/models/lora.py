@@ -37,7 +37,8 @@ index), so the initial adapters are the same at every TP / PP / EP layout. A mod
 bf16; megatron's optimizer keeps their fp32 main copies (the fp32 masters).
 
 `adapters_disabled(model)` bypasses every adapter in its block (the forward skips them; no weight is touched): the
-reference model of a LoRA run is the actor so. Dropout (`config.dropout`, train mode only) acts on the adapter's
+reference model of a LoRA run is the actor so. `freeze_copy` / `frozen_copies` keep and use a frozen copy of the
+adapters instead (the reference of a run that starts from a loaded adapter: the base with that adapter). Dropout (`config.dropout`, train mode only) acts on the adapter's
 input; on a row-parallel input (a TP slice) under megatron's model-parallel RNG, as its attention dropout does.
 """
 
@@ -153,6 +154,8 @@ class LoRAAdapter(torch.nn.Module):
         self.rank = rank
         self.scaling = scaling
         self.enabled = True
+        self.frozen: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # a copy of (A, B) (`freeze_copy`)
+        self.use_frozen = False
         self.tp_group = base.tp_group
         self.tp_size = base.tp_group.size()
         self.gather_output = bool(getattr(base, "gather_output", False))
@@ -197,20 +200,21 @@ class LoRAAdapter(torch.nn.Module):
                                                             scatter_to_tensor_model_parallel_region)
 
         comm = self.tp_size > 1
+        a, b = self.frozen if self.use_frozen else (self.A, self.B)
         if self.kind == "column":
-            h = F.linear(self._dropped(x), self.A)
+            h = F.linear(self._dropped(x), a)
             if comm:  # backward: sum the partial dh of every rank's B rows
                 h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
-            delta = F.linear(h, self.B) * self.scaling
+            delta = F.linear(h, b) * self.scaling
             if comm and (self.gather_output if gather_output is None else gather_output):
                 delta = gather_from_tensor_model_parallel_region(delta, group=self.tp_group)
             return delta
         if comm and not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, group=self.tp_group)
-        h = F.linear(self._dropped(x), self.A)
+        h = F.linear(self._dropped(x), a)
         if comm:  # forward: A x over the whole input width
             h = reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
-        return F.linear(h, self.B) * self.scaling
+        return F.linear(h, b) * self.scaling
 
 
 def _hook(module, args, kwargs, output):
@@ -288,6 +292,29 @@ def adapter_tensors(model) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
     """{global module name: (A, B)} of this rank's adapters (its TP slices)."""
     core = _core(model)
     return {core.lora_global_names[name]: (a.A, a.B) for name, a in adapters(core).items()}
+
+
+def freeze_copy(model) -> None:
+    """Keep a frozen copy of every adapter's current (A, B) (not a parameter, not in the state dict): the
+    reference of a run that starts from a loaded adapter is the base with that adapter (`frozen_copies`)."""
+    with torch.no_grad():
+        for adapter in adapters(model).values():
+            adapter.frozen = (adapter.A.detach().clone(), adapter.B.detach().clone())
+
+
+@contextlib.contextmanager
+def frozen_copies(model) -> Iterator[None]:
+    """Within the block every adapter computes with its frozen copy (`freeze_copy`) instead of its trained A, B."""
+    found = list(adapters(model).values())
+    if any(a.frozen is None for a in found):
+        raise ValueError("frozen_copies: freeze_copy was not called on this model")
+    for a in found:
+        a.use_frozen = True
+    try:
+        yield
+    finally:
+        for a in found:
+            a.use_frozen = False
 
 
 @contextlib.contextmanager

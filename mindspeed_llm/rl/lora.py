@@ -11,8 +11,11 @@ their checkpoints hold the adapters only, and the frozen roles that share a base
   path). A resume is exact as for full training: the adapters, their fp32 masters and Adam moments, the schedule
   and the RNG come back.
 * `SharedBase`: a frozen model that is a trained model's base. With LoRA the reference is the actor with its
-  adapters disabled (no second copy of the weights; TRL, verl and MindSpeed-RL do the same); with `--lora-load`
-  that is the base without the loaded adapter. In trl_ppo the reward model and the critic come from the same
+  adapters disabled (no second copy of the weights; TRL, verl and MindSpeed-RL do the same). With `--lora-load` the
+  reference is the initial policy, as without LoRA and as TRL's GRPOTrainer does for a pretrained adapter (its "ref"
+  adapter): the base with a frozen copy of the loaded adapter (adapter-sized, `models/lora.freeze_copy`); the
+  checkpoint records that adapter, and a resume must pass it again. In trl_ppo the reward model and the critic come
+  from the same
   `--reward-model` checkpoint, so the reward model is the critic with its adapters disabled AND the checkpoint's
   value head: the critic's head trains, the reward model's must not, so a frozen copy of the initial head (one
   hidden-sized vector) takes its place in the reward block. `roles.on_device` opens the block.
@@ -124,8 +127,10 @@ class LoRATrainableModel(TrainableModel):
 
     is_lora = True
 
-    def __init__(self, model, settings, name: str = "model", check_finite: bool = True, base: str = ""):
+    def __init__(self, model, settings, name: str = "model", check_finite: bool = True, base: str = "",
+                 initial_adapter: Optional[str] = None):
         self.base = os.path.abspath(base) if base else ""
+        self.initial_adapter = os.path.abspath(initial_adapter) if initial_adapter else None  # --lora-load
         self.fingerprint = base_fingerprint(model)
         super().__init__(model, settings, name=name, check_finite=check_finite)
         self.trained = lora.trained_names(model)
@@ -136,7 +141,7 @@ class LoRATrainableModel(TrainableModel):
 
     def lora_state(self) -> dict:
         return {"config": self.config.to_dict(), "value_head": bool(getattr(self.module, "is_value_model", False)),
-                "base": {"path": self.base, "fingerprint": self.fingerprint}}
+                "base": {"path": self.base, "fingerprint": self.fingerprint}, "initial_adapter": self.initial_adapter}
 
     def state_dict(self) -> dict:
         state = super().state_dict()
@@ -180,6 +185,12 @@ class LoRATrainableModel(TrainableModel):
             raise CheckpointError(f"{self.name}: the checkpoint's adapters were trained on another base model "
                                   f"({where}; or in another precision); load them onto the base they were trained "
                                   "on (--ref-model / --reward-model)")
+        initial = stored.get("initial_adapter")
+        if initial != self.initial_adapter:
+            started = f"--lora-load {initial}" if initial else "fresh adapters (no --lora-load)"
+            given = f"--lora-load {self.initial_adapter}" if self.initial_adapter else "no --lora-load"
+            raise CheckpointError(f"{self.name}: the run started from {started}, the reference policy's adapter, "
+                                  f"but this one gives {given}; pass the same --lora-load to resume it")
         if base.get("path") != self.base:
             from mindspeed_llm.distributed import is_rank_0
 
@@ -204,16 +215,19 @@ def trainable(model, args, name: str, settings) -> LoRATrainableModel:
     if adapter is not None:
         load_adapter(model, adapter)
     return LoRATrainableModel(model, settings, name=name, check_finite=args.check_for_nan_in_loss_and_grad,
-                              base=getattr(model, "loaded_from", ""))
+                              base=getattr(model, "loaded_from", ""), initial_adapter=args.lora_load if adapter is not None else None)
 
 
 class SharedBase:
-    """A frozen model that is `trainable`'s base: its module with the adapters disabled (and, with `keep_head`,
-    the initial value head in place of the training one) within `active()`."""
+    """A frozen model that is `trainable`'s base: its module with the adapters disabled (with `frozen_adapters`: with
+    their frozen copies; with `keep_head`: the initial value head in place of the training one) within `active()`."""
 
-    def __init__(self, trainable_model: LoRATrainableModel, keep_head: bool = False):
+    def __init__(self, trainable_model: LoRATrainableModel, keep_head: bool = False, frozen_adapters: bool = False):
         self.trainable = trainable_model
         self.module = trainable_model.module
+        self.frozen_adapters = frozen_adapters
+        if frozen_adapters:
+            lora.freeze_copy(self.module)
         self.head = None
         if keep_head and getattr(self.module, "output_layer", None) is not None:
             self.head = copy.deepcopy(self.module.output_layer)
@@ -227,7 +241,8 @@ class SharedBase:
     @contextlib.contextmanager
     def active(self):
         module = self.module
-        with lora.adapters_disabled(module), routing.as_another_model(module):
+        adapters = lora.frozen_copies(module) if self.frozen_adapters else lora.adapters_disabled(module)
+        with adapters, routing.as_another_model(module):
             if self.head is None:
                 yield module
                 return
@@ -240,8 +255,9 @@ class SharedBase:
 
 
 def reference(actor: LoRATrainableModel) -> SharedBase:
-    """The reference policy of a LoRA run: the actor with its adapters off."""
-    return SharedBase(actor)
+    """The reference policy of a LoRA run: the actor with its adapters off, or, started from --lora-load, with a
+    frozen copy of the loaded adapter (built before any resume loads the trained adapters)."""
+    return SharedBase(actor, frozen_adapters=actor.initial_adapter is not None)
 
 
 def reward_model(critic: LoRATrainableModel) -> SharedBase:
