@@ -22,8 +22,9 @@ SHARED_STORAGE = "checkpoints are published by rank 0, so --save must be a folde
 LORA_FUSION = ("MindSpeed's CCLoRA kernel (communication overlapped with the adapters' matmuls): the adapters run as "
                "plain torch matmuls beside megatron's linears")
 LORA_CKPT_FILTER = "checkpoints of a LoRA run always hold the adapters (and their optimizer state) only"
-LORA_HOOK = ("MindSpeed-LLM's fix of the gradient chain under PP with a frozen base: megatron's pipeline passes "
-             "activations that require grad here, so the adapters of every stage get their gradients")
+LORA_HOOK = ("MindSpeed-LLM's fix of the gradient chain with a frozen base (recompute, PP): here the embedding's "
+             "output always requires grad in a LoRA training forward and later pipeline stages receive inputs that "
+             "do, so no module needs naming")
 
 # Switches (no value): flag -> why it has no effect.
 IGNORED_SWITCHES: Dict[str, str] = {

@@ -25,8 +25,8 @@ becomes ``--critic-lr``; frozen roles' optimizer and activation recompute keys a
 ``recompute_activations``) are the flags of their names, applied to the actor and the critic, as are the LoRA keys
 (``lora_r``, ``lora_alpha``, ``lora_dropout``, ``lora_target_modules``, ``lora_load``; ``lora_fusion`` and
 ``lora_ckpt_filter`` / ``lora_filter`` are listed as ignored; frozen roles' LoRA keys are ignored;
-``rl_config.share_backbone: true`` is what a LoRA run does and needs LoRA, ``false`` is refused with it). The architecture keys (``model``)
-become the model flags, which are checked against every checkpoint, only when all roles use one model.
+``rl_config.share_backbone: true`` is what a LoRA run does and needs LoRA, ``false`` is refused with it). The
+architecture keys (``model``) become the model flags, which are checked against every checkpoint, only when all roles use one model.
 
 Checkpoints. Here ``--ref-model`` is the initial actor and the reference; ``--reward-model`` is the reward
 model and (trl_ppo) the critic's initial weights; ``--load`` / ``--save`` hold every trained role under one

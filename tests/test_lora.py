@@ -50,7 +50,8 @@ R, ALPHA = 4, 8
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MG_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
-CASES = {"qwen2": dict(family="qwen2", tie=False, value=False), "llama-tied": dict(family="llama", tie=True, value=False),
+CASES = {"qwen2": dict(family="qwen2", tie=False, value=False),
+         "llama-tied": dict(family="llama", tie=True, value=False),
          "qwen2-value": dict(family="qwen2", tie=False, value=True)}
 BATCH, SEQ = 2, 9
 

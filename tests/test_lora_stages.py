@@ -9,7 +9,8 @@ moves A as well as B; the critic (trl_ppo) gets fresh adapters (B = 0) and train
   TP2, PP2 and DP2 give the metrics of TP1 (rtol 1e-5) and the same adapters (merged from the saved adapter
   checkpoints: within 1e-5 of their norm; the actor's change from the loaded adapter within 1e-3 of its norm).
 * Resume: 2 iterations straight and 1 + a resume give bit-identical adapters, optimizer states and iteration-2
-  metrics (Adam), for trl_ppo in fp32 and grpo in bf16 (bf16 adapters with fp32 masters in the optimizer).
+  metrics (Adam), for trl_ppo in fp32 and grpo in bf16 (bf16 adapters with fp32 masters in the optimizer); full
+  activation recompute gives the same run bit for bit.
 * Checkpoints hold the adapters (and the critic's head) and their optimizer state only, plus the base's path and
   fingerprint; loading refuses a full checkpoint into a LoRA run, a LoRA checkpoint into a full run, other LoRA
   flags and another base, each naming what differs.
@@ -253,6 +254,10 @@ def resume_runs(task, tmp_path_factory):
 
     for stage, extra in (("trl_ppo", ["--optimizer", "adam"]), ("grpo", ["--bf16", "--optimizer", "adam"])):
         add(f"{stage}/straight", _argv_iters(task, stage, root / stage / "straight", 2, extra), check=True)
+        # full activation recompute: the same run bit for bit (the frozen base leaves the first layer's input
+        # without grad unless the embedding's output requires it: the adapters would get no gradient)
+        add(f"{stage}/recompute", _argv_iters(task, stage, root / stage / "recompute", 2, extra + [
+            "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]))
         add(f"{stage}/first", _argv_iters(task, stage, root / stage / "resumed", 1, extra))
         add(f"{stage}/resumed", _argv_iters(task, stage, root / stage / "resumed", 2, extra,
                                             load=root / stage / "resumed" / "save"))
@@ -303,6 +308,19 @@ def test_resume_is_bit_exact(resume_runs, stage):
             assert sorted(fa) == sorted(fb)
             for key in fa:
                 assert torch.equal(fa[key], fb[key]), f"{stage} {role} {part}{key}"
+
+
+@pytest.mark.parametrize("stage", ["trl_ppo", "grpo"])
+def test_full_recompute_changes_nothing(resume_runs, stage):
+    root, _ = resume_runs
+    plain, recomputed = root / stage / "straight", root / stage / "recompute"
+    rows = [json.loads(line) for line in (plain / "metrics.jsonl").read_text().splitlines()]
+    again = [json.loads(line) for line in (recomputed / "metrics.jsonl").read_text().splitlines()]
+    assert [{k: v for k, v in r.items() if not k.startswith(SKIPPED)} for r in rows] == \
+        [{k: v for k, v in r.items() if not k.startswith(SKIPPED)} for r in again]
+    for role in (["actor", "critic"] if stage == "trl_ppo" else ["actor"]):
+        a, b = _payload(plain / "save", role, 2)["model"], _payload(recomputed / "save", role, 2)["model"]
+        assert all(torch.equal(a[k], b[k]) for k in a), role
 
 
 @pytest.mark.parametrize("stage", ["trl_ppo", "grpo"])

@@ -28,7 +28,6 @@ ordinary conversion writes Hugging Face or Megatron weights.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Dict, List, Optional, Tuple

@@ -7,8 +7,9 @@ Layout (Megatron-LM's, one tree per role)::
     <save>/latest_checkpointed_iteration.txt          <- written last of all: the resume point
     <save>/.writer.lock                               <- host and pid of the run writing here
 
-Each shard holds `model`, `optimizer`, `opt_param_scheduler`, `iteration`, `model_spec` (a LoRA run: `model` holds the
-adapters only, and `lora` their config and base, `rl/lora.py`) and, in the same file, the loop state (`rng_state` of every DP rank, `data_position` of the prompt sampler).
+Each shard holds `model`, `optimizer`, `opt_param_scheduler`, `iteration`, `model_spec` (a LoRA run: `model` holds
+the adapters only, and `lora` their config and base, `rl/lora.py`) and, in the same file, the loop state (`rng_state`
+of every DP rank, `data_position` of the prompt sampler).
 
 What is guaranteed:
 

@@ -25,6 +25,10 @@ Tensor parallelism, so that each layer's output equals the unsharded computation
   are all-reduced (`reduce_from_tensor_model_parallel_region`) before B, so B's gradient is the full one on every
   rank and needs no further reduction.
 
+With a frozen base nothing before the first adapter requires grad, so a recomputed layer (megatron's checkpointed
+forward) would give its adapters no gradient: the embedding's output is made to require grad in training forwards
+(what MindSpeed-LLM's --lora-register-forward-hook does; later pipeline stages receive inputs that require grad).
+
 The split parameters carry megatron's tensor-parallel attributes (the gradient norm counts them once per rank, the
 replicated ones on TP rank 0 only); an expert's adapter is an expert parameter (`allreduce=False`, reduced over the
 expert-data-parallel group, as its linear). Routed experts with expert tensor parallelism > 1 are refused (a
@@ -38,8 +42,9 @@ bf16; megatron's optimizer keeps their fp32 main copies (the fp32 masters).
 
 `adapters_disabled(model)` bypasses every adapter in its block (the forward skips them; no weight is touched): the
 reference model of a LoRA run is the actor so. `freeze_copy` / `frozen_copies` keep and use a frozen copy of the
-adapters instead (the reference of a run that starts from a loaded adapter: the base with that adapter). Dropout (`config.dropout`, train mode only) acts on the adapter's
-input; on a row-parallel input (a TP slice) under megatron's model-parallel RNG, as its attention dropout does.
+adapters instead (the reference of a run that starts from a loaded adapter: the base with that adapter). Dropout
+(`config.dropout`, train mode only) acts on the adapter's input; on a row-parallel input (a TP slice) under
+megatron's model-parallel RNG, as its attention dropout does.
 """
 
 from __future__ import annotations
@@ -226,6 +231,14 @@ def _hook(module, args, kwargs, output):
     return out + adapter(x, kwargs.get("runtime_gather_output")).to(out.dtype), bias
 
 
+def _input_requires_grad(module, args, output):
+    """The embedding's output requires grad in a training forward: with a frozen base nothing before the first
+    adapter does, and a recomputed (checkpointed) layer whose inputs require no grad would give its adapters none."""
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
+    return output
+
+
 def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(f"lora:{seed}:{name}".encode()))
 
@@ -263,6 +276,8 @@ def apply_lora(model, config: LoRAConfig, seed: int = 0, salt: str = "") -> Dict
     if getattr(core, "is_value_model", False) and getattr(core, "output_layer", None) is not None:
         for param in core.output_layer.parameters():
             param.requires_grad_(True)  # the critic's value head trains fully
+    if getattr(core, "embedding", None) is not None:  # the first pipeline stage (later ones receive such inputs)
+        core.embedding.register_forward_hook(_input_requires_grad)
     core.lora_adapters = adapters
     core.lora_config = config
     core.lora_global_names = {name: names[name] for name in adapters}

@@ -215,7 +215,8 @@ def trainable(model, args, name: str, settings) -> LoRATrainableModel:
     if adapter is not None:
         load_adapter(model, adapter)
     return LoRATrainableModel(model, settings, name=name, check_finite=args.check_for_nan_in_loss_and_grad,
-                              base=getattr(model, "loaded_from", ""), initial_adapter=args.lora_load if adapter is not None else None)
+                              base=getattr(model, "loaded_from", ""),
+                              initial_adapter=args.lora_load if adapter is not None else None)
 
 
 class SharedBase:
