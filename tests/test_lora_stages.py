@@ -10,7 +10,7 @@ moves A as well as B; the critic (trl_ppo) gets fresh adapters (B = 0) and train
   checkpoints: within 1e-5 of their norm; the actor's change from the loaded adapter within 1e-3 of its norm).
 * Resume: 2 iterations straight and 1 + a resume give bit-identical adapters, optimizer states and iteration-2
   metrics (Adam), for trl_ppo in fp32 and grpo in bf16 (bf16 adapters with fp32 masters in the optimizer); full
-  activation recompute gives the same run bit for bit.
+  activation recompute gives the same run (to float rounding).
 * Checkpoints hold the adapters (and the critic's head) and their optimizer state only, plus the base's path and
   fingerprint; loading refuses a full checkpoint into a LoRA run, a LoRA checkpoint into a full run, other LoRA
   flags and another base, each naming what differs.
@@ -311,16 +311,24 @@ def test_resume_is_bit_exact(resume_runs, stage):
 
 
 @pytest.mark.parametrize("stage", ["trl_ppo", "grpo"])
-def test_full_recompute_changes_nothing(resume_runs, stage):
+def test_full_recompute_gives_the_same_run(resume_runs, stage):
+    """Full recompute: the same metrics and adapters (to float rounding: with a frozen base, autograd sums the
+    checkpointed layers' input gradients in another order; grpo here is bit-identical, trl_ppo within ~1e-7)."""
     root, _ = resume_runs
     plain, recomputed = root / stage / "straight", root / stage / "recompute"
     rows = [json.loads(line) for line in (plain / "metrics.jsonl").read_text().splitlines()]
     again = [json.loads(line) for line in (recomputed / "metrics.jsonl").read_text().splitlines()]
-    assert [{k: v for k, v in r.items() if not k.startswith(SKIPPED)} for r in rows] == \
-        [{k: v for k, v in r.items() if not k.startswith(SKIPPED)} for r in again]
+    assert len(rows) == len(again) == 2
+    for row, other in zip(rows, again):
+        for key, value in row.items():
+            if not key.startswith(SKIPPED):
+                assert math.isclose(other[key], value, rel_tol=1e-5, abs_tol=1e-6), (key, other[key], value)
     for role in (["actor", "critic"] if stage == "trl_ppo" else ["actor"]):
         a, b = _payload(plain / "save", role, 2)["model"], _payload(recomputed / "save", role, 2)["model"]
-        assert all(torch.equal(a[k], b[k]) for k in a), role
+        for k in a:
+            assert _relative(b[k].float(), a[k].float()) <= 1e-5, (role, k)
+        if stage == "trl_ppo":  # the adapters did train under recompute (a lost gradient leaves B at its start)
+            assert any(float(b[k].float().norm()) > 0 for k in b if k.endswith(".lora.B")), role
 
 
 @pytest.mark.parametrize("stage", ["trl_ppo", "grpo"])
