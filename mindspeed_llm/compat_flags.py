@@ -11,7 +11,7 @@ import argparse
 from typing import Dict, List
 
 PERFORMANCE = ("performance switches with no effect here: the models run megatron-core's local layer spec in "
-               "plain torch, without fused kernels")
+               "plain torch, without these fused kernels (attention: --attention-backend)")
 MOE_PERFORMANCE = ("MindSpeed's MoE overlap / fusion / memory switches with no effect here: the experts run "
                    "megatron-core's token dispatchers (--moe-token-dispatcher-type) in plain torch")
 ALWAYS = "what this code always does"
@@ -31,7 +31,6 @@ IGNORED_SWITCHES: Dict[str, str] = {
     "--use-fused-swiglu": PERFORMANCE,
     "--use-fused-rmsnorm": PERFORMANCE,
     "--use-fused-rotary-pos-emb": PERFORMANCE,
-    "--use-flash-attn": PERFORMANCE,
     "--no-masked-softmax-fusion": PERFORMANCE,
     "--no-gradient-accumulation-fusion": PERFORMANCE,
     "--no-bias-swiglu-fusion": PERFORMANCE,
@@ -47,6 +46,8 @@ IGNORED_SWITCHES: Dict[str, str] = {
     "--moe-permute-fusion": MOE_PERFORMANCE,
     "--use-fused-moe-token-permute-and-unpermute": MOE_PERFORMANCE,
     "--use-mcore-models": ALWAYS,  # the models are megatron-core GPTModels
+    "--swiglu": ALWAYS,  # every supported model's MLP is SwiGLU (models/builder.py: gated_linear_unit, silu)
+    "--use-rotary-position-embeddings": ALWAYS,  # and its positions rotary (--position-embedding-type rope)
     "--attention-softmax-in-fp32": ALWAYS,  # megatron-core's default (TransformerConfig.attention_softmax_in_fp32)
     "--is-instruction-dataset": ALWAYS,  # the data are preprocess_data.py's prompt datasets
     "--variable-seq-lengths": ALWAYS,  # micro-batches are padded to their own longest sequence

@@ -1,8 +1,10 @@
 """The one place that knows about accelerators.
 
 Picks Ascend NPU (when `torch_npu` imports and a device is present), else CUDA, else CPU; the matching
-collective backend (hccl / nccl / gloo); and applies, once, the Megatron patches that device needs
-(see `mindspeed_llm.patches`). Everything else asks this module for `current_device()` and never
+collective backend (hccl / nccl / gloo); applies, once, the Megatron patches that device needs
+(see `mindspeed_llm.patches`); and runs the fused attention kernel of that device (`attention`: torch's
+`scaled_dot_product_attention` on CPU / CUDA, `torch_npu.npu_fusion_attention` on NPU), which the core attention
+of `mindspeed_llm.models.attention` calls. Everything else asks this module for `current_device()` and never
 branches on the accelerator itself.
 """
 
@@ -75,6 +77,13 @@ def synchronize() -> None:
         torch.npu.synchronize()
 
 
+def host_buffer(nbytes: int) -> torch.Tensor:
+    """`nbytes` bytes (uint8) of host memory for copies of device tensors: pinned on an accelerator, so that the
+    copies can run asynchronously (`non_blocking=True`) at full bandwidth; plain memory on the CPU (nothing to pin
+    for)."""
+    return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=not accelerator().is_cpu)
+
+
 def manual_seed(seed: int) -> None:
     """Seed python, numpy, torch (CPU) and the accelerator's generators."""
     random.seed(seed)
@@ -124,3 +133,105 @@ def setup() -> Accelerator:
         patches.apply_patches(acc.kind)
         _SETUP_DONE = True
     return acc
+
+
+# ---------------------------------------------------------------------------------------------- attention kernel
+CAUSAL_VARIANTS = ("upper_left", "lower_right")
+NPU_CAUSAL_MASK_SIZE = 2048  # torch_npu's compressed causal mask for sparse_mode 2 / 3 is [2048, 2048]
+_NPU_CAUSAL_MASKS: dict = {}
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float,
+              masked: "torch.Tensor | None" = None, causal: "str | None" = None, dropout_p: float = 0.0,
+              fusion_attention=None) -> torch.Tensor:
+    """Scaled dot-product attention on this device's kernel; the one place that picks it.
+
+    `query` `[b, h, sq, d]`, `key` `[b, g, sk, d]`, `value` `[b, g, sk, dv]` (heads first, "BNSD"); `g` divides `h`
+    and query head i reads key/value head `i // (h // g)` (grouped-query attention, as megatron's repeat_interleave),
+    without copying the keys. Returns `[b, h, sq, dv]`.
+
+    * `masked`: bool `[b or 1, 1, sq, sk]`, True = masked (megatron's convention); a query row that is masked
+      everywhere attends to every key instead (megatron fills masked scores with -10000, which makes such a row a
+      uniform average; kernels differ there: 0, NaN or uniform). Such rows are never read, but a NaN there would
+      reach the real rows through later layers' values (0 x NaN).
+    * `causal` (without `masked`): "upper_left", query i sees keys `<= i`; "lower_right", keys `<= i + sk - sq`
+      (the last query sees every key: a block of queries that continues a prefix).
+    * `value` of a head dim other than the key's (multi-latent attention: narrower) is zero-padded to the wider
+      of the two (or query and key are) and the output sliced: exact, and it keeps the flash kernels, which want
+      one head dim (CPU SDPA falls back to its math kernel, which saves the probabilities, otherwise).
+
+    CPU and CUDA: `torch.nn.functional.scaled_dot_product_attention` (torch picks its flash / memory-efficient /
+    math kernel; on CPU the flash kernel saves only q, k, v, out and the log-sum-exp for backward; dropout goes
+    through its math kernel, `lower_right` through a `[sq, sk]` bool mask except on CUDA). NPU:
+    `torch_npu.npu_fusion_attention`
+    (`fusion_attention` overrides it, for tests) in the "BNSD" layout: `masked` as its `atten_mask` with
+    `sparse_mode=0`, `upper_left` / `lower_right` as `sparse_mode` 2 / 3 with the compressed 2048 x 2048 causal
+    mask, key/value heads fewer than query heads read natively, `keep_prob = 1 - dropout_p`. The NPU translation
+    is written from torch_npu's documented signature and checked against SDPA on CPU with a stand-in
+    (tests/test_attention.py); it is unverified until run on an NPU.
+    """
+    if causal is not None and causal not in CAUSAL_VARIANTS:
+        raise ValueError(f"attention: causal={causal!r}; use one of {CAUSAL_VARIANTS} or None")
+    if masked is not None:
+        if causal is not None:
+            raise ValueError("attention: give either an explicit mask or a causal variant, not both")
+        if masked.dtype != torch.bool:
+            masked = masked.bool()
+        masked = masked & ~masked.all(dim=-1, keepdim=True)  # fully masked rows: see the docstring
+    head_dim, value_dim = key.size(-1), value.size(-1)
+    width = max(head_dim, value_dim)  # zeros add nothing to q.k (the scale is explicit) nor to the output's width
+    if head_dim < width:
+        query, key = (torch.nn.functional.pad(t, (0, width - head_dim)) for t in (query, key))
+    if value_dim < width:
+        value = torch.nn.functional.pad(value, (0, width - value_dim))
+    if fusion_attention is not None or accelerator().kind == "npu":
+        out = _npu_attention(query, key, value, scale, masked, causal, dropout_p, fusion_attention)
+    else:
+        out = _sdpa_attention(query, key, value, scale, masked, causal, dropout_p)
+    return out[..., :value_dim] if out.size(-1) != value_dim else out
+
+
+def _sdpa_attention(query, key, value, scale, masked, causal, dropout_p):
+    import torch.nn.functional as F
+
+    gqa = query.size(1) != key.size(1)
+    if masked is not None:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=~masked, dropout_p=dropout_p,
+                                              scale=scale, enable_gqa=gqa)
+    if causal == "lower_right" and query.size(2) != key.size(2):
+        sq, sk = query.size(2), key.size(2)
+        if accelerator().kind == "cuda":  # torch's flash / memory-efficient kernels take it without a mask
+            from torch.nn.attention.bias import causal_lower_right
+
+            keep = causal_lower_right(sq, sk)
+        else:  # elsewhere torch would materialise this very [sq, sk] mask itself (one for all heads and rows)
+            keep = torch.ones((sq, sk), dtype=torch.bool, device=query.device).tril(sk - sq)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=keep, dropout_p=dropout_p, scale=scale,
+                                              enable_gqa=gqa)
+    return F.scaled_dot_product_attention(query, key, value, is_causal=causal is not None, dropout_p=dropout_p,
+                                          scale=scale, enable_gqa=gqa)
+
+
+def _npu_causal_mask(device) -> torch.Tensor:
+    """torch_npu's compressed causal mask (True above the diagonal), one per device."""
+    mask = _NPU_CAUSAL_MASKS.get(device)
+    if mask is None:
+        mask = torch.ones((NPU_CAUSAL_MASK_SIZE, NPU_CAUSAL_MASK_SIZE), dtype=torch.bool, device=device).triu(1)
+        _NPU_CAUSAL_MASKS[device] = mask
+    return mask
+
+
+def _npu_attention(query, key, value, scale, masked, causal, dropout_p, fusion_attention=None):
+    """`torch_npu.npu_fusion_attention` with the arguments `attention` describes (unverified on an NPU)."""
+    if fusion_attention is None:
+        import torch_npu
+
+        fusion_attention = torch_npu.npu_fusion_attention
+    kwargs = dict(scale=float(scale), keep_prob=1.0 - float(dropout_p))
+    if masked is not None:
+        kwargs.update(atten_mask=masked, sparse_mode=0)  # B1SS / 11SS bool, True = not attended
+    elif causal is not None:
+        kwargs.update(atten_mask=_npu_causal_mask(query.device), sparse_mode=2 if causal == "upper_left" else 3)
+    out = fusion_attention(query.contiguous(), key.contiguous(), value.contiguous(), query.size(1), "BNSD",
+                           **kwargs)
+    return out[0]

@@ -55,7 +55,9 @@ Other mappings: ``stage`` ``ray_grpo``/``grpo`` -> grpo, ``ray_ppo``/``trl_ppo``
 the verifier lists; verifier names must be registered here (`rl/verifiers`); ``sampling_config``
 ``temperature`` > 0 -> ``--do-sample --temperature T`` (0: greedy), ``top_k: -1`` -> ``--top-k 0``,
 ``max_tokens`` -> ``--max-new-tokens``; ``max_model_len`` -> ``--max-length`` (at least
-``max_prompt_length + max_tokens``); ``use_tensorboard`` -> ``--tensorboard-dir`` (``megatron_training.tensorboard_dir``, else
+``max_prompt_length + max_tokens``); ``generate_config.max_num_seqs`` / ``max_num_batched_tokens`` ->
+``--rollout-max-num-seqs`` / ``--rollout-max-num-batched-tokens`` (the generation engine's limits, vLLM's
+meaning); ``use_tensorboard`` -> ``--tensorboard-dir`` (``megatron_training.tensorboard_dir``, else
 ``SAVE/tensorboard``). ``infer_tensor_parallel_size`` must equal the training TP (generation runs on the
 training layout), ``dtype`` the training precision.
 """
@@ -291,14 +293,14 @@ SAMPLING: Dict[str, Any] = {
 
 GENERATE: Dict[str, Any] = {
     "trust_remote_code": Ignored("the models are Megatron checkpoints built by this program"),
-    "offload_train_optimizer": Ignored("no separate inference engine needs the memory: training state stays put"),
-    "offload_train_grad": Ignored("no separate inference engine needs the memory: training state stays put"),
-    "offload_train_param": Ignored("no separate inference engine needs the memory: training state stays put"),
+    "offload_train_optimizer": Flag("--offload-train-optimizer"),
+    "offload_train_grad": Flag("--offload-train-grad"),
+    "offload_train_param": Flag("--offload-train-param"),
     "infer_tensor_parallel_size": Slot("infer_tensor_parallel_size", "number"),
     "infer_pipeline_parallel_size": Slot("infer_pipeline_parallel_size", "number"),
     "infer_expert_parallel_size": Slot("infer_expert_parallel_size", "number"),
-    "max_num_seqs": Ignored(_VLLM),
-    "max_num_batched_tokens": Ignored(_VLLM),
+    "max_num_seqs": Flag("--rollout-max-num-seqs"),
+    "max_num_batched_tokens": Flag("--rollout-max-num-batched-tokens"),
     "max_model_len": Flag("--max-length"),
     "dtype": Slot("dtype", "name"),
     "gpu_memory_utilization": Ignored(_VLLM),

@@ -16,6 +16,10 @@ timeout, logged to WORKDIR/logs/STEP.log; a failed step is recorded with the end
                     ffn 4864, vocab 151,936) and its value-head copy built with}
                     transformers, convert_ckpt.py (bf16), preprocess_data.py  }
   vs_trl_prepare    benchmarks/vs_trl.py --prepare-only (its models and data)  }
+  attention         benchmarks/attention.py --device cuda --check: the fused  }
+                    core attention (torch's SDPA kernels) against megatron's  }
+                    local attention in fp32 (fails when they differ), and the }
+                    activation memory per layer of both in bf16               }
   qwen_grpo         torchrun posttrain_gpt.py --stage grpo --bf16, 3 iterations on the 0.5B model
   qwen_trl_ppo      torchrun posttrain_gpt.py --stage trl_ppo --bf16, 3 iterations (critic + reward model too)
   vs_trl_fp32_grpo / vs_trl_fp32_trl_ppo   benchmarks/vs_trl.py --device cuda --dtype fp32 --only STAGE
@@ -72,6 +76,11 @@ VS_TRL_ARGS = {
     "tiny": ["--model", "tiny", "--tiny-layers", "1", "--tiny-hidden", "64", "--prompts", "2", "--samples", "2",
              "--max-new-tokens", "4", "--micro-batch", "2", "--iterations", "1", "--warmup", "1"],
 }
+# benchmarks/attention.py: Qwen2.5-0.5B's attention shape at 1k-4k tokens, and a toy size.
+ATTENTION_ARGS = {
+    "full": ["--seq", "1024", "2048", "4096", "--hidden", "896", "--heads", "14", "--kv-heads", "2", "--vocab", "4096"],
+    "tiny": ["--seq", "64", "128", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "256"],
+}
 LOGPROBS_ARGS = {
     "full": ["--tokens", "8192"],
     "tiny": ["--tokens", "256", "--vocab", "8192", "--repeats", "1"],
@@ -81,12 +90,14 @@ LOGPROBS_ARGS = {
 TIMES = {
     "wheels": (10, 120), "env": (15, 90),
     "demo_grpo": (60, 200), "demo_trl_ppo": (60, 200), "qwen_prepare": (60, 200), "vs_trl_prepare": (30, 200),
+    "attention": (30, 200),
     "qwen_grpo": (60, 180), "qwen_trl_ppo": (60, 180),
     "vs_trl_fp32_grpo": (80, 200), "vs_trl_fp32_trl_ppo": (60, 150), "logprobs": (45, 120),
     "vs_trl_bf16_grpo": (80, 200), "vs_trl_bf16_trl_ppo": (60, 150),
 }
 TINY_TIMES = (60, 900)  # --size tiny (on a CPU): every step
-ORDER = ["wheels", "env", "demo_grpo", "demo_trl_ppo", "qwen_prepare", "vs_trl_prepare", "qwen_grpo", "qwen_trl_ppo",
+ORDER = ["wheels", "env", "demo_grpo", "demo_trl_ppo", "qwen_prepare", "vs_trl_prepare", "attention", "qwen_grpo",
+         "qwen_trl_ppo",
          "vs_trl_fp32_grpo", "vs_trl_fp32_trl_ppo", "logprobs", "vs_trl_bf16_grpo", "vs_trl_bf16_trl_ppo"]
 SETUP_GROUP = "setup"  # run side by side
 
@@ -251,6 +262,11 @@ class Check:
                   "--workdir", self.work / "vs_trl"]
         add("vs_trl_prepare", "benchmarks/vs_trl.py's model, conversions and prompts (--prepare-only)",
             [vs_trl + ["--prepare-only"]], brief=lambda f: "", group=SETUP_GROUP)
+        attention = self.work / "attention.json"
+        add("attention", "benchmarks/attention.py --check: fused vs local core attention (fp32), memory per layer",
+            [[py, "benchmarks/attention.py", "--device", o.device, *ATTENTION_ARGS[size], "--check",
+              "--json", attention]],
+            figures=lambda: _attention_figures(attention), brief=_brief_attention, group=SETUP_GROUP)
 
         for stage in ("grpo", "trl_ppo"):
             metrics = q / f"{stage}_metrics.jsonl"
@@ -598,6 +614,26 @@ def _logprobs_figures(path: Path) -> dict:
     if errors:
         out["errors"] = errors
     return out
+
+
+def _attention_figures(path: Path) -> dict:
+    data = json.loads(path.read_text())
+    out = {"check_ok": data.get("check_ok"), "check": data.get("check")}
+    for r in data["results"]:
+        out[f"{r['layout']} s={r['s']} {r['attention']}"] = {
+            "saved_per_layer_mib": _r(r["saved_per_layer"] / 2**20), "peak_per_layer_mib":
+            _r(r["peak_per_layer"] / 2**20) if r.get("peak_per_layer") is not None else None}
+    return out
+
+
+def _brief_attention(f: dict) -> str:
+    check = "equal to local" if f.get("check_ok") else "DIFFERS from local"
+    rows = [k for k in f if k.startswith("rows s=") and k.endswith(" sdpa")]
+    if not rows:
+        return check
+    last = rows[-1].rsplit(" ", 1)[0]
+    fused, local = f[last + " sdpa"], f[last + " local"]
+    return f"{check}; {last}: saved per layer {fused['saved_per_layer_mib']} vs {local['saved_per_layer_mib']} MiB"
 
 
 def _brief_env(f: dict) -> str:

@@ -14,3 +14,12 @@ def stage_paths(tmp_path_factory):
     import stage_assets
 
     return stage_assets.build(tmp_path_factory.mktemp("stage_assets"))
+
+
+@pytest.fixture(scope="session")
+def model_state_runs(tmp_path_factory):
+    """The DP2 stage runs of the distributed optimizer and offload tests, one spawn for both modules
+    (`model_state_runs.py`)."""
+    import model_state_runs
+
+    return model_state_runs.build(tmp_path_factory)

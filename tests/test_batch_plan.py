@@ -1,6 +1,6 @@
 """`MicroBatchPlan` (`rl/batch_plan.py`): the packed prompt-group layout built with whole-tensor ops equals a
-group-by-group construction written out by hand, and micro-batches cut from a dealt sample order carry the right
-rows, reads and per-sample tensors. (That the layouts compute the same outputs is tests/test_packed_layout.py.)"""
+group-by-group construction written out by hand (its attention pattern through `PackedGroups.dense_mask`), and
+micro-batches cut from a dealt sample order carry the right rows, reads, packed groups and per-sample tensors. (That the layouts compute the same outputs is tests/test_packed_layout.py.)"""
 
 import pytest
 import torch
@@ -75,7 +75,10 @@ def test_packed_layout_equals_the_construction_by_hand():
     plan = MicroBatchPlan.build(exp, micro_batch_size=N, group_size=N)
     tokens, positions, mask, response_index, last = _by_hand(exp, N)
     assert plan.packed and torch.equal(plan.tokens, tokens) and torch.equal(plan.position_ids, positions)
-    assert torch.equal(plan.attention_mask, mask)
+    # the layout is described (Python ints), and its dense mask (megatron's local attention) is the one by hand
+    assert plan.groups.prompt_lengths == PROMPT_LENGTHS and plan.groups.widths == (5, 3)
+    assert plan.groups.group_size == N and plan.groups.seq_length == tokens.shape[1]
+    assert torch.equal(plan.groups.dense_mask(), mask)
     assert torch.equal(plan.response_index, response_index) and torch.equal(plan.last_token_index, last)
     assert plan.row_of_sample.tolist() == [0, 0, 0, 1, 1, 1]
     # a hand-checked corner: group 1 (prompt of 2, slot width 3): sample 3 is empty, its reads are the prompt's end
@@ -104,7 +107,11 @@ def test_rows_layout_and_micro_batches_of_a_dealt_order():
     # group 1: a prompt of 2 and 3 slots of 3; group 0: a prompt of 4 and 3 slots of 5
     assert torch.equal(batches[0]["tokens"], packed.tokens[[1], :11]) and batches[0]["row_index"].tolist() == [0, 0, 0]
     assert batches[1]["tokens"].shape == (1, 19) and batches[0]["responses"].shape == (3, 4)
-    assert batches[0]["advantages"][:, 0].tolist() == [3, 4, 5] and "attention_mask" in batches[0]
+    assert batches[0]["advantages"][:, 0].tolist() == [3, 4, 5] and "attention_mask" not in batches[0]
+    # the packed layout of each micro-batch's rows, as wide as the micro-batch
+    assert batches[0]["packed_groups"] == packed.groups.select([1], 11)
+    assert batches[1]["packed_groups"].prompt_lengths == (4,) and batches[1]["packed_groups"].seq_length == 19
+    assert "packed_groups" not in rows.micro_batches(exp)[0]
     # reads pick a sample's positions from its micro-batch's rows, past logits_from
     mb = batches[1]
     out = torch.arange(mb["tokens"].shape[1] - int(mb["logits_from"]))[None, :, None].float()

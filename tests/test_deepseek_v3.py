@@ -14,7 +14,8 @@ YaRN's original 64) at TP1, TP2 (expert TP 2), EP2, TP2 x EP2 with expert TP 1, 
 DeepseekV3ForSequenceClassification's at TP1, EP2, PP2; a forward with
 position ids other than the slots (`forward_layout`, as packed RL rows use it) equals transformers with those
 position ids, which needs the position ids to reach every MLA layer's own rotary embedding; greedy generation
-through the static KV cache (`mindspeed_llm.inference.generation.generate`, batched and stepwise prefill) equals
+(`mindspeed_llm.inference.generation.generate`: the static KV cache with batched and stepwise prefill, and the
+continuous-batching engine, whose cache hook needs every MLA layer's rotary table long enough) equals
 `transformers.generate`. Errors: FP8 checkpoints (weight_scale_inv) are refused naming the tensor and the fix,
 multi-token-prediction layers are skipped with a note, unsupported config values are named. Stage: one GRPO
 iteration trains a tiny DeepSeek-V3 actor at EP2; each MLA megatron patch (patches/mla.py) is shown needed.
@@ -115,9 +116,9 @@ def _worker(rank, world_size, jobs):
                 plain = model(ids, pos, None)  # megatron alone rotates by slot: must differ from the reference
             results["packed"][name] = (packed - ref["packed_logits"]).abs().max().item()
             results["unpacked"][name] = (plain - ref["packed_logits"]).abs().max().item()
-            for mode in ("batched", "stepwise"):
+            for mode in ("batched", "stepwise", "continuous"):  # the static engine's two prefills, the default
                 rollout = generate(model, PROMPTS, SamplingConfig(max_new_tokens=MAX_NEW, pad_token_id=0),
-                                   prefill=mode)
+                                   **(dict(prefill=mode, engine="static") if mode != "continuous" else {}))
                 results["greedy"][(name, mode)] = [r[:MAX_NEW].tolist() for r in rollout.responses]
         ps.destroy_model_parallel()
     return results
@@ -188,7 +189,7 @@ def test_position_ids_reach_every_mla_rotary(parity, case):
     assert parity["unpacked"][case] > 1e-3, "the reference does not depend on the position ids"
 
 
-@pytest.mark.parametrize("mode", ["batched", "stepwise"])
+@pytest.mark.parametrize("mode", ["batched", "stepwise", "continuous"])
 @pytest.mark.parametrize("case", CASES)
 def test_greedy_generation_matches_transformers(parity, case, mode):
     assert parity["greedy"][(case, mode)] == parity["refs"][case]["greedy"]
@@ -392,14 +393,21 @@ def _without_patch_worker(rank, world_size, target):
     for owner, attr, original, applied in list(patches._APPLIED):
         if applied == target:
             setattr(owner, attr, original)
+    from mindspeed_llm.models.attention import PackedGroups
+
     spec = ModelSpec.from_hf_config(tiny_config("deepseek_v3", **_variant("deepseek_v3")).to_dict())
     try:
+        for attention in ("sdpa", "local"):  # the default fused core attention, and megatron's local one
+            model = build_model(spec, attention=attention)
+            ids = torch.randint(3, 256, (2, 12))
+            mask = torch.zeros(2 * 12, dtype=torch.bool)
+            mask[-3:] = True  # padding, as the RL passes mark it for megatron's MoE
+            model.train()
+            model(ids, torch.arange(12).expand(2, 12), None, padding_mask=mask.view(2, 12)).sum().backward()
+        # a packed micro-batch of one prompt group (one row: prompt 4, 2 responses of 4), fused attention
+        groups = PackedGroups(2, (4,), (4,), 12)
         model = build_model(spec)
-        ids = torch.randint(3, 256, (2, 12))
-        mask = torch.zeros(2 * 12, dtype=torch.bool)
-        mask[-3:] = True  # padding, as the RL passes mark it for megatron's MoE
-        model.train()
-        model(ids, torch.arange(12).expand(2, 12), None, padding_mask=mask.view(2, 12)).sum().backward()
+        model(ids[:1], torch.arange(12)[None], None, packed_seq_params=groups.seq_params()).sum().backward()
     except Exception as err:  # noqa: BLE001 - the message is the result
         return f"{type(err).__name__}: {err}"
     return None
@@ -410,15 +418,19 @@ def _without_patch_worker(rank, world_size, target):
     "megatron.core.transformer.dot_product_attention.DotProductAttention.__init__",
     "megatron.core.transformer.multi_latent_attention.HAVE_TE",
     "megatron.core.transformer.moe.router.TopKRouter._apply_expert_bias",
-], ids=["all", "k_v_channels", "have_te", "expert_bias_padding"])
+    "megatron.core.transformer.multi_latent_attention.MLASelfAttention.get_query_key_value_tensors",
+], ids=["all", "k_v_channels", "have_te", "expert_bias_padding", "sbhd_packed_params"])
 def test_each_mla_patch_is_needed(target):
-    """With every patch a training forward + backward (with a padding mask) runs; without any one of the three it
-    fails in megatron (TypeError for the first two, a broadcast RuntimeError for the expert-bias count)."""
+    """With every patch a training forward + backward (with a padding mask) runs with either core attention, and
+    so does a packed micro-batch of one row; without any one of the patches it fails in megatron (TypeError for
+    the first two: the local attention's constructor, the TE check; a broadcast RuntimeError for the expert-bias
+    count; a shape error when MLA squeezes the one row's batch dim)."""
     (error,) = run_distributed(_without_patch_worker, 1, target)
     if target is None:
         assert error is None, error
     else:
-        expected = {"expert_bias": "routing_map & (~padding_mask)", "HAVE_TE": "TypeError", "__init__": "TypeError"}
+        expected = {"expert_bias": "routing_map & (~padding_mask)", "HAVE_TE": "TypeError", "__init__": "TypeError",
+                    "get_query_key_value_tensors": "must have same number of dimensions"}
         marker = next(v for k, v in expected.items() if target.endswith(k))
         assert error is not None and marker in error, error
 

@@ -70,6 +70,7 @@ def test_dry_run_lists_every_step(gpu_check):
     assert commands.count("posttrain_gpt.py --stage") == 2 and commands.count(" --bf16 ") == 2
     assert commands.count("benchmarks/vs_trl.py --device cuda") == 5  # prepare + 2 stages x 2 dtypes
     assert "benchmarks/logprobs.py --device cuda --tokens 8192" in commands
+    assert "benchmarks/attention.py --device cuda --seq 1024 2048 4096" in commands and " --check " in commands
     assert "expected in all" in out
 
 

@@ -1,6 +1,7 @@
 """MindSpeed-LLM launch scripts parse here unchanged: the published trl_ppo command line, the model flags checked
 against the checkpoint, the ignored switches reported by name, --split / --eval-iters evaluation, --max-length's
-default, dropout in the trained models' forward only, and convert_ckpt.py / preprocess_data.py's spellings."""
+default, dropout in the trained models' forward only, --attention-backend / --use-flash-attn reaching every role's
+model, and convert_ckpt.py / preprocess_data.py's spellings."""
 
 from __future__ import annotations
 
@@ -43,8 +44,8 @@ PUBLISHED_TRL_PPO = (
 # The published line's flags that are accepted and change nothing here, by reason.
 PUBLISHED_IGNORED = {
     compat_flags.PERFORMANCE: ["--use-fused-swiglu", "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion"],
-    compat_flags.ALWAYS: ["--use-mcore-models", "--attention-softmax-in-fp32", "--is-instruction-dataset",
-                          "--variable-seq-lengths"],
+    compat_flags.ALWAYS: ["--use-mcore-models", "--swiglu", "--use-rotary-position-embeddings",
+                          "--attention-softmax-in-fp32", "--is-instruction-dataset", "--variable-seq-lengths"],
     compat_flags.CHECKPOINT: ["--make-vocab-size-divisible-by", "--init-method-std"],
     compat_flags.SEQ_LENGTH: ["--seq-length"],
     compat_flags.FP16_ONLY: ["--initial-loss-scale"],
@@ -104,7 +105,7 @@ def test_every_table_flag_parses():
     (["--position-embedding-type", "learned_absolute"], "--position-embedding-type learned_absolute"),
     (["--attention-dropout", "1.0"], "--attention-dropout 1.0 must be in [0, 1)"),
     (["--hidden-dropout=-0.1"], "--hidden-dropout -0.1 must be in [0, 1)"),
-    (["--initial-loss-scale", "0"], "--initial-loss-scale 0.0 must be a finite number > 0"),
+    (["--initial-loss-scale", "0"], "--initial-loss-scale 0.0 must be > 0"),
     (["--split", "0,1,0"], "--split 0,1,0 leaves nothing to train on"),
     (["--split", "a,b"], "--split 'a,b': expected up to three weights"),
     (["--split", "1,2,3,4"], "expected up to three weights"),
@@ -324,12 +325,13 @@ def test_scaling_and_bias_flags_against_qwen2(stage_paths):
 
 # ------------------------------------------------------------------------------------------- dropout
 
-def _dropout_worker(rank, world_size, root):
+def _dropout_worker(rank, world_size, root, reward_root):
     import torch
 
     from mindspeed_llm import distributed
     from mindspeed_llm.inference import SamplingConfig
     from mindspeed_llm.inference.generation import generate
+    from mindspeed_llm.models.attention import model_attention
     from mindspeed_llm.rl import roles
 
     distributed.initialize(1, 1, seed=3)
@@ -352,13 +354,24 @@ def _dropout_worker(rank, world_size, root):
     out["generated"] = [generate(model, [[1, 2, 3]], sampling).responses for _ in range(2)]
     out["generated_plain"] = generate(plain, [[1, 2, 3]], sampling).responses
     out["still_training"] = model.training
+    # --attention-backend reaches every role's model (policy and value head alike) through roles.load_model
+    out["attention"] = {}
+    for extra in ([], ["--use-flash-attn"], ["--attention-backend", "flash"], ["--attention-backend", "local"],
+                  ["--attention-backend", "unfused"]):
+        args = parse_args(argv + extra, world_size=1)
+        policy = roles.load_model(root, "--ref-model", args)
+        value = roles.load_model(reward_root, "--reward-model", args, value_head=True)
+        out["attention"][" ".join(extra)] = (model_attention(policy), model_attention(value))
+        if extra == ["--attention-backend", "local"]:
+            with torch.no_grad():
+                out["local"] = policy.eval()(tokens, positions, None)
     return {k: [t.detach() for t in v] if isinstance(v, list) else v for k, v in out.items()}
 
 
 def test_dropout_acts_in_the_training_forward_only(stage_paths):
     import torch
 
-    out = run_distributed(_dropout_worker, 1, stage_paths["mg_actor_tp1pp1"])[0]
+    out = run_distributed(_dropout_worker, 1, stage_paths["mg_actor_tp1pp1"], stage_paths["mg_reward_tp1pp1"])[0]
     first, second = out["train"]
     assert not torch.equal(first, second)  # two training forwards drop different units
     assert torch.equal(out["eval"][0], out["eval"][1])
@@ -366,6 +379,32 @@ def test_dropout_acts_in_the_training_forward_only(stage_paths):
     assert torch.equal(out["generated"][0], out["generated"][1])
     assert torch.equal(out["generated"][0], out["generated_plain"])
     assert out["still_training"]
+    # the core attention every role is built with: the fused one by default, megatron's local one on request
+    fused, local = ("sdpa", "sdpa"), ("local", "local")
+    assert out["attention"] == {"": fused, "--use-flash-attn": fused, "--attention-backend flash": fused,
+                                "--attention-backend local": local, "--attention-backend unfused": local}
+    torch.testing.assert_close(out["local"], out["plain"], atol=1e-5, rtol=1e-5)  # the same model either way
+
+
+@pytest.mark.parametrize("extra,expected", [
+    ([], "sdpa"), (["--use-flash-attn"], "sdpa"), (["--attention-backend", "fused"], "sdpa"),
+    (["--attention-backend", "auto", "--use-flash-attn"], "sdpa"), (["--attention-backend", "local"], "local"),
+    (["--attention-backend", "unfused"], "local"),
+])
+def test_attention_backend_flags(extra, expected):
+    args = _parse(*extra)
+    assert args.attention == expected
+    assert "--use-flash-attn" not in args.ignored_flags  # a real switch now, not a performance no-op
+    notes = [n for n in args.startup_notes if "local DotProductAttention" in n]
+    assert len(notes) == (expected == "local")  # said at startup only when it is not the default
+
+
+@pytest.mark.parametrize("backend", ["local", "unfused"])
+def test_flash_attn_with_local_attention_is_refused_naming_both(backend):
+    with pytest.raises(ArgumentError, match=f"--use-flash-attn and --attention-backend {backend}"):
+        _parse("--use-flash-attn", "--attention-backend", backend)
+    with pytest.raises(SystemExit):  # not one of Megatron-LM's choices: argparse names the flag and the choices
+        _parse("--attention-backend", "triton")
 
 
 # ------------------------------------------------------------------------------------------- convert / preprocess

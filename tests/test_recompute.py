@@ -544,8 +544,8 @@ def _stage_body(rank, world_size, runs, replay_check):
     load_model, trainable = roles.load_model, roles.trainable
     built, trainables, counters = [], [], []
 
-    def recording_load(root, flag, args, value_head=False, trained=False):
-        model = load_model(root, flag, args, value_head=value_head, trained=trained)
+    def recording_load(root, flag, args, value_head=False, trained=False, **options):
+        model = load_model(root, flag, args, value_head=value_head, trained=trained, **options)
         built.append((flag, value_head, trained, model.config.recompute_granularity))
         counter = _Calls(model, (TransformerLayer,))
         counters.append((flag, value_head, trained, counter))

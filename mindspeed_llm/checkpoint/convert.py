@@ -203,12 +203,7 @@ def _check_not_training_root(root: str) -> None:
 def _checkpoint_info(root: str, iteration):
     """layout.checkpoint_info, with a training --save root recognised and an unreadable shard named."""
     _check_not_training_root(root)
-    try:
-        info = layout.checkpoint_info(root, iteration)
-    except (RuntimeError, EOFError) as err:  # torch.load of a truncated / corrupt file
-        path, _ = layout.resolve_dir(root, iteration)
-        _, pp = layout.find_layout(path)
-        raise _unreadable_shard(layout.shard_path(path, 0, 0, pp), err) from None
+    info = layout.checkpoint_info(root, iteration)  # an unreadable shard: layout.CheckpointReadError names it
     if info["lora"]:
         raise ConversionError(_adapters_only(root))
     return info
@@ -217,12 +212,6 @@ def _checkpoint_info(root: str, iteration):
 def _adapters_only(root: str) -> str:
     return (f"{root} holds the LoRA adapters of a LoRA run, not a model: pass the base model it was trained on as "
             f"--load-dir and this folder as --lora-load (merged weights; with --save-lora-to-hf a PEFT adapter)")
-
-
-def _unreadable_shard(path: str, err: Exception) -> ConversionError:
-    detail = " ".join(str(err).split())[:200]
-    return ConversionError(f"{path} cannot be read: it is truncated or corrupt ({detail}); copy it again or "
-                           f"convert from another checkpoint")
 
 
 def _cast(tensors: Dict[str, torch.Tensor], dtype: torch.dtype, value_head: bool,
@@ -358,10 +347,7 @@ def _load_stage(info, stage: int) -> Dict[str, torch.Tensor]:
 
 
 def _read_shard(path: str) -> Dict[str, torch.Tensor]:
-    try:
-        return layout.load_file(path)["model"]
-    except (RuntimeError, EOFError) as err:
-        raise _unreadable_shard(path, err) from None
+    return layout.load_file(path)["model"]  # an unreadable shard: layout.CheckpointReadError names it
 
 
 def _check_value_head_flag(info, value_head: Optional[bool], root: str) -> bool:
@@ -562,7 +548,7 @@ def load_megatron_weights(model, root: str, iteration=None, strict: bool = True)
             f"--save-model-type mg --target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}"
             f"{target if ep > 1 else ''}"
         )
-    payload = layout.load_file(layout.shard_path(info["dir"], tp_rank, pp_rank, pp, ep_rank, ep))
+    payload = layout.load_file(layout.shard_path(info["dir"], tp_rank, pp_rank, pp, ep_rank, ep), mmap=True)
     stored = payload["model"]
     current = inner.state_dict()
     state = {}

@@ -1,7 +1,10 @@
 """Build Megatron-core `GPTModel`s (policy) and value-head models (critic, reward) from a `ModelSpec`.
 
 Only the local (non-Transformer-Engine) layer spec is used so that every device, the CPU included, runs
-the same modules; `attention_backend=local` keeps the attention in plain torch.
+the same modules; its core attention is `mindspeed_llm.models.attention.SDPAttention` (the device's fused
+attention kernel, the default) or megatron's own `DotProductAttention` (`attention="local"`, the reference).
+`attention_backend=local` tells megatron that no Transformer Engine attention is in play either way (its
+inference wrapper then builds the explicit causal mask of the stepwise prefill).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 
+from mindspeed_llm.models.attention import ATTENTIONS, use_core_attention
 from mindspeed_llm.models.forward_layout import install_layout_hooks
 from mindspeed_llm.models.spec import ModelSpec
 
@@ -149,12 +153,14 @@ def transformer_config(spec: ModelSpec, params_dtype=torch.float32, **overrides)
     return (MLATransformerConfig if spec.is_mla else TransformerConfig)(**kwargs)
 
 
-def _layer_spec(spec: ModelSpec, config: TransformerConfig):
+def _layer_spec(spec: ModelSpec, config: TransformerConfig, attention: str = "sdpa"):
     """Megatron-core's local (non-TE) spec: one layer spec for a dense model, a per-layer block spec
-    (dense and MoE layers as `moe_layer_freq` says) for a mixture of experts."""
+    (dense and MoE layers as `moe_layer_freq` says) for a mixture of experts; `attention`'s core attention."""
     if not spec.is_moe:
-        return get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
-    return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+    else:
+        layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    return use_core_attention(layer_spec, attention)
 
 
 class ValueHead(torch.nn.Module):
@@ -179,9 +185,13 @@ def build_model(
     value_head: bool = False,
     pre_process: Optional[bool] = None,
     post_process: Optional[bool] = None,
+    attention: str = "sdpa",
     **config_overrides,
 ) -> GPTModel:
-    """A GPTModel for this rank's pipeline stage. `value_head=True` gives the critic/reward model."""
+    """A GPTModel for this rank's pipeline stage. `value_head=True` gives the critic/reward model. `attention`:
+    "sdpa" (the device's fused kernel, `models/attention.py`) or "local" (megatron's DotProductAttention)."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"build_model: attention={attention!r}; use one of {ATTENTIONS}")
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if spec.is_moe:
@@ -196,7 +206,7 @@ def build_model(
         post_process = parallel_state.is_pipeline_last_stage()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(spec, config),
+        transformer_layer_spec=_layer_spec(spec, config, attention),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=pre_process,
@@ -210,6 +220,7 @@ def build_model(
     )
     model.model_spec = spec
     model.is_value_model = value_head
+    model.attention_kind = attention  # read by models.attention.model_attention (packed layout, batched prefill)
     dtype = parse_dtype(params_dtype)
     if dtype != torch.float32:
         # Megatron-LM runs the whole model in half precision (its Float16Module); the local spec's torch

@@ -153,7 +153,7 @@ def token_sources(micro_batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, t
     """For each model position `[rows, S]` of a micro-batch (`rl/batch_plan.py`), the micro-batch sample whose
     token sits there and that token's position in the sample's own sequence; (-1, -1) on padding.
 
-    One row per sample: row r is sample r at its own positions. Packed prompt groups (an `attention_mask` in the
+    One row per sample: row r is sample r at its own positions. Packed prompt groups (`packed_groups` in the
     micro-batch): row g is `[prompt | response_1 | ... | response_n]`, each response slot as wide as the group's
     longest response; the prompt is taken from the group's first sample (all n share it)."""
     tokens = micro_batch["tokens"]
@@ -162,9 +162,9 @@ def token_sources(micro_batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, t
     P = micro_batch["prompt_lengths"].long()
     lengths = micro_batch["response_mask"].sum(-1).long()
     s = torch.arange(S, device=device)[None, :]
-    if "attention_mask" not in micro_batch:
+    if micro_batch.get("packed_groups") is None:
         if P.numel() != rows:
-            raise ValueError(f"routing: {P.numel()} samples in {rows} rows, but no packed attention mask")
+            raise ValueError(f"routing: {P.numel()} samples in {rows} rows, but no packed groups")
         valid = s < (P + lengths)[:, None]
         sample = torch.arange(rows, device=device)[:, None].expand(rows, S)
         return torch.where(valid, sample, -1), torch.where(valid, s.expand(rows, S), -1)

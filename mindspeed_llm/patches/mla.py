@@ -16,6 +16,11 @@
    padding mask [tokens], so the broadcast fails (RuntimeError) whenever megatron's MoE gets a padding mask, as
    the RL passes give it. The mask is applied per token (unsqueezed over the experts); the count is otherwise
    megatron's.
+4. `MLASelfAttention.get_query_key_value_tensors` squeezes the batch dim of its compressed q / kv whenever
+   `packed_seq_params` is not None (it assumes the `thd` format); the packed prompt groups reach the fused core
+   attention as `sbhd` params (`mindspeed_llm/models/attention.py`), and a micro-batch of one row would lose its
+   batch dim (wrong shapes, a wrong rotary broadcast). For any other format than `thd` the function gets None: the
+   only other thing it reads from them is the rotary length, `max_seqlen`, which equals the hidden states' length.
 """
 
 from __future__ import annotations
@@ -72,3 +77,21 @@ def _expert_bias_padding(original):
 
     _apply_expert_bias.__wrapped__ = original
     return _apply_expert_bias
+
+
+@register(
+    "megatron.core.transformer.multi_latent_attention.MLASelfAttention.get_query_key_value_tensors",
+    "MLA squeezes the batch dim of its compressed q/kv whenever packed_seq_params is given, assuming the thd format; "
+    "the packed prompt groups come as sbhd params (models/attention.py) and a micro-batch of one row would lose it",
+    devices=("cpu", "cuda", "npu"),
+)
+def _mla_sbhd_packed_params(original):
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, position_ids=None,
+                                    packed_seq_params=None, *args, **kwargs):
+        if packed_seq_params is not None and packed_seq_params.qkv_format != "thd":
+            # everything else it reads from sbhd params (the rotary length) equals the hidden states' own length
+            packed_seq_params = None
+        return original(self, hidden_states, key_value_states, position_ids, packed_seq_params, *args, **kwargs)
+
+    get_query_key_value_tensors.__wrapped__ = original
+    return get_query_key_value_tensors

@@ -7,9 +7,14 @@ Two layouts of model rows; the per-sample tensors (`[mb, R]`, `[mb]`) are the sa
   mask alone, position ids `arange(T)`.
 * packed prompt groups (grpo's n samples of a prompt in consecutive rows, when the micro-batch holds whole
   groups): one model row per group, `[prompt | response_1 | ... | response_n]`, each response padded to the
-  group's longest, an attention mask that lets every response see the prompt and itself (causally) but not the
-  other responses, and position ids that continue each response at the prompt's end. Every sample's outputs
-  equal those of its own row (up to float rounding), while the prompt is computed once instead of n times.
+  group's longest, attention that lets every response see the prompt and itself (causally) but not the other
+  responses, and position ids that continue each response at the prompt's end. Every sample's outputs equal those
+  of its own row (up to float rounding), while the prompt is computed once instead of n times. The attention
+  pattern is described, not materialised: `PackedGroups` (`models/attention.py`: each row's prompt length and
+  slot width, the group size, as Python ints computed once per plan) goes with every micro-batch
+  (`micro_batch["packed_groups"]`); the fused core attention reads it as megatron's `packed_seq_params`, and only
+  megatron's local attention gets the dense `[rows, 1, S, S]` mask, built per micro-batch
+  (`PackedGroups.dense_mask`, `rl/engine.py`).
 
 Either way a sample's outputs are read at `response_index` (the position whose output predicts response token
 j, or the critic's state for it) and `last_token_index` (the reward model's read), relative to `logits_from`, the
@@ -20,7 +25,9 @@ How micro-batches are cut:
 
 * every micro-batch is cut to its own length: its model rows to its longest row, its response-aligned tensors
   (`experience.RESPONSE_FIELDS`) to its longest response and one column more (TRL's value mask covers the
-  position after a response's last token); read indices past a row's end (masked columns) are clamped into it. `forward_only` pads per-token outputs back to the batch's width.
+  position after a response's last token); read indices past a row's end (masked columns) are clamped into it;
+  a packed micro-batch's `PackedGroups` is as wide as it. `forward_only` pads per-token outputs back to the
+  batch's width.
 * by count (`--micro-batch-size` samples, in the order given), or by a token budget (`max_tokens`, verl's dynamic
   batch size, `--max-tokens-per-micro-batch`): the units (samples; whole prompt groups when packed) are sorted by
   their row's length, longest first, and consecutive units share a micro-batch while rows x longest row <= the
@@ -37,6 +44,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from mindspeed_llm.models.attention import PackedGroups
 from mindspeed_llm.rl.experience import RESPONSE_FIELDS, Experience
 
 MicroBatch = Dict[str, torch.Tensor]
@@ -50,7 +58,7 @@ class MicroBatchPlan:
     group_size: int  # consecutive samples per model row: n when packed, else 1
     tokens: torch.Tensor  # [rows, S] model input
     position_ids: torch.Tensor  # [rows, S]
-    attention_mask: Optional[torch.Tensor]  # [rows, 1, S, S], True = masked (megatron); None: causal
+    groups: Optional[PackedGroups]  # the packed layout of every row; None: one row per sample, causal
     row_of_sample: torch.Tensor  # [B] the model row each sample is read from
     response_index: torch.Tensor  # [B, R] positions (in its row) whose outputs predict the response tokens
     last_token_index: torch.Tensor  # [B] position of the sample's last real token
@@ -79,9 +87,9 @@ class MicroBatchPlan:
                        else max_tokens, equalize=equalize)
         packed = group_size > 1 and micro_batch_size % group_size == 0
         if packed:
-            tokens, position_ids, mask, row_of_sample, response_index, last_token_index, row_lengths = _packed_rows(
+            tokens, position_ids, groups, row_of_sample, response_index, last_token_index, row_lengths = _packed_rows(
                 exp, group_size)
-            return cls(micro_batch_size, group_size, tokens, position_ids, mask, row_of_sample, response_index,
+            return cls(micro_batch_size, group_size, tokens, position_ids, groups, row_of_sample, response_index,
                        last_token_index, first_read=exp.prompt_lengths - 1, row_lengths=row_lengths, **budgets)
         width = exp.responses.shape[1]
         response_index = exp.prompt_lengths[:, None] - 1 + torch.arange(width, device=exp.tokens.device)[None, :]
@@ -108,7 +116,7 @@ class MicroBatchPlan:
 
     @property
     def packed(self) -> bool:
-        return self.attention_mask is not None
+        return self.groups is not None
 
     def micro_batches(self, exp: Experience, samples: Optional[torch.Tensor] = None,
                       update: bool = False) -> List[MicroBatch]:
@@ -143,8 +151,8 @@ class MicroBatchPlan:
                       last_token_index=self.last_token_index[chunk], logits_from=self.first_read[chunk].min(),
                       # where its samples stand in `samples`: a token budget takes them in another order
                       order=torch.tensor(positions, dtype=torch.long, device=device))
-            if self.attention_mask is not None:
-                mb["attention_mask"] = self.attention_mask[rows][..., :width, :width]
+            if self.groups is not None:  # the micro-batch's rows, cut to its width (Python ints, no sync)
+                mb["packed_groups"] = self.groups.select([rows_of_sample[b] for b in chunk_list[::n]], width)
             out.append(mb)
         return out
 
@@ -191,8 +199,8 @@ def token_budget_groups(widths: Sequence[int], max_tokens: int, count: int = 0) 
 
 def _packed_rows(exp: Experience, n: int):
     """Model rows `[prompt | response_1 | ... | response_n]` per group, built with whole-tensor ops, and each
-    sample's read indices: (tokens, position_ids, attention_mask, row_of_sample, response_index,
-    last_token_index, row_lengths)."""
+    sample's read indices: (tokens, position_ids, groups, row_of_sample, response_index, last_token_index,
+    row_lengths)."""
     B, R = exp.responses.shape
     G, device = B // n, exp.tokens.device
     if B % n:
@@ -219,10 +227,7 @@ def _packed_rows(exp: Experience, n: int):
     zero = torch.zeros((), dtype=exp.tokens.dtype, device=device)
     tokens = torch.where(in_prompt, prompt_tokens, torch.where(in_response, response_tokens, zero))
     position_ids = torch.where(in_block, P[:, None] + j, s.expand(G, S))
-    segment = torch.where(in_prompt, -1, torch.where(in_block, block, n))  # -1 prompt, k response k, n tail
-    key_visible = (segment[:, None, :] == -1) | (segment[:, None, :] == segment[:, :, None])
-    causal = torch.ones((S, S), dtype=torch.bool, device=device).tril()
-    attention_mask = ~(key_visible & causal)[:, None]
+    groups = PackedGroups(n, tuple(P.tolist()), tuple(W.tolist()), S)
 
     # sample b = g * n + k: its slot starts at P_g + k W_g; token 0 is predicted from the prompt's last position,
     # token j > 0 from response token j - 1
@@ -234,7 +239,7 @@ def _packed_rows(exp: Experience, n: int):
     length = exp.response_lengths
     last_token_index = torch.where(length > 0, start + length - 1, P[group_of] - 1)
     row_lengths = P + n * W  # the prompt and n response slots; the tail past them is padding
-    return tokens, position_ids, attention_mask, group_of, response_index, last_token_index, row_lengths
+    return tokens, position_ids, groups, group_of, response_index, last_token_index, row_lengths
 
 
 def gather_response(output: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:

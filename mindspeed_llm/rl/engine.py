@@ -4,10 +4,16 @@
 that only reads (old / reference log-probs, values, reward scores). The RL math lives in the loss closures
 the stages pass in; this module only moves micro-batches through megatron, and guards the step
 (NaN / inf, the LR schedule on resume).
+
+A TrainableModel also owns what its checkpoints need from the optimizer (with `--use-distributed-optimizer`, the
+sharded fp32 main weights and moments that megatron's `state_dict()` leaves out: `parameter_state` /
+`load_state_dict(parameter_state=...)`, checked after loading) and where its training state lives between
+updates (`offload` / `onload` / `on_device`, `rl/model_state.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
@@ -21,11 +27,14 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from mindspeed_llm import device
+from mindspeed_llm.checkpoint.errors import DivergenceError
 from mindspeed_llm.checkpoint.training import CheckpointError, NonFiniteError
 from mindspeed_llm.distributed import any_rank, gather_messages, sum_over_data_parallel
+from mindspeed_llm.models.attention import model_attention
 from mindspeed_llm.models.forward_layout import forward_layout
 from mindspeed_llm.models.routing import micro_batch_routing
 from mindspeed_llm.rl import moe
+from mindspeed_llm.rl.model_state import Offloader
 
 MicroBatch = Dict[str, torch.Tensor]
 # loss_fn(output, micro_batch) -> (this micro-batch's share of the step's loss, {metric name: its share});
@@ -72,13 +81,23 @@ _SCHEDULE_KEYS = {
 
 
 def _model_forward(model, micro_batch: MicroBatch):
-    """Outputs `[rows, T - logits_from, ...]`: RoPE at the micro-batch's position ids, its attention mask
-    (None: causal), and nothing computed for the positions before `logits_from` (`rl/batch_plan.py`)."""
+    """Outputs `[rows, T - logits_from, ...]`: RoPE at the micro-batch's position ids, causal attention or its
+    packed prompt groups, and nothing computed for the positions before `logits_from` (`rl/batch_plan.py`).
+
+    Packed groups reach the fused core attention as megatron's `packed_seq_params` (`models/attention.py`);
+    megatron's local attention gets them as the dense mask, built here for this micro-batch only."""
     pad = moe.padding_mask(micro_batch) if moe.is_moe(model) else None
     extra = {} if pad is None else {"padding_mask": pad}  # MoE routers leave padding out of their loss and counts
+    tokens, mask = micro_batch["tokens"], None
+    groups = micro_batch.get("packed_groups")
+    if groups is not None:
+        if model_attention(model) == "sdpa":
+            extra["packed_seq_params"] = groups.seq_params()
+        else:
+            mask = groups.dense_mask(tokens.device)
     with forward_layout(model, micro_batch["position_ids"], int(micro_batch.get("logits_from", 0))), \
             micro_batch_routing(model, micro_batch):  # --moe-routing-replay, moe/routing_mismatch
-        return model(micro_batch["tokens"], micro_batch["position_ids"], micro_batch.get("attention_mask"), **extra)
+        return model(tokens, micro_batch["position_ids"], mask, **extra)
 
 
 def _run_schedule(chunks, micro_batches: Sequence[MicroBatch], step_fn, forward_only: bool):
@@ -189,15 +208,28 @@ class TrainableModel:
     """A Megatron model with its DDP wrapper, Megatron optimizer and LR schedule (the actor or the critic).
 
     `name` names the role in messages; with `check_finite` (--check-for-nan-in-loss-and-grad) a step whose loss
-    or gradients hold NaN / inf on any rank raises `NonFiniteError` on every rank before the optimizer steps.
+    or gradients hold NaN / inf on any rank raises `NonFiniteError` on every rank before the optimizer steps; with
+    `check_divergence` (--check-for-divergence) a step that changes the norm of the weights by more than
+    `WEIGHT_JUMP` of it on any rank raises `DivergenceError` on every rank (before anything of it is saved).
+    `offload` names the parts of its state (`rl/model_state.PARTS`) that `offload()` moves to host memory.
     """
 
+    # A relative change of the weights' norm in one optimizer step beyond which the step is divergence, not
+    # learning: RL fine-tuning moves a pretrained model by ~1e-5..1e-3 of its norm per step (Adam moves each weight
+    # by about lr), so half of the norm is orders of magnitude past any working setting (--lr 1e6 multiplies it
+    # by ~1e5 in the first step).
+    WEIGHT_JUMP = 0.5
+
     def __init__(self, model: torch.nn.Module, settings: OptimizerSettings, name: str = "model",
-                 check_finite: bool = True):
+                 check_finite: bool = True, offload: Sequence[str] = (), check_divergence: bool = True):
         self.module = model
         self.name = name
         self.check_finite = check_finite
+        self.check_divergence = check_divergence
+        self._weight_norm: Optional[float] = None  # this rank's shard's, after the last step
         self.settings = settings
+        self.offload_parts = tuple(offload)
+        self._offloader = Offloader(self)
         config = model.config
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -279,7 +311,11 @@ class TrainableModel:
         local = {k: sum(torch.as_tensor(r[k]).double() for r in results) for k in keys}  # this rank's shares
         if self.check_finite:
             self._stop_if_not_finite(losses, local)
+        if self.check_divergence and self._weight_norm is None:
+            self._weight_norm = self.weight_norm()
         update_successful, grad_norm, _ = self.optimizer.step()
+        if self.check_divergence:
+            self._stop_if_diverged()
         if update_successful:
             self.scheduler.step(increment=1)
         metrics: Dict[str, float] = {}
@@ -288,6 +324,30 @@ class TrainableModel:
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         return metrics
+
+    def weight_norm(self) -> float:
+        """The L2 norm of this rank's shard of the weights, accumulated in fp32 chunk by chunk (no full-size fp32
+        copy of a half-precision weight)."""
+        total = torch.zeros((), dtype=torch.float64, device=device.current_device())
+        with torch.no_grad():
+            for param in self.module.parameters():  # on the device: called within a step
+                for chunk in param.detach().reshape(-1).split(1 << 24):
+                    total += chunk.float().pow(2).sum().double()
+        return float(total.sqrt())
+
+    def _stop_if_diverged(self) -> None:
+        """The step's weights against the last step's (`WEIGHT_JUMP`), on every rank's shard: any rank's jump stops
+        all of them (MoE expert shards differ from rank to rank)."""
+        before, after = self._weight_norm, self.weight_norm()
+        self._weight_norm = after
+        # non-finite weights are the NaN guard's (the next step's loss, the save's check) and name themselves there
+        jump = abs(after - before) / before if before > 0 and math.isfinite(after) else 0.0
+        found = (f"one optimizer step changed the weights' norm from {before:.4g} to {after:.4g} (this rank's shard), "
+                 f"{jump:.3g} of it" if jump > self.WEIGHT_JUMP else None)
+        if any_rank(found is not None):
+            problems = gather_messages(found)
+            raise DivergenceError(f"{self.name}: {'; '.join(problems)}: the update diverged (more than "
+                                  f"{self.WEIGHT_JUMP:g} of the norm in one step)")
 
     def _stop_if_not_finite(self, losses, metrics) -> None:
         """Megatron-LM's --check-for-nan-in-loss-and-grad: NaN / inf in this step's loss, its metric shares (last
@@ -302,7 +362,10 @@ class TrainableModel:
                 found.append(f"{key} is {float(value)}")
         # fp16 gradients carry the loss scale: an overflow there is megatron's grad scaler's to skip, not a stop
         buffers = [] if self.settings.params_dtype == "fp16" else self.ddp.buffers + self.ddp.expert_parallel_buffers
-        bad = sum(int((~torch.isfinite(buffer.grad_data)).sum()) for buffer in buffers)
+        # one fused reduction per buffer (NaN / inf propagate into the norm); the elementwise count only when it is
+        # not finite, for the message (a bool mask of every gradient was most of an optimizer step's time on CPU)
+        bad = sum(int((~torch.isfinite(buffer.grad_data)).sum()) for buffer in buffers
+                  if not bool(torch.isfinite(torch.linalg.vector_norm(buffer.grad_data))))
         if bad:
             found.append(f"{bad} gradient values are NaN or inf")
         if any_rank(bool(found)):
@@ -338,8 +401,44 @@ class TrainableModel:
             "--use-checkpoint-opt_param-scheduler to keep the checkpoint's"
         )
 
+    # ------------------------------------------------------------------ where the training state lives
+    def offload(self, timers=None) -> None:
+        """The parts of `offload_parts` that are on the device go to host memory (`timing/offload_train`)."""
+        todo = [part for part in self.offload_parts if part not in self._offloader.offloaded]
+        if todo:
+            with _timed(timers, "offload_train"):
+                self._offloader.offload(todo)
+
+    def onload(self, timers=None, parts: Optional[Sequence[str]] = None) -> None:
+        """The offloaded parts (of `parts`: all by default) come back to the device (`timing/onload_train`)."""
+        todo = [part for part in self._offloader.offloaded if parts is None or part in parts]
+        if todo:
+            with _timed(timers, "onload_train"):
+                self._offloader.onload(todo)
+
+    @contextlib.contextmanager
+    def on_device(self, timers=None):
+        """The whole state on the device for the block (an update, a checkpoint), offloaded again after it."""
+        self.onload(timers)
+        try:
+            yield self
+        finally:
+            self.offload(timers)
+
     # ------------------------------------------------------------------ checkpoint state
+    @property
+    def distributed_optimizers(self) -> list:
+        """Megatron's DistributedOptimizer(s) of this model (dense and expert parameters have one each); [] without
+        --use-distributed-optimizer."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        subs = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+        return [o for o in subs if isinstance(o, DistributedOptimizer)]
+
     def state_dict(self) -> dict:
+        """Weights, the optimizer's state dict and the LR schedule. With the distributed optimizer the optimizer's
+        entry holds its param groups, step and grad scaler only: the sharded main weights and moments are
+        `parameter_state()`."""
         return {
             "model": self._module_state(),
             "optimizer": self.optimizer.state_dict(),
@@ -353,10 +452,67 @@ class TrainableModel:
     def _load_module_state(self, model_state: dict) -> None:
         self.module.load_state_dict(model_state, strict=True)
 
-    def load_state_dict(self, state: dict, load_optim: bool = True) -> None:
+    def parameter_state(self):
+        """The distributed optimizer's fp32 main weights and Adam moments of the whole model shard, gathered from
+        the DP ranks (a collective: every rank calls it). Megatron-LM's `distrib_optim.pt` content: per optimizer
+        one `get_parameter_state_dp_zero()` dict (a list of them when dense and expert parameters have one each).
+        Returns it on the ranks that are DP rank 0 of some optimizer, else None; None without the distributed
+        optimizer."""
+        subs = self.distributed_optimizers
+        if not subs:
+            return None
+        states = [o.get_parameter_state_dp_zero() for o in subs]
+        if all(state is None for state in states):
+            return None
+        return states[0] if len(states) == 1 else states
+
+    def reads_parameter_state(self) -> bool:
+        """Whether this rank reads `distrib_optim.pt` on load (DP rank 0 of some distributed optimizer)."""
+        return any(o.data_parallel_group.rank() == 0 for o in self.distributed_optimizers)
+
+    def parameter_state_problem(self, parameter_state) -> Optional[str]:
+        """Why `parameter_state` (read by this rank) cannot be loaded into this model, or None.
+
+        Megatron's dp_zero format holds each grad buffer's values without the padding that depends on the DP size,
+        so it loads at any DP size; it must hold every buffer of this model with the same number of values."""
+        subs = self.distributed_optimizers
+        states = parameter_state if isinstance(parameter_state, list) else [parameter_state]
+        if len(states) != len(subs):
+            return (f"it holds the state of {len(states)} optimizer(s), this {self.name} has {len(subs)} (dense and "
+                    "expert parameters have one each)")
+        for index, (optimizer, state) in enumerate(zip(subs, states)):
+            if optimizer.data_parallel_group.rank() != 0:
+                continue
+            if state is None:
+                return f"it has no state for optimizer {index} of {len(subs)}"
+            for buffer_index, buffer in enumerate(optimizer.buffers):
+                key = (buffer.param_dtype, buffer.grad_dtype)
+                entry = state.get(buffer_index, {}).get(key) if isinstance(state, dict) else None
+                if entry is None:
+                    return (f"it has no state for grad buffer {buffer_index} ({key[0]} weights, {key[1]} grads) of "
+                            f"optimizer {index}")
+                if entry.get("numel_unpadded") != buffer.numel_unpadded:
+                    return (f"grad buffer {buffer_index} ({key[0]} weights) holds {entry.get('numel_unpadded')} "
+                            f"values there but {buffer.numel_unpadded} in this model (another model, or another "
+                            "precision)")
+        return None
+
+    def load_state_dict(self, state: dict, load_optim: bool = True, parameter_state=None, source: str = "") -> None:
+        """Weights, and with `load_optim` the optimizer and LR schedule; with the distributed optimizer
+        `parameter_state` (see `parameter_state()`; None on the ranks that do not read it) is scattered to the DP
+        ranks (a collective). Afterwards the restored state is checked (`_check_restored`): a resume never runs on
+        stale fp32 main weights or uninitialised moments. `source` names the file in messages."""
         self._load_module_state(state["model"])
         if load_optim:
             self.optimizer.load_state_dict(state["optimizer"])
+            subs = self.distributed_optimizers
+            if subs:
+                states = parameter_state if isinstance(parameter_state, list) else [parameter_state] * len(subs)
+                for optimizer, sub_state in zip(subs, states):
+                    _poison_moments(optimizer.optimizer)  # left NaN unless the load below sets them
+                    optimizer.load_parameter_state_from_dp_zero(sub_state)
+                    _own_steps(optimizer.optimizer)
+                self._check_restored(source)
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
             # Megatron's param groups carry their own max / min lr, which the scheduler reads before its own:
             # the loaded groups hold the saver's, so they follow the schedule the load settled on.
@@ -369,3 +525,51 @@ class TrainableModel:
             reload = getattr(self.optimizer, "reload_model_params", None)
             if reload is not None:
                 reload()
+
+    def _check_restored(self, source: str) -> None:
+        """After a distributed optimizer's load, on every rank: each fp32 main weight shard, rounded to the model's
+        precision, equals the weights just loaded (the step copied it there), and no moment is left NaN. Any
+        rank's failure stops every rank with `CheckpointError`."""
+        stale = unset = 0
+        with torch.no_grad():
+            for optimizer in self.distributed_optimizers:
+                for model_group, main_group in zip(optimizer.model_float16_groups,
+                                                   optimizer.shard_fp32_from_float16_groups):
+                    for model_param, main in zip(model_group, main_group):
+                        where = optimizer._get_model_param_range_map(model_param)["param"]
+                        weights = model_param.detach().view(-1)[where.start:where.end]
+                        stale += int(not torch.equal(main.detach().to(weights.dtype), weights))
+                for moments in optimizer.optimizer.state.values():
+                    unset += sum(int(not bool(torch.isfinite(v).all())) for k, v in moments.items()
+                                 if k != "step" and isinstance(v, torch.Tensor))
+        found = f"{stale} fp32 main weight shards differ from the loaded weights" if stale else ""
+        if unset:
+            found += ("; " if found else "") + f"{unset} optimizer moments were not restored"
+        if any_rank(bool(found)):
+            problems = gather_messages(found or None)
+            raise CheckpointError(
+                f"{self.name}: the distributed optimizer's state{' from ' + source if source else ''} was not "
+                f"restored ({'; '.join(problems)}); resuming would train from stale main weights. Pass "
+                "--no-load-optim to restart the optimizer from the checkpoint's weights")
+
+
+def _timed(timers, name: str):
+    return timers(name) if timers is not None else contextlib.nullcontext()
+
+
+def _poison_moments(inner: torch.optim.Optimizer) -> None:
+    """NaN in every moment, so that one the load does not set shows (megatron allocates them with torch.empty)."""
+    for moments in inner.state.values():
+        for key, value in moments.items():
+            if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
+                value.fill_(float("nan"))
+
+
+def _own_steps(inner: torch.optim.Optimizer) -> None:
+    """Give every parameter its own Adam `step` tensor: megatron's DistributedOptimizer.load_state_dict puts one
+    tensor in every parameter's state, which torch's fused / foreach Adam then increments once per parameter
+    (measured: the resumed loss drifts, shared/MEGATRON_ON_CPU.md)."""
+    for moments in inner.state.values():
+        step = moments.get("step")
+        if isinstance(step, torch.Tensor):
+            moments["step"] = step.clone()

@@ -127,12 +127,12 @@ class LoRATrainableModel(TrainableModel):
 
     is_lora = True
 
-    def __init__(self, model, settings, name: str = "model", check_finite: bool = True, base: str = "",
-                 initial_adapter: Optional[str] = None):
+    def __init__(self, model, settings, name: str = "model", base: str = "", initial_adapter: Optional[str] = None,
+                 **options):
         self.base = os.path.abspath(base) if base else ""
         self.initial_adapter = os.path.abspath(initial_adapter) if initial_adapter else None  # --lora-load
         self.fingerprint = base_fingerprint(model)
-        super().__init__(model, settings, name=name, check_finite=check_finite)
+        super().__init__(model, settings, name=name, **options)
         self.trained = lora.trained_names(model)
 
     @property
@@ -199,8 +199,9 @@ class LoRATrainableModel(TrainableModel):
                       "holds the same weights", flush=True)
 
 
-def trainable(model, args, name: str, settings) -> LoRATrainableModel:
-    """The actor or the critic with adapters (module docstring); `model` is loaded and on the device."""
+def trainable(model, args, settings, name: str, **options) -> LoRATrainableModel:
+    """The actor or the critic with adapters (module docstring); `model` is loaded and on the device; `options` are
+    `TrainableModel`'s (finite and divergence checks, offload)."""
     adapter = None
     if name == "actor":
         adapter = read_lora_load(args, model.model_spec) if args.lora_load else None
@@ -214,8 +215,7 @@ def trainable(model, args, name: str, settings) -> LoRATrainableModel:
         raise ArgumentError(f"the {name}: {exc}") from None
     if adapter is not None:
         load_adapter(model, adapter)
-    return LoRATrainableModel(model, settings, name=name, check_finite=args.check_for_nan_in_loss_and_grad,
-                              base=getattr(model, "loaded_from", ""),
+    return LoRATrainableModel(model, settings, name=name, **options, base=getattr(model, "loaded_from", ""),
                               initial_adapter=args.lora_load if adapter is not None else None)
 
 

@@ -1,7 +1,8 @@
-"""The models of a stage, by role: loaded from Megatron checkpoints onto the accelerator, frozen (reference,
-reward) and offloaded to host memory between uses, or trained (actor, critic) with the command line's
-optimizer settings; with LoRA the trained ones get adapters on a frozen base and the frozen ones that share that
-base are views of it (`rl/lora.py`)."""
+"""The models of a stage, by role: loaded from Megatron checkpoints onto the accelerator (built there without
+random initialisation), frozen (reference, reward) and offloaded to host memory between uses, or trained (actor,
+critic) with the command line's optimizer settings and what of their training state waits in host memory between
+updates (--offload-train-*); with LoRA the trained ones get adapters on a frozen base and the frozen
+ones that share that base are views of it (`rl/lora.py`)."""
 
 from __future__ import annotations
 
@@ -100,9 +101,14 @@ def _check_attention_flags(spec: ModelSpec, args, mismatch) -> None:
                            "q/k/v biases; add --add-qkv-bias, as Megatron-LM needs for this model")
 
 
-def load_model(root: str, flag: str, args, value_head: bool = False, trained: bool = False):
-    """A GPTModel (or value-head model) for this rank on the accelerator, weights from a Megatron checkpoint
-    at `root` (built in host memory, as megatron's CPU initialisation does, then moved).
+def load_model(root: str, flag: str, args, value_head: bool = False, trained: bool = False, on_host: bool = False):
+    """A GPTModel (or value-head model) for this rank on the accelerator (`on_host`: in host memory, where an
+    offloaded frozen model waits), weights from a Megatron checkpoint at `root`; `trained`: the actor or the critic
+    (activation recompute applies to them only).
+
+    The model is built where it will live, without megatron's random initialisation (`perform_initialization`
+    off: its weights are allocated, not drawn), and every tensor of it is then loaded from the checkpoint, strictly:
+    one the checkpoint lacks (a value head included) is an error, never a random or empty value (`from_checkpoint`).
 
     Every problem (missing files, a causal LM where a value head is needed, a TP/PP the model cannot be
     split into, a spec that contradicts the model flags) is raised before any compute, naming `flag`.
@@ -110,6 +116,7 @@ def load_model(root: str, flag: str, args, value_head: bool = False, trained: bo
     --attention-dropout / --hidden-dropout are built into every model; they act only in train mode, i.e. in the
     trained models' (actor, critic) update forwards: frozen models, rollouts and the log-prob / value passes run
     in eval mode. Activation recompute (--recompute-*) is built into the `trained` ones only (`rl/recompute.py`).
+    Every role gets the core attention of --attention-backend (`args.attention`, validate_args).
     """
     dropout = dict(attention_dropout=getattr(args, "attention_dropout", 0.0),
                    hidden_dropout=getattr(args, "hidden_dropout", 0.0))
@@ -117,12 +124,21 @@ def load_model(root: str, flag: str, args, value_head: bool = False, trained: bo
         spec = _checked_spec(root, flag, args)
         options = moe.model_options(spec, args, flag, root, policy=not value_head)
         options.update(recompute.model_options(spec, args, trained=trained, policy=not value_head))
-        model = build_model(spec, params_dtype=args.params_dtype, value_head=value_head, **dropout, **options)
+        model = build_model(spec, params_dtype=args.params_dtype, value_head=value_head,
+                            attention=getattr(args, "attention", "sdpa"), **dropout, **options,
+                            **from_checkpoint(on_host))
         load_megatron_weights(model, root)
     except (ValueError, FileNotFoundError) as exc:
         raise ArgumentError(f"{flag} {root}: {exc}") from exc
     model.loaded_from = os.path.abspath(root)  # a LoRA run records its adapters' base (`rl/lora.py`)
-    return model.to(device.current_device())
+    return model.to("cpu" if on_host else device.current_device())
+
+
+def from_checkpoint(on_host: bool = False) -> dict:
+    """TransformerConfig settings of a model whose every weight comes from a checkpoint: megatron allocates the
+    weights without drawing them (`perform_initialization=False`), on the accelerator (`use_cpu_initialization`
+    off: megatron's `torch.cuda.current_device()`, the device layer's answer) or in host memory (`on_host`)."""
+    return dict(perform_initialization=False, use_cpu_initialization=on_host)
 
 
 def frozen(model):
@@ -130,6 +146,21 @@ def frozen(model):
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+def offload_parts(args, name: str) -> tuple:
+    """What of the actor's or critic's training state waits in host memory between updates
+    (`rl/model_state.PARTS`): --offload-train-optimizer the optimizer's moments, --offload-train-grad the grad
+    buffers, --offload-train-param the fp32 main weights and, for the critic, its weights too (the actor's weights
+    generate, so they stay)."""
+    parts = []
+    if getattr(args, "offload_train_optimizer", False):
+        parts.append("moments")
+    if getattr(args, "offload_train_grad", False):
+        parts.append("grads")
+    if getattr(args, "offload_train_param", False):
+        parts += ["masters"] + (["weights"] if name == "critic" else [])
+    return tuple(parts)
 
 
 def trainable(model, args, name: str, flag: str) -> TrainableModel:
@@ -148,11 +179,13 @@ def trainable(model, args, name: str, flag: str) -> TrainableModel:
         schedule_on_resume=schedule_on_resume, lr_flag="--critic-lr" if critic else "--lr",
         **_loss_scale_settings(args),
     )
+    options = dict(name=name, check_finite=args.check_for_nan_in_loss_and_grad, offload=offload_parts(args, name),
+                   check_divergence=args.check_for_divergence)
     if getattr(args, "lora", False):
         from mindspeed_llm.rl import lora
 
-        return lora.trainable(model, args, name, settings)
-    return TrainableModel(model, settings, name=name, check_finite=args.check_for_nan_in_loss_and_grad)
+        return lora.trainable(model, args, settings, **options)
+    return TrainableModel(model, settings, **options)
 
 
 def _loss_scale_settings(args) -> dict:
@@ -165,8 +198,8 @@ def _loss_scale_settings(args) -> dict:
 
 def load_reward_model(args):
     """The frozen reward model (value head) of `--reward-model` (in host memory with --offload-ref-reward)."""
-    return offloaded(frozen(load_model(args.reward_model, "--reward-model", args, value_head=True)),
-                     args.offload_ref_reward)
+    return offloaded(frozen(load_model(args.reward_model, "--reward-model", args, value_head=True,
+                                       on_host=args.offload_ref_reward)), args.offload_ref_reward)
 
 
 def check_vocab(models: Dict[str, Optional[torch.nn.Module]], tokenizer) -> None:

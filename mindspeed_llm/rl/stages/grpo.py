@@ -62,8 +62,8 @@ class GRPOStage:
         self.actor = roles.trainable(roles.load_model(initial, flag, args, trained=True), args, "actor", flag)
         self.reference = None
         if args.kl_coef > 0:  # with LoRA: the actor with its adapters off, no second copy (rl/lora.py)
-            self.reference = lora.reference(self.actor) if args.lora else roles.offloaded(
-                roles.frozen(roles.load_model(initial, flag, args)), args.offload_ref_reward)
+            self.reference = lora.reference(self.actor) if args.lora else roles.offloaded(roles.frozen(
+                roles.load_model(initial, flag, args, on_host=args.offload_ref_reward)), args.offload_ref_reward)
         reward_model = roles.load_reward_model(args) if args.reward_model else None
         roles.check_vocab({"actor": self.actor.module, "reference": self.reference, "reward": reward_model},
                           tokenizer)
@@ -82,6 +82,7 @@ class GRPOStage:
         args, n = self.args, self.args.n_samples_per_prompt
         timers = Timers(sync=device.synchronize)
         with timers("all"):
+            self.actor.offload(timers)  # --offload-train-*: the training state waits in host memory until the update
             exp, plan, score_metrics = self._generate(iteration, rows, timers)
             if args.dynamic_sampling:  # refill with more prompt groups until the batch's groups all carry signal
                 exp, sampling_stats = refill(
@@ -111,7 +112,7 @@ class GRPOStage:
                     informative = informative_groups(exp.scores, n)
                     exp.loss_mask = exp.loss_mask * informative.repeat_interleave(n)[:, None]
 
-            with timers("update"):
+            with timers("update"), self.actor.on_device(timers):
                 actor_metrics = ppo_update(self.actor, exp, plan, args, self._loss, iteration, group_size=n)
 
         metrics = {

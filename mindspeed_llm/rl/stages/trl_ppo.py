@@ -52,8 +52,8 @@ class TrlPPOStage:
         self.actor = roles.trainable(roles.load_model(args.ref_model, "--ref-model", args, trained=True), args,
                                      "actor", "--ref-model")
         # with LoRA the frozen roles are the trained ones' bases (rl/lora.py): no second copies
-        self.reference = lora.reference(self.actor) if args.lora else roles.offloaded(
-            roles.frozen(roles.load_model(args.ref_model, "--ref-model", args)), args.offload_ref_reward)
+        self.reference = lora.reference(self.actor) if args.lora else roles.offloaded(roles.frozen(roles.load_model(
+            args.ref_model, "--ref-model", args, on_host=args.offload_ref_reward)), args.offload_ref_reward)
         self.critic = roles.trainable(
             roles.load_model(args.reward_model, "--reward-model", args, value_head=True, trained=True), args, "critic",
             "--reward-model")
@@ -78,6 +78,8 @@ class TrlPPOStage:
         args, n = self.args, self.args.n_samples_per_prompt
         timers = Timers(sync=device.synchronize)
         with timers("all"):
+            for trained in (self.actor, self.critic):  # --offload-train-*: training state in host memory until used
+                trained.offload(timers)
             with timers("rollout"):  # a prompt's n samples are consecutive rows, each with its own GAE
                 exp = rollout(self.actor.module, rows, self.sampling, iteration, self.tokenizer,
                               samples_per_prompt=n)
@@ -94,6 +96,7 @@ class TrlPPOStage:
                                                             timers) as reference:
                 exp.ref_logp = policy_logprobs([reference], exp, plan, args.temperature)
             with timers("critic_model"):
+                self.critic.onload(timers, parts=("weights",))  # --offload-train-param: they left for the rollout
                 exp.values = critic_values(self.critic.chunks, exp, plan)
             exp.scores, score_metrics = self.scorer(exp, plan, timers)  # with --missing-eos-penalty
 
@@ -110,9 +113,9 @@ class TrlPPOStage:
                     sum_across=sum_over_data_parallel,
                 )
 
-            with timers("update"):
+            with timers("update"), self.actor.on_device(timers):
                 actor_metrics = ppo_update(self.actor, exp, plan, args, self._actor_loss, iteration, group_size=n)
-            with timers("update_critic"):
+            with timers("update_critic"), self.critic.on_device(timers):
                 critic_metrics = ppo_update(self.critic, exp, plan, args, self._critic_loss, iteration,
                                             group_size=n)
 
