@@ -15,6 +15,13 @@ the family comes from config.json's model_type):
     ... --target-tensor-parallel-size 2 --target-expert-parallel-size 2 --moe-tp-extend-ep   # over 2 x 2 ranks, whole
     python convert_ckpt.py --load-model-type mg --save-model-type hf ...     # every EP / expert-TP shard gathered
 
+LoRA adapters (a LoRA run's `<save>/actor` or `<save>/critic`, or a PEFT folder), on the base they belong to:
+
+    python convert_ckpt.py --load-model-type mg --save-model-type hf --load-dir mg/base --lora-load ckpt/actor \
+        --save-dir hf/merged                                # merged weights (or --save-model-type mg, any TP / PP)
+    python convert_ckpt.py --load-model-type mg --save-model-type hf --load-dir mg/base --lora-load ckpt/actor \
+        --save-lora-to-hf --save-dir hf/adapter             # the adapter alone, as PEFT loads it
+
 MindSpeed-LLM's spellings parse too: --use-mcore-models (always so here), --model-type GPT, --tokenizer-model
 PATH (the tokenizer file or folder whose files are copied next to the weights, as --tokenizer-dir).
 """
@@ -65,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-non-finite", action="store_true",
                    help="convert weights that hold NaN / inf (or overflow --params-dtype) anyway, with a warning "
                         "naming them; without it such a checkpoint is refused")
+    p.add_argument("--lora-load", default=None, metavar="DIR",
+                   help="LoRA adapters of --load-dir's model (a LoRA run's <save>/actor or <save>/critic, or a PEFT "
+                        "folder): merged into the converted weights")
+    p.add_argument("--save-lora-to-hf", action="store_true",
+                   help="with --lora-load and --save-model-type hf: write the adapter alone as a PEFT folder "
+                        "(adapter_config.json + adapter_model.safetensors, Hugging Face module names)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -106,6 +119,44 @@ def _no_target_layout(args) -> None:
     if given:
         raise ConversionError(f"{', '.join(given)}: the Hugging Face export gathers every shard of the checkpoint "
                               f"(its layout is read from it); drop the flag")
+
+
+def _lora(args, iteration):
+    """--lora-load / --save-lora-to-hf: None (no adapter), a Merger for the conversion, or "written" when
+    --save-lora-to-hf wrote the PEFT folder (nothing else to do). The base is --load-dir (its ModelSpec and whether it
+    is a value model check the adapter); --load-iteration picks the base's iteration, the adapter's latest is read."""
+    import os
+
+    from mindspeed_llm.checkpoint import lora as lora_files
+    from mindspeed_llm.checkpoint.hf_mapping import ConversionError, read_hf_config
+    from mindspeed_llm.checkpoint.convert import _checkpoint_info
+    from mindspeed_llm.models.spec import ModelSpec
+
+    if args.save_lora_to_hf and not args.lora_load:
+        raise ConversionError("--save-lora-to-hf writes the adapter of --lora-load DIR: add --lora-load")
+    if not args.lora_load:
+        return None
+    if args.save_lora_to_hf and args.save_model_type != "hf":
+        raise ConversionError("--save-lora-to-hf writes a Hugging Face (PEFT) adapter: use --save-model-type hf")
+    if args.load_model_type == "hf" and args.save_model_type == "hf" and not args.save_lora_to_hf:
+        raise ConversionError("--lora-load with --load-model-type hf --save-model-type hf: merge into a Megatron "
+                              "checkpoint (--save-model-type mg) and export that, or merge a PEFT adapter with "
+                              "peft's merge_and_unload")
+    if args.load_model_type == "mg":
+        info = _checkpoint_info(args.load_dir, iteration)
+        spec, value_head = info["spec"], info["value_head"]
+    else:
+        spec, value_head = ModelSpec.from_hf_config(read_hf_config(args.load_dir)), bool(args.orm)
+    if args.orm is not None and bool(args.orm) != value_head:
+        raise ConversionError(f"--orm: --load-dir {args.load_dir} {'is' if value_head else 'is not'} a value model")
+    adapter = lora_files.adapter_for_base(args.lora_load, spec, value_head)
+    if args.save_lora_to_hf:
+        _no_target_layout(args)
+        if os.path.abspath(args.save_dir) in (os.path.abspath(args.load_dir), os.path.abspath(args.lora_load)):
+            raise ConversionError(f"--save-dir {args.save_dir}: write the PEFT adapter to a folder of its own")
+        lora_files.write_peft(adapter, spec, args.save_dir, base_name=os.path.abspath(args.load_dir))
+        return "written"
+    return lora_files.Merger(adapter)
 
 
 def _check_tokenizer_fits(tokenizer_dir: str, args) -> None:
@@ -152,19 +203,23 @@ def run(args) -> None:
     iteration = args.load_iteration
     if iteration is not None and iteration != "release":
         iteration = int(iteration)
+    lora = _lora(args, iteration)
+    if lora == "written":
+        return
     if args.load_model_type == "hf" and args.save_model_type == "mg":
         convert_hf_to_mg(args.load_dir, args.save_dir, tp=tp, pp=pp, params_dtype=args.params_dtype,
                          value_head=bool(args.orm), model_type_hf=args.model_type_hf,
-                         tokenizer_dir=tokenizer_dir, progress=progress, allow_non_finite=args.allow_non_finite, **moe)
+                         tokenizer_dir=tokenizer_dir, progress=progress, allow_non_finite=args.allow_non_finite,
+                         lora=lora, **moe)
     elif args.load_model_type == "mg" and args.save_model_type == "hf":
         _no_target_layout(args)
         convert_mg_to_hf(args.load_dir, args.save_dir, params_dtype=args.params_dtype, value_head=args.orm,
                          tokenizer_dir=tokenizer_dir, iteration=iteration, progress=progress,
-                         allow_non_finite=args.allow_non_finite)
+                         allow_non_finite=args.allow_non_finite, lora=lora)
     elif args.load_model_type == "mg" and args.save_model_type == "mg":
         convert_mg_to_mg(args.load_dir, args.save_dir, tp=tp, pp=pp, params_dtype=args.params_dtype,
                          iteration=iteration, value_head=args.orm, progress=progress,
-                         allow_non_finite=args.allow_non_finite, **moe)
+                         allow_non_finite=args.allow_non_finite, lora=lora, **moe)
     else:
         raise ConversionError("--load-model-type hf --save-model-type hf: nothing to convert")
 
@@ -211,7 +266,9 @@ def main(argv=None) -> int:
     except (ConversionError, UnsupportedModelError, ValueError) as err:
         print(f"convert_ckpt.py: error: {err}", file=sys.stderr)
         return 1
-    print(f"convert_ckpt.py: wrote {args.save_model_type} checkpoint to {args.save_dir}", file=sys.stderr)
+    what = ("a PEFT LoRA adapter" if args.save_lora_to_hf else
+            f"{args.save_model_type} checkpoint" + (" with the LoRA adapter merged" if args.lora_load else ""))
+    print(f"convert_ckpt.py: wrote {what} to {args.save_dir}", file=sys.stderr)
     return 0
 
 

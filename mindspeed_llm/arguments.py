@@ -188,6 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="megatron-core's (deprecated) switch: selective recompute with the moe module added "
                         "(core_attn and moe unless --recompute-modules names others)")
 
+    g = p.add_argument_group("LoRA (MindSpeed-LLM's flags; on when --lora-target-modules or --lora-load is given)")
+    g.add_argument("--lora-target-modules", nargs="+", metavar="MODULE",
+                   help="megatron-core linears that get adapters, in the actor and the critic: linear_qkv, "
+                        "linear_proj, linear_fc1, linear_fc2 (dense, shared-expert and expert MLPs), MLA's "
+                        "linear_q_proj, linear_q_down_proj, linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj. "
+                        "The base is frozen; only the adapters train (and the critic's value head)")
+    g.add_argument("--lora-r", type=int, help="adapter rank (default 16)")
+    g.add_argument("--lora-alpha", type=float, help="adapter scaling alpha / r (default 32)")
+    g.add_argument("--lora-dropout", type=float, help="dropout on the adapters' input in the training forward (0)")
+    g.add_argument("--lora-load", metavar="DIR",
+                   help="the actor's adapter to continue from: a PEFT folder (adapter_config.json) or an adapter "
+                        "checkpoint of a LoRA run (<save>/actor); its r, alpha and targets apply")
+    g.add_argument("--lora-modules-to-save", nargs="+", help=argparse.SUPPRESS)  # refused by name (validate_args)
+
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save")
     g.add_argument("--load")
@@ -512,6 +526,7 @@ def validate_args(args, world_size: int) -> None:
                             "other; pass one")
     _check_evaluation(args)
     _check_algorithm(args)
+    _check_lora(args)
     if args.lr_warmup_fraction is not None:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.train_iters)
     if args.lr_decay_iters is None:
@@ -616,6 +631,44 @@ def _check_recompute(args) -> None:
                 raise ArgumentError(f"--recompute-modules {name}: unknown; choose from {', '.join(RECOMPUTE_MODULES)}")
     args.recompute_granularity = granularity
     args.recompute_modules = modules if granularity == "selective" else None
+
+
+def _check_lora(args) -> None:
+    """`args.lora`: whether the run trains LoRA adapters (--lora-target-modules or --lora-load); the LoRA numbers
+    checked. r / alpha / dropout stay None when not given: with --lora-load the adapter's own apply and a flag that
+    disagrees with it is an error (`rl/lora.lora_config`)."""
+    from mindspeed_llm.models.lora import check_targets
+
+    args.lora = bool(args.lora_target_modules or args.lora_load)
+    if args.lora_modules_to_save:
+        raise ArgumentError(f"--lora-modules-to-save {' '.join(args.lora_modules_to_save)}: training whole modules "
+                            "beside the adapters is not supported here (the critic's value head trains fully on its "
+                            "own); drop the flag")
+    given = [flag for flag, value in (("--lora-r", args.lora_r), ("--lora-alpha", args.lora_alpha),
+                                      ("--lora-dropout", args.lora_dropout)) if value is not None]
+    if not args.lora:
+        if given:
+            raise ArgumentError(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without "
+                                "--lora-target-modules (LoRA is on when target modules, or --lora-load, are given)")
+        return
+    if args.lora_target_modules:
+        try:
+            check_targets(args.lora_target_modules)
+        except ValueError as exc:
+            raise ArgumentError(f"--lora-target-modules {exc}") from None
+        args.lora_target_modules = list(dict.fromkeys(args.lora_target_modules))
+    if args.lora_r is not None and args.lora_r < 1:
+        raise ArgumentError(f"--lora-r {args.lora_r} must be >= 1")
+    if args.lora_alpha is not None and not (math.isfinite(args.lora_alpha) and args.lora_alpha > 0):
+        raise ArgumentError(f"--lora-alpha {args.lora_alpha} must be a finite number > 0")
+    if args.lora_dropout is not None and not 0.0 <= args.lora_dropout < 1.0:
+        raise ArgumentError(f"--lora-dropout {args.lora_dropout} must be in [0, 1)")
+    if args.offload_ref_reward:
+        shared = "the reference and the reward model are" if args.stage == "trl_ppo" else "the reference is"
+        rest = ("only grpo's --reward-model is offloaded" if args.stage == "grpo" and args.reward_model
+                else "nothing is offloaded")
+        args.startup_notes.append(f"--offload-ref-reward: with LoRA {shared} the trained models' bases with their "
+                                  f"adapters off, not models of their own: {rest}")
 
 
 def _split_weights(text: str) -> Tuple[float, float, float]:

@@ -19,6 +19,12 @@ CHECKPOINT = "the checkpoint decides"
 FP16_ONLY = "loss scaling applies to --fp16 only"
 SEQ_LENGTH = "--max-length bounds prompt + response"
 SHARED_STORAGE = "checkpoints are published by rank 0, so --save must be a folder every node sees"
+LORA_FUSION = ("MindSpeed's CCLoRA kernel (communication overlapped with the adapters' matmuls): the adapters run as "
+               "plain torch matmuls beside megatron's linears")
+LORA_CKPT_FILTER = "checkpoints of a LoRA run always hold the adapters (and their optimizer state) only"
+LORA_HOOK = ("MindSpeed-LLM's fix of the gradient chain with a frozen base (recompute, PP): here the embedding's "
+             "output always requires grad in a LoRA training forward and later pipeline stages receive inputs that "
+             "do, so no module needs naming")
 
 # Switches (no value): flag -> why it has no effect.
 IGNORED_SWITCHES: Dict[str, str] = {
@@ -46,6 +52,8 @@ IGNORED_SWITCHES: Dict[str, str] = {
     "--is-instruction-dataset": ALWAYS,  # the data are preprocess_data.py's prompt datasets
     "--variable-seq-lengths": ALWAYS,  # micro-batches are padded to their own longest sequence
     "--no-shared-storage": SHARED_STORAGE,
+    "--lora-fusion": LORA_FUSION,
+    "--lora-ckpt-filter": LORA_CKPT_FILTER,
 }
 
 # Flags with a value, ignored whenever given: flag -> (argparse type, reason).
@@ -58,6 +66,11 @@ IGNORED_VALUES: Dict[str, tuple] = {
     "--seq-length": (int, SEQ_LENGTH),
     "--moe-zero-memory": (str, MOE_PERFORMANCE),  # level0 / level1: recomputation to save activation memory
     "--moe-zero-memory-num-layers": (int, MOE_PERFORMANCE),
+}
+
+# Flags with a list of values (nargs +), ignored whenever given: flag -> reason.
+IGNORED_LISTS: Dict[str, str] = {
+    "--lora-register-forward-hook": LORA_HOOK,
 }
 
 # Megatron's fp16 grad-scaler flags: honoured with --fp16 (engine.OptimizerSettings), ignored otherwise.
@@ -75,6 +88,8 @@ def add_ignored_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     for flag, (kind, _reason) in IGNORED_VALUES.items():
         parser.add_argument(flag, type=kind, action="append", help=argparse.SUPPRESS)  # may repeat (--seq-length)
+    for flag in IGNORED_LISTS:
+        parser.add_argument(flag, nargs="+", help=argparse.SUPPRESS)
 
 
 def ignored_flags(args) -> Dict[str, str]:
@@ -82,6 +97,7 @@ def ignored_flags(args) -> Dict[str, str]:
     found = {flag: reason for flag, reason in IGNORED_SWITCHES.items() if getattr(args, _dest(flag), False)}
     found.update({flag: reason for flag, (_, reason) in IGNORED_VALUES.items()
                   if getattr(args, _dest(flag), None) is not None})
+    found.update({flag: reason for flag, reason in IGNORED_LISTS.items() if getattr(args, _dest(flag), None)})
     if getattr(args, "params_dtype", None) != "fp16":
         found.update({flag: FP16_ONLY for flag in LOSS_SCALE_FLAGS if getattr(args, _dest(flag), None) is not None})
     return found

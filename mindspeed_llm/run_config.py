@@ -22,8 +22,11 @@ read from ``model/NAME.yaml`` next to the file when there), ``megatron_training`
 ``critic_config`` / ``reward_config`` / ``ref_config`` must agree with the actor's (``critic_config.lr``
 becomes ``--critic-lr``; frozen roles' optimizer and activation recompute keys are ignored). The recompute keys
 (``recompute_granularity``, ``recompute_method``, ``recompute_num_layers``, MindSpeed-RL's documented
-``recompute_activations``) are the flags of their names, applied to the actor and the critic. The architecture keys (``model``)
-become the model flags, which are checked against every checkpoint, only when all roles use one model.
+``recompute_activations``) are the flags of their names, applied to the actor and the critic, as are the LoRA keys
+(``lora_r``, ``lora_alpha``, ``lora_dropout``, ``lora_target_modules``, ``lora_load``; ``lora_fusion`` and
+``lora_ckpt_filter`` / ``lora_filter`` are listed as ignored; frozen roles' LoRA keys are ignored;
+``rl_config.share_backbone: true`` is what a LoRA run does and needs LoRA, ``false`` is refused with it). The
+architecture keys (``model``) become the model flags, which are checked against every checkpoint, only when all roles use one model.
 
 Checkpoints. Here ``--ref-model`` is the initial actor and the reference; ``--reward-model`` is the reward
 model and (trl_ppo) the critic's initial weights; ``--load`` / ``--save`` hold every trained role under one
@@ -194,6 +197,10 @@ MEGATRON: Dict[str, Any] = {
     "full_shuffle_instruction_dataset": Ignored("prompts are shuffled over the whole dataset every epoch here"),
     "dataset_additional_keys": Ignored("the preprocessed dataset carries its labels (preprocess_data.py "
                                        "--map-keys); the verifiers check they are there"),
+    # LoRA: lora_r, lora_alpha, lora_dropout, lora_target_modules, lora_load, lora_fusion, lora_ckpt_filter are the
+    # flags of their names (the last two listed as ignored at start-up); MindSpeed-RL's grpo_lora.md spells the
+    # filter lora_filter
+    "lora_filter": Flag("--lora-ckpt-filter"),
 }
 # Optimizer keys: a frozen role's (reward_config, ref_config) are ignored; the critic's must be the actor's,
 # except its lr (critic_config.lr -> --critic-lr).
@@ -206,6 +213,11 @@ OPTIM = {"lr", "min_lr", "lr_decay_style", "lr_decay_iters", "lr_warmup_iters", 
 # the critic's must be the actor's (one set of flags for both trained roles).
 RECOMPUTE = {"recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_activations",
              "recompute_modules", "distribute_saved_activations", "moe_layer_recompute"}
+
+# LoRA keys: a frozen role's (reward_config, ref_config) are ignored, it trains no adapters (with LoRA it is a trained
+# model's base); the critic's must be the actor's (one set of flags for both trained roles).
+LORA = {"lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_load", "lora_fusion", "lora_ckpt_filter",
+        "lora_filter", "lora_register_forward_hook"}
 
 # rl_config also takes this program's own RL flags by name (the parser's "RL: ..." groups), e.g.
 # missing_eos_penalty, loss_agg_mode, adv_scale, vf_coef.
@@ -265,6 +277,8 @@ RL: Dict[str, Any] = {
     "wandb_exp_name": Ignored("wandb is not supported"),
     "wandb_save_dir": Ignored("wandb is not supported"),
     "integrated_mode_config": Nested({"ref_model_load_path": Slot("ref_model_load_path", "path")}),
+    # true: the reference shares the actor's base (its adapters off), which a LoRA run always does (see _resolve)
+    "share_backbone": Slot("share_backbone", "bool"),
 }
 
 SAMPLING: Dict[str, Any] = {
@@ -485,6 +499,9 @@ class _Reader:
                 self.ignored.append((where, "a frozen model has no optimizer"))
             elif frozen and where.rsplit(".", 1)[-1] in RECOMPUTE:
                 self.ignored.append((where, "a frozen model runs no backward: nothing to recompute"))
+            elif frozen and where.rsplit(".", 1)[-1] in LORA:
+                self.ignored.append((where, "a frozen model trains no adapters (with LoRA it is a trained model's "
+                                            "base with its adapters off)"))
             else:
                 if entry.convert is not None:
                     try:
@@ -680,6 +697,18 @@ def _resolve(reader: _Reader, run: _Role, roles: Dict[str, Tuple[_Role, Optional
                                                               "megatron_training.tensorboard_dir or actor_config.save")
         put("--tensorboard-dir", os.path.join(save, "tensorboard"), run.origin("use_tensorboard"))
 
+    share = run.slot("share_backbone")
+    if share is not None:
+        lora = "lora_target_modules" in flags or "lora_load" in flags or any(
+            token.split("=", 1)[0] in ("--lora-target-modules", "--lora-load") for token in cli_argv)
+        if share and not lora:
+            raise reader.error(run.origin("share_backbone"), "true shares the actor's base with the reference, which "
+                                                             "needs LoRA adapters to switch off: set "
+                                                             "lora_target_modules, or share_backbone: false")
+        if not share and lora:
+            raise reader.error(run.origin("share_backbone"), "false would load the reference as a model of its own; "
+                                                             "with LoRA the reference here is always the actor's "
+                                                             "base with its adapters off: set it to true or drop it")
     estimator = run.slot("adv_estimator")
     if estimator is not None:
         where = run.origin("adv_estimator")

@@ -39,7 +39,8 @@ def _sources():
 
 
 def unread_flags(parser: argparse.ArgumentParser, sources) -> list:
-    ignored = {compat_flags._dest(f) for f in (*compat_flags.IGNORED_SWITCHES, *compat_flags.IGNORED_VALUES)}
+    ignored = {compat_flags._dest(f) for f in (*compat_flags.IGNORED_SWITCHES, *compat_flags.IGNORED_VALUES,
+                                               *compat_flags.IGNORED_LISTS)}
     missing = []
     for action in parser._actions:
         if not action.option_strings or action.dest in ("help", *ignored):

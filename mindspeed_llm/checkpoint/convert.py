@@ -6,6 +6,7 @@
     convert_mg_to_hf(mg_root, hf_dir)                 # any TP/PP/EP; value head detected from the checkpoint
     convert_mg_to_mg(mg_root, new_root, tp=1, pp=2)   # reshard (ep=, etp=, moe_tp_extend_ep= likewise)
     load_megatron_weights(model, mg_root)             # this rank's shard into a built GPTModel, strictly
+    convert_mg_to_hf(mg_root, hf_dir, lora=Merger(adapter))   # a LoRA adapter merged in (checkpoint/lora.py)
 
 The conversions stream one pipeline stage at a time (memory: about one stage's weights twice), show a
 tqdm bar over layers, and publish atomically (see megatron_layout). Nothing here imports megatron except
@@ -202,7 +203,15 @@ def _check_not_training_root(root: str) -> None:
 def _checkpoint_info(root: str, iteration):
     """layout.checkpoint_info, with a training --save root recognised and an unreadable shard named."""
     _check_not_training_root(root)
-    return layout.checkpoint_info(root, iteration)  # an unreadable shard: layout.CheckpointReadError names it
+    info = layout.checkpoint_info(root, iteration)  # an unreadable shard: layout.CheckpointReadError names it
+    if info["lora"]:
+        raise ConversionError(_adapters_only(root))
+    return info
+
+
+def _adapters_only(root: str) -> str:
+    return (f"{root} holds the LoRA adapters of a LoRA run, not a model: pass the base model it was trained on as "
+            f"--load-dir and this folder as --lora-load (merged weights; with --save-lora-to-hf a PEFT adapter)")
 
 
 def _cast(tensors: Dict[str, torch.Tensor], dtype: torch.dtype, value_head: bool,
@@ -261,8 +270,9 @@ def _write_checkpoint(save_dir: str, stages, spec, tp: int, pp: int, dtype: torc
 def convert_hf_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, params_dtype=None,
                      value_head: bool = False, model_type_hf: Optional[str] = None,
                      tokenizer_dir: Optional[str] = None, progress: bool = True, allow_non_finite: bool = False,
-                     ep: int = 1, etp: Optional[int] = None, moe_tp_extend_ep: bool = False):
-    """Convert a Hugging Face folder into a Megatron-LM release checkpoint (TP x PP shards) under `save_dir`.
+                     ep: int = 1, etp: Optional[int] = None, moe_tp_extend_ep: bool = False, lora=None):
+    """Convert a Hugging Face folder into a Megatron-LM release checkpoint (TP x PP shards) under `save_dir`;
+    `lora` (a `checkpoint.lora.Merger`) merges an adapter into the weights on the way.
 
     A mixture of experts is also split over `ep` expert-parallel ranks with expert tensor parallelism `etp`
     (default TP; 1 keeps experts whole); `moe_tp_extend_ep` (MindSpeed's --moe-tp-extend-ep) stores the
@@ -305,11 +315,15 @@ def convert_hf_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, par
             for rel, tensor in hfm.hf_layer_to_mg(checked.get, spec, index).items():
                 full[hfm.layer_key(index, rel)] = tensor
             bar.update(1)
+        if lora is not None:
+            lora(full)
         return sharding.stage_state_dict(full, spec, pp, stage, value_head)
 
     _write_checkpoint(save_dir, stage_tensors, spec, tp, pp, dtype, value_head, spec.num_layers,
                       "hf->mg layers", progress, hf_config=config, tokenizer_src=tokenizer_dir or load_dir,
                       finite=finite, ep=ep, etp=etp)
+    if lora is not None:
+        lora.finish()
     finite.report()
     return spec
 
@@ -353,8 +367,9 @@ def _same_path(a: str, b: str) -> bool:
 
 def convert_mg_to_hf(load_dir: str, save_dir: str, params_dtype=None, value_head: Optional[bool] = None,
                      tokenizer_dir: Optional[str] = None, iteration=None, progress: bool = True,
-                     allow_non_finite: bool = False):
-    """Merge a Megatron checkpoint (any TP x PP) into `save_dir`: model.safetensors + a clean config.json.
+                     allow_non_finite: bool = False, lora=None):
+    """Merge a Megatron checkpoint (any TP x PP) into `save_dir`: model.safetensors + a clean config.json
+    (`lora`, a `checkpoint.lora.Merger`: with an adapter merged into the weights).
 
     A value-head checkpoint becomes a *ForSequenceClassification model (score.weight); `value_head`
     (the --orm flag), when given, must agree with the checkpoint. The dtype defaults to the checkpoint's.
@@ -374,6 +389,8 @@ def convert_mg_to_hf(load_dir: str, save_dir: str, params_dtype=None, value_head
     try:
         for stage in range(pp):
             full = sharding.stage_to_full(_load_stage(info, stage), spec, pp, stage, value_head)
+            if lora is not None:
+                lora(full)
             finite.check_all(full)
             for index in sharding.stage_layers(spec.num_layers, pp, stage):
                 layer = {rel: full.pop(hfm.layer_key(index, rel)) for rel in hfm.mg_layer_names(spec, index)}
@@ -387,6 +404,8 @@ def convert_mg_to_hf(load_dir: str, save_dir: str, params_dtype=None, value_head
         ordered[name] = t.to(torch.float32 if name.endswith("e_score_correction_bias") else dtype)
         finite.check_cast(name, t, ordered[name])
     hf_state = ordered
+    if lora is not None:
+        lora.finish()
 
     os.makedirs(save_dir, exist_ok=True)
     stale = os.path.join(save_dir, "config.json")
@@ -420,9 +439,9 @@ def _hf_order(state: Dict[str, torch.Tensor], spec, value_head: bool):
 
 def convert_mg_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, params_dtype=None, iteration=None,
                      value_head: Optional[bool] = None, progress: bool = True, allow_non_finite: bool = False,
-                     ep: int = 1, etp: Optional[int] = None, moe_tp_extend_ep: bool = False):
+                     ep: int = 1, etp: Optional[int] = None, moe_tp_extend_ep: bool = False, lora=None):
     """Reshard a Megatron checkpoint to a new TP x PP (x EP, expert TP; see convert_hf_to_mg) and optionally
-    dtype, as a release checkpoint."""
+    dtype, as a release checkpoint (`lora`, a `checkpoint.lora.Merger`: with an adapter merged in)."""
     load_dir, save_dir = os.fspath(load_dir), os.fspath(save_dir)
     info = _checkpoint_info(load_dir, iteration)
     spec = info["spec"]
@@ -435,6 +454,9 @@ def convert_mg_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, par
     full: Dict[str, torch.Tensor] = {}
     for stage in range(info["pp"]):
         full.update(sharding.stage_to_full(_load_stage(info, stage), spec, info["pp"], stage, value_head))
+    if lora is not None:
+        lora(full)
+        lora.finish()
     finite = _FiniteCheck(info["dir"], allow_non_finite)
     finite.check_all(full)
 
@@ -488,6 +510,9 @@ def load_megatron_weights(model, root: str, iteration=None, strict: bool = True)
     root = os.fspath(root)
     inner = _unwrap(model)
     info = layout.checkpoint_info(root, iteration)
+    if info["lora"]:
+        raise ValueError(f"{root} holds the LoRA adapters of a LoRA run, not a model: pass the base model they were "
+                         "trained on, and the adapters with --lora-load (or resume that run with --load)")
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()

@@ -481,7 +481,8 @@ def make_payload(model_state: Dict[str, Any], spec, tp: int, pp: int, tp_rank: i
 
 def checkpoint_info(root: str, iteration: Optional[Iteration] = None) -> Dict[str, Any]:
     """What a checkpoint is, read from its first shard without loading tensors (mmap):
-    {'dir', 'iteration', 'tp', 'pp', 'ep', 'etp', 'spec' (ModelSpec), 'params_dtype', 'value_head', 'hf_config'}."""
+    {'dir', 'iteration', 'tp', 'pp', 'ep', 'etp', 'spec' (ModelSpec), 'params_dtype', 'value_head', 'hf_config',
+    'lora' (whether it holds LoRA adapters only)}."""
     from mindspeed_llm.models.spec import ModelSpec
 
     path, iteration = resolve_dir(root, iteration)
@@ -512,6 +513,7 @@ def checkpoint_info(root: str, iteration: Optional[Iteration] = None) -> Dict[st
         "params_dtype": dtype if isinstance(dtype, torch.dtype) else torch.float32,
         "value_head": bool(get("value_head", False)),
         "hf_config": payload.get("hf_config"),
+        "lora": payload.get("lora") is not None,  # a LoRA run's checkpoint: adapters only (checkpoint/lora.py)
     }
 
 

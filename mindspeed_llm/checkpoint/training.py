@@ -7,8 +7,9 @@ Layout (Megatron-LM's, one tree per role)::
     <save>/latest_checkpointed_iteration.txt          <- written last of all: the resume point
     <save>/.writer.lock                               <- host and pid of the run writing here
 
-Each shard holds `model`, `optimizer`, `opt_param_scheduler`, `iteration`, `model_spec` and, in the same
-file, the loop state (`rng_state` of every DP rank, `data_position` of the prompt sampler). With
+Each shard holds `model`, `optimizer`, `opt_param_scheduler`, `iteration`, `model_spec` (a LoRA run: `model` holds
+the adapters only, and `lora` their config and base, `rl/lora.py`) and, in the same file, the loop state (`rng_state`
+of every DP rank, `data_position` of the prompt sampler). With
 --use-distributed-optimizer the shard folder also holds `distrib_optim.pt` (Megatron-LM's file: the fp32 main
 weights and Adam moments that megatron's optimizer `state_dict()` leaves out, gathered over the DP ranks by DP rank
 0), staged and published with the rest; a resume scatters it again, at the saved DP size or another one, and checks
@@ -375,6 +376,10 @@ def _load(root: str, roles: Dict[str, object], iteration: int, load_optim: bool,
         except Exception as exc:  # a truncated or flipped file: torch raises any of several types
             error = _damaged(role_root, iteration, tp_rank, pp_rank, exc, list(roles), ep_rank)
         _raise_on_every_rank(error)
+        if "lora" in state and not getattr(trainable, "is_lora", False):
+            raise CheckpointError(f"--load {root}: the {name} checkpoint holds LoRA adapters (targets "
+                                  f"{' '.join(state['lora']['config']['target_modules'])}), not full weights; pass "
+                                  "the --lora-* flags it was trained with")
         parameter_state, source = None, ""
         if load_optim and "optimizer" not in state:
             raise CheckpointError(f"{name}: iteration {iteration} under {role_root} holds no optimizer state (it "
@@ -620,13 +625,15 @@ def check_save_dir(save: str, roles: Dict[str, object]) -> None:
     """Before any training: the disk of --save (which `WriterLock` has created and written) has room for a
     checkpoint of `roles`.
 
-    The size is the weights plus optimizer state (Adam's two moments; fp32 main copies for bf16/fp16) of
+    The size is the trained weights plus optimizer state (Adam's two moments; fp32 main copies for bf16/fp16) of
     every rank that writes (DP rank 0), summed over the job.
     """
     local = 0
     if parallel_state.get_data_parallel_rank() == 0:
         for trainable in roles.values():
             for param in trainable.module.parameters():
+                if not param.requires_grad:
+                    continue  # a LoRA run's frozen base is not saved
                 per_value = param.element_size() + 8 + (4 if param.dtype != torch.float32 else 0)
                 local += param.numel() * per_value
     total = torch.tensor([local], dtype=torch.float64, device=device.current_device())

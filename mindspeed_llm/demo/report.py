@@ -161,6 +161,12 @@ def format_summary(summary: Mapping) -> str:
         if a is not None and b is not None:
             parts.append(f"({a - b:+.3f})")
         lines.append("held-out accuracy: " + " -> ".join(parts[:2]) + (" " + parts[2] if len(parts) > 2 else ""))
+    lora = summary.get("lora")
+    if lora:
+        share = lora["adapter_parameters"] / lora["base_parameters"] if lora.get("base_parameters") else 0.0
+        lines.append(f"LoRA: r {lora['r']}, alpha {lora['alpha']:g} on {', '.join(lora['targets'])} (base frozen); "
+                     f"adapter {lora['adapter_parameters'] / 1e6:.2f} M parameters ({share:.1%} of the base), "
+                     f"{lora['adapter_bytes'] / 2**20:.1f} MiB; PEFT folder {lora['peft_bytes'] / 2**20:.1f} MiB")
     return "\n".join(lines)
 
 
@@ -259,11 +265,13 @@ def plot_report(records: Sequence[Mapping], png_path: Union[str, Path], before=N
 
 def write_report(metrics_jsonl: Union[str, Path], png_path: Union[str, Path, None] = None, before=None,
                  after=None, *, title: str = "GRPO on SmolLM2-135M-Instruct", window: int = 5,
-                 print_fn=print) -> dict:
+                 print_fn=print, lora: Optional[dict] = None) -> dict:
     """Load the metrics, print the summary table, write the PNG (when ``png_path`` is given); returns
-    the summary (with ``"png"``)."""
+    the summary (with ``"png"``; ``lora``, a LoRA run's adapter summary, is printed and kept as ``"lora"``)."""
     records = load_metrics(metrics_jsonl)
     summary = summarize(records, before, after, window=window)
+    if lora is not None:
+        summary["lora"] = dict(lora)
     if print_fn is not None:
         print_fn(format_summary(summary))
     if png_path is not None:

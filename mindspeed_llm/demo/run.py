@@ -3,6 +3,7 @@
     python -m mindspeed_llm.demo.run                  # GRPO on SmolLM2-135M-Instruct (the README's first command)
     python -m mindspeed_llm.demo.run --stage trl_ppo  # the same task with PPO (critic from the policy)
     python -m mindspeed_llm.demo.run --tiny           # the CI-sized pipeline: a tiny random model, 2 iterations
+    python -m mindspeed_llm.demo.run --lora           # LoRA adapters on every linear (r 16, alpha 32, lr 1e-4)
 
 Every step goes through the project's real entry points, as a user would run them (each command is
 printed before it runs):
@@ -13,7 +14,8 @@ printed before it runs):
 3. `preprocess_data.py` (R1 handler, labels kept) for both splits;
 4. `convert_ckpt.py` hf -> mg (and, for trl_ppo, a value-head copy of the policy with `--orm` for the critic);
 5. `torchrun posttrain_gpt.py --stage grpo|trl_ppo` with a metrics JSONL;
-6. `convert_ckpt.py` mg -> hf of the trained actor;
+6. `convert_ckpt.py` mg -> hf of the trained actor (with `--lora`: the adapter merged into the base with
+   `--lora-load`, and the adapter alone as a PEFT folder with `--save-lora-to-hf`);
 7. held-out accuracy with `transformers` before and after, a summary table and a PNG plot.
 """
 
@@ -105,7 +107,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dynamic-sampling", action="store_true",
                    help="grpo: DAPO's dynamic sampling (refill with groups whose rewards differ)")
+    p.add_argument("--lora", action="store_true",
+                   help="train LoRA adapters on linear_qkv, linear_proj, linear_fc1, linear_fc2 (frozen base); the "
+                        "default lr becomes 10x the full one")
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--lora-alpha", type=float, default=32.0)
     return p
+
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# LoRA's learning rate: 10x the full one (the adapters start at B = 0 and span r directions only; MindSpeed-RL's
+# grpo_lora recipe uses 15x, TRL / PEFT examples 10-20x)
+LORA_LR_FACTOR = 10
 
 
 DEFAULTS = {
@@ -125,10 +138,14 @@ DEFAULTS = {
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    lr_given = args.lr is not None
     for name, (real, tiny) in DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else real)
-    out = Path(args.out or ROOT / "runs" / f"demo_{args.stage}{'_tiny' if args.tiny else ''}").resolve()
+    if args.lora and not lr_given:
+        args.lr *= LORA_LR_FACTOR
+    suffix = ("_lora" if args.lora else "") + ("_tiny" if args.tiny else "")
+    out = Path(args.out or ROOT / "runs" / f"demo_{args.stage}{suffix}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     log = out / "pipeline.log"
     started = time.time()
@@ -187,8 +204,18 @@ def main(argv=None) -> int:
         if args.dynamic_sampling:
             stage_extra += ["--dynamic-sampling", "--max-num-gen-batches", "10"]
 
+    lora_flags = []
+    if args.lora:
+        lora_flags = ["--lora-target-modules", *LORA_TARGETS, "--lora-r", args.lora_r, "--lora-alpha", args.lora_alpha]
+        print(f"==> LoRA: r {args.lora_r}, alpha {args.lora_alpha:g} on {', '.join(LORA_TARGETS)}; lr {args.lr:g}",
+              flush=True)
+
     # 5. RL
     save = out / "ckpt"
+    if args.lora and save.exists():  # adapters of another base or config would be refused: start clean
+        import shutil
+
+        shutil.rmtree(save)
     metrics = out / "metrics.jsonl"
     if metrics.exists():
         metrics.unlink()
@@ -203,14 +230,27 @@ def main(argv=None) -> int:
         "--seed", args.seed, "--do-sample", "--temperature", args.temperature, "--kl-coef", args.kl_coef,
         "--max-new-tokens", args.max_new_tokens, "--max-length", 192, "--stop-token-ids", ",".join(map(str, NEWLINE_IDS)),
         "--verifier-function", VERIFIER_NAME, "--log-interval", "1", "--metrics-jsonl", metrics,
-        "--save", save, "--save-interval", args.iterations, *stage_extra,
+        "--save", save, "--save-interval", args.iterations, *stage_extra, *lora_flags,
     ], log, env={"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.nproc))})
 
     # 6. back to Hugging Face
     hf_trained = out / "hf_trained"
-    run_step("convert the trained actor back to Hugging Face", [
-        _python(), "convert_ckpt.py", "--load-model-type", "mg", "--save-model-type", "hf",
-        "--load-dir", save / "actor", "--save-dir", hf_trained, "--tokenizer-dir", hf_model, "--no-progress"], log)
+    lora_summary = None
+    if args.lora:
+        run_step("convert the trained actor back to Hugging Face (the adapter merged into the base)", [
+            _python(), "convert_ckpt.py", "--load-model-type", "mg", "--save-model-type", "hf",
+            "--load-dir", mg_model, "--lora-load", save / "actor", "--save-dir", hf_trained,
+            "--tokenizer-dir", hf_model, "--no-progress"], log)
+        hf_adapter = out / "hf_adapter"
+        run_step("write the adapter alone as a PEFT folder", [
+            _python(), "convert_ckpt.py", "--load-model-type", "mg", "--save-model-type", "hf",
+            "--load-dir", mg_model, "--lora-load", save / "actor", "--save-lora-to-hf", "--save-dir", hf_adapter,
+            "--no-progress"], log)
+        lora_summary = adapter_summary(save / "actor", hf_adapter, mg_model, args)
+    else:
+        run_step("convert the trained actor back to Hugging Face", [
+            _python(), "convert_ckpt.py", "--load-model-type", "mg", "--save-model-type", "hf",
+            "--load-dir", save / "actor", "--save-dir", hf_trained, "--tokenizer-dir", hf_model, "--no-progress"], log)
 
     # 7. held-out accuracy before / after, summary and plot
     print(f"\n==> held-out accuracy with transformers ({len(test_rows)} problems, greedy)", flush=True)
@@ -220,13 +260,30 @@ def main(argv=None) -> int:
     for name, result in (("before", before), ("after", after)):
         (out / f"eval_{name}.json").write_text(json.dumps(result, indent=1))
     print(f"    before: {before['accuracy']:.1%}   after: {after['accuracy']:.1%}", flush=True)
+    title = f"{args.stage}{' with LoRA' if args.lora else ''} on " \
+            f"{'a tiny random model' if args.tiny else 'SmolLM2-135M'}"
     summary = report.write_report(metrics, out / "report.png", before["accuracy"], after["accuracy"],
-                                  title=f"{args.stage} on {'a tiny random model' if args.tiny else 'SmolLM2-135M'}")
+                                  title=title, lora=lora_summary)
     summary.update(stage=args.stage, tiny=args.tiny, wall_seconds=time.time() - started,
-                   accuracy_before=before["accuracy"], accuracy_after=after["accuracy"])
+                   accuracy_before=before["accuracy"], accuracy_after=after["accuracy"], lr=args.lr)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"\nmetrics: {metrics}\nsummary: {out / 'summary.json'}\ntotal time: {time.time() - started:.0f} s")
     return 0
+
+
+def adapter_summary(adapter_root: Path, peft_dir: Path, base: Path, args) -> dict:
+    """The trained adapter: its config, parameters and bytes (as trained, in the adapter checkpoint's dtype), the
+    PEFT folder's size, and the base's parameters for scale."""
+    from mindspeed_llm.checkpoint import load_shard
+    from mindspeed_llm.checkpoint import lora as lora_files
+
+    adapter = lora_files.read_checkpoint(str(adapter_root))
+    tensors = [t for k, t in adapter.tensors.items() if lora_files.module_of(k) is not None]
+    base_params = sum(t.numel() for t in load_shard(str(base), 0, 0)["model"].values() if hasattr(t, "numel"))
+    return {"r": adapter.config.r, "alpha": adapter.config.alpha, "targets": list(adapter.config.target_modules),
+            "lr": args.lr, "adapter_parameters": sum(t.numel() for t in tensors),
+            "adapter_bytes": sum(t.numel() * t.element_size() for t in tensors), "base_parameters": base_params,
+            "peft_bytes": sum(f.stat().st_size for f in peft_dir.iterdir() if f.is_file()), "peft_dir": str(peft_dir)}
 
 
 if __name__ == "__main__":

@@ -252,6 +252,19 @@ def generated(model) -> bool:
     return bool(getattr(_core(model), _GENERATED, False))
 
 
+@contextlib.contextmanager
+def as_another_model(model):
+    """Forwards of `model` in this block are not the generating policy's (a LoRA reference is the actor with its
+    adapters off): no routing comparison is opened for them."""
+    core = _core(model)
+    was = getattr(core, _GENERATED, False)
+    setattr(core, _GENERATED, False)
+    try:
+        yield
+    finally:
+        setattr(core, _GENERATED, was)
+
+
 def mismatch_fraction(counts: torch.Tensor) -> Optional[float]:
     """mismatched / compared response token-layers, summed over the pipeline stages (each has its own layers) and
     the data-parallel ranks (each its own samples); TP ranks hold the same counts. Collective over those groups."""

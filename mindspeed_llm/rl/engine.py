@@ -440,10 +440,17 @@ class TrainableModel:
         entry holds its param groups, step and grad scaler only: the sharded main weights and moments are
         `parameter_state()`."""
         return {
-            "model": self.module.state_dict(),
+            "model": self._module_state(),
             "optimizer": self.optimizer.state_dict(),
             "opt_param_scheduler": self.scheduler.state_dict(),
         }
+
+    def _module_state(self) -> dict:
+        """What a checkpoint holds of the model (all of it; a LoRA model's adapters only, `rl/lora.py`)."""
+        return self.module.state_dict()
+
+    def _load_module_state(self, model_state: dict) -> None:
+        self.module.load_state_dict(model_state, strict=True)
 
     def parameter_state(self):
         """The distributed optimizer's fp32 main weights and Adam moments of the whole model shard, gathered from
@@ -495,7 +502,7 @@ class TrainableModel:
         `parameter_state` (see `parameter_state()`; None on the ranks that do not read it) is scattered to the DP
         ranks (a collective). Afterwards the restored state is checked (`_check_restored`): a resume never runs on
         stale fp32 main weights or uninitialised moments. `source` names the file in messages."""
-        self.module.load_state_dict(state["model"], strict=True)
+        self._load_module_state(state["model"])
         if load_optim:
             self.optimizer.load_state_dict(state["optimizer"])
             subs = self.distributed_optimizers

@@ -24,7 +24,7 @@ def evaluate_policy(actor, reference, scorer, tokenizer, rows: Sequence[dict], a
            "eval/response_length/mean": float(exp.response_lengths.float().mean())}
     if reference is not None:
         logp = policy_logprobs(actor.chunks, exp, plan)
-        with on_device(reference, offload, timers):
-            ref = policy_logprobs([reference], exp, plan)
+        with on_device(reference, offload, timers) as ref_model:
+            ref = policy_logprobs([ref_model], exp, plan)
         out["eval/kl/mean"] = float(((logp - ref) * exp.response_mask).sum(-1).mean())
     return out

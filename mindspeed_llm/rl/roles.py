@@ -1,12 +1,14 @@
 """The models of a stage, by role: loaded from Megatron checkpoints onto the accelerator (built there without
 random initialisation), frozen (reference, reward) and offloaded to host memory between uses, or trained (actor,
 critic) with the command line's optimizer settings and what of their training state waits in host memory between
-updates (--offload-train-*)."""
+updates (--offload-train-*); with LoRA the trained ones get adapters on a frozen base and the frozen
+ones that share that base are views of it (`rl/lora.py`)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 from typing import Dict, Optional
 
 import torch
@@ -128,6 +130,7 @@ def load_model(root: str, flag: str, args, value_head: bool = False, trained: bo
         load_megatron_weights(model, root)
     except (ValueError, FileNotFoundError) as exc:
         raise ArgumentError(f"{flag} {root}: {exc}") from exc
+    model.loaded_from = os.path.abspath(root)  # a LoRA run records its adapters' base (`rl/lora.py`)
     return model.to("cpu" if on_host else device.current_device())
 
 
@@ -161,12 +164,13 @@ def offload_parts(args, name: str) -> tuple:
 
 
 def trainable(model, args, name: str, flag: str) -> TrainableModel:
-    """The actor or the critic (loaded from `flag`) with its optimizer and LR schedule from the command line."""
+    """The actor or the critic (loaded from `flag`) with its optimizer and LR schedule from the command line; with
+    LoRA (--lora-target-modules / --lora-load) its base frozen and adapters trained (`rl/lora.py`)."""
     moe.check_trainable(model, args.tensor_model_parallel_size, name, flag)
     critic = name == "critic"
     schedule_on_resume = ("override" if args.override_opt_param_scheduler else
                           "checkpoint" if args.use_checkpoint_opt_param_scheduler else "check")
-    return TrainableModel(model, OptimizerSettings(
+    settings = OptimizerSettings(
         lr=args.critic_lr if critic else args.lr, optimizer=args.optimizer, sgd_momentum=args.sgd_momentum,
         min_lr=args.min_lr, lr_decay_style=args.lr_decay_style, lr_warmup_iters=args.lr_warmup_iters,
         lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
@@ -174,8 +178,14 @@ def trainable(model, args, name: str, flag: str) -> TrainableModel:
         params_dtype=args.params_dtype, use_distributed_optimizer=args.use_distributed_optimizer,
         schedule_on_resume=schedule_on_resume, lr_flag="--critic-lr" if critic else "--lr",
         **_loss_scale_settings(args),
-    ), name=name, check_finite=args.check_for_nan_in_loss_and_grad, offload=offload_parts(args, name),
-        check_divergence=args.check_for_divergence)
+    )
+    options = dict(name=name, check_finite=args.check_for_nan_in_loss_and_grad, offload=offload_parts(args, name),
+                   check_divergence=args.check_for_divergence)
+    if getattr(args, "lora", False):
+        from mindspeed_llm.rl import lora
+
+        return lora.trainable(model, args, settings, **options)
+    return TrainableModel(model, settings, **options)
 
 
 def _loss_scale_settings(args) -> dict:
@@ -214,8 +224,15 @@ def offloaded(model, offload: bool):
 
 @contextlib.contextmanager
 def on_device(model, offload: bool, timers):
-    """With `offload`, bring a frozen model to the accelerator for the block and back to host memory after it,
-    timed as `timing/ref_onload` and `timing/ref_offload` (MindSpeed-RL's names; ~0 s on a CPU machine)."""
+    """The frozen model to run in the block: with `offload`, brought to the accelerator for the block and back to
+    host memory after it, timed as `timing/ref_onload` and `timing/ref_offload` (MindSpeed-RL's names; ~0 s on a
+    CPU machine). A LoRA run's reference / reward model (`rl/lora.SharedBase`) is a trained model's base: its
+    adapters are off in the block, and nothing moves."""
+    shared = getattr(model, "active", None)
+    if shared is not None:
+        with shared() as base:
+            yield base
+        return
     if not offload:
         yield model
         return

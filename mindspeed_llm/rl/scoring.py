@@ -49,8 +49,8 @@ class Scorer:
         total = torch.zeros(exp.batch_size, device=on)
         metrics: Dict[str, float] = {}
         if self.reward_model is not None:
-            with timers("reward_model"), on_device(self.reward_model, self.offload, timers):
-                rm = reward_scores([self.reward_model], exp, plan)
+            with timers("reward_model"), on_device(self.reward_model, self.offload, timers) as reward_model:
+                rm = reward_scores([reward_model], exp, plan)
             total += self.reward_model_weight * rm
             metrics["reward_model/mean"] = float(rm.mean())
         if self.verifier_names:

@@ -5,7 +5,8 @@ penalties, `scoring.py`) -> old and reference log-probs -> advantages (`--adv-es
 `core_algos.ADV_ESTIMATORS`: per sample from the scores -- grpo, dr_grpo, rloo -- or per token from the token rewards
 -- reinforce_plus_plus, whose KL to the reference is a reward penalty instead of a loss, and
 reinforce_plus_plus_baseline) -> policy loss (`--policy-loss`) + KL loss (+ entropy bonus) -> update. No critic. The
-reference starts from `--ref-model` (default: the initial actor) and is skipped when `--kl-coef 0`.
+reference starts from `--ref-model` (default: the initial actor) and is skipped when `--kl-coef 0`; with LoRA it is
+the actor with its adapters off (`rl/lora.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from mindspeed_llm import device
 from mindspeed_llm.arguments import ArgumentError
 from mindspeed_llm.distributed import sum_over_data_parallel
-from mindspeed_llm.rl import core_algos, roles
+from mindspeed_llm.rl import core_algos, lora, roles
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.dynamic_sampling import informative_groups, refill
 from mindspeed_llm.rl.evaluation import evaluate_policy
@@ -59,9 +60,10 @@ class GRPOStage:
         initial = args.ref_model or args.load
         flag = "--ref-model" if args.ref_model else "--load"
         self.actor = roles.trainable(roles.load_model(initial, flag, args, trained=True), args, "actor", flag)
-        self.reference = roles.offloaded(roles.frozen(roles.load_model(
-            initial, flag, args, on_host=args.offload_ref_reward)), args.offload_ref_reward) \
-            if args.kl_coef > 0 else None
+        self.reference = None
+        if args.kl_coef > 0:  # with LoRA: the actor with its adapters off, no second copy (rl/lora.py)
+            self.reference = lora.reference(self.actor) if args.lora else roles.offloaded(roles.frozen(
+                roles.load_model(initial, flag, args, on_host=args.offload_ref_reward)), args.offload_ref_reward)
         reward_model = roles.load_reward_model(args) if args.reward_model else None
         roles.check_vocab({"actor": self.actor.module, "reference": self.reference, "reward": reward_model},
                           tokenizer)
@@ -98,8 +100,9 @@ class GRPOStage:
                 if args.recompute_old_logprobs or self.estimator.kl_in_reward or not old_logp_is_current(args, exp):
                     exp.old_logp = policy_logprobs(self.actor.chunks, exp, plan, args.temperature)
             if self.reference is not None:
-                with timers("reference_model"), roles.on_device(self.reference, args.offload_ref_reward, timers):
-                    exp.ref_logp = policy_logprobs([self.reference], exp, plan, args.temperature)
+                with timers("reference_model"), roles.on_device(self.reference, args.offload_ref_reward,
+                                                                timers) as reference:
+                    exp.ref_logp = policy_logprobs([reference], exp, plan, args.temperature)
 
             with timers("adv"):
                 rewards, advantages = self._advantages(exp)

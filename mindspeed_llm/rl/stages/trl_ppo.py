@@ -6,7 +6,9 @@ rewards (-kl_coef * KL, score after the last token as TRL places it) -> GAE + wh
 (clipped value loss) updates per epoch and mini-batch.
 
 Actor and reference start from `--ref-model`; critic and reward from `--reward-model` (a value-head
-checkpoint). With rule verifiers and `--reward-model-weight 0` the reward model is not loaded.
+checkpoint). With rule verifiers and `--reward-model-weight 0` the reward model is not loaded. With LoRA the reference
+is the actor with its adapters off and the reward model the critic with its adapters off and the checkpoint's value
+head (`rl/lora.py`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Dict, Sequence
 
 from mindspeed_llm import device
 from mindspeed_llm.distributed import sum_over_data_parallel
-from mindspeed_llm.rl import core_algos, roles
+from mindspeed_llm.rl import core_algos, lora, roles
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.evaluation import evaluate_policy
 from mindspeed_llm.rl.losses import clipped_policy_loss, clipped_value_loss
@@ -49,13 +51,16 @@ class TrlPPOStage:
         self.actor_metrics = ACTOR_METRICS + (ROLLOUT_IS_METRICS if args.rollout_is != "none" else ())
         self.actor = roles.trainable(roles.load_model(args.ref_model, "--ref-model", args, trained=True), args,
                                      "actor", "--ref-model")
-        self.reference = roles.offloaded(roles.frozen(roles.load_model(
+        # with LoRA the frozen roles are the trained ones' bases (rl/lora.py): no second copies
+        self.reference = lora.reference(self.actor) if args.lora else roles.offloaded(roles.frozen(roles.load_model(
             args.ref_model, "--ref-model", args, on_host=args.offload_ref_reward)), args.offload_ref_reward)
         self.critic = roles.trainable(
             roles.load_model(args.reward_model, "--reward-model", args, value_head=True, trained=True), args, "critic",
             "--reward-model")
         uses_reward_model = args.reward_model_weight != 0 or not args.verifier_function
-        reward_model = roles.load_reward_model(args) if uses_reward_model else None
+        reward_model = None
+        if uses_reward_model:
+            reward_model = lora.reward_model(self.critic) if args.lora else roles.load_reward_model(args)
         roles.check_vocab({"actor": self.actor.module, "reference": self.reference,
                            "critic": self.critic.module, "reward": reward_model}, tokenizer)
         self.scorer = Scorer.from_args(args, reward_model)
@@ -87,8 +92,9 @@ class TrlPPOStage:
                     exp.old_logp = exp.rollout_logp  # as TRL's PPO: the generation logits' log-probs, no pass
                 else:
                     exp.old_logp = policy_logprobs(self.actor.chunks, exp, plan, args.temperature)
-            with timers("reference_model"), roles.on_device(self.reference, args.offload_ref_reward, timers):
-                exp.ref_logp = policy_logprobs([self.reference], exp, plan, args.temperature)
+            with timers("reference_model"), roles.on_device(self.reference, args.offload_ref_reward,
+                                                            timers) as reference:
+                exp.ref_logp = policy_logprobs([reference], exp, plan, args.temperature)
             with timers("critic_model"):
                 self.critic.onload(timers, parts=("weights",))  # --offload-train-param: they left for the rollout
                 exp.values = critic_values(self.critic.chunks, exp, plan)

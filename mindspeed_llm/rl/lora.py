@@ -1,0 +1,267 @@
+"""LoRA in the stages (`--lora-target-modules`, `--lora-load`): the trained roles get adapters on a frozen base,
+their checkpoints hold the adapters only, and the frozen roles that share a base cost nothing.
+
+* `trainable`: the actor or the critic with adapters (`models/lora.apply_lora`; the critic's value head trains
+  fully), the actor's started from `--lora-load` when given, as a `LoRATrainableModel`. The same flags apply to
+  both trained roles.
+* `LoRATrainableModel`: its checkpoints hold the trained tensors (adapters, a critic's head), their optimizer state
+  and `lora`: the config, whether it is a value model, and the base the adapters belong to -- the checkpoint path
+  it was loaded from and a fingerprint of its weights (a strided sample of every frozen tensor, as float32). A
+  load refuses another config or another base (fingerprint), and notes a base that moved (same fingerprint, other
+  path). A resume is exact as for full training: the adapters, their fp32 masters and Adam moments, the schedule
+  and the RNG come back.
+* `SharedBase`: a frozen model that is a trained model's base. With LoRA the reference is the actor with its
+  adapters disabled (no second copy of the weights; TRL, verl and MindSpeed-RL do the same). With `--lora-load` the
+  reference is the initial policy, as without LoRA and as TRL's GRPOTrainer does for a pretrained adapter (its "ref"
+  adapter): the base with a frozen copy of the loaded adapter (adapter-sized, `models/lora.freeze_copy`); the
+  checkpoint records that adapter, and a resume must pass it again. In trl_ppo the reward model and the critic come
+  from the same
+  `--reward-model` checkpoint, so the reward model is the critic with its adapters disabled AND the checkpoint's
+  value head: the critic's head trains, the reward model's must not, so a frozen copy of the initial head (one
+  hidden-sized vector) takes its place in the reward block. `roles.on_device` opens the block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import os
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from mindspeed_llm.arguments import ArgumentError
+from mindspeed_llm.checkpoint.errors import CheckpointError
+from mindspeed_llm.models import lora, routing
+from mindspeed_llm.rl.engine import TrainableModel
+
+DEFAULT_R, DEFAULT_ALPHA = 16, 32.0  # MindSpeed-LLM's defaults
+
+
+def run_config(args, adapter=None) -> lora.LoRAConfig:
+    """The LoRA config of the run: the flags (MindSpeed-LLM's defaults r 16, alpha 32), or with `adapter`
+    (`--lora-load`) the adapter's own r, alpha and targets -- a flag that disagrees is an error; --lora-dropout,
+    a training setting, applies."""
+    dropout = args.lora_dropout if args.lora_dropout is not None else None
+    if adapter is None:
+        return lora.LoRAConfig(r=args.lora_r or DEFAULT_R,
+                               alpha=args.lora_alpha if args.lora_alpha is not None else DEFAULT_ALPHA,
+                               dropout=dropout or 0.0, target_modules=tuple(args.lora_target_modules))
+    found = adapter.config
+    for flag, given, stored in (("--lora-r", args.lora_r, found.r), ("--lora-alpha", args.lora_alpha, found.alpha)):
+        if given is not None and float(given) != float(stored):
+            raise ArgumentError(f"{flag} {given:g} does not match the adapter of --lora-load {adapter.source} "
+                                f"({flag[2:].replace('-', '_')} {stored:g}); drop the flag")
+    if args.lora_target_modules and set(args.lora_target_modules) != set(found.target_modules):
+        raise ArgumentError(f"--lora-target-modules {' '.join(args.lora_target_modules)} does not match the adapter "
+                            f"of --lora-load {adapter.source} ({' '.join(found.target_modules)}); drop the flag")
+    return replace(found, dropout=found.dropout if dropout is None else dropout)
+
+
+def read_lora_load(args, spec):
+    """The adapter of --lora-load (a PEFT folder or an adapter checkpoint), refused by name when it is not one or
+    belongs to another model."""
+    from mindspeed_llm.checkpoint import lora as lora_files
+    from mindspeed_llm.checkpoint.convert import spec_differences
+    from mindspeed_llm.checkpoint.hf_mapping import ConversionError
+
+    try:
+        adapter = lora_files.read_adapter(args.lora_load, spec)
+    except (ConversionError, FileNotFoundError, OSError) as exc:
+        raise ArgumentError(f"--lora-load {args.lora_load}: {exc}") from None
+    if adapter.spec is not None:
+        diffs = spec_differences(adapter.spec, spec)
+        if diffs:
+            listed = "; ".join(f"{k}: adapter {a!r} vs model {b!r}" for k, (a, b) in diffs.items())
+            raise ArgumentError(f"--lora-load {args.lora_load}: its adapters belong to another model ({listed})")
+    if adapter.value_head:
+        raise ArgumentError(f"--lora-load {args.lora_load} is a value model's adapter (a critic's); --lora-load "
+                            "starts the actor")
+    return adapter
+
+
+def load_adapter(model, adapter) -> None:
+    """Copy a full adapter (global names) into `model`'s adapters: each rank takes its TP slice."""
+    from mindspeed_llm.checkpoint import lora as lora_files
+
+    core_names = getattr(lora._core(model), "lora_global_names")
+    problems = []
+    with torch.no_grad():
+        for local, module in lora.adapters(model).items():
+            name = core_names[local]
+            a, b = adapter.tensors.get(name + lora_files.A_SUFFIX), adapter.tensors.get(name + lora_files.B_SUFFIX)
+            if a is None or b is None:
+                problems.append(f"no adapter for {name}")
+                continue
+            rank = module.tp_group.rank() if module.tp_size > 1 else 0
+            a, b = lora_files.split_for_rank(name, a, b, module.tp_size, rank)
+            if tuple(a.shape) != tuple(module.A.shape) or tuple(b.shape) != tuple(module.B.shape):
+                problems.append(f"{name}: A {tuple(a.shape)} / B {tuple(b.shape)} vs the model's "
+                                f"{tuple(module.A.shape)} / {tuple(module.B.shape)}")
+                continue
+            module.A.copy_(a)
+            module.B.copy_(b)
+    if problems:
+        more = f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
+        raise ArgumentError(f"--lora-load {adapter.source} does not fit the model: {'; '.join(problems[:4])}{more}")
+
+
+def base_fingerprint(model) -> str:
+    """A fingerprint of this rank's frozen weights: sha256 over each tensor's name, shape and a strided sample of
+    at most 4096 of its values as float32 (exact, device- and order-independent, cheap for any size)."""
+    digest = hashlib.sha256()
+    for name, param in sorted(lora._core(model).named_parameters()):
+        if param.requires_grad:
+            continue
+        flat = param.detach().reshape(-1)
+        sample = flat[::max(1, flat.numel() // 4096)][:4096].float().cpu()
+        digest.update(f"{name}:{tuple(param.shape)}:".encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()
+
+
+class LoRATrainableModel(TrainableModel):
+    """A `TrainableModel` whose base is frozen and whose checkpoints hold only what trains (module docstring)."""
+
+    is_lora = True
+
+    def __init__(self, model, settings, name: str = "model", base: str = "", initial_adapter: Optional[str] = None,
+                 **options):
+        self.base = os.path.abspath(base) if base else ""
+        self.initial_adapter = os.path.abspath(initial_adapter) if initial_adapter else None  # --lora-load
+        self.fingerprint = base_fingerprint(model)
+        super().__init__(model, settings, name=name, **options)
+        self.trained = lora.trained_names(model)
+
+    @property
+    def config(self) -> lora.LoRAConfig:
+        return lora._core(self.module).lora_config
+
+    def lora_state(self) -> dict:
+        return {"config": self.config.to_dict(), "value_head": bool(getattr(self.module, "is_value_model", False)),
+                "base": {"path": self.base, "fingerprint": self.fingerprint}, "initial_adapter": self.initial_adapter}
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["lora"] = self.lora_state()
+        return state
+
+    def _module_state(self) -> dict:
+        return lora.trained_state(self.module)
+
+    def _load_module_state(self, model_state: dict) -> None:
+        missing = [k for k in self.trained if k not in model_state]
+        unexpected = [k for k in model_state if k not in self.trained]
+        if missing or unexpected:
+            listed = "; ".join([f"missing {k}" for k in missing[:3]] + [f"unexpected {k}" for k in unexpected[:3]])
+            raise CheckpointError(f"{self.name}: the checkpoint's adapters do not fit this model ({listed})")
+        self.module.load_state_dict(model_state, strict=False)
+
+    def load_state_dict(self, state: dict, load_optim: bool = True) -> None:
+        self.check_checkpoint(state.get("lora"))
+        super().load_state_dict(state, load_optim)
+
+    def check_checkpoint(self, stored: Optional[dict]) -> None:
+        """The checkpoint's `lora` entry against this run: LoRA at all, the config, the base."""
+        if stored is None:
+            raise CheckpointError(f"{self.name}: the checkpoint holds full weights (a run without LoRA), but this run "
+                                  "trains LoRA adapters; resume it without --lora-target-modules / --lora-load")
+        ours, theirs = self.config.to_dict(), stored["config"]
+        flags = {"r": "--lora-r", "alpha": "--lora-alpha", "target_modules": "--lora-target-modules",
+                 "ranks": "--lora-load (the stacked ranks of a PEFT adapter)"}
+        for key, flag in flags.items():
+            a, b = ours.get(key), theirs.get(key)
+            if key == "target_modules":
+                a, b = sorted(a or ()), sorted(b or ())
+            if a != b:
+                raise CheckpointError(f"{self.name}: the checkpoint's adapters have {key} {b} but this run has {a}; "
+                                      f"pass the {flag} they were trained with")
+        base = stored.get("base") or {}
+        if base.get("fingerprint") != self.fingerprint:
+            where = "the same path, whose weights changed since" if base.get("path") == self.base else \
+                f"{base.get('path')!r}, not this run's {self.base!r}"
+            raise CheckpointError(f"{self.name}: the checkpoint's adapters were trained on another base model "
+                                  f"({where}; or in another precision); load them onto the base they were trained "
+                                  "on (--ref-model / --reward-model)")
+        initial = stored.get("initial_adapter")
+        if initial != self.initial_adapter:
+            started = f"--lora-load {initial}" if initial else "fresh adapters (no --lora-load)"
+            given = f"--lora-load {self.initial_adapter}" if self.initial_adapter else "no --lora-load"
+            raise CheckpointError(f"{self.name}: the run started from {started}, the reference policy's adapter, "
+                                  f"but this one gives {given}; pass the same --lora-load to resume it")
+        if base.get("path") != self.base:
+            from mindspeed_llm.distributed import is_rank_0
+
+            if is_rank_0():
+                print(f"{self.name}: the adapters were trained on {base.get('path')}; this run's base {self.base} "
+                      "holds the same weights", flush=True)
+
+
+def trainable(model, args, settings, name: str, **options) -> LoRATrainableModel:
+    """The actor or the critic with adapters (module docstring); `model` is loaded and on the device; `options` are
+    `TrainableModel`'s (finite and divergence checks, offload)."""
+    adapter = None
+    if name == "actor":
+        adapter = read_lora_load(args, model.model_spec) if args.lora_load else None
+        config = run_config(args, adapter)
+        args.lora_config = config  # the critic's adapters: the same r, alpha and targets, fresh
+    else:
+        config = replace(getattr(args, "lora_config", None) or run_config(args), ranks={})
+    try:
+        lora.apply_lora(model, config, seed=args.seed, salt=name)
+    except ValueError as exc:
+        raise ArgumentError(f"the {name}: {exc}") from None
+    if adapter is not None:
+        load_adapter(model, adapter)
+    return LoRATrainableModel(model, settings, name=name, **options, base=getattr(model, "loaded_from", ""),
+                              initial_adapter=args.lora_load if adapter is not None else None)
+
+
+class SharedBase:
+    """A frozen model that is `trainable`'s base: its module with the adapters disabled (with `frozen_adapters`: with
+    their frozen copies; with `keep_head`: the initial value head in place of the training one) within `active()`."""
+
+    def __init__(self, trainable_model: LoRATrainableModel, keep_head: bool = False, frozen_adapters: bool = False):
+        self.trainable = trainable_model
+        self.module = trainable_model.module
+        self.frozen_adapters = frozen_adapters
+        if frozen_adapters:
+            lora.freeze_copy(self.module)
+        self.head = None
+        if keep_head and getattr(self.module, "output_layer", None) is not None:
+            self.head = copy.deepcopy(self.module.output_layer)
+            for param in self.head.parameters():
+                param.requires_grad_(False)
+
+    @property
+    def model_spec(self):
+        return self.module.model_spec
+
+    @contextlib.contextmanager
+    def active(self):
+        module = self.module
+        adapters = lora.frozen_copies(module) if self.frozen_adapters else lora.adapters_disabled(module)
+        with adapters, routing.as_another_model(module):
+            if self.head is None:
+                yield module
+                return
+            trained = module.output_layer
+            module.output_layer = self.head
+            try:
+                yield module
+            finally:
+                module.output_layer = trained
+
+
+def reference(actor: LoRATrainableModel) -> SharedBase:
+    """The reference policy of a LoRA run: the actor with its adapters off, or, started from --lora-load, with a
+    frozen copy of the loaded adapter (built before any resume loads the trained adapters)."""
+    return SharedBase(actor, frozen_adapters=actor.initial_adapter is not None)
+
+
+def reward_model(critic: LoRATrainableModel) -> SharedBase:
+    """trl_ppo's reward model of a LoRA run: the critic (from the same --reward-model) with its adapters off and
+    the checkpoint's value head."""
+    return SharedBase(critic, keep_head=True)
