@@ -40,7 +40,9 @@ Parallelism: the logits come out of the last pipeline stage already gathered ove
 to every rank of the model-parallel group (all TP x PP ranks of this DP replica) from one source rank (last
 stage, TP rank 0), so all ranks of a replica feed the same tokens and return the same `Rollout`. Pipeline
 stages exchange hidden states through the wrapper's p2p send/recv. The prompts must be the same on every
-rank of a model-parallel group (they normally come from the DP rank's data shard).
+rank of a model-parallel group (they normally come from the DP rank's data shard). Under `--sequence-parallel` the
+model runs without it here (`models/sequence_parallel.py`); under context parallelism each CP rank generates its
+own prompts, the CP group does not enter generation.
 
 Code: `generate` checks its inputs, plans the slot layout (`_plan`), then, with the KV cache held by a
 `_KVCacheModel`, prefills and decodes (`_decode`: one `_TokenPicker.pick` and `_DecodeState.record` a slot) and
@@ -65,6 +67,7 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config, unwrap
 from mindspeed_llm import device as _device
 from mindspeed_llm.models import routing
 from mindspeed_llm.models.attention import model_attention
+from mindspeed_llm.models.sequence_parallel import sequence_parallel_off
 from mindspeed_llm.inference.rollout import Rollout
 from mindspeed_llm.inference.sampling import SamplingConfig, choose_tokens, sample_uniforms
 
@@ -162,14 +165,16 @@ def generate(
     from mindspeed_llm.inference import cuda_graph  # imports this module: a local import
 
     # _KVCacheModel, or its fixed-shape CUDA-graph variant where MINDSPEED_DECODE_CUDA_GRAPH=1 on CUDA.
-    engine = cuda_graph.engine_class(dev)(model, plan, record_routing)
-    picker = _TokenPicker(sampling, uniforms, plan.starts, vocab_size, engine.last_stage, source, group)
-    try:
-        with torch.no_grad():
-            engine.prepare(state.tokens)
-            _decode(engine, plan, state, picker, peers)
-    finally:
-        engine.release()
+    # --sequence-parallel: generation runs the plain tensor-parallel model (models/sequence_parallel.py)
+    with sequence_parallel_off(model):
+        engine = cuda_graph.engine_class(dev)(model, plan, record_routing)
+        picker = _TokenPicker(sampling, uniforms, plan.starts, vocab_size, engine.last_stage, source, group)
+        try:
+            with torch.no_grad():
+                engine.prepare(state.tokens)
+                _decode(engine, plan, state, picker, peers)
+        finally:
+            engine.release()
     slot_routing = engine.routing
     del engine  # the KV cache's memory returns to the allocator, for the training passes
     result = _finish(prompts, plan, state, sampling)

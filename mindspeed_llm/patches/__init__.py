@@ -10,7 +10,8 @@ answer megatron-core 0.16.1's hard-coded `torch.cuda` calls. On every device: `m
 Engine or CUDA tensors (one of them CPU only); `recompute.py` gives a recomputed region its micro-batch's
 per-forward settings and block recompute its padding mask; `optimizer.py` lets the distributed optimizer take CPU
 and NPU tensors and mends two of its checkpoint paths (a param group mixing fp32 and bf16 parameters; loading with
-torch Adam's `step`), those two on every device, CUDA included. `static_decode.py` holds the patches the CUDA-graph
+torch Adam's `step`), those two on every device, CUDA included. `sequence_parallel.py` lets the local spec's torch
+norms run under `--sequence-parallel` (every device). `static_decode.py` holds the patches the CUDA-graph
 decode engine installs on demand (only when it runs; see that module).
 """
 
@@ -63,7 +64,8 @@ def registry() -> List[Patch]:
 
 
 def _load_patch_modules():
-    from mindspeed_llm.patches import cpu, inference, mla, moe, optimizer, recompute  # noqa: F401  (registration)
+    from mindspeed_llm.patches import (  # noqa: F401  (registration)
+        cpu, inference, mla, moe, optimizer, recompute, sequence_parallel)
 
 
 def apply_patches(device_kind: str) -> List[str]:

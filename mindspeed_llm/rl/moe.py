@@ -61,6 +61,12 @@ def model_options(spec: ModelSpec, args, flag: str, root: str, policy: bool) -> 
                                 "model; drop the flag")
     if not spec.is_moe:
         return {}
+    cp = getattr(args, "context_parallel_size", 1)
+    if cp > 1:
+        raise ArgumentError(f"--context-parallel-size {cp}: {flag} {root} is a mixture of experts, which this build "
+                            "runs without context parallelism (its load-balancing loss, padding mask, metrics and "
+                            "routing replay count the tokens of whole sequences); use --context-parallel-size 1 "
+                            "with --sequence-parallel and expert parallelism")
     coeff = getattr(args, "moe_aux_loss_coeff", None)
     coeff = spec.moe_aux_loss_coeff if coeff is None else coeff  # the flag, else the checkpoint's (HF config)
     options = dict(
@@ -82,15 +88,15 @@ def startup_notes(args) -> List[str]:
     return []
 
 
-def check_trainable(model, tp: int, name: str, flag: str) -> None:
-    """A MoE model is trained only at TP 1: megatron-core refuses MoE training forwards with tensor parallelism
-    unless --sequence-parallel is on, which the local layer spec here does not support."""
+def check_trainable(model, tp: int, name: str, flag: str, sequence_parallel: bool = False) -> None:
+    """A MoE model is trained at TP > 1 only under --sequence-parallel: megatron-core refuses MoE training
+    forwards with tensor parallelism otherwise (its MoE layer raises in train mode)."""
     spec = model.model_spec
-    if spec.is_moe and tp > 1:
+    if spec.is_moe and tp > 1 and not sequence_parallel:
         raise ArgumentError(
             f"the {name} ({flag}) is a mixture-of-experts model, which megatron-core trains with "
-            f"--tensor-model-parallel-size {tp} only together with --sequence-parallel (not supported here); use "
-            f"--tensor-model-parallel-size 1 and split the experts with --expert-model-parallel-size")
+            f"--tensor-model-parallel-size {tp} only together with --sequence-parallel; add --sequence-parallel, or "
+            f"use --tensor-model-parallel-size 1 and split the experts with --expert-model-parallel-size")
 
 
 def is_moe(model) -> bool:
@@ -100,14 +106,14 @@ def is_moe(model) -> bool:
     return bool(spec is not None and spec.is_moe)
 
 
-def padding_mask(micro_batch) -> Optional[torch.Tensor]:
+def padding_mask(micro_batch, width: Optional[int] = None) -> Optional[torch.Tensor]:
     """`[rows, S]` True at the model rows' padding (megatron's MoE `padding_mask`): a row's real tokens are its
     prompt `[0, P)` and each of its samples' responses, which end at the sample's `last_token_index` (rows or
-    packed groups alike, `batch_plan`)."""
+    packed groups alike, `batch_plan`); `width`: S when the forward pads the rows wider (sequence parallelism)."""
     if not all(k in micro_batch for k in ("prompt_lengths", "response_mask", "last_token_index", "row_index")):
         return None  # not a `batch_plan` micro-batch: every position counts
     tokens = micro_batch["tokens"]
-    rows, width = tokens.shape
+    rows, width = tokens.shape[0], tokens.shape[1] if width is None else width
     s = torch.arange(width, device=tokens.device)[None, :]
     last = micro_batch["last_token_index"][:, None]
     length = micro_batch["response_mask"].sum(-1).long()[:, None]
