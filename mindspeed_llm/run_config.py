@@ -774,7 +774,7 @@ def _resolve_checkpoints(reader, run, roles, stage, put, flags, given, rule_veri
 
     # -- critic (trl_ppo) and reward model
     critic = roles.get("critic_config", (None, None))[0]
-    critic_init = None
+    critic_init = critic_from_command_line = None
     root = _cli_value(cli_argv, "--load") if "load" in given else (load if resumes else None)  # the resume root
     if critic is not None:
         save = critic.slot("save")
@@ -800,6 +800,10 @@ def _resolve_checkpoints(reader, run, roles, stage, put, flags, given, rule_veri
                                           f"{actor_side}: this program saves and resumes actor and critic under one "
                                           "directory (DIR/actor, DIR/critic); set actor_config.load and "
                                           "critic_config.load to the same directory")
+            elif _same_path(c_load, load) and "reward_model" in given:
+                reader.notes.append(f"{where} {c_load!r} is the policy's checkpoint; the critic starts from the "
+                                    "command line's --reward-model (a value-head checkpoint)")
+                critic_from_command_line = where
             elif _same_path(c_load, load):
                 raise reader.error(where, f"{c_load!r} is the policy's checkpoint, but the critic starts from a "
                                           "value-head checkpoint here (--reward-model): convert one with "
@@ -818,6 +822,8 @@ def _resolve_checkpoints(reader, run, roles, stage, put, flags, given, rule_veri
             if name in reward.slots:
                 reader.ignored.append((reward.origin(name), "the reward model is frozen: weights only, never saved"))
     if "reward_model" in given:
+        if critic_from_command_line and rule_verifiers and reward_load is None and "reward_model_weight" not in given:
+            put("--reward-model-weight", 0.0, critic_from_command_line)  # it only starts the critic; verifiers score
         return
     if critic_init and reward_load and stage == "trl_ppo" and not _same_path(critic_init[0], reward_load[0]):
         raise reader.error(critic_init[1], f"{critic_init[0]!r} differs from {reward_load[1]} {reward_load[0]!r}: "

@@ -124,3 +124,79 @@ def test_attention_at_cp2_equals_the_whole_sequence(attention_cp2, case):
         r = result[case]
         assert r["scale"] > 0.1
         assert r["out"] <= TOL and r["grads"] <= TOL, (rank, case, r)
+
+
+# ============================================================================================ checkpoints across CP
+
+def _coin_flip(text, label):
+    words = text.split()
+    return float(bool(words) and words[0][1:].isdigit() and int(words[0][1:]) % 2 == 1)
+
+
+def _resume_worker(rank, world_size, task, root):
+    """Per stage: A, CP1 (DP2) for 2 iterations; B, CP2 (DP1) for 1, resumed at CP1 for the 2nd (C); A's
+    iteration-1 checkpoint resumed at CP2 for the 2nd (D)."""
+    import shutil
+
+    from megatron.core import parallel_state
+
+    from mindspeed_llm.arguments import parse_args
+    from mindspeed_llm.rl import trainer
+    from mindspeed_llm.rl.verifiers import register_verifier
+
+    register_verifier("coin_flip", override=True)(_coin_flip)
+    root = Path(root)
+
+    def run(stage, name, cp, iters, *extra):
+        out = root / stage / name
+        argv = ["--stage", stage, "--context-parallel-size", str(cp), "--micro-batch-size", "2",
+                "--global-batch-size", "4", "--train-iters", str(iters), "--seed", "5", "--data-path", task["data"],
+                "--tokenizer-name-or-path", task["tokenizer"], "--max-length", "64", "--max-new-tokens", "6",
+                "--do-sample", "--ref-model", task["mg_actor_tp1pp1"], "--lr", "1e-3", "--kl-coef", "0.05",
+                "--log-interval", "1", "--metrics-jsonl", str(out / "metrics.jsonl"), "--save-interval", "1"]
+        argv += (["--reward-model", task["mg_reward_tp1pp1"]] if stage == "trl_ppo" else
+                 ["--n-samples-per-prompt", "2", "--verifier-function", "coin_flip"])
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        trainer.run(parse_args(argv + list(extra), world_size))
+
+    for stage in ("grpo", "trl_ppo"):
+        base = root / stage
+        run(stage, "A", 1, 2, "--save", str(base / "A"))
+        run(stage, "B", 2, 1, "--save", str(base / "B"))
+        if rank == 0:
+            shutil.copytree(base / "B", base / "C")
+        torch.distributed.barrier()
+        run(stage, "C", 1, 2, "--load", str(base / "C"), "--save", str(base / "C"))
+        run(stage, "D", 2, 2, "--load", str(base / "A"), "--ckpt-step", "1", "--save", str(base / "D"))
+    return True
+
+
+@pytest.mark.slow
+def test_checkpoint_moves_between_cp_sizes(tmp_path):
+    """A checkpoint saved at CP2 resumes at CP1, one saved at CP1 at CP2 (same world size: DP2 and DP1), each
+    giving the uninterrupted CP1 run's second iteration: its metrics within the layout test's tolerances and its
+    weights within 1e-5 of their norm (both stages; Adam, so the optimizer state moves too)."""
+    import word_task
+    from test_layout_invariance import ATOL, KEY_ATOL, RTOL, SKIPPED, WEIGHT_RTOL, _full_weights, _relative
+
+    task = word_task.build(tmp_path / "task", reward=True)
+    run_distributed(_resume_worker, 2, task, str(tmp_path / "runs"))
+    for stage, roles in (("grpo", ["actor"]), ("trl_ppo", ["actor", "critic"])):
+        base = tmp_path / "runs" / stage
+        rows = {name: [json.loads(line) for line in (base / name / "metrics.jsonl").read_text().splitlines()]
+                for name in "ACD"}
+        reference = rows["A"][-1]
+        assert reference["iteration"] == 2
+        for name in "CD":
+            got = rows[name][-1]
+            assert got["iteration"] == 2, (stage, name, got["iteration"])
+            for key, expected in reference.items():
+                if key.startswith(SKIPPED) or not isinstance(expected, float):
+                    continue
+                atol = KEY_ATOL.get(key, ATOL)
+                assert abs(got[key] - expected) <= atol + RTOL * abs(expected), (stage, name, key, got[key], expected)
+            for role in roles:
+                ref, weights = _full_weights(base / "A", role), _full_weights(base / name, role)
+                for tensor in ref:
+                    assert _relative(weights[tensor], ref[tensor]) <= WEIGHT_RTOL, (stage, name, role, tensor)

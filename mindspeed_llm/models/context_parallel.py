@@ -125,6 +125,19 @@ def padded_width(width: int, multiple: int) -> int:
     return -(-width // multiple) * multiple
 
 
+def forward_width(model, width: int) -> int:
+    """The width a training or pass forward pads rows of `width` positions to (`rl/engine.py`): a multiple of TP
+    under sequence parallelism (megatron splits the sequence over the TP ranks), of 2 CP under context parallelism
+    (its chunks), of their product with both."""
+    from mindspeed_llm.models.sequence_parallel import is_sequence_parallel
+
+    cp = context_parallel_size()
+    multiple = 2 * cp if cp > 1 else 1
+    if is_sequence_parallel(model):
+        multiple *= parallel_state.get_tensor_model_parallel_world_size()
+    return padded_width(width, multiple)
+
+
 class _AllGatherSequence(torch.autograd.Function):
     """`[s, ...]` per rank -> `[size * s, ...]` (rank order); backward: the gradient summed over the group and each
     rank's part kept (reduce-scatter)."""

@@ -31,9 +31,8 @@ from mindspeed_llm import device
 from mindspeed_llm.checkpoint.training import CheckpointError, NonFiniteError
 from mindspeed_llm.distributed import any_rank, gather_messages, sum_over_data_parallel
 from mindspeed_llm.models.attention import layout_params, model_attention
-from mindspeed_llm.models.context_parallel import ContextParallelLayout, context_parallel_size, padded_width
+from mindspeed_llm.models.context_parallel import ContextParallelLayout, context_parallel_size, forward_width
 from mindspeed_llm.models.forward_layout import forward_layout
-from mindspeed_llm.models.sequence_parallel import is_sequence_parallel
 from mindspeed_llm.models.routing import micro_batch_routing
 from mindspeed_llm.rl import moe
 from mindspeed_llm.rl.model_state import Offloader
@@ -96,9 +95,7 @@ def _model_forward(model, micro_batch: MicroBatch):
     groups = micro_batch.get("packed_groups")
     logits_from = int(micro_batch.get("logits_from", 0))
     cp = context_parallel_size()
-    multiple = (2 * cp if cp > 1 else 1) * (
-        parallel_state.get_tensor_model_parallel_world_size() if is_sequence_parallel(model) else 1)
-    width = padded_width(tokens.shape[1], multiple)
+    width = forward_width(model, tokens.shape[1])
     if width != tokens.shape[1]:
         extra_columns = width - tokens.shape[1]
         tokens = torch.nn.functional.pad(tokens, (0, extra_columns))
@@ -121,7 +118,7 @@ def _model_forward(model, micro_batch: MicroBatch):
         else:
             mask = groups.dense_mask(tokens.device)
     with forward_layout(model, position_ids, logits_from, output_spans=spans), \
-            micro_batch_routing(model, micro_batch):  # --moe-routing-replay, moe/routing_mismatch
+            micro_batch_routing(model, micro_batch, width):  # --moe-routing-replay, moe/routing_mismatch
         return model(tokens, position_ids, mask, **extra)
 
 

@@ -24,7 +24,8 @@ Metrics (`UpdateStats`, per trained MoE role, over one `ppo_update`):
   moe/tokens_per_expert_min / _max
                            c[l, e] = token-to-expert assignments of expert e in MoE layer l over the update's
                            forwards (real tokens only; each token counts top-k times), summed over the DP ranks
-                           (EP ranks included): the smallest and largest c[l, e].
+                           (EP ranks included; and the TP ranks under sequence parallelism, where each routes its
+                           share of the sequence): the smallest and largest c[l, e].
   moe/expert_imbalance     max over layers of max_e c[l, e] / mean_e c[l, e] (1 = perfectly balanced).
 """
 
@@ -144,6 +145,8 @@ class UpdateStats:
         self.num_layers = core.config.num_layers if self.enabled else 0
         self.loss_name = LOSS_NAMES.get(core.config.moe_router_load_balancing_type) if self.enabled else None
         self.coeff = float(core.config.moe_aux_loss_coeff or 0.0) if self.enabled else 0.0
+        # under sequence parallelism each TP rank's routers see its share of the tokens
+        self.sequence_parallel = bool(self.enabled and core.config.sequence_parallel)
         # Kept on the model's device and read once in metrics(): a host copy per router forward would be a
         # device sync in every MoE layer of every training micro-batch.
         from mindspeed_llm import device
@@ -196,11 +199,16 @@ class UpdateStats:
             if entry is not None:
                 values += entry["values"].detach().double().cpu()
             values = _all_reduce(values, pp_group)
+            if entry is not None and entry.get("reduce_group") is not None:
+                # megatron's own reduction: each TP (x CP) rank's loss is its tokens' share of the layer's loss
+                values = _all_reduce(values, entry["reduce_group"])
             values = _all_reduce(values, dp_group) / dist.get_world_size(dp_group)
             per_micro_batch = float(values[moe_layers].sum()) / max(self.num_micro_batches, 1)
             out[f"moe/{self.loss_name}"] = per_micro_batch / len(moe_layers)
             clear_aux_losses_tracker()
         counts = _all_reduce(_all_reduce(self.counts.clone(), dp_group), pp_group)
+        if self.sequence_parallel:
+            counts = _all_reduce(counts, parallel_state.get_tensor_model_parallel_group())
         counts = counts[moe_layers].double().cpu()  # [L_moe, E]
         mean = counts.mean(dim=1).clamp(min=1e-12)
         out["moe/tokens_per_expert_min"] = float(counts.min())

@@ -79,7 +79,7 @@ def policy_logprobs(model, exp: Experience, plan: MicroBatchPlan, temperature: f
             lambda out, mb: response_logprobs(out, mb, temperature) * mb["response_mask"], (width,),
         )
     if compare:
-        exp.extras["routing_mismatch"] = routing.mismatch_fraction(counts)
+        exp.extras["routing_mismatch"] = routing.mismatch_fraction(counts, model)
     return logp
 
 
