@@ -49,9 +49,9 @@ def _worker(rank, world_size, task):
     from mindspeed_llm.rl.passes import last_token_values, response_logprobs, response_values
 
     distributed.initialize(2, 1, 1234)
-    # prompt 5 + response 8 = 13 positions: not a multiple of TP 2, the forward pads to 14
-    exp = _experience(4, 5, 8, 200)
-    plan = MicroBatchPlan.build(exp, 2)
+    # 13 positions: not a multiple of TP 2, the forward pads to 14. The policy's prompts of 5 give an output window
+    # from position 4 on; the value model's prompts of 1 none (the whole sequence reaches the value head)
+    experiences = {"policy": _experience(4, 5, 8, 200), "value": _experience(4, 1, 12, 200)}
     out = {}
 
     def model(root, sp, value_head=False):
@@ -65,7 +65,7 @@ def _worker(rank, world_size, task):
         return loss, {"loss": loss.detach()}
 
     def value_loss(output, mb):
-        loss = ((response_values(output, mb) - mb["returns"]) ** 2).sum() / 32
+        loss = ((response_values(output, mb) - mb["returns"]) ** 2).sum() / 48
         return loss, {"loss": loss.detach()}
 
     for sp in (False, True, "unmarked"):
@@ -79,6 +79,8 @@ def _worker(rank, world_size, task):
                     if hasattr(p, "sequence_parallel"):
                         del p.sequence_parallel
             trained = TrainableModel(m, OptimizerSettings(lr=0.1, optimizer="sgd", sgd_momentum=0.0, clip_grad=0.0))
+            exp = experiences[kind]
+            plan = MicroBatchPlan.build(exp, 2)
             if kind == "policy":
                 reads = forward_only(trained.chunks, plan.micro_batches(exp), lambda o, mb: response_logprobs(o, mb),
                                      (8,))
