@@ -22,6 +22,7 @@ PATH (the tokenizer file or folder whose files are copied next to the weights, a
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -107,11 +108,43 @@ def _no_target_layout(args) -> None:
                               f"(its layout is read from it); drop the flag")
 
 
+def _check_tokenizer_fits(tokenizer_dir: str, args) -> None:
+    """A tokenizer given with --tokenizer-dir / --tokenizer-model travels with the weights: it must not produce ids
+    the model's vocabulary lacks (they would index past the embedding at the first such token)."""
+    import json
+
+    from mindspeed_llm.checkpoint.hf_mapping import ConversionError
+
+    if args.load_model_type == "hf":
+        with open(os.path.join(args.load_dir, "config.json")) as f:
+            vocab = json.load(f).get("vocab_size")
+    else:
+        from mindspeed_llm.checkpoint import load_spec
+
+        vocab = load_spec(args.load_dir).vocab_size
+    try:
+        from transformers import AutoTokenizer
+
+        size = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    except Exception:  # files transformers cannot read as a tokenizer: copied as given, the stage's load judges them
+        return
+    if vocab is not None and size > int(vocab):
+        raise ConversionError(f"--tokenizer-dir {tokenizer_dir} has {size} tokens but the model's vocabulary has "
+                              f"{vocab}: it is not this model's tokenizer; pass the model's own")
+
+
 def run(args) -> None:
     from mindspeed_llm.checkpoint import convert_hf_to_mg, convert_mg_to_hf, convert_mg_to_mg
     from mindspeed_llm.checkpoint.hf_mapping import ConversionError
 
+    from mindspeed_llm.checkpoint.megatron_layout import conversion_target_problem
+
     tokenizer_dir = _mindspeed_flags(args)
+    problem = conversion_target_problem(args.save_dir, args.save_model_type)
+    if problem:
+        raise ConversionError(problem)
+    if tokenizer_dir is not None:
+        _check_tokenizer_fits(tokenizer_dir, args)
     progress = not args.no_progress
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     moe = dict(ep=args.target_expert_parallel_size, etp=args.expert_tensor_parallel_size,
@@ -136,6 +169,23 @@ def run(args) -> None:
         raise ConversionError("--load-model-type hf --save-model-type hf: nothing to convert")
 
 
+def _os_error(err: OSError, args) -> str:
+    """One line for a failed read or write: a full disk and a permission problem named as such, with the fix."""
+    import errno
+
+    from mindspeed_llm.checkpoint.megatron_layout import CheckpointWriteError
+
+    if isinstance(err, CheckpointWriteError) or not err.strerror:  # already a sentence naming the file
+        text = str(err)
+    else:
+        text = f"{err.filename or args.save_dir}: {err.strerror}"
+    if err.errno == errno.ENOSPC or "No space left" in text:
+        return f"{text}; free space there or pass another --save-dir"
+    if isinstance(err, PermissionError) or "permission denied" in text:
+        return f"{text}; pass a --save-dir (and --load-dir) this user can write (and read)"
+    return text
+
+
 def main(argv=None) -> int:
     import logging
 
@@ -155,7 +205,10 @@ def main(argv=None) -> int:
         log.propagate = False
     try:
         run(args)
-    except (ConversionError, UnsupportedModelError, OSError, ValueError) as err:
+    except OSError as err:
+        print(f"convert_ckpt.py: error: {_os_error(err, args)}", file=sys.stderr)
+        return 1
+    except (ConversionError, UnsupportedModelError, ValueError) as err:
         print(f"convert_ckpt.py: error: {err}", file=sys.stderr)
         return 1
     print(f"convert_ckpt.py: wrote {args.save_model_type} checkpoint to {args.save_dir}", file=sys.stderr)

@@ -5,17 +5,16 @@ import sys
 
 
 def main(argv=None) -> int:
-    from mindspeed_llm.arguments import ArgumentError, parse_args
-    from mindspeed_llm.checkpoint import CheckpointNotFoundError
-    from mindspeed_llm.checkpoint.errors import CheckpointError, NonFiniteError
-    from mindspeed_llm.data import DataError
+    from mindspeed_llm.arguments import parse_args
+    from mindspeed_llm.checkpoint.errors import NonFiniteError
+    from mindspeed_llm.errors import UserError
 
     try:
         args = parse_args(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         from mindspeed_llm.rl.trainer import run
 
         run(args)
-    except (ArgumentError, CheckpointNotFoundError, CheckpointError, DataError) as exc:
+    except UserError as exc:
         # A user's mistake: the message names the flag and the fix; a traceback would only hide it.
         print(f"posttrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -11,6 +11,8 @@ import math
 from typing import List, Optional, Sequence, Tuple
 
 from mindspeed_llm import compat_flags
+from mindspeed_llm.argument_ranges import check_ranges
+from mindspeed_llm.errors import ArgumentError  # noqa: F401  (the parser's error; callers import it from here)
 
 STAGES = ("trl_ppo", "grpo")
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
@@ -35,8 +37,6 @@ LOCAL_ATTENTION_BACKENDS = ("unfused", "local")
 LLAMA3_FIXED = {"--low-freq-factor": 1.0, "--high-freq-factor": 4.0, "--original-max-position-embeddings": 8192}
 
 
-class ArgumentError(ValueError):
-    """An invalid or inconsistent command line; the message names the flags and the fix."""
 
 
 def _int_list(text: str) -> List[int]:
@@ -74,8 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-shared-expert-intermediate-size", type=int)
     g.add_argument("--normalization", help="RMSNorm (the only one the supported models use)")
     g.add_argument("--position-embedding-type", help="rope (the only one the supported models use)")
-    for flag in ("--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--add-qkv-bias",
-                 "--qk-layernorm", "--use-rotary-position-embeddings"):
+    for flag in ("--disable-bias-linear", "--untie-embeddings-and-output-weights", "--add-qkv-bias", "--qk-layernorm"):
         g.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--attention-dropout", type=float, default=0.0,
                    help="dropout of the trained models' attention probabilities in their training forward "
@@ -160,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hysteresis", type=int, help="--fp16: overflows tolerated before it shrinks (2)")
     g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
                    help="stop (before the optimizer step) when a loss or gradient is NaN or inf (default: on)")
+    g.add_argument("--check-for-divergence", action=argparse.BooleanOptionalAction, default=True,
+                   help="stop, before the iteration is saved, when an optimizer step moves the weights by more than "
+                        "half their norm or the policy's entropy rises to the uniform maximum (default: on)")
 
     g = p.add_argument_group("activation recompute (Megatron-LM's flags; the trained models' update forwards only)")
     g.add_argument("--recompute-granularity", choices=("full", "selective"),
@@ -194,7 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load weights only from --load: iteration, optimizer, RNG and data position start fresh")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-optim", action="store_true",
+                   help="save weights, RNG and data position only (Megatron-LM's): no optimizer state or LR schedule; "
+                        "resume such a checkpoint with --no-load-optim")
     g.add_argument("--ckpt-step", type=int, help="resume from this iteration of --load instead of its latest")
     g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
                    dest="override_opt_param_scheduler",
@@ -252,6 +256,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--stop-token-ids", type=_int_list, default=[])
+    g.add_argument("--rollout-max-num-seqs", type=int,
+                   help="samples in flight at once in generation (vLLM's / MindSpeed-RL's max_num_seqs): a finished "
+                        "sample's slot takes the next one, and the KV cache holds this many rows (default: the "
+                        "whole local batch)")
+    g.add_argument("--rollout-max-num-batched-tokens", type=int,
+                   help="tokens of one generation forward (vLLM's max_num_batched_tokens): a decode step's rows, a "
+                        "prefill's rows x padded width (longer prompts are prefilled in chunks; default: no limit)")
     g.add_argument("--n-samples-per-prompt", type=int)
     g.add_argument("--recompute-old-logprobs", action="store_true",
                    help="take the old log-probs from a training forward pass, not from the rollout's sampler (trl_ppo's "
@@ -274,7 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cliprange-value", type=float, default=0.2)
     g.add_argument("--vf-coef", type=float, default=0.1)
     g.add_argument("--entropy-coeff", type=float, default=0.0)
-    g.add_argument("--loss-agg-mode", choices=LOSS_AGG_MODES, default="token-mean")
+    g.add_argument("--loss-agg-mode", choices=LOSS_AGG_MODES,
+                   help="how token losses are averaged (default: token-mean; seq-mean-token-mean with --policy-loss "
+                        "gspo, the sequence-level mean GSPO is defined with)")
     g.add_argument("--adv-estimator",
                    help="advantage estimator by name (rl/core_algos ADV_ESTIMATORS): trl_ppo takes gae (the critic's; "
                         "default); grpo takes the critic-free ones: grpo (default), dr_grpo, rloo, reinforce_plus_plus "
@@ -320,8 +333,6 @@ def _check_expert_parallel(args, world_size: int) -> None:
     EP x TP with --moe-tp-extend-ep) and `args.expert_tensor_parallel_size` (1 or TP)."""
     tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
     etp = args.expert_tensor_parallel_size
-    if ep < 1:
-        raise ArgumentError(f"--expert-model-parallel-size {ep} must be >= 1")
     if args.moe_tp_extend_ep:
         if etp not in (None, 1):
             raise ArgumentError(
@@ -345,8 +356,6 @@ def _check_expert_parallel(args, world_size: int) -> None:
             f"{' (--expert-model-parallel-size x TP, --moe-tp-extend-ep)' if args.moe_tp_extend_ep else ''} x "
             f"--pipeline-model-parallel-size {pp}; launch a multiple of {etp * ep * pp} processes or lower "
             f"--expert-model-parallel-size")
-    if args.moe_aux_loss_coeff is not None and (not math.isfinite(args.moe_aux_loss_coeff) or args.moe_aux_loss_coeff < 0):
-        raise ArgumentError(f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff} must be a finite number >= 0")
     if args.moe_token_dispatcher_type is None:
         args.moe_token_dispatcher_type = "alltoall" if ep > 1 or pp > 1 else "allgather"
     elif args.moe_token_dispatcher_type == "allgather" and ep > 1:
@@ -395,10 +404,8 @@ def _check_sequence_and_context_parallel(args) -> None:
 
 def validate_args(args, world_size: int) -> None:
     """Fill stage defaults and reject inconsistent combinations with messages that name the flags."""
+    check_ranges(args, build_parser())  # every numeric flag in its range (argument_ranges.RANGES), floats finite
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-    if tp < 1 or pp < 1 or cp < 1:
-        raise ArgumentError("--tensor-model-parallel-size, --pipeline-model-parallel-size and --context-parallel-size "
-                            "must be >= 1")
     if world_size % (tp * pp * cp):
         raise ArgumentError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
@@ -429,27 +436,14 @@ def validate_args(args, world_size: int) -> None:
         args.clip_ratio_high = args.clip_ratio
     if args.critic_lr is None:
         args.critic_lr = args.lr
-    if args.dual_clip is not None and args.dual_clip <= 1.0:
-        raise ArgumentError(f"--dual-clip {args.dual_clip} must be > 1")
-
-    # Numbers that must make sense before anything is built.
-    for flag, value in (("--lr", args.lr), ("--critic-lr", args.critic_lr), ("--min-lr", args.min_lr),
-                        ("--weight-decay", args.weight_decay), ("--clip-grad", args.clip_grad)):
-        if not math.isfinite(value) or value < 0:
-            raise ArgumentError(f"{flag} {value} must be a finite number >= 0")
-    for flag, value in (("--micro-batch-size", args.micro_batch_size), ("--global-batch-size", args.global_batch_size)):
-        if value < 1:
-            raise ArgumentError(f"{flag} {value} must be >= 1")
-    if args.ppo_mini_batch_size is not None and args.ppo_mini_batch_size < 1:
-        raise ArgumentError(f"--ppo-mini-batch-size {args.ppo_mini_batch_size} must be >= 1")
+    for flag, lr in (("--lr", args.lr), ("--critic-lr", args.critic_lr)):
+        if args.min_lr > lr:  # Megatron-LM's scheduler asserts min_lr <= max_lr
+            raise ArgumentError(f"--min-lr {args.min_lr:g} is above {flag} {lr:g}: the LR schedule decays from "
+                                f"{flag} down to --min-lr; lower --min-lr")
 
     # Rollout lengths.
-    if args.max_prompt_length is not None and args.max_prompt_length < 1:
-        raise ArgumentError(f"--max-prompt-length {args.max_prompt_length} must be >= 1")
     if args.max_length is None:
         args.max_length = 256 if args.max_prompt_length is None else args.max_prompt_length + args.max_new_tokens
-    if args.max_new_tokens < 1:
-        raise ArgumentError("--max-new-tokens must be >= 1")
     if args.max_new_tokens >= args.max_length:
         raise ArgumentError(
             f"--max-new-tokens {args.max_new_tokens} must be smaller than --max-length {args.max_length} "
@@ -462,18 +456,9 @@ def validate_args(args, world_size: int) -> None:
             f"--max-prompt-length {args.max_prompt_length} + --max-new-tokens {args.max_new_tokens} exceeds "
             f"--max-length {args.max_length}"
         )
-    if args.do_sample:
-        if args.temperature <= 0:
-            raise ArgumentError("--temperature must be > 0 with --do-sample")
-        if not 0 < args.top_p <= 1:
-            raise ArgumentError("--top-p must be in (0, 1]")
-    if args.top_k < 0:
-        raise ArgumentError("--top-k must be >= 0 (0 = off)")
 
     # Batch arithmetic: every DP rank gets whole micro-batches of whole prompt groups.
     n = args.n_samples_per_prompt
-    if n < 1:
-        raise ArgumentError("--n-samples-per-prompt must be >= 1")
     sequences = args.global_batch_size * n
     if args.global_batch_size % dp:
         raise ArgumentError(
@@ -511,13 +496,9 @@ def validate_args(args, world_size: int) -> None:
         raise ArgumentError("--optimizer sgd does not work with --use-distributed-optimizer (megatron refuses it); "
                             "drop one of them")
     _check_token_budgets(args)
-    if args.ppo_epochs < 1:
-        raise ArgumentError("--ppo-epochs must be >= 1")
     if args.dynamic_sampling and (args.stage != "grpo" or args.n_samples_per_prompt < 2):
         raise ArgumentError("--dynamic-sampling keeps grpo groups whose rewards differ: it needs --stage grpo and "
                             "--n-samples-per-prompt >= 2")
-    if args.max_num_gen_batches < 1:
-        raise ArgumentError(f"--max-num-gen-batches {args.max_num_gen_batches} must be >= 1")
 
     # Models and rewards.
     if args.stage == "trl_ppo":
@@ -541,8 +522,6 @@ def validate_args(args, world_size: int) -> None:
         args.verifier_weight = [1.0] * len(args.verifier_function)
 
     # Checkpoints and logging.
-    if args.save_interval is not None and args.save_interval < 1:
-        raise ArgumentError("--save-interval must be >= 1")
     if args.save_interval and not args.save:
         raise ArgumentError("--save-interval needs --save DIR")
     if args.ckpt_step is not None and (not args.load or args.ckpt_step < 1):
@@ -550,12 +529,8 @@ def validate_args(args, world_size: int) -> None:
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each "
                             "other; pass one")
-    if args.log_interval < 1:
-        raise ArgumentError("--log-interval must be >= 1")
     _check_evaluation(args)
     _check_algorithm(args)
-    if args.train_iters < 1:
-        raise ArgumentError("--train-iters must be >= 1")
     if args.lr_warmup_fraction is not None:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.train_iters)
     if args.lr_decay_iters is None:
@@ -602,13 +577,6 @@ def _check_model_flags(args) -> None:
         if value is not None and value != fixed:
             raise ArgumentError(f"{flag} {value}: megatron-core's llama3 RoPE scaling is implemented for {flag} "
                                 f"{fixed} only; a model trained with another value cannot be run here")
-    for flag, value in (("--attention-dropout", args.attention_dropout), ("--hidden-dropout", args.hidden_dropout)):
-        if not 0.0 <= value < 1.0:
-            raise ArgumentError(f"{flag} {value} must be in [0, 1)")
-    for flag in compat_flags.LOSS_SCALE_FLAGS:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ArgumentError(f"{flag} {value} must be a finite number > 0")
 
 
 def _check_recompute(args) -> None:
@@ -696,10 +664,6 @@ def _check_evaluation(args) -> None:
     if args.eval_data_path and valid:
         raise ArgumentError(f"--eval-data-path and --split {args.split} both give held-out prompts; pick one "
                             "(drop --eval-data-path, or give --split a valid weight of 0)")
-    for flag, value in (("--eval-interval", args.eval_interval), ("--eval-iters", args.eval_iters),
-                        ("--eval-samples", args.eval_samples)):
-        if value is not None and value < 0:
-            raise ArgumentError(f"{flag} {value} must be >= 0")
     args.eval_source = "eval-data-path" if args.eval_data_path else ("split" if valid else None)
     args.eval_prompts = args.eval_samples or (args.eval_iters or 0) * args.global_batch_size
     if not args.eval_interval:
@@ -737,22 +701,27 @@ def _check_algorithm(args) -> None:
     if args.stage != "trl_ppo" and estimator.kind == "critic":
         raise ArgumentError(f"--adv-estimator {args.adv_estimator} needs a critic: --stage trl_ppo only (grpo "
                             f"takes {', '.join(fits)})")
+    if estimator.kind == "outcome" and args.n_samples_per_prompt < 2:
+        raise ArgumentError(f"--adv-estimator {args.adv_estimator} compares the samples of a prompt with each other: "
+                            f"with --n-samples-per-prompt {args.n_samples_per_prompt} every advantage is 0 and "
+                            "nothing trains; give --n-samples-per-prompt 2 or more")
     if args.adv_scale is not None and estimator.kind != "outcome":
         raise ArgumentError(f"--adv-scale {args.adv_scale} applies to the group estimators (grpo, dr_grpo, rloo), "
                             f"not to --adv-estimator {args.adv_estimator}; drop it")
     if args.policy_loss not in core_algos.POLICY_LOSSES:
         raise ArgumentError(f"--policy-loss {args.policy_loss}: unknown; valid names: "
                             f"{', '.join(core_algos.POLICY_LOSSES)}")
+    if args.loss_agg_mode is None:
+        # GSPO (Zheng et al. 2025) averages its sequence-level losses over sequences, as verl runs it
+        args.loss_agg_mode = "seq-mean-token-mean" if args.policy_loss == "gspo" else "token-mean"
+        if args.policy_loss == "gspo":
+            args.startup_notes.append("--policy-loss gspo: losses averaged per sequence (--loss-agg-mode "
+                                      "seq-mean-token-mean, the aggregation GSPO is defined with); pass "
+                                      "--loss-agg-mode to choose another")
     if args.policy_loss == "gspo" and args.dual_clip is not None:
         raise ArgumentError("--dual-clip applies to --policy-loss vanilla; gspo has no dual clip")
-    for flag, value in (("--gspo-clip-ratio", args.gspo_clip_ratio), ("--gspo-clip-ratio-high", args.gspo_clip_ratio_high),
-                        ("--overlong-penalty-factor", args.overlong_penalty_factor)):
-        if not math.isfinite(value) or value < 0:
-            raise ArgumentError(f"{flag} {value} must be a finite number >= 0")
     if args.overlong_buffer_len is not None and not 1 <= args.overlong_buffer_len <= args.max_new_tokens:
         raise ArgumentError(f"--overlong-buffer-len {args.overlong_buffer_len} must be in [1, --max-new-tokens "
                             f"{args.max_new_tokens}]")
-    if not (math.isfinite(args.rollout_is_threshold) and args.rollout_is_threshold >= 1.0):
-        raise ArgumentError(f"--rollout-is-threshold {args.rollout_is_threshold} must be a finite number >= 1")
     if args.rollout_is != "none":
         args.recompute_old_logprobs = True  # the weights compare the sampler with the training forward

@@ -40,6 +40,8 @@ IGNORED_SWITCHES: Dict[str, str] = {
     "--moe-permute-fusion": MOE_PERFORMANCE,
     "--use-fused-moe-token-permute-and-unpermute": MOE_PERFORMANCE,
     "--use-mcore-models": ALWAYS,  # the models are megatron-core GPTModels
+    "--swiglu": ALWAYS,  # every supported model's MLP is SwiGLU (models/builder.py: gated_linear_unit, silu)
+    "--use-rotary-position-embeddings": ALWAYS,  # and its positions rotary (--position-embedding-type rope)
     "--attention-softmax-in-fp32": ALWAYS,  # megatron-core's default (TransformerConfig.attention_softmax_in_fp32)
     "--is-instruction-dataset": ALWAYS,  # the data are preprocess_data.py's prompt datasets
     "--variable-seq-lengths": ALWAYS,  # micro-batches are padded to their own longest sequence

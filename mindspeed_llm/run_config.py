@@ -52,7 +52,9 @@ Other mappings: ``stage`` ``ray_grpo``/``grpo`` -> grpo, ``ray_ppo``/``trl_ppo``
 the verifier lists; verifier names must be registered here (`rl/verifiers`); ``sampling_config``
 ``temperature`` > 0 -> ``--do-sample --temperature T`` (0: greedy), ``top_k: -1`` -> ``--top-k 0``,
 ``max_tokens`` -> ``--max-new-tokens``; ``max_model_len`` -> ``--max-length`` (at least
-``max_prompt_length + max_tokens``); ``use_tensorboard`` -> ``--tensorboard-dir`` (``megatron_training.tensorboard_dir``, else
+``max_prompt_length + max_tokens``); ``generate_config.max_num_seqs`` / ``max_num_batched_tokens`` ->
+``--rollout-max-num-seqs`` / ``--rollout-max-num-batched-tokens`` (the generation engine's limits, vLLM's
+meaning); ``use_tensorboard`` -> ``--tensorboard-dir`` (``megatron_training.tensorboard_dir``, else
 ``SAVE/tensorboard``). ``infer_tensor_parallel_size`` / ``_pipeline_`` / ``_expert_`` other than the training
 layout are listed as ignored (generation runs on the training model in place, with its layout); ``dtype`` must be
 the training precision. ``sampling_config.seed`` must equal the run's seed (``--seed``: each sample's random stream
@@ -307,8 +309,8 @@ GENERATE: Dict[str, Any] = {
     "infer_tensor_parallel_size": Slot("infer_tensor_parallel_size", "number"),
     "infer_pipeline_parallel_size": Slot("infer_pipeline_parallel_size", "number"),
     "infer_expert_parallel_size": Slot("infer_expert_parallel_size", "number"),
-    "max_num_seqs": Ignored(_VLLM),
-    "max_num_batched_tokens": Ignored(_VLLM),
+    "max_num_seqs": Flag("--rollout-max-num-seqs"),
+    "max_num_batched_tokens": Flag("--rollout-max-num-batched-tokens"),
     "max_model_len": Flag("--max-length"),
     "dtype": Slot("dtype", "name"),
     "gpu_memory_utilization": Ignored(_VLLM),

@@ -465,3 +465,49 @@ def test_error_training_save_root_points_to_the_roles(tmp_path, capsys):
     assert "is a training --save directory" in err
     assert _cli("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", root / "critic",
                 "--save-dir", tmp_path / "out", "--orm") == 0
+
+
+def test_write_errors_and_save_dirs_are_named(tmp_path, capsys, monkeypatch):
+    """A full disk (torch's zip writer says "unexpected pos"), a --save-dir that is a file, and one holding
+    something that is not an earlier conversion are each one line naming the path and the fix, no traceback."""
+    src = save_tiny("llama", tmp_path / "hf", seed=11)
+    argv = ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(src), "--no-progress"]
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64384 vs 64272")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    assert convert_ckpt.main([*argv, "--save-dir", str(tmp_path / "mg")]) == 1
+    err = capsys.readouterr().err
+    assert "No space left on device writing" in err and "model_optim_rng.pt" in err and "free space there" in err
+    monkeypatch.setattr(torch, "save", real_save)
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert convert_ckpt.main([*argv, "--save-dir", str(a_file)]) == 1
+    assert f"--save-dir {a_file} is a file" in capsys.readouterr().err
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    assert convert_ckpt.main([*argv, "--save-dir", str(other)]) == 1
+    assert "not an earlier mg conversion" in capsys.readouterr().err and (other / "notes.txt").read_text() == "keep me"
+    # an earlier conversion may be replaced
+    assert convert_ckpt.main([*argv, "--save-dir", str(tmp_path / "mg2")]) == 0
+    assert convert_ckpt.main([*argv, "--save-dir", str(tmp_path / "mg2")]) == 0
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, capsys):
+    from hf_tiny import write_tokenizer
+
+    src = save_tiny("llama", tmp_path / "hf", seed=12)  # a 256-token vocabulary
+    big, fits = tmp_path / "big", tmp_path / "fits"
+    write_tokenizer(big, 1000)
+    write_tokenizer(fits, 256)
+    argv = ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(src), "--no-progress"]
+    assert convert_ckpt.main([*argv, "--save-dir", str(tmp_path / "mg"), "--tokenizer-dir", str(big)]) == 1
+    err = capsys.readouterr().err
+    assert f"--tokenizer-dir {big} has 1000 tokens but the model's vocabulary has 256" in err
+    assert not (tmp_path / "mg").exists()
+    assert convert_ckpt.main([*argv, "--save-dir", str(tmp_path / "mg"), "--tokenizer-dir", str(fits)]) == 0

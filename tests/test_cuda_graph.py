@@ -1,5 +1,6 @@
 """Fixed-shape decode steps and their CUDA-graph capture (mindspeed_llm.inference.cuda_graph) against the
-ordinary decode path of `generate`: the same greedy and sampled tokens, log-probs within fp32 rounding.
+ordinary decode path of `generate`'s static engine: the same greedy and sampled tokens, log-probs within fp32
+rounding (with the speed patches of mindspeed_llm/patches/inference.py applied, as on every device).
 
 On CPU the fixed-shape step runs eagerly (what the graph records: the slot as a tensor, the whole cache read
 under a mask); the captured graph itself needs CUDA and is skipped without it. Run on a GPU machine with
@@ -85,11 +86,13 @@ def _cases(rank, world_size, tp, graph, replay=False):
         ("sampled batched", SamplingConfig(do_sample=True, temperature=0.8, top_k=50, max_new_tokens=MAX_NEW,
                                            pad_token_id=0, seed=5), "batched"),
     ):
-        plain = generate(model, prompts, sampling, iteration=2, prefill=prefill)
+        # the static engine (megatron's KV cache), where the fixed-shape / CUDA-graph step lives
+        plain = generate(model, prompts, sampling, iteration=2, prefill=prefill, engine="static")
         engines = []
         with static_decode_engine(graph=graph, engines=engines, engine_cls=_replay_engine_class() if replay else None):
-            static = generate(model, prompts, sampling, iteration=2, prefill=prefill)
-        again = generate(model, prompts, sampling, iteration=2, prefill=prefill)  # the switch is off again
+            static = generate(model, prompts, sampling, iteration=2, prefill=prefill, engine="static")
+        again = generate(model, prompts, sampling, iteration=2, prefill=prefill,
+                         engine="static")  # the switch is off again
         facts = [(e.static_reason, e.static_steps, e.graph) + ((len(e.outputs),) if replay else ()) for e in engines]
         out.append((name, _rollout_dict(plain),
                     _rollout_dict(static), _rollout_dict(again), facts))

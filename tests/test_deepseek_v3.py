@@ -14,7 +14,8 @@ YaRN's original 64) at TP1, TP2 (expert TP 2), EP2, TP2 x EP2 with expert TP 1, 
 DeepseekV3ForSequenceClassification's at TP1, EP2, PP2; a forward with
 position ids other than the slots (`forward_layout`, as packed RL rows use it) equals transformers with those
 position ids, which needs the position ids to reach every MLA layer's own rotary embedding; greedy generation
-through the static KV cache (`mindspeed_llm.inference.generation.generate`, batched and stepwise prefill) equals
+(`mindspeed_llm.inference.generation.generate`: the static KV cache with batched and stepwise prefill, and the
+continuous-batching engine, whose cache hook needs every MLA layer's rotary table long enough) equals
 `transformers.generate`. Errors: FP8 checkpoints (weight_scale_inv) are refused naming the tensor and the fix,
 multi-token-prediction layers are skipped with a note, unsupported config values are named. Stage: one GRPO
 iteration trains a tiny DeepSeek-V3 actor at EP2; each MLA megatron patch (patches/mla.py) is shown needed.
@@ -115,9 +116,9 @@ def _worker(rank, world_size, jobs):
                 plain = model(ids, pos, None)  # megatron alone rotates by slot: must differ from the reference
             results["packed"][name] = (packed - ref["packed_logits"]).abs().max().item()
             results["unpacked"][name] = (plain - ref["packed_logits"]).abs().max().item()
-            for mode in ("batched", "stepwise"):
+            for mode in ("batched", "stepwise", "continuous"):  # the static engine's two prefills, the default
                 rollout = generate(model, PROMPTS, SamplingConfig(max_new_tokens=MAX_NEW, pad_token_id=0),
-                                   prefill=mode)
+                                   **(dict(prefill=mode, engine="static") if mode != "continuous" else {}))
                 results["greedy"][(name, mode)] = [r[:MAX_NEW].tolist() for r in rollout.responses]
         ps.destroy_model_parallel()
     return results
@@ -188,7 +189,7 @@ def test_position_ids_reach_every_mla_rotary(parity, case):
     assert parity["unpacked"][case] > 1e-3, "the reference does not depend on the position ids"
 
 
-@pytest.mark.parametrize("mode", ["batched", "stepwise"])
+@pytest.mark.parametrize("mode", ["batched", "stepwise", "continuous"])
 @pytest.mark.parametrize("case", CASES)
 def test_greedy_generation_matches_transformers(parity, case, mode):
     assert parity["greedy"][(case, mode)] == parity["refs"][case]["greedy"]

@@ -229,6 +229,12 @@ def dp1(model_state_runs, tmp_path_factory):
         "plain checkpoint": argv("plain", *dist, "--load", str(root / "grpo_bf16_plain"), stage="grpo"),
         "finetune": argv("finetune", *dist, "--load", str(source), "--finetune", iters=1),
         "damaged": argv("damaged", *dist, "--load", str(damaged)),
+        # --no-save-optim: weights only; a resume needs --no-load-optim (in this order: the first writes the others'
+        # --load)
+        "no-save-optim": argv("no_save_optim", *dist, "--no-save-optim", iters=2),
+        "no-save-optim resumed": argv("nso_resumed", *dist, "--load", str(out / "no_save_optim")),
+        "no-save-optim resumed, --no-load-optim": argv("nso_no_load", *dist, "--load", str(out / "no_save_optim"),
+                                                       "--no-load-optim", iters=3),
     }
     reshard = argv("reshard_probe", *dist, "--load", str(source), "--ckpt-step", "1")
     patch_errors, pairs, results = run_distributed(_dp1_body, 1, reshard, distrib, list(cases.values()),
@@ -279,3 +285,21 @@ def test_damaged_optimizer_state_names_the_file_and_ckpt_step(dp1):
     code, _, err = results["damaged"]
     assert code == 2 and str(paths["truncated"]) in err and "--ckpt-step 2" in err, err[-3000:]
     assert "Traceback" not in err
+
+
+def test_no_save_optim_saves_weights_only_and_a_resume_says_so(dp1):
+    """Megatron-LM's --no-save-optim: no optimizer state (nor distrib_optim.pt) and no LR schedule in the checkpoint;
+    resuming it with the optimizer is refused by name, with --no-load-optim it trains on."""
+    _, results, paths = dp1
+    code, _, err = results["no-save-optim"]
+    assert code == 0, err[-3000:]
+    shard_dir = paths["out"] / "no_save_optim" / "actor" / "iter_0000002" / "mp_rank_00"
+    payload = torch.load(shard_dir / "model_optim_rng.pt", weights_only=False)
+    assert "model" in payload and "optimizer" not in payload and "opt_param_scheduler" not in payload
+    assert not (shard_dir / "distrib_optim.pt").exists()
+    code, _, err = results["no-save-optim resumed"]
+    assert code == 2 and "holds no optimizer state (it was saved with --no-save-optim); resume with --no-load-optim" \
+        in err and "Traceback" not in err, err[-3000:]
+    code, _, err = results["no-save-optim resumed, --no-load-optim"]
+    assert code == 0, err[-3000:]
+    assert sorted(_metrics(paths["out"] / "nso_no_load" / "metrics.jsonl")) == [3]

@@ -5,11 +5,14 @@ in the pytest process and saved as a Hugging Face folder. Each spawn of 2 gloo p
 the project's converter (`mindspeed_llm.checkpoint.convert_hf_to_mg`, rank 0, once per layout) and loads
 its shards with `load_megatron_weights` into Megatron GPTModels in three layouts (TP=1 x DP=2 in one spawn;
 TP=2 then PP=2 in a second), every case of a layout in its one spawn. The spawned bodies return `Rollout`s;
-all comparisons with `transformers` happen here in the parent. The rollouts run with the CPU speed patches of
+all comparisons with `transformers` happen here in the parent. The rollouts run with the speed patches of
 `mindspeed_llm/patches/inference.py`; each layout also generates once with megatron's own code in their place,
 which must give the same rollouts. The models run the default fused core attention (`models/attention.py`); each
 layout also loads the weights into a model with megatron's local attention, which must generate the same greedy
-tokens (batched, stepwise, shared prefill), patched and unpatched.
+tokens (batched, stepwise, shared prefill), patched and unpatched. Both engines run: the continuous-batching engine
+(the default) and megatron's static KV cache (`engine="static"`, and every stepwise prefill); the continuous engine
+is also compared with the static one at a bounded number of rows in flight, chunked prefills, GRPO groups, per-row
+budgets, pipeline micro-batching and a decode budget followed by a continuation (`_continuous_cases`).
 """
 
 from __future__ import annotations
@@ -142,7 +145,8 @@ def _record_forward_shapes():
 
 def _repeated_prompt_cases(model, prompts):
     """Repeated prompts (GRPO's n samples; here also non-adjacent, plus a prompt that shares only its first
-    L_min tokens with another) with the shared prefill and with every row prefilled; prefill batch sizes."""
+    L_min tokens with another) with the shared prefill and with every row prefilled; prefill batch sizes (static
+    engine: batched and stepwise prefill; continuous engine: its counters)."""
     from mindspeed_llm.inference import generate
 
     rows = [prompts[i] for i in (0, 0, 1, 3, 1, 1, 0, 5)] + [prompts[3][:6]]
@@ -152,10 +156,61 @@ def _repeated_prompt_cases(model, prompts):
     for name, sampling in configs.items():
         for mode in ("batched", "stepwise"):
             with _record_forward_shapes() as shapes:
-                out[f"dup_{name}_{mode}"] = generate(model, rows, sampling, prefill=mode, iteration=2)
+                out[f"dup_{name}_{mode}"] = generate(model, rows, sampling, prefill=mode, iteration=2, engine="static")
             out[f"dup_{name}_{mode}_prefill_shape"] = shapes[0]
             out[f"dup_{name}_{mode}_nodedup"] = generate(model, rows, sampling, prefill=mode, iteration=2,
-                                                         _dedup_prefill=False)
+                                                         engine="static", _dedup_prefill=False)
+        out[f"dup_{name}_continuous"] = generate(model, rows, sampling, iteration=2)
+        out[f"dup_{name}_continuous_nodedup"] = generate(model, rows, sampling, iteration=2, _dedup_prefill=False)
+    return out
+
+
+def _continuous_cases(model, prompts, eos):
+    """The continuous engine against the static one (the reference: today's all-at-once path) on GRPO groups of 3
+    with skewed per-row budgets and an EOS: few rows in flight (slots reused), prefills chunked by the token cap,
+    pipeline micro-batching on and off; a decode budget whose unfinished samples a second call continues; the KV
+    cache's size at two row counts; the engine's errors."""
+    from dataclasses import replace
+
+    from mindspeed_llm.inference import generate
+
+    rows = [p for p in prompts for _ in range(3)]
+    budgets = [(2, 12, 5)[b % 3] if b % 2 else (12, 3, 7)[b % 3] for b in range(len(rows))]
+    ids = list(range(100, 100 + len(rows)))
+    configs = {"greedy": SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=PAD),
+               "sample": SamplingConfig(seed=7, eos_token_id=eos, **SAMPLE)}
+    out = {"cb_rows": rows, "cb_budgets": budgets}
+    for name, sampling in configs.items():
+        common = dict(iteration=5, sample_ids=ids, response_budgets=budgets)
+        out[f"cb_{name}_static"] = generate(model, rows, sampling, engine="static", **common)
+        bounded = replace(sampling, max_num_seqs=4, max_num_batched_tokens=8)
+        out[f"cb_{name}_bounded"] = generate(model, rows, bounded, engine="continuous", **common)
+        out[f"cb_{name}_one_group"] = generate(model, rows, bounded, _pipeline_groups=1, **common)
+    sampling = replace(configs["sample"], max_num_seqs=4)
+    common = dict(iteration=5, sample_ids=ids, response_budgets=budgets)
+    whole = out["cb_partial_whole"] = generate(model, rows, sampling, **common)
+    first = out["cb_partial_first"] = generate(model, rows, sampling, max_decode_steps=3, **common)
+    carried = [b for b, c in enumerate(first.continuations or []) if c is not None]
+    out["cb_partial_carried"] = carried
+    # the unfinished samples continue in a later call with the same ids; fresh samples there would draw from
+    # iteration 9, the carried ones keep their own (iteration 5) streams
+    out["cb_partial_rest"] = generate(model, [rows[b] for b in carried], sampling, iteration=9,
+                                      sample_ids=[ids[b] for b in carried],
+                                      response_budgets=[budgets[b] for b in carried],
+                                      continuations=[first.continuations[b] for b in carried])
+    out["cb_kv_bytes"] = {n: generate(model, rows, replace(sampling, max_num_seqs=n), **common).stats
+                          for n in (3, 6)}
+    assert whole.response_token_lists()  # a rollout, not an error
+    errors = []
+    for kwargs in (dict(engine="static", sampling=replace(sampling, max_num_seqs=2)), dict(engine="fast"),
+                   dict(max_decode_steps=0), dict(prefill="stepwise", max_decode_steps=2),
+                   dict(continuations=[None]), dict(response_budgets=[1, -1])):
+        kwargs.setdefault("sampling", sampling)
+        try:
+            generate(model, rows[:2], **kwargs)
+        except ValueError as e:
+            errors.append(str(e))
+    out["cb_errors"] = errors
     return out
 
 
@@ -203,9 +258,12 @@ def _layout_cases(tp, pp, root, prompts, eos, stop):
     out["train_after_greedy"] = model.training
     out["free_stepwise"] = generate(model, prompts, SamplingConfig(max_new_tokens=MAX_NEW, pad_token_id=PAD),
                                     prefill="stepwise")
-    out["eos_stepwise"] = generate(model, prompts, SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=eos,
-                                                                  pad_token_id=PAD), prefill="stepwise")
-    out["eos"] = generate(model, prompts, SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=PAD))
+    out["free_static"] = generate(model, prompts, SamplingConfig(max_new_tokens=MAX_NEW, pad_token_id=PAD),
+                                  engine="static")
+    eos_config = SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=PAD)
+    out["eos_stepwise"] = generate(model, prompts, eos_config, prefill="stepwise")
+    out["eos_static"] = generate(model, prompts, eos_config, engine="static")
+    out["eos"] = generate(model, prompts, eos_config)
     out["stop"] = generate(model, prompts, SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=[eos + 1000, eos],
                                                           stop_token_ids=[stop], pad_token_id=PAD))
     out["limits"] = generate(model, prompts, SamplingConfig(max_new_tokens=5, max_length=10, pad_token_id=PAD))
@@ -228,11 +286,14 @@ def _layout_cases(tp, pp, root, prompts, eos, stop):
     out["eval_kept"] = not model.training
     with _megatron_unpatched_inference() as n_patched:
         out["free_unpatched"] = generate(model, prompts, SamplingConfig(max_new_tokens=MAX_NEW, pad_token_id=PAD))
+        out["free_static_unpatched"] = generate(
+            model, prompts, SamplingConfig(max_new_tokens=MAX_NEW, pad_token_id=PAD), engine="static")
         out["free_stepwise_unpatched"] = generate(
             model, prompts, SamplingConfig(max_new_tokens=MAX_NEW, pad_token_id=PAD), prefill="stepwise")
     out["inference_patches"] = n_patched
     out.update(_repeated_prompt_cases(model, prompts))
     out.update(_local_attention_cases(spec, root, prompts))
+    out.update(_continuous_cases(model, prompts, eos))
     out["device"] = device.accelerator().kind
     errors = []
     for kwargs in (dict(prompt_token_lists=[[5], []]), dict(prompt_token_lists=[[5]], prefill="both")):
@@ -343,7 +404,7 @@ def _hf_log_probs(model, r: Rollout, temperature=1.0):
 
 
 def _assert_greedy_matches_hf(ref, results):
-    for rank_result, mode in [(r, m) for r in results for m in ("", "_stepwise")]:
+    for rank_result, mode in [(r, m) for r in results for m in ("", "_stepwise", "_static")]:
         free, eos = rank_result["free" + mode], rank_result["eos" + mode]
         assert free.response_token_lists() == ref["free"]
         assert eos.response_token_lists() == ref["with_eos"]
@@ -454,11 +515,11 @@ def test_train_mode_restored_and_kv_freed(dp2, tp2, pp2):
 
 def test_inference_speed_patches_are_exact(dp2, tp2, pp2):
     """mindspeed_llm/patches/inference.py changes how a decode step is computed, not its result: the same
-    tokens and (to float rounding) log-probs as megatron's own code, batched and stepwise, in every layout."""
+    tokens and (to float rounding) log-probs as megatron's own code, both engines (static: batched and stepwise),
+    in every layout."""
     for result in dp2 + tp2 + pp2:
-        if result["device"] == "cpu":
-            assert result["inference_patches"] == 5  # the rollouts above ran patched
-        for mode in ("free", "free_stepwise"):
+        assert result["inference_patches"] == 5  # the rollouts above ran patched (on every device now)
+        for mode in ("free", "free_static", "free_stepwise"):
             patched, unpatched = result[mode], result[mode + "_unpatched"]
             assert torch.equal(patched.responses, unpatched.responses), mode
             torch.testing.assert_close(patched.log_probs, unpatched.log_probs, atol=1e-5, rtol=0)
@@ -498,6 +559,14 @@ def test_repeated_prompts_prefilled_once(ref, dp2, tp2, pp2):
                 # batched: 5 distinct prompts; stepwise: 4 distinct first-L_min windows (the last row's prefix)
                 window = max(lengths) if mode == "batched" else min(lengths)
                 assert result[key + "_prefill_shape"] == (5 if mode == "batched" else 4, window), key
+            key = f"dup_{name}_continuous"
+            shared, every_row = result[key], result[key + "_nodedup"]
+            assert torch.equal(shared.responses, every_row.responses), key
+            torch.testing.assert_close(shared.log_probs, every_row.log_probs, atol=1e-5, rtol=0)
+            assert torch.equal(shared.responses, result[f"dup_{name}_batched"].responses), key  # = the static engine
+            # the continuous engine copies the KV rows of a sibling in flight: 5 distinct prompts, 4 rows copied
+            assert shared.stats["prefill_shared_rows"] == 4 and every_row.stats["prefill_shared_rows"] == 0
+            assert shared.stats["prefill_tokens"] < every_row.stats["prefill_tokens"]
         greedy = result["dup_greedy_batched"].response_token_lists()
         free = {tuple(p): row for p, row in zip(ref["prompts"], ref["free"])}
         assert [greedy[b] for b in range(8)] == [free[tuple(p)] for p in rows[:8]]
@@ -538,7 +607,99 @@ def test_pp2_stages_agree_and_sampling(ref, pp2):
     _assert_limits_and_stops(ref, r0)
 
 
+# ----------------------------------------------------------------------------------------- continuous batching
+
+def _assert_same_rollout(got: Rollout, want: Rollout, what, atol=2e-5):
+    """Equal tokens, lengths and finish reasons; log-probs to float rounding (another batch shape)."""
+    assert got.response_token_lists() == want.response_token_lists(), what
+    assert got.finish_reasons == want.finish_reasons, what
+    assert torch.equal(got.response_mask, want.response_mask), what
+    torch.testing.assert_close(got.log_probs, want.log_probs, atol=atol, rtol=0, msg=what)
+
+
+def test_continuous_engine_equals_the_static_engine(dp2, tp2, pp2):
+    """Few rows in flight (4 of 18: finished rows' slots take the pending samples), prefills chunked by an 8-token
+    cap, GRPO groups of 3 sharing their prefill, skewed per-row budgets, an EOS: every sample's tokens equal the
+    static engine's (greedy and sampled), log-probs within 2e-5; pipeline micro-batching changes nothing."""
+    for result in dp2 + tp2 + pp2:
+        budgets = result["cb_budgets"]
+        for name in ("greedy", "sample"):
+            static, bounded = result[f"cb_{name}_static"], result[f"cb_{name}_bounded"]
+            _assert_same_rollout(bounded, static, name)
+            _assert_same_rollout(result[f"cb_{name}_one_group"], bounded, name + " one group", atol=1e-5)
+            assert bounded.response_lengths.tolist() != budgets  # the EOS stops some rows early ...
+            assert (bounded.response_lengths <= torch.tensor(budgets)).all()  # ... and the budgets bind others
+            assert "eos" in bounded.finish_reasons and "length" in bounded.finish_reasons
+            stats = bounded.stats
+            assert stats["kv_rows"] == 4 and stats["max_rows_in_flight"] == 4
+            assert stats["finished_row_steps"] == 0 < static.stats["finished_row_steps"]
+            # every response token comes from one decode row-step; the static engine ran every row every step
+            assert stats["decode_row_steps"] == int(bounded.response_lengths.sum())
+            assert stats["prefill_shared_rows"] > 0 and stats["prefill_forwards"] > 1
+            _check_consistent(bounded)
+    a, b = pp2  # both stages return the same rollouts
+    assert torch.equal(a["cb_sample_bounded"].responses, b["cb_sample_bounded"].responses)
+    assert pp2[0]["cb_sample_bounded"].stats["pipeline_groups"] == 2
+    assert pp2[0]["cb_sample_one_group"].stats["pipeline_groups"] == 1
+
+
+def test_decode_budget_and_continuation(dp2, tp2, pp2):
+    """max_decode_steps stops some samples ("unfinished", with their tokens and log-probs so far); continuing them in
+    a second call (other iteration for fresh samples, their own stream kept) gives one uninterrupted generation's
+    tokens, and the carried tokens keep their recorded log-probs."""
+    for result in dp2 + tp2 + pp2:
+        whole, first, rest = result["cb_partial_whole"], result["cb_partial_first"], result["cb_partial_rest"]
+        carried = result["cb_partial_carried"]
+        assert carried and len(carried) < len(result["cb_rows"])  # some samples finished within the budget
+        assert [first.finish_reasons[b] for b in carried] == ["unfinished"] * len(carried)
+        assert bool(first.unfinished[carried].all()) and not bool(first.stopped[carried].any())
+        finished = [b for b in range(len(result["cb_rows"])) if b not in carried]
+        for b in finished:
+            assert first.response_token_lists()[b] == whole.response_token_lists()[b]
+            assert first.finish_reasons[b] == whole.finish_reasons[b]
+        assert rest.continuations is None  # everything finished in the second call
+        # samples stopped mid-response, and samples still pending (no tokens yet) when the budget was spent
+        started = [int(first.response_lengths[b]) > 0 for b in carried]
+        assert any(started) and not all(started)
+        for i, b in enumerate(carried):
+            assert rest.response_token_lists()[i] == whole.response_token_lists()[b], b
+            assert rest.finish_reasons[i] == whole.finish_reasons[b]
+            n_old = int(first.response_lengths[b])
+            assert n_old < int(rest.response_lengths[i])
+            assert len(first.continuations[b].response) == n_old
+            assert torch.equal(rest.log_probs[i, :n_old], first.log_probs[b, :n_old])  # kept as recorded
+            torch.testing.assert_close(rest.log_probs[i], whole.log_probs[b], atol=2e-5, rtol=0)
+        _check_consistent(first)
+        _check_consistent(rest)
+
+
+def test_kv_cache_scales_with_rows_in_flight_and_engine_errors(dp2, tp2, pp2):
+    for result in dp2 + tp2 + pp2:
+        stats = result["cb_kv_bytes"]
+        assert stats[3]["kv_rows"] == 3 and stats[6]["kv_rows"] == 6
+        assert stats[6]["kv_cache_bytes"] == 2 * stats[3]["kv_cache_bytes"] > 0
+        # slots: the longest prompt + budget of any row (the static engine: longest prompt + largest budget)
+        slots = max(len(p) + n for p, n in zip(result["cb_rows"], result["cb_budgets"]))
+        assert stats[3]["kv_slots"] == stats[6]["kv_slots"] == slots < max(map(len, result["cb_rows"])) + MAX_NEW
+        errors = result["cb_errors"]
+        assert len(errors) == 6, errors
+        assert "sampling.max_num_seqs need the continuous engine, but engine='static'" in errors[0]
+        assert "engine='fast'" in errors[1] and "max_decode_steps=0" in errors[2]
+        assert "max_decode_steps, sampling.max_num_seqs need the continuous engine, but the static engine runs " \
+               "here: prefill='stepwise'" in errors[3]
+        assert "1 continuations for 2 prompts" in errors[4] and "response_budgets" in errors[5]
+
+
 # ============================================================================ pure-python pieces
+
+def test_decode_speed_patches_are_registered_for_every_device():
+    """The exact decode patches of mindspeed_llm/patches/inference.py (plain torch, exact everywhere: its docstring)
+    apply on CUDA and NPU too, not only on the CPU where the tests above compare them with megatron's code."""
+    from mindspeed_llm.patches import inference, registry
+
+    mine = [p for p in registry() if p.make.__module__ == inference.__name__]
+    assert len(mine) == 5 and all(set(p.devices) == {"cpu", "cuda", "npu"} for p in mine), mine
+
 
 def test_filter_logits_matches_transformers_warpers():
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
@@ -609,7 +770,8 @@ def test_sampling_config_validation_and_budgets():
     assert cfg.response_budgets([3, 7, 10, 12]) == [4, 3, 0, 0]
     assert SamplingConfig(max_new_tokens=None, max_length=6).response_budgets([2, 6]) == [4, 0]
     assert SamplingConfig(eos_token_id=[5, 6]).eos_ids == (5, 6) and SamplingConfig(eos_token_id=5).pad_id == 5
-    for bad in (dict(max_new_tokens=None), dict(temperature=0.0), dict(top_p=1.5), dict(top_k=-1)):
+    for bad in (dict(max_new_tokens=None), dict(temperature=0.0), dict(top_p=1.5), dict(top_k=-1),
+                dict(max_num_seqs=0), dict(max_num_batched_tokens=2.5), dict(max_num_seqs=True)):
         with pytest.raises(ValueError):
             SamplingConfig(**bad)
     # one stream per (seed, iteration, sample id); a longer table extends a stream, never changes its start

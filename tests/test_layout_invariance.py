@@ -21,7 +21,9 @@ loss scale.
 Layouts: TP1/PP1/DP1 with micro-batch sizes 1 (the reference) and 4 (packed prompt groups), in one
 process; TP2, PP2 and DP2 on 2 gloo processes; token-budget micro-batches (`--max-tokens-per-micro-batch`, rows and
 packed groups in one process, and DP2) for four of the cases. Every micro-batch is cut to its own length, so PP2
-also exchanges shapes that differ from one micro-batch to the next. Against the reference, each layout must give:
+also exchanges shapes that differ from one micro-batch to the next. The PP2 and DP2 runs also bound the generation
+engine (`--rollout-max-num-seqs`, `--rollout-max-num-batched-tokens`: few samples in flight, chunked prefills), which
+must change nothing either. Against the reference, each layout must give:
 
 * every logged metric (losses, clip fractions, KL, entropy, scores, lengths, grad norms; not timings and
   throughputs) within rtol 1e-5, atol 1e-6;
@@ -109,6 +111,9 @@ BUDGETS = {"budget": (26, 39), "budget_packed": (42, 63), "dp2_budget": (26, 26)
            # per rank: a CP2 micro-batch holds twice as many tokens, half of them on each rank
            "cp2_budget": (13, 20)}
 BUDGET_CASES = ("trl_ppo", "trl_ppo_n2", "grpo_token-mean", "grpo_seq-mean-token-sum-norm")
+# the generation engine's limits (speed and memory only) on two of the layouts
+ROLLOUT_LIMITS = {"pp2": ["--rollout-max-num-seqs", "3", "--rollout-max-num-batched-tokens", "8"],
+                  "dp2": ["--rollout-max-num-seqs", "2"]}
 
 
 def odd_first_word(text, label):
@@ -156,7 +161,7 @@ def _argv(paths, stage, layout, extra, out: Path):
         update, forward = BUDGETS[layout]
         argv += ["--max-tokens-per-micro-batch", str(update), "--forward-max-tokens-per-micro-batch", str(forward),
                  "--max-prompt-length", "5"]
-    return argv + LAYOUT_FLAGS.get(layout, []) + list(extra)
+    return argv + LAYOUT_FLAGS.get(layout, []) + ROLLOUT_LIMITS.get(layout, []) + list(extra)
 
 
 def _layout_cases(layout, cases):

@@ -44,8 +44,8 @@ PUBLISHED_TRL_PPO = (
 # The published line's flags that are accepted and change nothing here, by reason.
 PUBLISHED_IGNORED = {
     compat_flags.PERFORMANCE: ["--use-fused-swiglu", "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion"],
-    compat_flags.ALWAYS: ["--use-mcore-models", "--attention-softmax-in-fp32", "--is-instruction-dataset",
-                          "--variable-seq-lengths"],
+    compat_flags.ALWAYS: ["--use-mcore-models", "--swiglu", "--use-rotary-position-embeddings",
+                          "--attention-softmax-in-fp32", "--is-instruction-dataset", "--variable-seq-lengths"],
     compat_flags.CHECKPOINT: ["--make-vocab-size-divisible-by", "--init-method-std"],
     compat_flags.SEQ_LENGTH: ["--seq-length"],
     compat_flags.FP16_ONLY: ["--initial-loss-scale"],
@@ -105,7 +105,7 @@ def test_every_table_flag_parses():
     (["--position-embedding-type", "learned_absolute"], "--position-embedding-type learned_absolute"),
     (["--attention-dropout", "1.0"], "--attention-dropout 1.0 must be in [0, 1)"),
     (["--hidden-dropout=-0.1"], "--hidden-dropout -0.1 must be in [0, 1)"),
-    (["--initial-loss-scale", "0"], "--initial-loss-scale 0.0 must be a finite number > 0"),
+    (["--initial-loss-scale", "0"], "--initial-loss-scale 0.0 must be > 0"),
     (["--split", "0,1,0"], "--split 0,1,0 leaves nothing to train on"),
     (["--split", "a,b"], "--split 'a,b': expected up to three weights"),
     (["--split", "1,2,3,4"], "expected up to three weights"),

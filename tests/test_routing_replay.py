@@ -156,10 +156,14 @@ def _hand_mismatch(exp, plan, seen, every_token=False):
     return mismatched, compared
 
 
-def _replay_body(rank, world_size, ep, dtype, pp=1, prefill="auto", dispatcher="allgather", attention="sdpa"):
+def _replay_body(rank, world_size, ep, dtype, pp=1, prefill="auto", dispatcher="allgather", attention="sdpa",
+                 engine="auto"):
     """Generate with recording, then the old-log-prob pass and direct forwards with and without replay. At PP > 1
     only the pass (megatron's schedule) runs; each stage records and replays its own layers. The DP ranks of EP2
-    hold other prompts. `attention`: the models' core attention (build_model's)."""
+    hold other prompts. `attention`: the models' core attention (build_model's). `engine`: generate's (the bf16
+    cases that need live mismatches use the static engine: its left-padded slots round differently from the training
+    forward, while the continuous engine, at true positions, routed every token of this tiny model as the training
+    forward does)."""
     from megatron.core import parallel_state
 
     from mindspeed_llm import distributed
@@ -176,7 +180,7 @@ def _replay_body(rank, world_size, ep, dtype, pp=1, prefill="auto", dispatcher="
     prompts = [torch.randint(1, 120, (int(L),), generator=g).tolist() for L in (5, 9, 3, 7)]
     prompts = [p for p in prompts for _ in range(n)]  # prompt groups of n, as grpo
     sampling = SamplingConfig(do_sample=True, max_new_tokens=12 + 4 * dp_rank, seed=5, temperature=1.0)
-    rollout = generate(model, prompts, sampling, record_routing=True, prefill=prefill,
+    rollout = generate(model, prompts, sampling, record_routing=True, prefill=prefill, engine=engine,
                        sample_ids=[dp_rank * 100 + i for i in range(len(prompts))])
     exp = Experience.from_rollout(rollout)
     out["response_width"] = exp.responses.shape[1]
@@ -227,7 +231,7 @@ def _replay_body(rank, world_size, ep, dtype, pp=1, prefill="auto", dispatcher="
 
 @pytest.fixture(scope="module")
 def bf16_ep1():
-    return run_distributed(_replay_body, 1, 1, "bf16")[0]
+    return run_distributed(_replay_body, 1, 1, "bf16", 1, "auto", "allgather", "sdpa", "static")[0]
 
 
 def test_rollout_records_every_token(bf16_ep1):
@@ -417,9 +421,10 @@ def test_mismatch_metric_sums_over_dp_ranks_at_ep2():
 
 def test_each_pipeline_stage_replays_its_own_layers():
     """PP2: every stage records its one MoE layer; the pass replays on both (0) and all ranks log the same value.
-    Megatron's local attention: its bf16 probabilities make the decode step and the training forward differ in
-    their last bits, so some routing flips without replay (with the fused attention this tiny case flips none)."""
-    results = run_distributed(_replay_body, 2, 1, "bf16", 2, "auto", "allgather", "local")
+    Megatron's local attention and static engine: its bf16 probabilities and left-padded slots make the decode step
+    and the training forward differ in their last bits, so some routing flips without replay (with the fused
+    attention or the continuous engine this tiny case flips none)."""
+    results = run_distributed(_replay_body, 2, 1, "bf16", 2, "auto", "allgather", "local", "static")
     assert [r["layers_here"] for r in results] == [1, 1]
     for layout in ("rows", "packed"):
         assert results[0][f"{layout}_live_metric"] == results[1][f"{layout}_live_metric"]

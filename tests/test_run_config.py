@@ -125,9 +125,9 @@ def generate_config(**sampling):
     }
 
 
-GENERATE_FLAGS = ["--offload-train-optimizer", "--offload-train-grad", "--offload-train-param", "--max-length",
-                  "4096", "--max-new-tokens", "2048", "--top-p", "1.0", "--top-k", "0", "--do-sample",
-                  "--temperature", "1.0"]
+GENERATE_FLAGS = ["--offload-train-optimizer", "--offload-train-grad", "--offload-train-param",
+                  "--rollout-max-num-seqs", "1024", "--max-length", "4096", "--rollout-max-num-batched-tokens", "8192",
+                  "--max-new-tokens", "2048", "--top-p", "1.0", "--top-k", "0", "--do-sample", "--temperature", "1.0"]
 
 
 def grpo_file():
@@ -159,8 +159,8 @@ GRPO_IGNORED = [
     "rl_config.guarantee_order", "rl_config.use_integrated_worker", "rl_config.blocking",
     "rl_config.actor_forward_micro_batch_size", "rl_config.ref_forward_micro_batch_size", "rl_config.verifier_parallel",
     "rl_config.verifier_timeout", "rl_config.num_cpus_for_local_task", "rl_config.actor_resource",
-    "generate_config.trust_remote_code", "generate_config.max_num_seqs", "generate_config.max_num_batched_tokens",
-    "generate_config.gpu_memory_utilization", "generate_config.enforce_eager", "generate_config.enable_prefix_caching",
+    "generate_config.trust_remote_code", "generate_config.gpu_memory_utilization", "generate_config.enforce_eager",
+    "generate_config.enable_prefix_caching",
     "generate_config.sampling_config.logprobs", "generate_config.sampling_config.detokenize",
 ]
 

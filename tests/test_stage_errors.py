@@ -33,13 +33,17 @@ BASE = ["--data-path", "d", "--train-iters", "1", "--global-batch-size", "4", "-
     (["--stage", "grpo", "--verifier-function", "math_acc", "--micro-batch-size", "0"], 1,
      "--micro-batch-size 0 must be >= 1"),
     (["--stage", "grpo", "--verifier-function", "math_acc", "--lr", "nan"], 1, "--lr nan must be a finite number"),
-    (["--stage", "grpo", "--verifier-function", "math_acc", "--lr=-1e-3"], 1, "--lr -0.001 must be a finite number >= 0"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--lr=-1e-3"], 1, "--lr -0.001 must be > 0"),
     (["--stage", "trl_ppo", "--reward-model", "x", "--critic-lr", "inf"], 1, "--critic-lr inf must be a finite"),
     (["--stage", "grpo", "--verifier-function", "math_acc", "--ckpt-step", "3"], 1, "--ckpt-step 3 needs --load DIR"),
     (["--stage", "grpo", "--verifier-function", "math_acc", "--override-opt_param-scheduler",
       "--use-checkpoint-opt_param-scheduler"], 1, "contradict each other"),
     (["--stage", "grpo", "--verifier-function", "math_acc", "--n-samples-per-prompt", "4", "--ppo-mini-batch-size",
       "4", "--global-batch-size", "4"], 2, "--ppo-mini-batch-size 4 must be a multiple of --n-samples-per-prompt 4 x"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--rollout-max-num-seqs", "0"], 1,
+     "--rollout-max-num-seqs 0 must be >= 1"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--rollout-max-num-batched-tokens=-4"], 1,
+     "--rollout-max-num-batched-tokens -4 must be >= 1"),
 ])
 def test_inconsistent_flags_are_refused_by_name(extra, world, needle):
     with pytest.raises(ArgumentError) as err:
@@ -57,6 +61,31 @@ def _run_main_cases(rank, world_size, cases):
             code = posttrain_gpt.main(argv)
         messages.append((code, stderr.getvalue()))
     return messages
+
+
+def _damaged_copies(paths, tmp_path) -> dict:
+    """Copies of the stage assets' dataset with a truncated .idx / .bin, and of the actor checkpoint with a
+    truncated / zero-filled shard."""
+    import shutil
+    from pathlib import Path
+
+    data = Path(paths["data_train"])
+    out = {}
+    for kind in ("idx", "bin"):
+        folder = tmp_path / f"data_{kind}"
+        shutil.copytree(data.parent, folder)
+        prefix = folder / data.name
+        target = sorted(folder.glob(f"{data.name}*input_ids*.{kind}"))[0]
+        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+        out[kind] = str(prefix)
+    for kind in ("truncated", "zeroed"):
+        root = tmp_path / f"actor_{kind}"
+        shutil.copytree(paths["mg_actor_tp1pp1"], root)
+        shard = sorted(root.rglob("model_optim_rng.pt"))[0]
+        size = shard.stat().st_size
+        shard.write_bytes(shard.read_bytes()[: size // 2] if kind == "truncated" else bytes(size))
+        out[f"{kind}_shard"] = str(root)
+    return out
 
 
 def test_bad_checkpoints_data_and_verifiers_fail_before_compute(stage_paths, tmp_path):
@@ -80,6 +109,7 @@ def test_bad_checkpoints_data_and_verifiers_fail_before_compute(stage_paths, tmp
         return posttrain_argv(stage_paths, "trl_ppo", iters=1, extra=list(extra))
 
     actor, reward = stage_paths["mg_actor_tp1pp1"], stage_paths["mg_reward_tp1pp1"]
+    damaged = _damaged_copies(stage_paths, tmp_path)
     cases = {
         "missing checkpoint": (grpo("--ref-model", str(tmp_path / "nowhere")), ["--ref-model", "does not exist"]),
         "reward without value head": (ppo("--reward-model", actor), ["--reward-model", "value-head", "--orm"]),
@@ -95,10 +125,27 @@ def test_bad_checkpoints_data_and_verifiers_fail_before_compute(stage_paths, tmp
         "unknown advantage estimator": (grpo("--adv-estimator", "ppo"), ["--adv-estimator ppo", "grpo, rloo"]),
         "rloo with a std scale": (grpo("--adv-estimator", "rloo", "--adv-scale", "group"),
                                   ["--adv-estimator rloo", "--adv-scale group does not apply"]),
+        "truncated .idx": (grpo("--data-path", damaged["idx"]), [".idx cannot be read", "the dataset is damaged",
+                                                                  "preprocess_data.py"]),
+        "truncated .bin": (grpo("--data-path", damaged["bin"]), [".bin holds", "the file is truncated"]),
+        "truncated --ref-model shard": (grpo("--ref-model", damaged["truncated_shard"]),
+                                        ["--ref-model", "cannot be read: it is truncated or corrupt"]),
+        "zero-filled --ref-model shard": (grpo("--ref-model", damaged["zeroed_shard"]),
+                                          ["--ref-model", "cannot be read: it is truncated or corrupt"]),
+        "stop id outside the tokenizer": (grpo("--stop-token-ids", "999999"),
+                                          ["--stop-token-ids 999999: outside the tokenizer's ids"]),
+        # divergence without a NaN (--check-for-divergence): the first step multiplies the weights' norm
+        "--lr 1e6": (ppo("--lr", "1e6", "--train-iters", "2", "--save", str(tmp_path / "diverged"),
+                         "--save-interval", "1"),
+                     ["iteration 1: actor: rank 0: one optimizer step changed the weights' norm from", "the update diverged",
+                      "nothing of this iteration was saved (no checkpoint was written); lower --lr"]),
     }
+    exit_codes = {"--lr 1e6": 1}  # training stopped, not a command-line mistake
     results = run_distributed(_run_main_cases, 1, [argv for argv, _ in cases.values()])[0]
+    assert not (tmp_path / "diverged" / "latest_checkpointed_iteration.txt").exists()
+    assert not (tmp_path / "diverged" / "actor" / "iter_0000001").exists()
     for (name, (_, needles)), (code, message) in zip(cases.items(), results):
-        assert code == 2, f"{name}: exit {code}\n{message}"
+        assert code == exit_codes.get(name, 2), f"{name}: exit {code}\n{message}"
         assert "Traceback" not in message, f"{name}: {message}"
         for needle in needles:
             assert needle in message, f"{name}: {needle!r} not in {message!r}"

@@ -17,6 +17,10 @@ MODELS = [("qwen2", False, "fp32"), ("qwen2", False, "bf16"), ("qwen2", True, "f
           ("deepseek_v3", False, "fp32")]
 
 
+# megatron's tensor-parallel attributes of a parameter (set_tensor_model_parallel_attributes, and DDP's allreduce)
+TENSOR_PARALLEL_MARKS = ("tensor_model_parallel", "partition_dim", "partition_stride", "allreduce")
+
+
 def _startup_cases(rank, world_size, root):
     from pathlib import Path
 
@@ -56,6 +60,10 @@ def _startup_cases(rank, world_size, root):
                 a, b = ours[key], theirs[key]
                 if a.dtype != b.dtype or a.device != b.device or not torch.equal(a, b):
                     differ.append(key)
+                # megatron's own marks: which weights are split over TP, along which dim (clipping reads them)
+                marks = [tuple(getattr(t, name, None) for name in TENSOR_PARALLEL_MARKS) for t in (a, b)]
+                if marks[0] != marks[1]:
+                    differ.append(f"{key} marks {marks[0]} != {marks[1]}")
         tokens = torch.randint(0, built.model_spec.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
         positions = torch.arange(6).repeat(2, 1)
         with torch.no_grad():  # what is neither a parameter nor a buffer (RoPE's frequencies) shows in the output

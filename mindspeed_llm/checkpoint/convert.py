@@ -202,18 +202,7 @@ def _check_not_training_root(root: str) -> None:
 def _checkpoint_info(root: str, iteration):
     """layout.checkpoint_info, with a training --save root recognised and an unreadable shard named."""
     _check_not_training_root(root)
-    try:
-        return layout.checkpoint_info(root, iteration)
-    except (RuntimeError, EOFError) as err:  # torch.load of a truncated / corrupt file
-        path, _ = layout.resolve_dir(root, iteration)
-        _, pp = layout.find_layout(path)
-        raise _unreadable_shard(layout.shard_path(path, 0, 0, pp), err) from None
-
-
-def _unreadable_shard(path: str, err: Exception) -> ConversionError:
-    detail = " ".join(str(err).split())[:200]
-    return ConversionError(f"{path} cannot be read: it is truncated or corrupt ({detail}); copy it again or "
-                           f"convert from another checkpoint")
+    return layout.checkpoint_info(root, iteration)  # an unreadable shard: layout.CheckpointReadError names it
 
 
 def _cast(tensors: Dict[str, torch.Tensor], dtype: torch.dtype, value_head: bool,
@@ -344,10 +333,7 @@ def _load_stage(info, stage: int) -> Dict[str, torch.Tensor]:
 
 
 def _read_shard(path: str) -> Dict[str, torch.Tensor]:
-    try:
-        return layout.load_file(path)["model"]
-    except (RuntimeError, EOFError) as err:
-        raise _unreadable_shard(path, err) from None
+    return layout.load_file(path)["model"]  # an unreadable shard: layout.CheckpointReadError names it
 
 
 def _check_value_head_flag(info, value_head: Optional[bool], root: str) -> bool:

@@ -2,9 +2,16 @@
 that the command-line entry points can name them before anything heavy is loaded)."""
 
 
-class CheckpointError(ValueError):
+from mindspeed_llm.errors import UserError
+
+
+class CheckpointError(UserError, ValueError):
     """An unusable --load / --save directory or a failed save; the message names the path and the fix."""
 
 
 class NonFiniteError(RuntimeError):
     """NaN or inf where training must not go on (a loss, a gradient, weights about to be saved)."""
+
+
+class DivergenceError(NonFiniteError):
+    """Training diverged without a NaN: the weights jumped by orders of magnitude, or the policy went uniform."""

@@ -61,6 +61,8 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
+from mindspeed_llm.checkpoint.megatron_layout import write_atomically
+
 # Names accepted by --model-type-hf -> the config.json model_type they stand for.
 MODEL_TYPE_ALIASES = {
     "llama": "llama", "llama2": "llama", "llama3": "llama", "llama31": "llama", "llama3.1": "llama",
@@ -838,9 +840,7 @@ def save_hf_weights(state: Dict[str, torch.Tensor], out_dir: str, max_shard_byte
     else:
         files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for file, shard in zip(files, shards):
-        tmp = os.path.join(out_dir, f".{file}.tmp")
-        save_file(shard, tmp, metadata={"format": "pt"})
-        os.replace(tmp, os.path.join(out_dir, file))
+        write_atomically(os.path.join(out_dir, file), lambda tmp: save_file(shard, tmp, metadata={"format": "pt"}))
         written.append(file)
     if len(shards) > 1:
         index = {

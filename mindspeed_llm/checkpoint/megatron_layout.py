@@ -38,6 +38,8 @@ previous complete state or a dot-directory that nothing reads.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import os
 import shutil
 import uuid
@@ -45,6 +47,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
+from mindspeed_llm.errors import UserError
 from mindspeed_llm.files import fsync_dir
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -56,8 +59,8 @@ RELEASE = "release"
 Iteration = Union[int, str]
 
 
-class CheckpointNotFoundError(FileNotFoundError):
-    pass
+class CheckpointNotFoundError(UserError, FileNotFoundError):
+    """No checkpoint where one was asked for; the message names the directory."""
 
 
 # ------------------------------------------------------------------------------------------- names
@@ -190,6 +193,50 @@ def remove_latest(root: str) -> None:
         fsync_dir(os.fspath(root))
 
 
+def checkpoint_traces(root: str, role_names=("actor", "critic")) -> List[str]:
+    """What under `root` belongs to a checkpoint of any kind, as paths relative to it: tracker files, `iter_*` and
+    `release` directories, at the top and in each role's folder (staging leftovers, `.iter_*`, are not)."""
+    traces = []
+    for sub in ("", *dict.fromkeys((*role_names, "actor", "critic"))):
+        folder = os.path.join(root, sub)
+        if not os.path.isdir(folder):
+            continue
+        for entry in sorted(os.listdir(folder)):
+            if entry == TRACKER_FILE or entry == RELEASE or (
+                    entry.startswith("iter_") and entry[5:].isdigit()):
+                traces.append(os.path.join(sub, entry))
+    return traces
+
+
+def conversion_target_problem(save_dir: str, save_model_type: str) -> Optional[str]:
+    """Why convert_ckpt.py must not write into `save_dir` (None: it may): a training checkpoint there (its
+    tracker would be replaced, and the next resume would start over its iterations) or anything but an earlier
+    conversion of the same kind (a Megatron `release` model, or a Hugging Face folder)."""
+    if not os.path.exists(save_dir):
+        return None
+    if not os.path.isdir(save_dir):
+        return f"--save-dir {save_dir} is a file; pass a directory"
+    entries = [e for e in os.listdir(save_dir) if not e.startswith(".")]
+    if not entries:
+        return None
+    traces = checkpoint_traces(save_dir)
+    training = [t for t in traces if t not in (TRACKER_FILE, RELEASE)]
+    try:
+        tracker = read_latest(save_dir) if TRACKER_FILE in traces else RELEASE
+    except CheckpointNotFoundError:  # a tracker holding something else: not a conversion's
+        tracker = None
+    if training or tracker != RELEASE:
+        return (f"--save-dir {save_dir} holds a training checkpoint ({', '.join(traces[:4])}"
+                f"{' ...' if len(traces) > 4 else ''}): converting into it would replace its tracker and a later "
+                "--load of it would start over; pass a new --save-dir")
+    earlier = (set(traces) == {TRACKER_FILE, RELEASE}) if save_model_type == "mg" else \
+        os.path.isfile(os.path.join(save_dir, "config.json"))
+    if not earlier:
+        return (f"--save-dir {save_dir} holds {', '.join(sorted(entries)[:4])}{' ...' if len(entries) > 4 else ''}, "
+                f"not an earlier {save_model_type} conversion; pass a new or empty --save-dir")
+    return None
+
+
 def read_latest(root: str) -> Iteration:
     """'release' or the int iteration named by <root>/latest_checkpointed_iteration.txt."""
     root = os.fspath(root)
@@ -290,11 +337,22 @@ def _safe_globals():
     return torch.serialization.safe_globals([argparse.Namespace])
 
 
+class CheckpointReadError(UserError, ValueError):
+    """A checkpoint file exists but cannot be read (truncated, zero-filled, overwritten); the message names it."""
+
+
 def load_file(path: str, map_location="cpu", weights_only: bool = True, mmap: bool = False) -> Dict[str, Any]:
+    """torch.load of a checkpoint file; a missing one raises `CheckpointNotFoundError`, a damaged one
+    `CheckpointReadError`, both naming the file."""
     if not os.path.isfile(path):
         raise CheckpointNotFoundError(f"checkpoint shard {path} does not exist")
-    with _safe_globals():
-        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+    try:
+        with _safe_globals():
+            return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+    except Exception as exc:  # torch raises any of several types for a damaged file
+        detail = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise CheckpointReadError(f"{path} cannot be read: it is truncated or corrupt ({detail}); copy it again or "
+                                  "convert from another checkpoint") from exc
 
 
 def load_shard(root: str, tp_rank: int, pp_rank: int, iteration: Optional[Iteration] = None, ep_rank: int = 0, *,
@@ -317,12 +375,38 @@ def load_shard(root: str, tp_rank: int, pp_rank: int, iteration: Optional[Iterat
                      mmap)
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint file could not be written; the message names the file and the cause (a full disk by name)."""
+
+
+def write_error_message(path: str, exc: BaseException) -> str:
+    """One line for a failed write of `path`: a full disk is named as such (torch's zip writer reports it as an
+    'unexpected pos' RuntimeError), as is a permission problem."""
+    text = str(exc)
+    if getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in text or "unexpected pos" in text:
+        return f"No space left on device writing {path}"
+    if isinstance(exc, PermissionError):
+        return f"permission denied writing {path}"
+    return f"cannot write {path} ({exc})"
+
+
+def write_atomically(path: str, write) -> None:
+    """`write(tmp)` to a temp name beside `path`, then renamed into place; a failure removes the temp file and raises
+    `CheckpointWriteError` naming `path` (the previous file, if any, stays)."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
+    try:
+        write(tmp)
+    except (OSError, RuntimeError) as exc:  # torch and safetensors report a full disk as a RuntimeError
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise CheckpointWriteError(write_error_message(path, exc)) from exc
+    os.replace(tmp, path)
+
+
 def save_file(payload: Dict[str, Any], path: str) -> None:
     """torch.save `payload` to `path` (creating its folder) through a temp name."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp"
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+    write_atomically(path, lambda tmp: torch.save(payload, tmp))
 
 
 # ------------------------------------------------------------------------------------------- payloads

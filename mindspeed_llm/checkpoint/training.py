@@ -35,7 +35,7 @@ load and leaves again after it.
 from __future__ import annotations
 
 import contextlib
-import errno
+import fcntl
 import json
 import os
 import shutil
@@ -131,13 +131,17 @@ def non_finite_weights(roles: Dict[str, object]) -> Optional[str]:
     return "; ".join(found) or None
 
 
-def _remove_staging_leftovers(role_root: str) -> None:
-    """Staging directories of killed saves (any iteration) are never checkpoints: drop them."""
-    if not os.path.isdir(role_root):
+def _remove_staging_leftovers(folder: str) -> None:
+    """Staging directories of killed saves (any iteration) and tracker temp files of a kill between their write and
+    rename are never checkpoints: drop them."""
+    if not os.path.isdir(folder):
         return
-    for name in os.listdir(role_root):
+    for name in os.listdir(folder):
         if name.startswith(".iter_") and (name.endswith(".staging") or ".old-" in name):
-            shutil.rmtree(os.path.join(role_root, name), ignore_errors=True)
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+        elif name.startswith(f".{layout.TRACKER_FILE}.tmp-"):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, name))
 
 
 @contextlib.contextmanager
@@ -150,18 +154,20 @@ def _on_device(roles: Dict[str, object]):
         yield
 
 
-def save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict) -> None:
-    """Write `roles` ({name: TrainableModel}) and `loop_state` (sampler position etc.) for `iteration`.
+def save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict, save_optim: bool = True) -> None:
+    """Write `roles` ({name: TrainableModel}) and `loop_state` (sampler position etc.) for `iteration`; without
+    `save_optim` (--no-save-optim, Megatron-LM's) the weights, RNG and data position only: no optimizer state, no
+    LR schedule (a resume then needs --no-load-optim).
 
     Refuses non-finite weights (`NonFiniteError`, nothing written); a write error on any rank removes the
     staging files and raises `CheckpointError` naming it. Either way the previous checkpoint stays the
     resume point.
     """
     with _on_device(roles):
-        _save(root, iteration, roles, loop_state)
+        _save(root, iteration, roles, loop_state, save_optim)
 
 
-def _save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict) -> None:
+def _save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict, save_optim: bool) -> None:
     problems = gather_messages(non_finite_weights(roles))
     if problems:
         raise NonFiniteError(
@@ -169,11 +175,12 @@ def _save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict)
         )
     rng_states = _gather_dp(_rng_state())
     # the distributed optimizer's sharded state, gathered onto DP rank 0 (collectives: every rank, every role)
-    parameter_states = {name: _parameter_state(trainable) for name, trainable in roles.items()}
+    parameter_states = {name: _parameter_state(trainable) if save_optim else None for name, trainable in roles.items()}
     tp_rank, pp_rank, tp, pp = _layout()
     dp = parallel_state.get_data_parallel_world_size()
     staging = {name: layout.staging_dir(os.path.join(root, name), iteration) for name in roles}
     if is_rank_0():
+        _remove_staging_leftovers(root)
         for name in roles:
             _remove_staging_leftovers(os.path.join(root, name))
             layout.prepare_staging(os.path.join(root, name), iteration)
@@ -185,6 +192,8 @@ def _save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict)
         files = []
         if _writes_shard(module):
             state = trainable.state_dict()
+            if not save_optim:
+                del state["optimizer"], state["opt_param_scheduler"]
             payload = layout.make_payload(
                 state.pop("model"), module.model_spec, tp, pp, tp_rank, pp_rank, module.config.params_dtype,
                 bool(getattr(module, "is_value_model", False)), iteration, ep=ep, etp=etp, ep_rank=ep_rank,
@@ -192,6 +201,7 @@ def _save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict)
             )
             payload["args"].use_distributed_optimizer = bool(_distributed_optimizers(trainable))
             payload["args"].data_parallel_size = dp
+            payload["args"].no_save_optim = not save_optim
             files.append((payload, layout.shard_path(staging[name], tp_rank, pp_rank, pp, ep_rank, ep)))
         if parameter_states[name] is not None:
             files.append((parameter_states[name],
@@ -199,8 +209,9 @@ def _save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict)
         for payload, path in files:
             try:
                 layout.save_file(payload, path)
-            except (OSError, RuntimeError) as exc:  # torch reports a full disk as a RuntimeError
-                error = _write_error(path, exc)
+            except OSError as exc:  # layout.CheckpointWriteError names the file and the cause
+                error = str(exc) if isinstance(exc, layout.CheckpointWriteError) else \
+                    layout.write_error_message(path, exc)
                 break
         if error:
             break
@@ -234,16 +245,6 @@ def _parameter_state(trainable):
     return trainable.parameter_state() if _distributed_optimizers(trainable) else None
 
 
-def _write_error(path: str, exc: BaseException) -> str:
-    text = str(exc)
-    no_space = getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in text or "unexpected pos" in text
-    if no_space:
-        return f"No space left on device writing {path}"
-    if isinstance(exc, PermissionError):
-        return f"permission denied writing {path}"
-    return f"cannot write {path} ({exc})"
-
-
 def latest_iteration(root: str) -> Optional[int]:
     """The iteration of the last complete stage checkpoint under `root`, or None when there is none."""
     try:
@@ -273,25 +274,67 @@ def resume_iteration(load: str, role_names, stage_name: str, save: Optional[str]
 
     * `--ckpt-step N`: iteration N, which every role must have;
     * else the top-level tracker's iteration (a complete stage checkpoint);
-    * `load` equal to `save` and nothing complete there yet: start fresh (the auto-resume pattern of
-      restart loops: the same command line for the first run and every restart);
-    * anything else is an error naming what is missing (a typo'd path, another stage's checkpoint, a
-      converted model, staging leftovers of a killed first save).
+    * `load` equal to `save` and no checkpoint of any kind there (no tracker, no `iter_*`, no `release`; the
+      staging leftovers of a killed first save are none): start fresh (the auto-resume pattern of restart loops:
+      the same command line for the first run and every restart);
+    * anything else is an error naming what is wrong and, where one exists, the `--ckpt-step` that would work: a
+      missing, unreadable or `release` tracker over saved iterations, a tracker iteration some role lacks, a typo'd
+      path, another stage's checkpoint, a converted model. Nothing under `load` is touched before it returns, so a
+      run never starts over a checkpoint it could not read.
     """
     roles = list(role_names)
+    complete = complete_iterations(load, roles)
     if ckpt_step is not None:
-        complete = complete_iterations(load, roles)
         if ckpt_step not in complete:
             listed = ", ".join(map(str, complete)) or "none"
             raise CheckpointError(f"--ckpt-step {ckpt_step}: --load {load} has no complete checkpoint of iteration "
                                   f"{ckpt_step} for {', '.join(roles)} (complete iterations: {listed})")
         return ckpt_step
-    latest = latest_iteration(load)
-    if latest is not None and latest in complete_iterations(load, roles):
-        return latest
-    if save is not None and os.path.abspath(load) == os.path.abspath(save):
-        return None
-    raise CheckpointError(f"--load {load}: {_why_not_a_checkpoint(load, roles, stage_name)}")
+    tracker, problem = _tracker(load)
+    if isinstance(tracker, int) and tracker in complete:
+        return tracker
+    traces = layout.checkpoint_traces(load, roles)
+    if not traces:
+        if save is not None and os.path.abspath(load) == os.path.abspath(save):
+            return None
+        raise CheckpointError(f"--load {load}: {_why_not_a_checkpoint(load, roles, stage_name)}")
+    other_stage = _written_by_another_stage(load, roles, stage_name)
+    if other_stage or (tracker == layout.RELEASE and not complete and not any(
+            os.path.isdir(os.path.join(load, r)) for r in roles)):
+        raise CheckpointError(f"--load {load}: {other_stage or _why_not_a_checkpoint(load, roles, stage_name)}")
+    if tracker == layout.RELEASE:
+        problem = (f"{os.path.join(load, layout.TRACKER_FILE)} says 'release', a converted model's tracker (did "
+                   "convert_ckpt.py write into this --save root?), not an iteration")
+    elif problem is None:  # the tracker names an iteration that not every role has
+        lacking = [os.path.join(load, r, f"iter_{tracker:07d}") for r in roles
+                   if tracker not in complete_iterations(load, [r])]
+        problem = f"its tracker says iteration {tracker}, but {', '.join(lacking)} is missing"
+    fix = (f"pass --ckpt-step {complete[-1]} to resume from its newest complete iteration" if complete else
+           f"no iteration there is complete for {' and '.join(roles)}: pass another --load (or --save) directory")
+    raise CheckpointError(f"--load {load}: {problem}; it holds {', '.join(traces[:4])}"
+                          f"{' ...' if len(traces) > 4 else ''}, so the run does not start over it: {fix}")
+
+
+def _tracker(root: str):
+    """(the top-level tracker's iteration or 'release', None) or (None, what is wrong with it)."""
+    try:
+        return layout.read_latest(root), None
+    except layout.CheckpointNotFoundError:
+        path = os.path.join(root, layout.TRACKER_FILE)
+        if not os.path.isfile(path):
+            return None, f"{path} is missing"
+        with open(path, errors="replace") as f:
+            return None, f"{path} holds {f.read().strip()[:40]!r}, not an iteration"
+
+
+def _written_by_another_stage(load: str, roles: List[str], stage_name: str) -> Optional[str]:
+    present = [r for r in ("actor", "critic") if os.path.isfile(os.path.join(load, r, layout.TRACKER_FILE))]
+    missing = [r for r in roles if r not in present and not os.path.isdir(os.path.join(load, r))]
+    if present and missing:
+        return (f"it holds a checkpoint of {', '.join(present)} but --stage {stage_name} trains "
+                f"{' and '.join(roles)} ({', '.join(os.path.join(load, r) for r in missing)} missing): it was "
+                "written by another stage")
+    return None
 
 
 def _why_not_a_checkpoint(load: str, roles: List[str], stage_name: str) -> str:
@@ -301,12 +344,6 @@ def _why_not_a_checkpoint(load: str, roles: List[str], stage_name: str) -> str:
             os.path.isdir(os.path.join(load, r)) for r in roles):
         return (f"this is a converted model, not a --save directory of a {stage_name} run; pass it as --ref-model "
                 "(or --reward-model), or use --finetune with a --save directory")
-    present = [r for r in ("actor", "critic") if os.path.isfile(os.path.join(load, r, layout.TRACKER_FILE))]
-    missing = [r for r in roles if r not in present]
-    if present and missing:
-        return (f"it holds a checkpoint of {', '.join(present)} but --stage {stage_name} trains "
-                f"{' and '.join(roles)} ({', '.join(os.path.join(load, r) for r in missing)} missing): it was "
-                "written by another stage")
     return (f"no complete {stage_name} checkpoint there ({os.path.join(load, layout.TRACKER_FILE)} is missing; "
             "the staging leftovers of an interrupted first save are not a checkpoint); pass the --save directory "
             "of an earlier run, or the same directory as --save to start fresh there and resume later")
@@ -327,11 +364,12 @@ def load(root: str, roles: Dict[str, object], iteration: int, load_optim: bool =
 
 def _load(root: str, roles: Dict[str, object], iteration: int, load_optim: bool, load_rng: bool,
           on_schedule) -> dict:
-    tp_rank, pp_rank, _, _ = _layout()
+    tp_rank, pp_rank, tp, pp = _layout()
     loop_state = None
     for name, trainable in roles.items():
         role_root = os.path.join(root, name)
-        ep_rank = layout.model_expert_layout(trainable.module)[2]
+        ep, _, ep_rank = layout.model_expert_layout(trainable.module)
+        _check_saved_layout(name, role_root, iteration, (tp, pp, ep))
         state, error = None, None
         try:
             state = layout.load_shard(role_root, tp_rank, pp_rank, iteration, ep_rank, weights_only=False)
@@ -339,6 +377,10 @@ def _load(root: str, roles: Dict[str, object], iteration: int, load_optim: bool,
             error = _damaged(role_root, iteration, tp_rank, pp_rank, exc, list(roles), ep_rank)
         _raise_on_every_rank(error)
         parameter_state, source = None, ""
+        if load_optim and "optimizer" not in state:
+            raise CheckpointError(f"{name}: iteration {iteration} under {role_root} holds no optimizer state (it "
+                                  "was saved with --no-save-optim); resume with --no-load-optim (its weights, a "
+                                  "fresh optimizer and LR schedule) or --finetune")
         if load_optim:
             parameter_state, source = _read_parameter_state(name, trainable, state, role_root, iteration, roles)
         if on_schedule is not None and load_optim:
@@ -357,6 +399,24 @@ def _rng_state_of_rank(states: list):
     --data-parallel-random-init (rollouts draw from per-sample streams, which no RNG state holds)."""
     dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     return states[rank] if len(states) == dp else states[0]
+
+
+def _check_saved_layout(name: str, role_root: str, iteration: int, ours) -> None:
+    """The same error on every rank when `iteration` of a role was saved at another TP / PP / EP than this run's (each
+    rank would otherwise fail its own way: a size mismatch on one, a missing shard on another)."""
+    error = None
+    try:
+        saved = layout.read_layout(layout.checkpoint_dir(role_root, iteration))
+    except (OSError, ValueError) as exc:
+        error = f"{name}: iteration {iteration} under {role_root} cannot be read ({exc})"
+    else:
+        if (saved.tp, saved.pp, saved.ep) != tuple(ours):
+            tp, pp, ep = ours
+            error = (f"{name}: iteration {iteration} under {role_root} was saved at TP {saved.tp}, PP {saved.pp}, EP "
+                     f"{saved.ep}; this run is TP {tp}, PP {pp}, EP {ep}: run at the layout it was saved with, or "
+                     "reshard it with convert_ckpt.py --load-model-type mg --save-model-type mg "
+                     f"--target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp} into a new --load")
+    _raise_on_every_rank(error)
 
 
 def _raise_on_every_rank(error: Optional[str]) -> None:
@@ -425,10 +485,15 @@ def _damaged(role_root: str, iteration: int, tp_rank: int, pp_rank: int, exc: Ba
 
 # ---------------------------------------------------------------------------------------------- the --save dir
 class WriterLock:
-    """One writer per --save directory: `<save>/.writer.lock` holds the host and pid of the run writing there.
+    """One writer per --save directory: `<save>/.writer.lock`, held with an exclusive `flock` for the run's
+    lifetime and holding the host and pid of the run writing there (for messages).
 
-    Taken by rank 0 at start, released at exit. A live holder is refused with its host and pid named; a lock
-    left by a process that no longer runs (on this host) is taken over, with a message.
+    Taken by rank 0 at start, released at exit. A live holder is refused with its host and pid named. A lock left by
+    a run that died is free again (the kernel, or the NFS server, drops a dead process's flock): it is taken over,
+    with a message; when several runs take it over at the same instant, exactly one wins (the kernel's lock decides,
+    and a taker checks that the file it locked is still the one at the path, since a releasing run unlinks it).
+    Where the filesystem has no flock, an O_EXCL create of the file is the lock, and a dead holder's file is taken
+    over by renaming it away (one taker's rename wins).
     """
 
     NAME = ".writer.lock"
@@ -436,43 +501,116 @@ class WriterLock:
     def __init__(self, save: str):
         self.path = os.path.join(save, self.NAME)
         self.held = False
+        self._fd: Optional[int] = None
 
     def acquire(self, log=print) -> None:
         me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        for _ in range(2):
+        for _ in range(20):  # a few rounds for a takeover racing with a release
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                holder = self._holder()
+                raise CheckpointError(self._busy_message(holder)) from None
+            except OSError:  # no flock on this filesystem
+                os.close(fd)
+                return self._acquire_exclusive(me, log)
+            if not self._same_file(fd):  # a releasing run unlinked the file we locked: lock the new one
+                os.close(fd)
+                continue
+            previous = self._holder()
+            if previous and previous.get("pid") is not None and not (
+                    previous.get("host") == me["host"] and previous.get("pid") == me["pid"]):
+                log(f"taking over {self.path} from pid {previous.get('pid')} on {previous.get('host')}, which is "
+                    "no longer running")
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(me).encode(), 0)
+            os.fsync(fd)
+            self._fd, self.held = fd, True
+            return
+        raise CheckpointError(f"cannot take {self.path}: other runs keep taking and releasing it")
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                if self._same_file(self._fd):
+                    os.remove(self.path)  # while still locked: a taker that locked this file sees it gone
+            os.close(self._fd)  # drops the flock
+            self._fd = None
+        else:
+            holder = self._holder()
+            if holder and holder.get("pid") == os.getpid():
+                os.remove(self.path)
+        self.held = False
+
+    def _same_file(self, fd: int) -> bool:
+        try:
+            mine, there = os.fstat(fd), os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
+
+    def _busy_message(self, holder: Optional[dict]) -> str:
+        who = (f"pid {holder['pid']} on {holder['host']}, since {holder.get('since', '?')}" if holder
+               else "a run that has not written its name yet")
+        return (f"--save {os.path.dirname(self.path)} is being written by another run ({who}); two writers would "
+                "corrupt it: stop that run or pass another --save")
+
+    def _acquire_exclusive(self, me: dict, log) -> None:
+        """The lock without flock: the file's O_EXCL creation. A dead holder's file (or one left empty by a run
+        killed while writing it, after a grace period) is taken over under a takeover mutex (`mkdir` of
+        `<lock>.takeover`, atomic): of simultaneous takers, the one that made it replaces the file, the others are
+        refused as if the lock were live (it is, a moment later)."""
+        for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 holder = self._holder()
-                if holder and self._alive(holder):
-                    raise CheckpointError(
-                        f"--save {os.path.dirname(self.path)} is being written by another run (pid {holder['pid']} "
-                        f"on {holder['host']}, since {holder.get('since', '?')}); two writers would corrupt it: stop "
-                        f"that run or pass another --save (if it is gone, delete {self.path})"
-                    ) from None
-                log(f"taking over {self.path} from pid {holder.get('pid') if holder else '?'} "
-                    f"on {holder.get('host') if holder else '?'}, which is no longer running")
-                os.remove(self.path)
-                continue
+                if (holder is None and self._age() < self.EMPTY_GRACE_S) or (holder and self._alive(holder)):
+                    raise CheckpointError(self._busy_message(holder)) from None
+                mutex = f"{self.path}.takeover"
+                try:
+                    os.mkdir(mutex)
+                except FileExistsError:
+                    raise CheckpointError(f"another run is taking over {self.path} at this moment (if none is, "
+                                          f"delete {mutex})") from None
+                try:
+                    if self._holder() != holder:  # replaced since we read it: look again
+                        continue
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(self.path)
+                    log(f"taking over {self.path} from pid {holder.get('pid') if holder else '?'} on "
+                        f"{holder.get('host') if holder else '?'}, which is no longer running")
+                    fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                    with os.fdopen(fd, "w") as f:
+                        json.dump(me, f)
+                    self.held = True
+                    return
+                finally:
+                    os.rmdir(mutex)
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
             self.held = True
             return
         raise CheckpointError(f"cannot take {self.path}: another run took it at the same moment")
 
-    def release(self) -> None:
-        if self.held:
-            holder = self._holder()
-            if holder and holder.get("pid") == os.getpid():
-                os.remove(self.path)
-            self.held = False
+    EMPTY_GRACE_S = 10.0  # an empty lock file younger than this is a run writing its name, not a dead one
+
+    def _age(self) -> float:
+        try:
+            return time.time() - os.stat(self.path).st_mtime
+        except FileNotFoundError:
+            return 0.0
 
     def _holder(self) -> Optional[dict]:
         try:
             with open(self.path) as f:
                 return json.load(f)
         except (OSError, ValueError):
-            return None  # half-written by a killed run: nobody holds it
+            return None  # empty, half-written, or gone
 
     @staticmethod
     def _alive(holder: dict) -> bool:
@@ -512,9 +650,17 @@ def check_save_dir(save: str, roles: Dict[str, object]) -> None:
         raise CheckpointError(problem)
 
 
+def _size(nbytes: int) -> str:
+    """Bytes in the largest unit that keeps them above 1 (GiB, MiB, KiB, B)."""
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
+
+
 def _save_dir_problem(save: str, needed: int) -> Optional[str]:
     free = shutil.disk_usage(save).free
     if free < needed:
-        return (f"--save {save}: its disk has {free / 2**30:.2f} GiB free, but one checkpoint of this run needs about "
-                f"{needed / 2**30:.2f} GiB; free space or pass another --save")
+        return (f"--save {save}: its disk has {_size(free)} free, but one checkpoint of this run needs about "
+                f"{_size(needed)}; free space or pass another --save")
     return None

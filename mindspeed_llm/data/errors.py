@@ -9,7 +9,10 @@ The exceptions take a single message argument so they pickle cleanly across work
 """
 
 
-class DataError(Exception):
+from mindspeed_llm.errors import UserError
+
+
+class DataError(UserError):
     """Base class for user-fixable data problems."""
 
 

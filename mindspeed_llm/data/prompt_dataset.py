@@ -42,6 +42,29 @@ PREPROCESS_HINT = (
 )
 
 
+def _open_indexed(prefix: str, mmap: bool, hint: str):
+    """Megatron's IndexedDataset at `prefix`, or a DataError naming the damaged file: an .idx that megatron cannot
+    parse, or a .bin shorter than the index says (a truncated copy would fail at the first prompt past its end)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset.__new__(IndexedDataset)
+    try:
+        dataset.__init__(prefix, mmap=mmap)
+        index = dataset.index
+        expected = 0 if len(index) == 0 else int(index.sequence_pointers[-1]) + \
+            int(index.sequence_lengths[-1]) * int(index.dtype_size)
+    except Exception as exc:  # struct / numpy / assertion errors of a truncated or foreign index
+        # megatron's __del__ deletes both readers: give the half-built object them, so it goes quietly
+        dataset.bin_reader = dataset.index = None
+        raise DataError(f"{prefix}.idx cannot be read ({type(exc).__name__}: {str(exc)[:120]}): the dataset is "
+                        f"damaged; recreate it with: {hint}") from None
+    size = os.path.getsize(f"{prefix}.bin")
+    if size < expected:
+        raise DataError(f"{prefix}.bin holds {size} bytes, its index needs {expected}: the file is truncated; "
+                        f"recreate the dataset with: {hint}")
+    return dataset
+
+
 class PromptDataset:
     """Random access to a preprocessed dataset at ``prefix``.
 
@@ -52,8 +75,6 @@ class PromptDataset:
     """
 
     def __init__(self, prefix: str, mmap: bool = True):
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
-
         self.prefix = str(prefix)
         hint = PREPROCESS_HINT.format(prefix=self.prefix)
         mpath = meta_path(self.prefix)
@@ -89,8 +110,8 @@ class PromptDataset:
         self.extra_keys: List[str] = list(self.meta["extra_keys"])
         if "input_ids" not in self.packed_keys:
             raise DataError(f"{mpath} lists no input_ids dataset")
-        self._packed = {k: IndexedDataset(packed_prefix(self.files_prefix, k), mmap=mmap) for k in self.packed_keys}
-        self._extras = {k: IndexedDataset(extra_prefix(self.files_prefix, k), mmap=mmap) for k in self.extra_keys}
+        self._packed = {k: _open_indexed(packed_prefix(self.files_prefix, k), mmap, hint) for k in self.packed_keys}
+        self._extras = {k: _open_indexed(extra_prefix(self.files_prefix, k), mmap, hint) for k in self.extra_keys}
         self._len = int(self.meta["num_samples"])
         for k, d in list(self._packed.items()) + list(self._extras.items()):
             if len(d) != self._len:

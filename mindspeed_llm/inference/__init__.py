@@ -1,9 +1,10 @@
-"""Rollout generation for RL on Megatron-core's inference path (static KV cache), see `generate`.
+"""Rollout generation for RL on the training model: a continuous-batching engine with a bounded KV cache (the default)
+or Megatron-core's static KV cache, see `generate`.
 
 `generate` is imported lazily: `SamplingConfig` and `Rollout` do not import megatron.
 """
 
-from mindspeed_llm.inference.rollout import Rollout, SequenceBatch
+from mindspeed_llm.inference.rollout import Continuation, Rollout, SequenceBatch
 from mindspeed_llm.inference.sampling import SamplingConfig, choose_tokens, filter_logits, sample_uniforms
 
 
@@ -16,5 +17,6 @@ def __getattr__(name):
 
 
 __all__ = [
-    "generate", "Rollout", "SequenceBatch", "SamplingConfig", "sample_uniforms", "filter_logits", "choose_tokens",
+    "generate", "Rollout", "SequenceBatch", "Continuation", "SamplingConfig", "sample_uniforms", "filter_logits",
+    "choose_tokens",
 ]

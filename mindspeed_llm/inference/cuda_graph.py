@@ -23,10 +23,10 @@ same computation on the same buffers, with the slot as a *tensor*:
   the slots after the prefill are zeroed once (``torch.empty`` memory may hold NaN, and 0 * NaN is NaN).
 
 The prefill (Python-int slots, a forward per call) goes through the same wrapper and caches keys *after*
-rotary, so the whole cache is consistently post-rotary (on CPU ``mindspeed_llm/patches/inference.py`` does
-the same; on CUDA megatron caches keys before rotary and re-rotates them all at every step, which the
-fixed-shape step does not do). The logits equal the ordinary path's up to the summation order over the
-extra zero-weight slots; greedy tokens are the same (tests/test_cuda_graph.py).
+rotary, so the whole cache is consistently post-rotary (``mindspeed_llm/patches/inference.py`` does the same
+for the ordinary static step on every device; unpatched megatron caches keys before rotary and re-rotates them
+all at every step, which the fixed-shape step does not do). The logits equal the ordinary path's up to the
+summation order over the extra zero-weight slots; greedy tokens are the same (tests/test_cuda_graph.py).
 
 With ``graph=True`` (CUDA only) the first decode step is run once eagerly on a side stream (warm-up: lazy
 buffers, NCCL communicators) and then captured; every step (the first included) replays the graph after
@@ -37,7 +37,9 @@ hooks collect per-forward Python lists), ``flash_decode``; and for the graph, Mo
 dispatchers read split sizes on the host).
 
 Switch: ``MINDSPEED_DECODE_CUDA_GRAPH=1`` (see :func:`decode_cuda_graph_requested`); off by default and never
-on for a non-CUDA device; ``generation.generate`` asks :func:`engine_class` for its engine.
+on for a non-CUDA device; ``generation.generate``'s static engine asks :func:`engine_class` for its engine, and
+``engine="auto"`` picks the static engine while the switch is on (the continuous-batching engine,
+``inference/continuous.py``, has no graphed step).
 """
 
 from __future__ import annotations

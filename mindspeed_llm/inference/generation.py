@@ -1,4 +1,12 @@
-"""Rollout generation on Megatron-core's own inference path with its static KV cache.
+"""Rollout generation: `generate` and its two engines.
+
+* `engine="continuous"` (the default where it can run, `engine="auto"`): `inference/continuous.py`, continuous
+  batching over its own bounded KV cache (`SamplingConfig.max_num_seqs` rows in flight, a finished row's slot takes
+  the next sample, pipeline stages busy with micro-batch groups, partial rollouts via `max_decode_steps` /
+  `continuations`). Its tokens equal the static engine's.
+* `engine="static"`: megatron's `GPTInferenceWrapper` + `StaticInferenceContext`, the whole batch in lock-step; the
+  reference, the stepwise prefill and the CUDA-graph decode step (`cuda_graph.py`). The rest of this docstring
+  describes it.
 
 Megatron's `StaticInferenceEngine` is not used: for RL it samples untempered log-probs, allows only one of
 top-k/top-p, seeds every rank alike and leaves the model in eval() with its KV buffers alive. Instead this
@@ -29,7 +37,7 @@ Tokens are generated under `torch.no_grad()` (not `inference_mode`: Megatron lru
 inference tensor cached here would break a later training forward of the same length).
 
 Speed: megatron computes only the last position's logits per forward (`StaticInferenceContext` sets
-`materialize_only_last_token_logits`). On the CPU, `mindspeed_llm/patches/inference.py` makes each decode step
+`materialize_only_last_token_logits`). On every device, `mindspeed_llm/patches/inference.py` makes each decode step
 cost O(new tokens) in rotary work instead of O(cached tokens), reads grouped key/value heads in place instead
 of `repeat_interleave` copies of the cache (megatron's local attention; the fused `SDPAttention` reads them in
 place itself), and skips the autograd Functions of linear layers and TP regions under no_grad; all exact
@@ -40,11 +48,13 @@ Parallelism: the logits come out of the last pipeline stage already gathered ove
 to every rank of the model-parallel group (all TP x PP ranks of this DP replica) from one source rank (last
 stage, TP rank 0), so all ranks of a replica feed the same tokens and return the same `Rollout`. Pipeline
 stages exchange hidden states through the wrapper's p2p send/recv. The prompts must be the same on every
-rank of a model-parallel group (they normally come from the DP rank's data shard). Under `--sequence-parallel` the
-model runs without it here (`models/sequence_parallel.py`); under context parallelism each CP rank generates its
-own prompts, the CP group does not enter generation.
+rank of a model-parallel group (they normally come from the DP rank's data shard). Both engines: under
+`--sequence-parallel` the model runs without it here (`models/sequence_parallel.py`); under context parallelism
+each CP rank generates its own prompts (the model is built without CP, `models/context_parallel.py`), the CP group
+does not enter generation.
 
-Code: `generate` checks its inputs, plans the slot layout (`_plan`), then, with the KV cache held by a
+Code: `generate` checks its inputs and picks the engine (`_choose_engine`); the continuous one runs in
+`_generate_continuous`. The static one plans the slot layout (`_plan`), then, with the KV cache held by a
 `_KVCacheModel`, prefills and decodes (`_decode`: one `_TokenPicker.pick` and `_DecodeState.record` a slot) and
 lays the responses out into a `Rollout` (`_finish`).
 """
@@ -54,6 +64,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -66,9 +77,10 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config, unwrap
 
 from mindspeed_llm import device as _device
 from mindspeed_llm.models import routing
+from mindspeed_llm.inference import continuous
+from mindspeed_llm.inference.rollout import Continuation, Rollout
 from mindspeed_llm.models.attention import model_attention
 from mindspeed_llm.models.sequence_parallel import sequence_parallel_off
-from mindspeed_llm.inference.rollout import Rollout
 from mindspeed_llm.inference.sampling import SamplingConfig, choose_tokens, sample_uniforms
 
 PREFILL_MODES = ("auto", "batched", "stepwise")
@@ -111,6 +123,9 @@ def batched_prefill_blocker(model) -> Optional[str]:
     return None
 
 
+ENGINES = ("auto", "continuous", "static")
+
+
 def generate(
     model,
     prompt_token_lists: Sequence[Sequence[int]],
@@ -121,16 +136,21 @@ def generate(
     vocab_size: Optional[int] = None,
     prefill: str = "auto",
     record_routing: bool = False,
+    engine: str = "auto",
+    max_decode_steps: Optional[int] = None,
+    continuations: Optional[Sequence[Optional[Continuation]]] = None,
+    response_budgets: Optional[Sequence[int]] = None,
     _dedup_prefill: bool = True,
+    _pipeline_groups: Optional[int] = None,
 ) -> Rollout:
-    """Generate one response per prompt with Megatron's KV cache; returns a `Rollout` (same on every rank
-    of the model-parallel group).
+    """Generate one response per prompt; returns a `Rollout` (same on every rank of the model-parallel group).
 
     Args:
         model: this rank's Megatron `GPTModel` (optionally wrapped in DDP / Float16Module; not a list, no
             virtual pipeline). Its train/eval mode is restored afterwards and the KV cache freed.
         prompt_token_lists: B prompts as token-id lists (each non-empty), in any mix of lengths.
-        sampling: `SamplingConfig` (default: greedy, 128 new tokens, no EOS).
+        sampling: `SamplingConfig` (default: greedy, 128 new tokens, no EOS; its `max_num_seqs` /
+            `max_num_batched_tokens` bound the continuous engine).
         iteration, sample_ids: row b's tokens are drawn from the uniform stream of sample `sample_ids[b]`
             (`sample_uniforms(sampling.seed, iteration, ...)`): the same sample id and iteration sample the
             same response on any rank, in any row and batch. Give every sample of a global batch its own id
@@ -139,19 +159,45 @@ def generate(
             samples each step.
         vocab_size: if the model's vocabulary is padded, logits at ids >= vocab_size are never chosen (the
             returned log-probs still normalise over the whole padded vocabulary, as a training forward does).
-        prefill: "batched" (left-padded one-shot prefill), "stepwise" (Megatron controller's scheme) or
-            "auto" (batched where the attention honours masks, else stepwise); see the module docstring.
+        prefill: the static engine's prefill: "batched" (left-padded one-shot prefill), "stepwise" (Megatron
+            controller's scheme) or "auto" (batched where the attention honours masks, else stepwise); see the
+            module docstring. "stepwise" selects the static engine under `engine="auto"`.
         record_routing: a mixture of experts records each token's top-k experts in every MoE layer of this
             rank into `Rollout.routing` (`mindspeed_llm.models.routing`); nothing for a dense model.
+        engine: "continuous" (`inference/continuous.py`: rows in flight bounded by `sampling.max_num_seqs`, a
+            finished row's slot takes the next sample), "static" (megatron's static KV cache, the whole batch in
+            lock-step; the reference, and the CUDA-graph decode) or "auto": continuous where it can run (attention
+            that honours explicit masks, no `prefill="stepwise"`, no CUDA-graph switch, no all-gather token
+            dispatcher at EP > 1), else static.
+        max_decode_steps: continuous engine: each group of rows in flight (one, or one per pipeline stage) runs
+            at most this many decode steps; samples not done then are returned "unfinished", with
+            `Rollout.continuations` to carry them on (partial rollouts).
+        continuations: continuous engine: per row None (a fresh sample) or a `Continuation` of this row's prompt
+            (from an earlier call's `Rollout.continuations`): its old response is prefilled and kept with its
+            log-probs, its tokens continue the stream of `Continuation.iteration`, and its budget counts the old
+            tokens.
+        response_budgets: per row the most response tokens (default: `sampling.response_budgets` of the prompt
+            lengths); a continuation's old tokens count.
         _dedup_prefill: private; False prefills every row even where prompts repeat (tests compare both).
+        _pipeline_groups: private; the continuous engine's number of row groups (default: the pipeline size;
+            1: the whole batch passes the stages in turn, for tests).
     """
     sampling = sampling or SamplingConfig()
     prompts = _checked_prompts(prompt_token_lists)
     batched = _use_batched_prefill(model, prefill)
     dev = _device.current_device()
-    budgets = sampling.response_budgets([len(p) for p in prompts])
-    plan = _plan(prompts, budgets, batched=batched, share_prefill=_dedup_prefill, device=dev)
+    budgets = _budgets(sampling, prompts, response_budgets)
     peers = _expert_peers(model)
+    chosen = _choose_engine(model, engine, prefill, batched, sampling, dev, peers,
+                            dict(max_decode_steps=max_decode_steps, continuations=continuations,
+                                 _pipeline_groups=_pipeline_groups))
+    if chosen == "continuous":
+        # --sequence-parallel: as the static engine below, the plain tensor-parallel model (models/sequence_parallel.py)
+        with sequence_parallel_off(model):
+            return _generate_continuous(model, prompts, budgets, sampling, iteration, sample_ids, vocab_size,
+                                        record_routing, max_decode_steps, continuations, _dedup_prefill,
+                                        _pipeline_groups, peers, dev)
+    plan = _plan(prompts, budgets, batched=batched, share_prefill=_dedup_prefill, device=dev)
     if peers is not None:  # as many decode slots as the expert-parallel peer with the most (see _decode)
         _check_allgather_shapes(model, plan, len(prompts), peers)
         steps = _group_max(plan.slots - plan.first_step, peers)
@@ -159,9 +205,9 @@ def generate(
             plan = _plan(prompts, budgets, batched=batched, share_prefill=_dedup_prefill, device=dev,
                          decode_slots=steps)
     state = _DecodeState.start(plan, prompts, sampling)
-    uniforms = _response_uniforms(sampling, iteration, sample_ids, len(prompts), plan.max_response, dev)
-    group = parallel_state.get_model_parallel_group() if parallel_state.model_parallel_is_initialized() else None
-    source = _model_parallel_source(group)
+    uniforms = _response_uniforms(sampling, [iteration] * len(prompts), sample_ids, len(prompts),
+                                  plan.max_response, dev)
+    group, source = _source_rank()
     from mindspeed_llm.inference import cuda_graph  # imports this module: a local import
 
     # _KVCacheModel, or its fixed-shape CUDA-graph variant where MINDSPEED_DECODE_CUDA_GRAPH=1 on CUDA.
@@ -169,17 +215,137 @@ def generate(
     with sequence_parallel_off(model):
         engine = cuda_graph.engine_class(dev)(model, plan, record_routing)
         picker = _TokenPicker(sampling, uniforms, plan.starts, vocab_size, engine.last_stage, source, group)
+        stats = dict(decode_forwards=0, decode_row_steps=0, finished_row_steps=0)
         try:
             with torch.no_grad():
                 engine.prepare(state.tokens)
-                _decode(engine, plan, state, picker, peers)
+                _decode(engine, plan, state, picker, peers, stats)
         finally:
             engine.release()
     slot_routing = engine.routing
+    stats.update(kv_cache_bytes=engine.cache_bytes, kv_rows=len(prompts), kv_slots=plan.slots)
     del engine  # the KV cache's memory returns to the allocator, for the training passes
     result = _finish(prompts, plan, state, sampling)
+    result.stats = stats
     if slot_routing is not None:
         result.routing = _routing_by_position(slot_routing, plan, state)
+    return result
+
+
+def _source_rank():
+    """(the model-parallel group or None, the global rank that picks the tokens for it or None)."""
+    group = parallel_state.get_model_parallel_group() if parallel_state.model_parallel_is_initialized() else None
+    return group, _model_parallel_source(group)
+
+
+def _choose_engine(model, engine: str, prefill: str, batched: bool, sampling: SamplingConfig, device, peers,
+                   continuous_only: dict) -> str:
+    """"continuous" or "static" for `engine` (see `generate`); raises where the choice cannot be honoured."""
+    if engine not in ENGINES:
+        raise ValueError(f"generate: engine={engine!r}; choose one of {ENGINES}")
+    wanted = [name for name, value in continuous_only.items() if value is not None]
+    wanted += [f"sampling.{name}" for name in ("max_num_seqs", "max_num_batched_tokens")
+               if getattr(sampling, name) is not None]
+    from mindspeed_llm.inference import cuda_graph  # imports this module: a local import
+
+    blockers = []
+    if prefill == "stepwise":
+        blockers.append("prefill='stepwise' is the static engine's scheme")
+    if not batched and prefill != "stepwise":  # `_use_batched_prefill` asked `batched_prefill_blocker`
+        blockers.append("its core attention ignores explicit masks (batched_prefill_blocker says why)")
+    if cuda_graph.decode_cuda_graph_requested(device):
+        blockers.append(f"{cuda_graph.DECODE_CUDA_GRAPH_ENV}=1 asks for the static engine's CUDA-graph decode step")
+    if peers is not None and getattr(get_model_config(model), "moe_token_dispatcher_type", None) == "allgather":
+        blockers.append("the all-gather token dispatcher at EP > 1 needs equal token counts per forward on the "
+                        "expert-parallel ranks (use --moe-token-dispatcher-type alltoall)")
+    if engine == "static" or (engine == "auto" and blockers):
+        if wanted:
+            why = "engine='static'" if engine == "static" else "the static engine runs here: " + "; ".join(blockers)
+            raise ValueError(f"generate: {', '.join(wanted)} need the continuous engine, but {why}")
+        return "static"
+    if engine == "continuous" and blockers:
+        raise ValueError("generate: engine='continuous' is not possible: " + "; ".join(blockers))
+    return "continuous"
+
+
+def _budgets(sampling: SamplingConfig, prompts: List[List[int]], response_budgets) -> List[int]:
+    if response_budgets is None:
+        return sampling.response_budgets([len(p) for p in prompts])
+    budgets = [int(b) for b in response_budgets]
+    if len(budgets) != len(prompts) or any(b < 0 for b in budgets):
+        raise ValueError(f"generate: response_budgets needs one integer >= 0 per prompt ({len(prompts)}); got "
+                         f"{list(response_budgets)}")
+    return budgets
+
+
+def _generate_continuous(model, prompts, budgets, sampling, iteration, sample_ids, vocab_size, record_routing,
+                         max_decode_steps, continuations, share_prefill, pipeline_groups, peers, dev) -> Rollout:
+    """`generate` on `inference/continuous.py`'s engine."""
+    B = len(prompts)
+    if max_decode_steps is not None and (isinstance(max_decode_steps, bool) or int(max_decode_steps) < 1):
+        raise ValueError(f"generate: max_decode_steps={max_decode_steps!r} must be an integer >= 1")
+    if pipeline_groups is not None and int(pipeline_groups) < 1:
+        raise ValueError(f"generate: _pipeline_groups={pipeline_groups!r} must be >= 1")
+    continuations = list(continuations) if continuations is not None else [None] * B
+    if len(continuations) != B:
+        raise ValueError(f"generate: {len(continuations)} continuations for {B} prompts")
+    stops = set(sampling.eos_ids) | set(sampling.stop_ids)
+    samples, iterations = [], []
+    for b, (prompt, carry, budget) in enumerate(zip(prompts, continuations, budgets)):
+        carried = [int(t) for t in carry.response] if carry is not None else []
+        if carried and carried[-1] in stops:
+            raise ValueError(f"generate: continuation {b} already ends with an EOS / stop token; it is finished")
+        if carry is not None and carry.log_probs is not None and len(carry.log_probs) != len(carried):
+            raise ValueError(f"generate: continuation {b} has {len(carry.log_probs)} log-probs for "
+                             f"{len(carried)} tokens")
+        sample = continuous.Sample(prompt + carried, len(prompt), budget)
+        if sample.response_length >= budget:
+            sample.reason = "length"
+        samples.append(sample)
+        iterations.append(carry.iteration if carry is not None else iteration)
+    R = max(budgets + [0])
+    uniforms = _response_uniforms(sampling, iterations, sample_ids, B, R, dev)
+    group, source = _source_rank()
+    runner = continuous.ContinuousEngine(
+        model, samples, sampling, uniforms=uniforms, vocab_size=vocab_size, source=source, group=group, peers=peers,
+        record_routing=record_routing, share_prefill=share_prefill, max_decode_steps=max_decode_steps,
+        pipeline_groups=pipeline_groups, device=dev)
+    for b, carry in enumerate(continuations):  # the old tokens keep their recorded (behaviour) log-probs
+        if carry is not None and carry.log_probs is not None and runner.log_probs is not None and carry.response:
+            runner.log_probs[b, :len(carry.response)] = torch.tensor(list(carry.log_probs), dtype=torch.float32,
+                                                                     device=dev)
+    out = runner.run()
+    del runner  # the KV cache's memory returns to the allocator
+    lengths = torch.tensor([s.response_length for s in samples], dtype=torch.long, device=dev)
+    j = torch.arange(R, device=dev).unsqueeze(0)
+    response_mask = (j < lengths.unsqueeze(1)).long()
+    responses = torch.where(response_mask.bool(), out.responses, torch.full_like(out.responses, sampling.pad_id))
+    log_probs = out.log_probs * response_mask if out.log_probs is not None else None
+    reasons = [s.reason or "unfinished" for s in samples]
+    carried_on = None
+    if "unfinished" in reasons:
+        carried_on = [
+            Continuation(response=s.known[s.prompt_length:],
+                         log_probs=log_probs[b, :s.response_length].tolist() if log_probs is not None else None,
+                         iteration=iterations[b]) if reason == "unfinished" else None
+            for b, (s, reason) in enumerate(zip(samples, reasons))]
+    result = Rollout(
+        prompts=_place_prompts(prompts, [0] * B, max(len(p) for p in prompts), sampling.pad_id, dev),
+        prompt_lengths=torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev),
+        responses=responses,
+        response_mask=response_mask,
+        response_lengths=lengths,
+        ended_with_eos=torch.tensor([r == "eos" for r in reasons], dtype=torch.bool, device=dev),
+        finish_reasons=reasons,
+        log_probs=log_probs,
+        pad_token_id=sampling.pad_id,
+        seed=sampling.seed if sampling.do_sample else None,
+        continuations=carried_on,
+        stats=out.stats,
+    )
+    if out.routing is not None:
+        width = max(int((result.prompt_lengths + lengths).max()), 1)
+        result.routing = out.routing[:, :, :width].contiguous()
     return result
 
 
@@ -211,10 +377,10 @@ def _use_batched_prefill(model, prefill: str) -> bool:
     return prefill == "batched" or (prefill == "auto" and blocker is None)
 
 
-def _response_uniforms(sampling: SamplingConfig, iteration: int, sample_ids: Optional[Sequence[int]],
+def _response_uniforms(sampling: SamplingConfig, iterations: Sequence[int], sample_ids: Optional[Sequence[int]],
                        batch_size: int, max_response: int, device) -> Optional[torch.Tensor]:
-    """[B, R_max] uniforms (row b's j-th response token is drawn with [b, j], from sample `sample_ids[b]`'s
-    stream); None when greedy."""
+    """[B, R_max] uniforms (row b's j-th response token is drawn with [b, j], from the stream of sample
+    `sample_ids[b]` in RL iteration `iterations[b]`); None when greedy."""
     if not sampling.do_sample:
         return None
     if sample_ids is None:
@@ -222,7 +388,12 @@ def _response_uniforms(sampling: SamplingConfig, iteration: int, sample_ids: Opt
         sample_ids = range(first, first + batch_size)
     if len(sample_ids) != batch_size:
         raise ValueError(f"generate: {len(sample_ids)} sample_ids for {batch_size} prompts")
-    return torch.from_numpy(sample_uniforms(sampling.seed, iteration, sample_ids, max(max_response, 1))).to(device)
+    sample_ids = [int(i) for i in sample_ids]
+    table = np.empty((batch_size, max(max_response, 1)), dtype=np.float64)
+    for it in sorted(set(iterations)):  # one call per iteration (a continuation keeps the stream it started in)
+        rows = [b for b in range(batch_size) if iterations[b] == it]
+        table[rows] = sample_uniforms(sampling.seed, it, [sample_ids[b] for b in rows], table.shape[1])
+    return torch.from_numpy(table).to(device)
 
 
 # ---------------------------------------------------------------------------------------------- plan
@@ -432,7 +603,10 @@ class _KVCacheModel:
             self.stepwise_mask = self.wrapper.prep_inference_input(tokens)["attention_mask"]
 
     def release(self) -> None:
-        """Frees the KV cache, resets the context and the pipeline input, restores the model's train/eval mode."""
+        """Frees the KV cache (its size kept in `cache_bytes`), resets the context and the pipeline input, restores
+        the model's train/eval mode."""
+        self.cache_bytes = sum(buf.nbytes for buffers in self.context.key_value_memory_dict.values()
+                               for buf in buffers if isinstance(buf, torch.Tensor))
         self.context.key_value_memory_dict.clear()
         self.context.reset()
         get_attr_wrapped_model(self.model, "set_input_tensor")(None)
@@ -548,9 +722,12 @@ def _all_finished(state: _DecodeState, peers) -> bool:
     return _group_max(int(not state.all_finished()), peers) == 0
 
 
-def _decode(engine: _KVCacheModel, plan: _Plan, state: _DecodeState, picker: _TokenPicker, peers=None) -> None:
+def _decode(engine: _KVCacheModel, plan: _Plan, state: _DecodeState, picker: _TokenPicker, peers=None,
+            stats: Optional[dict] = None) -> None:
     """Prefills, then picks one slot's tokens per step and runs that slot, until every row has stopped (on every
-    expert-parallel peer too, `_expert_peers`)."""
+    expert-parallel peer too, `_expert_peers`). `stats` counts the decode forwards, their rows and the rows among
+    them that had already stopped."""
+    stats = {} if stats is None else stats
     if _all_finished(state, peers):  # every budget is 0: nothing to run
         return
     logits = engine.prefill(state.tokens)
@@ -561,6 +738,9 @@ def _decode(engine: _KVCacheModel, plan: _Plan, state: _DecodeState, picker: _To
             state.record(pos, generating, new_tokens, new_log_probs)
         if _all_finished(state, peers):
             break
+        stats["decode_forwards"] = stats.get("decode_forwards", 0) + 1
+        stats["decode_row_steps"] = stats.get("decode_row_steps", 0) + state.finished.numel()
+        stats["finished_row_steps"] = stats.get("finished_row_steps", 0) + int(state.finished.sum())
         logits = engine.decode_step(state.tokens, pos)
 
 
@@ -605,4 +785,4 @@ def _routing_by_position(slot_routing: torch.Tensor, plan: _Plan, state: _Decode
     return out.permute(0, 2, 1, 3).contiguous()
 
 
-__all__ = ["generate", "batched_prefill_blocker", "PREFILL_MODES"]
+__all__ = ["generate", "batched_prefill_blocker", "PREFILL_MODES", "ENGINES"]

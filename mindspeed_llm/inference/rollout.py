@@ -15,14 +15,18 @@ is returned as a [B, T] 1/0 padding mask for consumers that want it (e.g. a `tra
 A forward on `tokens` gives at position t the prediction of `tokens[:, t + 1]`, so response token j of row b
 is predicted at position L_b - 1 + j (`rl/batch_plan.py` reads it there).
 
-(How `generate` lays rows out inside Megatron's KV cache, left-padded or stepwise, is internal to it; a
-`Rollout` always has the layout above.)
+(How `generate` lays rows out inside its KV cache is internal to it; a `Rollout` always has the layout above.)
+
+Partial rollouts: `generate(..., max_decode_steps=k)` may stop before a sample is done; such a sample's finish
+reason is "unfinished" and `Rollout.continuations[b]` holds what continuing it needs (its response so far, their
+log-probs, the iteration whose random stream it draws from). Passing those back as
+`generate(..., continuations=...)` (with the same prompts and sample ids) carries on where it stopped.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, NamedTuple, Optional
+from dataclasses import dataclass, field
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -35,6 +39,18 @@ class SequenceBatch(NamedTuple):
     attention_mask: torch.Tensor  # [B, T] long, 1 for real (prompt or response) tokens, 0 for padding
 
 
+@dataclass(frozen=True)
+class Continuation:
+    """A sample stopped by a decode budget, to be continued by a later `generate` call: its response so far and the
+    behaviour log-probs of those tokens (kept as they are: the later call generates under other weights), and the
+    RL iteration whose uniform stream (`sampling.sample_uniforms`) draws its tokens, so that continuing with unchanged
+    weights gives the tokens of one uninterrupted generation."""
+
+    response: Sequence[int]
+    log_probs: Optional[Sequence[float]]  # None: generated without log-probs
+    iteration: int
+
+
 @dataclass
 class Rollout:
     prompts: torch.Tensor  # [B, P] long, right-padded with pad_token_id
@@ -43,13 +59,18 @@ class Rollout:
     response_mask: torch.Tensor  # [B, R] long, 1 for generated tokens (incl. the EOS/stop token), 0 after
     response_lengths: torch.Tensor  # [B] long
     ended_with_eos: torch.Tensor  # [B] bool: the response ends with one of the EOS ids (TRL missing_eos_penalty)
-    finish_reasons: List[str]  # per row: "eos" | "stop" (a stop_token_ids id) | "length"
+    finish_reasons: List[str]  # per row: "eos" | "stop" (a stop_token_ids id) | "length" | "unfinished"
     log_probs: Optional[torch.Tensor]  # [B, R] float32: log softmax(logits / temperature) of each token; 0 at pad
     pad_token_id: int
     seed: Optional[int] = None  # the sampling seed (None for greedy); see sampling.sample_uniforms
     # [B, layers of this rank, T, topk] int16: each token's experts per MoE layer, in the `sequences()` layout
     # (T = max(L_b + r_b)); -1 on padding and where unknown. Only with generate(record_routing=True) on MoE.
     routing: Optional[torch.Tensor] = None
+    # per row: a Continuation where the row is "unfinished" (generate's max_decode_steps), else None; None when
+    # every row finished
+    continuations: Optional[List[Optional[Continuation]]] = None
+    # what the engine did (`generation.generate`: decode forwards and row-steps, rows that had finished, KV bytes)
+    stats: Dict[str, int] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ basic views
     @property
@@ -58,8 +79,14 @@ class Rollout:
 
     @property
     def stopped(self) -> torch.Tensor:
-        """[B] bool: the row ended on an EOS or stop token (not truncated by a length limit)."""
-        return torch.tensor([r != "length" for r in self.finish_reasons], dtype=torch.bool,
+        """[B] bool: the row ended on an EOS or stop token (not truncated by a length limit, not unfinished)."""
+        return torch.tensor([r in ("eos", "stop") for r in self.finish_reasons], dtype=torch.bool,
+                            device=self.responses.device)
+
+    @property
+    def unfinished(self) -> torch.Tensor:
+        """[B] bool: the row was stopped by generate's decode budget before it was done (see `continuations`)."""
+        return torch.tensor([r == "unfinished" for r in self.finish_reasons], dtype=torch.bool,
                             device=self.responses.device)
 
     def prompt_token_lists(self) -> List[List[int]]:
@@ -96,4 +123,4 @@ class Rollout:
         return SequenceBatch(tokens, position_ids, attention_mask)
 
 
-__all__ = ["Rollout", "SequenceBatch"]
+__all__ = ["Rollout", "SequenceBatch", "Continuation"]

@@ -42,6 +42,11 @@ class SamplingConfig:
 
     Seeding: the j-th token of a sample is drawn with the j-th uniform of that sample's own stream,
     `sample_uniforms(seed, iteration, sample_ids, ...)` (see `generate`); the global RNG is never used.
+
+    Engine limits (the continuous-batching engine of `generate`, vLLM's names; None: no limit): `max_num_seqs`
+    bounds the samples in flight at once, which sizes the KV cache (max_num_seqs rows of max(L + R) slots);
+    `max_num_batched_tokens` bounds the tokens of one forward (a decode step: its rows; a prefill: rows x padded
+    width, a longer prompt is prefilled in chunks). They change speed and memory, never the tokens.
     """
 
     do_sample: bool = False
@@ -55,8 +60,14 @@ class SamplingConfig:
     pad_token_id: Optional[int] = None
     seed: int = 1234
     return_log_probs: bool = True
+    max_num_seqs: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
 
     def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+                raise ValueError(f"SamplingConfig.{name}={value!r} must be an integer >= 1 (None: no limit)")
         if self.max_new_tokens is None and self.max_length is None:
             raise ValueError("SamplingConfig: set max_new_tokens or max_length (or both)")
         if self.max_new_tokens is not None and self.max_new_tokens < 0:

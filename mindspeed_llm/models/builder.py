@@ -179,30 +179,6 @@ class ValueHead(torch.nn.Module):
         return F.linear(hidden_states.float(), self.weight), None
 
 
-def mark_tensor_parallel_weights(model) -> None:
-    """Megatron-core 0.16.1 marks its tensor-parallel weights (`tensor_model_parallel`, `partition_dim`,
-    `partition_stride`) inside its weight initialisation, which `perform_initialization=False` skips (the stages
-    build every model that way and load the weights): unmarked, the gradient norm counts TP rank 0's share of every
-    split weight only (`param_is_not_tensor_parallel_duplicate`), so gradient clipping at TP > 1 clips by another
-    norm than at TP 1. Marked here as megatron's initialisation would (split along the output dim for the column-
-    parallel layers and the vocab-parallel embedding, the input dim for the row-parallel ones); a no-op where
-    megatron already did."""
-    from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tensor_model_parallel_attributes,
-    )
-
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
-            dim = 0
-        elif isinstance(module, RowParallelLinear):
-            dim = 1
-        else:
-            continue
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.nn.Parameter) and not hasattr(weight, "tensor_model_parallel"):
-            set_tensor_model_parallel_attributes(weight, True, dim, getattr(module, "stride", 1))
-
-
 def build_model(
     spec: ModelSpec,
     params_dtype=torch.float32,
@@ -254,6 +230,5 @@ def build_model(
             param.data = param.data.to(dtype)
     if value_head and post_process:
         model.output_layer = ValueHead(spec.hidden_size)
-    mark_tensor_parallel_weights(model)
     install_layout_hooks(model)  # RoPE by position ids and an output window (models/forward_layout.py)
     return model

@@ -20,6 +20,12 @@ without sequence parallelism for that call. The hooks read options that `forward
 duration of one forward (as `forward_state.per_forward` settings, so that a recomputed layer sees them again);
 outside it they change nothing. With `position_ids = arange(S)` and `logits_from = 0` the output is exactly
 megatron's.
+
+Without an inference context megatron asks its rotary module for a table only as long as the forward's input
+(`get_rotary_seq_len`), which is too short when the S tokens of a forward sit at later positions (a decode step
+against a KV cache, `mindspeed_llm/inference/continuous.py`): `rotary_length` makes a forward pre-hook on each
+rotary module ask for at least that many rows (a longer table has the same rows at the same positions; one length
+per generate call keeps megatron's lru-cached table reused).
 """
 
 from __future__ import annotations
@@ -36,6 +42,19 @@ from mindspeed_llm.models.forward_state import per_forward
 _POSITIONS = "_layout_position_ids"
 _OUTPUT_SPANS = "_layout_output_spans"  # ((start, stop or None), ...) of the output layer's input; None: all
 _GATHERED = "_layout_gathered"
+_ROTARY_LENGTH = "_layout_rotary_length"
+
+
+def _rotary_at_least(module, args, kwargs):
+    """Forward pre-hook: the rotary table is computed for at least `rotary_length` positions."""
+    length = getattr(module, _ROTARY_LENGTH, None)
+    if length is None:
+        return None
+    if args:
+        return (max(int(args[0]), length), *args[1:]), kwargs
+    kwargs = dict(kwargs)
+    kwargs["max_seq_len"] = max(int(kwargs["max_seq_len"]), length)
+    return args, kwargs
 
 
 def _rotary_by_position_ids(module, args, output):
@@ -102,7 +121,9 @@ def install_layout_hooks(model) -> None:
     is an output layer). Idempotent."""
     if getattr(model, "has_layout_hooks", False):
         return
-    for rotary in _rotary_modules(model):
+    model.layout_rotary_modules = _rotary_modules(model)  # found once: forward_layout runs per forward
+    for rotary in model.layout_rotary_modules:
+        rotary.register_forward_pre_hook(_rotary_at_least, with_kwargs=True)
         rotary.register_forward_hook(_rotary_by_position_ids)
         # megatron slices its table for the context-parallel rank by itself; the position ids these hooks index by
         # are split with the tokens instead (models/context_parallel.py), so the table stays whole
@@ -117,11 +138,14 @@ def install_layout_hooks(model) -> None:
 
 @contextlib.contextmanager
 def forward_layout(model, position_ids: Optional[torch.Tensor] = None, logits_from: int = 0,
-                   output_spans: Optional[Sequence[Tuple[int, Optional[int]]]] = None):
+                   output_spans: Optional[Sequence[Tuple[int, Optional[int]]]] = None,
+                   rotary_length: Optional[int] = None):
     """Within this block, forwards of `model` (a GPTModel, possibly wrapped in DDP / Float16Module) rotate
     by `position_ids` `[B, S]` (None: by slot, megatron's default) and return outputs for positions
-    `logits_from..S-1` only, or (`output_spans`, instead) for the local positions `[start, stop)` of each span in
-    turn (a context-parallel rank's two chunks, `models/context_parallel.py`)."""
+    `logits_from..S-1` only (`logits_from = S`: none), or (`output_spans`, instead) for the local positions
+    `[start, stop)` of each span in turn (a context-parallel rank's two chunks, `models/context_parallel.py`).
+    `rotary_length`: the rotary table has at least that many positions (position ids up to `rotary_length - 1`;
+    module docstring)."""
     if output_spans is None and logits_from:
         output_spans = ((int(logits_from), None),)
     elif output_spans is not None:
@@ -130,12 +154,17 @@ def forward_layout(model, position_ids: Optional[torch.Tensor] = None, logits_fr
     if not getattr(core, "has_layout_hooks", False):
         raise RuntimeError("forward_layout: this model was not built by mindspeed_llm.models.build_model "
                            "(no layout hooks); its positions and output window cannot be set")
+    rotaries = getattr(core, "layout_rotary_modules", None)
+    if rotaries is None:
+        rotaries = _rotary_modules(core)
     output_layer = getattr(core, "output_layer", None)
     with contextlib.ExitStack() as stack:
         # per_forward: a recomputed layer (activation recompute) rotates by these positions too, e.g. MLA's own
         # rotary inside each layer (models/forward_state.py)
-        for rotary in _rotary_modules(core):
+        for rotary in rotaries:
             stack.enter_context(per_forward(rotary, _POSITIONS, position_ids))
+            stack.enter_context(per_forward(rotary, _ROTARY_LENGTH,
+                                            None if rotary_length is None else int(rotary_length)))
         if output_layer is not None:
             stack.enter_context(per_forward(output_layer, _OUTPUT_SPANS, output_spans))
         yield

@@ -5,14 +5,16 @@ devices it applies to. `mindspeed_llm.device.setup()` applies the registry once 
 `remove_patches()` restores every original (the tests use it to show that each patch is needed).
 
 On NPU `torch_npu`'s own `transfer_to_npu` redirection does the device work. On CPU the patches in `cpu.py`
-answer megatron-core 0.16.1's hard-coded `torch.cuda` calls. On every device: `mla.py` lets multi-latent attention
-(DeepSeek-V3) build on the local spec; `moe.py` mends two spots of megatron's MoE code that assume Transformer
-Engine or CUDA tensors (one of them CPU only); `recompute.py` gives a recomputed region its micro-batch's
-per-forward settings and block recompute its padding mask; `optimizer.py` lets the distributed optimizer take CPU
-and NPU tensors and mends two of its checkpoint paths (a param group mixing fp32 and bf16 parameters; loading with
-torch Adam's `step`), those two on every device, CUDA included. `sequence_parallel.py` lets the local spec's torch
-norms run under `--sequence-parallel` (every device). `static_decode.py` holds the patches the CUDA-graph
-decode engine installs on demand (only when it runs; see that module).
+answer megatron-core 0.16.1's hard-coded `torch.cuda` calls. On every device: `inference.py` holds exact speed
+patches of the decode step; `mla.py` lets multi-latent attention (DeepSeek-V3) build on the local spec; `moe.py`
+mends two spots of megatron's MoE code that assume Transformer Engine or CUDA tensors (one of them CPU only);
+`recompute.py` gives a recomputed region its micro-batch's per-forward settings and block recompute its padding
+mask; `optimizer.py` lets the distributed optimizer take CPU and NPU tensors and mends two of its checkpoint paths
+(a param group mixing fp32 and bf16 parameters; loading with torch Adam's `step`), those two on every device, CUDA
+included; `initialization.py` marks the tensor-parallel weights of models built without random initialisation as
+megatron marks those it draws; `sequence_parallel.py` lets the local spec's torch norms run under
+`--sequence-parallel`. `static_decode.py` holds the patches the CUDA-graph decode engine installs on demand (only
+when it runs; see that module).
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ def registry() -> List[Patch]:
 
 
 def _load_patch_modules():
-    from mindspeed_llm.patches import (  # noqa: F401  (registration)
-        cpu, inference, mla, moe, optimizer, recompute, sequence_parallel)
+    from mindspeed_llm.patches import (  # noqa: F401  (registration happens at import)
+        cpu, inference, initialization, mla, moe, optimizer, recompute, sequence_parallel)
 
 
 def apply_patches(device_kind: str) -> List[str]:

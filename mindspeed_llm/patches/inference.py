@@ -1,8 +1,11 @@
-"""Speed patches for rollout generation on megatron-core 0.16.1's static KV cache (devices: cpu).
+"""Speed patches for rollout generation on megatron-core 0.16.1 (devices: cpu, cuda, npu).
 
 All are exact: they change *how* a step is computed, never what. Greedy rollouts stay token for token
 equal to `transformers` and to megatron's unpatched code (tests/test_generate.py, TP1/TP2/PP2, batched and
 stepwise prefill), and a training forward (autograd on, no inference context) reaches none of the new code.
+Patch 1 serves megatron's static KV cache (the `engine="static"` path of `inference/generation.py`); 2-4 also
+serve the continuous-batching engine (`inference/continuous.py`), whose decode steps are plain eval forwards
+against its own cache (sq < sk, autograd off).
 
 What megatron-core 0.16.1 does at every decode step (local spec, `flash_decode=False`), per layer:
 
@@ -46,6 +49,23 @@ The patches:
 4. `copy_to_` / `reduce_from_tensor_model_parallel_region` as called by megatron's linear layers, autograd off:
    the Function's forward (the input itself / `_reduce(input, group)`, the TP all-reduce) without the Function.
 
+Why each is exact on every device (they are plain torch and megatron functions, nothing device-specific, so
+they are registered for the CPU, CUDA and NPU alike):
+
+1. the very function megatron applies to the cached keys (`apply_rotary_pos_emb`, same config, mscale and CP
+   group; with `apply_rope_fusion` the same fused kernel) on the same key values and the same per-slot rows:
+   rotary is elementwise per slot, so rotating slot s once before caching gives the bits megatron's
+   re-rotation of slot s gives at every step (the cache holds the key in the same dtype either way).
+2. the same products and sums in the same dtype: each score is q_h . k_g over the head dim, each context row
+   probs . v_g, and megatron's own `scale_mask_softmax` module (fused or not, decided by the same
+   [b, np, sq, sk] shape) sits in between; only the batching of the matrix products differs (per_group * sq
+   query rows per key/value group instead of a repeated copy per head), which changes rounding only where a
+   BLAS / cuBLAS kernel picks a shape-dependent reduction order over the head dim (the tests bound the
+   log-probs at 1e-5 and require equal tokens).
+3. the Function's forward is `torch.matmul(input, weight.t()) (+ bias)` when sequence parallelism is off,
+   under the same autocast state (its `custom_fwd` casts nothing); that expression is evaluated as is.
+4. the Functions' forwards are the identity and megatron's `_reduce` (the TP all-reduce, nothing at TP=1).
+
 Numbers: benchmarks/generate.py (see the docstring there and the commit message).
 """
 
@@ -54,6 +74,8 @@ from __future__ import annotations
 import torch
 
 from mindspeed_llm.patches import register
+
+DEVICES = ("cpu", "cuda", "npu")  # exact everywhere (module docstring); CUDA-graph capture-safe (no host syncs)
 
 
 def _rotary_before_cache_applies(attention, inference_context, rotary_pos_emb) -> bool:
@@ -73,7 +95,7 @@ def _rotary_before_cache_applies(attention, inference_context, rotary_pos_emb) -
     "megatron.core.transformer.attention.Attention._adjust_key_value_for_inference",
     "static KV cache: megatron caches keys before rotary and re-rotates the whole cache at every decode step; "
     "rotate each new key once, before it is cached (exact: the same rotary per slot)",
-    devices=("cpu",),
+    devices=DEVICES,
 )
 def _rotary_before_cache(original):
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
@@ -105,7 +127,7 @@ def _rotary_before_cache(original):
     "megatron.core.transformer.dot_product_attention.DotProductAttention.forward",
     "steps against a KV cache: megatron repeat_interleaves the whole key/value cache for grouped-query attention "
     "at every step; multiply each key/value group with its query heads in place (eval and sq < sk only)",
-    devices=("cpu",),
+    devices=DEVICES,
 )
 def _grouped_decode_attention(original):
     from megatron.core import parallel_state
@@ -142,7 +164,7 @@ def _grouped_decode_attention(original):
     "megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce",
     "under torch.no_grad() the autograd Function around each linear layer only computes input @ weight.t() "
     "(+ bias); compute exactly that without building the Function (autograd off, no sequence parallelism)",
-    devices=("cpu",),
+    devices=DEVICES,
 )
 def _no_grad_linear(original):
     def linear_with_grad_accumulation_and_async_allreduce(input, weight, bias, gradient_accumulation_fusion,
@@ -176,7 +198,7 @@ def _forward_only(original, forward):
     "megatron.core.tensor_parallel.layers.copy_to_tensor_model_parallel_region",
     "under torch.no_grad() the autograd Function before each column-parallel linear only returns its input; "
     "return it without building the Function (~10 us a call, 2 calls per layer per step)",
-    devices=("cpu",),
+    devices=DEVICES,
 )
 def _no_grad_copy_to_tp_region(original):
     return _forward_only(original, lambda input_, group: input_)  # _CopyToModelParallelRegion.forward
@@ -186,7 +208,7 @@ def _no_grad_copy_to_tp_region(original):
     "megatron.core.tensor_parallel.layers.reduce_from_tensor_model_parallel_region",
     "under torch.no_grad() the autograd Function after each row-parallel linear only all-reduces (nothing at "
     "TP=1); call megatron's _reduce directly without building the Function",
-    devices=("cpu",),
+    devices=DEVICES,
 )
 def _no_grad_reduce_from_tp_region(original):
     from megatron.core.tensor_parallel.mappings import _reduce

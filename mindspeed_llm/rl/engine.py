@@ -28,6 +28,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from mindspeed_llm import device
+from mindspeed_llm.checkpoint.errors import DivergenceError
 from mindspeed_llm.checkpoint.training import CheckpointError, NonFiniteError
 from mindspeed_llm.distributed import any_rank, gather_messages, sum_over_data_parallel
 from mindspeed_llm.models.attention import layout_params, model_attention
@@ -234,15 +235,25 @@ class TrainableModel:
     """A Megatron model with its DDP wrapper, Megatron optimizer and LR schedule (the actor or the critic).
 
     `name` names the role in messages; with `check_finite` (--check-for-nan-in-loss-and-grad) a step whose loss
-    or gradients hold NaN / inf on any rank raises `NonFiniteError` on every rank before the optimizer steps.
+    or gradients hold NaN / inf on any rank raises `NonFiniteError` on every rank before the optimizer steps; with
+    `check_divergence` (--check-for-divergence) a step that changes the norm of the weights by more than
+    `WEIGHT_JUMP` of it on any rank raises `DivergenceError` on every rank (before anything of it is saved).
     `offload` names the parts of its state (`rl/model_state.PARTS`) that `offload()` moves to host memory.
     """
 
+    # A relative change of the weights' norm in one optimizer step beyond which the step is divergence, not
+    # learning: RL fine-tuning moves a pretrained model by ~1e-5..1e-3 of its norm per step (Adam moves each weight
+    # by about lr), so half of the norm is orders of magnitude past any working setting (--lr 1e6 multiplies it
+    # by ~1e5 in the first step).
+    WEIGHT_JUMP = 0.5
+
     def __init__(self, model: torch.nn.Module, settings: OptimizerSettings, name: str = "model",
-                 check_finite: bool = True, offload: Sequence[str] = ()):
+                 check_finite: bool = True, offload: Sequence[str] = (), check_divergence: bool = True):
         self.module = model
         self.name = name
         self.check_finite = check_finite
+        self.check_divergence = check_divergence
+        self._weight_norm: Optional[float] = None  # this rank's shard's, after the last step
         self.settings = settings
         self.offload_parts = tuple(offload)
         self._offloader = Offloader(self)
@@ -327,7 +338,11 @@ class TrainableModel:
         local = {k: sum(torch.as_tensor(r[k]).double() for r in results) for k in keys}  # this rank's shares
         if self.check_finite:
             self._stop_if_not_finite(losses, local)
+        if self.check_divergence and self._weight_norm is None:
+            self._weight_norm = self.weight_norm()
         update_successful, grad_norm, _ = self.optimizer.step()
+        if self.check_divergence:
+            self._stop_if_diverged()
         if update_successful:
             self.scheduler.step(increment=1)
         metrics: Dict[str, float] = {}
@@ -336,6 +351,30 @@ class TrainableModel:
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         return metrics
+
+    def weight_norm(self) -> float:
+        """The L2 norm of this rank's shard of the weights, accumulated in fp32 chunk by chunk (no full-size fp32
+        copy of a half-precision weight)."""
+        total = torch.zeros((), dtype=torch.float64, device=device.current_device())
+        with torch.no_grad():
+            for param in self.module.parameters():  # on the device: called within a step
+                for chunk in param.detach().reshape(-1).split(1 << 24):
+                    total += chunk.float().pow(2).sum().double()
+        return float(total.sqrt())
+
+    def _stop_if_diverged(self) -> None:
+        """The step's weights against the last step's (`WEIGHT_JUMP`), on every rank's shard: any rank's jump stops
+        all of them (MoE expert shards differ from rank to rank)."""
+        before, after = self._weight_norm, self.weight_norm()
+        self._weight_norm = after
+        # non-finite weights are the NaN guard's (the next step's loss, the save's check) and name themselves there
+        jump = abs(after - before) / before if before > 0 and math.isfinite(after) else 0.0
+        found = (f"one optimizer step changed the weights' norm from {before:.4g} to {after:.4g} (this rank's shard), "
+                 f"{jump:.3g} of it" if jump > self.WEIGHT_JUMP else None)
+        if any_rank(found is not None):
+            problems = gather_messages(found)
+            raise DivergenceError(f"{self.name}: {'; '.join(problems)}: the update diverged (more than "
+                                  f"{self.WEIGHT_JUMP:g} of the norm in one step)")
 
     def _stop_if_not_finite(self, losses, metrics) -> None:
         """Megatron-LM's --check-for-nan-in-loss-and-grad: NaN / inf in this step's loss, its metric shares (last
@@ -350,7 +389,10 @@ class TrainableModel:
                 found.append(f"{key} is {float(value)}")
         # fp16 gradients carry the loss scale: an overflow there is megatron's grad scaler's to skip, not a stop
         buffers = [] if self.settings.params_dtype == "fp16" else self.ddp.buffers + self.ddp.expert_parallel_buffers
-        bad = sum(int((~torch.isfinite(buffer.grad_data)).sum()) for buffer in buffers)
+        # one fused reduction per buffer (NaN / inf propagate into the norm); the elementwise count only when it is
+        # not finite, for the message (a bool mask of every gradient was most of an optimizer step's time on CPU)
+        bad = sum(int((~torch.isfinite(buffer.grad_data)).sum()) for buffer in buffers
+                  if not bool(torch.isfinite(torch.linalg.vector_norm(buffer.grad_data))))
         if bad:
             found.append(f"{bad} gradient values are NaN or inf")
         if any_rank(bool(found)):

@@ -178,7 +178,8 @@ def trainable(model, args, name: str, flag: str) -> TrainableModel:
         params_dtype=args.params_dtype, use_distributed_optimizer=args.use_distributed_optimizer,
         schedule_on_resume=schedule_on_resume, lr_flag="--critic-lr" if critic else "--lr",
         **_loss_scale_settings(args),
-    ), name=name, check_finite=args.check_for_nan_in_loss_and_grad, offload=offload_parts(args, name))
+    ), name=name, check_finite=args.check_for_nan_in_loss_and_grad, offload=offload_parts(args, name),
+        check_divergence=args.check_for_divergence)
 
 
 def _loss_scale_settings(args) -> dict:

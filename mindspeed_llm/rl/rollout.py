@@ -1,6 +1,6 @@
-"""One rollout: the sampling settings from the command line, generation with the actor's own weights into an
-`Experience`, the rollout's length statistics, what `--mask-truncated-completions` takes out of the losses, and how
-far the sampler's log-probs are from the training forward's."""
+"""One rollout: the sampling (and generation-engine) settings from the command line, generation with the actor's own
+weights into an `Experience`, the rollout's length statistics, what `--mask-truncated-completions` takes out of the
+losses, and how far the sampler's log-probs are from the training forward's."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from mindspeed_llm import distributed
+from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.inference import SamplingConfig, generate
 from mindspeed_llm.models import routing
 from mindspeed_llm.rl import core_algos
@@ -17,6 +18,15 @@ from mindspeed_llm.rl.metrics import mean_min_max
 
 
 def sampling_config(args, tokenizer, greedy: Optional[bool] = None) -> SamplingConfig:
+    """The rollout's settings from the command line: sampling, lengths, stop ids, and the generation engine's limits
+    (`--rollout-max-num-seqs`, `--rollout-max-num-batched-tokens`). `greedy` overrides `--do-sample`. A
+    --stop-token-ids id the tokenizer cannot produce (generation never samples past it) is refused, naming the
+    tokenizer's size."""
+    outside = [t for t in args.stop_token_ids if not 0 <= t < len(tokenizer)]
+    if outside:
+        raise ArgumentError(f"--stop-token-ids {' '.join(map(str, outside))}: outside the tokenizer's ids 0.."
+                            f"{len(tokenizer) - 1} (--tokenizer-name-or-path), so no response could ever stop there; "
+                            "give ids of this tokenizer")
     do_sample = args.do_sample if greedy is None else not greedy
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -24,7 +34,8 @@ def sampling_config(args, tokenizer, greedy: Optional[bool] = None) -> SamplingC
         do_sample=do_sample, temperature=args.temperature, top_k=args.top_k or None,
         top_p=args.top_p if args.top_p < 1.0 else None, max_new_tokens=args.max_new_tokens,
         max_length=args.max_length, eos_token_id=eos, stop_token_ids=tuple(args.stop_token_ids),
-        pad_token_id=pad, seed=args.seed,
+        pad_token_id=pad, seed=args.seed, max_num_seqs=getattr(args, "rollout_max_num_seqs", None),
+        max_num_batched_tokens=getattr(args, "rollout_max_num_batched_tokens", None),
     )
 
 

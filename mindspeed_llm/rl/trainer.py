@@ -12,6 +12,7 @@ optimizer steps (`--check-for-nan-in-loss-and-grad`, on by default), and nothing
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -24,6 +25,8 @@ from megatron.core import parallel_state
 from mindspeed_llm import compat_flags, device, distributed
 from mindspeed_llm.arguments import ArgumentError
 from mindspeed_llm.checkpoint import training as training_ckpt
+from mindspeed_llm.checkpoint.errors import DivergenceError
+from mindspeed_llm.checkpoint.megatron_layout import checkpoint_traces
 from mindspeed_llm.data import PromptDataset, PromptSampler
 from mindspeed_llm.data.prompt_dataset import PromptSubset, split_indices
 from mindspeed_llm.rl.metrics import MetricsLogger, reduce_metrics, throughput_metrics
@@ -110,6 +113,43 @@ def _prompt_sets(args):
     if args.eval_data_path:
         return train, (PromptDataset(args.eval_data_path) if args.eval_interval else None)
     return train, (PromptSubset(dataset, parts[1], "valid") if args.eval_interval and len(parts[1]) else None)
+
+
+def _output_path_problem(args) -> Optional[str]:
+    """Why an output of the run cannot be written where asked, found before any model is built: a --metrics-jsonl
+    or --tensorboard-dir under a file (or a directory given as the JSONL file), a --save that is a file, or a --save
+    holding checkpoints this run would write over (it starts at iteration 1 there: without --load of that directory,
+    or with --finetune)."""
+    for flag, path, is_dir in (("--metrics-jsonl", args.metrics_jsonl, False), ("--tensorboard-dir",
+                                                                             args.tensorboard_dir, True),
+                               ("--save", args.save, True)):
+        if not path:
+            continue
+        if os.path.exists(path) and os.path.isdir(path) != is_dir:
+            return f"{flag} {path} is a {'file' if is_dir else 'directory'}; pass a {'directory' if is_dir else 'file'}"
+        parent = os.path.dirname(os.path.abspath(path))
+        while parent and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if parent and not os.path.isdir(parent):
+            return f"{flag} {path} lies under {parent}, which is a file; pass a path in a directory"
+    if args.save and os.path.isdir(args.save):
+        traces = checkpoint_traces(args.save)
+        resumes_there = _resumes_from_load(args) and os.path.abspath(args.load) == os.path.abspath(args.save)
+        if traces and (not resumes_there or args.finetune):
+            why = ("--finetune restarts the iteration count" if resumes_there else
+                   "this run does not resume from it (--load)")
+            return (f"--save {args.save} already holds checkpoints ({', '.join(traces[:4])}"
+                    f"{' ...' if len(traces) > 4 else ''}) and {why}: its saves would replace them; pass --load "
+                    f"{args.save} to resume them, or another --save")
+    return None
+
+
+def check_output_paths(args) -> None:
+    """`_output_path_problem`, judged on rank 0 (one filesystem view) and raised on every rank."""
+    problem = _output_path_problem(args) if distributed.is_rank_0() else None
+    problem = distributed.broadcast_object(problem)
+    if problem:
+        raise training_ckpt.CheckpointError(problem)
 
 
 def check_shared_save(save: str, lock_file: str, wait_s: float = 10.0) -> None:
@@ -212,6 +252,7 @@ def run(args) -> None:
     if eval_dataset is not None:
         check_prompt_lengths(eval_dataset, args, "--eval-data-path" if args.eval_data_path else "--split (valid)")
 
+    check_output_paths(args)
     lock = training_ckpt.WriterLock(args.save) if args.save else None
     if lock is not None:
         problem = None
@@ -247,6 +288,31 @@ def run(args) -> None:
             lock.release()
 
 
+class EntropyGuard:
+    """--check-for-divergence, the policy's side: the actor's mean token entropy rising to the uniform maximum
+    (log V over the vocabulary the log-probs normalise over) from clearly below it at the run's first iteration
+    means the policy forgot everything it knew. A random-weight model that starts uniform is not flagged."""
+
+    UNIFORM = 0.99  # of log V: reached
+    BELOW = 0.9  # of log V: where the first iteration must have been
+
+    def __init__(self, vocab_size: int):
+        self.maximum = math.log(vocab_size)
+        self.first: Optional[float] = None
+
+    def check(self, metrics: Dict[str, float]) -> None:
+        entropy = metrics.get("actor/entropy")  # the last pipeline stage's ranks have it
+        found = None
+        if entropy is not None:
+            if self.first is None:
+                self.first = entropy
+            elif self.first < self.BELOW * self.maximum and entropy >= self.UNIFORM * self.maximum:
+                found = (f"the actor's entropy rose from {self.first:.3f} to {entropy:.3f}, the uniform maximum "
+                         f"log {round(math.exp(self.maximum))} = {self.maximum:.3f}: the policy went uniform")
+        if distributed.any_rank(found is not None):
+            raise DivergenceError(distributed.gather_messages(found)[0])  # the same on every rank that has it
+
+
 def _loop(args, stage, dataset, eval_dataset, sampler, logger, start: int, exit_signal) -> None:
     _, dp_size = distributed.data_parallel_info()
     rollout_rank, _ = distributed.rollout_parallel_info()
@@ -255,7 +321,8 @@ def _loop(args, stage, dataset, eval_dataset, sampler, logger, start: int, exit_
 
     def save(iteration: int) -> None:
         nonlocal saved
-        training_ckpt.save(args.save, iteration, stage.roles(), {"sampler": sampler.state_dict()})
+        training_ckpt.save(args.save, iteration, stage.roles(), {"sampler": sampler.state_dict()},
+                           save_optim=not args.no_save_optim)
         saved = iteration
 
     def next_rows(generation_batch: int):
@@ -265,12 +332,22 @@ def _loop(args, stage, dataset, eval_dataset, sampler, logger, start: int, exit_
         first = generation_batch * args.global_batch_size + rollout_rank * sampler.local_batch_size
         return [dict(dataset[i], index=i, position=first + k) for k, i in enumerate(sampler.next_batch_indices())]
 
+    entropy_guard = EntropyGuard(stage.roles()["actor"].module.model_spec.vocab_size)
     iteration = start
+    if start >= args.train_iters and distributed.is_rank_0():
+        print(f"posttrain_gpt.py: the checkpoint is at iteration {start}, --train-iters is {args.train_iters}: nothing "
+              f"left to train; raise --train-iters to continue", flush=True)
     for iteration in range(start + 1, args.train_iters + 1):
+        last = f"the last checkpoint is iteration {saved}" if saved else "no checkpoint was written"
         try:
             metrics = stage.iteration(iteration, next_rows(0), next_rows)
+            if args.check_for_divergence:
+                entropy_guard.check(metrics)
+        except DivergenceError as exc:
+            raise DivergenceError(
+                f"iteration {iteration}: {exc}; stopped, nothing of this iteration was saved ({last}); lower --lr "
+                f"(--no-check-for-divergence trains on)") from None
         except training_ckpt.NonFiniteError as exc:
-            last = f"the last checkpoint is iteration {saved}" if saved else "no checkpoint was written"
             raise training_ckpt.NonFiniteError(
                 f"iteration {iteration}: {exc}; stopped before the optimizer step, nothing of this iteration was "
                 f"saved ({last}); lower --lr or check the data (--no-check-for-nan-in-loss-and-grad trains on)"

@@ -1,7 +1,10 @@
 """Pure tensor math for RL post-training (TRL-style PPO and GRPO).
 
 Everything here is a plain function of tensors: torch only, no distributed code, no I/O, no global
-state. Each docstring states the formula it implements so it can be read next to the paper.
+state. Each docstring states the formula it implements so it can be read next to the paper. The one exception is
+the choice of an accelerator kernel: the scans (:mod:`.scans`) and the two losses (:mod:`.losses`) ask
+``mindspeed_llm.kernels.select_kernel`` for their inputs' device (an environment variable can force either path)
+and run a Triton kernel of the same math on CUDA / Ascend; the torch code here is always their reference.
 
 Conventions used throughout
 ---------------------------
@@ -37,11 +40,15 @@ What is where
 * :mod:`.stats`: ``SumAcross``; ``masked_mean``, ``masked_var``, ``masked_whiten`` (and the NaN-ignoring std
   of the outcome advantages).
 * :mod:`.kl`: ``KL_KINDS``, ``kl_penalty`` (the k1 / k2 / k3 / abs estimators), ``rollout_mismatch``.
+* :mod:`.scans`: ``reverse_linear_scan`` (``x_t = a_t + c_t x_{t+1}`` in log-depth torch steps), ``gae_scan``,
+  ``discounted_returns`` (on CUDA / Ascend the Triton kernels of ``mindspeed_llm.kernels.triton_scans``),
+  ``gae_scan_loop``, ``discounted_returns_loop`` (the per-position definitions, for tests and benchmarks).
 * :mod:`.rewards`: ``last_response_index``, ``response_mask_p1``, ``critic_mask``, ``compute_token_rewards``, ``compute_gae``
   (registered as the ``gae`` estimator), ``overlong_penalty`` (DAPO).
-* :mod:`.losses`: ``AGG_MODES``, ``aggregation_weights``, ``aggregate_loss``, the policy-loss registry
+* :mod:`.losses`: ``AGG_MODES``, ``aggregation_denominator``, ``aggregation_weights``, ``aggregate_loss``, the
+  policy-loss registry
   (``POLICY_LOSSES``, ``register_policy_loss``: ``vanilla``, ``gspo``), ``rollout_is_weights`` (TIS / MIS),
-  ``policy_loss``, ``value_loss``.
+  ``policy_loss``, ``value_loss`` (on CUDA / Ascend the fused kernels of ``mindspeed_llm.kernels.triton_rl_losses``).
 * :mod:`.advantages`: the advantage-estimator registry (``ADV_ESTIMATORS``, ``register_advantage``; kinds
   ``outcome`` / ``token`` / ``critic``), ``GROUP_SCALES``, ``group_advantages``, ``grpo_advantages``,
   ``rloo_advantages``, ``dr_grpo_advantages``, ``reinforce_plus_plus_advantages``,
@@ -75,6 +82,7 @@ from mindspeed_llm.rl.core_algos.losses import (
     ROLLOUT_IS_MODES,
     PolicyTerms,
     aggregate_loss,
+    aggregation_denominator,
     aggregation_weights,
     gspo_policy_terms,
     policy_loss,
@@ -90,6 +98,13 @@ from mindspeed_llm.rl.core_algos.rewards import (
     overlong_penalty,
     critic_mask,
     response_mask_p1,
+)
+from mindspeed_llm.rl.core_algos.scans import (
+    discounted_returns,
+    discounted_returns_loop,
+    gae_scan,
+    gae_scan_loop,
+    reverse_linear_scan,
 )
 from mindspeed_llm.rl.core_algos.stats import SumAcross, masked_mean, masked_var, masked_whiten
 
@@ -107,7 +122,13 @@ __all__ = [
     "compute_token_rewards",
     "compute_gae",
     "overlong_penalty",
+    "reverse_linear_scan",
+    "gae_scan",
+    "discounted_returns",
+    "gae_scan_loop",
+    "discounted_returns_loop",
     "AGG_MODES",
+    "aggregation_denominator",
     "aggregation_weights",
     "aggregate_loss",
     "POLICY_LOSSES",

@@ -25,6 +25,7 @@ from typing import Callable, Dict
 
 import torch
 
+from mindspeed_llm.rl.core_algos.scans import discounted_returns
 from mindspeed_llm.rl.core_algos.stats import SumAcross, _nanstd, masked_whiten
 
 GROUP_SCALES = ("group", "batch", "none")
@@ -150,15 +151,11 @@ def reinforce_plus_plus_advantages(token_rewards: torch.Tensor, response_mask: t
         A   = (G - mean(G)) / sqrt(var(G) + 1e-8) * m   (masked_whiten over every response token of the batch)
 
     No baseline per prompt (``group_size`` unused); mean and (unbiased) variance are over all shards with
-    ``sum_across``. Returns ``A`` ``[B, T]``.
+    ``sum_across``. ``G`` is :func:`~.scans.discounted_returns` (a scan; verl's loop within fp32 rounding).
+    Returns ``A`` ``[B, T]``.
     """
     mask = response_mask.to(token_rewards.dtype)
-    returns = torch.zeros_like(token_rewards)
-    running = torch.zeros_like(token_rewards[:, 0])
-    for t in reversed(range(token_rewards.size(1))):
-        running = token_rewards[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * mask[:, t]  # a padding position cuts the return: nothing after the response counts
+    returns = discounted_returns(token_rewards, mask, gamma)  # a scan, no Python loop over T (.scans)
     return masked_whiten(returns, mask, sum_across=sum_across) * mask
 
 

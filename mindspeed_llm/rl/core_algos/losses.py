@@ -1,6 +1,11 @@
 """Loss aggregation (token / sequence means, as shares of a split batch) and the losses: the policy loss (PPO /
 GRPO / DAPO / Dr. GRPO / GSPO surrogates by name, ``POLICY_LOSSES``, ``--policy-loss``) with its KL and entropy
-terms and the rollout importance-sampling correction (``--rollout-is``), and the clipped value loss."""
+terms and the rollout importance-sampling correction (``--rollout-is``), and the clipped value loss.
+
+The torch code here is the reference of the fused loss kernels (``mindspeed_llm.kernels.triton_rl_losses``: loss,
+metrics and gradient in one launch), which :func:`policy_loss` (built-in surrogates) and :func:`value_loss` run
+instead where ``mindspeed_llm.kernels.select_kernel`` chooses them (CUDA, Ascend with Triton-Ascend;
+``MINDSPEED_LOSS_KERNEL``)."""
 
 from __future__ import annotations
 
@@ -8,10 +13,36 @@ from typing import Callable, Dict, NamedTuple, Optional
 
 import torch
 
-from mindspeed_llm.rl.core_algos.kl import kl_penalty
+from mindspeed_llm.kernels import select_kernel
+from mindspeed_llm.rl.core_algos.kl import KL_KINDS, kl_penalty
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ROLLOUT_IS_MODES = ("none", "tis", "mis")
+
+
+def aggregation_denominator(mask: torch.Tensor, mode: str, max_len=None, *, total_tokens=None,
+                            total_sequences=None) -> torch.Tensor:
+    """What :func:`aggregation_weights` divides the mask by: ``w = m / denominator``, with ``denominator`` a 0-d
+    tensor (``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-sum-norm``) or ``[B, 1]``
+    (``seq-mean-token-mean``), in the mask's floating dtype (fp32 for a bool mask)."""
+    m = mask if mask.is_floating_point() else mask.to(torch.float32)
+
+    def total(value, local):
+        if value is None:
+            return local.clamp(min=1)
+        return torch.as_tensor(value, dtype=m.dtype, device=m.device).clamp(min=1)
+
+    if mode == "token-mean":
+        return total(total_tokens, m.sum())
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes are: {', '.join(AGG_MODES)}")
+    sequences = total(total_sequences, torch.tensor(float(m.size(0)), dtype=m.dtype, device=m.device))
+    if mode == "seq-mean-token-sum":
+        return sequences
+    if mode == "seq-mean-token-mean":
+        return m.sum(dim=-1, keepdim=True).clamp(min=1) * sequences
+    norm = m.size(-1) if max_len is None else max_len
+    return norm * sequences
 
 
 def aggregation_weights(mask: torch.Tensor, mode: str, max_len=None, *, total_tokens=None,
@@ -33,23 +64,10 @@ def aggregation_weights(mask: torch.Tensor, mode: str, max_len=None, *, total_to
     ``total_tokens`` (its loss tokens) and ``total_sequences`` (its sequences in the loss): then each
     shard's ``sum(L * w)`` is its share, and the shares add up to the batch's loss exactly, so the result
     does not depend on how the batch was split (verl's global token / sequence normalisation).
+    The denominators are :func:`aggregation_denominator` (what the fused loss kernels read).
     """
     m = mask if mask.is_floating_point() else mask.to(torch.float32)
-
-    def total(value, local):
-        return local.clamp(min=1) if value is None else torch.as_tensor(value, dtype=m.dtype, device=m.device).clamp(min=1)
-
-    if mode == "token-mean":
-        return m / total(total_tokens, m.sum())
-    if mode not in AGG_MODES:
-        raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes are: {', '.join(AGG_MODES)}")
-    sequences = total(total_sequences, torch.tensor(float(m.size(0)), dtype=m.dtype, device=m.device))
-    if mode == "seq-mean-token-sum":
-        return m / sequences
-    if mode == "seq-mean-token-mean":
-        return m / (m.sum(dim=-1, keepdim=True).clamp(min=1) * sequences)
-    norm = m.size(-1) if max_len is None else max_len
-    return m / (norm * sequences)
+    return m / aggregation_denominator(m, mode, max_len, total_tokens=total_tokens, total_sequences=total_sequences)
 
 
 def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, max_len=None, *, total_tokens=None,
@@ -157,6 +175,15 @@ def rollout_is_weights(old_logp, rollout_logp, mode: str, threshold: float) -> t
     raise ValueError(f"unknown rollout correction {mode!r}; valid modes are: tis, mis (or none)")
 
 
+def _fused_kernel(device, *tensors) -> bool:
+    """True when the fused loss kernel (``mindspeed_llm.kernels.triton_rl_losses``, ``MINDSPEED_LOSS_KERNEL``) is
+    chosen for ``device`` and the given tensors (None: not used) are ``[B, T]`` of one shape."""
+    if select_kernel("losses", device) != "triton":
+        return False
+    shape = tensors[0].shape
+    return len(shape) == 2 and all(t is None or t.shape == shape for t in tensors[1:])
+
+
 def policy_loss(
     logp,
     old_logp,
@@ -231,6 +258,9 @@ def policy_loss(
     * with ``rollout_is``: ``rollout_is_weight`` = token mean of the weights, ``rollout_is_clipfrac`` = fraction
       of tokens with ``w > threshold`` (truncated by tis, masked by mis).
 
+    On CUDA / Ascend (``MINDSPEED_LOSS_KERNEL``, module docstring) the surrogates ``vanilla`` and ``gspo`` run
+    fused: the same loss, metrics and gradients in one kernel launch (a surrogate registered elsewhere runs here).
+
     Returns:
         ``(loss, metrics)``.
     """
@@ -243,8 +273,22 @@ def policy_loss(
         raise ValueError(f"unknown policy loss {loss_type!r}; valid names are: {', '.join(POLICY_LOSSES)}")
     if rollout_is != "none" and rollout_logp is None:
         raise ValueError(f"policy_loss: rollout_is={rollout_is!r} needs rollout_logp (the sampler's log-probs)")
+    if kl_coef != 0.0 and ref_logp is None:
+        raise ValueError("policy_loss: kl_coef != 0 needs ref_logp")
+    if entropy is None and entropy_coeff != 0.0:
+        raise ValueError("policy_loss: entropy_coeff != 0 needs entropy")
     if advantages.dim() == logp.dim() - 1:
         advantages = advantages.unsqueeze(-1)
+    builtin = {"vanilla": vanilla_policy_terms, "gspo": gspo_policy_terms}.get(loss_type)
+    if (surrogate is builtin and not (loss_type == "gspo" and dual_clip is not None)
+            and rollout_is in ROLLOUT_IS_MODES and (kl_coef == 0.0 or kl_kind in KL_KINDS)
+            and advantages.dim() == 2 and advantages.shape[-1] in (1, logp.shape[-1])
+            and advantages.shape[0] == logp.shape[0]
+            and _fused_kernel(logp.device, logp, old_logp, response_mask, ref_logp if kl_coef != 0.0 else None,
+                              entropy, rollout_logp if rollout_is != "none" else None)):
+        return _fused_policy_loss(logp, old_logp, advantages, response_mask, clip_low, clip_high, dual_clip, agg,
+                                  loss_type, max_len, ref_logp, kl_coef, kl_kind, entropy, entropy_coeff, rollout_logp,
+                                  rollout_is, rollout_is_threshold, total_tokens, total_sequences)
     mask = response_mask.to(logp.dtype)
     loss_w = aggregation_weights(mask, agg, max_len, total_tokens=total_tokens, total_sequences=total_sequences)
     token_w = aggregation_weights(mask, "token-mean", total_tokens=total_tokens)
@@ -282,8 +326,6 @@ def policy_loss(
                 (torch.exp(old_logp - rollout_logp) > rollout_is_threshold).to(mask.dtype))
 
     if kl_coef != 0.0:
-        if ref_logp is None:
-            raise ValueError("policy_loss: kl_coef != 0 needs ref_logp")
         kl = kl_penalty(logp, ref_logp, kl_kind)
         kl_loss = (kl * loss_w).sum()
         loss = loss + kl_coef * kl_loss
@@ -295,11 +337,31 @@ def policy_loss(
         if entropy_coeff != 0.0:
             loss = loss - entropy_coeff * entropy_mean
         metrics["entropy"] = entropy_mean.detach()
-    elif entropy_coeff != 0.0:
-        raise ValueError("policy_loss: entropy_coeff != 0 needs entropy")
 
     metrics["loss"] = loss.detach()
     return loss, metrics
+
+
+def _fused_policy_loss(logp, old_logp, advantages, response_mask, clip_low, clip_high, dual_clip, agg, loss_type,
+                       max_len, ref_logp, kl_coef, kl_kind, entropy, entropy_coeff, rollout_logp, rollout_is,
+                       rollout_is_threshold, total_tokens, total_sequences):
+    """:func:`policy_loss` through the fused kernel (validated arguments): the aggregation's denominators and
+    GSPO's sequence ratio here, the rest in the kernel."""
+    from mindspeed_llm.kernels.triton_rl_losses import fused_policy_loss
+
+    sequence_log_ratio = None
+    if loss_type == "gspo":  # the detached row mean of the log-ratio, as gspo_policy_terms
+        mask = response_mask.to(logp.dtype)
+        sequence_log_ratio = ((logp.detach() - old_logp) * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
+    return fused_policy_loss(
+        logp, old_logp, advantages, response_mask,
+        aggregation_denominator(response_mask, agg, max_len, total_tokens=total_tokens,
+                                total_sequences=total_sequences),
+        aggregation_denominator(response_mask, "token-mean", total_tokens=total_tokens),
+        clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, sequence_log_ratio=sequence_log_ratio,
+        ref_logp=ref_logp, kl_coef=kl_coef, kl_kind=kl_kind, entropy=entropy, entropy_coeff=entropy_coeff,
+        rollout_logp=rollout_logp, rollout_is=rollout_is, rollout_is_threshold=rollout_is_threshold,
+    )
 
 
 def value_loss(values, old_values, returns, value_mask, cliprange_value=0.2, *, total_tokens=None):
@@ -317,8 +379,14 @@ def value_loss(values, old_values, returns, value_mask, cliprange_value=0.2, *, 
     metrics are then this part's shares (:func:`aggregation_weights`).
 
     Metrics (detached): ``vf_loss`` (= loss), ``vf_clipfrac`` = ``masked_mean(vf2 > vf1)``,
-    ``vpred`` = masked mean of ``values``, ``returns`` = masked mean of ``returns``.
+    ``vpred`` = masked mean of ``values``, ``returns`` = masked mean of ``returns``. On CUDA / Ascend it runs fused
+    (``MINDSPEED_LOSS_KERNEL``, module docstring) for ``[B, T]`` inputs.
     """
+    if _fused_kernel(values.device, values, old_values, returns, value_mask):
+        from mindspeed_llm.kernels.triton_rl_losses import fused_value_loss
+
+        return fused_value_loss(values, old_values, returns, value_mask, cliprange_value,
+                                aggregation_denominator(value_mask, "token-mean", total_tokens=total_tokens))
     mask = value_mask.to(values.dtype)
     token_w = aggregation_weights(mask, "token-mean", total_tokens=total_tokens)
     v_clip = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)

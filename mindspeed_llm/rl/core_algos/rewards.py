@@ -1,6 +1,6 @@
 """PPO token rewards and GAE: the response / value masks, the per-token rewards (KL penalty plus the score once),
-generalized advantage estimation with TRL's reverse loop (``--adv-estimator gae``, the critic's) and DAPO's overlong
-penalty."""
+generalized advantage estimation with TRL's reverse recursion, as a scan (``--adv-estimator gae``, the critic's), and
+DAPO's overlong penalty."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 
 from mindspeed_llm.rl.core_algos.advantages import register_advantage
 from mindspeed_llm.rl.core_algos.kl import kl_penalty
+from mindspeed_llm.rl.core_algos.scans import gae_scan
 from mindspeed_llm.rl.core_algos.stats import SumAcross, masked_whiten
 
 
@@ -121,7 +122,8 @@ def compute_gae(rewards, values, response_mask, gamma, lam, whiten=True, value_m
 
     The recursion runs over every position, exactly as TRL 1.12 ``PPOTrainer.train``; the rewards
     from :func:`compute_token_rewards` and the masked values are zero beyond the value mask, so those
-    positions contribute nothing.
+    positions contribute nothing. It runs as a scan (:func:`~.scans.gae_scan`: log-depth in torch, one Triton
+    launch on CUDA / Ascend), equal to TRL's reverse loop within fp32 rounding (:mod:`.scans`).
 
     Then, when ``whiten`` (TRL always whitens): ``A = masked_whiten(A, response_mask)`` (mean shifted,
     unbiased variance; statistics of the whole batch with ``sum_across``). Finally advantages are zeroed outside ``response_mask`` (whitened or not).
@@ -143,17 +145,7 @@ def compute_gae(rewards, values, response_mask, gamma, lam, whiten=True, value_m
     """
     if value_mask is None:
         value_mask = response_mask_p1(response_mask)
-    values = values * value_mask.to(values.dtype)
-    length = rewards.size(1)
-    last_gae = torch.zeros_like(rewards[:, 0])
-    reversed_adv = []
-    for t in reversed(range(length)):
-        next_value = values[:, t + 1] if t < length - 1 else 0.0
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        last_gae = delta + gamma * lam * last_gae
-        reversed_adv.append(last_gae)
-    advantages = torch.stack(reversed_adv[::-1], dim=1)
-    returns = advantages + values
+    advantages, returns = gae_scan(rewards, values, value_mask, gamma, lam)  # no Python loop over T (.scans)
     if whiten:
         advantages = masked_whiten(advantages, response_mask, sum_across=sum_across)
     advantages = advantages * response_mask.to(advantages.dtype)
