@@ -5,7 +5,8 @@
 * one optimizer step of each (a policy loss and a value loss through `TrainableModel.train_step`, SGD without
   clipping): grad norms and every weight after the step; and the same step with the norms' `sequence_parallel`
   marking removed (megatron then leaves their gradients partial): the weights differ, so the marking is needed;
-* sampled generation (it runs without sequence parallelism): the same tokens and log-probs;
+* sampled generation on both engines (it runs without sequence parallelism): the same tokens and log-probs as the
+  plain model's static engine (the continuous one with 2 rows in flight for 3 prompts, so a slot is reused);
 * megatron's torch norm refuses sequence parallelism without `patches/sequence_parallel.py`.
 
 Both stages' whole iterations at TP2 + SP (and CP2 x TP2 + SP) are in tests/test_layout_invariance.py.
@@ -89,10 +90,12 @@ def _worker(rank, world_size, task):
             metrics = trained.train_step(plan.micro_batches(exp, update=True), loss_fn)
             results[kind] = (reads, metrics["grad_norm"], {n: p.detach().clone() for n, p in m.named_parameters()})
         actor = model(task["mg_actor_tp2pp1"], use_sp)
-        rollout = generate(actor, [[5, 70, 80, 90], [5, 100, 110], [7, 8, 9, 10, 11]],
-                           SamplingConfig(do_sample=True, max_new_tokens=6, max_length=32, seed=3), iteration=1,
-                           sample_ids=[0, 1, 2])
-        results["generate"] = (rollout.responses, rollout.log_probs)
+        for engine, max_num_seqs in (("static", None), ("continuous", 2)):  # continuous: a freed slot is reused
+            rollout = generate(actor, [[5, 70, 80, 90], [5, 100, 110], [7, 8, 9, 10, 11]],
+                               SamplingConfig(do_sample=True, max_new_tokens=6, max_length=32, seed=3,
+                                              max_num_seqs=max_num_seqs), iteration=1, sample_ids=[0, 1, 2],
+                               engine=engine)
+            results[f"generate_{engine}"] = (rollout.responses, rollout.log_probs)
         out[sp] = results
     plain = out[False]
     for sp in (True, "unmarked"):
@@ -103,8 +106,10 @@ def _worker(rank, world_size, task):
             report[kind] = {"reads": (reads - plain[kind][0]).abs().max().item(),
                             "grad_norm": abs(norm - plain[kind][1]),
                             "weights": max((weights[n] - plain[kind][2][n]).abs().max().item() for n in weights)}
-        report["tokens_equal"] = torch.equal(got["generate"][0], plain["generate"][0])
-        report["log_probs"] = (got["generate"][1] - plain["generate"][1]).abs().max().item()
+        for engine in ("static", "continuous"):  # against the plain TP model's static engine
+            tokens, log_probs = got[f"generate_{engine}"]
+            report[f"generate_{engine}"] = (torch.equal(tokens, plain["generate_static"][0]),
+                                            (log_probs - plain["generate_static"][1]).abs().max().item())
         out[f"report_{sp}"] = report
     # megatron's torch norm without the patch (the other patches stay)
     owner, attr, original, _ = next(entry for entry in patches._APPLIED
@@ -134,7 +139,9 @@ def test_sequence_parallel_equals_tensor_parallel(sp_runs):
         for kind in ("policy", "value"):
             r = report[kind]
             assert r["reads"] <= TOL and r["grad_norm"] <= TOL and r["weights"] <= TOL, (rank, kind, r)
-        assert report["tokens_equal"] and report["log_probs"] <= TOL, (rank, report)
+        for engine in ("static", "continuous"):
+            tokens_equal, log_probs = report[f"generate_{engine}"]
+            assert tokens_equal and log_probs <= TOL, (rank, engine, report)
 
 
 def test_the_norms_sequence_parallel_marking_is_needed(sp_runs):
