@@ -225,17 +225,35 @@ def task(tmp_path_factory):
     return word_task.build(tmp_path_factory.mktemp("word_task"), layouts=((1, 1), (2, 1), (1, 2)), reward=True)
 
 
+def _selected_runs(request):
+    """{layout: cases} that the selected tests of this module read, the reference's (mbs1) included; None (all)
+    where a test other than the per-layout comparison is selected. `-k "cp"` then runs the CP layouts only."""
+    items = [item for item in request.session.items if item.module is request.module]
+    if any(item.originalname != "test_one_update_is_layout_invariant" for item in items):
+        return None
+    wanted = {}
+    for item in items:
+        layout, case = item.callspec.params["layout"], item.callspec.params["case"]
+        for name in (layout, "mbs1"):
+            wanted.setdefault(name, set()).add(case)
+    return wanted
+
+
 @pytest.fixture(scope="module")
-def layout_runs(task, tmp_path_factory):
-    """{layout: {case: directory}} after running every case on every layout."""
+def layout_runs(task, tmp_path_factory, request):
+    """{layout: {case: directory}} after running every case on every layout (those the selected tests read)."""
     root = tmp_path_factory.mktemp("layouts")
     cases = _cases()
-    dirs = {layout: {case: root / layout / case for case in _layout_cases(layout, cases)} for layout in LAYOUTS}
+    wanted = _selected_runs(request)
+    dirs = {layout: {case: root / layout / case for case in _layout_cases(layout, cases)
+                     if wanted is None or case in wanted.get(layout, ())} for layout in LAYOUTS}
     by_world = {}
     for layout, (_, _, world, _, _) in LAYOUTS.items():
+        if not dirs[layout]:
+            continue
         by_world.setdefault(world, []).extend(
             _argv(task, stage, layout, extra, dirs[layout][case])
-            for case, (stage, extra) in _layout_cases(layout, cases).items()
+            for case, (stage, extra) in _layout_cases(layout, cases).items() if case in dirs[layout]
         )
     recorded = {}  # world size -> rank 0's (group filter records, token-budget step sizes)
     for world, runs in by_world.items():
