@@ -7,7 +7,9 @@
   over the real tokens of both ranks at EP2;
 * the run's MoE flags reach the model and bad combinations are refused naming the flags;
 * both stages with a tiny Qwen3-MoE actor at EP2 on 2 processes, and a resume from a saved iteration equal to the
-  uninterrupted run, bit for bit.
+  uninterrupted run, bit for bit;
+* a trained MoE actor at TP2 x EP2 with --sequence-parallel and routing replay (4 processes) against TP1 x EP2: the
+  metrics and the weights after the step.
 """
 
 from __future__ import annotations
@@ -380,13 +382,18 @@ def test_moe_actor_at_tp2_ep2_with_sequence_parallel(moe_task, tmp_path):
             continue
         atol = KEY_ATOL.get(key, ATOL)
         assert abs(got[key] - value) <= atol + RTOL * abs(value), (key, got[key], value)
+    assert expected["grad_norm"] > 1e-3 and expected["actor/moe/tokens_per_expert_min"] > 0, expected  # a real step
     merged = {}
-    for name, out in (("reference", reference), ("sp", sequence_parallel)):
-        convert_mg_to_mg(str(out / "actor"), str(tmp_path / f"{name}_tp1"), 1, 1, progress=False, ep=1)
+    for name, root in (("reference", reference / "actor"), ("sp", sequence_parallel / "actor"),
+                       ("initial", moe_task["mg_moe_actor_ep2"])):
+        convert_mg_to_mg(str(root), str(tmp_path / f"{name}_tp1"), 1, 1, progress=False, ep=1)
         merged[name] = load_shard(str(tmp_path / f"{name}_tp1"), 0, 0)["model"]
+    moved = 0.0
     for key, value in merged["reference"].items():
         if torch.is_tensor(value) and value.is_floating_point():
             assert _relative(merged["sp"][key].float(), value.float()) <= WEIGHT_RTOL, key
+            moved = max(moved, _relative(merged["initial"][key].float(), value.float()))
+    assert moved > 1e-3, moved  # the step moved the weights well past the tolerance
 
 
 def test_mindspeed_moe_switches_are_ignored_once_and_grouped_gemm_fallback_is_noted():
