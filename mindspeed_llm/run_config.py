@@ -22,8 +22,9 @@ read from ``model/NAME.yaml`` next to the file when there), ``megatron_training`
 ``critic_config`` / ``reward_config`` / ``ref_config`` must agree with the actor's (``critic_config.lr``
 becomes ``--critic-lr``; frozen roles' optimizer and activation recompute keys are ignored). The recompute keys
 (``recompute_granularity``, ``recompute_method``, ``recompute_num_layers``, MindSpeed-RL's documented
-``recompute_activations``) are the flags of their names, applied to the actor and the critic. The architecture keys (``model``)
-become the model flags, which are checked against every checkpoint, only when all roles use one model.
+``recompute_activations``) are the flags of their names, applied to the actor and the critic. The architecture
+keys (``model``) become the model flags, which are checked against every checkpoint, only when all roles use one
+model.
 
 Checkpoints. Here ``--ref-model`` is the initial actor and the reference; ``--reward-model`` is the reward
 model and (trl_ppo) the critic's initial weights; ``--load`` / ``--save`` hold every trained role under one
