@@ -114,6 +114,7 @@ RANGES: Dict[str, Bound] = {
     "--eval-samples": _at_least(0, "prompts; 0 takes all"),
     "--tensor-model-parallel-size": _at_least(1, "ranks"),
     "--pipeline-model-parallel-size": _at_least(1, "ranks"),
+    "--context-parallel-size": _at_least(1, "ranks"),
     "--expert-model-parallel-size": _at_least(1, "ranks"),
     "--rope-scaling-factor": _positive("RoPE frequency scaling divides frequencies by it"),
     # megatron's fp16 grad scaler

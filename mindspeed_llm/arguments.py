@@ -400,22 +400,35 @@ def _check_attention_backend(args) -> None:
                                   "reference; its memory grows with the square of the sequence length)")
 
 
+def _check_sequence_and_context_parallel(args) -> None:
+    """--sequence-parallel needs TP > 1 (Megatron-LM turns it off at TP 1, and so does this, saying so);
+    --context-parallel-size > 1 needs the fused core attention, whose CP path gathers the keys and values over the
+    CP group (megatron's local attention has none). A mixture of experts under CP is refused when its checkpoint
+    is read (`rl/moe.model_options`)."""
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        args.sequence_parallel = False
+        args.startup_notes.append("--sequence-parallel is off: it splits activations over the tensor-parallel ranks, "
+                                  "and --tensor-model-parallel-size is 1 (Megatron-LM's rule)")
+    if args.context_parallel_size > 1 and args.attention == "local":
+        raise ArgumentError(
+            f"--context-parallel-size {args.context_parallel_size} needs the fused core attention (its context-"
+            f"parallel path gathers keys and values over the CP ranks); --attention-backend {args.attention_backend} "
+            "runs megatron's local attention, which has none: drop --attention-backend or use auto / flash / fused")
+
+
 def validate_args(args, world_size: int) -> None:
     """Fill stage defaults and reject inconsistent combinations with messages that name the flags."""
     check_ranges(args, build_parser())  # every numeric flag in its range (argument_ranges.RANGES), floats finite
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if world_size % (tp * pp):
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    if world_size % (tp * pp * cp):
         raise ArgumentError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes"
+            f"--context-parallel-size {cp} x --pipeline-model-parallel-size {pp}; launch a multiple of "
+            f"{tp * pp * cp} processes"
         )
     args.world_size = world_size
-    args.data_parallel_size = dp = world_size // (tp * pp)
+    args.data_parallel_size = dp = world_size // (tp * pp * cp)  # megatron's: the CP ranks are not in it
     _check_expert_parallel(args, world_size)
-    if args.context_parallel_size != 1:
-        raise ArgumentError("--context-parallel-size > 1 is not supported (megatron's local attention asserts cp == 1)")
-    if args.sequence_parallel:
-        raise ArgumentError("--sequence-parallel is not supported by the local layer spec these stages use; drop it")
     if args.bf16 and args.fp16:
         raise ArgumentError("--bf16 and --fp16 are exclusive; pick one")
     args.params_dtype = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
@@ -424,6 +437,7 @@ def validate_args(args, world_size: int) -> None:
     args.ignored_flags = compat_flags.ignored_flags(args)  # printed once at startup (compat_flags.startup_lines)
     args.startup_notes = []
     _check_attention_backend(args)
+    _check_sequence_and_context_parallel(args)
 
     stage_defaults = {
         "trl_ppo": dict(kl_coef=0.3, kl_penalty="k1", n_samples_per_prompt=1),
@@ -463,8 +477,13 @@ def validate_args(args, world_size: int) -> None:
     if args.global_batch_size % dp:
         raise ArgumentError(
             f"--global-batch-size {args.global_batch_size} is not divisible by the data-parallel size {dp} "
-            f"(world {world_size} / (TP {tp} x PP {pp})); each DP rank needs whole prompts"
+            f"(world {world_size} / (TP {tp} x CP {cp} x PP {pp})); each DP rank needs whole prompts"
         )
+    if args.global_batch_size % (dp * cp):
+        raise ArgumentError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by data-parallel size {dp} x "
+            f"--context-parallel-size {cp}: the CP ranks of a DP rank generate its prompts as data-parallel "
+            "replicas, each whole prompts")
     per_rank = sequences // dp
     if per_rank % args.micro_batch_size:
         raise ArgumentError(
@@ -536,9 +555,10 @@ def validate_args(args, world_size: int) -> None:
 def _check_token_budgets(args) -> None:
     """--max-tokens-per-micro-batch / --forward-max-tokens-per-micro-batch hold at least the widest model row: a
     sample (prompt + response), or a packed prompt group (prompt + n responses)."""
-    n = args.n_samples_per_prompt
+    n, cp = args.n_samples_per_prompt, args.context_parallel_size
     packed = n > 1 and args.micro_batch_size % n == 0
-    widest = args.max_prompt_length + (n if packed else 1) * args.max_new_tokens
+    row = args.max_prompt_length + (n if packed else 1) * args.max_new_tokens
+    widest = -(-row // cp)  # a budget counts the tokens one rank holds: 1 / CP of each row
     what = (f"a packed prompt group (--max-prompt-length {args.max_prompt_length} + --n-samples-per-prompt {n} x "
             f"--max-new-tokens {args.max_new_tokens}; --micro-batch-size {args.micro_batch_size} packs groups, a "
             f"size that is not a multiple of {n} lays out one row per sample)" if packed
@@ -550,8 +570,9 @@ def _check_token_budgets(args) -> None:
     for flag, budget in (("--max-tokens-per-micro-batch", args.max_tokens_per_micro_batch),
                          ("--forward-max-tokens-per-micro-batch", args.forward_max_tokens_per_micro_batch)):
         if budget is not None and budget < widest:
-            raise ArgumentError(f"{flag} {budget} is smaller than the widest model row, {widest} tokens for {what}; "
-                                f"give at least {widest}")
+            share = f" (1/{cp} of {row} on each of --context-parallel-size {cp} ranks)" if cp > 1 else ""
+            raise ArgumentError(f"{flag} {budget} is smaller than the widest model row, {widest} tokens{share} for "
+                                f"{what}; give at least {widest}")
 
 
 def _check_model_flags(args) -> None:

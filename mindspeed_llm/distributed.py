@@ -21,8 +21,15 @@ def initialize(
     timeout_minutes: int = 30,
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: Optional[int] = None,
+    context_parallel_size: int = 1,
 ) -> None:
-    """Init torch.distributed (env:// as torchrun sets it) and megatron's TP/PP/DP groups, then seed.
+    """Init torch.distributed (env:// as torchrun sets it) and megatron's TP/CP/PP/DP groups, then seed.
+
+    Context parallelism (`context_parallel_size` N) is megatron's: the CP groups sit between TP and DP in its rank
+    order, its data-parallel groups leave them out (DP = world / (TP x CP x PP)) and its DDP reduces gradients
+    over DP x CP. The RL data follows the DP groups (the CP ranks of a DP rank hold the same samples in every
+    forward, `models/context_parallel.py`), except the rollout, which the DP x CP ranks share
+    (`rollout_parallel_info`).
 
     Mixture-of-experts layers get megatron's second decomposition of the same ranks ("MoE parallel
     folding"): expert TP (default: TP) x expert parallel x expert data parallel x PP. MindSpeed's
@@ -36,11 +43,12 @@ def initialize(
         rank = int(os.environ.get("RANK", "0"))
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    if world_size % (tp * pp):
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    if world_size % (tp * pp * cp):
         raise ValueError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes"
+            f"--context-parallel-size {cp} x --pipeline-model-parallel-size {pp}; launch a multiple of "
+            f"{tp * pp * cp} processes"
         )
     ep = expert_model_parallel_size
     etp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
@@ -60,7 +68,7 @@ def initialize(
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+            tp, pp, context_parallel_size=cp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     seed_all(seed)
 
 
@@ -85,6 +93,27 @@ def data_parallel_info():
     from megatron.core import parallel_state
 
     return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
+def rollout_parallel_info():
+    """(rank, size) of this rank among the ranks that share a rollout: DP x CP (megatron's `dp_cp` group, in which
+    DP rank d's CP rank c is d x CP + c), each generating its own prompts; (dp_rank, dp_size) without CP."""
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_data_parallel_rank(with_context_parallel=True),
+            parallel_state.get_data_parallel_world_size(with_context_parallel=True))
+
+
+def gather_over_context_parallel(obj) -> list:
+    """Every rank of this rank's context-parallel group's picklable `obj`, in CP rank order (`[obj]` without CP)."""
+    from megatron.core import parallel_state
+
+    size = parallel_state.get_context_parallel_world_size()
+    if size == 1:
+        return [obj]
+    out = [None] * size
+    dist.all_gather_object(out, obj, group=parallel_state.get_context_parallel_group())
+    return out
 
 
 def sum_over_data_parallel(tensor):
@@ -161,5 +190,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-__all__ = ["initialize", "destroy", "seed_all", "data_parallel_info", "sum_over_data_parallel", "any_rank",
+__all__ = ["initialize", "destroy", "seed_all", "data_parallel_info", "rollout_parallel_info",
+           "gather_over_context_parallel", "sum_over_data_parallel", "any_rank",
            "gather_messages", "broadcast_object", "is_rank_0", "barrier"]

@@ -26,7 +26,8 @@ becomes ``--critic-lr``; frozen roles' optimizer and activation recompute keys a
 (``lora_r``, ``lora_alpha``, ``lora_dropout``, ``lora_target_modules``, ``lora_load``; ``lora_fusion`` and
 ``lora_ckpt_filter`` / ``lora_filter`` are listed as ignored; frozen roles' LoRA keys are ignored;
 ``rl_config.share_backbone: true`` is what a LoRA run does and needs LoRA, ``false`` is refused with it). The
-architecture keys (``model``) become the model flags, which are checked against every checkpoint, only when all roles use one model.
+architecture keys (``model``) become the model flags, which are checked against every checkpoint, only when all
+roles use one model.
 
 Checkpoints. Here ``--ref-model`` is the initial actor and the reference; ``--reward-model`` is the reward
 model and (trl_ppo) the critic's initial weights; ``--load`` / ``--save`` hold every trained role under one
@@ -58,8 +59,10 @@ the verifier lists; verifier names must be registered here (`rl/verifiers`); ``s
 ``max_prompt_length + max_tokens``); ``generate_config.max_num_seqs`` / ``max_num_batched_tokens`` ->
 ``--rollout-max-num-seqs`` / ``--rollout-max-num-batched-tokens`` (the generation engine's limits, vLLM's
 meaning); ``use_tensorboard`` -> ``--tensorboard-dir`` (``megatron_training.tensorboard_dir``, else
-``SAVE/tensorboard``). ``infer_tensor_parallel_size`` must equal the training TP (generation runs on the
-training layout), ``dtype`` the training precision.
+``SAVE/tensorboard``). ``infer_tensor_parallel_size`` / ``_pipeline_`` / ``_expert_`` other than the training
+layout are listed as ignored (generation runs on the training model in place, with its layout); ``dtype`` must be
+the training precision. ``sampling_config.seed`` must equal the run's seed (``--seed``: each sample's random stream
+is keyed by it); ``use_kl_in_reward`` must match the stage (trl_ppo puts the KL in the reward, grpo in the loss).
 """
 
 from __future__ import annotations
@@ -179,11 +182,23 @@ MEGATRON: Dict[str, Any] = {
     "finetune": Slot("finetune", "bool"),
     "no_load_optim": Slot("no_load_optim", "bool"),
     "no_load_rng": Slot("no_load_rng", "bool"),
-    # refused here by the key's name (the parser would refuse the flag later, naming the flag)
-    "sequence_parallel": Accept(_is(False), "sequence parallelism is not supported by the local layer spec these "
-                                            "stages use; set it to false (or drop it)"),
-    "context_parallel_size": Accept(_is(1), "context parallelism is not supported (megatron's local attention "
-                                            "asserts cp == 1); set it to 1"),
+    # sequence_parallel / context_parallel_size are the flags of their names; how the CP ranks attend is one
+    # algorithm here (keys and values gathered over them: the same attention as megatron's ring or Ulysses)
+    "context_parallel_algo": Ignored("context parallelism here all-gathers the keys and values over the CP ranks "
+                                     "(the same attention as megatron_cp_algo's ring; models/context_parallel.py)"),
+    "attention_mask_type": Accept(_is("causal"), "the models here are causal decoders; set attention_mask_type: "
+                                                 "causal"),
+    "num_layer_list": Accept(lambda v: len({int(x) for x in str(v).replace(",", " ").split()}) == 1,
+                             "the layers are split evenly over the pipeline stages here (as convert_ckpt.py shards "
+                             "them); drop num_layer_list or give equal counts"),
+    "no_pad_to_seq_lengths": Ignored("micro-batches are always cut to their own longest row here, never padded to "
+                                     "seq_length"),
+    "reset_position_ids": Ignored("every sample's positions are its own here (rows, or packed prompt groups whose "
+                                  "responses continue at their prompt's end)"),
+    "reset_attention_mask": Ignored("every sample attends to its own tokens only here (rows, or packed prompt groups "
+                                    "described to the attention, models/attention.py)"),
+    "reuse_fp32_param": Accept(_is(False), "MindSpeed's fp32 main-weight reuse is not implemented (megatron keeps "
+                                           "its fp32 main weights); set reuse_fp32_param: false"),
     # expert_model_parallel_size / moe_* keys map to the flags of their names (mixture of experts)
     "moe_token_dispatcher_type": Flag("--moe-token-dispatcher-type", convert=lambda v: _DISPATCHERS.get(v, v)),
     "norm_topk_prob": Ignored("the router's normalisation is the checkpoint's (config.json's norm_topk_prob)"),
@@ -233,6 +248,12 @@ RL: Dict[str, Any] = {
     "reference_resource": Ignored(_RESOURCES),
     "reward_resource": Ignored(_RESOURCES),
     "actor_forward_micro_batch_size": Ignored("forward passes use --micro-batch-size"),
+    "hccl_buffersize": Ignored("an NPU collective setting (export HCCL_BUFFSIZE in the launch shell)"),
+    "actor_logprob_dispatch_size": Ignored(_RAY),
+    "ref_dispatch_size": Ignored(_RAY),
+    "reward_dispatch_size": Ignored(_RAY),
+    "adv_dispatch_size": Ignored(_RAY),
+    "actor_update_dispatch_size": Ignored(_RAY),
     "ref_forward_micro_batch_size": Ignored("forward passes use --micro-batch-size"),
     # dynamic batch size: see _resolve_token_budgets
     "use_dynamic_bsz": Slot("use_dynamic_bsz", "bool"),
@@ -273,6 +294,9 @@ RL: Dict[str, Any] = {
     "verifier_weight": Flag("--verifier-weight"),
     "use_tensorboard": Slot("use_tensorboard", "bool"),
     "use_wandb": Accept(_is(False), "wandb is not supported; use use_tensorboard or --metrics-jsonl"),
+    "log_max_throughput": Accept(_is(False), "the throughputs are logged per device (README, Metrics); set "
+                                             "log_max_throughput: false"),
+    "use_kl_in_reward": Slot("use_kl_in_reward", "bool"),
     "wandb_project": Ignored("wandb is not supported"),
     "wandb_exp_name": Ignored("wandb is not supported"),
     "wandb_save_dir": Ignored("wandb is not supported"),
@@ -289,6 +313,7 @@ SAMPLING: Dict[str, Any] = {
     "min_p": Accept(_is(0.0), "min-p sampling is not supported; set min_p: 0"),
     "temperature": Slot("temperature", "number"),
     "detokenize": Ignored(_VLLM),
+    "seed": Slot("sampling_seed", "number"),
 }
 
 GENERATE: Dict[str, Any] = {
@@ -306,6 +331,7 @@ GENERATE: Dict[str, Any] = {
     "gpu_memory_utilization": Ignored(_VLLM),
     "enforce_eager": Ignored(_VLLM),
     "enable_prefix_caching": Ignored(_VLLM),
+    "ascend_scheduler_config_enabled": Ignored(_VLLM),
     "sampling_config": Nested(SAMPLING),
 }
 
@@ -689,6 +715,7 @@ def _resolve(reader: _Reader, run: _Role, roles: Dict[str, Tuple[_Role, Optional
     _resolve_checkpoints(reader, run, roles, stage, put, flags, given, rule_verifiers, cli_argv)
     _resolve_sampling(reader, run, put, flags, effective, given)
     _resolve_token_budgets(reader, run, put)
+    _resolve_kl_placement(reader, run, stage, effective)
 
     if run.slot("use_tensorboard") and "tensorboard_dir" not in flags:
         save = flags["save"].value if "save" in flags else _cli_value(cli_argv, "--save")
@@ -779,7 +806,7 @@ def _resolve_checkpoints(reader, run, roles, stage, put, flags, given, rule_veri
 
     # -- critic (trl_ppo) and reward model
     critic = roles.get("critic_config", (None, None))[0]
-    critic_init = None
+    critic_init = critic_from_command_line = None
     root = _cli_value(cli_argv, "--load") if "load" in given else (load if resumes else None)  # the resume root
     if critic is not None:
         save = critic.slot("save")
@@ -805,6 +832,10 @@ def _resolve_checkpoints(reader, run, roles, stage, put, flags, given, rule_veri
                                           f"{actor_side}: this program saves and resumes actor and critic under one "
                                           "directory (DIR/actor, DIR/critic); set actor_config.load and "
                                           "critic_config.load to the same directory")
+            elif _same_path(c_load, load) and "reward_model" in given:
+                reader.notes.append(f"{where} {c_load!r} is the policy's checkpoint; the critic starts from the "
+                                    "command line's --reward-model (a value-head checkpoint)")
+                critic_from_command_line = where
             elif _same_path(c_load, load):
                 raise reader.error(where, f"{c_load!r} is the policy's checkpoint, but the critic starts from a "
                                           "value-head checkpoint here (--reward-model): convert one with "
@@ -823,6 +854,8 @@ def _resolve_checkpoints(reader, run, roles, stage, put, flags, given, rule_veri
             if name in reward.slots:
                 reader.ignored.append((reward.origin(name), "the reward model is frozen: weights only, never saved"))
     if "reward_model" in given:
+        if critic_from_command_line and rule_verifiers and reward_load is None and "reward_model_weight" not in given:
+            put("--reward-model-weight", 0.0, critic_from_command_line)  # it only starts the critic; verifiers score
         return
     if critic_init and reward_load and stage == "trl_ppo" and not _same_path(critic_init[0], reward_load[0]):
         raise reader.error(critic_init[1], f"{critic_init[0]!r} differs from {reward_load[1]} {reward_load[0]!r}: "
@@ -901,6 +934,22 @@ def _resolve_token_budgets(reader, run, put) -> None:
         run.origin(smallest) if smallest in run.slots else where)
 
 
+def _resolve_kl_placement(reader, run, stage, effective) -> None:
+    """MindSpeed-RL's `use_kl_in_reward`: where the KL to the reference goes, which here follows from the stage
+    (trl_ppo: a per-token reward penalty, TRL's; grpo: a loss, or the reward with reinforce_plus_plus). Accepted
+    when it says the same, or when the KL coefficient is 0 (no KL at all)."""
+    use_kl = run.slot("use_kl_in_reward")
+    if use_kl is None:
+        return
+    coef = effective("kl_coef")
+    in_reward = stage == "trl_ppo" or effective("adv_estimator") == "reinforce_plus_plus"
+    if coef != 0 and bool(use_kl) != in_reward:
+        where = "a per-token reward penalty (trl_ppo)" if in_reward else "a loss term (grpo)"
+        raise reader.error(run.origin("use_kl_in_reward"), f"{use_kl} cannot be honoured: the KL to the reference "
+                                                           f"is {where} in this run; set it to {in_reward} or set "
+                                                           "init_kl_coef: 0")
+
+
 def _resolve_sampling(reader, run, put, flags, effective, given) -> None:
     temperature = run.slot("temperature")
     if temperature is not None:
@@ -917,22 +966,22 @@ def _resolve_sampling(reader, run, put, flags, effective, given) -> None:
             raise reader.error(flags["max_length"].origin,
                                f"{length} is less than {flags['max_prompt_length'].origin} {prompt} + "
                                f"{flags['max_new_tokens'].origin} {new} (it bounds prompt + response); raise it")
-    tp, pp = effective("tensor_model_parallel_size"), effective("pipeline_model_parallel_size")
-    infer_tp, infer_pp = run.slot("infer_tensor_parallel_size"), run.slot("infer_pipeline_parallel_size")
-    if infer_tp is not None and infer_tp != tp and "tensor_model_parallel_size" not in given:
-        raise reader.error(run.origin("infer_tensor_parallel_size"),
-                           f"{infer_tp} differs from the training tensor_model_parallel_size {tp}: generation runs on "
-                           "the training model in place, with its layout; set them equal")
-    if infer_pp is not None and infer_pp not in (1, pp) and "pipeline_model_parallel_size" not in given:
-        raise reader.error(run.origin("infer_pipeline_parallel_size"),
-                           f"{infer_pp}: generation runs on the training layout (pipeline_model_parallel_size {pp}); "
-                           "set it to 1 or to the training size")
-    infer_ep = run.slot("infer_expert_parallel_size")
-    ep = effective("expert_model_parallel_size")
-    if infer_ep is not None and infer_ep not in (1, ep) and "expert_model_parallel_size" not in given:
-        raise reader.error(run.origin("infer_expert_parallel_size"),
-                           f"{infer_ep}: generation runs on the training layout (expert_model_parallel_size {ep}); "
-                           "set it to 1 or to the training size")
+    # vLLM's own layout for generation: here generation runs on the training model in place, with its layout
+    for key, training in (("infer_tensor_parallel_size", "tensor_model_parallel_size"),
+                          ("infer_pipeline_parallel_size", "pipeline_model_parallel_size"),
+                          ("infer_expert_parallel_size", "expert_model_parallel_size")):
+        value, size = run.slot(key), effective(training)
+        if value is not None and value != size:
+            reader.ignored.append((run.origin(key), f"{value}: generation runs on the training model in place, "
+                                                    f"with its layout ({training} {size}); no vLLM resharding"))
+    sampling_seed = run.slot("sampling_seed")
+    if sampling_seed is not None:  # vLLM's sampler seed; here every sample's stream is keyed by --seed
+        where = run.origin("sampling_seed")
+        if "seed" not in flags and "seed" not in given:
+            put("--seed", int(sampling_seed), where)
+        elif int(sampling_seed) != effective("seed") and "seed" not in given:
+            raise reader.error(where, f"{sampling_seed} differs from {flags['seed'].origin} {effective('seed')}: the "
+                                      "samples' random streams are keyed by the run's one seed here; make them equal")
     dtype = run.slot("dtype")
     if dtype is not None:
         where = run.origin("dtype")

@@ -87,11 +87,29 @@ LAYOUTS = {
     "budget": (1, 1, 1, 1, 1),
     "budget_packed": (1, 1, 1, 2, 2),
     "dp2_budget": (1, 1, 2, 1, 2),
+    # sequence parallelism (TP2) and context parallelism (CP2: DP1 x CP2, each rank half of every sequence in the
+    # load-balanced order; grpo and trl_ppo_n2 at micro-batch size 4 pack their prompt groups), token budgets at CP2,
+    # and CP2 x TP2 with sequence parallelism on 4 processes
+    "tp2_sp": (2, 1, 2, 4, 4),
+    "cp2": (1, 1, 2, 4, 4),
+    "cp2_budget": (1, 1, 2, 1, 2),
+    "cp2_tp2_sp": (2, 1, 4, 4, 4),
 }
+LAYOUT_FLAGS = {"tp2_sp": ["--sequence-parallel"], "cp2": ["--context-parallel-size", "2"],
+                "cp2_budget": ["--context-parallel-size", "2"],
+                "cp2_tp2_sp": ["--context-parallel-size", "2", "--sequence-parallel"]}
+# the cases of the newer layouts (None: all): a row and a packed layout of each stage, a sequence-level loss mode,
+# the refill (its groups exchanged over DP while the CP ranks generate their own)
+LAYOUT_CASES = {"tp2_sp": ("trl_ppo", "trl_ppo_n2", "grpo_token-mean", "grpo_dynamic_sampling"),
+                "cp2": ("trl_ppo", "trl_ppo_n2", "grpo_token-mean", "grpo_seq-mean-token-sum", "grpo_dynamic_sampling"),
+                "cp2_budget": ("trl_ppo_n2", "grpo_seq-mean-token-sum-norm"),
+                "cp2_tp2_sp": ("trl_ppo", "grpo_token-mean")}
 # layout -> (update budget, forward-pass budget). Prompts are 3-5 tokens and responses 8 (the tiny model never
 # stops early): rows of 11-13 tokens and packed pairs of 19-21, under --max-prompt-length 5 (which the budgets must
 # hold: 13 and 21), so micro-batches hold 1-3 rows or 1-2 groups
-BUDGETS = {"budget": (26, 39), "budget_packed": (42, 63), "dp2_budget": (26, 26)}
+BUDGETS = {"budget": (26, 39), "budget_packed": (42, 63), "dp2_budget": (26, 26),
+           # per rank: a CP2 micro-batch holds twice as many tokens, half of them on each rank
+           "cp2_budget": (13, 20)}
 BUDGET_CASES = ("trl_ppo", "trl_ppo_n2", "grpo_token-mean", "grpo_seq-mean-token-sum-norm")
 # the generation engine's limits (speed and memory only) on two of the layouts
 ROLLOUT_LIMITS = {"pp2": ["--rollout-max-num-seqs", "3", "--rollout-max-num-batched-tokens", "8"],
@@ -143,10 +161,12 @@ def _argv(paths, stage, layout, extra, out: Path):
         update, forward = BUDGETS[layout]
         argv += ["--max-tokens-per-micro-batch", str(update), "--forward-max-tokens-per-micro-batch", str(forward),
                  "--max-prompt-length", "5"]
-    return argv + ROLLOUT_LIMITS.get(layout, []) + list(extra)
+    return argv + LAYOUT_FLAGS.get(layout, []) + ROLLOUT_LIMITS.get(layout, []) + list(extra)
 
 
 def _layout_cases(layout, cases):
+    if layout in LAYOUT_CASES:
+        return {k: v for k, v in cases.items() if k in LAYOUT_CASES[layout]}
     return {k: v for k, v in cases.items() if layout not in BUDGETS or k in BUDGET_CASES}
 
 
@@ -205,17 +225,35 @@ def task(tmp_path_factory):
     return word_task.build(tmp_path_factory.mktemp("word_task"), layouts=((1, 1), (2, 1), (1, 2)), reward=True)
 
 
+def _selected_runs(request):
+    """{layout: cases} that the selected tests of this module read, the reference's (mbs1) included; None (all)
+    where a test other than the per-layout comparison is selected. `-k "cp"` then runs the CP layouts only."""
+    items = [item for item in request.session.items if item.module is request.module]
+    if any(item.originalname != "test_one_update_is_layout_invariant" for item in items):
+        return None
+    wanted = {}
+    for item in items:
+        layout, case = item.callspec.params["layout"], item.callspec.params["case"]
+        for name in (layout, "mbs1"):
+            wanted.setdefault(name, set()).add(case)
+    return wanted
+
+
 @pytest.fixture(scope="module")
-def layout_runs(task, tmp_path_factory):
-    """{layout: {case: directory}} after running every case on every layout."""
+def layout_runs(task, tmp_path_factory, request):
+    """{layout: {case: directory}} after running every case on every layout (those the selected tests read)."""
     root = tmp_path_factory.mktemp("layouts")
     cases = _cases()
-    dirs = {layout: {case: root / layout / case for case in _layout_cases(layout, cases)} for layout in LAYOUTS}
+    wanted = _selected_runs(request)
+    dirs = {layout: {case: root / layout / case for case in _layout_cases(layout, cases)
+                     if wanted is None or case in wanted.get(layout, ())} for layout in LAYOUTS}
     by_world = {}
     for layout, (_, _, world, _, _) in LAYOUTS.items():
+        if not dirs[layout]:
+            continue
         by_world.setdefault(world, []).extend(
             _argv(task, stage, layout, extra, dirs[layout][case])
-            for case, (stage, extra) in _layout_cases(layout, cases).items()
+            for case, (stage, extra) in _layout_cases(layout, cases).items() if case in dirs[layout]
         )
     recorded = {}  # world size -> rank 0's (group filter records, token-budget step sizes)
     for world, runs in by_world.items():
@@ -274,9 +312,10 @@ def test_cases_are_not_trivial(layout_runs):
     dirs, runs = layout_runs
     filtered = {world: run[0] for world, run in runs.items()}
     assert filtered[1] and all(out > 0 and with_response == out for out, with_response in filtered[1]), filtered
-    # token budgets cut steps into several micro-batches, some of several samples (on one rank and on DP2's)
+    # token budgets cut steps into several micro-batches, some of several samples (on one rank, on DP2's and CP2's)
     for world, (_, steps) in runs.items():
-        assert any(len(step) > 1 for step in steps) and any(max(step) > 1 for step in steps), (world, steps)
+        if world in (1, 2):
+            assert any(len(step) > 1 for step in steps) and any(max(step) > 1 for step in steps), (world, steps)
     # DP2's 2 chunks per rank: ranks 0 and 1 must not deal their mini-batches alike by chance (as seed 11 did)
     rank0, rank1 = (mini_batch_units(4, r, 2, SEED, 1, 0) for r in (0, 1))
     assert any(not torch.equal(a, b) for a, b in zip(rank0, rank1))

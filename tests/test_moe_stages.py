@@ -7,7 +7,9 @@
   over the real tokens of both ranks at EP2;
 * the run's MoE flags reach the model and bad combinations are refused naming the flags;
 * both stages with a tiny Qwen3-MoE actor at EP2 on 2 processes, and a resume from a saved iteration equal to the
-  uninterrupted run, bit for bit.
+  uninterrupted run, bit for bit;
+* a trained MoE actor at TP2 x EP2 with --sequence-parallel and routing replay (4 processes) against TP1 x EP2: the
+  metrics and the weights after the step.
 """
 
 from __future__ import annotations
@@ -334,16 +336,64 @@ def test_moe_flags_that_cannot_work_are_refused_by_name(moe_task, tmp_path):
             assert needle in err, f"{name}: {needle!r} not in {err[-2000:]!r}"
 
 
-def test_a_trained_moe_model_needs_tp1():
+def test_a_trained_moe_model_needs_tp1_or_sequence_parallel():
     from mindspeed_llm.arguments import ArgumentError
     from mindspeed_llm.rl.moe import check_trainable
 
     moe_model = types.SimpleNamespace(model_spec=_spec())
     check_trainable(moe_model, 1, "actor", "--ref-model")
+    check_trainable(moe_model, 2, "actor", "--ref-model", sequence_parallel=True)
     check_trainable(types.SimpleNamespace(model_spec=_spec(num_experts=None)), 2, "critic", "--reward-model")
     with pytest.raises(ArgumentError, match="the actor \\(--ref-model\\) is a mixture-of-experts model.*"
                                             "--tensor-model-parallel-size 2 only together with --sequence-parallel"):
         check_trainable(moe_model, 2, "actor", "--ref-model")
+
+
+@pytest.mark.slow
+def test_moe_actor_at_tp2_ep2_with_sequence_parallel(moe_task, tmp_path):
+    """A trained MoE actor at TP2 x EP2 with --sequence-parallel (megatron-core trains MoE layers at TP > 1 only so)
+    on 4 processes, with routing replay, gives the iteration of the TP1 x EP2 run on 2 processes: every metric (the
+    MoE ones and moe/routing_mismatch included) within the layout test's tolerances, and the weights after the step
+    (resharded to TP1 x EP1) within 1e-5 of their norm. SGD, as in the layout test."""
+    import json
+
+    from test_dynamic_sampling import _stage_runs  # registers the odd_first_word verifier, runs trainer.run
+    from test_layout_invariance import ATOL, KEY_ATOL, RTOL, SKIPPED, WEIGHT_RTOL, _relative
+
+    from mindspeed_llm.checkpoint import convert_hf_to_mg, convert_mg_to_mg, load_shard
+
+    tp2 = tmp_path / "mg_moe_actor_tp2ep2"
+    convert_hf_to_mg(moe_task["hf_moe_actor"], str(tp2), 2, 1, tokenizer_dir=moe_task["tokenizer"], progress=False,
+                     ep=2)
+    common = ["--moe-routing-replay", "--recompute-old-logprobs", "--optimizer", "sgd", "--sgd-momentum", "0",
+              "--lr", "0.5", "--clip-grad", "1.0", "--micro-batch-size", "4"]
+    reference, sequence_parallel = tmp_path / "tp1ep2", tmp_path / "tp2ep2_sp"
+    run_distributed(_stage_runs, 2, [_stage_argv(moe_task, "grpo", reference, 1, *common)])
+    run_distributed(_stage_runs, 4, [_stage_argv(moe_task, "grpo", sequence_parallel, 1, *common, "--ref-model",
+                                                 str(tp2), "--tensor-model-parallel-size", "2",
+                                                 "--sequence-parallel")])
+    (expected,), (got,) = ([json.loads(line) for line in (out / "m.jsonl").read_text().splitlines()]
+                           for out in (reference, sequence_parallel))
+    for key in MOE_KEYS + ["moe/routing_mismatch"]:
+        assert key in expected or f"actor/{key}" in expected, key
+    assert expected["moe/routing_mismatch"] == 0.0  # replayed
+    for key, value in expected.items():
+        if key.startswith(SKIPPED) or key == "world_size":
+            continue
+        atol = KEY_ATOL.get(key, ATOL)
+        assert abs(got[key] - value) <= atol + RTOL * abs(value), (key, got[key], value)
+    assert expected["grad_norm"] > 1e-3 and expected["actor/moe/tokens_per_expert_min"] > 0, expected  # a real step
+    merged = {}
+    for name, root in (("reference", reference / "actor"), ("sp", sequence_parallel / "actor"),
+                       ("initial", moe_task["mg_moe_actor_ep2"])):
+        convert_mg_to_mg(str(root), str(tmp_path / f"{name}_tp1"), 1, 1, progress=False, ep=1)
+        merged[name] = load_shard(str(tmp_path / f"{name}_tp1"), 0, 0)["model"]
+    moved = 0.0
+    for key, value in merged["reference"].items():
+        if torch.is_tensor(value) and value.is_floating_point():
+            assert _relative(merged["sp"][key].float(), value.float()) <= WEIGHT_RTOL, key
+            moved = max(moved, _relative(merged["initial"][key].float(), value.float()))
+    assert moved > 1e-3, moved  # the step moved the weights well past the tolerance
 
 
 def test_mindspeed_moe_switches_are_ignored_once_and_grouped_gemm_fallback_is_noted():

@@ -465,9 +465,9 @@ def test_dynamic_sampling_concat_pads_routing_as_unknown():
         T = exp.tokens.shape[1]
         exp.routing = torch.full((2, 2, T, 3), fill, dtype=torch.int16)
         exp.routing[:, :, T - 1] = -1
-    parts = [dynamic_sampling._rows_to_host(short, torch.tensor([1])),
-             dynamic_sampling._rows_to_host(wide, torch.tensor([0]))]
-    joined = dynamic_sampling._concat(parts, "cpu")
+    parts = [dynamic_sampling.rows_to_host(short, torch.tensor([1])),
+             dynamic_sampling.rows_to_host(wide, torch.tensor([0]))]
+    joined = dynamic_sampling.concat_rows(parts, "cpu")
     T = joined.tokens.shape[1]
     assert T == 7 and joined.routing.shape == (2, 2, T, 3)
     assert torch.equal(joined.routing[0, :, :3], short.routing[1, :, :3])

@@ -373,7 +373,10 @@ def test_wrong_type_names_key_and_file(tmp_path, section, key, value, expected):
 
 
 @pytest.mark.parametrize("section,key,value,expected", [
-    ("megatron_training", "sequence_parallel", True, "sequence parallelism is not supported"),
+    ("megatron_training", "reuse_fp32_param", True, "fp32 main-weight reuse is not implemented"),
+    ("actor_config", "num_layer_list", "16,17,16,15", "the layers are split evenly over the pipeline stages"),
+    ("rl_config", "use_kl_in_reward", True, "the KL to the reference is a loss term (grpo) in this run"),
+    ("actor_config", "attention_mask_type", "general", "the models here are causal decoders"),
     ("megatron_training", "no_shuffle", True, "shuffles the prompts"),
     ("megatron_training", "stage", "ray_dapo", "'ray_dapo' is not a stage of this program"),
     ("rl_config", "kl_ctrl_type", "adaptive", "the KL coefficient is fixed here"),
@@ -381,10 +384,7 @@ def test_wrong_type_names_key_and_file(tmp_path, section, key, value, expected):
     ("rl_config", "kl_penalty", "full", "'full' is not a KL estimator"),
     ("rl_config", "adv_estimator", "gae", "gae needs a critic, but the stage is grpo"),
     ("rl_config", "verifier_function", ["acc"], "'acc' is not a verifier of this program; the valid names are: "),
-    ("generate_config", "infer_tensor_parallel_size", 2, "2 differs from the training tensor_model_parallel_size 4"),
     ("generate_config", "dtype", "float16", "float16 differs from the training precision (bf16)"),
-    ("generate_config", "infer_expert_parallel_size", 2,
-     "2: generation runs on the training layout (expert_model_parallel_size 1)"),
     ("generate_config", "max_model_len", 1024, "1024 is less than rl_config.max_prompt_length 2048"),
 ])
 def test_settings_that_cannot_be_honoured(tmp_path, section, key, value, expected):
@@ -679,3 +679,65 @@ def test_recompute_keys_map_to_the_flags(tmp_path):
     data = grpo_file()
     data["actor_config"]["recompute_activations"] = True
     assert parsed(["--config", write(tmp_path, data)], 16) == parsed(GRPO_FLAGS + ["--recompute-activations"], 16)
+
+
+# ------------------------------------------------------------------------------------------ published configs
+# MindSpeed-RL's own files, verbatim (tests/fixtures/mindspeed_rl/README.md names the commit)
+PUBLISHED = ROOT / "tests" / "fixtures" / "mindspeed_rl"
+
+
+def test_published_grpo_config_parses_with_sequence_parallel():
+    """MindSpeed-RL's grpo_qwen25_7b_A3.yaml (TP2 x PP2 on 16 NPUs, sequence_parallel, the distributed optimizer,
+    offload_train_*): every key maps; vLLM's generation layout (infer TP1 x PP1) is listed as ignored."""
+    path = str(PUBLISHED / "grpo_qwen25_7b_A3.yaml")
+    config = load_run_config(path)
+    ignored = dict(config.ignored)
+    assert "generation runs on the training model in place" in ignored["generate_config.infer_tensor_parallel_size"]
+    args = parsed(["--config", path], 16)
+    assert args["stage"] == "grpo" and args["sequence_parallel"] and args["use_distributed_optimizer"]
+    assert (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"], args["data_parallel_size"]) == (
+        2, 2, 4)
+    assert args["offload_train_optimizer"] and args["offload_train_grad"] and args["offload_train_param"]
+    assert args["verifier_function"] == ["math_17k_acc"] and args["seed"] == 1 and args["micro_batch_size"] == 4
+    assert args["num_layers"] == 28 and args["num_query_groups"] == 4  # model/qwen25_7b.yaml next to it
+
+
+def test_published_ppo_config_parses_with_sequence_parallel():
+    """MindSpeed-RL's ppo_qwen25_32b_A3.yaml (TP8 on 32 NPUs, sequence_parallel, the acc_for_ppo verifier): its
+    critic starts from the policy's checkpoint (a value head MindSpeed-RL initialises), here from a value-head
+    checkpoint, which the command line names (--reward-model); the verifier then scores alone."""
+    path = str(PUBLISHED / "ppo_qwen25_32b_A3.yaml")
+    assert "critic starts from a value-head checkpoint here" in str(pytest.raises(
+        ConfigError, parse_args, ["--config", path], world_size=32).value)
+    args = parsed(["--config", path, "--reward-model", "./critic_init"], 32)
+    assert args["stage"] == "trl_ppo" and args["sequence_parallel"] and args["use_distributed_optimizer"]
+    assert args["tensor_model_parallel_size"] == 8 and args["verifier_function"] == ["acc_for_ppo"]
+    assert args["reward_model"] == "./critic_init" and args["reward_model_weight"] == 0.0
+    assert args["seed"] == 1 and args["kl_coef"] == 0.0 and args["critic_lr"] == 5e-6  # sampling_config.seed
+
+
+def test_published_configs_that_stop_say_why():
+    """grpo_qwen25_32b_A3.yaml splits its 64 layers 16,17,16,15 over 4 pipeline stages (num_layer_list), which this
+    program's even PP split cannot load; dapo_qwen25_32b_A3_32k.yaml (context_parallel_size 2) is DAPO's stage."""
+    message = str(pytest.raises(ConfigError, parse_args, ["--config", str(PUBLISHED / "grpo_qwen25_32b_A3.yaml")],
+                                world_size=16).value)
+    assert "actor_config.num_layer_list: '16,17,16,15' cannot be honoured" in message
+    message = str(pytest.raises(ConfigError, parse_args, ["--config", str(
+        PUBLISHED / "dapo_qwen25_32b_A3_32k.yaml")], world_size=64).value)
+    assert "'ray_dapo' is not a stage of this program" in message
+
+
+def test_sequence_and_context_parallel_keys(tmp_path):
+    """sequence_parallel and context_parallel_size are the flags of their names; megatron_cp_algo is how the CP
+    ranks attend here anyway (listed as ignored); vLLM's generation layout other than the training one is ignored."""
+    data = grpo_file()
+    data["megatron_training"].update(sequence_parallel=True)
+    data["actor_config"].update(context_parallel_size=2, context_parallel_algo="megatron_cp_algo",
+                                attention_mask_type="causal")
+    data["generate_config"]["infer_tensor_parallel_size"] = 2
+    path = write(tmp_path, data)
+    ignored = dict(load_run_config(path).ignored)
+    assert "all-gathers the keys and values" in ignored["actor_config.context_parallel_algo"]
+    assert "tensor_model_parallel_size 4" in ignored["generate_config.infer_tensor_parallel_size"]
+    args = parsed(["--config", path], 16)
+    assert args["sequence_parallel"] and args["context_parallel_size"] == 2 and args["data_parallel_size"] == 2

@@ -111,13 +111,14 @@ def _layout():
 def _writes_shard(module) -> bool:
     """Whether this rank writes `module`'s shard: one rank per (tp, pp[, ep]) position.
 
-    Data-parallel replicas hold identical weights and optimizer states. With expert parallelism the ranks of
+    Data-parallel replicas hold identical weights and optimizer states, and so do the context-parallel ranks of a
+    DP rank (context parallelism splits the sequences, not the weights). With expert parallelism the ranks of
     one dense DP group hold different experts, so a mixture of experts is written by the expert-data-parallel
-    rank 0 of each expert group; a dense model (even next to an MoE actor) by DP rank 0.
+    rank 0 of each expert group; a dense model (even next to an MoE actor) by DP rank 0 of CP rank 0.
     """
     if layout.model_expert_layout(module)[0] > 1:
         return parallel_state.get_expert_data_parallel_rank() == 0
-    return parallel_state.get_data_parallel_rank() == 0
+    return parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
 
 
 def non_finite_weights(roles: Dict[str, object]) -> Optional[str]:
@@ -393,8 +394,16 @@ def _load(root: str, roles: Dict[str, object], iteration: int, load_optim: bool,
             dict(parameter_state=parameter_state, source=source) if _distributed_optimizers(trainable) else {}))
         loop_state = state["data_position"]
         if load_rng:
-            _set_rng_state(state["rng_state"][parallel_state.get_data_parallel_rank()])
+            _set_rng_state(_rng_state_of_rank(state["rng_state"]))
     return loop_state
+
+
+def _rng_state_of_rank(states: list):
+    """This DP rank's saved RNG state; at another DP size than the checkpoint's (e.g. another context-parallel
+    size at the same world size) DP rank 0's for every rank, as Megatron-LM does without
+    --data-parallel-random-init (rollouts draw from per-sample streams, which no RNG state holds)."""
+    dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    return states[rank] if len(states) == dp else states[0]
 
 
 def _check_saved_layout(name: str, role_root: str, iteration: int, ours) -> None:
@@ -629,7 +638,7 @@ def check_save_dir(save: str, roles: Dict[str, object]) -> None:
     every rank that writes (DP rank 0), summed over the job.
     """
     local = 0
-    if parallel_state.get_data_parallel_rank() == 0:
+    if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
         for trainable in roles.values():
             for param in trainable.module.parameters():
                 if not param.requires_grad:

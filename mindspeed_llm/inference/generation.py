@@ -48,7 +48,10 @@ Parallelism: the logits come out of the last pipeline stage already gathered ove
 to every rank of the model-parallel group (all TP x PP ranks of this DP replica) from one source rank (last
 stage, TP rank 0), so all ranks of a replica feed the same tokens and return the same `Rollout`. Pipeline
 stages exchange hidden states through the wrapper's p2p send/recv. The prompts must be the same on every
-rank of a model-parallel group (they normally come from the DP rank's data shard).
+rank of a model-parallel group (they normally come from the DP rank's data shard). Both engines: under
+`--sequence-parallel` the model runs without it here (`models/sequence_parallel.py`); under context parallelism
+each CP rank generates its own prompts (the model is built without CP, `models/context_parallel.py`), the CP group
+does not enter generation.
 
 Code: `generate` checks its inputs and picks the engine (`_choose_engine`); the continuous one runs in
 `_generate_continuous`. The static one plans the slot layout (`_plan`), then, with the KV cache held by a
@@ -77,6 +80,7 @@ from mindspeed_llm.models import routing
 from mindspeed_llm.inference import continuous
 from mindspeed_llm.inference.rollout import Continuation, Rollout
 from mindspeed_llm.models.attention import model_attention
+from mindspeed_llm.models.sequence_parallel import sequence_parallel_off
 from mindspeed_llm.inference.sampling import SamplingConfig, choose_tokens, sample_uniforms
 
 PREFILL_MODES = ("auto", "batched", "stepwise")
@@ -188,9 +192,11 @@ def generate(
                             dict(max_decode_steps=max_decode_steps, continuations=continuations,
                                  _pipeline_groups=_pipeline_groups))
     if chosen == "continuous":
-        return _generate_continuous(model, prompts, budgets, sampling, iteration, sample_ids, vocab_size,
-                                    record_routing, max_decode_steps, continuations, _dedup_prefill,
-                                    _pipeline_groups, peers, dev)
+        # --sequence-parallel: as the static engine below, the plain tensor-parallel model (models/sequence_parallel.py)
+        with sequence_parallel_off(model):
+            return _generate_continuous(model, prompts, budgets, sampling, iteration, sample_ids, vocab_size,
+                                        record_routing, max_decode_steps, continuations, _dedup_prefill,
+                                        _pipeline_groups, peers, dev)
     plan = _plan(prompts, budgets, batched=batched, share_prefill=_dedup_prefill, device=dev)
     if peers is not None:  # as many decode slots as the expert-parallel peer with the most (see _decode)
         _check_allgather_shapes(model, plan, len(prompts), peers)
@@ -205,15 +211,17 @@ def generate(
     from mindspeed_llm.inference import cuda_graph  # imports this module: a local import
 
     # _KVCacheModel, or its fixed-shape CUDA-graph variant where MINDSPEED_DECODE_CUDA_GRAPH=1 on CUDA.
-    engine = cuda_graph.engine_class(dev)(model, plan, record_routing)
-    picker = _TokenPicker(sampling, uniforms, plan.starts, vocab_size, engine.last_stage, source, group)
-    stats = dict(decode_forwards=0, decode_row_steps=0, finished_row_steps=0)
-    try:
-        with torch.no_grad():
-            engine.prepare(state.tokens)
-            _decode(engine, plan, state, picker, peers, stats)
-    finally:
-        engine.release()
+    # --sequence-parallel: generation runs the plain tensor-parallel model (models/sequence_parallel.py)
+    with sequence_parallel_off(model):
+        engine = cuda_graph.engine_class(dev)(model, plan, record_routing)
+        picker = _TokenPicker(sampling, uniforms, plan.starts, vocab_size, engine.last_stage, source, group)
+        stats = dict(decode_forwards=0, decode_row_steps=0, finished_row_steps=0)
+        try:
+            with torch.no_grad():
+                engine.prepare(state.tokens)
+                _decode(engine, plan, state, picker, peers, stats)
+        finally:
+            engine.release()
     slot_routing = engine.routing
     stats.update(kv_cache_bytes=engine.cache_bytes, kv_rows=len(prompts), kv_slots=plan.slots)
     del engine  # the KV cache's memory returns to the allocator, for the training passes
@@ -250,8 +258,6 @@ def _choose_engine(model, engine: str, prefill: str, batched: bool, sampling: Sa
     if peers is not None and getattr(get_model_config(model), "moe_token_dispatcher_type", None) == "allgather":
         blockers.append("the all-gather token dispatcher at EP > 1 needs equal token counts per forward on the "
                         "expert-parallel ranks (use --moe-token-dispatcher-type alltoall)")
-    if getattr(get_model_config(model), "sequence_parallel", False):
-        blockers.append("sequence parallelism splits a forward's tokens over the TP ranks")
     if engine == "static" or (engine == "auto" and blockers):
         if wanted:
             why = "engine='static'" if engine == "static" else "the static engine runs here: " + "; ".join(blockers)

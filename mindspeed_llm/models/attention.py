@@ -45,6 +45,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from mindspeed_llm import device
+from mindspeed_llm.models.context_parallel import ContextParallelLayout, all_gather_sequence
 
 ATTENTIONS = ("sdpa", "local")  # build_model(attention=...): this module, or megatron's DotProductAttention
 
@@ -80,8 +81,7 @@ class PackedGroups:
 
     def seq_params(self) -> "PackedGroupsParams":
         """Megatron's `packed_seq_params` carrying this layout to `SDPAttention`."""
-        return PackedGroupsParams(qkv_format="sbhd", max_seqlen_q=self.seq_length, max_seqlen_kv=self.seq_length,
-                                  groups=self)
+        return layout_params(self, None, self.seq_length)
 
     def dense_mask(self, device_=None) -> torch.Tensor:
         """`[rows, 1, S, S]` bool, True = masked (megatron's), the same layout for megatron's local attention: a
@@ -99,9 +99,20 @@ class PackedGroups:
 
 @dataclass
 class PackedGroupsParams(PackedSeqParams):
-    """`PackedSeqParams` in the `sbhd` format (megatron treats only `thd` specially) carrying `PackedGroups`."""
+    """`PackedSeqParams` in the `sbhd` format (megatron treats only `thd` specially) carrying the layout of one
+    forward: `PackedGroups` (None: rows of one sample each, causal) and / or a context-parallel split
+    (`models/context_parallel.py`; None: the whole sequence on this rank). `max_seqlen_q / _kv` are the whole
+    rows' width, which megatron reads as the rotary table's length."""
 
     groups: Optional[PackedGroups] = None
+    context_parallel: Optional[ContextParallelLayout] = None
+
+
+def layout_params(groups: Optional[PackedGroups], context_parallel: Optional[ContextParallelLayout],
+                  seq_length: int) -> PackedGroupsParams:
+    """Megatron's `packed_seq_params` for rows `seq_length` wide in this layout."""
+    return PackedGroupsParams(qkv_format="sbhd", max_seqlen_q=seq_length, max_seqlen_kv=seq_length, groups=groups,
+                              context_parallel=context_parallel)
 
 
 class SDPAttention(DotProductAttention):
@@ -132,7 +143,7 @@ class SDPAttention(DotProductAttention):
             raise ValueError("SDPAttention: attention_bias is not supported (neither is it by megatron's local "
                              "DotProductAttention)")
         if isinstance(packed_seq_params, PackedGroupsParams):
-            return self._packed(query, key, value, packed_seq_params.groups)
+            return self._laid_out(query, key, value, packed_seq_params)
         if packed_seq_params is not None:
             raise ValueError(f"SDPAttention: packed sequences in the {packed_seq_params.qkv_format!r} format are not "
                              "supported (only PackedGroups)")
@@ -159,32 +170,81 @@ class SDPAttention(DotProductAttention):
             return device.attention(query, key, value, scale=self.attention_scale, masked=masked, causal=causal,
                                     dropout_p=dropout)
 
-    def _packed(self, query, key, value, groups: PackedGroups):
-        """Packed prompt groups (module docstring), row by row: `[S, rows, np * hv]`, zeros on the tail."""
-        S, rows, heads, _ = query.shape
-        if S != groups.seq_length or rows != groups.rows:
+    def _laid_out(self, query, key, value, params: "PackedGroupsParams"):
+        """Packed prompt groups and / or a context-parallel split (module docstring): `[sq, rows, np * hv]`.
+
+        Under context parallelism the local queries are this rank's two chunks; the keys and values of the whole
+        sequence are gathered over the CP group first. Each chunk of queries attends to the keys up to its own
+        positions: causally in a row of one sample, by the packed layout's segments in a prompt-group row."""
+        layout, groups = params.context_parallel, params.groups
+        if layout is not None:
+            key, value = all_gather_sequence(key, layout), all_gather_sequence(value, layout)
+            spans = layout.spans()
+        else:
+            spans = ((0, query.size(0)),)
+        if groups is not None and (key.size(0) != groups.seq_length or query.size(1) != groups.rows):
             raise ValueError(f"SDPAttention: packed groups of {groups.rows} rows x {groups.seq_length} positions for "
-                             f"a micro-batch of {rows} x {S}")
-        n, width = groups.group_size, self.hidden_size_per_partition
-        out = []
-        for r, (P, W) in enumerate(zip(groups.prompt_lengths, groups.widths)):
-            q, k, v = query[:, r], key[:, r], value[:, r]  # [S, heads or groups, dim]
-            end = P + n * W
-            prompt = self._attend(q[:P].transpose(0, 1)[None], k[:P].transpose(0, 1)[None],
-                                  v[:P].transpose(0, 1)[None], causal="upper_left")  # [1, np, P, hv]
+                             f"a micro-batch of {query.size(1)} x {key.size(0)}")
+        sq, b = query.size(0), query.size(1)
+        out, offset = [], 0
+        for start, end in spans:
+            q = query[offset:offset + end - start]
+            offset += end - start
+            if groups is None:  # causal: queries [start, end) over keys [0, end)
+                attended = self._attend(_heads_first(q), _heads_first(key[:end]), _heads_first(value[:end]),
+                                        causal="upper_left" if start == 0 else "lower_right")
+                out.append(attended.permute(2, 0, 1, 3).reshape(end - start, b, self.hidden_size_per_partition))
+            else:
+                out.append(torch.stack([
+                    self._packed_span(q[:, r], key[:, r], value[:, r], P, W, groups.group_size, start, end)
+                    for r, (P, W) in enumerate(zip(groups.prompt_lengths, groups.widths))], dim=1))
+        return out[0] if len(out) == 1 else torch.cat(out)
 
-            def slots(t):  # [P + nW, g, d] -> [n, g, P + W, d]: the prompt's keys before each slot's own
-                own = t[P:end].reshape(n, W, t.size(1), t.size(2))
-                return torch.cat([t[:P].unsqueeze(0).expand(n, P, t.size(1), t.size(2)), own], dim=1).transpose(1, 2)
+    def _packed_span(self, q, k, v, P: int, W: int, n: int, start: int, end: int):
+        """One packed row `[prompt P | n slots of W | tail]`: queries at positions `[start, end)` (`[end - start,
+        heads, dim]`) against the row's keys and values `[S, groups, dim]`; `[end - start, np * hv]`, zeros on the
+        tail. The prompt's queries attend causally; whole response slots go as one batch, queries `[m, W]` against
+        the prompt's keys followed by the slot's own (lower-right causal); a slot cut by the span's ends alone."""
+        width = self.hidden_size_per_partition
 
-            responses = self._attend(q[P:end].reshape(n, W, heads, q.size(2)).transpose(1, 2), slots(k), slots(v),
-                                     causal="lower_right")  # [n, np, W, hv]
-            pieces = [prompt[0].transpose(0, 1).reshape(P, width),
-                      responses.transpose(1, 2).reshape(n * W, width)]
-            if end < S:
-                pieces.append(query.new_zeros((S - end, width)))
-            out.append(torch.cat(pieces))
-        return torch.stack(out, dim=1)
+        def one(t):  # [s, g, d] -> [1, g, s, d]
+            return t.transpose(0, 1)[None]
+
+        def flat(o):  # [batch, np, s, hv] -> [batch * s, np * hv]
+            return o.transpose(1, 2).reshape(-1, width)
+
+        pieces, pos = [], start
+        if pos < min(end, P):
+            e = min(end, P)
+            pieces.append(flat(self._attend(one(q[pos - start:e - start]), one(k[:e]), one(v[:e]),
+                                            causal="upper_left" if pos == 0 else "lower_right")))
+            pos = e
+        stop = min(end, P + n * W)
+        while pos < stop:
+            first = P + (pos - P) // W * W  # the slot's first position
+            whole = (stop - pos) // W if pos == first else 0
+            if whole:
+                e = pos + whole * W
+
+                def slots(t):  # [S, g, d] -> [m, g, P + W, d]: the prompt's keys before each slot's own
+                    own = t[pos:e].reshape(whole, W, t.size(1), t.size(2))
+                    prompt = t[:P].unsqueeze(0).expand(whole, P, t.size(1), t.size(2))
+                    return torch.cat([prompt, own], dim=1).transpose(1, 2)
+
+                queries = q[pos - start:e - start].reshape(whole, W, q.size(1), q.size(2)).transpose(1, 2)
+                pieces.append(flat(self._attend(queries, slots(k), slots(v), causal="lower_right")))
+            else:
+                e = min(stop, first + W)
+
+                def part(t):  # the prompt's keys, then the slot's up to e
+                    return one(torch.cat([t[:P], t[first:e]]))
+
+                pieces.append(flat(self._attend(one(q[pos - start:e - start]), part(k), part(v),
+                                                causal="lower_right")))
+            pos = e
+        if pos < end:
+            pieces.append(q.new_zeros((end - pos, width)))
+        return torch.cat(pieces)
 
 
 def _heads_first(t: torch.Tensor) -> torch.Tensor:

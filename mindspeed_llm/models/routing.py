@@ -30,7 +30,9 @@ Token order: a router sees the hidden states `[S, rows, H]` of its forward flatt
 right-padded layout (`inference/rollout.py`), -1 where unknown; `replay_targets` maps it to one micro-batch's
 router order, in either layout of `rl/batch_plan.py` (one row per sample, or packed prompt groups).
 Expert ids are global (the router is replicated over TP and EP), so EP and TP change nothing; with PP every
-stage records and replays its own layers.
+stage records and replays its own layers. Under sequence parallelism a training forward's router sees its TP rank's
+share of the (padded) positions: the targets are cut to it (`sequence_shard`), and the mismatch counts are summed
+over TP. (Generation runs without sequence parallelism and records whole sequences.)
 """
 
 from __future__ import annotations
@@ -265,9 +267,11 @@ def as_another_model(model):
         setattr(core, _GENERATED, was)
 
 
-def mismatch_fraction(counts: torch.Tensor) -> Optional[float]:
+def mismatch_fraction(counts: torch.Tensor, model=None) -> Optional[float]:
     """mismatched / compared response token-layers, summed over the pipeline stages (each has its own layers) and
-    the data-parallel ranks (each its own samples); TP ranks hold the same counts. Collective over those groups."""
+    the data-parallel ranks (each its own samples); TP ranks hold the same counts, except under sequence
+    parallelism (`model`'s), where each holds its share of the sequence: summed over them too. Collective over
+    those groups."""
     from megatron.core import parallel_state
     import torch.distributed as dist
 
@@ -277,6 +281,8 @@ def mismatch_fraction(counts: torch.Tensor) -> Optional[float]:
     total = counts.to(device=device.current_device(), dtype=torch.float64)
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    if model is not None and getattr(_core(model).config, "sequence_parallel", False):
+        dist.all_reduce(total, group=parallel_state.get_tensor_model_parallel_group())
     total = sum_over_data_parallel(total)
     mismatched, compared = total.tolist()
     return mismatched / compared if compared else None  # nothing compared (e.g. one-token responses): no metric
@@ -291,11 +297,27 @@ def replays(model) -> bool:
             and bool(moe_routers(core)))
 
 
+def sequence_shard(per_token: torch.Tensor, rows: int, width: int, fill) -> torch.Tensor:
+    """Under sequence parallelism a router sees this TP rank's share of the sequence: `per_token` in router order
+    (`[S * rows, ...]`, sequence-first) padded to `width` positions with `fill` (the forward's padding, never real
+    tokens) and cut to the rank's `width / TP` positions."""
+    from megatron.core import parallel_state
+
+    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    by_position = per_token.view(-1, rows, *per_token.shape[1:])
+    extra = width - by_position.size(0)
+    if extra:
+        by_position = torch.cat([by_position, by_position.new_full((extra, *by_position.shape[1:]), fill)])
+    share = width // tp
+    return by_position[rank * share:(rank + 1) * share].reshape(-1, *per_token.shape[1:])
+
+
 @contextlib.contextmanager
-def micro_batch_routing(model, micro_batch: Dict[str, torch.Tensor]):
+def micro_batch_routing(model, micro_batch: Dict[str, torch.Tensor], width: Optional[int] = None):
     """Around one training forward of `micro_batch` (`rl/engine.py`): replays its samples' recorded routing when the
     model replays (`replays`), and counts mismatches when a comparison is open (`compare_routing`). A no-op
-    without recorded routing or for a dense model."""
+    without recorded routing or for a dense model. `width`: the forward's rows padded to it (sequence parallelism:
+    each TP rank's routers see its share of those positions, `sequence_shard`)."""
     routing = micro_batch.get("routing")
     core = _core(model)
     counter = getattr(core, _COMPARE, None)
@@ -303,14 +325,20 @@ def micro_batch_routing(model, micro_batch: Dict[str, torch.Tensor]):
     if routing is None or not (replay or counter is not None):
         yield
         return
-    targets = replay_targets(micro_batch, routing)
+    targets, scope = replay_targets(micro_batch, routing), None
+    if counter is not None:
+        scope = response_scope(micro_batch)
+    if getattr(core.config, "sequence_parallel", False):
+        rows, width = micro_batch["tokens"].shape[0], width or micro_batch["tokens"].shape[1]
+        targets = [sequence_shard(t, rows, width, -1) for t in targets]
+        scope = None if scope is None else sequence_shard(scope, rows, width, False)
     with contextlib.ExitStack() as stack:
         capture = stack.enter_context(capture_routing(core)) if counter is not None else None
         if replay:
             stack.enter_context(replay_routing(core, targets))
         yield
     if capture is not None:
-        counter += count_mismatch(capture.last(), targets, response_scope(micro_batch))
+        counter += count_mismatch(capture.last(), targets, scope)
 
 
 @contextlib.contextmanager

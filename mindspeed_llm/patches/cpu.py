@@ -325,6 +325,27 @@ def _l2_norm(_original):
     return multi_tensor_l2_norm
 
 
+# ---------------------------------------------------------------- uneven all-gathers (gloo)
+
+@register(
+    "megatron.core.tensor_parallel.mappings._gather_along_first_dim",
+    "with output_split_sizes (the alltoall MoE dispatcher at expert TP > 1, i.e. MoE under --sequence-parallel) it "
+    "all-gathers tensors of different sizes, which gloo refuses: padded to the largest split, gathered, cut (exact)",
+)
+def _gather_along_first_dim(original):
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        sizes = None if output_split_sizes is None else [int(n) for n in output_split_sizes]
+        if sizes is None or group is None or group.size() == 1 or len(set(sizes)) == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        largest, rest = max(sizes), tuple(input_.shape[1:])
+        padded = input_.new_zeros((largest, *rest))
+        padded[:input_.size(0)] = input_
+        gathered = input_.new_empty((largest * group.size(), *rest))
+        torch.distributed.all_gather_into_tensor(gathered, padded, group=group)
+        return torch.cat([gathered[r * largest:r * largest + n] for r, n in enumerate(sizes)])
+    return gather_along_first_dim
+
+
 # ---------------------------------------------------------------- bf16 / fp16 training on CPU
 
 @contextlib.contextmanager

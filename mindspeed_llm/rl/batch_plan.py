@@ -106,12 +106,19 @@ class MicroBatchPlan:
     @classmethod
     def for_run(cls, exp: Experience, args, group_size: int = 1) -> "MicroBatchPlan":
         """The plan of a stage's iteration from the command line: `--micro-batch-size`, `--max-tokens-per-micro-batch`
-        (the update), `--forward-max-tokens-per-micro-batch` (the passes), micro-batch counts agreed over DP."""
+        (the update), `--forward-max-tokens-per-micro-batch` (the passes), micro-batch counts agreed over DP. The
+        budgets count the tokens one rank holds: under `--context-parallel-size` N a micro-batch of N times as many
+        (each rank holds 1/N of every row)."""
         from mindspeed_llm.distributed import max_over_data_parallel
 
-        return cls.build(exp, args.micro_batch_size, group_size,
-                         max_tokens=getattr(args, "max_tokens_per_micro_batch", None),
-                         forward_max_tokens=getattr(args, "forward_max_tokens_per_micro_batch", None),
+        cp = getattr(args, "context_parallel_size", 1)
+
+        def budget(name):
+            value = getattr(args, name, None)
+            return None if value is None else value * cp
+
+        return cls.build(exp, args.micro_batch_size, group_size, max_tokens=budget("max_tokens_per_micro_batch"),
+                         forward_max_tokens=budget("forward_max_tokens_per_micro_batch"),
                          equalize=max_over_data_parallel)
 
     @property
@@ -244,11 +251,24 @@ def _packed_rows(exp: Experience, n: int):
 
 def gather_response(output: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
     """Pick, from a model output `[rows, T - logits_from, ...]`, the positions that predict each sample's
-    response tokens: `[mb, R, ...]`."""
-    index = micro_batch["response_index"] - micro_batch["logits_from"]
-    return output[micro_batch["row_index"][:, None], index]
+    response tokens: `[mb, R, ...]` (a forward without context parallelism; `read_outputs` serves both)."""
+    return read_outputs(output, micro_batch, micro_batch["response_index"])[0]
 
 
 def gather_last_token(output: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
     """Pick, from `[rows, T - logits_from, ...]`, the output at each sample's last real token: `[mb, ...]`."""
-    return output[micro_batch["row_index"], micro_batch["last_token_index"] - micro_batch["logits_from"]]
+    return read_outputs(output, micro_batch, micro_batch["last_token_index"])[0]
+
+
+def read_outputs(output: torch.Tensor, micro_batch: MicroBatch, positions: torch.Tensor):
+    """The outputs at the global `positions` (`[mb]` or `[mb, R]`, each sample's own row): (`[*positions.shape,
+    ...]`, None) on a whole-sequence forward; under context parallelism (`micro_batch["cp_layout"]`, set by the
+    forward) (`[K, ...]` at the K positions this rank holds, in row-major order, the bool `held` mask of
+    `positions`): `rl/passes.py` puts them back in place and sums over the CP ranks."""
+    rows = micro_batch["row_index"].view(-1, *([1] * (positions.dim() - 1))).expand_as(positions)
+    logits_from = micro_batch["logits_from"]
+    layout = micro_batch.get("cp_layout")
+    if layout is None:
+        return output[rows, positions - logits_from], None
+    index, held = layout.local_index(positions, int(logits_from))
+    return output[rows[held], index[held]], held

@@ -35,7 +35,7 @@ def informative_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     return scores.view(-1, group_size).std(dim=1, unbiased=False) > 0
 
 
-def _rows_to_host(exp: Experience, rows: torch.Tensor) -> Dict[str, object]:
+def rows_to_host(exp: Experience, rows: torch.Tensor) -> Dict[str, object]:
     """The `rows` of a scored Experience as CPU tensors and lists (picklable, to send over the DP group)."""
     rows = rows.to(exp.tokens.device)
     out = {name: t.index_select(0, rows).cpu() for name, t in exp.tensors().items() if name != "position_ids"}
@@ -44,7 +44,7 @@ def _rows_to_host(exp: Experience, rows: torch.Tensor) -> Dict[str, object]:
     return out
 
 
-def _concat(parts: List[Dict[str, object]], device) -> Experience:
+def concat_rows(parts: List[Dict[str, object]], device) -> Experience:
     """One Experience of the rows of `parts`, right-padded to the longest sequence and response."""
     names = [f.name for f in fields(Experience) if f.name not in ("position_ids", "extras")]
     tensors = {}
@@ -95,7 +95,7 @@ def refill(first: Experience, generate: Callable[[int], Experience], group_size:
         mask = informative_groups(exp.scores, group_size)
         groups = torch.nonzero(mask).flatten().cpu()
         rows = (groups[:, None] * group_size + samples[None, :]).reshape(-1)
-        shares = distributed.gather_over_data_parallel((len(groups), _rows_to_host(exp, rows)))
+        shares = distributed.gather_over_data_parallel((len(groups), rows_to_host(exp, rows)))
         candidates.extend(part for count, part in shares if count)
         kept += sum(count for count, _ in shares)
         generated += local_groups * len(shares)
@@ -109,10 +109,10 @@ def refill(first: Experience, generate: Callable[[int], Experience], group_size:
                 "--max-num-gen-batches, or make the task's rewards vary more (temperature, harder/easier prompts)"
             )
         exp = generate(j)
-    everything = _concat(candidates, "cpu")  # every rank's candidates stay in host memory; only this rank's go over
+    everything = concat_rows(candidates, "cpu")  # every rank's candidates stay in host memory; only this rank's go over
     mine = torch.arange(dp_rank * local_groups, (dp_rank + 1) * local_groups)
     rows = (mine[:, None] * group_size + samples[None, :]).reshape(-1)
-    batch = _concat([_rows_to_host(everything, rows)], first.tokens.device)
+    batch = concat_rows([rows_to_host(everything, rows)], first.tokens.device)
     metrics = {"dynamic_sampling/num_gen_batches": float(j),
                "dynamic_sampling/filtered_fraction": 1.0 - kept / generated}
     return batch, metrics

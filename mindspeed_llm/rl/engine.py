@@ -14,6 +14,7 @@ updates (`offload` / `onload` / `on_device`, `rl/model_state.py`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
@@ -30,7 +31,8 @@ from mindspeed_llm import device
 from mindspeed_llm.checkpoint.errors import DivergenceError
 from mindspeed_llm.checkpoint.training import CheckpointError, NonFiniteError
 from mindspeed_llm.distributed import any_rank, gather_messages, sum_over_data_parallel
-from mindspeed_llm.models.attention import model_attention
+from mindspeed_llm.models.attention import layout_params, model_attention
+from mindspeed_llm.models.context_parallel import ContextParallelLayout, context_parallel_size, forward_width
 from mindspeed_llm.models.forward_layout import forward_layout
 from mindspeed_llm.models.routing import micro_batch_routing
 from mindspeed_llm.rl import moe
@@ -85,19 +87,40 @@ def _model_forward(model, micro_batch: MicroBatch):
     packed prompt groups, and nothing computed for the positions before `logits_from` (`rl/batch_plan.py`).
 
     Packed groups reach the fused core attention as megatron's `packed_seq_params` (`models/attention.py`);
-    megatron's local attention gets them as the dense mask, built here for this micro-batch only."""
-    pad = moe.padding_mask(micro_batch) if moe.is_moe(model) else None
-    extra = {} if pad is None else {"padding_mask": pad}  # MoE routers leave padding out of their loss and counts
-    tokens, mask = micro_batch["tokens"], None
+    megatron's local attention gets them as the dense mask, built here for this micro-batch only. Under sequence
+    parallelism the rows are padded to a multiple of TP (megatron splits the sequence over the TP ranks); under
+    context parallelism to a multiple of 2 CP (x TP), and this rank runs its two chunks of them
+    (`models/context_parallel.py`), with its outputs from `logits_from` on: the layout goes into the micro-batch
+    (`micro_batch["cp_layout"]`) for the reads (`batch_plan.read_outputs`). The padding is never read."""
+    tokens, position_ids = micro_batch["tokens"], micro_batch["position_ids"]
     groups = micro_batch.get("packed_groups")
-    if groups is not None:
+    logits_from = int(micro_batch.get("logits_from", 0))
+    cp = context_parallel_size()
+    width = forward_width(model, tokens.shape[1])
+    if width != tokens.shape[1]:
+        extra_columns = width - tokens.shape[1]
+        tokens = torch.nn.functional.pad(tokens, (0, extra_columns))
+        tail = torch.arange(tokens.shape[1] - extra_columns, width, device=tokens.device)
+        position_ids = torch.cat([position_ids, tail.expand(position_ids.shape[0], -1)], dim=1)
+        if groups is not None:
+            groups = dataclasses.replace(groups, seq_length=width)
+    pad = moe.padding_mask(micro_batch, width) if moe.is_moe(model) else None
+    extra = {} if pad is None else {"padding_mask": pad}  # MoE routers leave padding out of their loss and counts
+    mask, spans = None, None
+    layout = ContextParallelLayout.current(width) if cp > 1 else None
+    if layout is not None:
+        extra["packed_seq_params"] = layout_params(groups, layout, width)
+        tokens, position_ids = layout.split(tokens), layout.split(position_ids)
+        spans = layout.local_output_spans(logits_from)
+        micro_batch["cp_layout"] = layout
+    elif groups is not None:
         if model_attention(model) == "sdpa":
             extra["packed_seq_params"] = groups.seq_params()
         else:
             mask = groups.dense_mask(tokens.device)
-    with forward_layout(model, micro_batch["position_ids"], int(micro_batch.get("logits_from", 0))), \
-            micro_batch_routing(model, micro_batch):  # --moe-routing-replay, moe/routing_mismatch
-        return model(tokens, micro_batch["position_ids"], mask, **extra)
+    with forward_layout(model, position_ids, logits_from, output_spans=spans), \
+            micro_batch_routing(model, micro_batch, width):  # --moe-routing-replay, moe/routing_mismatch
+        return model(tokens, position_ids, mask, **extra)
 
 
 def _run_schedule(chunks, micro_batches: Sequence[MicroBatch], step_fn, forward_only: bool):
@@ -131,7 +154,11 @@ def schedule_loss_scale(num_microbatches: int, data_parallel_size: int) -> float
 
     Megatron divides each micro-batch's loss by the number of micro-batches (`forward_step`) and DDP averages
     gradients over the DP ranks; a share of the step's loss is already divided by the step's global token or
-    sequence count, so both divisions are undone here and the gradient is that of the sum of the shares.
+    sequence count, so both divisions are undone here and the gradient is that of the sum of the shares. Under
+    context parallelism DDP averages over DP x CP and megatron's schedule multiplies each loss by the CP size
+    itself (Megatron-LM's convention: a CP rank's loss covers its own tokens); every CP rank here computes the
+    whole share, each differentiating its own positions only (`models/context_parallel.py`), so the CP sum of their
+    gradients is the share's, and `data_parallel_size` stays megatron's DP size without CP.
     """
     return float(num_microbatches * data_parallel_size)
 

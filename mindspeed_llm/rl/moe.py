@@ -24,7 +24,8 @@ Metrics (`UpdateStats`, per trained MoE role, over one `ppo_update`):
   moe/tokens_per_expert_min / _max
                            c[l, e] = token-to-expert assignments of expert e in MoE layer l over the update's
                            forwards (real tokens only; each token counts top-k times), summed over the DP ranks
-                           (EP ranks included): the smallest and largest c[l, e].
+                           (EP ranks included; and the TP ranks under sequence parallelism, where each routes its
+                           share of the sequence): the smallest and largest c[l, e].
   moe/expert_imbalance     max over layers of max_e c[l, e] / mean_e c[l, e] (1 = perfectly balanced).
 """
 
@@ -61,6 +62,12 @@ def model_options(spec: ModelSpec, args, flag: str, root: str, policy: bool) -> 
                                 "model; drop the flag")
     if not spec.is_moe:
         return {}
+    cp = getattr(args, "context_parallel_size", 1)
+    if cp > 1:
+        raise ArgumentError(f"--context-parallel-size {cp}: {flag} {root} is a mixture of experts, which this build "
+                            "runs without context parallelism (its load-balancing loss, padding mask, metrics and "
+                            "routing replay count the tokens of whole sequences); use --context-parallel-size 1 "
+                            "with --sequence-parallel and expert parallelism")
     coeff = getattr(args, "moe_aux_loss_coeff", None)
     coeff = spec.moe_aux_loss_coeff if coeff is None else coeff  # the flag, else the checkpoint's (HF config)
     options = dict(
@@ -82,15 +89,15 @@ def startup_notes(args) -> List[str]:
     return []
 
 
-def check_trainable(model, tp: int, name: str, flag: str) -> None:
-    """A MoE model is trained only at TP 1: megatron-core refuses MoE training forwards with tensor parallelism
-    unless --sequence-parallel is on, which the local layer spec here does not support."""
+def check_trainable(model, tp: int, name: str, flag: str, sequence_parallel: bool = False) -> None:
+    """A MoE model is trained at TP > 1 only under --sequence-parallel: megatron-core refuses MoE training
+    forwards with tensor parallelism otherwise (its MoE layer raises in train mode)."""
     spec = model.model_spec
-    if spec.is_moe and tp > 1:
+    if spec.is_moe and tp > 1 and not sequence_parallel:
         raise ArgumentError(
             f"the {name} ({flag}) is a mixture-of-experts model, which megatron-core trains with "
-            f"--tensor-model-parallel-size {tp} only together with --sequence-parallel (not supported here); use "
-            f"--tensor-model-parallel-size 1 and split the experts with --expert-model-parallel-size")
+            f"--tensor-model-parallel-size {tp} only together with --sequence-parallel; add --sequence-parallel, or "
+            f"use --tensor-model-parallel-size 1 and split the experts with --expert-model-parallel-size")
 
 
 def is_moe(model) -> bool:
@@ -100,14 +107,14 @@ def is_moe(model) -> bool:
     return bool(spec is not None and spec.is_moe)
 
 
-def padding_mask(micro_batch) -> Optional[torch.Tensor]:
+def padding_mask(micro_batch, width: Optional[int] = None) -> Optional[torch.Tensor]:
     """`[rows, S]` True at the model rows' padding (megatron's MoE `padding_mask`): a row's real tokens are its
     prompt `[0, P)` and each of its samples' responses, which end at the sample's `last_token_index` (rows or
-    packed groups alike, `batch_plan`)."""
+    packed groups alike, `batch_plan`); `width`: S when the forward pads the rows wider (sequence parallelism)."""
     if not all(k in micro_batch for k in ("prompt_lengths", "response_mask", "last_token_index", "row_index")):
         return None  # not a `batch_plan` micro-batch: every position counts
     tokens = micro_batch["tokens"]
-    rows, width = tokens.shape
+    rows, width = tokens.shape[0], tokens.shape[1] if width is None else width
     s = torch.arange(width, device=tokens.device)[None, :]
     last = micro_batch["last_token_index"][:, None]
     length = micro_batch["response_mask"].sum(-1).long()[:, None]
@@ -138,6 +145,8 @@ class UpdateStats:
         self.num_layers = core.config.num_layers if self.enabled else 0
         self.loss_name = LOSS_NAMES.get(core.config.moe_router_load_balancing_type) if self.enabled else None
         self.coeff = float(core.config.moe_aux_loss_coeff or 0.0) if self.enabled else 0.0
+        # under sequence parallelism each TP rank's routers see its share of the tokens
+        self.sequence_parallel = bool(self.enabled and core.config.sequence_parallel)
         # Kept on the model's device and read once in metrics(): a host copy per router forward would be a
         # device sync in every MoE layer of every training micro-batch.
         from mindspeed_llm import device
@@ -190,11 +199,16 @@ class UpdateStats:
             if entry is not None:
                 values += entry["values"].detach().double().cpu()
             values = _all_reduce(values, pp_group)
+            if entry is not None and entry.get("reduce_group") is not None:
+                # megatron's own reduction: each TP (x CP) rank's loss is its tokens' share of the layer's loss
+                values = _all_reduce(values, entry["reduce_group"])
             values = _all_reduce(values, dp_group) / dist.get_world_size(dp_group)
             per_micro_batch = float(values[moe_layers].sum()) / max(self.num_micro_batches, 1)
             out[f"moe/{self.loss_name}"] = per_micro_batch / len(moe_layers)
             clear_aux_losses_tracker()
         counts = _all_reduce(_all_reduce(self.counts.clone(), dp_group), pp_group)
+        if self.sequence_parallel:
+            counts = _all_reduce(counts, parallel_state.get_tensor_model_parallel_group())
         counts = counts[moe_layers].double().cpu()  # [L_moe, E]
         mean = counts.mean(dim=1).clamp(min=1e-12)
         out["moe/tokens_per_expert_min"] = float(counts.min())

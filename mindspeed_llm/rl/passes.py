@@ -2,8 +2,11 @@
 reads they share.
 
 A policy output is the logits shard `[mb, T, V/TP]` each TP rank holds; a value model output is
-`[mb, T, 1]`. Reads go through `gather_response` / `gather_last_token`, so the index arithmetic lives in
-one place (`batch_plan.py`).
+`[mb, T, 1]`. Reads go through `batch_plan.read_outputs`, so the index arithmetic lives in one place
+(`batch_plan.py`). Under context parallelism a rank holds the outputs of its own positions only: each read is
+computed where its position lives, put in place in a zero tensor and summed over the CP ranks
+(`models/context_parallel.sum_over_context_parallel`), so every CP rank returns (and a loss sees) every sample's
+whole result.
 """
 
 from __future__ import annotations
@@ -14,35 +17,54 @@ import torch
 from megatron.core import parallel_state
 
 from mindspeed_llm.models import routing
+from mindspeed_llm.models.context_parallel import sum_over_context_parallel
 from mindspeed_llm.rl.core_algos import response_mask_p1
-from mindspeed_llm.rl.batch_plan import MicroBatchPlan, gather_last_token, gather_response
+from mindspeed_llm.rl.batch_plan import MicroBatchPlan, read_outputs
 from mindspeed_llm.rl.experience import Experience
 from mindspeed_llm.rl.logprobs import vocab_parallel_logprobs
 from mindspeed_llm.rl.engine import forward_only
+
+
+def _in_place(values: torch.Tensor, held, shape) -> torch.Tensor:
+    """`values` of the read positions as `shape`: as they are without context parallelism; else the held ones put
+    in place (zeros elsewhere) and summed over the CP ranks (each position is held by one of them)."""
+    if held is None:
+        return values.reshape(shape)
+    out = values.new_zeros(shape)
+    out[held] = values
+    return sum_over_context_parallel(out)
 
 
 def response_logprobs(
     logits: torch.Tensor, micro_batch: Dict[str, torch.Tensor], temperature: float = 1.0, with_entropy: bool = False
 ):
     """Log-probs `[mb, R]` of the response tokens (and their entropies) from a vocab-parallel logits shard."""
-    picked = gather_response(logits, micro_batch)  # [mb, R, V/TP]
-    rows, width = micro_batch["responses"].shape
+    picked, held = read_outputs(logits, micro_batch, micro_batch["response_index"])  # [mb, R or K, V/TP]
+    targets = micro_batch["responses"] if held is None else micro_batch["responses"][held]
+    shape = micro_batch["responses"].shape
     result = vocab_parallel_logprobs(
-        picked.reshape(rows * width, -1),
-        micro_batch["responses"].reshape(-1),
+        picked.reshape(-1, picked.size(-1)),
+        targets.reshape(-1),
         tp_group=parallel_state.get_tensor_model_parallel_group(),
         temperature=temperature,
         with_entropy=with_entropy,
     )
     if with_entropy:
         logp, entropy = result
-        return logp.view(rows, width), entropy.view(rows, width)
-    return result.view(rows, width)
+        return _in_place(logp, held, shape), _in_place(entropy, held, shape)
+    return _in_place(result, held, shape)
 
 
 def response_values(output: torch.Tensor, micro_batch: Dict[str, torch.Tensor]) -> torch.Tensor:
     """Critic values `[mb, R]`: the value of the state each response token is emitted from."""
-    return gather_response(output, micro_batch).squeeze(-1).float()
+    picked, held = read_outputs(output, micro_batch, micro_batch["response_index"])
+    return _in_place(picked.squeeze(-1).float(), held, micro_batch["response_index"].shape)
+
+
+def last_token_values(output: torch.Tensor, micro_batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """A value model's output `[mb]` at each sample's last real token (the reward model's score)."""
+    picked, held = read_outputs(output, micro_batch, micro_batch["last_token_index"])
+    return _in_place(picked.reshape(-1).float(), held, micro_batch["last_token_index"].shape)
 
 
 def policy_logprobs(model, exp: Experience, plan: MicroBatchPlan, temperature: float = 1.0) -> torch.Tensor:
@@ -57,7 +79,7 @@ def policy_logprobs(model, exp: Experience, plan: MicroBatchPlan, temperature: f
             lambda out, mb: response_logprobs(out, mb, temperature) * mb["response_mask"], (width,),
         )
     if compare:
-        exp.extras["routing_mismatch"] = routing.mismatch_fraction(counts)
+        exp.extras["routing_mismatch"] = routing.mismatch_fraction(counts, model)
     return logp
 
 
@@ -74,6 +96,6 @@ def reward_scores(model, exp: Experience, plan: MicroBatchPlan) -> torch.Tensor:
     """Reward-model score `[B]`: the value head at the last real token of prompt + response."""
     return forward_only(
         model, plan.micro_batches(exp),
-        lambda out, mb: gather_last_token(out, mb).reshape(-1).float(), (),
+        lambda out, mb: last_token_values(out, mb), (),
     )
 

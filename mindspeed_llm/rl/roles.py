@@ -113,13 +113,17 @@ def load_model(root: str, flag: str, args, value_head: bool = False, trained: bo
     Every problem (missing files, a causal LM where a value head is needed, a TP/PP the model cannot be
     split into, a spec that contradicts the model flags) is raised before any compute, naming `flag`.
 
-    --attention-dropout / --hidden-dropout are built into every model; they act only in train mode, i.e. in the
+    --sequence-parallel is built into every model (TP > 1), as are
+    --attention-dropout / --hidden-dropout; the dropouts act only in train mode, i.e. in the
     trained models' (actor, critic) update forwards: frozen models, rollouts and the log-prob / value passes run
     in eval mode. Activation recompute (--recompute-*) is built into the `trained` ones only (`rl/recompute.py`).
     Every role gets the core attention of --attention-backend (`args.attention`, validate_args).
     """
     dropout = dict(attention_dropout=getattr(args, "attention_dropout", 0.0),
-                   hidden_dropout=getattr(args, "hidden_dropout", 0.0))
+                   hidden_dropout=getattr(args, "hidden_dropout", 0.0),
+                   # megatron's sequence parallelism (TP > 1, validate_args), every role alike; generation runs
+                   # without it (models/sequence_parallel.py)
+                   sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
     try:
         spec = _checked_spec(root, flag, args)
         options = moe.model_options(spec, args, flag, root, policy=not value_head)
@@ -166,7 +170,7 @@ def offload_parts(args, name: str) -> tuple:
 def trainable(model, args, name: str, flag: str) -> TrainableModel:
     """The actor or the critic (loaded from `flag`) with its optimizer and LR schedule from the command line; with
     LoRA (--lora-target-modules / --lora-load) its base frozen and adapters trained (`rl/lora.py`)."""
-    moe.check_trainable(model, args.tensor_model_parallel_size, name, flag)
+    moe.check_trainable(model, args.tensor_model_parallel_size, name, flag, getattr(args, "sequence_parallel", False))
     critic = name == "critic"
     schedule_on_resume = ("override" if args.override_opt_param_scheduler else
                           "checkpoint" if args.use_checkpoint_opt_param_scheduler else "check")

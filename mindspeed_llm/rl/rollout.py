@@ -8,6 +8,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from mindspeed_llm import distributed
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.inference import SamplingConfig, generate
 from mindspeed_llm.models import routing
@@ -61,6 +62,19 @@ def rollout(actor_module, rows: Sequence[dict], sampling: SamplingConfig, iterat
     exp.extras["finish_reasons"] = list(result.finish_reasons)  # "eos" | "stop" | "length"
     exp.extras["texts"] = result.decode(tokenizer)
     return exp
+
+
+def gather_context_parallel(exp: Experience) -> Experience:
+    """Under context parallelism the CP ranks of a DP rank generate their own prompts (data-parallel replicas in the
+    rollout, `distributed.rollout_parallel_info`), but every later forward splits each sequence over them: each
+    then holds the whole DP rank's share, the CP ranks' rollouts one after another in CP rank order (their prompts'
+    order in the global batch). The same Experience without context parallelism."""
+    from mindspeed_llm.rl.dynamic_sampling import concat_rows, rows_to_host
+
+    parts = distributed.gather_over_context_parallel(rows_to_host(exp, torch.arange(exp.batch_size)))
+    if len(parts) == 1:
+        return exp
+    return concat_rows(parts, exp.tokens.device)
 
 
 def rollout_metrics(exp: Experience) -> Dict[str, float]:

@@ -237,14 +237,16 @@ def _resume(args, stage, sampler) -> int:
 def run(args) -> None:
     distributed.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed,
                            expert_model_parallel_size=args.expert_parallel_size,
-                           expert_tensor_parallel_size=args.expert_tensor_parallel_size)
-    dp_rank, dp_size = distributed.data_parallel_info()
+                           expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+                           context_parallel_size=args.context_parallel_size)
+    # the prompts are dealt over DP x CP: the CP ranks of a DP rank generate their own (rollout_parallel_info)
+    rollout_rank, rollout_size = distributed.rollout_parallel_info()
     if distributed.is_rank_0():
         for line in compat_flags.startup_lines(args, device.accelerator().backend):
             print(f"posttrain_gpt.py: {line}", flush=True)
     tokenizer = load_tokenizer(args)
     dataset, eval_dataset = _prompt_sets(args)
-    sampler = PromptSampler(len(dataset), args.global_batch_size, dp_rank, dp_size, args.seed)
+    sampler = PromptSampler(len(dataset), args.global_batch_size, rollout_rank, rollout_size, args.seed)
     check_labels(dataset, args)
     check_prompt_lengths(dataset, args, "--data-path")
     if eval_dataset is not None:
@@ -312,7 +314,9 @@ class EntropyGuard:
 
 
 def _loop(args, stage, dataset, eval_dataset, sampler, logger, start: int, exit_signal) -> None:
-    dp_rank, dp_size = distributed.data_parallel_info()
+    _, dp_size = distributed.data_parallel_info()
+    rollout_rank, _ = distributed.rollout_parallel_info()
+    prompts_per_dp_rank = args.global_batch_size // dp_size  # a DP rank's CP ranks hold its prompts together
     saved: Optional[int] = start or None
 
     def save(iteration: int) -> None:
@@ -325,7 +329,7 @@ def _loop(args, stage, dataset, eval_dataset, sampler, logger, start: int, exit_
         """This rank's prompts of the sampler's next global batch. `position` (the prompt's place in the global
         batch; generation batches after the first of an iteration, `--dynamic-sampling`'s, continue the count)
         keys its samples' random streams."""
-        first = generation_batch * args.global_batch_size + dp_rank * sampler.local_batch_size
+        first = generation_batch * args.global_batch_size + rollout_rank * sampler.local_batch_size
         return [dict(dataset[i], index=i, position=first + k) for k, i in enumerate(sampler.next_batch_indices())]
 
     entropy_guard = EntropyGuard(stage.roles()["actor"].module.model_spec.vocab_size)
@@ -349,8 +353,8 @@ def _loop(args, stage, dataset, eval_dataset, sampler, logger, start: int, exit_
                 f"saved ({last}); lower --lr or check the data (--no-check-for-nan-in-loss-and-grad trains on)"
             ) from None
         metrics.update(throughput_metrics(
-            metrics["prompt_length/mean"] * sampler.local_batch_size * args.n_samples_per_prompt,
-            metrics["response_length/mean"] * sampler.local_batch_size * args.n_samples_per_prompt,
+            metrics["prompt_length/mean"] * prompts_per_dp_rank * args.n_samples_per_prompt,
+            metrics["response_length/mean"] * prompts_per_dp_rank * args.n_samples_per_prompt,
             args.world_size // dp_size, metrics,
         ))
         if eval_dataset is not None and args.eval_interval and iteration % args.eval_interval == 0:

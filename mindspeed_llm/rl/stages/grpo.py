@@ -29,6 +29,7 @@ from mindspeed_llm.rl.metrics import Timers, mean_min_max, prefixed
 from mindspeed_llm.rl.passes import policy_logprobs
 from mindspeed_llm.rl.ppo_loop import old_logp_is_current, ppo_update
 from mindspeed_llm.rl.rollout import (
+    gather_context_parallel,
     mask_truncated_completions,
     mismatch_metrics,
     rollout,
@@ -85,8 +86,8 @@ class GRPOStage:
             self.actor.offload(timers)  # --offload-train-*: the training state waits in host memory until the update
             exp, plan, score_metrics = self._generate(iteration, rows, timers)
             if args.dynamic_sampling:  # refill with more prompt groups until the batch's groups all carry signal
-                exp, sampling_stats = refill(
-                    exp, lambda j: self._generate(iteration, more_rows(j), timers)[0], n, len(rows),
+                exp, sampling_stats = refill(  # the DP rank's groups (its CP ranks' rows together)
+                    exp, lambda j: self._generate(iteration, more_rows(j), timers)[0], n, exp.batch_size // n,
                     args.max_num_gen_batches)
                 plan = MicroBatchPlan.for_run(exp, args, group_size=n)
                 score_metrics.update(sampling_stats)
@@ -141,6 +142,7 @@ class GRPOStage:
         n = self.args.n_samples_per_prompt
         with timers("rollout"):
             exp = rollout(self.actor.module, rows, self.sampling, iteration, self.tokenizer, samples_per_prompt=n)
+            exp = gather_context_parallel(exp)  # the CP ranks' rollouts: this DP rank's share, on each of them
         plan = MicroBatchPlan.for_run(exp, self.args, group_size=n)
         exp.scores, score_metrics = self.scorer(exp, plan, timers)
         return exp, plan, score_metrics

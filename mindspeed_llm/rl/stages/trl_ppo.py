@@ -25,6 +25,7 @@ from mindspeed_llm.rl.metrics import Timers, prefixed
 from mindspeed_llm.rl.passes import critic_values, policy_logprobs
 from mindspeed_llm.rl.ppo_loop import old_logp_is_current, ppo_update
 from mindspeed_llm.rl.rollout import (
+    gather_context_parallel,
     mask_truncated_completions,
     mismatch_metrics,
     rollout,
@@ -83,6 +84,7 @@ class TrlPPOStage:
             with timers("rollout"):  # a prompt's n samples are consecutive rows, each with its own GAE
                 exp = rollout(self.actor.module, rows, self.sampling, iteration, self.tokenizer,
                               samples_per_prompt=n)
+                exp = gather_context_parallel(exp)  # the CP ranks' rollouts: this DP rank's share, on each of them
             plan = MicroBatchPlan.for_run(exp, args, group_size=n)
             rollout_stats = rollout_metrics(exp)
             if args.mask_truncated_completions:  # they leave the actor's and the critic's losses

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -35,7 +36,7 @@ from typing import Optional, Tuple
 
 from mindspeed_llm.rl.verifiers.answers import (
     _ANSWER_LINE_RE, _BOX_CMD_RE, _LETTER_RE, ExtractedAnswer, _cheap_key, _normalize_latex, _split_choice, _strip_math_delims,
-    extract_answer,
+    extract_answer, last_boxed_content,
 )
 from mindspeed_llm.rl.verifiers.registry import (
     MissingLabelError, VerifierTimeout, label_missing, register_verifier,
@@ -263,3 +264,40 @@ def math_17k_acc(response_text: str, label: Optional[str], config: Optional[Math
     answer = (ExtractedAnswer(lines[-1].strip(), "answer_line") if lines else
               extract_answer(response_text, allow_unanchored=cfg.allow_unanchored, answer_line=False))
     return _score_answer(answer, label, cfg)
+
+
+@register_verifier("acc_for_ppo", requires_label=True)
+def acc_for_ppo(response_text: str, label: Optional[str], config: Optional[MathAccConfig] = None) -> float:
+    """MindSpeed-RL's PPO accuracy (``acc_for_ppo``, its `ppo_accuracy_reward`): 1.0 when the content of the last
+    ``\\boxed{}`` equals ``label``, else 0.0 (no box: 0.0, neither an ``<answer>`` tag nor an ``Answer:`` line
+    counts). Equality as ``math_acc``'s."""
+    if label_missing(label):
+        raise MissingLabelError("acc_for_ppo")
+    boxed = last_boxed_content(response_text) if isinstance(response_text, str) else None
+    return _score_answer(None if boxed is None else ExtractedAnswer(boxed.strip(), "boxed"), label,
+                         config or _MATH_ACC_CONFIG)
+
+
+@register_verifier("acc_for_dapo", requires_label=True)
+def acc_for_dapo(response_text: str, label: Optional[str], config: Optional[MathAccConfig] = None) -> float:
+    """MindSpeed-RL's DAPO accuracy (``acc_for_dapo``, DAPO's `compute_score`): +1.0 for a right final answer,
+    -1.0 otherwise (a missing answer included). DAPO-Math-17k's prompts ask for a last line ``Answer: ...``, which
+    decides as in ``math_17k_acc``."""
+    if label_missing(label):
+        raise MissingLabelError("acc_for_dapo")
+    return 2.0 * math_17k_acc(response_text, label, config) - 1.0
+
+
+_R1_BOXED_FORMAT = re.compile(r"<think>.*</think>.*<answer>.*\\boxed\{.*\}.*</answer>", re.DOTALL)
+
+
+@register_verifier("math_verify_reward", requires_label=True)
+def math_verify_reward(response_text: str, label: Optional[str], config: Optional[MathAccConfig] = None) -> float:
+    """MindSpeed-RL's ``math_verify_reward``: 1.0 when the response is the whole R1 template with a boxed answer
+    (``<think>...</think> ... <answer> ... \\boxed{...} ... </answer>``) and that answer equals ``label`` (by
+    math-verify, ``math_acc``'s equality), else 0.0."""
+    if label_missing(label):
+        raise MissingLabelError("math_verify_reward")
+    if not isinstance(response_text, str) or _R1_BOXED_FORMAT.fullmatch(response_text) is None:
+        return 0.0
+    return acc_for_ppo(response_text, label, config)
