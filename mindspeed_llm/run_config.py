@@ -71,7 +71,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from mindspeed_llm.arguments import ArgumentError, build_parser
+from mindspeed_llm.arguments import build_parser
+from mindspeed_llm.errors import ArgumentError
 
 
 class ConfigError(ArgumentError):

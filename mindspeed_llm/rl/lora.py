@@ -32,8 +32,8 @@ from typing import Optional
 
 import torch
 
-from mindspeed_llm.arguments import ArgumentError
 from mindspeed_llm.checkpoint.errors import CheckpointError
+from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.models import lora, routing
 from mindspeed_llm.rl.engine import TrainableModel
 
