@@ -19,7 +19,9 @@ from mindspeed_llm.checkpoint.convert import (
     load_spec,
     spec_differences,
 )
-from mindspeed_llm.checkpoint.hf_mapping import ConversionError, HFWeights, resolve_family
+from mindspeed_llm.checkpoint.errors import ConversionError
+from mindspeed_llm.checkpoint.hf_files import HFWeights
+from mindspeed_llm.checkpoint.hf_mapping import resolve_family
 from mindspeed_llm.checkpoint.megatron_layout import (
     CHECKPOINT_VERSION,
     RELEASE,

@@ -65,7 +65,7 @@ def read_lora_load(args, spec):
     belongs to another model."""
     from mindspeed_llm.checkpoint import lora as lora_files
     from mindspeed_llm.checkpoint.convert import spec_differences
-    from mindspeed_llm.checkpoint.hf_mapping import ConversionError
+    from mindspeed_llm.checkpoint.errors import ConversionError
 
     try:
         adapter = lora_files.read_adapter(args.lora_load, spec)
