@@ -127,14 +127,6 @@ def _is(expected) -> Callable[[Any], bool]:
     return ok
 
 
-def _train_split_only(value) -> bool:
-    try:
-        parts = [float(x) for x in str(value).replace(",", " ").split()]
-    except ValueError:
-        return False
-    return len(parts) >= 1 and parts[0] > 0 and not any(parts[1:])
-
-
 def _stage(value):
     names = {"ray_grpo": "grpo", "grpo": "grpo", "ray_ppo": "trl_ppo", "trl_ppo": "trl_ppo"}
     if value not in names:

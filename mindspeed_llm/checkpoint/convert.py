@@ -576,8 +576,3 @@ def load_megatron_weights(model, root: str, iteration=None, strict: bool = True)
         )
     inner.load_state_dict(state, strict=strict)
     return {k: v for k, v in payload.items() if k != "model"}
-
-
-def load_spec(root: str, iteration=None):
-    """The ModelSpec of the checkpoint under `root`, without building a model or reading tensors."""
-    return layout.load_spec(root, iteration)

@@ -45,10 +45,6 @@ from mindspeed_llm.checkpoint.megatron_names import (EMBED, EXPERT_BIAS, EXPERT_
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 EXTRA_STATE = "_extra_state"
 
-# Parallel linears whose modules define `_extra_state` (None in the local spec).
-_LINEARS_WITH_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
-                             "mlp.linear_fc2")
-
 _ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight", SHARED_FC2)
 # Multi-latent attention's projections are all column-parallel in the local spec, the down projections too
 # (their output rows split over TP and gathered again); each up projection's rows are whole heads.
@@ -135,25 +131,6 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
     """Global layer indices held by pipeline `stage`."""
     per = num_layers // pp
     return range(stage * per, (stage + 1) * per)
-
-
-def stage_of(name: str, num_layers: int, pp: int) -> Optional[int]:
-    """The stage holding global tensor `name` (the output layer: the last; a tied copy is not asked for)."""
-    if name == EMBED:
-        return 0
-    if name in (FINAL_NORM, OUTPUT):
-        return pp - 1
-    match = _LAYER_RE.match(name)
-    if not match:
-        raise ConversionError(f"unexpected Megatron tensor {name!r}")
-    return int(match.group(1)) // (num_layers // pp)
-
-
-def to_local(name: str, num_layers: int, pp: int) -> str:
-    match = _LAYER_RE.match(name)
-    if not match:
-        return name
-    return f"{LAYER_PREFIX}{int(match.group(1)) % (num_layers // pp)}.{match.group(2)}"
 
 
 def to_global(name: str, stage: int, num_layers: int, pp: int) -> str:
