@@ -87,7 +87,7 @@ def _mindspeed_flags(args):
     MindSpeed-LLM's --tokenizer-model (a file in it, or the folder)."""
     import os
 
-    from mindspeed_llm.checkpoint.hf_mapping import ConversionError
+    from mindspeed_llm.checkpoint.errors import ConversionError
 
     if args.model_type is not None and args.model_type.upper() != "GPT":
         raise ConversionError(f"--model-type {args.model_type}: only GPT (decoder-only) models are converted here; "
@@ -109,7 +109,7 @@ def _mindspeed_flags(args):
 
 def _no_target_layout(args) -> None:
     """mg -> hf gathers every shard; expert-layout flags would be silently meaningless there."""
-    from mindspeed_llm.checkpoint.hf_mapping import ConversionError
+    from mindspeed_llm.checkpoint.errors import ConversionError
 
     given = [flag for flag, set_ in (
         (f"--target-expert-parallel-size {args.target_expert_parallel_size}", args.target_expert_parallel_size != 1),
@@ -128,8 +128,9 @@ def _lora(args, iteration):
     import os
 
     from mindspeed_llm.checkpoint import lora as lora_files
-    from mindspeed_llm.checkpoint.hf_mapping import ConversionError, read_hf_config
     from mindspeed_llm.checkpoint.convert import _checkpoint_info
+    from mindspeed_llm.checkpoint.errors import ConversionError
+    from mindspeed_llm.checkpoint.hf_files import read_hf_config
     from mindspeed_llm.models.spec import ModelSpec
 
     if args.save_lora_to_hf and not args.lora_load:
@@ -164,7 +165,7 @@ def _check_tokenizer_fits(tokenizer_dir: str, args) -> None:
     the model's vocabulary lacks (they would index past the embedding at the first such token)."""
     import json
 
-    from mindspeed_llm.checkpoint.hf_mapping import ConversionError
+    from mindspeed_llm.checkpoint.errors import ConversionError
 
     if args.load_model_type == "hf":
         with open(os.path.join(args.load_dir, "config.json")) as f:
@@ -186,7 +187,7 @@ def _check_tokenizer_fits(tokenizer_dir: str, args) -> None:
 
 def run(args) -> None:
     from mindspeed_llm.checkpoint import convert_hf_to_mg, convert_mg_to_hf, convert_mg_to_mg
-    from mindspeed_llm.checkpoint.hf_mapping import ConversionError
+    from mindspeed_llm.checkpoint.errors import ConversionError
 
     from mindspeed_llm.checkpoint.megatron_layout import conversion_target_problem
 
@@ -245,7 +246,7 @@ def main(argv=None) -> int:
     import logging
 
     args = build_parser().parse_args(argv)
-    from mindspeed_llm.checkpoint.hf_mapping import ConversionError
+    from mindspeed_llm.checkpoint.errors import ConversionError
     from mindspeed_llm.models.spec import UnsupportedModelError
 
     class _Stderr(logging.Handler):  # the current sys.stderr at each message

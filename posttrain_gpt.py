@@ -8,9 +8,11 @@ def main(argv=None) -> int:
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.checkpoint.errors import NonFiniteError
     from mindspeed_llm.errors import UserError
+    from mindspeed_llm.run_config import config_argv
 
     try:
-        args = parse_args(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        # --config FILE.yaml becomes the file's flags, in front of the command line's (which win)
+        args = parse_args(config_argv(argv), world_size=int(os.environ.get("WORLD_SIZE", "1")))
         from mindspeed_llm.rl.trainer import run
 
         run(args)

@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from mindspeed_llm import compat_flags
 from mindspeed_llm.argument_ranges import check_ranges
-from mindspeed_llm.errors import ArgumentError  # noqa: F401  (the parser's error; callers import it from here)
+from mindspeed_llm.errors import ArgumentError  # noqa: F401  (re-exported: users import the parser's error from here)
 
 STAGES = ("trl_ppo", "grpo")
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
@@ -335,9 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: int = 1):
-    from mindspeed_llm.run_config import config_argv  # --config FILE.yaml: a MindSpeed-RL run config
-
-    args = build_parser().parse_args(config_argv(argv))
+    """Parse and check a command line. A `--config FILE.yaml` is resolved before, by the caller
+    (`run_config.config_argv`: the file's flags in front of the command line's)."""
+    args = build_parser().parse_args(argv)
     validate_args(args, world_size)
     return args
 

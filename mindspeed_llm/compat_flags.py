@@ -1,8 +1,8 @@
 """Flags of MindSpeed-LLM / Megatron-LM launch scripts that parse here but change nothing, each with the reason.
 
 `posttrain_gpt.py` accepts them so that published scripts run unchanged, stores the ones a command line gave on
-`args.ignored_flags` ({flag: reason}) and prints them once at startup on rank 0 (`startup_lines`). Adding a
-switch is one line of `IGNORED_SWITCHES`.
+`args.ignored_flags` ({flag: reason}) and prints them once at startup on rank 0 (`startup_lines`, which
+`rl.startup` prints with the other startup lines). Adding a switch is one line of `IGNORED_SWITCHES`.
 """
 
 from __future__ import annotations
@@ -104,9 +104,9 @@ def ignored_flags(args) -> Dict[str, str]:
 
 
 def startup_lines(args, backend: str) -> List[str]:
-    """What rank 0 prints once before training: the ignored flags (one line, grouped by reason), a
-    --distributed-backend the device overrides, the notes `validate_args` left (`args.startup_notes`) and the MoE
-    ones (`rl.moe.startup_notes`: --moe-grouped-gemm without a kernel)."""
+    """The parser's part of what rank 0 prints once before training (`rl.startup.startup_lines` adds the
+    rest): the ignored flags (one line, grouped by reason), a --distributed-backend the device overrides and the
+    notes `validate_args` left (`args.startup_notes`)."""
     lines = []
     by_reason: Dict[str, List[str]] = {}
     for flag, reason in getattr(args, "ignored_flags", {}).items():
@@ -118,7 +118,4 @@ def startup_lines(args, backend: str) -> List[str]:
     if wanted and wanted != backend:
         lines.append(f"--distributed-backend {wanted}: this device's collectives use {backend}; using {backend}")
     lines.extend(getattr(args, "startup_notes", []))
-    from mindspeed_llm.rl.moe import startup_notes  # imported here: rl/ imports the parser, which imports this
-
-    lines.extend(startup_notes(args))
     return lines

@@ -74,7 +74,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from mindspeed_llm.arguments import ArgumentError, build_parser
+from mindspeed_llm.arguments import build_parser
+from mindspeed_llm.errors import ArgumentError
 
 
 class ConfigError(ArgumentError):
@@ -127,14 +128,6 @@ def _is(expected) -> Callable[[Any], bool]:
                 return False
         return value == expected
     return ok
-
-
-def _train_split_only(value) -> bool:
-    try:
-        parts = [float(x) for x in str(value).replace(",", " ").split()]
-    except ValueError:
-        return False
-    return len(parts) >= 1 and parts[0] > 0 and not any(parts[1:])
 
 
 def _stage(value):

@@ -169,7 +169,7 @@ def test_dtypes(tmp_path):
 
 
 def test_reads_sharded_safetensors_and_pytorch_bin(tmp_path):
-    from mindspeed_llm.checkpoint.hf_mapping import save_hf_weights
+    from mindspeed_llm.checkpoint.hf_files import save_hf_weights
 
     model = build_tiny("qwen2", seed=6)
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -355,7 +355,7 @@ def test_fresh_killed_conversion_looks_incomplete(tmp_path, monkeypatch):
 
 
 def test_killed_export_has_no_config(tmp_path, monkeypatch):
-    from mindspeed_llm.checkpoint import hf_mapping
+    from mindspeed_llm.checkpoint import hf_files
 
     src = save_tiny("llama", tmp_path / "hf", num_layers=2, seed=16)
     ckpt.convert_hf_to_mg(src, tmp_path / "mg", progress=False)
@@ -365,7 +365,7 @@ def test_killed_export_has_no_config(tmp_path, monkeypatch):
     def dying(*a, **k):
         raise KeyboardInterrupt()
 
-    monkeypatch.setattr(hf_mapping, "save_hf_weights", dying)
+    monkeypatch.setattr(hf_files, "save_hf_weights", dying)
     with pytest.raises(KeyboardInterrupt):
         ckpt.convert_mg_to_hf(tmp_path / "mg", tmp_path / "out", progress=False)
     assert not os.path.exists(tmp_path / "out" / "config.json")

@@ -88,6 +88,18 @@ def test_ignored_flags_are_named_once_with_their_reason():
     assert "--initial-loss-scale" not in _parse("--fp16", "--initial-loss-scale", "4096").ignored_flags
 
 
+def test_environment_switches_are_printed_at_startup(monkeypatch):
+    from mindspeed_llm.rl.startup import ENVIRONMENT_SWITCHES, startup_lines
+
+    assert set(ENVIRONMENT_SWITCHES) == {"MINDSPEED_LOGPROBS_KERNEL", "MINDSPEED_SCAN_KERNEL", "MINDSPEED_LOSS_KERNEL",
+                                         "MINDSPEED_DECODE_CUDA_GRAPH"}
+    monkeypatch.setenv("MINDSPEED_LOSS_KERNEL", "torch")
+    monkeypatch.delenv("MINDSPEED_DECODE_CUDA_GRAPH", raising=False)
+    line = startup_lines(_parse(), backend="gloo")[-1]
+    assert line.startswith("environment switches: ")
+    assert "MINDSPEED_LOSS_KERNEL=torch," in line and "MINDSPEED_DECODE_CUDA_GRAPH=0 (default)" in line
+
+
 def test_every_table_flag_parses():
     switches = list(compat_flags.IGNORED_SWITCHES)
     values = [x for flag in compat_flags.IGNORED_VALUES for x in (flag, "1")]

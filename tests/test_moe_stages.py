@@ -397,16 +397,16 @@ def test_moe_actor_at_tp2_ep2_with_sequence_parallel(moe_task, tmp_path):
 
 
 def test_mindspeed_moe_switches_are_ignored_once_and_grouped_gemm_fallback_is_noted():
-    from mindspeed_llm import compat_flags
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.models.builder import grouped_gemm_kernel
+    from mindspeed_llm.rl.startup import startup_lines
 
     switches = ["--moe-permutation-async-comm", "--moe-alltoall-overlap-comm", "--moe-fb-overlap",
                 "--moe-permute-fusion", "--use-fused-moe-token-permute-and-unpermute"]
     args = parse_args(["--stage", "grpo", "--data-path", "d", "--train-iters", "1", "--global-batch-size", "4",
                        "--ref-model", "r", "--verifier-function", "format", "--moe-grouped-gemm",
                        "--moe-zero-memory", "level1", "--moe-zero-memory-num-layers", "2", *switches], world_size=1)
-    lines = compat_flags.startup_lines(args, backend="gloo")
+    lines = startup_lines(args, backend="gloo")
     ignored = [line for line in lines if line.startswith("ignored flags: ")]
     assert len(ignored) == 1
     for flag in switches + ["--moe-zero-memory", "--moe-zero-memory-num-layers"]:

@@ -182,7 +182,7 @@ def _mode_sufficient(tmp):
     import torch.nn.functional as F
 
     from mindspeed_llm import patches
-    from mindspeed_llm.checkpoint import hf_mapping, sharding
+    from mindspeed_llm.checkpoint import hf_mapping, megatron_names, sharding
 
     _setup()
     assert patches.applied()
@@ -225,7 +225,7 @@ def _mode_sufficient(tmp):
     full = {k: v for k, v in model.state_dict().items() if not sharding.is_extra_state(k)}
     converted = hf_mapping.mg_nonlayer_to_hf(full, spec, False)
     for i in range(spec.num_layers):
-        layer = {rel: full[hf_mapping.layer_key(i, rel)] for rel in hf_mapping.mg_layer_names(spec)}
+        layer = {rel: full[megatron_names.layer_key(i, rel)] for rel in megatron_names.mg_layer_names(spec)}
         converted.update(hf_mapping.mg_layer_to_hf(layer, spec, i))
     after = hf.state_dict()
     result["weights_diff"] = max((converted[k] - after[k]).abs().max().item() for k in converted)

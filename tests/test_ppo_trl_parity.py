@@ -171,10 +171,11 @@ def _fixed_rollout(prompts, responses, pad, eos):
 def _mg_to_hf(tensors, spec, value_head):
     """{Megatron name: full tensor} of a whole model (TP1, PP1) -> {HF name: tensor} (QKV and gate/up split)."""
     from mindspeed_llm.checkpoint import hf_mapping as hfm
+    from mindspeed_llm.checkpoint.megatron_names import layer_key, mg_layer_names
 
     full, out = dict(tensors), {}
     for index in range(spec.num_layers):
-        layer = {rel: full.pop(hfm.layer_key(index, rel)) for rel in hfm.mg_layer_names(spec)}
+        layer = {rel: full.pop(layer_key(index, rel)) for rel in mg_layer_names(spec)}
         out.update(hfm.mg_layer_to_hf(layer, spec, index))
     out.update(hfm.mg_nonlayer_to_hf(full, spec, value_head))
     return out

@@ -35,7 +35,8 @@ def write(tmp_path, data, name="run.yaml") -> str:
 
 
 def parsed(argv, world_size=1) -> dict:
-    return vars(parse_args(list(map(str, argv)), world_size=world_size))
+    # as posttrain_gpt.main: --config is resolved before parsing
+    return vars(parse_args(config_argv(list(map(str, argv))), world_size=world_size))
 
 
 def converted_model(path: Path) -> str:

@@ -16,10 +16,11 @@ from mindspeed_llm.checkpoint.convert import (
     convert_mg_to_hf,
     convert_mg_to_mg,
     load_megatron_weights,
-    load_spec,
     spec_differences,
 )
-from mindspeed_llm.checkpoint.hf_mapping import ConversionError, HFWeights, resolve_family
+from mindspeed_llm.checkpoint.errors import ConversionError
+from mindspeed_llm.checkpoint.hf_files import HFWeights
+from mindspeed_llm.checkpoint.hf_mapping import resolve_family
 from mindspeed_llm.checkpoint.megatron_layout import (
     CHECKPOINT_VERSION,
     RELEASE,
@@ -30,6 +31,7 @@ from mindspeed_llm.checkpoint.megatron_layout import (
     expected_shards,
     find_layout,
     load_shard,
+    load_spec,
     make_args,
     make_payload,
     prepare_staging,

@@ -28,10 +28,11 @@ from typing import Dict, List, Optional
 
 import torch
 
+from mindspeed_llm.checkpoint import hf_files
 from mindspeed_llm.checkpoint import hf_mapping as hfm
 from mindspeed_llm.checkpoint import megatron_layout as layout
-from mindspeed_llm.checkpoint import sharding
-from mindspeed_llm.checkpoint.hf_mapping import ConversionError
+from mindspeed_llm.checkpoint import megatron_names, sharding
+from mindspeed_llm.checkpoint.errors import ConversionError
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ class _CheckedHFWeights:
         return getattr(self._weights, name)
 
     def get(self, name: str) -> torch.Tensor:
-        full = name if name in (hfm.HF_LM_HEAD, hfm.HF_SCORE) else self._weights.prefix + name
+        full = name if name in (hf_files.HF_LM_HEAD, hf_files.HF_SCORE) else self._weights.prefix + name
         return self._check(full, self._weights.get(name))
 
 
@@ -220,7 +221,7 @@ def _cast(tensors: Dict[str, torch.Tensor], dtype: torch.dtype, value_head: bool
     out = {}
     for name, t in tensors.items():
         # the value head, and DeepSeek-V3's expert bias (megatron's router buffer is fp32, as in transformers)
-        keep_fp32 = (value_head and name == hfm.OUTPUT) or name.endswith(hfm.EXPERT_BIAS)
+        keep_fp32 = (value_head and name == megatron_names.OUTPUT) or name.endswith(megatron_names.EXPERT_BIAS)
         out[name] = t.to(torch.float32 if keep_fp32 else dtype)
         if finite is not None:
             finite.check_cast(name, t, out[name])
@@ -261,7 +262,7 @@ def _write_checkpoint(save_dir: str, stages, spec, tp: int, pp: int, dtype: torc
     layout.remove_latest(save_dir)
     layout.publish(staging, layout.checkpoint_dir(save_dir, layout.RELEASE))
     if tokenizer_src:
-        hfm.copy_tokenizer_files(tokenizer_src, save_dir)
+        hf_files.copy_tokenizer_files(tokenizer_src, save_dir)
     layout.write_latest(save_dir, layout.RELEASE)
 
 
@@ -286,12 +287,12 @@ def convert_hf_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, par
     from mindspeed_llm.models.spec import ModelSpec
 
     load_dir, save_dir = os.fspath(load_dir), os.fspath(save_dir)
-    config = hfm.read_hf_config(load_dir)
+    config = hf_files.read_hf_config(load_dir)
     hfm.resolve_family(model_type_hf, config, where=os.path.join(load_dir, "config.json"))
     spec = ModelSpec.from_hf_config(config)
     ep, etp = expert_layout(spec, tp, ep, etp, moe_tp_extend_ep)
     _check_target_parallel(spec, tp, pp, ep, etp, moe_tp_extend_ep)
-    weights = hfm.HFWeights(load_dir)
+    weights = hf_files.HFWeights(load_dir)
     weights.expose_fused_experts(spec)
     hfm.check_hf_names(weights, spec, value_head, mtp_layers=hfm.mtp_layer_count(config))
     hfm.check_hf_shapes(weights, spec, value_head, config_file=os.path.join(load_dir, "config.json"))
@@ -313,7 +314,7 @@ def convert_hf_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, par
             spec.tie_word_embeddings and not value_head and stage == pp - 1), last=stage == pp - 1)
         for index in layers:
             for rel, tensor in hfm.hf_layer_to_mg(checked.get, spec, index).items():
-                full[hfm.layer_key(index, rel)] = tensor
+                full[megatron_names.layer_key(index, rel)] = tensor
             bar.update(1)
         if lora is not None:
             lora(full)
@@ -393,7 +394,8 @@ def convert_mg_to_hf(load_dir: str, save_dir: str, params_dtype=None, value_head
                 lora(full)
             finite.check_all(full)
             for index in sharding.stage_layers(spec.num_layers, pp, stage):
-                layer = {rel: full.pop(hfm.layer_key(index, rel)) for rel in hfm.mg_layer_names(spec, index)}
+                layer = {rel: full.pop(megatron_names.layer_key(index, rel))
+                         for rel in megatron_names.mg_layer_names(spec, index)}
                 hf_state.update(hfm.mg_layer_to_hf(layer, spec, index))
                 bar.update(1)
             hf_state.update(hfm.mg_nonlayer_to_hf(full, spec, value_head))
@@ -411,25 +413,25 @@ def convert_mg_to_hf(load_dir: str, save_dir: str, params_dtype=None, value_head
     stale = os.path.join(save_dir, "config.json")
     if os.path.exists(stale):
         os.remove(stale)  # the config goes back last: a killed export never looks loadable
-    hfm.remove_hf_weights(save_dir)
-    hfm.save_hf_weights(hf_state, save_dir)
+    hf_files.remove_hf_weights(save_dir)
+    hf_files.save_hf_weights(hf_state, save_dir)
     for src in (tokenizer_dir, load_dir):
-        if src and hfm.copy_tokenizer_files(src, save_dir):
+        if src and hf_files.copy_tokenizer_files(src, save_dir):
             break
     config = spec.to_hf_config(torch_dtype=_DTYPE_NAMES[dtype], value_head=value_head)
     source = info.get("hf_config") or {}
     if source.get("pad_token_id") is not None:
         config["pad_token_id"] = source["pad_token_id"]  # a reward model's pooling position depends on it
-    hfm.write_json_atomic(os.path.join(save_dir, "config.json"), config)
+    hf_files.write_json_atomic(os.path.join(save_dir, "config.json"), config)
     finite.report()
     return spec
 
 
 def _hf_order(state: Dict[str, torch.Tensor], spec, value_head: bool):
     """Embeddings, layers in order, final norm, head (stable, readable safetensors)."""
-    first = [k for k in state if k.endswith(hfm.HF_EMBED)]
-    heads = [k for k in (hfm.HF_LM_HEAD, hfm.HF_SCORE) if k in state]
-    norms = [k for k in state if k.endswith("." + hfm.HF_FINAL_NORM) and ".layers." not in k]
+    first = [k for k in state if k.endswith(hf_files.HF_EMBED)]
+    heads = [k for k in (hf_files.HF_LM_HEAD, hf_files.HF_SCORE) if k in state]
+    norms = [k for k in state if k.endswith("." + hf_files.HF_FINAL_NORM) and ".layers." not in k]
     rest = [k for k in state if k not in set(first + heads + norms)]
     for name in first + rest + norms + heads:
         yield name, state[name]
@@ -574,8 +576,3 @@ def load_megatron_weights(model, root: str, iteration=None, strict: bool = True)
         )
     inner.load_state_dict(state, strict=strict)
     return {k: v for k, v in payload.items() if k != "model"}
-
-
-def load_spec(root: str, iteration=None):
-    """The ModelSpec of the checkpoint under `root`, without building a model or reading tensors."""
-    return layout.load_spec(root, iteration)

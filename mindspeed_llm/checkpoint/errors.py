@@ -1,8 +1,12 @@
-"""The errors a training run stops with when a checkpoint or the weights are unusable (no megatron import, so
-that the command-line entry points can name them before anything heavy is loaded)."""
+"""The errors a conversion or a training run stops with when a checkpoint or the weights are unusable (no megatron
+import, so that the command-line entry points can name them before anything heavy is loaded)."""
 
 
 from mindspeed_llm.errors import UserError
+
+
+class ConversionError(ValueError):
+    """A checkpoint cannot be converted as asked; the message names the file, tensor or flag."""
 
 
 class CheckpointError(UserError, ValueError):

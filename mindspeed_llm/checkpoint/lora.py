@@ -34,10 +34,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from mindspeed_llm.checkpoint import hf_files
 from mindspeed_llm.checkpoint import hf_mapping as hfm
 from mindspeed_llm.checkpoint import megatron_layout as layout
-from mindspeed_llm.checkpoint import sharding
-from mindspeed_llm.checkpoint.hf_mapping import ConversionError
+from mindspeed_llm.checkpoint import megatron_names, sharding
+from mindspeed_llm.checkpoint.errors import ConversionError
 
 A_SUFFIX, B_SUFFIX = ".lora.A", ".lora.B"
 PEFT_CONFIG = "adapter_config.json"
@@ -111,10 +112,10 @@ def merge_into(full_base: Dict[str, torch.Tensor], adapter: Dict[str, torch.Tens
                                   f"{name} is {tuple(weight.shape)}: the adapter belongs to another model")
         full_base[name] = (weight.float() + scaling * (b @ a)).to(weight.dtype)
         merged.append(name)
-    head = adapter.get(hfm.OUTPUT)
-    if head is not None and hfm.OUTPUT in full_base:
-        full_base[hfm.OUTPUT] = head.to(full_base[hfm.OUTPUT].dtype)
-        merged.append(hfm.OUTPUT)
+    head = adapter.get(megatron_names.OUTPUT)
+    if head is not None and megatron_names.OUTPUT in full_base:
+        full_base[megatron_names.OUTPUT] = head.to(full_base[megatron_names.OUTPUT].dtype)
+        merged.append(megatron_names.OUTPUT)
     return merged
 
 
@@ -255,7 +256,7 @@ def to_peft(adapter: Adapter, spec, base_name: Optional[str] = None) -> Tuple[Di
                 rank_pattern[name] = int(a.shape[0])
                 alpha_pattern[name] = config.scaling * a.shape[0]
     if adapter.value_head:
-        state[PEFT_PREFIX + hfm.HF_SCORE] = adapter.tensors[hfm.OUTPUT].contiguous().clone()
+        state[PEFT_PREFIX + hf_files.HF_SCORE] = adapter.tensors[megatron_names.OUTPUT].contiguous().clone()
     peft_config = {
         "peft_type": "LORA", "task_type": "SEQ_CLS" if adapter.value_head else "CAUSAL_LM",
         "base_model_name_or_path": base_name, "r": config.r, "lora_alpha": config.alpha,
@@ -276,7 +277,7 @@ def write_peft(adapter: Adapter, spec, out_dir: str, base_name: Optional[str] = 
     tmp = os.path.join(out_dir, f".{PEFT_WEIGHTS[0]}.tmp")
     save_file(state, tmp, metadata={"format": "pt"})
     os.replace(tmp, os.path.join(out_dir, PEFT_WEIGHTS[0]))
-    hfm.write_json_atomic(os.path.join(out_dir, PEFT_CONFIG), peft_config)
+    hf_files.write_json_atomic(os.path.join(out_dir, PEFT_CONFIG), peft_config)
     return [PEFT_WEIGHTS[0], PEFT_CONFIG]
 
 
@@ -292,7 +293,7 @@ def read_peft(path: str, spec):
     """A PEFT LoRA folder as a full adapter for a model of `spec` (see the module docstring for the stacking)."""
     from mindspeed_llm.models.lora import LoRAConfig
 
-    config = hfm._read_json(os.path.join(path, PEFT_CONFIG))
+    config = hf_files.read_json(os.path.join(path, PEFT_CONFIG))
     where = os.path.join(path, PEFT_CONFIG)
     if config.get("peft_type") != "LORA":
         raise ConversionError(f"{where}: peft_type {config.get('peft_type')!r}; only LoRA adapters are read")
@@ -312,7 +313,7 @@ def read_peft(path: str, spec):
     score = None
     for key in tensors:
         name = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
-        if name in (hfm.HF_SCORE, "score.modules_to_save.weight"):
+        if name in (hf_files.HF_SCORE, "score.modules_to_save.weight"):
             score = tensors[key]
             continue
         match = re.match(r"^(.+)\.lora_([AB])(?:\.default)?\.weight$", name)
@@ -350,7 +351,7 @@ def read_peft(path: str, spec):
                               f"{spec.family} model (embeddings, heads and routed experts are not adapted here)")
     value_head = score is not None
     if value_head:
-        full[hfm.OUTPUT] = score.float()
+        full[megatron_names.OUTPUT] = score.float()
     lora_config = LoRAConfig(r=r, alpha=ours * r, dropout=float(config.get("lora_dropout") or 0.0),
                              target_modules=tuple(t for t in _TARGET_ORDER if t in targets), ranks=ranks)
     return Adapter(lora_config, full, None, value_head, path)
@@ -459,7 +460,7 @@ class Merger:
     def finish(self) -> None:
         wanted = {m + ".weight" for m in modules(self.adapter.tensors)}
         if self.adapter.value_head:
-            wanted.add(hfm.OUTPUT)
+            wanted.add(megatron_names.OUTPUT)
         missing = sorted(wanted - self.done, key=_natural)
         if missing:
             raise ConversionError(f"--lora-load {self.adapter.source}: the base has no {', '.join(missing[:4])}: "

@@ -37,16 +37,13 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from mindspeed_llm.checkpoint.hf_mapping import (EMBED, EXPERT_BIAS, EXPERT_RE, FINAL_NORM, LAYER_PREFIX, MOE_ROUTER,
-                                                  OUTPUT, SHARED_FC1, SHARED_FC2, SHARED_GATE, ConversionError,
-                                                  expert_name, is_moe_layer)
+from mindspeed_llm.checkpoint.errors import ConversionError
+from mindspeed_llm.checkpoint.megatron_names import (EMBED, EXPERT_BIAS, EXPERT_RE, FINAL_NORM, LAYER_PREFIX,
+                                                     MOE_ROUTER, OUTPUT, SHARED_FC1, SHARED_FC2, SHARED_GATE,
+                                                     expert_name, is_moe_layer, mg_layer_names, mla_attention_names)
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 EXTRA_STATE = "_extra_state"
-
-# Parallel linears whose modules define `_extra_state` (None in the local spec).
-_LINEARS_WITH_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
-                             "mlp.linear_fc2")
 
 _ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight", SHARED_FC2)
 # Multi-latent attention's projections are all column-parallel in the local spec, the down projections too
@@ -136,25 +133,6 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
     return range(stage * per, (stage + 1) * per)
 
 
-def stage_of(name: str, num_layers: int, pp: int) -> Optional[int]:
-    """The stage holding global tensor `name` (the output layer: the last; a tied copy is not asked for)."""
-    if name == EMBED:
-        return 0
-    if name in (FINAL_NORM, OUTPUT):
-        return pp - 1
-    match = _LAYER_RE.match(name)
-    if not match:
-        raise ConversionError(f"unexpected Megatron tensor {name!r}")
-    return int(match.group(1)) // (num_layers // pp)
-
-
-def to_local(name: str, num_layers: int, pp: int) -> str:
-    match = _LAYER_RE.match(name)
-    if not match:
-        return name
-    return f"{LAYER_PREFIX}{int(match.group(1)) % (num_layers // pp)}.{match.group(2)}"
-
-
 def to_global(name: str, stage: int, num_layers: int, pp: int) -> str:
     match = _LAYER_RE.match(name)
     if not match:
@@ -184,9 +162,7 @@ def with_expert_index(name: str, j: int) -> str:
 def _extra_state_linears(spec, index: int, num_experts: Optional[int]) -> List[str]:
     """The parallel linears of global layer `index` (they carry an `_extra_state`, None in the local spec)."""
     if spec.is_mla:
-        from mindspeed_llm.checkpoint.hf_mapping import mla_names
-
-        linears = [mg[:-len(".weight")] for mg, _ in mla_names(spec) if "layernorm" not in mg]
+        linears = [mg[:-len(".weight")] for mg in mla_attention_names(spec) if "layernorm" not in mg]
     else:
         linears = ["self_attention.linear_qkv", "self_attention.linear_proj"]
     if not is_moe_layer(spec, index):
@@ -202,8 +178,6 @@ def expected_local_names(spec, pp: int, stage: int, value_head: bool, extra_stat
                          ep: int = 1) -> List[str]:
     """The tensor names a (stage, any TP rank, any EP rank of `ep`) GPTModel holds, in its state_dict order
     (experts under local indices); `ep` == 1: all experts (the full stage, global indices)."""
-    from mindspeed_llm.checkpoint.hf_mapping import mg_layer_names
-
     local = spec.num_experts // ep if spec.is_moe else None
     names = []
     if stage == 0:

@@ -139,10 +139,6 @@ def load_templates(path: Optional[os.PathLike] = None) -> dict:
     return dict(_load(str(p.resolve()), p.stat().st_mtime))
 
 
-def template_names(path: Optional[os.PathLike] = None) -> list:
-    return sorted(load_templates(path))
-
-
 def get_template(name: str, path: Optional[os.PathLike] = None) -> ChatTemplate:
     """The template called ``name``; an :class:`UnknownNameError` lists the valid names."""
     templates = load_templates(path)

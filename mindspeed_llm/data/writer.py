@@ -510,10 +510,5 @@ class DatasetWriter:
             self.abort()
         return None
 
-def read_meta(prefix: str) -> dict:
-    with open(meta_path(prefix), encoding="utf-8") as f:
-        return json.load(f)
-
-
 def all_files_of(meta: dict, prefix: str) -> Iterable[str]:
     return output_files(prefix, meta.get("packed_keys", ()), meta.get("extra_keys", ()))

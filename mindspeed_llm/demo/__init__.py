@@ -5,5 +5,5 @@ evaluator and a metrics report.
 Submodules are imported lazily (``from mindspeed_llm.demo import task``) so that importing the package
 costs nothing; ``model``, ``evaluate`` import torch / transformers, ``report`` imports matplotlib.
 
-The task's reward is the built-in verifier ``first_line_answer`` of :mod:`mindspeed_llm.rl.rewards`.
+The task's reward is the built-in verifier ``first_line_answer`` of :mod:`mindspeed_llm.rl.verifiers`.
 """

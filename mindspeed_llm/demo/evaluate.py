@@ -1,7 +1,7 @@
 """Accuracy of a Hugging Face model on the demo's problems, with ``transformers`` generate on CPU.
 
 :func:`evaluate_hf` answers each problem greedily (batched, left padding) and scores the replies with a
-registered verifier of :mod:`mindspeed_llm.rl.rewards` (default: the demo's ``first_line_answer``;
+registered verifier of :mod:`mindspeed_llm.rl.verifiers` (default: the demo's ``first_line_answer``;
 ``"math_acc"`` for ``\\boxed{}`` answers). :func:`sample_hf` draws ``n`` samples per problem at a
 temperature and reports, besides the accuracy, the share of groups with *mixed* rewards (some right,
 some wrong), i.e. the groups that give GRPO a non-zero advantage. :func:`measure_variant` runs both for
@@ -38,7 +38,7 @@ __all__ = [
     "measure_variant",
 ]
 
-DEFAULT_VERIFIER = "first_line_answer"  # mindspeed_llm.rl.rewards
+DEFAULT_VERIFIER = "first_line_answer"  # mindspeed_llm.rl.verifiers
 
 
 class _TemplateDefault:

@@ -32,8 +32,8 @@ from typing import Optional
 
 import torch
 
-from mindspeed_llm.arguments import ArgumentError
 from mindspeed_llm.checkpoint.errors import CheckpointError
+from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.models import lora, routing
 from mindspeed_llm.rl.engine import TrainableModel
 
@@ -65,7 +65,7 @@ def read_lora_load(args, spec):
     belongs to another model."""
     from mindspeed_llm.checkpoint import lora as lora_files
     from mindspeed_llm.checkpoint.convert import spec_differences
-    from mindspeed_llm.checkpoint.hf_mapping import ConversionError
+    from mindspeed_llm.checkpoint.errors import ConversionError
 
     try:
         adapter = lora_files.read_adapter(args.lora_load, spec)

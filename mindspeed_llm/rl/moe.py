@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from mindspeed_llm.arguments import ArgumentError
+from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.models import ModelSpec
 from mindspeed_llm.models.builder import grouped_gemm_kernel
 

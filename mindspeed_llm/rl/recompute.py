@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from mindspeed_llm.arguments import ArgumentError
+from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.models import ModelSpec
 
 

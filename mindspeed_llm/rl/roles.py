@@ -14,8 +14,8 @@ from typing import Dict, Optional
 import torch
 
 from mindspeed_llm import device
-from mindspeed_llm.arguments import ArgumentError
 from mindspeed_llm.checkpoint import load_megatron_weights, load_spec
+from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.models import ModelSpec, build_model
 from mindspeed_llm.rl import moe, recompute
 from mindspeed_llm.rl.engine import OptimizerSettings, TrainableModel

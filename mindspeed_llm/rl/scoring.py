@@ -7,7 +7,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from mindspeed_llm.arguments import ArgumentError
+from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.rl import core_algos, verifiers
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.experience import Experience

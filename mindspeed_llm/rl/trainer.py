@@ -22,15 +22,16 @@ from typing import Dict, Optional
 import torch
 from megatron.core import parallel_state
 
-from mindspeed_llm import compat_flags, device, distributed
-from mindspeed_llm.arguments import ArgumentError
+from mindspeed_llm import device, distributed
 from mindspeed_llm.checkpoint import training as training_ckpt
 from mindspeed_llm.checkpoint.errors import DivergenceError
 from mindspeed_llm.checkpoint.megatron_layout import checkpoint_traces
 from mindspeed_llm.data import PromptDataset, PromptSampler
 from mindspeed_llm.data.prompt_dataset import PromptSubset, split_indices
+from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.rl.metrics import MetricsLogger, reduce_metrics, throughput_metrics
 from mindspeed_llm.rl.stages import STAGES
+from mindspeed_llm.rl.startup import startup_lines
 
 
 def load_tokenizer(args):
@@ -242,7 +243,7 @@ def run(args) -> None:
     # the prompts are dealt over DP x CP: the CP ranks of a DP rank generate their own (rollout_parallel_info)
     rollout_rank, rollout_size = distributed.rollout_parallel_info()
     if distributed.is_rank_0():
-        for line in compat_flags.startup_lines(args, device.accelerator().backend):
+        for line in startup_lines(args, device.accelerator().backend):
             print(f"posttrain_gpt.py: {line}", flush=True)
     tokenizer = load_tokenizer(args)
     dataset, eval_dataset = _prompt_sets(args)

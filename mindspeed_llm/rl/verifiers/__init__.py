@@ -5,7 +5,8 @@ A verifier is a plain function ``fn(response_text: str, label: str | None) -> fl
 ``--verifier-weight W ...`` (the weighted mix with a reward model is `rl/scoring.py`). Built in:
 
 * ``math_acc`` (needs a label): the final answer equals the label mathematically (`math.py`, with the answer
-  extraction and LaTeX normalisation of `answers.py` and the sandboxed worker of `worker.py`);
+  extraction and LaTeX normalisation of `answers.py`, ``math_verify``'s comparison in `equality.py` and the
+  sandboxed worker of `worker.py`);
   ``base_acc`` is the same check under MindSpeed-RL's name; ``math_17k_acc`` (needs a label) puts the last
   ``Answer: ...`` line first, the format DAPO-Math-17k's prompts ask for; MindSpeed-RL's ``acc_for_ppo`` (the last
   box only), ``acc_for_dapo`` (``math_17k_acc``'s check scored +1 / -1) and ``math_verify_reward`` (the boxed

@@ -6,9 +6,9 @@ DAPO-Math-17k's prompts ask for; ``MathAccConfig(answer_line=False)`` turns it o
 Scoring the whole response when none is present can be switched on with ``MathAccConfig(allow_unanchored=True)``;
 it is off by default because it rewards rambling that happens to mention the right number.
 
-Equality: a cheap normalised string comparison first, then the ``math_verify`` package (``parse`` + ``verify``),
-which handles ``\\frac{9}{10}`` == ``0.9``, ``80\\%`` == ``80``, units, ``x=3`` vs ``3``, intervals, sets,
-tuples, symbolic expressions, and so on. Before parsing, ``\\dfrac``/``\\tfrac`` become ``\\frac``,
+Equality: a cheap normalised string comparison first, then the ``math_verify`` package (``parse`` + ``verify``,
+`verifiers/equality.py`), which handles ``\\frac{9}{10}`` == ``0.9``, ``80\\%`` == ``80``, units, ``x=3`` vs ``3``,
+intervals, sets, tuples, symbolic expressions, and so on. Before parsing, ``\\dfrac``/``\\tfrac`` become ``\\frac``,
 ``\\frac12``/``\\sqrt5`` get braces, and a multiple-choice marker (``\\textbf{(B)}\\ 7``,
 ``(D) \\frac{5}{3}``, ``40\\textbf{ (B)}``) is dropped, except that a bare letter label (``B``) is compared
 with the chosen letter.
@@ -29,17 +29,16 @@ import dataclasses
 import os
 import re
 import threading
-import time
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional
 
 from mindspeed_llm.rl.verifiers.answers import (
     _ANSWER_LINE_RE, _BOX_CMD_RE, _LETTER_RE, ExtractedAnswer, _cheap_key, _normalize_latex, _split_choice, _strip_math_delims,
     extract_answer, last_boxed_content,
 )
+from mindspeed_llm.rl.verifiers.equality import math_verify_equal
 from mindspeed_llm.rl.verifiers.registry import (
-    MissingLabelError, VerifierTimeout, label_missing, register_verifier,
+    MissingLabelError, label_missing, register_verifier,
 )
 from mindspeed_llm.rl.verifiers.worker import WORKER
 
@@ -90,33 +89,6 @@ def set_math_acc_config(config: Optional[MathAccConfig] = None, **changes) -> Ma
     return _MATH_ACC_CONFIG
 
 
-def _mv():
-    import math_verify  # local: keeps importing the verifiers cheap, and the format verifiers usable without it
-
-    return math_verify
-
-
-_EXTRACTION_CONFIG = None
-
-
-def _boxed_extraction_config():
-    global _EXTRACTION_CONFIG
-    if _EXTRACTION_CONFIG is None:
-        mv = _mv()
-        _EXTRACTION_CONFIG = (mv.LatexExtractionConfig(boxed_match_priority=0), mv.ExprExtractionConfig())
-    return _EXTRACTION_CONFIG
-
-
-def _parse(text: str, extraction_config, timeout: Optional[int]) -> list:
-    """``math_verify.parse`` that reports a timeout (which it otherwise swallows) as VerifierTimeout."""
-    mv = _mv()
-    start = time.perf_counter()
-    out = mv.parse(text, extraction_config=extraction_config, parsing_timeout=timeout)
-    if not out and timeout and time.perf_counter() - start >= timeout - 0.05:
-        raise VerifierTimeout(f"math_verify.parse exceeded {timeout}s")
-    return out
-
-
 def _gold_text(label: str) -> str:
     label = _normalize_latex(label)
     if _BOX_CMD_RE.search(label):
@@ -132,51 +104,6 @@ def _pred_text(answer: ExtractedAnswer) -> str:
     if answer.source == "unanchored" or "$" in text or "\\(" in text:
         return text
     return "\\boxed{" + text + "}"
-
-
-def _gold_cache_get(key):
-    with _GOLD_CACHE_LOCK:
-        if key in _GOLD_CACHE:
-            _GOLD_CACHE.move_to_end(key)
-            return _GOLD_CACHE[key]
-    return None
-
-
-def _gold_cache_put(key, value):
-    with _GOLD_CACHE_LOCK:
-        _GOLD_CACHE[key] = value
-        while len(_GOLD_CACHE) > 4096:
-            _GOLD_CACHE.popitem(last=False)
-
-
-_GOLD_CACHE: "OrderedDict[Tuple[str, Optional[int]], list]" = OrderedDict()
-_GOLD_CACHE_LOCK = threading.Lock()
-
-
-def _math_equal_direct(
-    pred_text: str, pred_is_unanchored: bool, gold_text: str, timeout: Optional[int], float_rounding: int
-) -> bool:
-    """parse + verify with the given math_verify timeout (None = no signal use)."""
-    mv = _mv()
-    boxed_cfg = _boxed_extraction_config()
-    gold = _gold_cache_get((gold_text, timeout))
-    if gold is None:
-        gold = _parse(gold_text, boxed_cfg, timeout)
-        _gold_cache_put((gold_text, timeout), gold)
-    if not gold:
-        return False
-    if pred_is_unanchored:
-        pred_cfg = (mv.LatexExtractionConfig(), mv.ExprExtractionConfig())  # math_verify's own anchors
-    else:
-        pred_cfg = boxed_cfg
-    pred = _parse(pred_text, pred_cfg, timeout)
-    if not pred:
-        return False
-    start = time.perf_counter()
-    ok = mv.verify(gold, pred, float_rounding=float_rounding, timeout_seconds=timeout)
-    if not ok and timeout and time.perf_counter() - start >= timeout - 0.05:
-        raise VerifierTimeout(f"math_verify.verify exceeded {timeout}s")
-    return bool(ok)
 
 
 def _resolve_mode(mode: str) -> str:
@@ -223,9 +150,9 @@ def math_equal(answer: str, label: str, config: Optional[MathAccConfig] = None, 
     timeout = max(1, int(cfg.timeout_seconds))
     mode = _resolve_mode(cfg.timeout_mode)
     if mode == "signal":
-        return _math_equal_direct(pred_text, source == "unanchored", gold_text, timeout, cfg.float_rounding)
+        return math_verify_equal(pred_text, source == "unanchored", gold_text, timeout, cfg.float_rounding)
     if mode == "none":
-        return _math_equal_direct(pred_text, source == "unanchored", gold_text, None, cfg.float_rounding)
+        return math_verify_equal(pred_text, source == "unanchored", gold_text, None, cfg.float_rounding)
     # process: parse and verify (a handful of operations, each bounded by `timeout` in the worker)
     budget = 6.0 * timeout + 5.0
     return WORKER.run((pred_text, source == "unanchored", gold_text, timeout, cfg.float_rounding), budget)

@@ -1,5 +1,5 @@
-"""The helper interpreter ``math_acc`` runs its comparisons in when it is called off the main thread, where
-``math_verify``'s signal-based timeouts cannot work (see `verifiers/math.py`)."""
+"""The helper interpreter ``math_acc`` runs its comparisons (`equality.math_verify_equal`) in when it is called
+off the main thread, where ``math_verify``'s signal-based timeouts cannot work (see `verifiers/math.py`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import threading
 from typing import Optional
 
+from mindspeed_llm.rl.verifiers.equality import load_math_verify, math_verify_equal
 from mindspeed_llm.rl.verifiers.registry import VerifierTimeout
 
 # the folder holding the mindspeed_llm package: the worker imports it from there
@@ -116,16 +117,14 @@ def _worker_main() -> None:
     import json
     import sys
 
-    from mindspeed_llm.rl.verifiers.math import _math_equal_direct, _mv
-
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything else printed goes to stderr, never into the protocol
-    _mv()
+    load_math_verify()
     proto.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:
         try:
             pred_text, unanchored, gold_text, timeout, rounding = json.loads(line)
-            reply = {"ok": _math_equal_direct(pred_text, unanchored, gold_text, timeout, rounding)}
+            reply = {"ok": math_verify_equal(pred_text, unanchored, gold_text, timeout, rounding)}
         except VerifierTimeout as exc:
             reply = {"timeout": str(exc)}
         except Exception as exc:  # noqa: BLE001

@@ -1,0 +1,165 @@
+"""Per-iteration metrics written on rank 0: Megatron-like stdout lines, a JSONL file (continued on resume),
+TensorBoard scalars."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Callable, Iterable, List, Mapping, Optional, Sequence
+
+
+def _format_value(value) -> str:
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.3E}"
+    if hasattr(value, "item"):
+        return _format_value(value.item())
+    return str(value)
+
+
+def format_log_line(iteration: int, items: Iterable, total_iterations: Optional[int] = None,
+                    tag: Optional[str] = None) -> str:
+    """`` iteration  3/ 10 | key: 1.234E-01 | ...`` (Megatron-like); ``tag`` adds ``[tag]`` after it."""
+    if total_iterations is not None:
+        width = len(str(total_iterations)) + 1
+        head = f" iteration {iteration:>{width}d}/{total_iterations:>{width}d} |"
+    else:
+        head = f" iteration {iteration:>8d} |"
+    parts = [head]
+    if tag:
+        parts.append(f" [{tag}]")
+    for key, value in items:
+        parts.append(f" {key}: {_format_value(value)} |")
+    return "".join(parts)
+
+
+def _json_value(value):
+    if hasattr(value, "item") and not isinstance(value, (int, float, str, bool)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # strict JSON has no NaN / Infinity
+    return value
+
+
+def _drop_rows_after(path: str, iteration: int) -> None:
+    """Keep the rows of iterations <= `iteration` (and no half-written last line), replacing the file atomically."""
+    kept = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a kill
+            if int(row.get("iteration", 0)) <= iteration:
+                kept.append(json.dumps(row) + "\n")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    """Writes per-iteration metrics to stdout, a JSONL file and TensorBoard (rank 0 only).
+
+    * stdout: every ``log_interval`` iterations (and at ``total_iterations``), Megatron-like lines
+      `` iteration  3/ 10 | actor/pg_loss: 1.234E-01 | ...``. With line groups (``lines``), the keys
+      of each group go on their own line tagged ``[group]`` after the ungrouped keys, e.g. an "actor"
+      and a "critic" line for PPO.
+    * JSONL: one object ``{"iteration": i, **metrics}`` per call (every iteration), flushed at once;
+      the file is appended to, so a resumed run continues it: with ``resumed_at`` (the iteration a run
+      resumes from) the rows of later iterations, which the resumed run logs again, are dropped first, so
+      every iteration has one row. Non-finite floats are written as null.
+    * TensorBoard: ``add_scalar(key, value, iteration)`` for every numeric metric, every call.
+
+    ``lines`` maps a line name to the keys it takes: an entry ending in "/" is a prefix, any other
+    entry matches that exact key and the keys under it ("actor" takes "actor" and "actor/..."), e.g.
+    ``{"actor": ["actor/", "grad_norm"], "critic": ["critic/"]}``; the first matching line wins.
+    Ranks other than 0 write nothing.
+    """
+
+    def __init__(self, log_interval: int = 1, jsonl_path: Optional[str] = None,
+                 tensorboard_dir: Optional[str] = None, rank: int = 0,
+                 total_iterations: Optional[int] = None,
+                 lines: Optional[Mapping[str, Sequence[str]]] = None,
+                 print_fn: Callable[[str], None] = None, resumed_at: Optional[int] = None):
+        if int(log_interval) < 1:
+            raise ValueError(f"log_interval must be >= 1, got {log_interval}")
+        self.log_interval = int(log_interval)
+        self.rank = int(rank)
+        self.total_iterations = total_iterations
+        self.lines = dict(lines) if lines else None
+        self._print = print_fn or (lambda s: print(s, flush=True, file=sys.stdout))
+        self._jsonl = None
+        self._tb = None
+        self._closed = False
+        if self.rank == 0 and jsonl_path:
+            parent = os.path.dirname(os.path.abspath(jsonl_path))
+            os.makedirs(parent, exist_ok=True)
+            if resumed_at is not None and os.path.exists(jsonl_path):
+                _drop_rows_after(jsonl_path, resumed_at)
+            self._jsonl = open(jsonl_path, "a", encoding="utf-8")
+        if self.rank == 0 and tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=tensorboard_dir)
+
+    @staticmethod
+    def _group(metrics: Mapping[str, object], lines: Optional[Mapping[str, Sequence[str]]]):
+        if not lines:
+            return list(metrics.items()), []
+        grouped = {name: [] for name in lines}
+        main = []
+        for key, value in metrics.items():
+            for name, prefixes in lines.items():
+                if any(key == p or key.startswith(p if p.endswith("/") else p + "/") for p in prefixes):
+                    grouped[name].append((key, value))
+                    break
+            else:
+                main.append((key, value))
+        return main, [(name, items) for name, items in grouped.items() if items]
+
+    def format_lines(self, iteration: int, metrics: Mapping[str, object]) -> List[str]:
+        # the named lines in their order (actor, then critic, as MindSpeed-LLM prints them), then the rest
+        main, groups = self._group(metrics, self.lines)
+        out = [format_log_line(iteration, items, self.total_iterations, tag=name) for name, items in groups]
+        if main or not groups:
+            out.append(format_log_line(iteration, main, self.total_iterations))
+        return out
+
+    def log(self, iteration: int, metrics: Mapping[str, object]) -> None:
+        if self._closed:
+            raise RuntimeError("MetricsLogger is closed")
+        if self.rank != 0:
+            return
+        if iteration % self.log_interval == 0 or (self.total_iterations is not None
+                                                  and iteration == self.total_iterations):
+            for line in self.format_lines(iteration, metrics):
+                self._print(line)
+        if self._jsonl is not None:
+            record = {"iteration": int(iteration)}
+            record.update({k: _json_value(v) for k, v in metrics.items()})
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if hasattr(value, "item") and not isinstance(value, (int, float)):
+                    value = value.item()
+                if isinstance(value, (int, float)):  # bool is an int; NaN is kept (a diverged loss shows)
+                    self._tb.add_scalar(key, float(value), iteration)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+            self._tb = None
