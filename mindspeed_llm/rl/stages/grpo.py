@@ -18,7 +18,7 @@ from typing import Dict, Sequence
 import torch
 
 from mindspeed_llm import device
-from mindspeed_llm.arguments import ArgumentError
+from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.distributed import sum_over_data_parallel
 from mindspeed_llm.rl import core_algos, lora, roles
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
