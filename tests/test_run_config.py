@@ -709,7 +709,7 @@ def test_published_ppo_config_parses_with_sequence_parallel():
     checkpoint, which the command line names (--reward-model); the verifier then scores alone."""
     path = str(PUBLISHED / "ppo_qwen25_32b_A3.yaml")
     assert "critic starts from a value-head checkpoint here" in str(pytest.raises(
-        ConfigError, parse_args, ["--config", path], world_size=32).value)
+        ConfigError, parsed, ["--config", path], 32).value)
     args = parsed(["--config", path, "--reward-model", "./critic_init"], 32)
     assert args["stage"] == "trl_ppo" and args["sequence_parallel"] and args["use_distributed_optimizer"]
     assert args["tensor_model_parallel_size"] == 8 and args["verifier_function"] == ["acc_for_ppo"]
@@ -720,11 +720,11 @@ def test_published_ppo_config_parses_with_sequence_parallel():
 def test_published_configs_that_stop_say_why():
     """grpo_qwen25_32b_A3.yaml splits its 64 layers 16,17,16,15 over 4 pipeline stages (num_layer_list), which this
     program's even PP split cannot load; dapo_qwen25_32b_A3_32k.yaml (context_parallel_size 2) is DAPO's stage."""
-    message = str(pytest.raises(ConfigError, parse_args, ["--config", str(PUBLISHED / "grpo_qwen25_32b_A3.yaml")],
-                                world_size=16).value)
+    message = str(pytest.raises(ConfigError, parsed, ["--config", str(PUBLISHED / "grpo_qwen25_32b_A3.yaml")],
+                                16).value)
     assert "actor_config.num_layer_list: '16,17,16,15' cannot be honoured" in message
-    message = str(pytest.raises(ConfigError, parse_args, ["--config", str(
-        PUBLISHED / "dapo_qwen25_32b_A3_32k.yaml")], world_size=64).value)
+    message = str(pytest.raises(ConfigError, parsed, ["--config", str(
+        PUBLISHED / "dapo_qwen25_32b_A3_32k.yaml")], 64).value)
     assert "'ray_dapo' is not a stage of this program" in message
 
 
