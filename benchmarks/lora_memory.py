@@ -68,11 +68,21 @@ GB = 1e9
 
 
 # ---------------------------------------------------------------------------------------------- measurement
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (a view and its base count once)."""
+    storages = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def _args(stage: str, lora: bool):
     from mindspeed_llm.arguments import parse_args
 
     argv = ["--stage", stage, "--ref-model", "unused", "--data-path", "unused", "--global-batch-size", "1",
-            "--train-iters", "1", "--bf16", "--lr", "1e-6", "--kl-coef", "0.001", "--n-samples-per-prompt", "1"]
+            "--train-iters", "1", "--bf16", "--lr", "1e-6", "--kl-coef", "0.001",
+            "--n-samples-per-prompt", "2" if stage == "grpo" else "1"]  # grpo's group advantage needs n >= 2
     argv += ["--reward-model", "unused"] if stage == "trl_ppo" else ["--verifier-function", "math_acc"]
     if lora:
         argv += ["--lora-target-modules", *TARGETS, "--lora-r", str(R), "--lora-alpha", str(ALPHA)]
@@ -148,8 +158,8 @@ def measure(config: str, shape_name: str) -> dict:
             extra += list(view.head.parameters())
     grads = [b.grad_data for t in trained.values() for b in t.ddp.buffers + t.ddp.expert_parallel_buffers]
     optimizer = [x for t in trained.values() for x in _optimizer_tensors(t)]
-    parts = {"weights": memory.storage_bytes(params), "views": memory.storage_bytes(extra),
-             "grad_buffers": memory.storage_bytes(grads), "optimizer": memory.storage_bytes(optimizer)}
+    parts = {"weights": _storage_bytes(params), "views": _storage_bytes(extra),
+             "grad_buffers": _storage_bytes(grads), "optimizer": _storage_bytes(optimizer)}
     parts["total"] = sum(parts.values())
     counts = {"base": sum(p.numel() for p in trained["actor"].module.parameters() if not p.requires_grad),
               "trained": {n: sum(p.numel() for p in t.module.parameters() if p.requires_grad)
@@ -218,18 +228,18 @@ def project(path: str) -> dict:
     """Model-state GB per device of a launcher at its worst pipeline stage, full and with LoRA."""
     launch = memory.read_launcher(path)
     out = {"launcher": path, "stage": launch.stage, "tp": launch.tp, "pp": launch.pp, "ep": launch.ep,
-           "dp": launch.dp, "distributed_optimizer": launch.distributed_optimizer,
-           "offload_ref_reward": launch.offload_ref_reward}
+           "dp": launch.dp, "distributed_optimizer": launch.levers.distributed_optimizer,
+           "offload_ref_reward": launch.levers.offload_ref_reward}
     moe = any(role.shape.experts for role in launch.roles)
     for kind in ("full", "lora"):
         worst = 0.0
         for stage in range(launch.pp):
             total = 0.0
             for role in launch.roles:
-                if kind == "full" and not role.trainable and launch.offload_ref_reward:
+                if kind == "full" and not role.trainable and launch.levers.offload_ref_reward:
                     continue  # offloaded between uses: counted in its own pass only (memory.py's rule)
                 total += role_bytes(role.shape, role.trainable, role.value_head, kind == "lora", launch.tp,
-                                    launch.pp, launch.ep, stage, launch.dp, launch.distributed_optimizer)
+                                    launch.pp, launch.ep, stage, launch.dp, launch.levers.distributed_optimizer)
             worst = max(worst, total)
         out[kind] = worst / GB
     if moe:

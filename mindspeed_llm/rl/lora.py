@@ -231,7 +231,9 @@ class SharedBase:
             lora.freeze_copy(self.module)
         self.head = None
         if keep_head and getattr(self.module, "output_layer", None) is not None:
-            self.head = copy.deepcopy(self.module.output_layer)
+            # the copy shares the model's TransformerConfig (it holds process groups, which cannot be copied)
+            config = getattr(self.module, "config", None)
+            self.head = copy.deepcopy(self.module.output_layer, {id(config): config} if config is not None else None)
             for param in self.head.parameters():
                 param.requires_grad_(False)
 
