@@ -2031,8 +2031,8 @@ LONG_RESPONSE_LAUNCHERS = ("examples/mcore/qwen25/grpo_qwen25_7b.sh", "examples/
 def long_response_rows(launch: Launch) -> Tuple[Launch, List[Tuple[str, Levers]]]:
     """The launcher at `LONG_RESPONSE`, and its rows: as launched (its token budgets raised to one row where they
     are below it: `arguments._check_token_budgets` refuses them), + sequence parallelism, + SP + CP 2 (budgets one
-    row's share of a rank), then what it needs to fit `TARGET_TRAIN_GB` (full recompute; fewer rollout rows in
-    flight)."""
+    row's share of a rank), then what it needs to fit `TARGET_TRAIN_GB` (fewer rollout rows in flight; full
+    recompute for the update's margin)."""
     long = replace(launch, **LONG_RESPONSE)
     n = long.n_samples
     width = long.prompt_cap + (n if launch.levers.layout == "packed" else 1) * long.response_cap
@@ -2049,13 +2049,15 @@ def long_response_rows(launch: Launch) -> Tuple[Launch, List[Tuple[str, Levers]]
     sp = replace(launched, sequence_parallel=long.tp > 1)
     cp2 = budgets(replace(sp, context_parallel=2, micro_batch_tokens=-(-width // 2) if base.micro_batch_tokens
                           else None), 2)
-    full = replace(cp2, recompute="full", recompute_layers=None)
     rows = [("as launched at 16k" + (" (budgets raised to one row)" if launched != base else ""), launched),
-            ("+ sequence parallel", sp), ("+ SP + CP 2", cp2), ("+ SP + CP 2 + full recompute", full)]
-    in_flight = min(base.rollout_max_num_seqs or math.inf, with_layout(long, full).rollout_rows)
+            ("+ sequence parallel", sp), ("+ SP + CP 2", cp2)]
+    # the rollout's KV cache grows with the response: fewer rows in flight (of a rank's rows at CP 2)
+    in_flight = int(min(base.rollout_max_num_seqs or math.inf, with_layout(long, cp2).rollout_rows))
     for k in (2, 4):
-        rows.append((f"+ SP + CP 2 + full recompute, rollout rows in flight / {k}",
-                     replace(full, rollout_max_num_seqs=max(1, int(in_flight) // k))))
+        rows.append((f"+ SP + CP 2, rollout rows in flight / {k} ({max(1, in_flight // k)})",
+                     replace(cp2, rollout_max_num_seqs=max(1, in_flight // k))))
+    rows.append(("+ SP + CP 2 + full recompute, rollout rows in flight / 2",
+                 replace(cp2, recompute="full", recompute_layers=None, rollout_max_num_seqs=max(1, in_flight // 2))))
     return long, rows
 
 
