@@ -56,9 +56,13 @@ stay replicated without sequence parallelism, the rest divides; checked against 
 of micro-batches at a skewed length mix; the model-state table (`StateBytes.measured`: which parts the distributed
 optimizer divides, what offload leaves); and the per-device projection of each launcher (`examples/mcore/*/*.sh`,
 read through its own command line and `arguments.parse_args`) for the rollout (its rows in flight
-``--rollout-max-num-seqs``, its prefill ``--rollout-max-num-batched-tokens``), the forward-only passes and the update at its worst pipeline stage,
-as launched and with each lever flipped (`Levers`, `lever_rows`), against 64 GB and 80 GB, and the cheapest levers
-and layout that fit 56 GB in every phase (`recommend`). DeepSeek-V3 (multi-latent attention, not measured) gets its
+``--rollout-max-num-seqs``, its prefill ``--rollout-max-num-batched-tokens``), the forward-only passes and the
+update at its worst pipeline stage, as launched and with each lever flipped (`Levers`, `lever_rows`; sequence
+parallelism and context parallelism among them, computed from the TP1 fit, not measured: the hidden-sized terms
+divided by TP, a CP rank's 1/CP of the tokens plus each layer's all-gathered keys and values), against 64 GB and
+80 GB, the 7B and 32B launchers also at a 16k response (`long_response_rows`: as launched, + SP, + SP + CP 2, and
+what then fits 56 GB), and the cheapest levers and layout that fit 56 GB in every phase (`recommend`; it does not
+flip SP or CP). DeepSeek-V3 (multi-latent attention, not measured) gets its
 model state only. Every assumption is printed and in the JSON (``assumptions``). Cases a shared 24 GB machine
 cannot hold are skipped by a rough estimate (``--max-case-gb``) and say so; ``--reuse`` / ``--only`` /
 ``--remeasure`` add cases to an earlier JSON without measuring the rest again (an earlier JSON format gives its
@@ -1143,8 +1147,16 @@ def feature_values(shape: Shape, seq: int, tp: int = 1, rows: int = 1, ep: int =
     return values
 
 
-def _tp_divide(values: Dict[str, float], split: Sequence[str], tp: int) -> Dict[str, float]:
-    return {k: (v / tp if k in split else v) for k, v in values.items()}
+def _tp_divide(values: Dict[str, float], split: Sequence[str], tp: int,
+               per_token: Sequence[str] = ()) -> Dict[str, float]:
+    """`values` with the `split` features divided by `tp`; under sequence parallelism the caller passes the
+    per-token features (`per_token`, the hidden-sized ones included) to divide as well."""
+    return {k: (v / tp if k in split or k in per_token else v) for k, v in values.items()}
+
+
+# Under sequence parallelism a TP rank holds 1/TP of the sequence outside the TP regions: the hidden-sized per-token
+# tensors (residual, norms, the layer input the linears save) divide by TP like the rest; weights do not
+SP_WORKING_SET = ("tokens*h", "tokens*topk*h")
 
 
 def lstsq(rows: List[List[float]], targets: List[float], relative: bool = True):
@@ -1251,43 +1263,53 @@ def fit_attention(cases: List[dict]) -> dict:
     return coefficients
 
 
-def predict_layer_saved(coef: dict, shape: Shape, mode: str, seq: int, tp: int = 1) -> Dict[str, float]:
-    """Saved bytes per token per layer by part at TP `tp` (the split features divided by `tp`)."""
+def predict_layer_saved(coef: dict, shape: Shape, mode: str, seq: int, tp: int = 1,
+                        sp: bool = False) -> Dict[str, float]:
+    """Saved bytes per token per layer by part at TP `tp` (the split features divided by `tp`; under sequence
+    parallelism `sp` every feature: each is a per-token width)."""
     out = {}
     for part in ("norms", "attention", "mlp", "layer", "checkpoint"):
         name = part_of(shape, part)
         c = coef.get(f"saved.{mode}.{name}")
         if c is None:
             continue
-        out[part] = max(0.0, _predict(c, _tp_divide(feature_values(shape, seq), PART_FEATURES[name][1], tp)))
+        names = PART_FEATURES[name][0] if sp else ()
+        out[part] = max(0.0, _predict(c, _tp_divide(feature_values(shape, seq), PART_FEATURES[name][1], tp,
+                                                    names)))
     out["layer_total"] = sum(out.values())
     return out
 
 
-def predict_working_set(coef: dict, shape: Shape, kind: str, mode: str, seq: int, rows: int, tp: int = 1) -> float:
+def predict_working_set(coef: dict, shape: Shape, kind: str, mode: str, seq: int, rows: float, tp: int = 1,
+                        sp: bool = False) -> float:
     """One layer's working set (bytes above the live memory when it starts): fitted without recompute; a
     recomputed layer's backward also rebuilds what recompute did not save (full: the whole layer's saved set;
-    selective: the core attention's), checked against the measured selective / full cases (`check_fit`)."""
+    selective: the core attention's), checked against the measured selective / full cases (`check_fit`). `rows`
+    may be a fraction (a context-parallel rank's share of the rows' tokens). Under sequence parallelism `sp` the
+    hidden-sized terms divide by TP too, and the bf16 layer input all-gathered for the column-parallel linears
+    (tokens x h, the whole sequence) is added (computed, not measured)."""
     c = coef.get(f"working_set.{kind}{'.moe' if shape.experts else ''}") or coef.get(f"working_set.{kind}")
     if c is None:
         return 0.0
-    values = _tp_divide(feature_values(shape, seq, rows=rows), WORKING_SET_FEATURES[1], tp)
-    ws = max(0.0, _predict(c, values))
+    values = _tp_divide(feature_values(shape, seq, rows=rows), WORKING_SET_FEATURES[1], tp,
+                        SP_WORKING_SET if sp else ())
+    ws = max(0.0, _predict(c, values)) + (2.0 * rows * seq * shape.hidden if sp else 0.0)
     if kind == "train" and mode != "none":
-        none = predict_layer_saved(coef, shape, "none", seq, tp)["layer_total"]
-        kept = predict_layer_saved(coef, shape, mode, seq, tp)["layer_total"] if mode == "selective" else 0.0
+        none = predict_layer_saved(coef, shape, "none", seq, tp, sp)["layer_total"]
+        kept = predict_layer_saved(coef, shape, mode, seq, tp, sp)["layer_total"] if mode == "selective" else 0.0
         ws += max(0.0, none - kept) * rows * seq
     return ws
 
 
-def predict_head(coef: dict, name: str, shape: Shape, tokens: int, read: int, tp: int = 1,
-                 device_type: str = "cpu") -> float:
-    """A head part's bytes for one micro-batch (the log-prob work buffer of `device_type` added to working sets)."""
+def predict_head(coef: dict, name: str, shape: Shape, tokens: float, read: float, tp: int = 1,
+                 device_type: str = "cpu", sp: bool = False) -> float:
+    """A head part's bytes for one micro-batch (the log-prob work buffer of `device_type` added to working sets);
+    under sequence parallelism `sp` its per-token hidden-sized term (the final norm's) divides by TP."""
     c = coef.get(name)
     if c is None:
         return 0.0
     values = _tp_divide(feature_values(shape, tokens, read=read), HEAD_FEATURES[1], tp)
-    values["tokens*h"] = tokens * shape.hidden
+    values["tokens*h"] = tokens * shape.hidden / (tp if sp else 1)
     fitted = max(0.0, _predict(c, values))
     return fitted if name == "head_saved" else fitted + logprob_work_bytes(read, shape.vocab // tp, device_type)
 
@@ -1303,23 +1325,25 @@ def shared_bytes(shape: Shape, rows: int, seq: int, packed: bool, attention: str
 
 def predict_peak(coef: dict, shape: Shape, mode: str, seq: int, rows: int, read: int, kind: str = "train",
                  tp: int = 1, packed: bool = False, layers: Optional[int] = None, head: bool = True,
-                 attention: str = "local", device_type: str = "cpu") -> Dict[str, float]:
+                 attention: str = "local", device_type: str = "cpu", sp: bool = False) -> Dict[str, float]:
     """One micro-batch's activation peak from the fitted parts: saved layers + shared + the largest of (head saved
-    + its backward, the head's forward, one layer's backward), plus megatron's global buffer (local attention)."""
+    + its backward, the head's forward, one layer's backward), plus megatron's global buffer (local attention);
+    `sp`: under sequence parallelism. `rows` may be a fraction (a CP rank's share)."""
     layers = shape.layers if layers is None else layers
     tokens = rows * seq
     buffer = rows * shape.heads / tp * seq * seq * 2 if attention == "local" else 0.0
     if kind == "forward":
-        ws = predict_working_set(coef, shape, "forward", "none", seq, rows, tp)
-        head_fwd = predict_head(coef, "head_forward.forward", shape, tokens, read, tp, device_type) if head else 0.0
+        ws = predict_working_set(coef, shape, "forward", "none", seq, rows, tp, sp)
+        head_fwd = (predict_head(coef, "head_forward.forward", shape, tokens, read, tp, device_type, sp)
+                    if head else 0.0)
         return dict(saved=0.0, transient=max(ws, head_fwd), global_buffer=buffer, peak=max(ws, head_fwd) + buffer)
-    per_token = predict_layer_saved(coef, shape, mode, seq, tp)["layer_total"]
+    per_token = predict_layer_saved(coef, shape, mode, seq, tp, sp)["layer_total"]
     saved = layers * per_token * tokens + shared_bytes(shape, rows, seq, packed, attention)
-    head_saved = predict_head(coef, "head_saved", shape, tokens, read, tp) if head else 0.0
-    candidates = [predict_working_set(coef, shape, "train", mode, seq, rows, tp)]
+    head_saved = predict_head(coef, "head_saved", shape, tokens, read, tp, sp=sp) if head else 0.0
+    candidates = [predict_working_set(coef, shape, "train", mode, seq, rows, tp, sp)]
     if head:
-        candidates += [predict_head(coef, "head_backward.train", shape, tokens, read, tp, device_type),
-                       predict_head(coef, "head_forward.train", shape, tokens, read, tp, device_type)]
+        candidates += [predict_head(coef, "head_backward.train", shape, tokens, read, tp, device_type, sp),
+                       predict_head(coef, "head_forward.train", shape, tokens, read, tp, device_type, sp)]
     transient = max(candidates)
     return dict(saved=saved + head_saved, head_saved=head_saved, transient=transient, global_buffer=buffer,
                 peak=saved + transient + buffer)
@@ -1480,6 +1504,8 @@ class Levers:
     rollout_max_num_batched_tokens: Optional[int] = None  # --rollout-max-num-batched-tokens: a prefill's tokens
     expert_parallel: Optional[int] = None  # layout: EP (None: the launcher's)
     pipeline_parallel: Optional[int] = None  # layout: PP (None: the launcher's)
+    sequence_parallel: bool = False  # --sequence-parallel: the update's and the passes' activations split over TP
+    context_parallel: Optional[int] = None  # layout: --context-parallel-size (None: the launcher's)
 
     @property
     def offload_flags(self) -> Tuple[str, ...]:
@@ -1498,7 +1524,9 @@ class Levers:
                  f"max-num-batched-tokens {self.rollout_max_num_batched_tokens}"
                  if self.rollout_max_num_batched_tokens else "",
                  f"EP{self.expert_parallel}" if self.expert_parallel else "",
-                 f"PP{self.pipeline_parallel}" if self.pipeline_parallel else ""]
+                 f"PP{self.pipeline_parallel}" if self.pipeline_parallel else "",
+                 "SP" if self.sequence_parallel else "",
+                 f"CP{self.context_parallel}" if self.context_parallel else ""]
         return ", ".join(p for p in parts if p)
 
 
@@ -1525,10 +1553,12 @@ class Launch:
     levers: Levers = Levers()  # as launched
     flags: Dict[str, object] = field(default_factory=dict)
     state_only: bool = False  # the activations of this model are not described (e.g. multi-latent attention)
+    cp: int = 1  # --context-parallel-size; `dp` excludes it (megatron's data-parallel size)
 
     @property
     def rollout_rows(self) -> int:
-        return self.global_batch_size * self.n_samples // self.dp
+        # each CP rank generates its own samples as a DP replica does: prompts are dealt over DP x CP
+        return max(1, self.global_batch_size * self.n_samples // (self.dp * self.cp))
 
 
 def read_launcher(path: str) -> Launch:
@@ -1586,7 +1616,9 @@ def read_launcher(path: str) -> Launch:
                     micro_batch_tokens=args.max_tokens_per_micro_batch,
                     forward_micro_batch_tokens=args.forward_max_tokens_per_micro_batch,
                     rollout_max_num_seqs=args.rollout_max_num_seqs,
-                    rollout_max_num_batched_tokens=args.rollout_max_num_batched_tokens)
+                    rollout_max_num_batched_tokens=args.rollout_max_num_batched_tokens,
+                    sequence_parallel=bool(args.sequence_parallel),
+                    context_parallel=args.context_parallel_size if args.context_parallel_size > 1 else None)
     flags = {k: getattr(args, k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                            "expert_model_parallel_size", "micro_batch_size", "global_batch_size",
                                            "n_samples_per_prompt", "max_prompt_length", "max_new_tokens",
@@ -1595,14 +1627,15 @@ def read_launcher(path: str) -> Launch:
                                            "offload_train_param", "recompute_granularity", "recompute_method",
                                            "recompute_num_layers", "recompute_modules", "attention",
                                            "max_tokens_per_micro_batch", "forward_max_tokens_per_micro_batch",
-                                           "moe_routing_replay", "kl_coef", "reward_model_weight")}
+                                           "moe_routing_replay", "kl_coef", "reward_model_weight",
+                                           "sequence_parallel", "context_parallel_size")}
     return Launch(name=path, stage=args.stage, world=world, tp=tp, pp=pp, ep=ep, dp=args.data_parallel_size,
                   expert_dp=world // (pp * ep * etp), micro_batch_size=args.micro_batch_size,
                   global_batch_size=args.global_batch_size, n_samples=n,
                   prompt_cap=args.max_prompt_length or (args.max_length - args.max_new_tokens),
                   response_cap=args.max_new_tokens, max_length=args.max_length,
                   mini_batch=args.ppo_mini_batch_size, roles=roles, levers=levers, flags=flags,
-                  state_only=bool(info.get("state_only")))
+                  state_only=bool(info.get("state_only")), cp=args.context_parallel_size)
 
 
 def layouts(launch: Launch) -> List[Tuple[int, int]]:
@@ -1625,19 +1658,25 @@ def layouts(launch: Launch) -> List[Tuple[int, int]]:
 
 
 def with_layout(launch: Launch, levers: Levers) -> Launch:
-    """The launch at the levers' PP / EP (DP, expert DP follow from the world)."""
+    """The launch at the levers' PP / EP / CP (DP, expert DP follow from the world). CP takes its ranks from DP
+    (megatron's DP excludes them); where the world has too few devices for TP x PP x CP (DP 1 already), the world
+    grows to TP x PP x CP devices at DP 1 (`world` says how many)."""
     pp, ep = levers.pipeline_parallel or launch.pp, levers.expert_parallel or launch.ep
-    if (pp, ep) == (launch.pp, launch.ep):
+    cp = levers.context_parallel or launch.cp
+    if (pp, ep, cp) == (launch.pp, launch.ep, launch.cp):
         return launch
-    return replace(launch, pp=pp, ep=ep, dp=launch.world // (launch.tp * pp), expert_dp=launch.world // (pp * ep))
+    world = max(launch.world, launch.tp * pp * cp)
+    return replace(launch, pp=pp, ep=ep, cp=cp, world=world, dp=world // (launch.tp * pp * cp),
+                   expert_dp=world // (pp * ep))
 
 
 def micro_batch_shape(launch: Launch, levers: Levers, budget: Optional[int]) -> Tuple[float, int, float]:
-    """(rows, row length, read positions) of the largest micro-batch. By count: `--micro-batch-size` rows at the
-    cap (a micro-batch with a response at the cap is that wide); packed: mbs / n prompt groups, each one row of
-    prompt cap + n x response cap. With a token budget B (at least the widest row): B tokens, as B / cap rows of
-    the cap (the largest sum of s^2 B tokens can have: cap x B), every token read (an upper bound: prompts can
-    be short)."""
+    """(rows, row length, read positions) of the largest micro-batch, over all its CP ranks. By count:
+    `--micro-batch-size` rows at the cap (a micro-batch with a response at the cap is that wide); packed: mbs / n
+    prompt groups, each one row of prompt cap + n x response cap. With a token budget B (at least the widest row's
+    share of a rank, width / CP: a budget counts the tokens one rank holds, `arguments._check_token_budgets`): B x CP
+    tokens, as B x CP / cap rows of the cap (the largest sum of s^2 they can have), every token read (an upper
+    bound: prompts can be short)."""
     n = launch.n_samples
     if levers.layout == "packed":  # --micro-batch-size a multiple of n (at least n)
         width, rows, read = launch.prompt_cap + n * launch.response_cap, max(1, launch.micro_batch_size // n), n
@@ -1645,7 +1684,7 @@ def micro_batch_shape(launch: Launch, levers: Levers, budget: Optional[int]) -> 
         width, rows, read = launch.prompt_cap + launch.response_cap, launch.micro_batch_size, 1
     if budget is None:
         return rows, width, rows * read * launch.response_cap
-    budget = max(budget, width)
+    budget = max(budget, -(-width // launch.cp)) * launch.cp
     return budget / width, width, float(budget)
 
 
@@ -1665,7 +1704,9 @@ def model_states(launch: Launch, levers: Levers, table: StateBytes, stage: int) 
     def trained(role: Role, phase: str) -> float:
         total = 0.0
         for part in STATE_PARTS:
-            per_param = (counts[role.name]["dense"] * table.per_param(part, levers.distributed_optimizer, launch.dp)
+            # the distributed optimizer shards over megatron's dp_cp group (DP x CP: CP ranks hold whole layers)
+            per_param = (counts[role.name]["dense"] * table.per_param(part, levers.distributed_optimizer,
+                                                                      launch.dp * launch.cp)
                          + counts[role.name]["expert"] * table.per_param(part, levers.distributed_optimizer,
                                                                         launch.expert_dp))
             on_device = 1.0
@@ -1691,14 +1732,19 @@ def project(launch: Launch, coefs: Dict[str, dict], levers: Levers, table: State
     in flight + the prefill's or a decode step's working set), the forward-only passes (states + one micro-batch's
     forward working set) and the update (states + the micro-batches in flight under 1F1B + one backward's working
     set), by the fit of the levers' attention. A launcher whose activations are not described (`state_only`) gets
-    its model states alone (a lower bound)."""
+    its model states alone (a lower bound). Sequence parallelism divides the update's and the passes' hidden-sized
+    activations by TP as well (the rollout runs without it); context parallelism CP gives a rank 1/CP of each
+    micro-batch's tokens, plus the keys and values of the whole rows that each layer all-gathers (`kv_gathered`),
+    and 1/CP of the rollout's rows (computed, not measured: `assumptions`)."""
     launch = with_layout(launch, levers)
     coef = coefs.get(levers.attention)
     local = levers.attention == "local"
     policy = launch.roles[0].shape
     stages = sorted({0, launch.pp - 1})
+    sp, cp = levers.sequence_parallel and launch.tp > 1, launch.cp
     result = dict(levers=asdict(levers), label=levers.label(), stages={},
-                  layout=dict(tp=launch.tp, pp=launch.pp, ep=launch.ep, dp=launch.dp, expert_dp=launch.expert_dp),
+                  layout=dict(tp=launch.tp, pp=launch.pp, ep=launch.ep, dp=launch.dp, expert_dp=launch.expert_dp,
+                              cp=cp, world=launch.world),
                   activations_described=not launch.state_only and coef is not None)
     for stage in stages:
         layers = policy.layers // launch.pp
@@ -1728,8 +1774,12 @@ def project(launch: Launch, coefs: Dict[str, dict], levers: Levers, table: State
             # passes: one forward-only micro-batch (no grad)
             f_rows, f_len, f_read = micro_batch_shape(launch, levers, levers.forward_micro_batch_tokens
                                                       or levers.micro_batch_tokens)
-            passes = predict_peak(coef, policy, "none", f_len, f_rows, f_read, kind="forward", tp=launch.tp,
-                                  layers=layers, head=last, attention=levers.attention, device_type=ACCELERATOR)
+            passes = predict_peak(coef, policy, "none", f_len, f_rows / cp, f_read / cp, kind="forward",
+                                  tp=launch.tp, layers=layers, head=last, attention=levers.attention,
+                                  device_type=ACCELERATOR, sp=sp)
+            kv_width = max(1, policy.kv_heads // launch.tp) * policy.head_dim
+            # CP: one layer's keys and values all-gathered for its whole rows (bf16): transient in a no-grad pass
+            passes_gathered = f_rows * f_len * 2 * kv_width * 2 if cp > 1 else 0.0
             # update: micro-batches in flight on this stage under 1F1B, each with its saved activations
             mb_rows, mb_len, read = micro_batch_shape(launch, levers, levers.micro_batch_tokens)
             micro_batches = (max(1, launch.mini_batch // launch.dp // launch.micro_batch_size)
@@ -1738,26 +1788,36 @@ def project(launch: Launch, coefs: Dict[str, dict], levers: Levers, table: State
             full_layers = (layers if levers.recompute_layers is None else min(layers, levers.recompute_layers)) \
                 if levers.recompute == "full" else 0
             other = levers.recompute if levers.recompute != "full" else "none"
-            tokens = mb_rows * mb_len
-            per_token = {mode: predict_layer_saved(coef, policy, mode, mb_len, launch.tp)["layer_total"]
+            tokens = mb_rows * mb_len / cp  # this rank's: 1/CP of each row's positions
+            per_token = {mode: predict_layer_saved(coef, policy, mode, mb_len, launch.tp, sp)["layer_total"]
                          for mode in (other, "full")}
             saved = tokens * ((layers - full_layers) * per_token[other] + full_layers * per_token["full"])
-            saved += shared_bytes(policy, mb_rows, mb_len, levers.layout == "packed", levers.attention)
+            saved += shared_bytes(policy, mb_rows / cp, mb_len, levers.layout == "packed", levers.attention)
+            # CP: a layer's keys and values all-gathered for the whole rows (bf16), saved by the core attention for
+            # its backward where it is not recomputed; selective recompute checkpoints the core attention, which
+            # gathers inside, and full recompute keeps the layer input only: there the gather is redone in the
+            # backward (transient, with its gradient before the reduce-scatter)
+            gathered = mb_rows * mb_len * 2 * kv_width * 2 if cp > 1 else 0.0
+            kv_kept_layers = layers - full_layers if other == "none" else 0
+            saved += kv_kept_layers * gathered
             candidates = []
             if layers - full_layers:
-                candidates.append(predict_working_set(coef, policy, "train", other, mb_len, mb_rows, launch.tp))
+                candidates.append(predict_working_set(coef, policy, "train", other, mb_len, mb_rows / cp, launch.tp,
+                                                      sp) + gathered * (1 if other == "none" else 2))
             if full_layers:  # a recomputed layer's backward: its recomputed saved set + the backward's working set
-                candidates.append(predict_working_set(coef, policy, "train", "full", mb_len, mb_rows, launch.tp))
+                candidates.append(predict_working_set(coef, policy, "train", "full", mb_len, mb_rows / cp,
+                                                      launch.tp, sp) + 2 * gathered)
             if last:
-                saved += predict_head(coef, "head_saved", policy, tokens, read, launch.tp)
-                candidates += [predict_head(coef, f"head_{way}.train", policy, tokens, read, launch.tp, ACCELERATOR)
-                               for way in ("backward", "forward")]
+                saved += predict_head(coef, "head_saved", policy, tokens, read / cp, launch.tp, sp=sp)
+                candidates += [predict_head(coef, f"head_{way}.train", policy, tokens, read / cp, launch.tp,
+                                            ACCELERATOR, sp=sp) for way in ("backward", "forward")]
             train_buffer = mb_rows * policy.heads / launch.tp * mb_len ** 2 * 2 if local else 0.0
             buffer = max(prefill_buffer, train_buffer, passes["global_buffer"])  # megatron's, kept once allocated
             phases["rollout"].update(kv_cache=kv_cache, working_set=max(prefill, decode), global_buffer=buffer)
-            phases["passes"].update(working_set=passes["transient"], global_buffer=buffer)
+            phases["passes"].update(working_set=passes["transient"] + passes_gathered, global_buffer=buffer)
             phases["train"].update(activations_in_flight=in_flight * saved, in_flight=in_flight,
                                    working_set=max(candidates), global_buffer=buffer)
+            entry.update(kv_gathered=dict(per_layer=gathered, kept_layers=kv_kept_layers))
             entry.update(prefill=prefill, decode=decode, rollout_rows=rows,
                          micro_batch=dict(rows=mb_rows, length=mb_len, read=read),
                          forward_micro_batch=dict(rows=f_rows, length=f_len, read=f_read))
@@ -1799,6 +1859,13 @@ def lever_flags(launch: Launch, levers: Levers) -> List[str]:
         out.append(f"PP={levers.pipeline_parallel}")
     if levers.expert_parallel and levers.expert_parallel != launch.ep:
         out.append(f"EP={levers.expert_parallel}")
+    if levers.sequence_parallel:
+        out.append("--sequence-parallel")
+    if (levers.context_parallel or launch.cp) > 1:
+        out.append(f"--context-parallel-size {levers.context_parallel or launch.cp}")
+    world = with_layout(launch, levers).world
+    if world != launch.world:  # CP without the devices to take from DP (8 a node, launch_env.sh)
+        out.append(f"NNODES={world // 8}" if world % 8 == 0 else f"{world} devices")
     return out
 
 
@@ -1932,6 +1999,19 @@ def lever_rows(launch: Launch, recommended: Levers) -> List[Tuple[str, Levers]]:
     ]
     if launch.n_samples > 1 and base.layout == "row":
         flips.append((f"packed prompt groups (mbs {launch.n_samples})", dict(layout="packed")))
+    if launch.tp > 1 and not base.sequence_parallel:
+        flips.append(("+ sequence parallel", dict(sequence_parallel=True)))
+    # CP needs the fused attention (arguments.py) and refuses a mixture of experts (rl/moe.model_options); it takes
+    # its ranks from DP, or more devices where DP is 1 already (`with_layout`)
+    if launch.cp == 1 and base.attention == "sdpa" and not launch.roles[0].shape.experts:
+        cp_dp = launch.world // (launch.tp * launch.pp * 2)
+        where = f"DP{cp_dp}" if cp_dp else f"{launch.tp * launch.pp * 2} devices, DP1"
+        flips.append((f"+ CP 2 ({where})", dict(context_parallel=2)))
+        if base.micro_batch_tokens:  # a budget counts a rank's tokens: halved, a micro-batch holds the same rows
+            flips.append((f"+ CP 2 ({where}), budgets / 2", dict(
+                context_parallel=2, micro_batch_tokens=max(-(-cap // 2), base.micro_batch_tokens // 2),
+                forward_micro_batch_tokens=max(-(-cap // 2), (base.forward_micro_batch_tokens
+                                                              or base.micro_batch_tokens) // 2))))
     if launch.state_only:  # the model state's levers only
         flips = [f for f in flips if f[0].startswith(("dist-opt", "offload"))]
     for label, change in flips:
@@ -1943,6 +2023,57 @@ def lever_rows(launch: Launch, recommended: Levers) -> List[Tuple[str, Levers]]:
     return rows
 
 
+# The long-response config: the launcher at a 16k response (prompt 2048, --max-new-tokens 16384 --max-length 18432)
+LONG_RESPONSE = dict(prompt_cap=2048, response_cap=16384, max_length=18432)
+LONG_RESPONSE_LAUNCHERS = ("examples/mcore/qwen25/grpo_qwen25_7b.sh", "examples/mcore/qwen25/ppo_qwen25_32b.sh")
+
+
+def long_response_rows(launch: Launch) -> Tuple[Launch, List[Tuple[str, Levers]]]:
+    """The launcher at `LONG_RESPONSE`, and its rows: as launched (its token budgets raised to one row where they
+    are below it: `arguments._check_token_budgets` refuses them), + sequence parallelism, + SP + CP 2 (budgets one
+    row's share of a rank), then what it needs to fit `TARGET_TRAIN_GB` (fewer rollout rows in flight; full
+    recompute for the update's margin)."""
+    long = replace(launch, **LONG_RESPONSE)
+    n = long.n_samples
+    width = long.prompt_cap + (n if launch.levers.layout == "packed" else 1) * long.response_cap
+    base = launch.levers
+
+    def budgets(levers: Levers, cp: int) -> Levers:
+        row = -(-width // cp)
+        return replace(levers, micro_batch_tokens=max(levers.micro_batch_tokens, row)
+                       if levers.micro_batch_tokens else None,
+                       forward_micro_batch_tokens=max(levers.forward_micro_batch_tokens, row)
+                       if levers.forward_micro_batch_tokens else None)
+
+    launched = budgets(base, 1)
+    sp = replace(launched, sequence_parallel=long.tp > 1)
+    cp2 = budgets(replace(sp, context_parallel=2, micro_batch_tokens=-(-width // 2) if base.micro_batch_tokens
+                          else None), 2)
+    rows = [("as launched at 16k" + (" (budgets raised to one row)" if launched != base else ""), launched),
+            ("+ sequence parallel", sp), ("+ SP + CP 2", cp2)]
+    # the rollout's KV cache grows with the response: fewer rows in flight (of a rank's rows at CP 2)
+    in_flight = int(min(base.rollout_max_num_seqs or math.inf, with_layout(long, cp2).rollout_rows))
+    for k in (2, 4):
+        rows.append((f"+ SP + CP 2, rollout rows in flight / {k} ({max(1, in_flight // k)})",
+                     replace(cp2, rollout_max_num_seqs=max(1, in_flight // k))))
+    rows.append(("+ SP + CP 2 + full recompute, rollout rows in flight / 2",
+                 replace(cp2, recompute="full", recompute_layers=None, rollout_max_num_seqs=max(1, in_flight // 2))))
+    return long, rows
+
+
+def _row_entry(label: str, launch: Launch, levers: Levers, p: dict) -> dict:
+    return dict(label=label, levers=asdict(levers), flags=lever_flags(launch, levers),
+                activations_described=p["activations_described"], layout=p["layout"],
+                **{f"{k}_gb": p[k] / GB for k in ("rollout", "passes", "train", "rollout_states",
+                                                  "passes_states", "train_states")},
+                stages={str(s): {ph: {k: (v / GB if k != "in_flight" else v) for k, v in d.items()}
+                                 for ph, d in st["phases"].items()}
+                        for s, st in p["stages"].items()},
+                states_by_role_gb={str(s): {ph: {k: v / GB for k, v in roles_.items()}
+                                            for ph, roles_ in st["states_by_role"].items()}
+                                   for s, st in p["stages"].items()})
+
+
 def project_launchers(coefs: Dict[str, dict], table: StateBytes, launchers: Sequence[str]) -> dict:
     out = {}
     for path in launchers:
@@ -1951,17 +2082,12 @@ def project_launchers(coefs: Dict[str, dict], table: StateBytes, launchers: Sequ
         rec = recommend(launch, coefs, table) if not launch.state_only else None
         rows = []
         for label, levers in lever_rows(launch, Levers(**rec["levers"]) if rec else launch.levers):
-            p = project(launch, coefs, levers, table)
-            rows.append(dict(label=label, levers=asdict(levers), flags=lever_flags(launch, levers),
-                             activations_described=p["activations_described"], layout=p["layout"],
-                             **{f"{k}_gb": p[k] / GB for k in ("rollout", "passes", "train", "rollout_states",
-                                                               "passes_states", "train_states")},
-                             stages={str(s): {ph: {k: (v / GB if k != "in_flight" else v) for k, v in d.items()}
-                                              for ph, d in st["phases"].items()}
-                                     for s, st in p["stages"].items()},
-                             states_by_role_gb={str(s): {ph: {k: v / GB for k, v in roles_.items()}
-                                                         for ph, roles_ in st["states_by_role"].items()}
-                                                for s, st in p["stages"].items()}))
+            rows.append(_row_entry(label, launch, levers, project(launch, coefs, levers, table)))
+        long_rows = None
+        if path in LONG_RESPONSE_LAUNCHERS and not launch.state_only:
+            long, variants = long_response_rows(launch)
+            long_rows = [_row_entry(label, long, levers, project(long, coefs, levers, table))
+                         for label, levers in variants]
         if launch.state_only:  # what the distributed optimizer and the offloads leave at best
             best = replace(launch.levers, distributed_optimizer=True, offload_ref_reward=True, offload_optimizer=True,
                            offload_grad=True, offload_param=True)
@@ -1986,7 +2112,8 @@ def project_launchers(coefs: Dict[str, dict], table: StateBytes, launchers: Sequ
             rollout_rows=launch.rollout_rows, micro_batch_size=launch.micro_batch_size, prompt_cap=launch.prompt_cap,
             response_cap=launch.response_cap, mini_batch=launch.mini_batch, flags=launch.flags,
             as_launched=asdict(launch.levers), params_counted=counted,
-            params_published=MODELS[model]["published_params"], rows=rows, recommended=rec, micro_batching=mb)
+            params_published=MODELS[model]["published_params"], rows=rows, recommended=rec, micro_batching=mb,
+            long_response=dict(config=LONG_RESPONSE, rows=long_rows) if long_rows else None)
     return out
 
 
@@ -2105,6 +2232,27 @@ ASSUMPTIONS = [
     "Activations per token per layer and working sets come from the fit of each attention at TP1; under TP the "
     "hidden-sized terms stay replicated (no sequence parallelism) and the q / kv / FFN / heads terms divide "
     "(checked at TP2).",
+    "Sequence parallelism (--sequence-parallel; computed, not measured): in the update and the passes every "
+    "per-token term of the saved bytes (the hidden-sized ones and the per-token scalars too) and the hidden-sized "
+    "terms of a layer's working set and of the head's per-token part divide by TP; a layer's working set adds the "
+    "bf16 layer input all-gathered over TP for the column-parallel linears (tokens x h, the whole sequence). "
+    "Weights and their gradients, the rotary table and token ids are unchanged. Generation runs without it "
+    "(the rollout is unchanged).",
+    "Context parallelism CP N (--context-parallel-size; computed, not measured): in the update and the passes a "
+    "rank holds 1/N of each micro-batch's positions: saved bytes, working sets, the head and its reads per token "
+    "/ N. A token budget counts a rank's tokens (arguments._check_token_budgets), so a micro-batch of budget B "
+    "holds B x N tokens of rows. Each layer all-gathers its keys and values for the whole rows (rows x S x 2 x "
+    "kv heads / TP x head dim x 2 B): kept for the backward by every layer that is not recomputed (counted on "
+    "top of the local k and v the fit already holds, an overestimate of 1/N of it); selective recompute "
+    "checkpoints the core attention, which gathers inside, and full recompute keeps the layer input only: there "
+    "the gather is redone in the backward (two gathered sizes in the working set: the keys and values and their "
+    "gradients before the reduce-scatter; one where they are kept). A no-grad pass adds one layer's gather. The "
+    "padding of rows to a multiple of 2N is not counted.",
+    "Context parallelism in the rollout and the model state: each CP rank generates its own samples as a DP "
+    "replica does (prompts dealt over DP x CP, rows a rank gbs x n / (DP x CP)); CP ranks hold whole layers, so "
+    "the model state divides by neither, except that the distributed optimizer shards over megatron's dp_cp "
+    "group (its divided parts / (DP x CP)). CP takes its ranks from DP at the same world; where DP is 1 already "
+    "the world grows to TP x PP x CP devices (the layout column says how many).",
     "The fused attention's fit is of torch's CPU kernel (saves q, k, v, the output and one fp32 log-sum-exp per "
     "query and head); NPU's npu_fusion_attention keeps [b, heads, s, 8] fp32 softmax max and sum instead (60 B more "
     "per token and head), CUDA's flash kernels the log-sum-exp: not measured here.",
@@ -2135,6 +2283,22 @@ def _state_text(run: dict) -> str:
     if "bytes_per_param" not in run:
         return f"did not run ({run.get('error', 'not measured')[:160]})"
     return ", ".join(f"{k} {v:.2f}" for k, v in run["bytes_per_param"].items())
+
+
+def _lever_table(entries: List[dict]) -> str:
+    rows = []
+    for r in entries:
+        worst = max(r["rollout_gb"], r["passes_gb"], r["train_gb"])
+        fits = "/".join(str(gb) for gb in DEVICES_GB.values() if worst <= gb) or "neither"
+        bound = "" if r["activations_described"] else ">="
+        lay = r["layout"]
+        where = f"TP{lay['tp']} PP{lay['pp']} CP{lay.get('cp', 1)} DP{lay['dp']} ({lay.get('world', '?')})"
+        rows.append([r["label"], where, bound + fmt_gb(r["rollout_gb"]).strip(),
+                     bound + fmt_gb(r["passes_gb"]).strip(), bound + fmt_gb(r["train_gb"]).strip(),
+                     fmt_gb(r["rollout_states_gb"]).strip(), fmt_gb(r["train_states_gb"]).strip(),
+                     "yes" if worst <= TARGET_TRAIN_GB else "no", fits])
+    return print_table(rows, ["levers", "layout (devices)", "rollout GB", "passes GB", "train GB", "state@rollout",
+                              "state@train", f"all<={TARGET_TRAIN_GB}", "fits GB"])
 
 
 def report(data: dict) -> str:
@@ -2235,16 +2399,12 @@ def report(data: dict) -> str:
                    f"{p['prompt_cap']}+{p['response_cap']} (params {p['params_counted'] / 1e9:.2f}B, published "
                    f"{p['params_published'] / 1e9:.2f}B)" + (" -- model state only (activations not described)"
                                                              if p["state_only"] else ""))
-        rows = []
-        for r in p["rows"]:
-            worst = max(r["rollout_gb"], r["passes_gb"], r["train_gb"])
-            fits = "/".join(str(gb) for gb in DEVICES_GB.values() if worst <= gb) or "neither"
-            bound = "" if r["activations_described"] else ">="
-            rows.append([r["label"], bound + fmt_gb(r["rollout_gb"]).strip(), bound + fmt_gb(r["passes_gb"]).strip(),
-                         bound + fmt_gb(r["train_gb"]).strip(), fmt_gb(r["rollout_states_gb"]).strip(),
-                         fmt_gb(r["train_states_gb"]).strip(), "yes" if worst <= TARGET_TRAIN_GB else "no", fits])
-        out.append(print_table(rows, ["levers", "rollout GB", "passes GB", "train GB", "state@rollout",
-                                      "state@train", f"all<={TARGET_TRAIN_GB}", "fits GB"]))
+        out.append(_lever_table(p["rows"]))
+        if p.get("long_response"):
+            c = p["long_response"]["config"]
+            out.append(f"long-response config (prompt {c['prompt_cap']}, --max-new-tokens {c['response_cap']} "
+                       f"--max-length {c['max_length']}):")
+            out.append(_lever_table(p["long_response"]["rows"]))
         rec = p["recommended"]
         if rec:
             out.append(f"recommended (<= {TARGET_TRAIN_GB} GB in every phase): {rec['label']}\n  flags: "

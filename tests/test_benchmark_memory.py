@@ -141,6 +141,44 @@ def test_pipeline_stage_zero_holds_pp_micro_batches():
     assert first["activations_in_flight"] == 2 * (10 * 80 + 340)
 
 
+def test_sequence_parallel_divides_the_hidden_sized_part_and_cp2_halves_a_ranks_tokens():
+    launch = _tiny_launch(tp=2, world=4, dp=2)
+    dist = dict(attention="sdpa", distributed_optimizer=True)
+
+    def train(levers):
+        p = memory.project(launch, COEFS, memory.Levers(**dist, **levers), RULE)
+        return p, p["stages"][0]["phases"]["train"]
+
+    p0, t0 = train({})
+    psp, tsp = train(dict(sequence_parallel=True))
+    # the hand coefficients' only saved per-layer term is hidden-sized (10 B x h): replicated over TP 2 without SP,
+    # divided with it; 2 layers x 10 tokens (one row at the cap); shared bytes and the head's read logits unchanged
+    assert memory.predict_layer_saved(HAND_COEF, TINY, "none", 10, tp=2)["norms"] == 80
+    assert memory.predict_layer_saved(HAND_COEF, TINY, "none", 10, tp=2, sp=True)["norms"] == 40
+    assert t0["activations_in_flight"] - tsp["activations_in_flight"] == 2 * 10 * 40
+    assert psp["rollout"] == p0["rollout"]  # generation runs without SP
+    # CP 2 at the same world: DP 2 -> 1; every saved term is linear in a rank's tokens, which halve, plus each
+    # layer's all-gathered keys and values of the whole row (10 positions x 2 x kv heads / TP 1 x 4 x 2 B)
+    pcp, tcp = train(dict(context_parallel=2))
+    assert pcp["layout"]["dp"] == 1 and pcp["layout"]["cp"] == 2 and pcp["layout"]["world"] == 4
+    gathered = pcp["stages"][0]["kv_gathered"]
+    assert gathered == dict(per_layer=10 * 2 * 4 * 2, kept_layers=2)
+    assert tcp["activations_in_flight"] - 2 * gathered["per_layer"] == t0["activations_in_flight"] / 2
+    # the distributed optimizer shards over DP x CP (2 either way), and the rollout's rows a rank are dealt over it
+    assert tcp["states"] == t0["states"] and pcp["stages"][0]["rollout_rows"] == p0["stages"][0]["rollout_rows"]
+    # full recompute keeps the layer input only: the gather is redone in the backward, nothing gathered is kept
+    assert train(dict(context_parallel=2, recompute="full"))[0]["stages"][0]["kv_gathered"]["kept_layers"] == 0
+    # at DP 1 already, CP 2 needs twice the devices; the rows a rank halve and the dist-opt state shards over CP
+    one = _tiny_launch(tp=2, world=2, dp=1)
+    alone = memory.project(one, COEFS, memory.Levers(**dist), RULE)
+    doubled = memory.project(one, COEFS, memory.Levers(**dist, context_parallel=2), RULE)
+    assert doubled["layout"]["world"] == 4 and doubled["layout"]["dp"] == 1
+    assert doubled["stages"][0]["rollout_rows"] == alone["stages"][0]["rollout_rows"] // 2
+    assert doubled["train_states"] < alone["train_states"]
+    assert memory.lever_flags(one, memory.Levers(context_parallel=2))[-2:] == ["--context-parallel-size 2",
+                                                                              "4 devices"]
+
+
 def test_parameter_counts_of_the_models_match_their_model_cards():
     for name, info in memory.MODELS.items():
         assert abs(memory.param_counts(memory.model_shape(name))["total"] / info["published_params"] - 1) < 0.01, name
