@@ -54,7 +54,8 @@ the verifier lists; verifier names must be registered here (`rl/verifiers`); ``s
 ``max_tokens`` -> ``--max-new-tokens``; ``max_model_len`` -> ``--max-length`` (at least
 ``max_prompt_length + max_tokens``); ``generate_config.max_num_seqs`` / ``max_num_batched_tokens`` ->
 ``--rollout-max-num-seqs`` / ``--rollout-max-num-batched-tokens`` (the generation engine's limits, vLLM's
-meaning); ``use_tensorboard`` -> ``--tensorboard-dir`` (``megatron_training.tensorboard_dir``, else
+meaning); ``rl_config.partial_rollout_max_split`` N > 1 -> ``--partial-rollout --partial-rollout-max-split N``
+(1, MindSpeed-RL's default, leaves partial rollouts off); ``use_tensorboard`` -> ``--tensorboard-dir`` (``megatron_training.tensorboard_dir``, else
 ``SAVE/tensorboard``). ``infer_tensor_parallel_size`` must equal the training TP (generation runs on the
 training layout), ``dtype`` the training precision.
 """
@@ -265,6 +266,7 @@ RL: Dict[str, Any] = {
     "wandb_exp_name": Ignored("wandb is not supported"),
     "wandb_save_dir": Ignored("wandb is not supported"),
     "integrated_mode_config": Nested({"ref_model_load_path": Slot("ref_model_load_path", "path")}),
+    "partial_rollout_max_split": Slot("partial_rollout_max_split", "number"),
 }
 
 SAMPLING: Dict[str, Any] = {
@@ -668,6 +670,14 @@ def _resolve(reader: _Reader, run: _Role, roles: Dict[str, Tuple[_Role, Optional
             reader.notes.append(f"the roles use different models ({', '.join(sorted(m for m in models if m))}): "
                                 "each architecture is read from its checkpoint, the model keys are not passed")
 
+    split = run.slot("partial_rollout_max_split")
+    if split is not None:  # MindSpeed-RL: N > 1 turns partial rollouts on, 1 (its default) leaves them off
+        where = run.origin("partial_rollout_max_split")
+        if split != int(split) or split < 1:
+            raise reader.error(where, f"{split} must be an integer >= 1 (1: no partial rollouts)")
+        if split > 1:
+            put("--partial-rollout", True, where)
+            put("--partial-rollout-max-split", int(split), where)
     rule_verifiers = _resolve_verifiers(reader, run, put, flags)
     _resolve_checkpoints(reader, run, roles, stage, put, flags, given, rule_verifiers, cli_argv)
     _resolve_sampling(reader, run, put, flags, effective, given)
