@@ -1,7 +1,8 @@
 """Activation and model-state memory of one RL training step, measured on CPU at a scaled-down shape, fitted per
 layer, and projected to every shipped launcher's devices.
 
-What is measured (``--device cpu``; ``--device cuda`` runs the same code with CUDA's allocator statistics):
+What is measured (``--device cpu``; ``--device cuda`` runs the same code with CUDA's allocator statistics), for
+each core attention (``--attentions``: every case names its own, `build_model(..., attention=...)`):
 
 * one training forward + backward of the policy on the real path: `MicroBatchPlan` rows or packed prompt groups ->
   the actor's `TrainableModel` (megatron DDP with its fp32 grad buffer, bf16 weights) through megatron's schedule
@@ -13,59 +14,68 @@ What is measured (``--device cpu``; ``--device cuda`` runs the same code with CU
   the module that was running (forward pre/post hooks on the embedding, each layer and its norms, attention,
   core attention and MLP, the final norm, the output layer; the log-prob + loss closure; the decoder itself for
   full recompute's checkpointed layer inputs). A storage saved in more than one layer (the rotary table, the
-  causal or packed mask) is counted once, as "shared";
+  causal or packed mask) is counted once, as "shared". Which saved storages the step does not allocate before
+  its backward is measured too (``saved_outside_step``, weak references to the storages): those from before the
+  step (the micro-batch's token ids, megatron's cached causal mask) and those freed before the backward (a graph
+  branch the loss does not reach);
 * **peak**: on CPU, ``torch.profiler`` with ``profile_memory=True``: the running sum of every allocation and free
   event (``alloc_size`` of the profiler's allocation events, in time order) from the step's start; its maximum is
   the step's peak above what was live before it. Megatron's global memory buffer (the local attention's score
   matmul target, ``[b * heads, s, s]``, allocated once and kept) is added: it is steady-state memory. Checked
   (JSON ``peak_check``): the method gives the exact bytes of a scripted allocation sequence, and a fresh process
-  whose only work is one step rises in ``ru_maxrss`` by about the profiler's peak (glibc maps large tensors
-  with mmap, so RSS follows them). On CUDA: ``torch.cuda.max_memory_allocated`` minus the allocation before
-  the step (the profiler's timeline is still used for the phase split);
+  whose only work is one step rises in ``ru_maxrss`` by about the profiler's peak when glibc's mmap threshold is
+  fixed (by default glibc raises it and keeps freed blocks in its heap, which RSS counts on top). On CUDA:
+  ``torch.cuda.max_memory_allocated`` minus the allocation before the step (the profiler's timeline is still used
+  for the phase split);
 * the phase split of the peak (markers in the profiler's timeline from the same module hooks and from gradient
   hooks on each layer's output, `summarize_phases`): one layer's forward and backward, the head's forward and
   backward, each as the most memory live above the live bytes when it starts;
 * the time of one plain step (no hooks, no profiler) after a warm-up step;
 * the forward-only log-prob pass (`passes.policy_logprobs`, no grad) and the rollout (`inference.generate` on
   megatron's static KV cache), by the same peak method;
-* model-state bytes per parameter of a real `TrainableModel` after one optimizer step (weights, DDP grad
-  buffer, fp32 main weights, Adam moments; each storage once) and of a frozen model;
-* the same saved-bytes measurement at TP2 on two gloo processes, and the distributed optimizer at DP2 where it
-  runs (else megatron's rule, 2 + 4 + 12 / DP bytes per parameter, is used and the failure is reported).
+* model-state bytes per parameter by part of a real `TrainableModel` after one optimizer step
+  (`rl/model_state.bytes_per_parameter`: weights, DDP grad buffer, fp32 main weights, Adam moments), at DP1 and at
+  DP2 (two gloo processes) with megatron's optimizer and the distributed optimizer, what `TrainableModel.offload()`
+  leaves on the device for each --offload-train-* flag (actor and critic, `roles.offload_parts`), and a frozen
+  model's;
+* the same saved-bytes measurement at TP2 on two gloo processes;
+* the token-budget micro-batches on the real `MicroBatchPlan` (`plan_micro_batch_tokens`) at a skewed length mix.
 
 Levers, one parameter each (`Case`): ``recompute`` none / selective (megatron's core_attn) / full (uniform, one
-layer per checkpoint); ``attention`` local (megatron's unfused attention, which keeps ``[b, heads, s, s]``
-scores) / sdpa (passed to `build_model(..., attention=...)` once it accepts the option; until then those cases
-say so); ``layout`` row / packed (`[prompt | r1 .. rn]` with its mask); micro-batching (padding analysis below).
+layer per checkpoint); ``attention`` sdpa (the fused core attention, the default) / local (megatron's unfused
+attention, which keeps ``[b, heads, s, s]`` scores); ``layout`` row / packed (`[prompt | r1 .. rn]`); micro-batching
+by count or by a token budget (`batch_plan.token_budget_groups`, the rule `MicroBatchPlan` runs).
 
-What is computed: coefficients fitted to the measurements (`fit_model`: least squares with non-negative
-coefficients) -- saved bytes per token per layer by part as linear functions of hidden, FFN, q and kv widths and,
-for the local attention's ``s^2`` part, heads x s (MoE: experts, top-k x hidden, top-k x expert FFN); one layer's
-working set without recompute (a recomputed layer's backward adds what recompute did not keep, checked against the
-measured selective / full cases) and the head's; held-out shapes check them (`check_fit`: saved bytes and the
-composed peak); their division under tensor parallelism (hidden-sized tensors stay replicated without sequence
-parallelism, the rest divides; checked against the TP2 measurement); the padding of today's / own-length /
-token-budget micro-batches at a skewed length mix; and the per-device projection of each launcher
-(`examples/mcore/*/*.sh`, read through its own command line and `arguments.parse_args`) for the rollout, the
-forward-only passes and the update at its worst pipeline stage, with and without each lever (`Levers`), against
-64 GB and 80 GB, and the cheapest levers that fit 56 GB (`recommend`). Every assumption is printed and in the JSON
-(``assumptions``). Cases a shared 24 GB machine cannot hold are skipped by a rough estimate (``--max-case-gb``) and
-say so; ``--reuse`` / ``--only`` add cases to an earlier JSON without measuring the rest again.
+What is computed: coefficients fitted to the measurements of each attention (`fit_model`: least squares with
+non-negative coefficients) -- saved bytes per token per layer by part as linear functions of hidden, FFN, q and
+kv widths, heads and, for the local attention's ``s^2`` part, heads x s (MoE: experts, top-k x hidden, top-k x
+expert FFN); one layer's working set without recompute (a recomputed layer's backward adds what recompute did not
+keep, checked against the measured selective / full cases) and the head's; held-out shapes check them
+(`check_fit`: saved bytes and the composed peak); their division under tensor parallelism (hidden-sized tensors
+stay replicated without sequence parallelism, the rest divides; checked against the TP2 measurement); the padding
+of micro-batches at a skewed length mix; the model-state table (`StateBytes.measured`: which parts the distributed
+optimizer divides, what offload leaves); and the per-device projection of each launcher (`examples/mcore/*/*.sh`,
+read through its own command line and `arguments.parse_args`) for the rollout (its rows in flight a parameter: the
+engine branch's ``--rollout-max-num-seqs``), the forward-only passes and the update at its worst pipeline stage,
+as launched and with each lever flipped (`Levers`, `lever_rows`), against 64 GB and 80 GB, and the cheapest levers
+and layout that fit 56 GB in every phase (`recommend`). DeepSeek-V3 (multi-latent attention, not measured) gets its
+model state only. Every assumption is printed and in the JSON (``assumptions``). Cases a shared 24 GB machine
+cannot hold are skipped by a rough estimate (``--max-case-gb``) and say so; ``--reuse`` / ``--only`` /
+``--remeasure`` add cases to an earlier JSON without measuring the rest again (an earlier JSON format gives its
+cases only).
 
 Usage::
 
-    python benchmarks/memory.py --json runs/memory.json              # default shape, 2k/4k/8k, ~25 min on 2 cores
+    python benchmarks/memory.py --json runs/memory.json              # default shape, 2k/4k/8k, ~1 h on 2 cores
     python benchmarks/memory.py --reuse runs/memory.json --only "s=4096 none" --max-case-gb 14 --json runs/m2.json
-    python benchmarks/memory.py --toy --no-tp2 --json /tmp/m.json    # seconds (tests/test_benchmark_memory.py)
-    python benchmarks/memory.py --project-only runs/memory.json      # redo fit + projection from a JSON
-"""
+    python benchmarks/memory.py --toy --no-tp2 --json /tmp/m.json    # a minute (tests/test_benchmark_memory.py)
+    python benchmarks/memory.py --project-only runs/memory.json      # redo fit + projection from a JSON"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import gc
-import inspect
 import json
 import math
 import os
@@ -78,15 +88,17 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
 from types import SimpleNamespace
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+JSON_FORMAT = 2  # 2: cases choose their attention; model state by part (rl/model_state), offload, DP2 dist-opt
 GB = 1e9  # projections are in GB (10^9 bytes), as device memory is sold; measurements keep bytes
 MARK = "membench:"  # profiler markers
 
@@ -105,6 +117,12 @@ MODELS = {
                           tied=False, experts=128, topk=8, moe_ffn=768, published_params=30.53e9),
     "Llama-3.2-1B": dict(source="meta-llama/Llama-3.2-1B config.json", hidden=2048, ffn=8192, layers=16, heads=32,
                          kv_heads=8, head_dim=64, vocab=128256, qkv_bias=False, tied=True, published_params=1.24e9),
+    # model state only (multi-latent attention and shared experts are not measured here); published: without the
+    # multi-token-prediction layer, which the conversion skips
+    "DeepSeek-V3": dict(source="deepseek-ai/DeepSeek-V3 config.json", hidden=7168, ffn=18432, layers=61, heads=128,
+                        kv_heads=128, head_dim=128, vocab=129280, qkv_bias=False, tied=False, experts=256, topk=8,
+                        moe_ffn=2048, dense_layers=3, shared_ffn=2048, q_lora=1536, kv_lora=512, qk_rope=64,
+                        v_head=128, published_params=671e9),
 }
 # launcher -> the models it loads (the critic / reward model are value-head models of the named trunk)
 LAUNCHERS = {
@@ -112,6 +130,8 @@ LAUNCHERS = {
     "examples/mcore/qwen25/ppo_qwen25_32b.sh": dict(model="Qwen2.5-32B", reward_model="Qwen2.5-32B"),
     "examples/mcore/qwen3_moe/grpo_qwen3_30b_a3b.sh": dict(model="Qwen3-30B-A3B", reward_model="Qwen3-30B-A3B"),
     "examples/mcore/llama32/trl_ppo_llama32_1b.sh": dict(model="Llama-3.2-1B", reward_model="Llama-3.2-1B"),
+    "examples/mcore/deepseek3/grpo_deepseek3_671b.sh": dict(model="DeepSeek-V3", reward_model="DeepSeek-V3",
+                                                            state_only=True),
 }
 DEVICES_GB = {"Ascend 910B": 64, "H100": 80}
 ACCELERATOR = "npu"  # the projection's log-prob work buffer: the accelerators' chunk size (rl/logprobs.py)
@@ -135,6 +155,15 @@ class Shape:
     experts: int = 0
     topk: int = 0
     moe_ffn: int = 0
+    # DeepSeek-V3's extras (model state only: no case measures them): the first `dense_layers` layers have a dense
+    # MLP, every MoE layer a shared expert of `shared_ffn`; multi-latent attention when `kv_lora` > 0 (q / kv LoRA
+    # ranks, the rotary part of a query / key head, the value head dim; head_dim is the non-rotary part)
+    dense_layers: int = 0
+    shared_ffn: int = 0
+    q_lora: int = 0
+    kv_lora: int = 0
+    qk_rope: int = 0
+    v_head: int = 0
 
     @property
     def q(self) -> int:
@@ -146,6 +175,9 @@ class Shape:
 
     def spec(self, max_positions: int = 32768):
         from mindspeed_llm.models import ModelSpec
+
+        if self.kv_lora or self.dense_layers or self.shared_ffn:
+            raise ValueError("memory.py measures dense, q/k-norm and plain MoE shapes only (not MLA / shared experts)")
 
         family = "qwen3_moe" if self.experts else "qwen3" if self.qk_norm else "qwen2" if self.qkv_bias else "llama"
         moe = dict(num_experts=self.experts, moe_ffn_hidden_size=self.moe_ffn, moe_router_topk=self.topk) \
@@ -227,8 +259,8 @@ class Case:
 
     shape: Shape
     seq: int  # the model row's length (packed: prompt + n responses)
+    attention: str  # "sdpa" | "local": given by every case (build_model's default is sdpa)
     recompute: str = "none"
-    attention: str = "local"
     layout: str = "row"  # "row" | "packed"
     group: int = 1  # samples of one prompt (packed: in one row; row: that many rows)
     kind: str = "train"  # "train" | "forward" (no-grad log-prob pass)
@@ -255,13 +287,6 @@ class Case:
         return (f"{self.kind} {self.layout}{'' if self.group == 1 else f'x{self.group}'} s={self.seq} "
                 f"{self.recompute} {self.attention} h{s.hidden} f{s.ffn} n{s.heads}/{s.kv_heads}x{s.head_dim} "
                 f"L{s.layers} V{s.vocab}{' qkn' if s.qk_norm else ''}{moe}")
-
-
-def sdpa_available() -> bool:
-    """`build_model` takes an `attention` option (branch attn): then "sdpa" cases run."""
-    from mindspeed_llm.models import build_model
-
-    return "attention" in inspect.signature(build_model).parameters
 
 
 def rough_case_bytes(case: Case, tp: int = 1) -> float:
@@ -311,9 +336,8 @@ def build(case: Case, trainable: bool):
     overrides = dict(RECOMPUTE[case.recompute])
     if case.shape.experts:
         overrides.update(moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.001)
-    if case.attention != "local":
-        overrides["attention"] = case.attention
-    model = build_model(case.shape.spec(), params_dtype="bf16", **overrides).to(device.current_device())
+    model = build_model(case.shape.spec(), params_dtype="bf16", attention=case.attention, **overrides)
+    model = model.to(device.current_device())
     if not trainable:
         return model
     return TrainableModel(model, OptimizerSettings(lr=1e-6, params_dtype="bf16", adam_beta2=0.95), name="actor")
@@ -447,7 +471,13 @@ def _layer_key(region: str) -> str:
 
 class SavedCounter:
     """Bytes autograd saves for backward while `active`, each storage once, by the region that saved it first;
-    a storage saved from several layers (or a layer and the head, or by several checkpoints) is "shared"."""
+    a storage saved from several layers (or a layer and the head, or by several checkpoints) is "shared".
+
+    It also keeps a weak reference to each storage (a storage's Python object lives as long as any tensor on
+    it), so that `not_alive()` / `alive()` can tell which saved storages are gone when the backward starts (a
+    graph branch the loss does not reach, freed with the forward's locals) and which outlive the step (the
+    micro-batch's own tensors, module caches): neither is allocated in the step between its start and its
+    backward, which is what the profiler's `live_at_backward` counts."""
 
     def __init__(self, regions: Regions, exclude_ptrs):
         self.regions = regions
@@ -457,6 +487,7 @@ class SavedCounter:
         self.first: Dict[int, str] = {}
         self.layer_keys: Dict[int, set] = defaultdict(set)
         self.packs: Dict[int, int] = defaultdict(int)
+        self.refs: Dict[int, weakref.ref] = {}
 
     def pack(self, tensor):
         if self.active:
@@ -469,6 +500,7 @@ class SavedCounter:
                 region = self.regions.current()
                 self.nbytes.setdefault(ptr, size)
                 self.first.setdefault(ptr, region)
+                self.refs.setdefault(ptr, weakref.ref(storage))
                 self.layer_keys[ptr].add(_layer_key(region))
                 self.packs[ptr] += 1
         return tensor
@@ -476,6 +508,15 @@ class SavedCounter:
     @staticmethod
     def unpack(tensor):
         return tensor
+
+    def alive(self, wanted: bool = True) -> Dict[str, int]:
+        """Saved bytes by first region of the storages that are (`wanted`) or are not alive now."""
+        gc.collect()
+        out: Dict[str, int] = defaultdict(int)
+        for ptr, ref in self.refs.items():
+            if (ref() is not None) == wanted:
+                out[self.first[ptr]] += self.nbytes[ptr]
+        return dict(out)
 
     def by_region(self) -> Dict[str, int]:
         out: Dict[str, int] = defaultdict(int)
@@ -584,13 +625,19 @@ def measure(case: Case, device_type: str = "cpu", timing: bool = True) -> dict:
     args = SimpleNamespace(**LOSS_ARGS, max_new_tokens=response)
     regions = Regions(model, markers=False)
     counter = SavedCounter(regions, _excluded_storages(tm))
+    outside: Dict[str, Dict[str, int]] = {}
+
+    def saved_gone(grad):  # the counting pass only: what was saved but is no longer allocated at the backward
+        outside["freed_before_backward"] = counter.alive(False)
 
     def loss_fn(output, micro_batch):
         with regions.region("logprob_loss"):
             loss, _ = clipped_policy_loss(args, output, micro_batch, KL_COEF)
-        counter.active = False  # the forward ends here; the schedule's backward comes next
+        tracking, counter.active = counter.active, False  # the forward ends here; the schedule's backward next
         if loss.requires_grad:
             loss.register_hook(regions.backward_started)
+            if tracking:
+                loss.register_hook(saved_gone)
         return loss, {}
 
     def step():
@@ -614,6 +661,12 @@ def measure(case: Case, device_type: str = "cpu", timing: bool = True) -> dict:
     counter.active = False
     result["saved"] = counter.by_region()
     result["saved_total"] = sum(result["saved"].values())
+    # saved storages the profiled step does not allocate before its backward (see SavedCounter)
+    outside["before_step"] = counter.alive(True)
+    outside.setdefault("freed_before_backward", {})
+    result["saved_outside_step"] = outside
+    result["saved_outside_step_total"] = sum(sum(d.values()) for d in outside.values())
+    counter.refs.clear()
     # 2: time of a plain step
     if timing:
         regions.close()
@@ -702,7 +755,8 @@ def per_layer_saved(saved: Dict[str, int], layers: int, tokens: int) -> dict:
     return dict(parts)
 
 
-def measure_generate(shape: Shape, batch: int, prompt: int, new_tokens: int, device_type: str = "cpu") -> dict:
+def measure_generate(shape: Shape, batch: int, prompt: int, new_tokens: int, attention: str,
+                     device_type: str = "cpu") -> dict:
     """Peak of one rollout (`inference.generate`, megatron's static KV cache, batched prefill) of `batch` distinct
     prompts of `prompt` tokens generating exactly `new_tokens` tokens each (no EOS), and the KV cache's bytes by
     megatron's sizing: 2 (K, V) x layers x slots x batch x kv heads x head dim x 2 B."""
@@ -713,7 +767,7 @@ def measure_generate(shape: Shape, batch: int, prompt: int, new_tokens: int, dev
 
     _clear_global_buffer()
     gc.collect()
-    model = build(Case(shape, prompt), trainable=False)
+    model = build(Case(shape, prompt, attention), trainable=False)
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, shape.vocab, (batch, prompt), generator=gen).tolist()
     sampling = SamplingConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
@@ -728,74 +782,80 @@ def measure_generate(shape: Shape, batch: int, prompt: int, new_tokens: int, dev
     peak = torch.cuda.max_memory_allocated() - before if device_type == "cuda" else timeline["peak"]
     del model
     gc.collect()
-    return dict(shape=asdict(shape), batch=batch, prompt=prompt, new_tokens=new_tokens, slots=slots, peak=peak,
+    return dict(shape=asdict(shape), attention=attention, batch=batch, prompt=prompt, new_tokens=new_tokens,
+                slots=slots, peak=peak,
                 kv_cache=kv_cache, prefill_working_set=peak - kv_cache, time_s=elapsed,
                 device=str(device.current_device()))
 
 
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors`."""
-    seen = {}
-    for t in tensors:
-        if t is None:
-            continue
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+# What each --offload-train-* flag moves off the device between updates (`rl/roles.offload_parts`), by role
+OFFLOAD_FLAGS = {"optimizer": "offload_train_optimizer", "grad": "offload_train_grad", "param": "offload_train_param"}
 
 
-def measure_model_state(shape: Shape, distributed_optimizer: bool = False) -> dict:
-    """Bytes per parameter of a trainable bf16 model after one optimizer step (weights, DDP grad buffer, the
-    optimizer's fp32 main weights and Adam moments) and of a frozen bf16 model, each storage once."""
-    import torch
+def _offload_args(flags: Sequence[str]) -> SimpleNamespace:
+    return SimpleNamespace(**{OFFLOAD_FLAGS[f]: f in flags for f in OFFLOAD_FLAGS})
 
-    from mindspeed_llm.rl import roles
+
+def measure_model_state(shape: Shape, distributed_optimizer: bool = False, offload: bool = True) -> dict:
+    """Bytes per parameter of each part of a trainable bf16 model's state (`rl/model_state.bytes_per_parameter`:
+    weights, DDP grad buffer, fp32 main weights, Adam moments, each storage once) after one optimizer step, at this
+    process's data-parallel size, with or without the distributed optimizer; and (`offload`) what is left on the
+    device after `TrainableModel.offload()` (what the stages call before the rollout) for each --offload-train-*
+    flag alone and all three, for the actor and the critic (`roles.offload_parts`: the critic's weights go too),
+    and after `onload()`; and the bytes per parameter of a frozen bf16 model."""
+    from mindspeed_llm import distributed  # noqa: F401  (parallel state is set by the caller)
+    from megatron.core import parallel_state
+
+    from mindspeed_llm.rl import model_state, roles
+    from mindspeed_llm.rl.engine import OptimizerSettings, TrainableModel
+    from mindspeed_llm.rl.losses import clipped_policy_loss
 
     gc.collect()
-    case = Case(shape, 64)
-    tm = build(case, trainable=False)
-    tm = __import__("mindspeed_llm.rl.engine", fromlist=["x"]).TrainableModel(
-        tm, __import__("mindspeed_llm.rl.engine", fromlist=["x"]).OptimizerSettings(
-            lr=1e-6, params_dtype="bf16", use_distributed_optimizer=distributed_optimizer), name="actor")
+    case = Case(shape, 64, "sdpa")
     exp = synthetic_experience(1, 32, 32, shape.vocab)
     _, mb = micro_batch_of(case, exp)
     args = SimpleNamespace(**LOSS_ARGS, max_new_tokens=32)
-    from mindspeed_llm.rl.losses import clipped_policy_loss
 
-    tm.train_step([mb], lambda out, m: clipped_policy_loss(args, out, m, KL_COEF))
-    params = list(tm.module.parameters())
-    numel = sum(p.numel() for p in params)
-    weights = storage_bytes(params)
-    grad_buffers = storage_bytes([b.grad_data for b in tm.ddp.buffers + tm.ddp.expert_parallel_buffers])
-    param_buffers = storage_bytes([getattr(b, "param_data", None) for b in tm.ddp.buffers
-                                   + tm.ddp.expert_parallel_buffers])
-    inner = [getattr(o, "optimizer", None) for o in getattr(tm.optimizer, "chained_optimizers", [tm.optimizer])]
-    main, moments = [], []
-    for opt in inner:
-        if opt is None:
-            continue
-        for group in opt.param_groups:
-            main.extend(p for p in group["params"] if p.dtype == torch.float32)
-        for state in opt.state.values():
-            moments.extend(v for k, v in state.items() if torch.is_tensor(v) and k != "step" and v.dim() > 0)
-    main_bytes, moment_bytes = storage_bytes(main), storage_bytes(moments)
-    result = dict(shape=asdict(shape), params=numel, distributed_optimizer=distributed_optimizer,
-                  bytes=dict(weights=weights, param_buffer_extra=max(0, param_buffers - weights),
-                             grad_buffer=grad_buffers, main_params=main_bytes, adam_moments=moment_bytes))
-    result["bytes_per_param"] = {k: v / numel for k, v in result["bytes"].items()}
-    result["bytes_per_param"]["total"] = sum(result["bytes"].values()) / numel
+    def trained(parts=()):
+        tm = TrainableModel(build(case, trainable=False), OptimizerSettings(
+            lr=1e-6, params_dtype="bf16", adam_beta2=0.95, use_distributed_optimizer=distributed_optimizer),
+            name="actor", offload=parts)
+        tm.train_step([mb], lambda out, m: clipped_policy_loss(args, out, m, KL_COEF))
+        return tm
+
+    tm = trained()
+    result = dict(shape=asdict(shape), distributed_optimizer=distributed_optimizer,
+                  data_parallel=parallel_state.get_data_parallel_world_size(),
+                  params=model_state.device_bytes(tm)["parameters"],
+                  bytes_per_param=model_state.bytes_per_parameter(tm))
     del tm
     gc.collect()
+    if offload:
+        result["offloaded"] = {}
+        for name in ("actor", "critic"):
+            for flags in (("optimizer",), ("grad",), ("param",), tuple(OFFLOAD_FLAGS)):
+                parts = roles.offload_parts(_offload_args(flags), name)
+                tm = trained(parts)
+                tm.offload()
+                left = model_state.bytes_per_parameter(tm)
+                tm.onload()
+                back = model_state.bytes_per_parameter(tm)
+                result["offloaded"][f"{name}: " + " ".join(f"--offload-train-{f}" for f in flags)] = dict(
+                    role=name, flags=list(flags), parts=list(parts), on_device_during_rollout=left,
+                    after_onload=back)
+                del tm
+                gc.collect()
     frozen = roles.frozen(build(case, trainable=False))
-    result["frozen_bytes_per_param"] = storage_bytes(list(frozen.parameters())) / sum(
+    result["frozen_bytes_per_param"] = sum(s.nbytes() for s in model_state._unique(frozen.parameters())) / sum(
         p.numel() for p in frozen.parameters())
     del frozen
     gc.collect()
     return result
 
 
-def _tp_worker(rank: int, world: int, port: int, cases: List[Case], queue) -> None:
-    """One of the two gloo processes: the cases at TP2, then (TP1, DP2) the distributed optimizer's model state."""
+def _tp_worker(rank: int, world: int, port: int, cases: List[Case], state_shape: Shape, queue) -> None:
+    """One of the two gloo processes: the cases at TP2, then at TP1 DP2 the model state of `state_shape` with
+    megatron's optimizer and with the distributed optimizer (with its offloads)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), MINDSPEED_DEVICE="cpu")
     try:
@@ -808,25 +868,28 @@ def _tp_worker(rank: int, world: int, port: int, cases: List[Case], queue) -> No
 
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(1, 1)
-        try:
-            dist_opt = measure_model_state(cases[0].shape if cases else TOY_SHAPE, distributed_optimizer=True)
-        except Exception as exc:  # it does not run on CPU yet in every branch: say why
-            dist_opt = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-        queue.put((rank, "ok", json.dumps(dict(cases=results, distributed_optimizer_dp2=dist_opt))))
+        states = {}
+        for key, distributed_optimizer in (("dp2", False), ("distributed_optimizer_dp2", True)):
+            try:
+                states[key] = measure_model_state(state_shape, distributed_optimizer, offload=distributed_optimizer)
+            except Exception as exc:  # a result, not the end of the benchmark: say why
+                states[key] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        queue.put((rank, "ok", json.dumps(dict(cases=results, model_state=states))))
     except BaseException:
         import traceback
 
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_tp2(cases: List[Case]) -> dict:
-    """`cases` on two gloo processes at TP2 (rank 0's figures; both ranks hold the same shapes)."""
+def run_tp2(cases: List[Case], state_shape: Shape) -> dict:
+    """`cases` on two gloo processes at TP2, then the DP2 model state (rank 0's figures; both ranks hold the
+    same shapes)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_tp_worker, args=(r, 2, port, cases, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_tp_worker, args=(r, 2, port, cases, state_shape, queue)) for r in range(2)]
     for p in procs:
         p.start()
     results, errors = {}, []
@@ -901,22 +964,26 @@ def _rss_child(case_json: str, out_path: str) -> None:
                        rise_visible=max_after > max_before), f)
 
 
-def check_peak_rss(case: Case) -> dict:
+def check_peak_rss(case: Case, mmap_threshold: Optional[int] = None) -> dict:
     """ru_maxrss of a fresh process over one step against the profiler's peak of the same case (its own process).
     The maximum RSS before the step (model building) must stay below the step's level for the rise to be seen; it
-    is reported."""
+    is reported. `mmap_threshold`: glibc's MALLOC_MMAP_THRESHOLD_ for the child (a fixed threshold: every block
+    above it is mmap'ed and returned when freed; glibc's default raises the threshold to the largest block freed,
+    up to 32 MiB, and keeps freed blocks below it in the heap, which RSS then counts)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rss.json")
         code = ("import sys; sys.path.insert(0, %r); import benchmarks.memory as m; m._rss_child(%r, %r)"
                 % (ROOT, json.dumps(case_dict(case)), out))
         env = dict(os.environ, MINDSPEED_DEVICE="cpu", OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
+        if mmap_threshold is not None:
+            env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
         proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=1800)
         if proc.returncode != 0:
             return {"error": proc.stderr[-2000:]}
         with open(out) as f:
             result = json.load(f)
-    result["case"] = case.name
+    result.update(case=case.name, mmap_threshold=mmap_threshold)
     return result
 
 
@@ -936,21 +1003,6 @@ def skewed_mix(samples: int, group: int, prompt_cap: int, response_cap: int, see
     return prompts, responses
 
 
-def token_budget_micro_batches_local(lengths: Sequence[int], budget: int) -> List[List[int]]:
-    """LOCAL STAND-IN for the lead's token-budget micro-batches (`--max-tokens-per-micro-batch`, to land in
-    rl/batch_plan.py): samples sorted by length, longest first; a micro-batch takes the next sample while
-    (its rows + 1) x its longest row <= `budget` (rows at the micro-batch's own width); a sample longer than the
-    budget goes alone. Returns lists of sample indices."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    out: List[List[int]] = []
-    for i in order:
-        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
-            out[-1].append(i)
-        else:
-            out.append([i])
-    return out
-
-
 def _cost(batches: List[List[int]], lengths: Sequence[int], width=None):
     """(processed tokens, attention work sum s^2, largest micro-batch tokens) of rows padded to `width` (None: each
     micro-batch's own longest)."""
@@ -963,32 +1015,42 @@ def _cost(batches: List[List[int]], lengths: Sequence[int], width=None):
     return tokens, work, largest
 
 
+def _drawn_order(units: int, seed: int) -> List[int]:
+    """The order `ppo_loop` deals prompt groups (units) to mini-batches: a drawn permutation."""
+    order = list(range(units))
+    random.Random(seed).shuffle(order)
+    return order
+
+
 def micro_batch_costs(prompts: Sequence[int], responses: Sequence[int], group: int, micro_batch_size: int,
                       budget: int, seed: int = 0) -> dict:
-    """Processed tokens / real tokens and attention work (sum of s^2 over model rows) / real for today's
-    micro-batches (`micro_batch_size` samples in the update's shuffled order, every one at the width of the whole
-    local batch's longest sequence), own-length micro-batches (the same micro-batches, each at its own longest), and
-    length-sorted token-budget micro-batches (`token_budget_micro_batches_local`); with prompt groups (group > 1)
-    also the packed rows `[prompt | r1 .. rn]` (each response slot at the group's longest)."""
+    """Processed tokens / real tokens and attention work (sum of s^2 over model rows) / real, computed, for:
+    `padded` (every micro-batch at the whole local batch's longest sequence: the micro-batches before
+    `batch_plan` cut them to their own length, the 2.4x of the first memory run), `by_count` (`--micro-batch-size`
+    samples in the update's drawn order, each micro-batch at its own longest: `MicroBatchPlan` without a budget)
+    and `token_budget` (`--max-tokens-per-micro-batch budget`: the units sorted by length, grouped by
+    `batch_plan.token_budget_groups`, the rule `MicroBatchPlan` runs); with prompt groups (group > 1) also the
+    packed rows `[prompt | r1 .. rn]` (each response slot at the group's longest) by count and by the budget."""
+    from mindspeed_llm.rl.batch_plan import token_budget_groups
+
     lengths = [p + r for p, r in zip(prompts, responses)]
     real_tokens, real_work = sum(lengths), sum(s * s for s in lengths)
-    rng = random.Random(seed)
-    units = list(range(len(lengths) // group))
-    rng.shuffle(units)  # ppo_loop deals prompt groups (units) to mini-batches in a drawn order
+    units = _drawn_order(len(lengths) // group, seed)
     order = [u * group + k for u in units for k in range(group)]
     chunks = [order[i:i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
     modes = {
-        "today": _cost(chunks, lengths, width=max(lengths)),
-        "own_length": _cost(chunks, lengths),
-        "token_budget": _cost(token_budget_micro_batches_local(lengths, budget), lengths),
+        "padded": _cost(chunks, lengths, width=max(lengths)),
+        "by_count": _cost(chunks, lengths),
+        "token_budget": _cost(token_budget_groups(lengths, budget), lengths),
     }
     if group > 1:
         packed = [prompts[g * group] + group * max(responses[g * group:(g + 1) * group])
                   for g in range(len(lengths) // group)]
         groups_per_mb = max(1, micro_batch_size // group)
         packed_chunks = [units[i:i + groups_per_mb] for i in range(0, len(units), groups_per_mb)]
-        modes["packed_today"] = _cost(packed_chunks, packed, width=max(packed))
-        modes["packed_token_budget"] = _cost(token_budget_micro_batches_local(packed, budget), packed)
+        modes["packed_by_count"] = _cost(packed_chunks, packed)
+        if budget >= max(packed):
+            modes["packed_token_budget"] = _cost(token_budget_groups(packed, budget), packed)
     out = dict(samples=len(lengths), group=group, micro_batch_size=micro_batch_size, budget=budget,
                real_tokens=real_tokens, real_attention_work=real_work, longest=max(lengths),
                mean_length=real_tokens / len(lengths))
@@ -998,13 +1060,58 @@ def micro_batch_costs(prompts: Sequence[int], responses: Sequence[int], group: i
     return out
 
 
+def skewed_experience(prompts: Sequence[int], responses: Sequence[int]):
+    """An `Experience` of these prompt and response lengths (token ids 1, a group's samples sharing their prompt's
+    length), laid out as the rollout lays one out: prompt, response, padding to the batch's longest."""
+    import torch
+
+    from mindspeed_llm import device
+    from mindspeed_llm.rl.experience import Experience
+
+    dev = device.current_device()
+    b, width, total = len(prompts), max(responses), max(p + r for p, r in zip(prompts, responses))
+    prompt_lengths = torch.tensor(prompts, device=dev)
+    response_lengths = torch.tensor(responses, device=dev)
+    response_mask = (torch.arange(width, device=dev)[None, :] < response_lengths[:, None]).float()
+    tokens = (torch.arange(total, device=dev)[None, :] < (prompt_lengths + response_lengths)[:, None]).long()
+    return Experience(tokens=tokens, position_ids=torch.arange(total, device=dev).expand(b, -1).clone(),
+                      prompt_lengths=prompt_lengths, responses=response_mask.long(), response_mask=response_mask,
+                      ended_with_eos=torch.ones(b, dtype=torch.bool, device=dev))
+
+
+def plan_micro_batch_tokens(prompts: Sequence[int], responses: Sequence[int], group: int, micro_batch_size: int,
+                            budget: Optional[int], seed: int = 0) -> dict:
+    """Measured on the real path: the update's micro-batches of a `MicroBatchPlan` (`micro_batches(...,
+    update=True)`, the samples in `ppo_loop`'s drawn prompt-group order) of an Experience of these lengths, by
+    count (`budget` None) or by `max_tokens=budget`; packed when `micro_batch_size` holds whole groups. Returns
+    the model rows' processed tokens (sum of each micro-batch's `tokens` numel), sum of s^2 over its rows, the
+    largest micro-batch's tokens and the count."""
+    import torch
+
+    from mindspeed_llm.rl.batch_plan import MicroBatchPlan
+
+    exp = skewed_experience(prompts, responses)
+    plan = MicroBatchPlan.build(exp, micro_batch_size, group, max_tokens=budget)
+    units = _drawn_order(len(prompts) // group, seed)
+    samples = torch.tensor([u * group + k for u in units for k in range(group)])
+    mbs = plan.micro_batches(exp, samples, update=True)
+    real = sum(p + r for p, r in zip(prompts, responses))
+    processed = sum(mb["tokens"].numel() for mb in mbs)
+    work = sum(mb["tokens"].shape[0] * mb["tokens"].shape[1] ** 2 for mb in mbs)
+    return dict(packed=plan.packed, micro_batches=len(mbs), processed_tokens=processed,
+                tokens_ratio=processed / real, attention_work=work,
+                largest_micro_batch_tokens=max(mb["tokens"].numel() for mb in mbs))
+
+
 # ---------------------------------------------------------------------------------------------- fit
 # Per-token features of each part of a layer's saved bytes (TP=1): what each tensor's width is made of. "split"
 # names the features that divide under tensor parallelism (the rest -- hidden-sized tensors, per-token scalars --
 # stay replicated on every TP rank without sequence parallelism); checked against the TP2 measurement.
 PART_FEATURES = {
     "norms": (("1", "h"), ()),
-    "attention": (("1", "h", "q", "kv", "heads*s", "qk_norm*(q+kv)"), ("q", "kv", "heads*s", "qk_norm*(q+kv)")),
+    # heads: the fused kernel's fp32 log-sum-exp per query and head; heads*s: the local attention's scores
+    "attention": (("1", "h", "q", "kv", "heads", "heads*s", "qk_norm*(q+kv)"),
+                  ("q", "kv", "heads", "heads*s", "qk_norm*(q+kv)")),
     "mlp": (("1", "h", "f"), ("f",)),
     "moe_mlp": (("1", "h", "E", "topk*h", "topk*f_moe"), ()),  # experts split by EP; per routed token alike
     "layer": (("1", "h"), ()),
@@ -1014,8 +1121,8 @@ PART_FEATURES = {
 # sizes of its largest weights (fc1: 2 x FFN x h, qkv: h x (q + 2 kv) elements), whose bf16 gradient exists until
 # DDP adds it to the fp32 buffer (without recompute; selective and full recompute add the recomputed saved set,
 # see `predict_working_set`).
-WORKING_SET_FEATURES = (("tokens*h", "tokens*q", "tokens*f", "tokens*topk*h", "rows*heads*s^2", "w_fc1", "w_qkv"),
-                        ("tokens*q", "tokens*f", "rows*heads*s^2", "w_fc1", "w_qkv"))
+WORKING_SET_FEATURES = (("tokens*h", "tokens*q", "tokens*kv", "tokens*f", "tokens*topk*h", "rows*heads*s^2", "w_fc1",
+                         "w_qkv"), ("tokens*q", "tokens*kv", "tokens*f", "rows*heads*s^2", "w_fc1", "w_qkv"))
 # Bytes per micro-batch of the head (final norm, output layer, log-probs, loss): per token of the micro-batch, per
 # read position (rows x response), and the output layer's weight gradient (bf16 V x h before DDP adds it to the
 # fp32 buffer); the log-prob kernel's fp32 work buffer is computed (`logprob_work_bytes`), not fitted.
@@ -1025,10 +1132,11 @@ def feature_values(shape: Shape, seq: int, tp: int = 1, rows: int = 1, ep: int =
     s = shape
     f_eff = s.topk * s.moe_ffn if s.experts else s.ffn
     tokens = rows * seq
-    values = {"1": 1.0, "h": s.hidden, "q": s.q, "kv": s.kv, "heads*s": s.heads * seq,
+    values = {"1": 1.0, "h": s.hidden, "q": s.q, "kv": s.kv, "heads": s.heads, "heads*s": s.heads * seq,
               "qk_norm*(q+kv)": (s.q + s.kv) if s.qk_norm else 0.0, "f": s.ffn, "E": s.experts,
               "topk*h": s.topk * s.hidden, "topk*f_moe": s.topk * s.moe_ffn, "V": s.vocab,
-              "tokens": tokens, "tokens*h": tokens * s.hidden, "tokens*q": tokens * s.q, "tokens*f": tokens * f_eff,
+              "tokens": tokens, "tokens*h": tokens * s.hidden, "tokens*q": tokens * s.q, "tokens*kv": tokens * s.kv,
+              "tokens*f": tokens * f_eff,
               "tokens*topk*h": tokens * s.topk * s.hidden, "rows*heads*s^2": rows * s.heads * seq * seq,
               "read*h": read * s.hidden, "read*V": read * s.vocab, "V*h": s.vocab * s.hidden,
               "w_fc1": 2 * (s.moe_ffn if s.experts else s.ffn) * s.hidden, "w_qkv": s.hidden * (s.q + 2 * s.kv)}
@@ -1092,11 +1200,17 @@ def _fit_rows(cases, names, target):
     return rows, targets
 
 
-def fit_model(cases: List[dict]) -> dict:
+def fit_model(cases: List[dict]) -> Dict[str, dict]:
+    """The coefficients of each core attention (`fit_attention`), fitted on its own cases: {"sdpa": .., "local": ..}."""
+    attentions = sorted({c["case"]["attention"] for c in cases if "saved" in c})
+    return {a: fit_attention([c for c in cases if c["case"]["attention"] == a]) for a in attentions}
+
+
+def fit_attention(cases: List[dict]) -> dict:
     """Least-squares coefficients (`lstsq`) of each saved part (per token per layer, by recompute mode), of one
     layer's working set without recompute (per micro-batch; train and no-grad forward; dense and MoE) and of the
-    head (per micro-batch), from the measured cases tagged main / fit / qk_norm / moe in the row layout; held-out
-    and packed cases are predicted, not fitted."""
+    head (per micro-batch), from the measured cases (of one core attention) tagged main / fit / qk_norm / moe in the
+    row layout; held-out and packed cases are predicted, not fitted."""
     fitted = [c for c in cases if c["case"]["tag"] in ("main", "fit", "qk_norm", "moe") and "saved" in c
               and c["case"]["layout"] == "row" and c["case"]["group"] == 1]
     coefficients: Dict[str, dict] = {}
@@ -1178,11 +1292,13 @@ def predict_head(coef: dict, name: str, shape: Shape, tokens: int, read: int, tp
     return fitted if name == "head_saved" else fitted + logprob_work_bytes(read, shape.vocab // tp, device_type)
 
 
-def shared_bytes(shape: Shape, rows: int, seq: int, packed: bool) -> float:
+def shared_bytes(shape: Shape, rows: int, seq: int, packed: bool, attention: str) -> float:
     """What every layer reads but is stored once per micro-batch: the rotary table indexed by position ids
-    ([s, rows, 1, head dim] fp32), the packed mask ([rows, 1, s, s] bool) or megatron's cached causal mask
-    ([s, s] bool), and the token ids the embedding saves (int64)."""
-    return rows * seq * shape.head_dim * 4 + (rows if packed else 1) * seq * seq + rows * seq * 8
+    ([s, rows, 1, head dim] fp32), the token ids the embedding saves (int64) and, for the local attention only, the
+    packed mask ([rows, 1, s, s] bool) or megatron's cached causal mask ([s, s] bool); the fused attention takes
+    no mask (causal flag; packed groups as `PackedGroups`)."""
+    mask = (rows if packed else 1) * seq * seq if attention == "local" else 0
+    return rows * seq * shape.head_dim * 4 + mask + rows * seq * 8
 
 
 def predict_peak(coef: dict, shape: Shape, mode: str, seq: int, rows: int, read: int, kind: str = "train",
@@ -1198,7 +1314,7 @@ def predict_peak(coef: dict, shape: Shape, mode: str, seq: int, rows: int, read:
         head_fwd = predict_head(coef, "head_forward.forward", shape, tokens, read, tp, device_type) if head else 0.0
         return dict(saved=0.0, transient=max(ws, head_fwd), global_buffer=buffer, peak=max(ws, head_fwd) + buffer)
     per_token = predict_layer_saved(coef, shape, mode, seq, tp)["layer_total"]
-    saved = layers * per_token * tokens + shared_bytes(shape, rows, seq, packed)
+    saved = layers * per_token * tokens + shared_bytes(shape, rows, seq, packed, attention)
     head_saved = predict_head(coef, "head_saved", shape, tokens, read, tp) if head else 0.0
     candidates = [predict_working_set(coef, shape, "train", mode, seq, rows, tp)]
     if head:
@@ -1209,14 +1325,16 @@ def predict_peak(coef: dict, shape: Shape, mode: str, seq: int, rows: int, read:
                 peak=saved + transient + buffer)
 
 
-def check_fit(coef: dict, cases: List[dict]) -> List[dict]:
-    """Measured against predicted, per case: saved bytes per token per layer, and the step's peak."""
+def check_fit(coefs: Dict[str, dict], cases: List[dict]) -> List[dict]:
+    """Measured against predicted (by the fit of the case's attention), per case: saved bytes per token per layer,
+    and the step's peak."""
     out = []
     for c in cases:
-        if "saved" not in c:
+        if "saved" not in c or c["case"]["attention"] not in coefs:
             continue
         shape, case = Shape(**c["case"]["shape"]), c["case"]
-        entry = dict(name=case["name"], tag=case["tag"], kind=case["kind"])
+        coef = coefs[case["attention"]]
+        entry = dict(name=case["name"], tag=case["tag"], kind=case["kind"], attention=case["attention"])
         if case["kind"] == "train":
             predicted = predict_layer_saved(coef, shape, case["recompute"], c["seq"])["layer_total"]
             measured = c["per_layer"]["layer_total"]
@@ -1224,7 +1342,7 @@ def check_fit(coef: dict, cases: List[dict]) -> List[dict]:
                          error=(predicted - measured) / measured if measured else 0.0)
         peak = predict_peak(coef, shape, case["recompute"], c["seq"], c["rows"],
                             c.get("read", c["rows"] * c["response"]), case["kind"],
-                            packed=case["layout"] == "packed")["peak"]
+                            packed=case["layout"] == "packed", attention=case["attention"])["peak"]
         entry.update(peak=c["peak"], predicted_peak=peak, peak_error=(peak - c["peak"]) / c["peak"])
         out.append(entry)
     return out
@@ -1234,20 +1352,29 @@ def check_fit(coef: dict, cases: List[dict]) -> List[dict]:
 def param_counts(shape: Shape, tp: int = 1, pp: int = 1, ep: int = 1, stage: int = 0,
                  value_head: bool = False) -> Dict[str, float]:
     """Parameters one rank holds at pipeline stage `stage`: dense (attention, norms, embeddings, dense MLPs,
-    routers) and expert (its E / EP experts' MLPs), as megatron lays them out (q/k/v/o, fc1 and fc2 split by TP;
-    norms, routers replicated; the embedding on the first stage, the output layer on the last -- a tied output
-    layer is a second copy only when PP > 1; a value head is h weights)."""
+    routers, shared experts) and expert (its E / EP routed experts' MLPs), as megatron lays them out (q/k/v/o, fc1
+    and fc2 split by TP; norms, routers and multi-latent attention's down projections replicated; the embedding on
+    the first stage, the output layer on the last -- a tied output layer is a second copy only when PP > 1; a
+    value head is h weights)."""
     s = shape
     layers = s.layers // pp
-    attention = (2 * s.hidden * s.q + 2 * s.hidden * s.kv + ((s.q + 2 * s.kv) if s.qkv_bias else 0)) / tp
-    norms = 2 * s.hidden + (2 * s.head_dim if s.qk_norm else 0)
-    dense_mlp, expert = 0.0, 0.0
-    if s.experts:
-        dense_mlp = s.experts * s.hidden  # router
-        expert = layers * (s.experts // ep) * 3 * s.hidden * s.moe_ffn
+    if s.kv_lora:  # multi-latent attention: q / kv down projections (+ their norms) replicated, the rest split
+        qk_head = s.head_dim + s.qk_rope
+        q = (s.hidden * s.q_lora + s.q_lora + s.q_lora * s.heads * qk_head / tp if s.q_lora
+             else s.hidden * s.heads * qk_head / tp)
+        kv = s.hidden * (s.kv_lora + s.qk_rope) + s.kv_lora + s.kv_lora * s.heads * (s.head_dim + s.v_head) / tp
+        attention = q + kv + s.heads * s.v_head * s.hidden / tp
     else:
-        dense_mlp = 3 * s.hidden * s.ffn / tp
-    dense = layers * (attention + norms + dense_mlp)
+        attention = (2 * s.hidden * s.q + 2 * s.hidden * s.kv + ((s.q + 2 * s.kv) if s.qkv_bias else 0)) / tp
+    norms = 2 * s.hidden + (2 * s.head_dim if s.qk_norm else 0)
+    dense, expert = 0.0, 0.0
+    for layer in range(stage * layers, (stage + 1) * layers):
+        dense += attention + norms
+        if s.experts and layer >= s.dense_layers:
+            dense += s.experts * s.hidden + 3 * s.hidden * s.shared_ffn / tp  # router, shared expert
+            expert += (s.experts // ep) * 3 * s.hidden * s.moe_ffn
+        else:
+            dense += 3 * s.hidden * s.ffn / tp
     first, last = stage == 0, stage == pp - 1
     if first:
         dense += s.vocab * s.hidden / tp
@@ -1260,6 +1387,71 @@ def param_counts(shape: Shape, tp: int = 1, pp: int = 1, ep: int = 1, stage: int
     return dict(dense=dense, expert=expert, total=dense + expert)
 
 
+STATE_PARTS = ("weights", "grads", "masters", "moments")  # rl/model_state.PARTS
+# megatron's rule for bf16 weights (fp32 grad buffer, fp32 main weights, Adam's two fp32 moments), the distributed
+# optimizer dividing main weights and moments over DP: used only where the model state was not measured
+RULE_BYTES = dict(weights=2.0, grads=4.0, masters=4.0, moments=8.0)
+
+
+@dataclass
+class StateBytes:
+    """Model-state bytes per parameter of a trained bf16 model, by part (`rl/model_state.PARTS`), as the projection
+    uses them: `plain` with megatron's optimizer (any DP); with the distributed optimizer `distributed` at DP 1
+    equivalence (a part in `sharded` is that / DP at DP ranks); `left`: role -> part -> the fraction of a part an
+    --offload-train-* flag moves that stays on the device after `TrainableModel.offload()`; `frozen`: a frozen
+    model's; `source`: where the numbers come from."""
+
+    plain: Dict[str, float]
+    distributed: Dict[str, float]
+    sharded: Dict[str, bool]
+    left: Dict[str, Dict[str, float]]
+    frozen: float
+    source: str
+
+    def per_param(self, part: str, distributed_optimizer: bool, dp: int) -> float:
+        if not distributed_optimizer:
+            return self.plain[part]
+        return self.distributed[part] / dp if self.sharded[part] else self.distributed[part]
+
+    @classmethod
+    def rule(cls) -> "StateBytes":
+        return cls(plain=dict(RULE_BYTES), distributed=dict(RULE_BYTES),
+                   sharded=dict(weights=False, grads=False, masters=True, moments=True), left={}, frozen=2.0,
+                   source="megatron's rule (not measured)")
+
+    @classmethod
+    def measured(cls, data: dict) -> "StateBytes":
+        """From the JSON's `model_state` (DP1) and `tp2.model_state.distributed_optimizer_dp2` (two gloo processes):
+        a part is sharded when its DP2 bytes are below 3/4 of the plain ones; offload fractions from the DP1 runs.
+        Missing measurements fall back to megatron's rule, said in `source`."""
+        rule = cls.rule()
+        plain_run = data.get("model_state") or {}
+        dist_run = ((data.get("tp2") or {}).get("model_state") or {}).get("distributed_optimizer_dp2") or {}
+        plain = {p: plain_run["bytes_per_param"][p] for p in STATE_PARTS} if "bytes_per_param" in plain_run \
+            else dict(rule.plain)
+        sources = ["DP1 measured" if "bytes_per_param" in plain_run else "DP1 by megatron's rule"]
+        if "bytes_per_param" in dist_run:
+            dp = dist_run.get("data_parallel", 2)
+            got = {p: dist_run["bytes_per_param"][p] for p in STATE_PARTS}
+            sharded = {p: got[p] < 0.75 * plain[p] for p in STATE_PARTS}
+            distributed = {p: got[p] * dp if sharded[p] else got[p] for p in STATE_PARTS}
+            sources.append(f"distributed optimizer measured at DP{dp}")
+        else:
+            sharded, distributed = dict(rule.sharded), dict(rule.distributed)
+            sources.append("distributed optimizer by megatron's rule (not measured: "
+                           f"{dist_run.get('error', 'no DP2 run')[:120]})")
+        left: Dict[str, Dict[str, float]] = {}
+        for entry in (plain_run.get("offloaded") or {}).values():
+            full, now = entry["after_onload"], entry["on_device_during_rollout"]
+            for part in entry["parts"]:
+                fraction = now[part] / full[part] if full[part] else 0.0
+                left.setdefault(entry["role"], {})[part] = max(left.get(entry["role"], {}).get(part, 0.0), fraction)
+        if not left:
+            sources.append("offload assumed to leave nothing on the device (not measured)")
+        return cls(plain=plain, distributed=distributed, sharded=sharded, left=left,
+                   frozen=plain_run.get("frozen_bytes_per_param", rule.frozen), source="; ".join(sources))
+
+
 @dataclass
 class Role:
     name: str
@@ -1267,6 +1459,44 @@ class Role:
     trainable: bool
     value_head: bool
     offloadable: bool  # --offload-ref-reward applies (reference, reward model)
+
+
+@dataclass(frozen=True)
+class Levers:
+    """One parameter per lever of the projection; `Launch.levers` are a launcher's own."""
+
+    attention: str = "sdpa"  # sdpa | local (--attention-backend local), each with its own measured fit
+    recompute: str = "none"  # none | selective (core_attn) | full
+    recompute_layers: Optional[int] = None  # full: layers per stage recomputed (block method); None: all (uniform 1)
+    layout: str = "row"  # row | packed (prompt groups packed into one row: --micro-batch-size a multiple of n)
+    distributed_optimizer: bool = False
+    offload_ref_reward: bool = False
+    offload_optimizer: bool = False  # --offload-train-optimizer (and -grad, -param): between updates, in host memory
+    offload_grad: bool = False
+    offload_param: bool = False
+    micro_batch_tokens: Optional[int] = None  # --max-tokens-per-micro-batch; None: --micro-batch-size samples
+    forward_micro_batch_tokens: Optional[int] = None  # --forward-max-tokens-per-micro-batch (None: the update's)
+    rollout_max_num_seqs: Optional[int] = None  # rows in flight in the rollout (engine branch); None: all at once
+    expert_parallel: Optional[int] = None  # layout: EP (None: the launcher's)
+    pipeline_parallel: Optional[int] = None  # layout: PP (None: the launcher's)
+
+    @property
+    def offload_flags(self) -> Tuple[str, ...]:
+        return tuple(f for f in OFFLOAD_FLAGS if getattr(self, f"offload_{f}"))
+
+    def label(self) -> str:
+        full = "recompute full" + (f" {self.recompute_layers}/stage" if self.recompute_layers else "")
+        parts = [self.attention, {"none": "no recompute", "selective": "recompute selective", "full": full}[
+            self.recompute], "packed" if self.layout == "packed" else "",
+                 "dist-opt" if self.distributed_optimizer else "",
+                 ("offload " + "+".join(self.offload_flags)) if self.offload_flags else "",
+                 "offload-ref" if self.offload_ref_reward else "",
+                 f"budget {self.micro_batch_tokens}" if self.micro_batch_tokens else "",
+                 f"fwd budget {self.forward_micro_batch_tokens}" if self.forward_micro_batch_tokens else "",
+                 f"max-num-seqs {self.rollout_max_num_seqs}" if self.rollout_max_num_seqs else "",
+                 f"EP{self.expert_parallel}" if self.expert_parallel else "",
+                 f"PP{self.pipeline_parallel}" if self.pipeline_parallel else ""]
+        return ", ".join(p for p in parts if p)
 
 
 @dataclass
@@ -1288,19 +1518,14 @@ class Launch:
     response_cap: int
     max_length: int
     mini_batch: int  # samples per optimizer step over all DP ranks
-    distributed_optimizer: bool
-    offload_ref_reward: bool
-    routing_replay: bool
     roles: List[Role]
+    levers: Levers = Levers()  # as launched
     flags: Dict[str, object] = field(default_factory=dict)
+    state_only: bool = False  # the activations of this model are not described (e.g. multi-latent attention)
 
     @property
     def rollout_rows(self) -> int:
         return self.global_batch_size * self.n_samples // self.dp
-
-    @property
-    def unique_prompts(self) -> int:
-        return self.global_batch_size // self.dp
 
 
 def read_launcher(path: str) -> Launch:
@@ -1340,321 +1565,420 @@ def read_launcher(path: str) -> Launch:
     n = args.n_samples_per_prompt or 1
     tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
     etp = args.expert_tensor_parallel_size
+    layers = shape.layers // pp
+    recompute = args.recompute_granularity or "none"
+    recompute_layers = None
+    if recompute == "full" and not (args.recompute_method == "uniform" and args.recompute_num_layers == 1):
+        # block k: k layers per stage checkpointed; uniform N > 1 is taken as all layers (it saves a little less)
+        recompute_layers = args.recompute_num_layers if args.recompute_method == "block" else None
+    if recompute == "selective" and list(args.recompute_modules or []) != ["core_attn"]:
+        recompute = "selective"  # only core_attn was measured; other modules are projected as core_attn alone
+    levers = Levers(attention=getattr(args, "attention", "sdpa"), recompute=recompute,
+                    recompute_layers=recompute_layers if recompute_layers != layers else None,
+                    layout="packed" if n > 1 and args.micro_batch_size % n == 0 else "row",
+                    distributed_optimizer=bool(args.use_distributed_optimizer),
+                    offload_ref_reward=bool(args.offload_ref_reward),
+                    offload_optimizer=bool(args.offload_train_optimizer), offload_grad=bool(args.offload_train_grad),
+                    offload_param=bool(args.offload_train_param),
+                    micro_batch_tokens=args.max_tokens_per_micro_batch,
+                    forward_micro_batch_tokens=args.forward_max_tokens_per_micro_batch)
     flags = {k: getattr(args, k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                            "expert_model_parallel_size", "micro_batch_size", "global_batch_size",
                                            "n_samples_per_prompt", "max_prompt_length", "max_new_tokens",
                                            "max_length", "ppo_mini_batch_size", "use_distributed_optimizer",
-                                           "offload_ref_reward", "recompute_granularity", "kl_coef",
-                                           "reward_model_weight")}
+                                           "offload_ref_reward", "offload_train_optimizer", "offload_train_grad",
+                                           "offload_train_param", "recompute_granularity", "recompute_method",
+                                           "recompute_num_layers", "recompute_modules", "attention",
+                                           "max_tokens_per_micro_batch", "forward_max_tokens_per_micro_batch",
+                                           "moe_routing_replay", "kl_coef", "reward_model_weight")}
     return Launch(name=path, stage=args.stage, world=world, tp=tp, pp=pp, ep=ep, dp=args.data_parallel_size,
                   expert_dp=world // (pp * ep * etp), micro_batch_size=args.micro_batch_size,
                   global_batch_size=args.global_batch_size, n_samples=n,
                   prompt_cap=args.max_prompt_length or (args.max_length - args.max_new_tokens),
                   response_cap=args.max_new_tokens, max_length=args.max_length,
-                  mini_batch=args.ppo_mini_batch_size, distributed_optimizer=bool(args.use_distributed_optimizer),
-                  offload_ref_reward=bool(args.offload_ref_reward),
-                  routing_replay=bool(getattr(args, "moe_routing_replay", False)), roles=roles, flags=flags)
+                  mini_batch=args.ppo_mini_batch_size, roles=roles, levers=levers, flags=flags,
+                  state_only=bool(info.get("state_only")))
 
 
-@dataclass(frozen=True)
-class Levers:
-    """One parameter per lever of the projection."""
-
-    recompute: str = "none"  # none | selective | full
-    recompute_layers: Optional[int] = None  # full: layers per stage recomputed (block method); None: all
-    attention: str = "local"  # local (measured) | sdpa_bound (computed: no [s, s] tensor anywhere; pending)
-    distributed_optimizer: bool = False
-    offload_ref_reward: bool = False
-    offload_train_state: bool = False  # grads and optimizer state off the device during the rollout (modelstate)
-    micro_batch_tokens: Optional[int] = None  # token-budget micro-batches; None: today's (mbs rows at the cap)
-    rollout_rows: Optional[int] = None  # rows generated at a time (KV cache rows); None: the whole local rollout
-    expert_parallel: Optional[int] = None  # a mixture of experts' EP (None: the launcher's)
-
-    def label(self) -> str:
-        parts = [self.attention if self.attention != "local" else "",
-                 {"none": "", "selective": "recompute selective"}.get(self.recompute, "")]
-        if self.recompute == "full":
-            parts.append("recompute full" + (f" {self.recompute_layers}/stage" if self.recompute_layers else ""))
-        parts += ["dist-opt" if self.distributed_optimizer else "", "offload-ref" if self.offload_ref_reward else "",
-                  "offload-train-state" if self.offload_train_state else "",
-                  f"budget {self.micro_batch_tokens}" if self.micro_batch_tokens else "",
-                  f"rollout rows {self.rollout_rows}" if self.rollout_rows else "",
-                  f"EP{self.expert_parallel}" if self.expert_parallel else ""]
-        return ", ".join(p for p in parts if p) or "as launched"
-
-
-def _no_squares(coef: dict) -> dict:
-    """The SDPA bound: the fitted coefficients without the local attention's s^2 terms."""
-    out = {}
-    for name, c in coef.items():
-        out[name] = {k: (0.0 if k in ("heads*s", "rows*heads*s^2") else v) for k, v in c.items()}
+def layouts(launch: Launch) -> List[Tuple[int, int]]:
+    """(PP, EP) layouts of the launcher's world and TP that its model splits into: PP dividing the layers, EP (a
+    mixture of experts) dividing the experts, the world a multiple of TP x PP and of PP x EP, the prompts of an
+    iteration dividing over DP; the launcher's first, then by growing PP, then EP."""
+    shape = launch.roles[0].shape
+    out = []
+    for pp in range(1, shape.layers + 1):
+        if shape.layers % pp or launch.world % (launch.tp * pp):
+            continue
+        dp = launch.world // (launch.tp * pp)
+        if launch.global_batch_size % dp or launch.mini_batch % (dp * launch.micro_batch_size):
+            continue
+        for ep in ([e for e in range(1, shape.experts + 1) if shape.experts % e == 0 and launch.world % (pp * e) == 0]
+                   if shape.experts else [1]):
+            out.append((pp, ep))
+    out.sort(key=lambda l: (l != (launch.pp, launch.ep), l[0], -l[1]))
     return out
 
 
-def role_state_bytes(role: Role, launch: Launch, levers: Levers, stage: int, phase: str,
-                     in_its_pass: bool = False) -> float:
-    """One role's model-state bytes on one rank of `stage` in `phase` (rollout | passes | train): trainable =
-    2 (bf16 weights) + 4 (fp32 grad buffer) + 12 (fp32 main weights and two Adam moments), the 12 divided over DP
-    (expert DP for experts) with the distributed optimizer; frozen = 2; offloaded frozen models count only in their
-    own pass; with offload_train_state a trained model keeps only its weights during the rollout."""
-    counts = param_counts(role.shape, launch.tp, launch.pp, launch.ep, stage, role.value_head)
-    if not role.trainable:
-        offloaded = role.offloadable and levers.offload_ref_reward and not in_its_pass
-        return 0.0 if offloaded else 2.0 * counts["total"]
-    if phase == "rollout" and levers.offload_train_state:
-        return 2.0 * counts["total"]
-    distributed = levers.distributed_optimizer
-    dense = counts["dense"] * (6 + 12 / (launch.dp if distributed else 1))
-    expert = counts["expert"] * (6 + 12 / (launch.expert_dp if distributed else 1))
-    return dense + expert
+def with_layout(launch: Launch, levers: Levers) -> Launch:
+    """The launch at the levers' PP / EP (DP, expert DP follow from the world)."""
+    pp, ep = levers.pipeline_parallel or launch.pp, levers.expert_parallel or launch.ep
+    if (pp, ep) == (launch.pp, launch.ep):
+        return launch
+    return replace(launch, pp=pp, ep=ep, dp=launch.world // (launch.tp * pp), expert_dp=launch.world // (pp * ep))
 
 
-def _train_micro_batch(launch: Launch, levers: Levers):
-    """(rows, row length) of the largest training micro-batch: today every micro-batch has `mbs` rows at the local
-    batch's longest sequence (taken at the cap: some response reaches it); with a token budget, as many rows at
-    the cap as fit in it (at least one)."""
-    length = launch.prompt_cap + launch.response_cap
-    if levers.micro_batch_tokens:
-        return max(1, levers.micro_batch_tokens // length), length
-    return launch.micro_batch_size, length
+def micro_batch_shape(launch: Launch, levers: Levers, budget: Optional[int]) -> Tuple[float, int, float]:
+    """(rows, row length, read positions) of the largest micro-batch. By count: `--micro-batch-size` rows at the
+    cap (a micro-batch with a response at the cap is that wide); packed: mbs / n prompt groups, each one row of
+    prompt cap + n x response cap. With a token budget B (at least the widest row): B tokens, as B / cap rows of
+    the cap (the largest sum of s^2 B tokens can have: cap x B), every token read (an upper bound: prompts can
+    be short)."""
+    n = launch.n_samples
+    if levers.layout == "packed":  # --micro-batch-size a multiple of n (at least n)
+        width, rows, read = launch.prompt_cap + n * launch.response_cap, max(1, launch.micro_batch_size // n), n
+    else:
+        width, rows, read = launch.prompt_cap + launch.response_cap, launch.micro_batch_size, 1
+    if budget is None:
+        return rows, width, rows * read * launch.response_cap
+    budget = max(budget, width)
+    return budget / width, width, float(budget)
 
 
-def project(launch: Launch, coef: dict, levers: Levers) -> dict:
-    """Per-device bytes of each phase at the worst pipeline stage: the rollout (model states + KV cache + the
-    prefill's or a decode step's working set), the forward-only passes (old / reference log-probs, values, scores:
-    states + one micro-batch's forward working set, the on-loaded frozen model with --offload-ref-reward) and the
-    update (states + the micro-batches in flight under 1F1B + one backward's working set)."""
-    c = _no_squares(coef) if levers.attention == "sdpa_bound" else coef
-    attention = "none" if levers.attention == "sdpa_bound" else "local"
-    if levers.expert_parallel:
-        launch = replace(launch, ep=levers.expert_parallel,
-                         expert_dp=launch.world // (launch.pp * levers.expert_parallel))
+def model_states(launch: Launch, levers: Levers, table: StateBytes, stage: int) -> Dict[str, Dict[str, float]]:
+    """Bytes of every role's model state on one rank of `stage` in each phase: `rollout`, `passes` (old / reference
+    log-probs, values, scores) and `update.ROLE` for each trained role. A trained role holds every part of its state
+    in its own update; otherwise the parts its --offload-train-* flags move (`roles.offload_parts`) are in host
+    memory (their measured `left` fraction stays), except the critic's weights in the passes and the actor's update
+    (on-loaded for its values pass, offloaded after its own update: stages/trl_ppo.py). A frozen role holds 2 B a
+    parameter, or with --offload-ref-reward nothing outside its own pass (the passes phase holds the largest)."""
+    from mindspeed_llm.rl.roles import offload_parts
+
+    counts = {r.name: param_counts(r.shape, launch.tp, launch.pp, launch.ep, stage, r.value_head)
+              for r in launch.roles}
+    away = {r.name: offload_parts(_offload_args(levers.offload_flags), r.name) for r in launch.roles if r.trainable}
+
+    def trained(role: Role, phase: str) -> float:
+        total = 0.0
+        for part in STATE_PARTS:
+            per_param = (counts[role.name]["dense"] * table.per_param(part, levers.distributed_optimizer, launch.dp)
+                         + counts[role.name]["expert"] * table.per_param(part, levers.distributed_optimizer,
+                                                                        launch.expert_dp))
+            on_device = 1.0
+            if phase != f"update.{role.name}" and part in away[role.name] and not (
+                    role.name == "critic" and part == "weights" and phase != "rollout"):
+                on_device = table.left.get(role.name, {}).get(part, 0.0)
+            total += per_param * on_device
+        return total
+
+    def frozen(role: Role, phase: str) -> float:
+        return 0.0 if role.offloadable and levers.offload_ref_reward else table.frozen * counts[role.name]["total"]
+
+    phases = ["rollout", "passes"] + [f"update.{r.name}" for r in launch.roles if r.trainable]
+    out = {phase: {r.name: (trained if r.trainable else frozen)(r, phase) for r in launch.roles} for phase in phases}
+    onloaded = [table.frozen * counts[r.name]["total"] for r in launch.roles
+                if not r.trainable and r.offloadable and levers.offload_ref_reward]
+    out["passes"]["on-loaded for its pass"] = max(onloaded or [0.0])
+    return out
+
+
+def project(launch: Launch, coefs: Dict[str, dict], levers: Levers, table: StateBytes) -> dict:
+    """Per-device bytes of each phase at the worst pipeline stage: the rollout (model states + KV cache of the rows
+    in flight + the prefill's or a decode step's working set), the forward-only passes (states + one micro-batch's
+    forward working set) and the update (states + the micro-batches in flight under 1F1B + one backward's working
+    set), by the fit of the levers' attention. A launcher whose activations are not described (`state_only`) gets
+    its model states alone (a lower bound)."""
+    launch = with_layout(launch, levers)
+    coef = coefs.get(levers.attention)
+    local = levers.attention == "local"
     policy = launch.roles[0].shape
     stages = sorted({0, launch.pp - 1})
-    result = dict(levers=asdict(levers), label=levers.label(), stages={})
+    result = dict(levers=asdict(levers), label=levers.label(), stages={},
+                  layout=dict(tp=launch.tp, pp=launch.pp, ep=launch.ep, dp=launch.dp, expert_dp=launch.expert_dp),
+                  activations_described=not launch.state_only and coef is not None)
     for stage in stages:
         layers = policy.layers // launch.pp
         last = stage == launch.pp - 1
-        states = {phase: {r.name: role_state_bytes(r, launch, levers, stage, phase) for r in launch.roles}
-                  for phase in ("rollout", "passes", "train")}
-        # rollout: KV cache of this stage's layers for every row generated at a time, + prefill or decode
-        rows = levers.rollout_rows or launch.rollout_rows
-        prompts = max(1, math.ceil(rows / launch.n_samples))  # repeated prompts are prefilled once
-        slots = launch.prompt_cap + launch.response_cap
-        kv_heads = max(1, policy.kv_heads // launch.tp)
-        kv_cache = 2 * layers * slots * rows * kv_heads * policy.head_dim * 2
-        prefill = predict_working_set(c, policy, "forward", "none", launch.prompt_cap, prompts, launch.tp)
-        prefill_buffer = prompts * policy.heads / launch.tp * launch.prompt_cap ** 2 * 2 if attention == "local" else 0
-        # a decode step on accelerators: megatron repeat_interleaves one layer's K and V cache to all query heads
-        # (the CPU patch that avoids it is CPU-only), and samples from [rows, V] logits (bf16, fp32 copy, probs)
-        decode = (2 * slots * rows * (policy.heads // launch.tp) * policy.head_dim * 2
-                  + (rows * policy.vocab * 10 if last else 0))
-        # passes: one micro-batch's forward (no grad) at today's micro-batch
-        mb_rows, mb_len = _train_micro_batch(launch, levers)
-        read = mb_rows * launch.response_cap
-        passes = predict_peak(c, policy, "none", mb_len, mb_rows, read, kind="forward", tp=launch.tp,
-                              layers=layers, head=last, attention=attention, device_type=ACCELERATOR)
-        # update: micro-batches in flight on this stage under 1F1B, each with its saved activations
-        micro_batches = max(1, launch.mini_batch // launch.dp // launch.micro_batch_size)
-        in_flight = min(launch.pp - stage, micro_batches)
-        full_layers = (layers if levers.recompute_layers is None else min(layers, levers.recompute_layers)) \
-            if levers.recompute == "full" else 0
-        other = levers.recompute if levers.recompute != "full" else "none"
-        tokens = mb_rows * mb_len
-        per_token = {mode: predict_layer_saved(c, policy, mode, mb_len, launch.tp)["layer_total"]
-                     for mode in (other, "full")}
-        saved = tokens * ((layers - full_layers) * per_token[other] + full_layers * per_token["full"])
-        saved += shared_bytes(policy, mb_rows, mb_len, False)
-        candidates = []
-        if layers - full_layers:
-            candidates.append(predict_working_set(c, policy, "train", other, mb_len, mb_rows, launch.tp))
-        if full_layers:  # a recomputed layer's backward: its recomputed saved set + the backward's working set
-            candidates.append(predict_working_set(c, policy, "train", "full", mb_len, mb_rows, launch.tp))
-        if last:
-            saved += predict_head(c, "head_saved", policy, tokens, read, launch.tp)
-            candidates += [predict_head(c, "head_backward.train", policy, tokens, read, launch.tp, ACCELERATOR),
-                           predict_head(c, "head_forward.train", policy, tokens, read, launch.tp, ACCELERATOR)]
-        transient = max(candidates)
-        train_buffer = mb_rows * policy.heads / launch.tp * mb_len ** 2 * 2 if attention == "local" else 0
-        buffer = max(prefill_buffer, train_buffer, passes["global_buffer"])  # kept once allocated
-        offloaded_pass = max([2.0 * param_counts(r.shape, launch.tp, launch.pp, launch.ep, stage, r.value_head)["total"]
-                              for r in launch.roles if r.offloadable and levers.offload_ref_reward] or [0.0])
-        phases = {
-            "rollout": dict(states=sum(states["rollout"].values()), kv_cache=kv_cache,
-                            working_set=max(prefill, decode), global_buffer=buffer),
-            "passes": dict(states=sum(states["passes"].values()) + offloaded_pass,
-                           working_set=passes["transient"], global_buffer=buffer),
-            "train": dict(states=sum(states["train"].values()), activations_in_flight=in_flight * saved,
-                          in_flight=in_flight, working_set=transient, global_buffer=buffer),
-        }
+        states = model_states(launch, levers, table, stage)
+        update_states = max(sum(v.values()) for k, v in states.items() if k.startswith("update."))
+        phases = {"rollout": dict(states=sum(states["rollout"].values())),
+                  "passes": dict(states=sum(states["passes"].values())),
+                  "train": dict(states=update_states)}
+        entry = dict(phases=phases, states_by_role=states)
+        if result["activations_described"]:
+            # rollout: KV cache of this stage's layers for the rows in flight, + the prefill or a decode step
+            rows = min(levers.rollout_max_num_seqs or launch.rollout_rows, launch.rollout_rows)
+            prompts = max(1, math.ceil(rows / launch.n_samples))  # a prompt's samples share one prefill
+            slots = launch.prompt_cap + launch.response_cap
+            kv_heads = max(1, policy.kv_heads // launch.tp)
+            kv_cache = 2 * layers * slots * rows * kv_heads * policy.head_dim * 2
+            prefill = predict_working_set(coef, policy, "forward", "none", launch.prompt_cap, prompts, launch.tp)
+            prefill_buffer = prompts * policy.heads / launch.tp * launch.prompt_cap ** 2 * 2 if local else 0.0
+            # a decode step: with the local attention megatron repeat_interleaves one layer's K and V cache to all
+            # query heads on accelerators (the CPU patch that avoids it is CPU-only; the fused attention reads the
+            # groups in place); sampling reads [rows, V] logits (bf16, an fp32 copy, probabilities)
+            decode = ((2 * slots * rows * (policy.heads // launch.tp) * policy.head_dim * 2 if local else 0.0)
+                      + (rows * policy.vocab * 10 if last else 0.0))
+            # passes: one forward-only micro-batch (no grad)
+            f_rows, f_len, f_read = micro_batch_shape(launch, levers, levers.forward_micro_batch_tokens
+                                                      or levers.micro_batch_tokens)
+            passes = predict_peak(coef, policy, "none", f_len, f_rows, f_read, kind="forward", tp=launch.tp,
+                                  layers=layers, head=last, attention=levers.attention, device_type=ACCELERATOR)
+            # update: micro-batches in flight on this stage under 1F1B, each with its saved activations
+            mb_rows, mb_len, read = micro_batch_shape(launch, levers, levers.micro_batch_tokens)
+            micro_batches = (max(1, launch.mini_batch // launch.dp // launch.micro_batch_size)
+                             if levers.micro_batch_tokens is None else launch.pp)  # a budget: at least PP, say
+            in_flight = min(launch.pp - stage, micro_batches)
+            full_layers = (layers if levers.recompute_layers is None else min(layers, levers.recompute_layers)) \
+                if levers.recompute == "full" else 0
+            other = levers.recompute if levers.recompute != "full" else "none"
+            tokens = mb_rows * mb_len
+            per_token = {mode: predict_layer_saved(coef, policy, mode, mb_len, launch.tp)["layer_total"]
+                         for mode in (other, "full")}
+            saved = tokens * ((layers - full_layers) * per_token[other] + full_layers * per_token["full"])
+            saved += shared_bytes(policy, mb_rows, mb_len, levers.layout == "packed", levers.attention)
+            candidates = []
+            if layers - full_layers:
+                candidates.append(predict_working_set(coef, policy, "train", other, mb_len, mb_rows, launch.tp))
+            if full_layers:  # a recomputed layer's backward: its recomputed saved set + the backward's working set
+                candidates.append(predict_working_set(coef, policy, "train", "full", mb_len, mb_rows, launch.tp))
+            if last:
+                saved += predict_head(coef, "head_saved", policy, tokens, read, launch.tp)
+                candidates += [predict_head(coef, f"head_{way}.train", policy, tokens, read, launch.tp, ACCELERATOR)
+                               for way in ("backward", "forward")]
+            train_buffer = mb_rows * policy.heads / launch.tp * mb_len ** 2 * 2 if local else 0.0
+            buffer = max(prefill_buffer, train_buffer, passes["global_buffer"])  # megatron's, kept once allocated
+            phases["rollout"].update(kv_cache=kv_cache, working_set=max(prefill, decode), global_buffer=buffer)
+            phases["passes"].update(working_set=passes["transient"], global_buffer=buffer)
+            phases["train"].update(activations_in_flight=in_flight * saved, in_flight=in_flight,
+                                   working_set=max(candidates), global_buffer=buffer)
+            entry.update(prefill=prefill, decode=decode, rollout_rows=rows,
+                         micro_batch=dict(rows=mb_rows, length=mb_len, read=read),
+                         forward_micro_batch=dict(rows=f_rows, length=f_len, read=f_read))
         for phase in phases.values():
-            phase["total"] = sum(v for k, v in phase.items() if k not in ("in_flight",))
-        result["stages"][stage] = dict(phases=phases, states_by_role=states["train"], prefill=prefill,
-                                       decode=decode, micro_batch=dict(rows=mb_rows, length=mb_len),
-                                       micro_batches_per_step=micro_batches)
+            phase["total"] = sum(v for k, v in phase.items() if k != "in_flight")
+        result["stages"][stage] = entry
     for phase in ("rollout", "passes", "train"):
         result[phase] = max(result["stages"][s]["phases"][phase]["total"] for s in stages)
+        result[f"{phase}_states"] = max(result["stages"][s]["phases"][phase]["states"] for s in stages)
     return result
 
 
-def lever_changes(launch: Launch, levers: Levers) -> List[str]:
-    """What `levers` change against the launcher, as flags where the flag exists."""
-    layers = launch.roles[0].shape.layers // launch.pp
+def lever_flags(launch: Launch, levers: Levers) -> List[str]:
+    """The command-line flags of `levers` (the ones that exist in main; the rollout's rows in flight are the
+    engine branch's --rollout-max-num-seqs), and the layout variables of the launchers."""
+    layers = launch.roles[0].shape.layers // (levers.pipeline_parallel or launch.pp)
     out = []
+    if levers.attention == "local":
+        out.append("--attention-backend local")
     if levers.recompute == "selective":
         out.append("--recompute-granularity selective")
     elif levers.recompute == "full":
         k = levers.recompute_layers or layers
         out.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1" if k >= layers
                    else f"--recompute-granularity full --recompute-method block --recompute-num-layers {k}")
-    if levers.distributed_optimizer and not launch.distributed_optimizer:
+    if levers.distributed_optimizer:
         out.append("--use-distributed-optimizer")
-    if levers.offload_ref_reward and not launch.offload_ref_reward:
+    out += [f"--offload-train-{f}" for f in levers.offload_flags]
+    if levers.offload_ref_reward:
         out.append("--offload-ref-reward")
-    if levers.offload_train_state:
-        out.append("offload grads + optimizer state during the rollout (branch modelstate)")
     if levers.micro_batch_tokens:
         out.append(f"--max-tokens-per-micro-batch {levers.micro_batch_tokens}")
-    if levers.rollout_rows:
-        out.append(f"generate {levers.rollout_rows} rows at a time (KV cache of {levers.rollout_rows} rows of "
-                   f"{launch.rollout_rows}; no flag yet)")
+    if levers.forward_micro_batch_tokens:
+        out.append(f"--forward-max-tokens-per-micro-batch {levers.forward_micro_batch_tokens}")
+    if levers.rollout_max_num_seqs:
+        out.append(f"--rollout-max-num-seqs {levers.rollout_max_num_seqs} (engine branch, not in main yet)")
+    if levers.pipeline_parallel and levers.pipeline_parallel != launch.pp:
+        out.append(f"PP={levers.pipeline_parallel}")
     if levers.expert_parallel and levers.expert_parallel != launch.ep:
         out.append(f"EP={levers.expert_parallel}")
-    if levers.attention == "sdpa_bound":
-        out.append("SDPA attention (branch attn; computed bound, not measured)")
     return out
 
 
-def recommend(launch: Launch, coef: dict, limit_gb: float = TARGET_TRAIN_GB) -> dict:
-    """The cheapest levers under which the update, the passes and the rollout each fit `limit_gb`: the distributed
-    optimizer wherever DP > 1 (it costs no extra communication volume), then the recompute ladder (none, selective,
-    full recompute of k layers per stage, smallest k first), first without and then with --offload-ref-reward, then
-    (mixtures of experts) larger EP; with all of it not enough, the same with the SDPA bound. Then the largest token
-    budget (1, 2, 4 or 8 rows at the cap) that keeps the update within the limit, and for the rollout the rows in
-    flight (halving), first without and then with the training state's offload. Recompute is not offered with
-    --moe-routing-replay (refused together)."""
-    layers = launch.roles[0].shape.layers // launch.pp
-    base = dict(distributed_optimizer=launch.distributed_optimizer or launch.dp > 1 or launch.expert_dp > 1,
-                offload_ref_reward=launch.offload_ref_reward)
-    state_options = [dict(base)]
-    if any(r.offloadable for r in launch.roles) and not base["offload_ref_reward"]:
-        state_options.append(dict(base, offload_ref_reward=True))
-    experts = launch.roles[0].shape.experts
-    if experts:  # a larger EP (a divisor of the experts that the world divides into) shards the experts' state
-        eps = [ep for ep in range(launch.ep * 2, min(experts, launch.world // launch.pp) + 1)
-               if experts % ep == 0 and launch.world % (launch.pp * ep) == 0]
-        state_options += [dict(state_options[-1], expert_parallel=ep) for ep in eps]
-    recompute = [dict(recompute="none")]
-    if not launch.routing_replay:
-        recompute += [dict(recompute="selective")] + [dict(recompute="full", recompute_layers=k)
-                                                      for k in range(1, layers + 1)]
+# The recommendation's headroom for the fit: a phase fits when its model state plus its other bytes (KV cache,
+# activations, working sets, buffers) with this share added stay within the limit (the fit's peaks are within
+# about +-10% at the main shape; see the fit check)
+FIT_MARGIN = 0.10
+
+
+def _fits(p: dict, limit: float, phases=("rollout", "passes", "train")) -> bool:
+    return all(p[ph] + FIT_MARGIN * (p[ph] - p[f"{ph}_states"]) <= limit for ph in phases)
+
+
+def _padding_ratio(launch: Launch, budget: Optional[int]) -> float:
+    """Processed / real tokens of the update's micro-batches at the skewed mix of the launcher's rollout (by count
+    when `budget` is None)."""
+    launch_prompts, responses = skewed_mix(launch.rollout_rows, launch.n_samples, launch.prompt_cap,
+                                           launch.response_cap)
+    costs = micro_batch_costs(launch_prompts, responses, launch.n_samples, launch.micro_batch_size,
+                              budget or launch.prompt_cap + launch.response_cap)
+    return costs["by_count" if budget is None else "token_budget"]["tokens_ratio"]
+
+
+def recommend(launch: Launch, coefs: Dict[str, dict], table: StateBytes, limit_gb: float = TARGET_TRAIN_GB) -> dict:
+    """The cheapest levers under which the update, the passes and the rollout each fit `limit_gb` (with the fit's
+    headroom, `FIT_MARGIN`), with the fused
+    attention and the distributed optimizer wherever DP > 1 (no extra communication volume): at the launcher's
+    layout first, then other (PP, EP) layouts (`layouts`). Cheapest first: recompute (none, selective, full of k
+    layers per stage, smallest k first) outside, model-state offload inside (nothing, --offload-ref-reward, the
+    --offload-train-* flags too), for the update and the passes at one row at the cap; then the largest token
+    budget (4, 2 or 1 rows at the cap) that keeps the update within the limit and the largest forward budget
+    (8 .. 1 rows) for the passes (a budget that pads more than micro-batches by count is not taken); then the
+    rollout: all rows at once, with the offloads chosen, then with every --offload-train-* flag, then with the rows
+    in flight halving (--rollout-max-num-seqs)."""
     limit = limit_gb * GB
-    chosen, notes = None, []
-    for attention in ("local", "sdpa_bound"):
-        for state in state_options:
-            for rc in recompute:
-                levers = Levers(**state, **rc, attention=attention)
-                p = project(launch, coef, levers)
-                if p["train"] <= limit and p["passes"] <= limit:
+    cap = launch.prompt_cap + launch.response_cap
+    notes: List[str] = []
+    state_options = [dict(offload_ref_reward=launch.levers.offload_ref_reward)]
+    if any(r.offloadable for r in launch.roles) and not launch.levers.offload_ref_reward:
+        state_options.append(dict(offload_ref_reward=True))
+    state_options.append(dict(state_options[-1], offload_optimizer=True, offload_grad=True, offload_param=True))
+    chosen = None
+    for pp, ep in layouts(launch):
+        lay = with_layout(launch, Levers(pipeline_parallel=pp, expert_parallel=ep))
+        layers = launch.roles[0].shape.layers // pp
+        ladder = [dict(recompute="none"), dict(recompute="selective")] + [
+            dict(recompute="full", recompute_layers=k if k < layers else None) for k in range(1, layers + 1)]
+        base = dict(attention="sdpa", distributed_optimizer=launch.levers.distributed_optimizer or lay.dp > 1
+                    or lay.expert_dp > 1,
+                    micro_batch_tokens=cap, forward_micro_batch_tokens=cap,
+                    pipeline_parallel=pp if pp != launch.pp else None, expert_parallel=ep if ep != launch.ep else None)
+        for rc in ladder:
+            for state in state_options:
+                levers = Levers(**base, **rc, **state)
+                if _fits(project(launch, coefs, levers, table), limit, ("passes", "train")):
                     chosen = levers
                     break
             if chosen:
                 break
         if chosen:
+            if (pp, ep) != (launch.pp, launch.ep):
+                notes.append(f"does not fit at the launcher's layout (PP{launch.pp} EP{launch.ep}); fits at PP{pp} "
+                             f"EP{ep}")
             break
     if chosen is None:
-        chosen = Levers(**state_options[-1], **recompute[-1], attention="sdpa_bound")
-        notes.append(f"the update does not fit {limit_gb:g} GB with any of these levers, SDPA included")
-    elif chosen.attention != "local":
-        notes.append("only with SDPA (computed bound): local attention does not fit with any other lever")
-    cap = launch.prompt_cap + launch.response_cap
-    for rows in (8, 4, 2):  # more rows per micro-batch: fewer, larger steps, as long as the update fits
-        candidate = replace(chosen, micro_batch_tokens=rows * cap)
-        if rows > launch.micro_batch_size and project(launch, coef, candidate)["train"] <= limit:
-            chosen = candidate
-            break
-    else:  # today's rows, each micro-batch cut to its own samples (the same peak, less padding)
-        chosen = replace(chosen, micro_batch_tokens=cap * launch.micro_batch_size)
-    total = launch.rollout_rows
-    for offload in (False, True):
-        r = total
-        while r >= 1:
-            candidate = replace(chosen, offload_train_state=offload, rollout_rows=None if r == total else r)
-            if project(launch, coef, candidate)["rollout"] <= limit:
+        notes.append(f"the update does not fit {limit_gb:g} GB at any layout with these levers")
+        chosen = Levers(attention="sdpa", distributed_optimizer=True, recompute="full", offload_ref_reward=True,
+                        offload_optimizer=True, offload_grad=True, offload_param=True, micro_batch_tokens=cap,
+                        forward_micro_batch_tokens=cap)
+    # budgets of at most 4 (update) / 8 (passes) rows at the cap: beyond that fewer, larger micro-batches save
+    # little and only take the margin; a budget that pads more than 1.2x (or than micro-batches by count) at the
+    # skewed mix is not taken (a few samples in one budget micro-batch are padded to their longest); a budget of
+    # one row at the cap only replaces micro-batches of one sample (it lets short samples share one), or is the
+    # last resort where micro-batches by count do not fit
+    padding = max(1.2, _padding_ratio(launch, None))
+    for key, phase, sizes in (("micro_batch_tokens", "train", (4, 2)),
+                              ("forward_micro_batch_tokens", "passes", (8, 4, 2))):
+        options = [rows * cap for rows in sizes if _padding_ratio(launch, rows * cap) <= padding]
+        options += ([cap] if launch.micro_batch_size == 1 else []) + [None, cap]
+        for budget in options:
+            candidate = replace(chosen, **{key: budget})
+            if _fits(project(launch, coefs, candidate, table), limit, (phase,)):
+                chosen = candidate
                 break
-            r //= 2
-        if r >= 1:
-            chosen = candidate
+    # the rollout: all rows at once, with the training state's offload if needed, then fewer rows in flight
+    total = with_layout(launch, chosen).rollout_rows
+    offload = dict(offload_optimizer=True, offload_grad=True, offload_param=True)
+    found = None
+    for option, rows in [(dict(), None), (offload, None)] + [(offload, r) for r in
+                                                             (total // 2 ** k for k in range(1, 12)) if r >= 1]:
+        candidate = replace(chosen, **option, rollout_max_num_seqs=rows)
+        if _fits(project(launch, coefs, candidate, table), limit, ("rollout",)):
+            found = candidate
             break
-    else:
+    if found is None:
         notes.append(f"the rollout does not fit {limit_gb:g} GB even one row at a time")
-    p = project(launch, coef, chosen)
-    return dict(levers=asdict(chosen), label=chosen.label(), changes=lever_changes(launch, chosen),
+    else:
+        chosen = found
+    p = project(launch, coefs, chosen, table)
+    return dict(levers=asdict(chosen), label=chosen.label(), flags=lever_flags(launch, chosen),
                 rollout_gb=p["rollout"] / GB, passes_gb=p["passes"] / GB, train_gb=p["train"] / GB, notes=notes)
 
 
-LEVER_ROWS = [
-    ("as launched", {}),
-    ("+ dist-opt", dict(distributed_optimizer=True)),
-    ("+ dist-opt, selective", dict(distributed_optimizer=True, recompute="selective")),
-    ("+ dist-opt, full", dict(distributed_optimizer=True, recompute="full")),
-    ("+ dist-opt, full, offload-ref", dict(distributed_optimizer=True, recompute="full", offload_ref_reward=True)),
-    ("+ dist-opt, full, offload-ref, offload-train-state", dict(distributed_optimizer=True, recompute="full",
-                                                                offload_ref_reward=True, offload_train_state=True)),
-    ("+ dist-opt, budget = 1 row at the cap", dict(distributed_optimizer=True, micro_batch_tokens="cap")),
-    ("+ dist-opt, rollout rows / 2", dict(distributed_optimizer=True, rollout_rows="half")),
-    ("+ dist-opt, SDPA bound (computed)", dict(distributed_optimizer=True, attention="sdpa_bound")),
-    ("+ dist-opt, SDPA bound, full", dict(distributed_optimizer=True, attention="sdpa_bound", recompute="full")),
-]
-MOE_LEVER_ROWS = [
-    ("+ dist-opt, offload-ref, EP x2", dict(distributed_optimizer=True, offload_ref_reward=True, expert_parallel="x2")),
-]
+def lever_rows(launch: Launch, recommended: Levers) -> List[Tuple[str, Levers]]:
+    """The projection's rows: as launched, each lever flipped from there, the recommendation (and each of its
+    levers taken back, where it differs from the launcher)."""
+    base = launch.levers
+    cap = launch.prompt_cap + launch.response_cap
+    rows = [("as launched", base)]
+    flips = [
+        ("attention " + ("local" if base.attention == "sdpa" else "sdpa"),
+         dict(attention="local" if base.attention == "sdpa" else "sdpa")),
+        ("no recompute", dict(recompute="none", recompute_layers=None)),
+        ("recompute selective", dict(recompute="selective", recompute_layers=None)),
+        ("recompute full", dict(recompute="full", recompute_layers=None)),
+        ("dist-opt " + ("off" if base.distributed_optimizer else "on"),
+         dict(distributed_optimizer=not base.distributed_optimizer)),
+        ("offload-train " + ("off" if base.offload_flags else "on (optimizer, grad, param)"),
+         dict(offload_optimizer=not base.offload_flags, offload_grad=not base.offload_flags,
+              offload_param=not base.offload_flags)),
+        ("offload-ref " + ("off" if base.offload_ref_reward else "on"),
+         dict(offload_ref_reward=not base.offload_ref_reward)),
+        ("micro-batches by count" if base.micro_batch_tokens else "token budget = 1 row at the cap",
+         dict(micro_batch_tokens=None, forward_micro_batch_tokens=None) if base.micro_batch_tokens
+         else dict(micro_batch_tokens=cap)),
+        ("token budget x2", dict(micro_batch_tokens=2 * (base.micro_batch_tokens or cap))),
+        ("rollout rows in flight / 2", dict(rollout_max_num_seqs=max(1, (base.rollout_max_num_seqs
+                                                                         or launch.rollout_rows) // 2))),
+        ("rollout rows in flight / 4", dict(rollout_max_num_seqs=max(1, (base.rollout_max_num_seqs
+                                                                         or launch.rollout_rows) // 4))),
+    ]
+    if launch.n_samples > 1 and base.layout == "row":
+        flips.append((f"packed prompt groups (mbs {launch.n_samples})", dict(layout="packed")))
+    if launch.state_only:  # the model state's levers only
+        flips = [f for f in flips if f[0].startswith(("dist-opt", "offload"))]
+    for label, change in flips:
+        levers = replace(base, **change)
+        if levers != base:
+            rows.append((label, levers))
+    if recommended != base:
+        rows.append(("recommended", recommended))
+    return rows
 
 
-def project_launchers(coef: dict, launchers: Sequence[str]) -> dict:
+def project_launchers(coefs: Dict[str, dict], table: StateBytes, launchers: Sequence[str]) -> dict:
     out = {}
     for path in launchers:
         launch = read_launcher(path)
-        base = dict(distributed_optimizer=launch.distributed_optimizer, offload_ref_reward=launch.offload_ref_reward)
+        model = LAUNCHERS[path]["model"]
+        rec = recommend(launch, coefs, table) if not launch.state_only else None
         rows = []
-        experts = launch.roles[0].shape.experts
-        for label, extra in LEVER_ROWS + (MOE_LEVER_ROWS if experts else []):
-            extra = dict(extra)
-            if extra.get("micro_batch_tokens") == "cap":
-                extra["micro_batch_tokens"] = launch.prompt_cap + launch.response_cap
-            if extra.get("rollout_rows") == "half":
-                extra["rollout_rows"] = max(1, launch.rollout_rows // 2)
-            if extra.get("expert_parallel") == "x2":
-                if experts % (2 * launch.ep) or launch.world % (launch.pp * 2 * launch.ep):
-                    continue
-                extra["expert_parallel"] = 2 * launch.ep
-            levers = Levers(**dict(base, **extra))
-            note = ("needs --moe-routing-replay dropped (it refuses recompute)"
-                    if launch.routing_replay and levers.recompute != "none" else "")
-            p = project(launch, coef, levers)
-            rows.append(dict(label=label, note=note, levers=asdict(levers), rollout_gb=p["rollout"] / GB,
-                             passes_gb=p["passes"] / GB, train_gb=p["train"] / GB,
+        for label, levers in lever_rows(launch, Levers(**rec["levers"]) if rec else launch.levers):
+            p = project(launch, coefs, levers, table)
+            rows.append(dict(label=label, levers=asdict(levers), flags=lever_flags(launch, levers),
+                             activations_described=p["activations_described"], layout=p["layout"],
+                             **{f"{k}_gb": p[k] / GB for k in ("rollout", "passes", "train", "rollout_states",
+                                                               "passes_states", "train_states")},
                              stages={str(s): {ph: {k: (v / GB if k != "in_flight" else v) for k, v in d.items()}
                                               for ph, d in st["phases"].items()}
                                      for s, st in p["stages"].items()},
-                             states_by_role_gb={str(s): {k: v / GB for k, v in st["states_by_role"].items()}
+                             states_by_role_gb={str(s): {ph: {k: v / GB for k, v in roles_.items()}
+                                                         for ph, roles_ in st["states_by_role"].items()}
                                                 for s, st in p["stages"].items()}))
-        model = LAUNCHERS[path]["model"]
+        if launch.state_only:  # what the distributed optimizer and the offloads leave at best
+            best = replace(launch.levers, distributed_optimizer=True, offload_ref_reward=True, offload_optimizer=True,
+                           offload_grad=True, offload_param=True)
+            p = project(launch, coefs, best, table)
+            rows.append(dict(label="best model state (dist-opt, every offload)", levers=asdict(best),
+                             flags=lever_flags(launch, best), activations_described=False, layout=p["layout"],
+                             **{f"{k}_gb": p[k] / GB for k in ("rollout", "passes", "train", "rollout_states",
+                                                               "passes_states", "train_states")}))
         counted = param_counts(model_shape(model))["total"]
+        mb = None
+        if not launch.state_only:
+            prompts, responses = skewed_mix(launch.rollout_rows, launch.n_samples, launch.prompt_cap,
+                                            launch.response_cap)
+            mb = micro_batch_costs(prompts, responses, launch.n_samples, launch.micro_batch_size,
+                                   (Levers(**rec["levers"]).micro_batch_tokens if rec else None)
+                                   or launch.prompt_cap + launch.response_cap)
         out[path] = dict(
             model=model, stage=launch.stage, world=launch.world, tp=launch.tp, pp=launch.pp, ep=launch.ep,
-            dp=launch.dp, expert_dp=launch.expert_dp,
+            dp=launch.dp, expert_dp=launch.expert_dp, state_only=launch.state_only,
             roles=[dict(name=r.name, trainable=r.trainable, value_head=r.value_head, offloadable=r.offloadable)
                    for r in launch.roles],
-            rollout_rows=launch.rollout_rows, unique_prompts=launch.unique_prompts,
-            micro_batch_size=launch.micro_batch_size, prompt_cap=launch.prompt_cap, response_cap=launch.response_cap,
-            mini_batch=launch.mini_batch, flags=launch.flags, params_counted=counted,
-            params_published=MODELS[model]["published_params"], rows=rows, recommended=recommend(launch, coef),
-            recommended_without_routing_replay=(recommend(replace(launch, routing_replay=False), coef)
-                                                if launch.routing_replay else None),
-            micro_batching=micro_batch_costs(*skewed_mix(launch.rollout_rows, launch.n_samples, launch.prompt_cap,
-                                                         launch.response_cap), launch.n_samples,
-                                             launch.micro_batch_size, launch.prompt_cap + launch.response_cap))
+            rollout_rows=launch.rollout_rows, micro_batch_size=launch.micro_batch_size, prompt_cap=launch.prompt_cap,
+            response_cap=launch.response_cap, mini_batch=launch.mini_batch, flags=launch.flags,
+            as_launched=asdict(launch.levers), params_counted=counted,
+            params_published=MODELS[model]["published_params"], rows=rows, recommended=rec, micro_batching=mb)
     return out
 
 
@@ -1664,34 +1988,34 @@ def main_cases(shape: Shape, lengths: Sequence[int], attentions: Sequence[str]) 
     for attention in attentions:
         for seq in lengths:
             for mode in RECOMPUTE:
-                cases.append(Case(shape, seq, recompute=mode, attention=attention))
-            cases.append(Case(shape, seq, attention=attention, kind="forward"))
+                cases.append(Case(shape, seq, attention, recompute=mode))
+            cases.append(Case(shape, seq, attention, kind="forward"))
     # the same 4 samples of one prompt as 4 rows and as one packed row [prompt | r1 .. r4] of `seq` tokens
-    for seq in lengths[:2]:
-        cases.append(Case(shape, seq, layout="packed", group=4, tag="packed"))
-        cases.append(Case(shape, seq, layout="row", group=4, tag="packed"))
+    for attention in attentions:
+        for seq in lengths[:2]:
+            cases.append(Case(shape, seq, attention, layout="packed", group=4, tag="packed"))
+            cases.append(Case(shape, seq, attention, layout="row", group=4, tag="packed"))
     return cases
 
 
-def grid_cases(grid: dict) -> List[Case]:
+def grid_cases(grid: dict, attentions: Sequence[str]) -> List[Case]:
     cases = []
-    for tag in ("dense", "held_out"):
-        for shape in grid[tag]:
-            for seq in grid["lengths"]:
-                for mode in RECOMPUTE:
-                    cases.append(Case(shape, seq, recompute=mode, tag="fit" if tag == "dense" else tag))
-                cases.append(Case(shape, seq, kind="forward", tag="fit" if tag == "dense" else tag))
-    for tag in ("qk_norm", "moe", "moe_held_out"):
-        for shape in grid[tag]:
-            for seq in grid["lengths"]:
-                for mode in RECOMPUTE:
-                    cases.append(Case(shape, seq, recompute=mode, tag=tag))
-                cases.append(Case(shape, seq, kind="forward", tag=tag))
+    for attention in attentions:
+        for tag in ("dense", "held_out", "qk_norm", "moe", "moe_held_out"):
+            for shape in grid[tag]:
+                for seq in grid["lengths"]:
+                    name = "fit" if tag == "dense" else tag
+                    for mode in RECOMPUTE:
+                        cases.append(Case(shape, seq, attention, recompute=mode, tag=name))
+                    cases.append(Case(shape, seq, attention, kind="forward", tag=name))
     return cases
 
 
 def run_cases(cases: Sequence[Case], device_type: str, max_bytes: float, log, timing_tags=("main", "packed"),
-              reuse: Optional[Dict[str, dict]] = None, only: Optional[str] = None):
+              reuse: Optional[Dict[str, dict]] = None, only: Optional[str] = None, save=None, date: str = ""):
+    """Measures `cases` (those in `reuse` taken from it, those `only` does not match skipped), calling `save`
+    with the results so far after each measured case (a long run keeps what it measured); each measured case
+    records its run's `date` (`measured_on`), which reuse keeps."""
     results = []
     for i, case in enumerate(cases):
         if reuse and case.name in reuse:
@@ -1701,9 +2025,6 @@ def run_cases(cases: Sequence[Case], device_type: str, max_bytes: float, log, ti
             results.append(dict(case=case_dict(case), skipped=f"not selected (--only {only})"))
             continue
         guess = rough_case_bytes(case)
-        if case.attention != "local" and not sdpa_available():
-            results.append(dict(case=case_dict(case), skipped="build_model has no attention option yet (branch attn)"))
-            continue
         if guess > max_bytes:
             results.append(dict(case=case_dict(case), skipped=f"needs about {guess / GB:.1f} GB by a rough estimate "
                                 f"(--max-case-gb {max_bytes / GB:g})"))
@@ -1716,25 +2037,29 @@ def run_cases(cases: Sequence[Case], device_type: str, max_bytes: float, log, ti
             results.append(dict(case=case_dict(case), error=f"{type(exc).__name__}: {exc}"[:500]))
             log(f"[{i + 1}/{len(cases)}] error {case.name}: {exc}")
             continue
+        r["measured_on"] = date
         results.append(r)
         log(f"[{i + 1}/{len(cases)}] {case.name}: saved/layer/token {r['per_layer']['layer_total']:.0f} B, "
             f"peak {r['peak'] / 2**20:.1f} MiB ({time.perf_counter() - start:.1f} s)")
+        if save is not None:
+            save(results + [dict(case=case_dict(c), skipped="not reached yet") for c in cases[len(results):]])
     return results
 
 
-def tp_check(coef: dict, tp1: List[dict], tp2: List[dict]) -> List[dict]:
-    """Measured TP2 saved bytes per token per layer (rank 0) against the TP rule's prediction from the TP1 fit, and
-    the replicated / divided split the two measurements give (m1 = r + d, m2 = r + d / 2)."""
+def tp_check(coefs: Dict[str, dict], tp1: List[dict], tp2: List[dict]) -> List[dict]:
+    """Measured TP2 saved bytes per token per layer (rank 0) against the TP rule's prediction from the TP1 fit of
+    the case's attention, and the replicated / divided split the two measurements give (m1 = r + d, m2 = r + d/2)."""
     by_name = {c["case"]["name"]: c for c in tp1 if "saved" in c}
     out = []
     for c in tp2:
-        if "saved" not in c:
+        if "saved" not in c or c["case"]["attention"] not in coefs:
             continue
         shape, mode = Shape(**c["case"]["shape"]), c["case"]["recompute"]
         measured = c["per_layer"]["layer_total"]
-        predicted = predict_layer_saved(coef, shape, mode, c["seq"], tp=2)["layer_total"]
-        entry = dict(name=c["case"]["name"], measured_tp2=measured, predicted_tp2=predicted,
-                     error=(predicted - measured) / measured if measured else 0.0, peak_tp2=c["peak"])
+        predicted = predict_layer_saved(coefs[c["case"]["attention"]], shape, mode, c["seq"], tp=2)["layer_total"]
+        entry = dict(name=c["case"]["name"], attention=c["case"]["attention"], measured_tp2=measured,
+                     predicted_tp2=predicted, error=(predicted - measured) / measured if measured else 0.0,
+                     peak_tp2=c["peak"])
         ref = by_name.get(c["case"]["name"])
         if ref is not None:
             m1 = ref["per_layer"]["layer_total"]
@@ -1747,35 +2072,42 @@ def tp_check(coef: dict, tp1: List[dict], tp2: List[dict]) -> List[dict]:
 
 ASSUMPTIONS = [
     "Shapes are the models' config.json values (MODELS); parameter counts computed from them are checked against "
-    "the published ones (JSON launchers.*.params_counted).",
+    "the published ones (JSON projection.*.params_counted).",
     "Launcher flags come from running each launcher (its default node count, 8 devices a node) with a stub python "
     "and mindspeed_llm.arguments.parse_args; critic / reward models are value-head models of the same trunk.",
-    "Rollout: all gbs x n / DP rows of a rank are generated at once (rl/rollout.py -> generate); the static KV cache "
-    "is 2 x layers x (prompt cap + response cap) x rows x kv heads / TP x head dim x 2 B per stage; repeated "
-    "prompts are prefilled once; the prefill runs the longest prompt (the cap) for every distinct prompt.",
-    "A decode step on an accelerator adds megatron's repeat_interleave of one layer's K and V cache to all query "
-    "heads (the patch that avoids it is CPU-only) and [rows, V] logits x 10 B for sampling; computed, not measured.",
-    "Training micro-batches are at the cap (prompt cap + response cap): today's micro-batch takes the width of the "
-    "local batch's longest sample, and a batch with one response at the cap has that width; with a token budget "
-    "the largest micro-batch is floor(budget / cap) rows at the cap (at least one).",
-    "Pipeline: 1F1B keeps min(PP - stage, micro-batches) micro-batches' saved activations in flight; the first and "
-    "last stages are projected and the larger is reported (the last holds the output layer and the logits).",
-    "Model state: trainable bf16 = 2 (weights) + 4 (fp32 grad buffer) + 4 (fp32 main weights) + 8 (Adam) B per "
-    "parameter (measured); distributed optimizer: the 12 B of main weights and moments divided by DP (expert DP "
-    "for experts), megatron's rule (it does not run on CPU here); frozen = 2 B; --offload-ref-reward: frozen "
-    "models count only in their own pass; offload-train-state keeps only the weights on the device in the rollout.",
-    "Activations per token per layer and working sets come from the fit at TP1; under TP the hidden-sized terms "
-    "stay replicated (no sequence parallelism) and the q / kv / FFN / heads terms divide (checked at TP2).",
+    "Rollout: without --rollout-max-num-seqs (engine branch, not in main) all gbs x n / DP rows of a rank are "
+    "generated at once on megatron's static KV cache, 2 x layers x (prompt cap + response cap) x rows x kv heads / "
+    "TP x head dim x 2 B per stage; with N rows in flight the cache holds N rows; a prompt's n samples share one "
+    "prefill, which runs the prompt cap for ceil(rows / n) prompts at once.",
+    "A decode step on an accelerator with the local attention adds megatron's repeat_interleave of one layer's K "
+    "and V cache to all query heads (the fused attention reads the KV groups in place), and [rows, V] logits x "
+    "10 B for sampling; computed, not measured.",
+    "Training micro-batches: by count, --micro-batch-size rows at the cap (a micro-batch with a response at the cap "
+    "is cut to that width); with a token budget B: B tokens as B / cap rows at the cap (the largest sum of s^2), "
+    "every token read (prompts may be short); packed: mbs / n rows of prompt cap + n x response cap.",
+    "Pipeline: 1F1B keeps min(PP - stage, micro-batches) micro-batches' saved activations in flight (with a token "
+    "budget PP of them); the first and last stages are projected and the larger is reported.",
+    "Model state by part (weights, grads, masters, moments) in bytes per parameter as measured (rl/model_state."
+    "bytes_per_parameter of a real TrainableModel after an Adam step): at DP1 with megatron's optimizer, and with "
+    "the distributed optimizer at DP2 on two gloo processes; a part whose DP2 bytes are below 3/4 of the plain "
+    "ones is taken as divided by DP (expert DP for experts). Frozen models: the measured frozen bytes per "
+    "parameter. --offload-train-*: the parts roles.offload_parts names leave the device from one update to the "
+    "next (the measured fraction stays), the critic's weights come back for its values pass; --offload-ref-reward: "
+    "a frozen model counts only in its own pass.",
+    "Activations per token per layer and working sets come from the fit of each attention at TP1; under TP the "
+    "hidden-sized terms stay replicated (no sequence parallelism) and the q / kv / FFN / heads terms divide "
+    "(checked at TP2).",
+    "The fused attention's fit is of torch's CPU kernel (saves q, k, v, the output and one fp32 log-sum-exp per "
+    "query and head); NPU's npu_fusion_attention keeps [b, heads, s, 8] fp32 softmax max and sum instead (60 B more "
+    "per token and head), CUDA's flash kernels the log-sum-exp: not measured here.",
     "Mixture of experts: a rank's routed tokens per local token equal top-k on average (balanced routing, "
     "dropless); the all-to-all dispatcher was measured at EP1.",
-    "Megatron's global memory buffer (local attention's [b x heads, s, s] bf16 score target) keeps its largest "
-    "size once allocated (prefill or update) and is counted in every phase.",
+    "Megatron's global memory buffer (the local attention's [b x heads, s, s] bf16 score target) keeps its largest "
+    "size once allocated (prefill or update) and is counted in every phase; the fused attention does not use it.",
     "Optimizer step temporaries, communication buffers, the allocator's fragmentation and the framework's own "
     "workspace are not counted: the 56 GB target leaves 8 GB of a 64 GB device for them.",
-    "SDPA bound: the fitted terms without the s^2 parts (saved and working sets) and without the global buffer; "
-    "computed, to be replaced by the measured SDPA cases when build_model accepts attention='sdpa'.",
     "Skewed mix: 10% of responses at the cap, the rest uniform in 10-50% of it; prompts uniform in 5-15% of the "
-    "prompt cap, one per prompt group; token budget = prompt cap + response cap unless said.",
+    "prompt cap, one per prompt group.",
 ]
 
 
@@ -1791,6 +2123,12 @@ def print_table(rows: List[List[str]], header: List[str]) -> str:
     return "\n".join(out)
 
 
+def _state_text(run: dict) -> str:
+    if "bytes_per_param" not in run:
+        return f"did not run ({run.get('error', 'not measured')[:160]})"
+    return ", ".join(f"{k} {v:.2f}" for k, v in run["bytes_per_param"].items())
+
+
 def report(data: dict) -> str:
     out = []
     cases = [c for c in data["cases"] if c["case"]["tag"] in ("main", "packed")]
@@ -1798,86 +2136,113 @@ def report(data: dict) -> str:
     for c in cases:
         name = c["case"]["name"].split(" h")[0]
         if "saved" not in c:
-            rows.append([name, "-", "-", "-", "-", "-", c.get("skipped") or c.get("error", "")])
+            rows.append([name, "-", "-", "-", "-", "-", "-", c.get("skipped") or c.get("error", "")])
             continue
         pl = c["per_layer"]
         rows.append([name, c["tokens"], f"{pl['layer_total']:.0f}", f"{pl.get('attention', 0):.0f}",
                      f"{c['peak'] / 2**20:.0f}", f"{c['global_buffer'] / 2**20:.0f}",
-                     f"{c['time_s']:.1f}" if "time_s" in c else "-"])
+                     f"{c['time_s']:.1f}" if "time_s" in c else "-", c.get("measured_on", "")])
     out.append("Measured (" + data["meta"]["shape_text"] + "):")
     out.append(print_table(rows, ["case", "tokens", "saved B/tok/layer", "of it attention", "peak MiB",
-                                  "buffer MiB", "time s"]))
+                                  "buffer MiB", "time s", "measured"]))
+    checks = data.get("peak_check", {})
+    scripted = checks.get("scripted", {})
+    out.append(f"\nPeak method: a scripted sequence {scripted.get('measured')} B measured, "
+               f"{scripted.get('expected')} B expected")
+    for key, label in (("rss", "glibc's default"), ("rss_fixed_mmap_threshold", "MALLOC_MMAP_THRESHOLD_=131072")):
+        rss = checks.get(key)
+        if rss and "rss_rise" in rss:
+            out.append(f"  RSS of a fresh process over one step ({rss['case'].split(' h')[0]}, {label}): rises "
+                       f"{rss['rss_rise'] / 2**20:.0f} MiB, the profiler's peak {rss['profiler_peak'] / 2**20:.0f} MiB "
+                       f"({100 * (rss['rss_rise'] / rss['profiler_peak'] - 1):+.0f}%)")
     fit = data["fit"]
-    out.append("\nFit check (saved per token per layer; peak of the step):")
+    out.append("\nFit check (saved per token per layer; peak of the step), by the fit of the case's attention:")
     rows = [[e["name"].split(" L")[0], e["tag"], f"{e.get('saved_per_layer_token', 0):.0f}",
              f"{e.get('predicted', 0):.0f}", f"{100 * e.get('error', 0):+.1f}%", f"{e['peak'] / 2**20:.0f}",
              f"{e['predicted_peak'] / 2**20:.0f}", f"{100 * e['peak_error']:+.1f}%"]
             for e in fit["check"] if e["tag"] in ("main", "held_out", "moe_held_out", "packed")]
     out.append(print_table(rows, ["case", "tag", "measured", "fit", "err", "peak MiB", "fit MiB", "err"]))
-    out.append(f"held-out max |error|: saved {100 * fit['held_out_max_error']:.1f}%, "
-               f"peak {100 * fit['held_out_max_peak_error']:.1f}%")
+    for attention, errors in fit["held_out"].items():
+        out.append(f"{attention}: held-out max |error| saved {100 * errors['saved']:.1f}%, "
+                   f"peak {100 * errors['peak']:.1f}%")
     if data.get("tp2", {}).get("check"):
         out.append("\nTP2 (2 gloo processes, rank 0) against the TP rule:")
         rows = [[e["name"].split(" h")[0], f"{e.get('measured_tp1', 0):.0f}", f"{e['measured_tp2']:.0f}",
                  f"{e['predicted_tp2']:.0f}", f"{100 * e['error']:+.1f}%", f"{e.get('replicated', 0):.0f}",
                  f"{e.get('divided', 0):.0f}"] for e in data["tp2"]["check"]]
         out.append(print_table(rows, ["case", "TP1", "TP2", "TP2 fit", "err", "replicated", "divided"]))
+    elif data.get("tp2", {}).get("error"):
+        out.append("\nTP2 did not run: " + data["tp2"]["error"][-300:])
     if data.get("generate"):
         out.append("\nRollout (generate, static KV cache; peak vs KV cache + the no-grad forward fit + buffer):")
         rows = []
+        coefs = data["fit"]["coefficients"]
         for g in data["generate"]:
-            shape = Shape(**g["shape"])
-            fit = (predict_working_set(data["fit"]["coefficients"], shape, "forward", "none", g["prompt"], g["batch"])
-                   + g["batch"] * shape.heads * g["prompt"] ** 2 * 2 + g["kv_cache"])
-            error = 100 * (fit - g["peak"]) / g["peak"]
-            rows.append([g["batch"], g["prompt"], g["new_tokens"], f"{g['kv_cache'] / 2**20:.1f}",
-                         f"{g['peak'] / 2**20:.1f}", f"{fit / 2**20:.1f}", f"{error:+.1f}%"])
-        out.append(print_table(rows, ["rows", "prompt", "new", "KV MiB", "peak MiB", "fit MiB", "err"]))
+            shape, attention = Shape(**g["shape"]), g.get("attention", "local")
+            if attention not in coefs:
+                continue
+            buffer = g["batch"] * shape.heads * g["prompt"] ** 2 * 2 if attention == "local" else 0
+            fit_bytes = (predict_working_set(coefs[attention], shape, "forward", "none", g["prompt"], g["batch"])
+                         + buffer + g["kv_cache"])
+            rows.append([attention, g["batch"], g["prompt"], g["new_tokens"], f"{g['kv_cache'] / 2**20:.1f}",
+                         f"{g['peak'] / 2**20:.1f}", f"{fit_bytes / 2**20:.1f}",
+                         f"{100 * (fit_bytes - g['peak']) / g['peak']:+.1f}%"])
+        out.append(print_table(rows, ["attention", "rows", "prompt", "new", "KV MiB", "peak MiB", "fit MiB", "err"]))
         for k in data.get("kv_check", []):
-            out.append(f"KV check: {k['new_tokens'][0]} -> {k['new_tokens'][1]} new tokens: peak rises "
-                       f"{k['peak_rise'] / 2**20:.2f} MiB, megatron's KV sizing {k['kv_cache_rise'] / 2**20:.2f} MiB")
+            out.append(f"KV check ({k['attention']}): {k['new_tokens'][0]} -> {k['new_tokens'][1]} new tokens: peak "
+                       f"rises {k['peak_rise'] / 2**20:.2f} MiB, megatron's KV sizing {k['kv_cache_rise'] / 2**20:.2f}"
+                       " MiB")
     ms = data["model_state"]
-    out.append("\nModel state, bytes per parameter (measured): " + ", ".join(
-        f"{k} {v:.2f}" for k, v in ms["bytes_per_param"].items()) + f"; frozen {ms['frozen_bytes_per_param']:.2f}")
-    dist = data.get("tp2", {}).get("distributed_optimizer_dp2") or {}
-    out.append("Distributed optimizer at DP2: " + (
-        ", ".join(f"{k} {v:.2f}" for k, v in dist["bytes_per_param"].items()) if "bytes_per_param" in dist
-        else f"did not run ({dist.get('error', 'not measured')[:160]}); megatron's rule 2 + 4 + 12 / DP is used"))
+    states = (data.get("tp2") or {}).get("model_state") or {}
+    out.append("\nModel state, bytes per parameter (measured, rl/model_state.bytes_per_parameter):")
+    out.append(f"  DP1, megatron's optimizer: {_state_text(ms)}; frozen {ms['frozen_bytes_per_param']:.2f}")
+    out.append(f"  DP1, distributed optimizer: {_state_text(data.get('model_state_distributed_optimizer_dp1', {}))}")
+    for key, label in (("dp2", "DP2, megatron's optimizer"),
+                       ("distributed_optimizer_dp2", "DP2, distributed optimizer")):
+        if key in states:
+            out.append(f"  {label}: {_state_text(states[key])}")
+    for source, run in (("DP1", ms), ("DP2 dist-opt", states.get("distributed_optimizer_dp2", {}))):
+        for name, entry in (run.get("offloaded") or {}).items():
+            left = entry["on_device_during_rollout"]
+            out.append(f"  {source} {name}: on the device during the rollout " + ", ".join(
+                f"{k} {v:.2f}" for k, v in left.items()) + " B/param")
+    out.append(f"  projection's table: {data['model_state_table']['source']}")
     out.append("\nMicro-batches at the skewed mix (processed / real tokens, attention work / real):")
     rows = []
     for name, mb in data["micro_batching"].items():
-        for mode in ("today", "own_length", "token_budget", "packed_today", "packed_token_budget"):
+        if not mb:
+            continue
+        for mode in ("padded", "by_count", "token_budget", "packed_by_count", "packed_token_budget"):
             if mode in mb:
-                rows.append([name, mode, f"{mb[mode]['tokens_ratio']:.2f}x", f"{mb[mode]['attention_ratio']:.2f}x",
-                             mb[mode]["largest_micro_batch_tokens"]])
-    out.append(print_table(rows, ["batch", "micro-batches", "tokens", "attention", "largest mb tokens"]))
+                rows.append([name, mode, "computed", f"{mb[mode]['tokens_ratio']:.2f}x",
+                             f"{mb[mode]['attention_ratio']:.2f}x", mb[mode]["largest_micro_batch_tokens"]])
+        for mode, plan in (mb.get("plan") or {}).items():
+            rows.append([name, mode, "MicroBatchPlan", f"{plan['tokens_ratio']:.2f}x", "-",
+                         plan["largest_micro_batch_tokens"]])
+    out.append(print_table(rows, ["batch", "micro-batches", "how", "tokens", "attention", "largest mb tokens"]))
     for path, p in data["projection"].items():
         ep = f" EP{p['ep']}" if p["ep"] > 1 else ""
         out.append(f"\n{path}: {p['model']} {p['stage']}, world {p['world']} = TP{p['tp']} PP{p['pp']} "
-                   f"DP{p['dp']}{ep}, rollout rows/rank "
-                   f"{p['rollout_rows']}, mbs {p['micro_batch_size']}, caps {p['prompt_cap']}+{p['response_cap']}"
-                   f" (params {p['params_counted'] / 1e9:.2f}B, published {p['params_published'] / 1e9:.2f}B)")
+                   f"DP{p['dp']}{ep}, rollout rows/rank {p['rollout_rows']}, mbs {p['micro_batch_size']}, caps "
+                   f"{p['prompt_cap']}+{p['response_cap']} (params {p['params_counted'] / 1e9:.2f}B, published "
+                   f"{p['params_published'] / 1e9:.2f}B)" + (" -- model state only (activations not described)"
+                                                             if p["state_only"] else ""))
         rows = []
         for r in p["rows"]:
-            if "skipped" in r:
-                rows.append([r["label"], "-", "-", "-", "-", r["skipped"]])
-                continue
             worst = max(r["rollout_gb"], r["passes_gb"], r["train_gb"])
-            fits = "/".join(name for name, gb in DEVICES_GB.items() if worst <= gb) or "neither"
-            rows.append([r["label"], fmt_gb(r["rollout_gb"]), fmt_gb(r["passes_gb"]), fmt_gb(r["train_gb"]),
-                         "yes" if r["train_gb"] <= TARGET_TRAIN_GB else "no", fits, r.get("note", "")])
-        out.append(print_table(rows, ["levers", "rollout GB", "passes GB", "train GB", f"train<={TARGET_TRAIN_GB}",
-                                      "all phases fit", ""]))
+            fits = "/".join(str(gb) for gb in DEVICES_GB.values() if worst <= gb) or "neither"
+            bound = "" if r["activations_described"] else ">="
+            rows.append([r["label"], bound + fmt_gb(r["rollout_gb"]).strip(), bound + fmt_gb(r["passes_gb"]).strip(),
+                         bound + fmt_gb(r["train_gb"]).strip(), fmt_gb(r["rollout_states_gb"]).strip(),
+                         fmt_gb(r["train_states_gb"]).strip(), "yes" if worst <= TARGET_TRAIN_GB else "no", fits])
+        out.append(print_table(rows, ["levers", "rollout GB", "passes GB", "train GB", "state@rollout",
+                                      "state@train", f"all<={TARGET_TRAIN_GB}", "fits GB"]))
         rec = p["recommended"]
-        out.append(f"needs (<= {TARGET_TRAIN_GB} GB in every phase): " + ("; ".join(rec["changes"]) or "nothing")
-                   + f" -> rollout {rec['rollout_gb']:.1f}, passes {rec['passes_gb']:.1f}, "
-                     f"train {rec['train_gb']:.1f} GB"
-                   + (f" ({'; '.join(rec['notes'])})" if rec["notes"] else ""))
-        alt = p.get("recommended_without_routing_replay")
-        if alt:
-            out.append("without --moe-routing-replay (which refuses recompute): " + "; ".join(alt["changes"])
-                       + f" -> rollout {alt['rollout_gb']:.1f}, passes {alt['passes_gb']:.1f}, "
-                         f"train {alt['train_gb']:.1f} GB" + (f" ({'; '.join(alt['notes'])})" if alt["notes"] else ""))
+        if rec:
+            out.append(f"recommended (<= {TARGET_TRAIN_GB} GB in every phase): {rec['label']}\n  flags: "
+                       + (" ".join(rec["flags"]) or "nothing") + f"\n  -> rollout {rec['rollout_gb']:.1f}, passes "
+                       f"{rec['passes_gb']:.1f}, train {rec['train_gb']:.1f} GB"
+                       + (f" ({'; '.join(rec['notes'])})" if rec["notes"] else ""))
     out.append("\nTargets:")
     for t in data["targets"]:
         out.append(f"  [{t['status']}] {t['target']}: {t['measured']}")
@@ -1893,23 +2258,26 @@ def targets(data: dict) -> List[dict]:
         p = data["projection"].get(path)
         if p is None:
             continue
-        rec = p["recommended"]
-        out.append(dict(target=f"{os.path.basename(path)} training peak <= {TARGET_TRAIN_GB} GB with the right levers",
-                        status="met" if rec["train_gb"] <= TARGET_TRAIN_GB else "not met",
-                        measured=f"{rec['train_gb']:.1f} GB with {'; '.join(rec['changes'])} (as launched "
-                                 f"{p['rows'][0].get('train_gb', float('nan')):.1f} GB)"))
-    sdpa = [c for c in data["cases"] if c["case"]["tag"] == "main" and c["case"]["attention"] == "sdpa"
-            and c["case"]["recompute"] == "none" and c["case"]["kind"] == "train" and "saved" in c]
+        launched = p["rows"][0]
+        out.append(dict(target=f"{os.path.basename(path)} training peak <= {TARGET_TRAIN_GB} GB per device",
+                        status="met" if launched["train_gb"] <= TARGET_TRAIN_GB else "not met",
+                        measured=f"as launched ({Levers(**launched['levers']).label()}): train "
+                                 f"{launched['train_gb']:.1f}, rollout {launched['rollout_gb']:.1f}, passes "
+                                 f"{launched['passes_gb']:.1f} GB; recommended {p['recommended']['train_gb']:.1f} GB"))
+    sdpa = sorted((c for c in data["cases"] if c["case"]["tag"] == "main" and c["case"]["attention"] == "sdpa"
+                   and c["case"]["recompute"] == "none" and c["case"]["kind"] == "train" and "saved" in c),
+                  key=lambda c: c["seq"])
     if len(sdpa) >= 2:
-        per_token = [c["per_layer"]["attention"] for c in sorted(sdpa, key=lambda c: c["seq"])]
+        per_token = [c["per_layer"]["attention"] for c in sdpa]
         linear = max(per_token) <= 1.05 * min(per_token)
         out.append(dict(target="with SDPA, attention's saved bytes per layer grow linearly with s",
                         status="met" if linear else "not met",
-                        measured="attention B/token/layer " + ", ".join(f"{x:.0f}" for x in per_token)))
+                        measured="attention B/token/layer at s = " + ", ".join(
+                            f"{c['seq']}: {x:.0f}" for c, x in zip(sdpa, per_token))
+                                 + " (constant per token = linear per layer)"))
     else:
-        out.append(dict(target="with SDPA, attention's saved bytes per layer grow linearly with s (2k -> 4k -> 8k)",
-                        status="pending", measured="build_model has no attention option yet (branch attn); local "
-                        "attention's grow as s^2 (see the fit's heads*s term)"))
+        out.append(dict(target="with SDPA, attention's saved bytes per layer grow linearly with s",
+                        status="pending", measured="fewer than two SDPA lengths measured"))
     full = [c for c in data["cases"] if c["case"]["tag"] == "main" and c["case"]["recompute"] == "full"
             and c["case"]["kind"] == "train" and "saved" in c]
     if full:
@@ -1917,37 +2285,59 @@ def targets(data: dict) -> List[dict]:
         worst = max(c["per_layer"]["layer_total"] for c in full)
         out.append(dict(target="full recompute keeps at most about 2*H bytes per token per layer",
                         status="met" if worst <= 2.05 * h else "not met",
-                        measured=f"{worst:.1f} B/token/layer = {worst / h:.3f} H (H = {h}); shared per micro-batch "
-                                 "(rotary table, mask, token ids) counted apart"))
+                        measured=f"{worst:.1f} B/token/layer = {worst / h:.3f} H (H = {h}, {len(full)} cases); shared "
+                                 "per micro-batch (rotary table, mask, token ids) counted apart"))
     generic = data["micro_batching"].get("skewed mix (generic)")
     if generic:
-        out.append(dict(target="token-budget micro-batches process <= 1.2x the real tokens at the skewed mix "
-                               "(2.4x today)",
-                        status="met" if generic["token_budget"]["tokens_ratio"] <= 1.2 else "not met",
-                        measured=f"token budget {generic['token_budget']['tokens_ratio']:.2f}x, today "
-                                 f"{generic['today']['tokens_ratio']:.2f}x, own length "
-                                 f"{generic['own_length']['tokens_ratio']:.2f}x (local stand-in rule)"))
+        plan = generic.get("plan", {}).get("token_budget")
+        ratio = plan["tokens_ratio"] if plan else generic["token_budget"]["tokens_ratio"]
+        out.append(dict(target="token-budget micro-batches process <= 1.2x the real tokens at the skewed mix",
+                        status="met" if ratio <= 1.2 else "not met",
+                        measured=f"MicroBatchPlan with max_tokens {generic['budget']}: {ratio:.2f}x (by count "
+                                 f"{generic['by_count']['tokens_ratio']:.2f}x, padded to the batch's longest "
+                                 f"{generic['padded']['tokens_ratio']:.2f}x)"))
+    for path, p in data["projection"].items():
+        launched = p["rows"][0]
+        worst = max(launched["rollout_gb"], launched["passes_gb"], launched["train_gb"])
+        out.append(dict(target=f"{os.path.basename(path)} fits {TARGET_TRAIN_GB} GB in every phase as launched",
+                        status="met" if worst <= TARGET_TRAIN_GB and launched["activations_described"] else "not met",
+                        measured=f"rollout {launched['rollout_gb']:.1f}, passes {launched['passes_gb']:.1f}, train "
+                                 f"{launched['train_gb']:.1f} GB" + ("" if launched["activations_described"] else
+                                                                      " (model state alone: a lower bound)")))
     return out
 
 
-def summarize_fit(coef: dict, cases: List[dict]) -> dict:
-    check = check_fit(coef, cases)
-    held = [e for e in check if e["tag"] in ("held_out", "moe_held_out")]
-    return dict(coefficients=coef, check=check,
-                held_out_max_error=max([abs(e.get("error", 0)) for e in held] or [0.0]),
-                held_out_max_peak_error=max([abs(e["peak_error"]) for e in held] or [0.0]),
+def summarize_fit(coefs: Dict[str, dict], cases: List[dict]) -> dict:
+    check = check_fit(coefs, cases)
+    held = {a: [e for e in check if e["tag"] in ("held_out", "moe_held_out") and e["attention"] == a] for a in coefs}
+    return dict(coefficients=coefs, check=check,
+                held_out={a: dict(saved=max([abs(e.get("error", 0)) for e in h] or [0.0]),
+                                  peak=max([abs(e["peak_error"]) for e in h] or [0.0])) for a, h in held.items()},
                 main_max_error=max([abs(e.get("error", 0)) for e in check if e["tag"] == "main"] or [0.0]))
+
+
+def generic_micro_batching() -> dict:
+    """The skewed mix of 256 samples in prompt groups of 8, caps 2048 + 2048, micro-batches of 4 samples and a
+    token budget of 4096: computed (`micro_batch_costs`) and measured on `MicroBatchPlan` (by count, by the budget,
+    and packed by count with micro-batches of 8 = one prompt group)."""
+    prompts, responses = skewed_mix(256, 8, 2048, 2048)
+    out = micro_batch_costs(prompts, responses, 8, 4, 4096)
+    out["plan"] = {"by_count": plan_micro_batch_tokens(prompts, responses, 8, 4, None),
+                   "token_budget": plan_micro_batch_tokens(prompts, responses, 8, 4, 4096),
+                   "packed_by_count": plan_micro_batch_tokens(prompts, responses, 8, 8, None)}
+    return out
 
 
 def analyse(data: dict, launchers: Sequence[str]) -> dict:
     """Fit, checks, micro-batching, projection and targets from the measurements in `data`."""
-    coef = fit_model(data["cases"])
-    data["fit"] = summarize_fit(coef, data["cases"])
+    coefs = fit_model(data["cases"])
+    data["fit"] = summarize_fit(coefs, data["cases"])
     if data.get("tp2", {}).get("cases"):
-        data["tp2"]["check"] = tp_check(coef, data["cases"], data["tp2"]["cases"])
-    generic = micro_batch_costs(*skewed_mix(256, 8, 2048, 2048), 8, 4, 4096)
-    data["micro_batching"] = {"skewed mix (generic)": generic}
-    data["projection"] = project_launchers(coef, launchers) if launchers else {}
+        data["tp2"]["check"] = tp_check(coefs, data["cases"], data["tp2"]["cases"])
+    data["micro_batching"] = {"skewed mix (generic)": generic_micro_batching()}
+    table = StateBytes.measured(data)
+    data["model_state_table"] = asdict(table)
+    data["projection"] = project_launchers(coefs, table, launchers) if launchers else {}
     for path, p in data["projection"].items():
         data["micro_batching"][os.path.basename(path)] = p["micro_batching"]
     data["kv_check"] = kv_check(data.get("generate", []))
@@ -1961,9 +2351,11 @@ def kv_check(generations: List[dict]) -> List[dict]:
     out = []
     for a in generations:
         for b in generations:
-            if (a["batch"], a["prompt"]) == (b["batch"], b["prompt"]) and b["new_tokens"] > a["new_tokens"]:
-                out.append(dict(batch=a["batch"], prompt=a["prompt"], new_tokens=(a["new_tokens"], b["new_tokens"]),
-                                peak_rise=b["peak"] - a["peak"], kv_cache_rise=b["kv_cache"] - a["kv_cache"]))
+            if (a.get("attention"), a["batch"], a["prompt"]) == (b.get("attention"), b["batch"], b["prompt"]) \
+                    and b["new_tokens"] > a["new_tokens"]:
+                out.append(dict(attention=a.get("attention", "local"), batch=a["batch"], prompt=a["prompt"],
+                                new_tokens=(a["new_tokens"], b["new_tokens"]), peak_rise=b["peak"] - a["peak"],
+                                kv_cache_rise=b["kv_cache"] - a["kv_cache"]))
     return out
 
 
@@ -2013,6 +2405,9 @@ def parse(argv=None):
                    help="take the cases an earlier --json measured (same name), the rollout, model-state, TP2 and "
                         "peak-check results from it, and measure only the rest")
     p.add_argument("--only", metavar="REGEX", help="measure only the cases whose name matches (with --reuse)")
+    p.add_argument("--remeasure", metavar="REGEX", help="measure again the cases of --reuse whose name matches")
+    p.add_argument("--attentions", nargs="+", choices=("sdpa", "local"), default=["sdpa", "local"],
+                   help="the core attentions measured (the first also runs the RSS check and every TP2 mode)")
     p.add_argument("--json", metavar="PATH")
     return p.parse_args(argv)
 
@@ -2045,10 +2440,10 @@ def main(argv=None) -> int:
     started = time.time()
     log = lambda msg: print(f"[{time.time() - started:7.1f} s] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     init_process(1)
-    attentions = ["local"] + (["sdpa"] if sdpa_available() else [])
-    data = dict(meta=dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command=" ".join(sys.argv),
-                          device=opts.device, threads=opts.threads, versions=versions(), machine=machine(),
-                          shape=asdict(shape), lengths=lengths, attentions=attentions, sdpa_available=sdpa_available(),
+    attentions = list(opts.attentions)
+    data = dict(meta=dict(format=JSON_FORMAT, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                          command=" ".join(sys.argv), device=opts.device, threads=opts.threads, versions=versions(),
+                          machine=machine(), shape=asdict(shape), lengths=lengths, attentions=attentions,
                           shape_text=f"hidden {shape.hidden}, FFN {shape.ffn}, {shape.heads} heads / {shape.kv_heads} "
                                      f"KV x {shape.head_dim}, {shape.layers} layers, vocabulary {shape.vocab}, bf16"))
     max_bytes = opts.max_case_gb * GB
@@ -2056,45 +2451,59 @@ def main(argv=None) -> int:
     if opts.reuse:
         with open(opts.reuse) as f:
             old = json.load(f)
-        data["meta"]["reused_from"] = dict(path=opts.reuse, date=old["meta"]["date"],
+        data["meta"]["reused_from"] = dict(path=opts.reuse, date=old["meta"]["date"], format=old["meta"].get("format"),
                                            earlier=old["meta"].get("reused_from"))
+    # an earlier format's rollout, model-state, TP2 and RSS results were measured otherwise: only its cases are
+    # taken (by name: the same shape, levers and attention)
+    old_extras = old if old.get("meta", {}).get("format") == JSON_FORMAT else {}
+
+    def save(cases=None):
+        if opts.json:
+            if cases is not None:
+                data["cases"] = cases
+            os.makedirs(os.path.dirname(os.path.abspath(opts.json)), exist_ok=True)
+            with open(opts.json, "w") as f:
+                json.dump(data, f, indent=1)
+
     data["peak_check"] = dict(scripted=check_peak_method(opts.device))
     log(f"peak method on a scripted sequence: {data['peak_check']['scripted']}")
-    if "rss" in old.get("peak_check", {}):
-        data["peak_check"]["rss"] = old["peak_check"]["rss"]
-    elif opts.device == "cpu" and not opts.no_rss_check:
-        rss_case = Case(shape, lengths[0])
-        data["peak_check"]["rss"] = check_peak_rss(rss_case)
-        log(f"RSS check: {data['peak_check']['rss']}")
-    cases = main_cases(shape, lengths, attentions) + ([] if opts.no_fit_grid else grid_cases(grid))
-    reuse = {c["case"]["name"]: c for c in old.get("cases", []) if "saved" in c}
-    data["cases"] = run_cases(cases, opts.device, max_bytes, log, reuse=reuse, only=opts.only)
     for key in ("generate", "model_state", "model_state_distributed_optimizer_dp1", "tp2"):
-        if key in old:
-            data[key] = old[key]
+        if key in old_extras:
+            data[key] = old_extras[key]
+    for key, threshold in (("rss", None), ("rss_fixed_mmap_threshold", 128 << 10)):
+        if key in old_extras.get("peak_check", {}):
+            data["peak_check"][key] = old_extras["peak_check"][key]
+        elif opts.device == "cpu" and not opts.no_rss_check:
+            data["peak_check"][key] = check_peak_rss(Case(shape, lengths[0], attentions[0]), threshold)
+            log(f"RSS check ({key}): {data['peak_check'][key]}")
     if "generate" not in data and not opts.no_generate:
         p1, p2 = (lengths[0] // 4, lengths[0] // 2)
-        data["generate"] = [measure_generate(shape, b, p, n, opts.device)
+        data["generate"] = [measure_generate(shape, b, p, n, attention, opts.device) for attention in attentions
                             for b, p, n in ((2, p1, 2), (2, p2, 2), (4, p2, 2), (4, p2, 2 + p2 // 4))]
-        log(f"generate: {[(g['peak'], g['kv_cache']) for g in data['generate']]}")
+        log(f"generate: {[(g['attention'], g['peak'], g['kv_cache']) for g in data['generate']]}")
     if "model_state" not in data:
         data["model_state"] = measure_model_state(grid["dense"][0])
-        try:
-            data["model_state_distributed_optimizer_dp1"] = measure_model_state(grid["dense"][0], True)
-        except Exception as exc:
-            data["model_state_distributed_optimizer_dp1"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        data["model_state_distributed_optimizer_dp1"] = measure_model_state(grid["dense"][0], True, offload=False)
+        log(f"model state: {data['model_state']['bytes_per_param']}")
     if "tp2" not in data and not opts.no_tp2 and opts.device == "cpu":
-        tp_cases = [Case(shape, seq, recompute=mode) for seq in lengths[:1] for mode in RECOMPUTE]
-        data["tp2"] = run_tp2(tp_cases)
+        tp_cases = [Case(shape, lengths[0], attention, recompute=mode) for attention in attentions
+                    for mode in (RECOMPUTE if attention == attentions[0] else ["none"])]
+        data["tp2"] = run_tp2(tp_cases, grid["dense"][0])
         log(f"TP2: {'error' if 'error' in data['tp2'] else 'done'}")
-    analyse(data, opts.launchers)
+    save()
+    cases = main_cases(shape, lengths, attentions) + ([] if opts.no_fit_grid else grid_cases(grid, attentions))
+    reuse = {c["case"]["name"]: dict(c, measured_on=c.get("measured_on") or f"before {old['meta']['date']}")
+             for c in old.get("cases", []) if "saved" in c}
+    reuse = {name: c for name, c in reuse.items() if not (opts.remeasure and re.search(opts.remeasure, name))}
+    data["cases"] = run_cases(cases, opts.device, max_bytes, log, reuse=reuse, only=opts.only, save=save,
+                              date=data["meta"]["date"])
+    data["meta"]["reused_cases"] = sorted(name for name in reuse if name in {c.name for c in cases})
     data["meta"]["wall_s"] = time.time() - started
     data["meta"]["machine"]["load_average_end"] = os.getloadavg()
+    save()
+    analyse(data, opts.launchers)
     print(report(data))
-    if opts.json:
-        os.makedirs(os.path.dirname(os.path.abspath(opts.json)), exist_ok=True)
-        with open(opts.json, "w") as f:
-            json.dump(data, f, indent=1)
+    save()
     return 0
 
 

@@ -119,7 +119,8 @@ def test_dynamic_sampling_resumes_exactly_at_dp2(tmp_path):
             "--seed", "5", "--data-path", task["data"], "--tokenizer-name-or-path", task["tokenizer"],
             "--max-length", "64", "--max-new-tokens", "8", "--do-sample", "--ref-model", task["mg_actor_tp1pp1"],
             "--dynamic-sampling", "--max-num-gen-batches", "8", "--verifier-function", "odd_first_word",
-            "--kl-coef", "0.05", "--lr", "0.1", "--log-interval", "1"]
+            "--kl-coef", "0.05", "--lr", "0.1", "--log-interval", "1",
+            "--no-check-for-divergence"]  # lr 0.1 moves the tiny model's weights far on purpose
     whole, split = tmp_path / "whole", tmp_path / "split"
 
     def run(out, iters, *extra):

@@ -141,7 +141,7 @@ QWEN3_30B_A3B = dict(
     router_aux_loss_coef=0.001, output_router_logits=False, sliding_window=None, use_sliding_window=False)
 
 
-@pytest.mark.parametrize("layout", [{}, {"EP": "16"}, {"EP": "4", "PP": "2"}], ids=["default", "ep16", "ep4-pp2"])
+@pytest.mark.parametrize("layout", [{}, {"EP": "8"}, {"EP": "4", "PP": "2"}], ids=["default", "ep8", "ep4-pp2"])
 def test_qwen3_moe_launcher_fits_the_model_and_converts_at_its_layout(tmp_path, monkeypatch, layout):
     """The launcher's model flags are Qwen3-30B-A3B's (the checks every loaded checkpoint gets), its layout is
     one the model splits into and this program trains a mixture of experts with, and the conversion script given
@@ -163,7 +163,7 @@ def test_qwen3_moe_launcher_fits_the_model_and_converts_at_its_layout(tmp_path, 
     spec.check_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                         args.expert_parallel_size, args.expert_tensor_parallel_size)
     moe.check_trainable(SimpleNamespace(model_spec=spec), args.tensor_model_parallel_size, "actor", "--ref-model")
-    assert args.expert_parallel_size == int(layout.get("EP", 8))
+    assert args.expert_parallel_size == int(layout.get("EP", 16))
 
     result, record = _launch(convert_dir, QWEN3_MOE_HF2MG, **layout)
     assert result.returncode == 0, result.stderr

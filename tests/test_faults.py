@@ -25,6 +25,7 @@ it is killed, signalled, or must exit with a code) or, for refusals that happen 
   every rank, naming the rank, its host and the file.
 """
 
+import fcntl
 import json
 import os
 import signal
@@ -235,11 +236,14 @@ def test_one_writer_per_save_directory(task, tmp_path):
         folder.mkdir()
     host = socket.gethostname()
     (busy / ".writer.lock").write_text(json.dumps({"host": host, "pid": os.getpid(), "since": "earlier"}))
+    holder = open(busy / ".writer.lock")  # a live holder holds the file's flock (this test process)
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
     gone = subprocess.Popen(["true"])
     gone.wait()
     (stale / ".writer.lock").write_text(json.dumps({"host": host, "pid": gone.pid, "since": "earlier"}))
     refused, taken = in_process([argv(task, busy, "--save", str(busy), iters=1),
                                  argv(task, stale, "--save", str(stale), iters=1)])
+    holder.close()
     assert refused[0] == 2 and f"pid {os.getpid()} on {host}" in refused[2] and "another run" in refused[2]
     assert tracker(busy) is None and (busy / ".writer.lock").exists()  # the holder's lock is left alone
     assert taken[0] == 0 and f"from pid {gone.pid}" in taken[1] and "no longer running" in taken[1]
@@ -268,7 +272,7 @@ def test_unwritable_save_and_overlong_prompts_are_refused_up_front(task, tmp_pat
     cases = [argv(task, tmp_path / "x", "--save", str(blocker / "save")),
              argv(task, tmp_path / "y", "--max-length", "8", "--max-new-tokens", "4")]
     (code, _, err), (long_code, _, long_err) = in_process(cases)
-    assert code == 2 and f"--save {blocker / 'save'} cannot be written" in err, err
+    assert code == 2 and f"--save {blocker / 'save'} lies under {blocker}, which is a file" in err, err
     assert long_code == 2 and "longer than --max-prompt-length 4" in long_err and "--overlong-prompts" in long_err
     assert not (tmp_path / "x" / "metrics.jsonl").exists() and not (tmp_path / "y" / "metrics.jsonl").exists()
 

@@ -362,7 +362,10 @@ class TrainableModel:
                 found.append(f"{key} is {float(value)}")
         # fp16 gradients carry the loss scale: an overflow there is megatron's grad scaler's to skip, not a stop
         buffers = [] if self.settings.params_dtype == "fp16" else self.ddp.buffers + self.ddp.expert_parallel_buffers
-        bad = sum(int((~torch.isfinite(buffer.grad_data)).sum()) for buffer in buffers)
+        # one fused reduction per buffer (NaN / inf propagate into the norm); the elementwise count only when it is
+        # not finite, for the message (a bool mask of every gradient was most of an optimizer step's time on CPU)
+        bad = sum(int((~torch.isfinite(buffer.grad_data)).sum()) for buffer in buffers
+                  if not bool(torch.isfinite(torch.linalg.vector_norm(buffer.grad_data))))
         if bad:
             found.append(f"{bad} gradient values are NaN or inf")
         if any_rank(bool(found)):

@@ -8,7 +8,16 @@
 # Honest limits of this layout (read before launching):
 # - NOT RUN at this size: the family is verified on tiny DeepSeek-V3 models (tests/test_deepseek_v3.py: conversion
 #   bit for bit at TP / PP / EP, transformers' logits at TP1, TP2, EP2, TP2 x EP2, PP2, greedy generation, packed
-#   positions). Whether 17B dense parameters per rank plus 4 experts x 58 layers fit one device is not checked.
+#   positions).
+# - DOES NOT FIT a 64 or 80 GB device at this layout, by its model state alone (benchmarks/memory.py, which measures
+#   the bytes per parameter of each part of the state but not multi-latent attention's activations; `python
+#   benchmarks/memory.py --project-only runs/memory/memory.json`): a rank holds the 17.0B dense parameters and 4 experts
+#   x 58 layers (10.2B), so the update needs at least 290 GB (the dense part at 2 + 4 + 12/64 B a parameter with the
+#   distributed optimizer, the experts at 18 B: expert data parallelism is 1), 345 GB with the reference on the
+#   device; with every offload (--offload-ref-reward, --offload-train-*) the rollout still holds 54.7 GB of weights
+#   before its KV cache. No layout of what exists fits: PP is 1 (below), EP cannot exceed 64 on 64 ranks, and TP
+#   for the dense part needs sequence parallelism for the MoE layers (below). More devices do not help the dense
+#   part (17.0B x 6 B of bf16 weights and fp32 grads alone is 102 GB).
 # - PP 1: 61 layers is prime and a pipeline stage here holds an equal share of the layers (MindSpeed-RL's uneven
 #   9,10,10,10,11,11 split over PP 6 is not supported), so the only pipeline size is 1.
 # - TP 1: megatron-core trains MoE layers under tensor parallelism only with sequence parallelism, which the local

@@ -3,6 +3,11 @@
 # all four models in one SPMD group of NPUS_PER_NODE x NNODES processes.
 # Companions: ckpt_convert_llama32_hf2mcore.sh, ckpt_convert_llama32_orm_hf2mcore.sh,
 # data_convert_llama32_trl_ppo.sh (run them first), ckpt_convert_llama32_mcore2hf.sh (after).
+# Memory: per device (one node, DP 8), projected by benchmarks/memory.py from CPU measurements (benchmarks/README.md;
+# `python benchmarks/memory.py --project-only runs/memory/memory.json`): rollout 23.8 GB, forward passes 23.9 GB, update
+# 28.3 GB. The model state of the two trained 1.24B models dominates: the distributed optimizer (their fp32 main weights
+# and Adam moments over the 8 DP ranks) takes it from 49.4 to 23.5 GB; micro-batches stay --micro-batch-size samples (a
+# token budget would pad these few short samples more).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 source examples/mcore/launch_env.sh
@@ -14,7 +19,7 @@ DATA_PATH=${DATA_PATH:-./dataset/llama32/alpaca}
 TOKENIZER=${TOKENIZER:-./model_from_hf/llama32_1b_hf}
 CKPT_SAVE_DIR=${CKPT_SAVE_DIR:-./ckpt/llama32_1b_trl_ppo}
 
-GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP \
+GPT_ARGS="--tensor-model-parallel-size $TP --pipeline-model-parallel-size $PP --use-distributed-optimizer \
   --micro-batch-size 4 --global-batch-size 64 --train-iters 500 --bf16 \
   --lr 1e-6 --critic-lr 5e-6 --lr-decay-style constant --weight-decay 0.0 --clip-grad 1.0 \
   --adam-beta1 0.9 --adam-beta2 0.95 --seed 1234"
