@@ -1,0 +1,207 @@
+"""Partial rollouts (`--partial-rollout`, `rl/partial_rollout.py`).
+
+* The buffers, on a scripted generator (each sample's length fixed by its sample id, its tokens naming it): which
+  groups train in which iteration (only whole groups, oldest first), what each round asks for (carried samples
+  first, as continuations of their own stream, with the round's budget), the metrics, the named error of
+  --max-num-gen-batches, a state_dict round trip that continues exactly, and DP2 (two threads, a barrier as the
+  collective) giving DP1's groups, rank r the r-th share; a DP2 checkpoint resumed at DP1.
+* On a real model (one spawn): a carried sample's tokens are those of one generation whose weights changed at the
+  cut (greedy: the first k tokens of the old weights, then the new weights' continuation of prompt + those k).
+* The stages (slow, `posttrain_gpt.py` processes): with a budget that cuts samples, a run and a SIGKILL after a
+  save + resume give the same metrics and weights, bit for bit (grpo and trl_ppo); refusals by name.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+
+import pytest
+import torch
+
+from mindspeed_llm.inference import Rollout, SamplingConfig
+from mindspeed_llm.rl.partial_rollout import PartialRolloutBudgetError, PartialRollouts, pending
+
+N = 2  # samples per prompt
+MAX_NEW, SPLIT = 8, 2  # a round adds at most 4 tokens to a sample
+LENGTHS = [2, 7, 3, 3, 8, 1, 6, 2]  # sample id s (position p * N + k) stops (EOS) after LENGTHS[s % 8] tokens
+EOS = 3
+
+
+def _token(started, sample_id, j):
+    return 1000 + 100 * started + 10 * sample_id + j
+
+
+def _logp(started, j):
+    return -(j + 1) / 4 - started  # exact in float32
+
+
+class _Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+class ScriptedGenerator:
+    """`generate_round` of a model whose sample (started iteration i, id s) emits `_token(i, s, j)` for j < its
+    length, then EOS is implied (reason "eos" at the length); records each call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, iteration, prompts, sample_ids, continuations, budgets):
+        rows = []
+        for prompt, sid, carry, budget in zip(prompts, sample_ids, continuations, budgets):
+            started = carry.iteration if carry is not None else iteration
+            old = list(carry.response) if carry is not None else []
+            assert old == [_token(started, sid, j) for j in range(len(old))]  # its own tokens come back
+            assert carry is None or list(carry.log_probs) == [_logp(started, j) for j in range(len(old))]
+            length = min(LENGTHS[sid % 8], budget)
+            rows.append((prompt, [_token(started, sid, j) for j in range(length)],
+                         [_logp(started, j) for j in range(length)], "eos" if length == LENGTHS[sid % 8] else "length"))
+        self.calls.append(dict(iteration=iteration, sample_ids=list(sample_ids), budgets=list(budgets),
+                               started=[c.iteration if c is not None else None for c in continuations]))
+        B, P, R = len(rows), max(len(r[0]) for r in rows), max(1, max(len(r[1]) for r in rows))
+        prompts_t, responses = torch.zeros(B, P, dtype=torch.long), torch.zeros(B, R, dtype=torch.long)
+        log_probs = torch.zeros(B, R)
+        for b, (prompt, response, lp, _) in enumerate(rows):
+            prompts_t[b, :len(prompt)] = torch.tensor(prompt)
+            responses[b, :len(response)] = torch.tensor(response, dtype=torch.long)
+            log_probs[b, :len(lp)] = torch.tensor(lp)
+        lengths = torch.tensor([len(r[1]) for r in rows])
+        return Rollout(prompts=prompts_t, prompt_lengths=torch.tensor([len(r[0]) for r in rows]), responses=responses,
+                       response_mask=(torch.arange(R)[None] < lengths[:, None]).long(), response_lengths=lengths,
+                       ended_with_eos=torch.tensor([r[3] == "eos" for r in rows]), finish_reasons=[r[3] for r in rows],
+                       log_probs=log_probs, pad_token_id=0)
+
+
+def _buffers(generator, local_groups=2, dp_rank=0, dp_size=1, gather=None, max_rounds=4):
+    sampling = SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=EOS, pad_token_id=0)
+    return PartialRollouts(generator, _Tokenizer(), sampling, group_size=N, local_groups=local_groups,
+                           max_split=SPLIT, max_rounds=max_rounds, dp_rank=dp_rank, dp_size=dp_size,
+                           gather=gather or (lambda obj: [obj]))
+
+
+def _rows(global_batch=2, dp_rank=0, dp_size=1):
+    """`trainer.next_rows`: this rank's prompts of generation batch j, `position` counting on over the batches."""
+    local = global_batch // dp_size
+
+    def rows(j):
+        first = j * global_batch + dp_rank * local
+        return [dict(input_ids=[7, 8, 9][:1 + (first + k) % 3], index=first + k, position=first + k, labels="-")
+                for k in range(local)]
+    return rows
+
+
+def _trained(exp):
+    """(started, sample id, response) per row of a training batch."""
+    return [(st, sid, exp.responses[b, :int(exp.response_mask[b].sum())].tolist())
+            for b, (st, sid) in enumerate(zip(exp.extras["started"], exp.extras["sample_ids"]))]
+
+
+def _expected(started, sid):
+    return started, sid, [_token(started, sid, j) for j in range(LENGTHS[sid % 8])]
+
+
+def test_whole_groups_train_oldest_first_and_carried_samples_continue():
+    gen = ScriptedGenerator()
+    buffers, rows = _buffers(gen), _rows()
+    # iteration 1, round 1: positions 0 (lengths 2, 7: cut at 4) and 1 (3, 3: done); round 2: position 0 finishes,
+    # positions 2 (8 cut, 1) and 3 (6 cut, 2) start; it trains positions 0 and 1
+    exp, metrics = buffers.collect(1, rows(0), rows)
+    assert _trained(exp) == [_expected(1, s) for s in (0, 1, 2, 3)]
+    assert metrics == {"partial_rollout/rounds": 2.0, "partial_rollout/carried": 2.0,
+                       "partial_rollout/max_staleness": 0.0, "partial_rollout/waiting": 0.0}
+    assert gen.calls[1] == dict(iteration=1, sample_ids=[1, 4, 5, 6, 7], budgets=[8, 4, 4, 4, 4],
+                                started=[1, None, None, None, None])  # the carried sample first, its whole budget
+    # the rollout log-probs of a carried sample: the first round's and the second's, as recorded
+    assert exp.rollout_logp[1, :7].tolist() == [_logp(1, j) for j in range(7)]
+    assert exp.extras["finish_reasons"] == ["eos"] * 4
+    # the samples that finished in round 2 (ids 5 and 7) wait for their group's other sample
+    assert pending(buffers.state_dict()) == (2, 0)
+
+    # iteration 2: the carried positions 2 and 3 of iteration 1 finish first and train (staleness 1); of the fresh
+    # ones, position 1 finishes and waits, position 0 is carried
+    exp, metrics = buffers.collect(2, rows(0), rows)
+    assert gen.calls[2]["started"] == [1, 1, None, None, None, None]
+    assert _trained(exp) == [_expected(1, s) for s in (4, 5, 6, 7)]
+    assert metrics == {"partial_rollout/rounds": 1.0, "partial_rollout/carried": 1.0,
+                       "partial_rollout/max_staleness": 1.0, "partial_rollout/waiting": 1.0}
+    assert [(g.started, g.position) for g in buffers.ready] == [(2, 1)]
+    assert [(g.started, g.position) for g in buffers.carried] == [(2, 0)]
+
+
+def test_state_dict_round_trip_continues_exactly_and_pending_counts():
+    gen_a, gen_b = ScriptedGenerator(), ScriptedGenerator()
+    a, rows = _buffers(gen_a), _rows()
+    a.collect(1, rows(0), rows)
+    a.collect(2, rows(0), rows)
+    blob = io.BytesIO()
+    torch.save(a.state_dict(), blob)  # as the checkpoint holds it
+    blob.seek(0)
+    state = torch.load(blob, weights_only=False)
+    assert pending(state) == (1, 1) and pending(None) == (0, 0)
+    b = _buffers(gen_b)
+    assert b.load_state_dict(state) is None
+    for iteration in (3, 4):
+        exp_a, metrics_a = a.collect(iteration, rows(0), rows)
+        exp_b, metrics_b = b.collect(iteration, rows(0), rows)
+        assert _trained(exp_a) == _trained(exp_b) and metrics_a == metrics_b
+        assert torch.equal(exp_a.tokens, exp_b.tokens) and torch.equal(exp_a.rollout_logp, exp_b.rollout_logp)
+    assert gen_a.calls[-2:] == gen_b.calls
+    with pytest.raises(Exception, match="--n-samples-per-prompt 3"):
+        PartialRollouts(gen_b, _Tokenizer(), b.sampling, group_size=3, local_groups=2, max_split=SPLIT,
+                        max_rounds=4).load_state_dict(state)
+
+
+def test_too_few_rounds_is_named():
+    buffers, rows = _buffers(ScriptedGenerator(), max_rounds=1), _rows()
+    with pytest.raises(PartialRolloutBudgetError, match=r"^--max-num-gen-batches 1: iteration 1 generated 1 batches "
+                                                        r"and finished 1 of the 2 prompt groups"):
+        buffers.collect(1, rows(0), rows)
+
+
+def _threads(fn, world):
+    """fn(rank, gather) on `world` threads whose `gather` is a collective (a barrier); the results by rank."""
+    slots, results, barrier = [None] * world, [None] * world, threading.Barrier(world)
+
+    def gather_for(rank):
+        def gather(obj):
+            slots[rank] = obj
+            barrier.wait()
+            out = list(slots)
+            barrier.wait()
+            return out
+        return gather
+
+    def body(rank):
+        results[rank] = fn(rank, gather_for(rank))
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return results
+
+
+def test_dp2_trains_the_dp1_groups_and_resumes_at_dp1():
+    iterations = (1, 2, 3)
+    one, rows = _buffers(ScriptedGenerator(), local_groups=2), _rows()
+    single = [one.collect(i, rows(0), rows) for i in iterations]
+
+    def dp2(rank, gather):
+        buffers = _buffers(ScriptedGenerator(), local_groups=1, dp_rank=rank, dp_size=2, gather=gather)
+        rank_rows = _rows(dp_rank=rank, dp_size=2)
+        out = [buffers.collect(i, rank_rows(0), rank_rows) for i in iterations[:2]]
+        return out, buffers.state_dict()
+
+    ranks = _threads(dp2, 2)
+    for i in range(2):
+        exp1, metrics1 = single[i]
+        assert [row for rank in ranks for row in _trained(rank[0][i][0])] == _trained(exp1)
+        assert ranks[0][0][i][1] == ranks[1][0][i][1] == metrics1
+    # the DP2 checkpoint of iteration 2 resumed on one rank: its carried groups are dealt over it in key order
+    resumed = _buffers(ScriptedGenerator(), local_groups=2)
+    assert "carried prompt groups of 2 DP ranks" in resumed.load_state_dict(ranks[0][1])
+    exp, metrics = resumed.collect(3, rows(0), rows)
+    assert _trained(exp) == _trained(single[2][0]) and metrics == single[2][1]
