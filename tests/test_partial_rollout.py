@@ -205,3 +205,92 @@ def test_dp2_trains_the_dp1_groups_and_resumes_at_dp1():
     assert "carried prompt groups of 2 DP ranks" in resumed.load_state_dict(ranks[0][1])
     exp, metrics = resumed.collect(3, rows(0), rows)
     assert _trained(exp) == _trained(single[2][0]) and metrics == single[2][1]
+
+
+# ---------------------------------------------------------------------------------------------- the stages
+KILL_AFTER_SAVE = """
+# posttrain_gpt.py, SIGKILLed as soon as its save of iteration KILL_AT is complete (published).
+import os, signal, sys
+import mindspeed_llm.checkpoint.training as training_ckpt
+original = training_ckpt.save
+def save(root, iteration, *args, **kwargs):
+    original(root, iteration, *args, **kwargs)
+    if iteration == int(os.environ["KILL_AT"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+training_ckpt.save = save
+import posttrain_gpt
+sys.exit(posttrain_gpt.main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    import word_task
+
+    return word_task.build(tmp_path_factory.mktemp("partial_task"), reward=True)
+
+
+def _stage_argv(task, out, stage, *extra):
+    # 8 new tokens in rounds of 3: every iteration cuts samples; 40 stop ids (of 256) end some responses early, so
+    # groups finish in different rounds and finished groups wait in the checkpoint too
+    base = ["--stage", stage, "--ref-model", task["mg_actor_tp1pp1"], "--tokenizer-name-or-path", task["tokenizer"],
+            "--data-path", task["data"], "--global-batch-size", "2", "--micro-batch-size", "2", "--train-iters", "4",
+            "--max-length", "24", "--max-new-tokens", "8", "--do-sample", "--seed", "5", "--lr", "1e-2",
+            "--stop-token-ids", ",".join(map(str, range(100, 140))), "--partial-rollout",
+            "--partial-rollout-max-split", "3", "--save", str(out), "--load", str(out), "--save-interval", "1",
+            "--metrics-jsonl", str(out / "metrics.jsonl"), "--no-check-for-divergence"]
+    if stage == "grpo":
+        base += ["--n-samples-per-prompt", "2", "--verifier-function", "first_line_answer", "--kl-coef", "0.01"]
+    else:
+        base += ["--reward-model", task["mg_reward_tp1pp1"]]
+    return base + list(extra)
+
+
+def _compared(row):
+    return {k: v for k, v in row.items() if not k.startswith("timing/") and not k.endswith("_tps")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["grpo", "trl_ppo"])
+def test_kill_and_resume_gives_the_same_metrics_and_weights(task, tmp_path, stage):
+    """A run of 4 iterations, and the same command SIGKILLed right after its save of iteration 2 and run again
+    (it resumes, with the carried and the waiting groups): the same metrics rows and weights, bit for bit."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_faults import ROOT, _env
+    from test_layout_invariance import _full_weights
+
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    driver = tmp_path / "kill_after_save.py"
+    driver.write_text(KILL_AFTER_SAVE)
+
+    def run(script, out, **env):
+        return subprocess.run([sys.executable, str(script), *_stage_argv(task, out, stage)], cwd=ROOT,
+                              capture_output=True, text=True, env=dict(_env(), **env), timeout=300)
+
+    done = run(Path(ROOT) / "posttrain_gpt.py", whole)
+    assert done.returncode == 0, done.stderr[-3000:]
+    killed = run(driver, split, KILL_AT="2")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    from mindspeed_llm.checkpoint import load_shard
+    saved = load_shard(str(split / "actor"), 0, 0, 2, weights_only=False)["data_position"]["partial_rollout"]
+    assert pending(saved)[0] > 0  # the checkpoint carries cut samples across the kill
+    again = run(Path(ROOT) / "posttrain_gpt.py", split)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {split} at iteration 2" in again.stdout
+
+    rows = {name: [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            for name, out in (("whole", whole), ("split", split))}
+    assert [r["iteration"] for r in rows["split"]] == [1, 2, 3, 4]
+    assert [_compared(r) for r in rows["whole"]] == [_compared(r) for r in rows["split"]]
+    assert any(r["partial_rollout/carried"] > 0 for r in rows["whole"])
+    assert max(r["partial_rollout/max_staleness"] for r in rows["whole"]) >= 1
+    assert os.path.exists(split / "latest_checkpointed_iteration.txt")
+    for role in ("actor",) + (("critic",) if stage == "trl_ppo" else ()):
+        a, b = _full_weights(whole, role), _full_weights(split, role)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), role
