@@ -207,6 +207,72 @@ def test_dp2_trains_the_dp1_groups_and_resumes_at_dp1():
     assert _trained(exp) == _trained(single[2][0]) and metrics == single[2][1]
 
 
+# ---------------------------------------------------------------------------------------------- a real model
+class _WordTokenizer(_Tokenizer):
+    def __len__(self):
+        return 256  # word_task.VOCAB
+
+
+def _weights_change_at_the_cut(rank, world_size, actor_root):
+    from types import SimpleNamespace
+
+    from mindspeed_llm import distributed
+    from mindspeed_llm.checkpoint import load_megatron_weights, load_spec
+    from mindspeed_llm.inference import generate
+    from mindspeed_llm.models import build_model
+
+    distributed.initialize(1, 1, seed=0)
+    model = build_model(load_spec(actor_root))
+    load_megatron_weights(model, actor_root)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 256, (n,), generator=g).tolist() for n in (3, 5, 4, 6)]
+    sampling = SamplingConfig(max_new_tokens=MAX_NEW, pad_token_id=0)  # greedy, no EOS: every sample takes 2 rounds
+    args = SimpleNamespace(n_samples_per_prompt=1, global_batch_size=2, partial_rollout_max_split=SPLIT,
+                           max_num_gen_batches=4)
+    buffers = PartialRollouts.from_args(args, model, _WordTokenizer(), sampling)
+
+    def rows(j):
+        return [dict(input_ids=prompts[2 * j + k], position=2 * j + k, index=2 * j + k) for k in range(2)]
+
+    w0 = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    # iteration 1: round 1 cuts prompts 0, 1; round 2 finishes them and cuts prompts 2, 3 (after 4 tokens of W0)
+    first, _ = buffers.collect(1, rows(0), lambda j: rows(j))
+    with torch.no_grad():  # "the update": W1 = W0 + noise
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.5 * p.detach().float().std().clamp(min=1e-3))
+    second, _ = buffers.collect(2, rows(0), lambda j: rows(j + 1))  # iteration 2: prompts 2, 3 finish under W1
+    w1 = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+
+    k = MAX_NEW // SPLIT
+    cut = [prompts[2], prompts[3]]
+    model.load_state_dict(w0, strict=False)
+    head = generate(model, cut, SamplingConfig(max_new_tokens=k, pad_token_id=0), vocab_size=256)
+    whole_w0 = generate(model, cut, sampling, vocab_size=256)
+    model.load_state_dict(w1, strict=False)
+    tail = generate(model, [p + h for p, h in zip(cut, head.response_token_lists())],
+                    SamplingConfig(max_new_tokens=MAX_NEW - k, pad_token_id=0), vocab_size=256)
+    whole_w1 = generate(model, cut, sampling, vocab_size=256)
+    return dict(first=first, second=second, head=head, tail=tail, whole_w0=whole_w0, whole_w1=whole_w1)
+
+
+def test_a_carried_sample_is_one_generation_whose_weights_changed_at_the_cut(task):
+    """Greedy: the carried sample's response is W0's first k tokens, then W1's continuation of prompt + those k
+    (a fresh generation from that longer prompt), with each part's log-probs; it is neither W0's nor W1's whole
+    uninterrupted response."""
+    from multiproc import run_distributed
+
+    out = run_distributed(_weights_change_at_the_cut, 1, task["mg_actor_tp1pp1"])[0]
+    second, head, tail = out["second"], out["head"], out["tail"]
+    assert second.extras["started"] == [1, 1]
+    k = MAX_NEW // SPLIT
+    got = [second.responses[b, :MAX_NEW].tolist() for b in range(2)]
+    expected = [h + t for h, t in zip(head.response_token_lists(), tail.response_token_lists())]
+    assert got == expected
+    assert got != out["whole_w0"].response_token_lists() and got != out["whole_w1"].response_token_lists()
+    torch.testing.assert_close(second.rollout_logp[:, :k], head.log_probs[:, :k], atol=1e-5, rtol=0)
+    torch.testing.assert_close(second.rollout_logp[:, k:MAX_NEW], tail.log_probs[:, :MAX_NEW - k], atol=1e-5, rtol=0)
+
+
 # ---------------------------------------------------------------------------------------------- the stages
 KILL_AFTER_SAVE = """
 # posttrain_gpt.py, SIGKILLed as soon as its save of iteration KILL_AT is complete (published).
