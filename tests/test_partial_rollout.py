@@ -207,6 +207,75 @@ def test_dp2_trains_the_dp1_groups_and_resumes_at_dp1():
     assert _trained(exp) == _trained(single[2][0]) and metrics == single[2][1]
 
 
+# ---------------------------------------------------------------------------------------------- flags and refusals
+BASE = ["--stage", "grpo", "--verifier-function", "math_acc", "--data-path", "d", "--train-iters", "4",
+        "--global-batch-size", "4", "--ref-model", "r"]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--partial-rollout-max-split", "3"], "--partial-rollout-max-split 3 has no effect without --partial-rollout"),
+    (["--partial-rollout", "--partial-rollout-max-split", "1"], "--partial-rollout-max-split 1 must be >= 2"),
+    (["--partial-rollout", "--dynamic-sampling"], "--partial-rollout and --dynamic-sampling both draw further"),
+])
+def test_flags_that_do_not_combine_are_refused_by_name(extra, needle):
+    from mindspeed_llm.arguments import ArgumentError, parse_args
+
+    with pytest.raises(ArgumentError) as err:
+        parse_args(BASE + extra, world_size=1)
+    assert needle in str(err.value)
+
+
+def test_partial_rollout_implies_recomputed_old_logprobs_and_a_default_budget():
+    from mindspeed_llm.arguments import parse_args
+
+    args = parse_args(BASE + ["--partial-rollout"], world_size=1)
+    assert args.recompute_old_logprobs and args.partial_rollout_max_split == 2
+    assert not parse_args(BASE, world_size=1).recompute_old_logprobs
+
+
+def test_mindspeed_partial_rollout_max_split_maps_to_the_flags(tmp_path):
+    from test_run_config import GRPO_FLAGS, _error, grpo_file, parsed, write
+
+    data = grpo_file()
+    data["rl_config"]["partial_rollout_max_split"] = 4
+    assert parsed(["--config", write(tmp_path, data)], 16) == \
+        parsed(GRPO_FLAGS + ["--partial-rollout", "--partial-rollout-max-split", "4"], 16)
+    data["rl_config"]["partial_rollout_max_split"] = 1  # MindSpeed-RL's default: off
+    assert parsed(["--config", write(tmp_path, data)], 16) == parsed(GRPO_FLAGS, 16)
+    data["rl_config"]["partial_rollout_max_split"] = 0
+    assert "rl_config.partial_rollout_max_split: 0 must be an integer >= 1" in _error(tmp_path, data)
+
+
+def test_an_actor_the_continuous_engine_cannot_run_is_refused(monkeypatch):
+    from types import SimpleNamespace
+
+    from mindspeed_llm.arguments import ArgumentError
+    from mindspeed_llm.inference import generation
+
+    # the reasons `generation._continuous_blockers` gives (sequence parallelism, a CUDA-graph decode, ...)
+    monkeypatch.setattr(generation, "continuous_engine_blockers", lambda model: ["sequence parallelism splits ..."])
+    args = SimpleNamespace(n_samples_per_prompt=2, global_batch_size=2, partial_rollout_max_split=2,
+                           max_num_gen_batches=4)
+    with pytest.raises(ArgumentError, match=r"^--partial-rollout continues carried samples in the continuous "
+                                            r"generation engine, which cannot run this actor: sequence parallelism"):
+        PartialRollouts.from_args(args, object(), _WordTokenizer(), SamplingConfig(max_new_tokens=8))
+
+
+def test_a_checkpoint_with_buffers_is_refused_by_a_run_without_the_flag():
+    from types import SimpleNamespace
+
+    from mindspeed_llm.checkpoint.training import CheckpointError
+    from mindspeed_llm.rl import trainer
+
+    buffers, rows = _buffers(ScriptedGenerator()), _rows()
+    buffers.collect(1, rows(0), rows)
+    args = SimpleNamespace(load="/ckpt")
+    with pytest.raises(CheckpointError, match=r"^--load /ckpt iteration 1 holds 2 unfinished samples and 0 finished "
+                                              r"prompt groups of --partial-rollout, which this run would drop"):
+        trainer._resume_partial_rollouts(args, SimpleNamespace(partial_rollout=None), buffers.state_dict(), 1)
+    trainer._resume_partial_rollouts(args, SimpleNamespace(partial_rollout=None), None, 1)  # nothing to drop
+
+
 # ---------------------------------------------------------------------------------------------- a real model
 class _WordTokenizer(_Tokenizer):
     def __len__(self):
