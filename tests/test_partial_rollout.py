@@ -429,3 +429,33 @@ def test_kill_and_resume_gives_the_same_metrics_and_weights(task, tmp_path, stag
     for role in ("actor",) + (("critic",) if stage == "trl_ppo" else ()):
         a, b = _full_weights(whole, role), _full_weights(split, role)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), role
+
+
+@pytest.mark.slow
+def test_dp2_trains_what_dp1_trains(task, tmp_path):
+    """grpo with cut samples at DP2 and at DP1 (same global batch): the same groups train (the same partial_rollout
+    metrics and rewards), the losses to float rounding (another reduction order)."""
+    import json
+
+    from multiproc import run_distributed
+    from test_dynamic_sampling import _stage_runs
+
+    def argv(out):
+        return ["--stage", "grpo", "--micro-batch-size", "2", "--global-batch-size", "4", "--n-samples-per-prompt",
+                "2", "--seed", "5", "--data-path", task["data"], "--tokenizer-name-or-path", task["tokenizer"],
+                "--max-length", "24", "--max-new-tokens", "8", "--do-sample", "--ref-model", task["mg_actor_tp1pp1"],
+                "--verifier-function", "odd_first_word", "--kl-coef", "0.05", "--lr", "0.01", "--train-iters", "3",
+                "--partial-rollout", "--partial-rollout-max-split", "3",
+                "--stop-token-ids", ",".join(map(str, range(100, 140))), "--metrics-jsonl", str(out / "m.jsonl"),
+                "--no-check-for-divergence"]
+
+    run_distributed(_stage_runs, 2, [argv(tmp_path / "dp2")])
+    run_distributed(_stage_runs, 1, [argv(tmp_path / "dp1")])
+    rows = {dp: [json.loads(line) for line in (tmp_path / dp / "m.jsonl").read_text().splitlines()]
+            for dp in ("dp1", "dp2")}
+    assert any(r["partial_rollout/waiting"] > 0 for r in rows["dp1"])
+    for one, two in zip(rows["dp1"], rows["dp2"]):
+        exact = [k for k in one if k.startswith(("partial_rollout/", "grpo/score/", "response_length/"))]
+        assert {k: one[k] for k in exact} == {k: two[k] for k in exact}
+        for key in ("actor/pg_loss", "grad_norm", "actor/kl_loss"):
+            assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
