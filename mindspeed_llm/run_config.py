@@ -55,8 +55,8 @@ the verifier lists; verifier names must be registered here (`rl/verifiers`); ``s
 ``max_prompt_length + max_tokens``); ``generate_config.max_num_seqs`` / ``max_num_batched_tokens`` ->
 ``--rollout-max-num-seqs`` / ``--rollout-max-num-batched-tokens`` (the generation engine's limits, vLLM's
 meaning); ``rl_config.partial_rollout_max_split`` N > 1 -> ``--partial-rollout --partial-rollout-max-split N``
-(1, MindSpeed-RL's default, leaves partial rollouts off); ``use_tensorboard`` -> ``--tensorboard-dir`` (``megatron_training.tensorboard_dir``, else
-``SAVE/tensorboard``). ``infer_tensor_parallel_size`` must equal the training TP (generation runs on the
+(1, MindSpeed-RL's default, leaves partial rollouts off); ``use_tensorboard`` -> ``--tensorboard-dir``
+(``megatron_training.tensorboard_dir``, else ``SAVE/tensorboard``). ``infer_tensor_parallel_size`` must equal the training TP (generation runs on the
 training layout), ``dtype`` the training precision.
 """
 
