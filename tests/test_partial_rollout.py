@@ -45,21 +45,22 @@ class ScriptedGenerator:
     """`generate_round` of a model whose sample (started iteration i, id s) emits `_token(i, s, j)` for j < its
     length, then EOS is implied (reason "eos" at the length); records each call."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, lengths=LENGTHS):
+        self.calls, self.lengths = [], lengths
 
     def __call__(self, iteration, prompts, sample_ids, continuations, budgets):
         rows = []
         for prompt, sid, carry, budget in zip(prompts, sample_ids, continuations, budgets):
-            started = carry.iteration if carry is not None else iteration
-            old = list(carry.response) if carry is not None else []
+            started, old = carry.iteration, list(carry.response)  # every sample comes with its stream
             assert old == [_token(started, sid, j) for j in range(len(old))]  # its own tokens come back
-            assert carry is None or list(carry.log_probs) == [_logp(started, j) for j in range(len(old))]
-            length = min(LENGTHS[sid % 8], budget)
+            assert list(carry.log_probs) == [_logp(started, j) for j in range(len(old))]
+            end = self.lengths[sid % 8]
+            length = min(end, budget)
             rows.append((prompt, [_token(started, sid, j) for j in range(length)],
-                         [_logp(started, j) for j in range(length)], "eos" if length == LENGTHS[sid % 8] else "length"))
+                         [_logp(started, j) for j in range(length)], "eos" if length == end else "length"))
         self.calls.append(dict(iteration=iteration, sample_ids=list(sample_ids), budgets=list(budgets),
-                               started=[c.iteration if c is not None else None for c in continuations]))
+                               started=[c.iteration for c in continuations],
+                               tokens=[len(c.response) for c in continuations]))
         B, P, R = len(rows), max(len(r[0]) for r in rows), max(1, max(len(r[1]) for r in rows))
         prompts_t, responses = torch.zeros(B, P, dtype=torch.long), torch.zeros(B, R, dtype=torch.long)
         log_probs = torch.zeros(B, R)
@@ -98,8 +99,8 @@ def _trained(exp):
             for b, (st, sid) in enumerate(zip(exp.extras["started"], exp.extras["sample_ids"]))]
 
 
-def _expected(started, sid):
-    return started, sid, [_token(started, sid, j) for j in range(LENGTHS[sid % 8])]
+def _expected(started, sid, lengths=LENGTHS):
+    return started, sid, [_token(started, sid, j) for j in range(lengths[sid % 8])]
 
 
 def test_whole_groups_train_oldest_first_and_carried_samples_continue():
@@ -112,7 +113,7 @@ def test_whole_groups_train_oldest_first_and_carried_samples_continue():
     assert metrics == {"partial_rollout/rounds": 2.0, "partial_rollout/carried": 2.0,
                        "partial_rollout/max_staleness": 0.0, "partial_rollout/waiting": 0.0}
     assert gen.calls[1] == dict(iteration=1, sample_ids=[1, 4, 5, 6, 7], budgets=[8, 4, 4, 4, 4],
-                                started=[1, None, None, None, None])  # the carried sample first, its whole budget
+                                started=[1] * 5, tokens=[4, 0, 0, 0, 0])  # the carried sample first, its whole budget
     # the rollout log-probs of a carried sample: the first round's and the second's, as recorded
     assert exp.rollout_logp[1, :7].tolist() == [_logp(1, j) for j in range(7)]
     assert exp.extras["finish_reasons"] == ["eos"] * 4
@@ -122,12 +123,33 @@ def test_whole_groups_train_oldest_first_and_carried_samples_continue():
     # iteration 2: the carried positions 2 and 3 of iteration 1 finish first and train (staleness 1); of the fresh
     # ones, position 1 finishes and waits, position 0 is carried
     exp, metrics = buffers.collect(2, rows(0), rows)
-    assert gen.calls[2]["started"] == [1, 1, None, None, None, None]
+    assert gen.calls[2]["started"] == [1, 1, 2, 2, 2, 2] and gen.calls[2]["tokens"] == [4, 4, 0, 0, 0, 0]
     assert _trained(exp) == [_expected(1, s) for s in (4, 5, 6, 7)]
     assert metrics == {"partial_rollout/rounds": 1.0, "partial_rollout/carried": 1.0,
                        "partial_rollout/max_staleness": 1.0, "partial_rollout/waiting": 1.0}
     assert [(g.started, g.position) for g in buffers.ready] == [(2, 1)]
     assert [(g.started, g.position) for g in buffers.carried] == [(2, 0)]
+
+
+def test_a_finished_global_batch_trains_without_a_round():
+    """When a global batch has finished already, the iteration generates nothing: the sampler's batch waits, not
+    started, behind the carried groups, and a later round starts it from its own iteration's stream."""
+    lengths = [8, 1, 1, 1, 1, 1, 1, 1]  # only sample 0 of position 0 needs 2 rounds
+    gen = ScriptedGenerator(lengths)
+    buffers, rows = _buffers(gen), _rows()
+    # iteration 1: round 1 finishes position 1; round 2 finishes positions 0, 2 and 3: two groups wait
+    exp, metrics = buffers.collect(1, rows(0), rows)
+    assert metrics["partial_rollout/rounds"] == 2.0 and metrics["partial_rollout/waiting"] == 2.0
+    exp, metrics = buffers.collect(2, rows(0), rows)
+    assert len(gen.calls) == 2  # no round
+    assert _trained(exp) == [_expected(1, s, lengths) for s in (4, 5, 6, 7)]
+    assert metrics == {"partial_rollout/rounds": 0.0, "partial_rollout/carried": 4.0,
+                       "partial_rollout/max_staleness": 1.0, "partial_rollout/waiting": 0.0}
+    exp, metrics = buffers.collect(3, rows(0), rows)
+    assert gen.calls[2]["started"] == [2, 2, 2, 2, 3, 3, 3, 3] and set(gen.calls[2]["tokens"]) == {0}
+    # position 1 of iteration 2 (its tokens drawn from iteration 2's stream), then position 1 of iteration 3
+    assert _trained(exp) == [_expected(*key, lengths) for key in ((2, 2), (2, 3), (3, 2), (3, 3))]
+    assert metrics["partial_rollout/max_staleness"] == 1.0 and metrics["partial_rollout/rounds"] == 1.0
 
 
 def test_state_dict_round_trip_continues_exactly_and_pending_counts():

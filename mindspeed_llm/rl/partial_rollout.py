@@ -18,12 +18,15 @@ One iteration (`PartialRollouts.collect`), on every DP rank:
    finished groups are exchanged over the DP group (host memory), so every rank holds the same list of finished
    groups ("ready") in the global order of their key: (the iteration their generation started, the prompt's
    position in that iteration's generation order, `trainer.next_rows`).
-3. Rounds repeat while fewer than --global-batch-size groups are ready (every rank decides alike: the list is the
-   same everywhere, and expert-parallel peers generate in lock-step); --max-num-gen-batches rounds without a
-   global batch is an error naming it.
+3. Rounds run while fewer than --global-batch-size groups are ready (every rank decides alike: the list is the
+   same everywhere, and expert-parallel peers generate in lock-step), none when the earlier rounds finished a
+   global batch already (MindSpeed-RL's check comes before generating): the sampler's batch of the iteration then
+   joins the carried groups, not started, and waits its turn. --max-num-gen-batches rounds without a global batch
+   is an error naming it.
 4. The iteration trains on the first --global-batch-size ready groups, rank r on [r L, (r + 1) L) of them (L its
    prompts per batch); the rest wait for the next iteration. The training batch keeps its size, so the DP,
-   mini-batch and micro-batch arithmetic (`arguments.validate_args`, `ppo_loop`) is unchanged.
+   mini-batch and micro-batch arithmetic (`arguments.validate_args`, `ppo_loop`) is unchanged. The ready list
+   stays below a global batch plus one round's groups, which bounds how long a finished group waits.
 
 The budget is per sample (`generate`'s `response_budgets`), not `generate`'s `max_decode_steps`, which bounds the
 engine's decode steps: with fewer rows in flight than samples (--rollout-max-num-seqs) a late sample would get fewer
@@ -32,8 +35,9 @@ every round whatever the engine limits and the DP size, so the trained groups (a
 are the same at any layout, and the longest response completes within N rounds. With every sample in flight (the
 default) a round decodes at most k steps.
 
-Random streams: a sample draws its tokens from the stream of its sample id in the iteration its generation started
-(`Continuation.iteration`), so a carried sample, and a resumed run, draw the same tokens.
+Random streams: a sample draws its tokens from the stream of its sample id in the iteration its group started
+(`Continuation.iteration`, passed for every sample, with no tokens yet or some), so a carried sample, a group that
+waited unstarted, and a resumed run draw the same tokens.
 
 Old log-probs: the carried tokens' log-probs are an earlier policy's, so the update's old log-probs come from a
 training forward (--partial-rollout implies --recompute-old-logprobs), and `--rollout-is tis|mis` weighs each token by
@@ -48,9 +52,10 @@ rank's carried groups, with the sampler's position in the trainer's loop state; 
 own, or, at another DP size, deals the carried groups over the ranks in key order (a carried sample may continue on
 any rank: its tokens follow from its own tokens and stream, to float rounding).
 
-Metrics: `partial_rollout/rounds`, `partial_rollout/carried` (unfinished samples carried out of the iteration, all
-ranks), `partial_rollout/max_staleness` (max over the trained samples of the iteration minus the iteration their
-generation started), `partial_rollout/waiting` (finished groups left for later iterations).
+Metrics: `partial_rollout/rounds` (0 when a global batch had finished already), `partial_rollout/carried`
+(unfinished samples carried out of the iteration, not started ones included, all ranks), `partial_rollout/max_staleness`
+(max over the trained samples of the iteration minus the iteration their group started), `partial_rollout/waiting`
+(finished groups left for later iterations).
 """
 
 from __future__ import annotations
@@ -168,26 +173,25 @@ class PartialRollouts:
         """This rank's training batch of iteration `iteration` (its share of the oldest --global-batch-size finished
         groups, a group's samples consecutive) and the `partial_rollout/*` metrics. `rows` are this rank's prompts of
         the sampler's batch for this iteration, `more_rows(j)` those of the j-th further one."""
-        rounds, carried_out = 0, 0
+        rounds = 0
         wanted = self.local_groups * self.dp_size
-        while True:
-            fresh = rows if rounds == 0 else more_rows(rounds)
-            groups = self.carried + [self._new_group(iteration, row) for row in fresh]
-            self._generate(iteration, groups)
-            self.carried = [g for g in groups if not g.finished]
-            unfinished = sum(s.reason is None for g in self.carried for s in g.samples)
-            shares = self.gather(([g for g in groups if g.finished], unfinished))
-            self.ready = sorted(self.ready + [g for finished, _ in shares for g in finished], key=lambda g: g.key)
-            carried_out = sum(count for _, count in shares)
-            rounds += 1
-            if len(self.ready) >= wanted:
-                break
+        while len(self.ready) < wanted:  # the same list on every rank: every rank decides alike
             if rounds >= self.max_rounds:
                 raise PartialRolloutBudgetError(
                     f"--max-num-gen-batches {self.max_rounds}: iteration {iteration} generated {rounds} batches and "
                     f"finished {len(self.ready)} of the {wanted} prompt groups of a --global-batch-size with "
                     f"--partial-rollout-max-split {self.max_split} ({self.step_tokens} tokens per sample and batch); "
                     "raise --max-num-gen-batches or lower --partial-rollout-max-split")
+            fresh = rows if rounds == 0 else more_rows(rounds)
+            groups = self.carried + [self._new_group(iteration, row) for row in fresh]
+            self._generate(iteration, groups)
+            self.carried = [g for g in groups if not g.finished]
+            shares = self.gather([g for g in groups if g.finished])
+            self.ready = sorted(self.ready + [g for finished in shares for g in finished], key=lambda g: g.key)
+            rounds += 1
+        if rounds == 0:  # a global batch had finished already: the sampler's batch waits, not started, behind the
+            self.carried += [self._new_group(iteration, row) for row in rows]  # carried groups
+        carried_out = sum(self.gather(sum(s.reason is None for g in self.carried for s in g.samples)))
         batch, self.ready = self.ready[:wanted], self.ready[wanted:]
         mine = batch[self.dp_rank * self.local_groups:(self.dp_rank + 1) * self.local_groups]
         metrics = {
@@ -204,12 +208,13 @@ class PartialRollouts:
                       [_Sample(position * self.group_size + k) for k in range(self.group_size)])
 
     def _generate(self, iteration: int, groups: List[_Group]) -> None:
-        """One round over the unfinished samples of `groups` (in order); updates them in place."""
+        """One round over the unfinished samples of `groups` (in order); updates them in place. Every sample draws
+        from the stream of the iteration its group started in (`Continuation.iteration`), tokens or none yet."""
         todo = [(g, s) for g in groups for s in g.samples if s.reason is None]
         prompts = [[int(t) for t in g.row["input_ids"]] for g, _ in todo]
         whole = self.sampling.response_budgets([len(p) for p in prompts])
         budgets = [min(w, len(s.response) + self.step_tokens) for w, (_, s) in zip(whole, todo)]
-        continuations = [Continuation(list(s.response), s.log_probs, g.started) if s.response else None
+        continuations = [Continuation(list(s.response), s.log_probs if s.response else [], g.started)
                          for g, s in todo]
         result = self.generate_round(iteration, prompts, [s.sample_id for _, s in todo], continuations, budgets)
         lengths = result.response_lengths.tolist()
