@@ -12,7 +12,10 @@ Prompts: 3-5 random words. The measured response lengths (min / mean / max, and 
 Each configuration is one `posttrain_gpt.py` process (1 rank, `OMP_NUM_THREADS=1`) of `--iterations` iterations;
 reported per configuration: `timing/rollout` of each iteration (the minimum over `--repeats` runs, round-robin),
 its mean over the iterations after the first (the first with --partial-rollout starts with empty buffers and must
-cut its own long samples), the ratio of that mean to the run without the flag, and `partial_rollout/rounds`.
+cut its own long samples), the ratio of that mean to the run without the flag, `partial_rollout/rounds`, and the
+generation engine's counts of the rollout (decode forwards, rows x decode steps, prefilled token slots incl. padding;
+a driver around `posttrain_gpt.py` reads them from each `generate` call's `Rollout.stats`), which do not depend on
+the machine's load.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/partial_rollout.py [--splits 2 4] [--json out.json]
 """
@@ -105,18 +108,45 @@ def stage_argv(task, args, stage, out: Path, split) -> list:
     return argv
 
 
-def run_one(argv) -> list:
+COUNTING_DRIVER = """
+# posttrain_gpt.py whose rollout `generate` calls append the engine's counts (per iteration) to COUNTS_JSONL.
+import json, os, sys
+import mindspeed_llm.rl.partial_rollout as partial_rollout
+import mindspeed_llm.rl.rollout as rollout
+original = rollout.generate
+def generate(model, prompts, sampling=None, **kwargs):
+    result = original(model, prompts, sampling, **kwargs)
+    stats = result.stats or {}
+    with open(os.environ["COUNTS_JSONL"], "a") as f:
+        f.write(json.dumps(dict(iteration=kwargs.get("iteration"), rows=len(prompts),
+                                **{k: stats.get(k, 0) for k in ("decode_forwards", "decode_row_steps",
+                                                                 "prefill_tokens")})) + "\\n")
+    return result
+rollout.generate = partial_rollout.generate = generate
+import posttrain_gpt
+sys.exit(posttrain_gpt.main(sys.argv[1:]))
+"""
+
+
+def run_one(argv, driver: Path) -> list:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
                WORLD_SIZE="1", LOCAL_RANK="0", PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, str(ROOT / "posttrain_gpt.py"), *argv], cwd=ROOT, capture_output=True,
-                          text=True, env=env)
+    out = Path(argv[argv.index("--metrics-jsonl") + 1])
+    counts = out.parent / "counts.jsonl"
+    env["COUNTS_JSONL"] = str(counts)
+    done = subprocess.run([sys.executable, str(driver), *argv], cwd=ROOT, capture_output=True, text=True, env=env)
     if done.returncode:
         raise SystemExit(f"posttrain_gpt.py {' '.join(argv)} failed:\n{done.stderr[-4000:]}")
-    out = Path(argv[argv.index("--metrics-jsonl") + 1])
-    return [json.loads(line) for line in out.read_text().splitlines()]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    calls = [json.loads(line) for line in counts.read_text().splitlines()]
+    for row in rows:  # the engine's counts of the iteration's rollout calls (evaluation is off)
+        mine = [c for c in calls if c["iteration"] == row["iteration"]]
+        for key in ("decode_forwards", "decode_row_steps", "prefill_tokens"):
+            row[f"engine/{key}"] = sum(c[key] for c in mine)
+    return rows
 
 
 def main(argv=None):
@@ -132,12 +162,14 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         task = build_task(root / "task", args)
+        driver = root / "counting_driver.py"
+        driver.write_text(COUNTING_DRIVER)
         configs = [(stage, split) for stage in args.stages for split in [None] + list(args.splits)]
         runs = {config: [] for config in configs}
         for repeat in range(args.repeats):  # round-robin: a load change hits every configuration alike
             for stage, split in configs:
                 out = root / f"{stage}_{split}_{repeat}"
-                runs[(stage, split)].append(run_one(stage_argv(task, args, stage, out, split)))
+                runs[(stage, split)].append(run_one(stage_argv(task, args, stage, out, split), driver))
         for stage, split in configs:
             repeats = runs[(stage, split)]
             rows = repeats[0]  # the same tokens and metrics in every repeat; the timings differ
@@ -150,19 +182,23 @@ def main(argv=None):
                 max_staleness=[r.get("partial_rollout/max_staleness") for r in rows],
                 response_length=[(r["response_length/min"], r["response_length/mean"], r["response_length/max"])
                                  for r in rows], at_cap=[r["response_clip_ratio"] for r in rows],
-                timing_all=[min(rep[i]["timing/all"] for rep in repeats) for i in range(len(rows))]))
+                timing_all=[min(rep[i]["timing/all"] for rep in repeats) for i in range(len(rows))],
+                **{key: [r[f"engine/{key}"] for r in rows]
+                   for key in ("decode_forwards", "decode_row_steps", "prefill_tokens")}))
     load_end = os.getloadavg()
     print(f"{args.layers} layers, hidden {args.hidden}, cap {args.cap}, {args.prompts} prompts/iteration (grpo x "
           f"{args.grpo_n}), {args.iterations} iterations, --rollout-max-num-batched-tokens "
           f"{args.max_num_batched_tokens}; load average {load_start[0]:.1f} -> {load_end[0]:.1f}")
     print(f"{'stage':8} {'split':>5} {'timing/rollout per iteration (s)':48} {'mean 2..':>8} {'ratio':>6}  rounds  "
-          "at cap")
+          "at cap  decode steps / row-steps / prefill slots (mean 2..)")
     for r in results:
         per = " ".join(f"{t:.3f}" for t in r["timing_rollout"])
         rounds = " ".join("-" if x is None else f"{x:.0f}" for x in r["rounds"])
         at_cap = sum(r["at_cap"]) / len(r["at_cap"])
+        counts = " / ".join(f"{sum(r[k][1:]) / max(1, len(r[k]) - 1):.0f}"
+                            for k in ("decode_forwards", "decode_row_steps", "prefill_tokens"))
         print(f"{r['stage']:8} {str(r['split'] or '-'):>5} {per:48} {r['steady_mean']:8.3f} {r['ratio']:6.2f}  "
-              f"{rounds}  {at_cap:.0%}")
+              f"{rounds}  {at_cap:.0%}  {counts}")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(args=vars(args), load=[load_start, load_end], results=results),
                                               indent=1))
