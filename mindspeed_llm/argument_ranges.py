@@ -107,6 +107,8 @@ RANGES: Dict[str, Bound] = {
     "--max-length": _at_least(2, "tokens: a prompt token and a response token"),
     "--max-prompt-length": _at_least(1, "tokens"),
     "--max-num-gen-batches": _at_least(1, "generation batches"),
+    "--partial-rollout-max-split": _at_least(2, "MindSpeed-RL's partial_rollout_max_split: 1 cuts no sample (leave "
+                                                "--partial-rollout out)"),
     "--save-interval": _at_least(1, "iterations"),
     "--log-interval": _at_least(1, "iterations"),
     "--eval-interval": _at_least(0, "iterations; 0 turns evaluation off"),

@@ -324,7 +324,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="grpo: DAPO's dynamic sampling: generate more prompt groups until the batch holds "
                         "--global-batch-size groups whose rewards differ (the others are left out)")
     g.add_argument("--max-num-gen-batches", type=int, default=10,
-                   help="with --dynamic-sampling: at most this many generation batches per iteration (10)")
+                   help="with --dynamic-sampling or --partial-rollout: at most this many generation batches per "
+                        "iteration (10)")
+    g.add_argument("--partial-rollout", action="store_true",
+                   help="slime's switch: an iteration gives each sample at most --partial-rollout-max-split's share of "
+                        "--max-new-tokens; unfinished samples carry their tokens and log-probs into the next "
+                        "generation batch, which continues them under the weights of then; an iteration trains on "
+                        "the oldest --global-batch-size finished prompt groups. Implies --recompute-old-logprobs")
+    g.add_argument("--partial-rollout-max-split", type=int,
+                   help="with --partial-rollout: MindSpeed-RL's partial_rollout_max_split N, a generation batch adds "
+                        "at most ceil(--max-new-tokens / N) tokens to a sample, so the longest response completes "
+                        "within N of them (default 2)")
     g.add_argument("--mask-truncated-completions", action="store_true",
                    help="responses cut by --max-new-tokens / --max-length (no EOS or stop token) leave the losses")
     g.add_argument("--overlong-buffer-len", type=int,
@@ -513,6 +523,7 @@ def validate_args(args, world_size: int) -> None:
     if args.dynamic_sampling and (args.stage != "grpo" or args.n_samples_per_prompt < 2):
         raise ArgumentError("--dynamic-sampling keeps grpo groups whose rewards differ: it needs --stage grpo and "
                             "--n-samples-per-prompt >= 2")
+    _check_partial_rollout(args)
 
     # Models and rewards.
     if args.stage == "trl_ppo":
@@ -550,6 +561,28 @@ def validate_args(args, world_size: int) -> None:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.train_iters)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+
+
+def _check_partial_rollout(args) -> None:
+    """--partial-rollout and its budget (`rl/partial_rollout.py`): what does not combine with it is refused."""
+    if not args.partial_rollout:
+        if args.partial_rollout_max_split is not None:
+            raise ArgumentError(f"--partial-rollout-max-split {args.partial_rollout_max_split} has no effect without "
+                                "--partial-rollout; add it or drop the budget")
+        return
+    if args.partial_rollout_max_split is None:
+        args.partial_rollout_max_split = 2
+    if args.dynamic_sampling:
+        raise ArgumentError("--partial-rollout and --dynamic-sampling both draw further generation batches, by "
+                            "different rules (finished groups / groups whose rewards differ), and are not combined "
+                            "here; drop one of them")
+    if args.context_parallel_size > 1:  # the buffers are per DP rank; CP ranks share a DP rank's rollouts
+        raise ArgumentError(f"--partial-rollout with --context-parallel-size {args.context_parallel_size} is not "
+                            "supported (its buffers are kept per data-parallel rank, not checked under CP); use "
+                            "--context-parallel-size 1 or drop --partial-rollout")
+    # the carried tokens' log-probs are an earlier policy's: the update's old log-probs come from a training forward
+    # under the weights of the update (and --rollout-is weighs the carried tokens against the sampler's)
+    args.recompute_old_logprobs = True
 
 
 def _check_token_budgets(args) -> None:

@@ -58,8 +58,9 @@ the verifier lists; verifier names must be registered here (`rl/verifiers`); ``s
 ``max_tokens`` -> ``--max-new-tokens``; ``max_model_len`` -> ``--max-length`` (at least
 ``max_prompt_length + max_tokens``); ``generate_config.max_num_seqs`` / ``max_num_batched_tokens`` ->
 ``--rollout-max-num-seqs`` / ``--rollout-max-num-batched-tokens`` (the generation engine's limits, vLLM's
-meaning); ``use_tensorboard`` -> ``--tensorboard-dir`` (``megatron_training.tensorboard_dir``, else
-``SAVE/tensorboard``). ``infer_tensor_parallel_size`` / ``_pipeline_`` / ``_expert_`` other than the training
+meaning); ``rl_config.partial_rollout_max_split`` N > 1 -> ``--partial-rollout --partial-rollout-max-split N``
+(1, MindSpeed-RL's default, leaves partial rollouts off); ``use_tensorboard`` -> ``--tensorboard-dir``
+(``megatron_training.tensorboard_dir``, else ``SAVE/tensorboard``). ``infer_tensor_parallel_size`` / ``_pipeline_`` / ``_expert_`` other than the training
 layout are listed as ignored (generation runs on the training model in place, with its layout); ``dtype`` must be
 the training precision. ``sampling_config.seed`` must equal the run's seed (``--seed``: each sample's random stream
 is keyed by it); ``use_kl_in_reward`` must match the stage (trl_ppo puts the KL in the reward, grpo in the loss).
@@ -296,6 +297,7 @@ RL: Dict[str, Any] = {
     "integrated_mode_config": Nested({"ref_model_load_path": Slot("ref_model_load_path", "path")}),
     # true: the reference shares the actor's base (its adapters off), which a LoRA run always does (see _resolve)
     "share_backbone": Slot("share_backbone", "bool"),
+    "partial_rollout_max_split": Slot("partial_rollout_max_split", "number"),
 }
 
 SAMPLING: Dict[str, Any] = {
@@ -704,6 +706,14 @@ def _resolve(reader: _Reader, run: _Role, roles: Dict[str, Tuple[_Role, Optional
             reader.notes.append(f"the roles use different models ({', '.join(sorted(m for m in models if m))}): "
                                 "each architecture is read from its checkpoint, the model keys are not passed")
 
+    split = run.slot("partial_rollout_max_split")
+    if split is not None:  # MindSpeed-RL: N > 1 turns partial rollouts on, 1 (its default) leaves them off
+        where = run.origin("partial_rollout_max_split")
+        if split != int(split) or split < 1:
+            raise reader.error(where, f"{split} must be an integer >= 1 (1: no partial rollouts)")
+        if split > 1:
+            put("--partial-rollout", True, where)
+            put("--partial-rollout-max-split", int(split), where)
     rule_verifiers = _resolve_verifiers(reader, run, put, flags)
     _resolve_checkpoints(reader, run, roles, stage, put, flags, given, rule_verifiers, cli_argv)
     _resolve_sampling(reader, run, put, flags, effective, given)

@@ -246,6 +246,26 @@ def _choose_engine(model, engine: str, prefill: str, batched: bool, sampling: Sa
     wanted = [name for name, value in continuous_only.items() if value is not None]
     wanted += [f"sampling.{name}" for name in ("max_num_seqs", "max_num_batched_tokens")
                if getattr(sampling, name) is not None]
+    blockers = _continuous_blockers(model, prefill, batched, device, peers)
+    if engine == "static" or (engine == "auto" and blockers):
+        if wanted:
+            why = "engine='static'" if engine == "static" else "the static engine runs here: " + "; ".join(blockers)
+            raise ValueError(f"generate: {', '.join(wanted)} need the continuous engine, but {why}")
+        return "static"
+    if engine == "continuous" and blockers:
+        raise ValueError("generate: engine='continuous' is not possible: " + "; ".join(blockers))
+    return "continuous"
+
+
+def continuous_engine_blockers(model) -> List[str]:
+    """Why `generate(model, ...)` with its defaults (`engine="auto"`, `prefill="auto"`) would run the static engine
+    here, which has no `continuations` (empty: it runs the continuous one)."""
+    return _continuous_blockers(model, "auto", _use_batched_prefill(model, "auto"), _device.current_device(),
+                                _expert_peers(model))
+
+
+def _continuous_blockers(model, prefill: str, batched: bool, device, peers) -> List[str]:
+    """What keeps the continuous engine from running `model` (empty: nothing)."""
     from mindspeed_llm.inference import cuda_graph  # imports this module: a local import
 
     blockers = []
@@ -258,14 +278,7 @@ def _choose_engine(model, engine: str, prefill: str, batched: bool, sampling: Sa
     if peers is not None and getattr(get_model_config(model), "moe_token_dispatcher_type", None) == "allgather":
         blockers.append("the all-gather token dispatcher at EP > 1 needs equal token counts per forward on the "
                         "expert-parallel ranks (use --moe-token-dispatcher-type alltoall)")
-    if engine == "static" or (engine == "auto" and blockers):
-        if wanted:
-            why = "engine='static'" if engine == "static" else "the static engine runs here: " + "; ".join(blockers)
-            raise ValueError(f"generate: {', '.join(wanted)} need the continuous engine, but {why}")
-        return "static"
-    if engine == "continuous" and blockers:
-        raise ValueError("generate: engine='continuous' is not possible: " + "; ".join(blockers))
-    return "continuous"
+    return blockers
 
 
 def _budgets(sampling: SamplingConfig, prompts: List[List[int]], response_budgets) -> List[int]:
@@ -785,4 +798,4 @@ def _routing_by_position(slot_routing: torch.Tensor, plan: _Plan, state: _Decode
     return out.permute(0, 2, 1, 3).contiguous()
 
 
-__all__ = ["generate", "batched_prefill_blocker", "PREFILL_MODES", "ENGINES"]
+__all__ = ["generate", "batched_prefill_blocker", "continuous_engine_blockers", "PREFILL_MODES", "ENGINES"]

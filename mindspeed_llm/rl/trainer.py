@@ -4,8 +4,9 @@ A stage object (`TrlPPOStage`, `GRPOStage`) owns its models and implements `iter
 this loop owns everything around it, so the two stages have no copies of it.
 
 Checkpoints follow Megatron-LM (README, "Checkpoints"): `--save` writes every `--save-interval` and always at
-the end of training (and on SIGTERM with `--exit-signal-handler`); `--load` resumes from the last complete
-checkpoint (or `--ckpt-step`), and when it equals `--save` and holds none yet, the run starts fresh; any other
+the end of training (and on SIGTERM with `--exit-signal-handler`), with the loop state (the sampler's position,
+--partial-rollout's carried and finished groups); `--load` resumes from the last complete checkpoint (or
+`--ckpt-step`), and when it equals `--save` and holds none yet, the run starts fresh; any other
 `--load` without a checkpoint is an error. A step with a NaN / inf loss or gradient stops the run before the
 optimizer steps (`--check-for-nan-in-loss-and-grad`, on by default), and nothing non-finite is ever saved.
 """
@@ -29,6 +30,7 @@ from mindspeed_llm.checkpoint.megatron_layout import checkpoint_traces
 from mindspeed_llm.data import PromptDataset, PromptSampler
 from mindspeed_llm.data.prompt_dataset import PromptSubset, split_indices
 from mindspeed_llm.errors import ArgumentError
+from mindspeed_llm.rl import partial_rollout
 from mindspeed_llm.rl.metrics import MetricsLogger, reduce_metrics, throughput_metrics
 from mindspeed_llm.rl.stages import STAGES
 from mindspeed_llm.rl.startup import startup_lines
@@ -230,9 +232,27 @@ def _resume(args, stage, sampler) -> int:
                   "position start fresh", flush=True)
         return 0
     sampler.load_state_dict(loop_state["sampler"])
+    _resume_partial_rollouts(args, stage, loop_state.get("partial_rollout"), iteration)
     if distributed.is_rank_0():
         print(f"resumed from {args.load} at iteration {iteration}", flush=True)
     return iteration
+
+
+def _resume_partial_rollouts(args, stage, saved: Optional[dict], iteration: int) -> None:
+    """--partial-rollout's carried and finished groups continue from the checkpoint; a checkpoint that holds some is
+    refused by a run without the flag, which would drop them."""
+    partial = getattr(stage, "partial_rollout", None)
+    if partial is None:
+        unfinished, finished = partial_rollout.pending(saved)
+        if unfinished or finished:
+            raise training_ckpt.CheckpointError(
+                f"--load {args.load} iteration {iteration} holds {unfinished} unfinished samples and {finished} "
+                "finished prompt groups of --partial-rollout, which this run would drop; resume with --partial-rollout "
+                "(or --finetune, which starts the data afresh)")
+        return
+    note = partial.load_state_dict(saved) if saved is not None else None
+    if note and distributed.is_rank_0():
+        print(note, flush=True)
 
 
 def run(args) -> None:
@@ -322,8 +342,10 @@ def _loop(args, stage, dataset, eval_dataset, sampler, logger, start: int, exit_
 
     def save(iteration: int) -> None:
         nonlocal saved
-        training_ckpt.save(args.save, iteration, stage.roles(), {"sampler": sampler.state_dict()},
-                           save_optim=not args.no_save_optim)
+        loop_state = {"sampler": sampler.state_dict()}
+        if getattr(stage, "partial_rollout", None) is not None:  # its buffers (a collective over DP)
+            loop_state["partial_rollout"] = stage.partial_rollout.state_dict()
+        training_ckpt.save(args.save, iteration, stage.roles(), loop_state, save_optim=not args.no_save_optim)
         saved = iteration
 
     def next_rows(generation_batch: int):

@@ -1,6 +1,6 @@
 """The RL stages, by their `--stage` name, and the protocol the trainer drives them through."""
 
-from typing import Callable, Dict, List, Protocol, Sequence
+from typing import Callable, Dict, List, Optional, Protocol, Sequence
 
 from mindspeed_llm.rl.stages.grpo import GRPOStage
 from mindspeed_llm.rl.stages.trl_ppo import TrlPPOStage
@@ -12,6 +12,8 @@ class Stage(Protocol):
 
     name: str
     log_lines: Dict[str, List[str]]  # stdout line groups (`MetricsLogger`)
+    # --partial-rollout's buffers (`rl/partial_rollout.PartialRollouts`, saved with the loop state), else None
+    partial_rollout: Optional[object]
 
     def roles(self) -> Dict[str, object]:
         """The trained models by role name (`TrainableModel`s: "actor", "critic"): what checkpoints hold."""
@@ -20,7 +22,7 @@ class Stage(Protocol):
                   more_rows: Callable[[int], Sequence[dict]]) -> Dict[str, float]:
         """One iteration on this DP rank's prompts; returns its metrics (this rank's view). `more_rows(j)` gives
         this rank's prompts of the next global batch (j: its generation batch in this iteration, from 1), for a
-        stage that generates more than one batch (`--dynamic-sampling`)."""
+        stage that generates more than one batch (`--dynamic-sampling`, `--partial-rollout`)."""
 
     def evaluate(self, rows: Sequence[dict]) -> Dict[str, float]:
         """Held-out metrics (`eval/*`) of the current policy on this DP rank's prompts."""

@@ -26,6 +26,7 @@ from mindspeed_llm.rl.dynamic_sampling import informative_groups, refill
 from mindspeed_llm.rl.evaluation import evaluate_policy
 from mindspeed_llm.rl.losses import clipped_policy_loss
 from mindspeed_llm.rl.metrics import Timers, mean_min_max, prefixed
+from mindspeed_llm.rl.partial_rollout import PartialRollouts
 from mindspeed_llm.rl.passes import policy_logprobs
 from mindspeed_llm.rl.ppo_loop import old_logp_is_current, ppo_update
 from mindspeed_llm.rl.rollout import (
@@ -70,6 +71,8 @@ class GRPOStage:
                           tokenizer)
         self.scorer = Scorer.from_args(args, reward_model)
         self.sampling = sampling_config(args, tokenizer)
+        self.partial_rollout = PartialRollouts.from_args(args, self.actor.module, tokenizer, self.sampling) \
+            if args.partial_rollout else None
 
     def roles(self):
         return {"actor": self.actor}
@@ -84,7 +87,7 @@ class GRPOStage:
         timers = Timers(sync=device.synchronize)
         with timers("all"):
             self.actor.offload(timers)  # --offload-train-*: the training state waits in host memory until the update
-            exp, plan, score_metrics = self._generate(iteration, rows, timers)
+            exp, plan, score_metrics = self._generate(iteration, rows, timers, more_rows)
             if args.dynamic_sampling:  # refill with more prompt groups until the batch's groups all carry signal
                 exp, sampling_stats = refill(  # the DP rank's groups (its CP ranks' rows together)
                     exp, lambda j: self._generate(iteration, more_rows(j), timers)[0], n, exp.batch_size // n,
@@ -135,17 +138,22 @@ class GRPOStage:
         metrics.update(timers.pop())
         return metrics
 
-    def _generate(self, iteration: int, rows: Sequence[dict], timers):
+    def _generate(self, iteration: int, rows: Sequence[dict], timers, more_rows=None):
         """`rows`' groups (a prompt's n samples are consecutive rows), scored: (experience, its micro-batch plan,
         the scorer's metrics). Every pass and the update compute a prompt once per group, when micro-batches hold
-        whole groups."""
+        whole groups. With --partial-rollout the groups are the oldest finished ones (`rl/partial_rollout.py`,
+        which takes further prompts from `more_rows`) and the metrics include `partial_rollout/*`."""
         n = self.args.n_samples_per_prompt
+        partial_metrics = {}
         with timers("rollout"):
-            exp = rollout(self.actor.module, rows, self.sampling, iteration, self.tokenizer, samples_per_prompt=n)
-            exp = gather_context_parallel(exp)  # the CP ranks' rollouts: this DP rank's share, on each of them
+            if self.partial_rollout is not None:
+                exp, partial_metrics = self.partial_rollout.collect(iteration, rows, more_rows)
+            else:
+                exp = rollout(self.actor.module, rows, self.sampling, iteration, self.tokenizer, samples_per_prompt=n)
+                exp = gather_context_parallel(exp)  # the CP ranks' rollouts: this DP rank's share, on each of them
         plan = MicroBatchPlan.for_run(exp, self.args, group_size=n)
         exp.scores, score_metrics = self.scorer(exp, plan, timers)
-        return exp, plan, score_metrics
+        return exp, plan, {**partial_metrics, **score_metrics}
 
     # ------------------------------------------------------------------ loss closure (per micro-batch)
     def _advantages(self, exp):

@@ -22,6 +22,7 @@ from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.evaluation import evaluate_policy
 from mindspeed_llm.rl.losses import clipped_policy_loss, clipped_value_loss
 from mindspeed_llm.rl.metrics import Timers, prefixed
+from mindspeed_llm.rl.partial_rollout import PartialRollouts
 from mindspeed_llm.rl.passes import critic_values, policy_logprobs
 from mindspeed_llm.rl.ppo_loop import old_logp_is_current, ppo_update
 from mindspeed_llm.rl.rollout import (
@@ -66,6 +67,8 @@ class TrlPPOStage:
                            "critic": self.critic.module, "reward": reward_model}, tokenizer)
         self.scorer = Scorer.from_args(args, reward_model)
         self.sampling = sampling_config(args, tokenizer)
+        self.partial_rollout = PartialRollouts.from_args(args, self.actor.module, tokenizer, self.sampling) \
+            if args.partial_rollout else None
 
     def roles(self):
         return {"actor": self.actor, "critic": self.critic}
@@ -81,10 +84,14 @@ class TrlPPOStage:
         with timers("all"):
             for trained in (self.actor, self.critic):  # --offload-train-*: training state in host memory until used
                 trained.offload(timers)
+            partial_metrics = {}
             with timers("rollout"):  # a prompt's n samples are consecutive rows, each with its own GAE
-                exp = rollout(self.actor.module, rows, self.sampling, iteration, self.tokenizer,
-                              samples_per_prompt=n)
-                exp = gather_context_parallel(exp)  # the CP ranks' rollouts: this DP rank's share, on each of them
+                if self.partial_rollout is not None:  # the oldest finished groups (rl/partial_rollout.py)
+                    exp, partial_metrics = self.partial_rollout.collect(iteration, rows, more_rows)
+                else:
+                    exp = rollout(self.actor.module, rows, self.sampling, iteration, self.tokenizer,
+                                  samples_per_prompt=n)
+                    exp = gather_context_parallel(exp)  # the CP ranks' rollouts: this DP rank's share, on each
             plan = MicroBatchPlan.for_run(exp, args, group_size=n)
             rollout_stats = rollout_metrics(exp)
             if args.mask_truncated_completions:  # they leave the actor's and the critic's losses
@@ -129,6 +136,7 @@ class TrlPPOStage:
             "kl/mean": float(kl_sum.mean()),
             "non_score_reward": float((-args.kl_coef * kl_sum).mean()),
             **score_metrics,
+            **partial_metrics,
             **rollout_stats,
             **mismatch_metrics(exp),
             "n_samples_per_prompt": n,

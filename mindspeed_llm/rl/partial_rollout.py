@@ -1,0 +1,296 @@
+"""Partial rollouts (`--partial-rollout`, `--partial-rollout-max-split N`): a long response is generated over several
+generation batches, so that an iteration's rollout does not wait for its longest samples.
+
+Names: the switch is slime's (`--partial-rollout`); the budget is MindSpeed-RL's `rl_config.partial_rollout_max_split`
+N (`run_config.py` maps the key): a generation batch adds at most k = ceil(--max-new-tokens / N) tokens to a sample,
+so the longest response completes within N generation batches. The scheme is MindSpeed-RL's synchronous one: when at
+least a global batch of prompt groups has finished, train; otherwise take more prompts and generate again, the
+samples cut before first.
+
+One iteration (`PartialRollouts.collect`), on every DP rank:
+
+1. A generation batch ("round") runs one `generate` call over this rank's carried samples (oldest first) and one
+   fresh batch of the sampler (its prompts x `--n-samples-per-prompt`), each sample with the response budget
+   min(its whole budget, its tokens so far + k). A sample that stops (EOS, stop token, its whole budget) is
+   finished; one that reaches the round's budget is cut and carried, with its tokens and their behaviour
+   log-probs (`inference.Continuation`), into the next round, which continues it under the weights of then.
+2. A prompt's group of n samples is finished when all n are (trl_ppo: n is 1 by default). Every rank's newly
+   finished groups are exchanged over the DP group (host memory), so every rank holds the same list of finished
+   groups ("ready") in the global order of their key: (the iteration their generation started, the prompt's
+   position in that iteration's generation order, `trainer.next_rows`).
+3. Rounds run while fewer than --global-batch-size groups are ready (every rank decides alike: the list is the
+   same everywhere, and expert-parallel peers generate in lock-step), none when the earlier rounds finished a
+   global batch already (MindSpeed-RL's check comes before generating): the sampler's batch of the iteration then
+   joins the carried groups, not started, and waits its turn. --max-num-gen-batches rounds without a global batch
+   is an error naming it.
+4. The iteration trains on the first --global-batch-size ready groups, rank r on [r L, (r + 1) L) of them (L its
+   prompts per batch); the rest wait for the next iteration. The training batch keeps its size, so the DP,
+   mini-batch and micro-batch arithmetic (`arguments.validate_args`, `ppo_loop`) is unchanged. The ready list
+   stays below a global batch plus one round's groups, which bounds how long a finished group waits.
+
+The budget is per sample (`generate`'s `response_budgets`), not `generate`'s `max_decode_steps`, which bounds the
+engine's decode steps: with fewer rows in flight than samples (--rollout-max-num-seqs) a late sample would get fewer
+tokens, depending on the batch it shares a call with. Per sample, every sample gets min(tokens left, k) tokens in
+every round whatever the engine limits and the DP size, so the trained groups (and their tokens, to float rounding)
+are the same at any layout, and the longest response completes within N rounds. With every sample in flight (the
+default) a round decodes at most k steps.
+
+Random streams: a sample draws its tokens from the stream of its sample id in the iteration its group started
+(`Continuation.iteration`, passed for every sample, with no tokens yet or some), so a carried sample, a group that
+waited unstarted, and a resumed run draw the same tokens.
+
+Old log-probs: the carried tokens' log-probs are an earlier policy's, so the update's old log-probs come from a
+training forward (--partial-rollout implies --recompute-old-logprobs), and `--rollout-is tis|mis` weighs each token by
+exp(old_logp - rollout_logp) against the sampler's.
+
+Routing replay (mixtures of experts): a continuation's old tokens are prefilled again in the continuing call, so the
+routing recorded for them is that of the continuing weights; only the tokens generated in the last round were
+routed by the weights that chose them.
+
+Checkpoint (`state_dict`, a collective over the DP group): the ready groups (the same on every rank) and every DP
+rank's carried groups, with the sampler's position in the trainer's loop state; `load_state_dict` gives each rank its
+own, or, at another DP size, deals the carried groups over the ranks in key order (a carried sample may continue on
+any rank: its tokens follow from its own tokens and stream, to float rounding).
+
+Metrics: `partial_rollout/rounds` (0 when a global batch had finished already), `partial_rollout/carried`
+(unfinished samples carried out of the iteration, not started ones included, all ranks), `partial_rollout/max_staleness`
+(max over the trained samples of the iteration minus the iteration their group started), `partial_rollout/waiting`
+(finished groups left for later iterations).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from mindspeed_llm import device, distributed
+from mindspeed_llm.errors import ArgumentError, UserError
+from mindspeed_llm.inference import Continuation, Rollout, generate
+from mindspeed_llm.rl.experience import Experience
+
+# generate_round(iteration, prompts, sample_ids, continuations, response_budgets) -> Rollout
+GenerateRound = Callable[[int, List[List[int]], List[int], List[Optional[Continuation]], List[int]], Rollout]
+
+
+class PartialRolloutBudgetError(UserError):
+    """--max-num-gen-batches rounds did not finish a global batch of prompt groups."""
+
+
+@dataclass
+class _Sample:
+    sample_id: int  # its random stream (with its group's `started`)
+    response: List[int] = field(default_factory=list)
+    log_probs: Optional[List[float]] = None  # the behaviour log-probs of `response`
+    reason: Optional[str] = None  # "eos" | "stop" | "length" once finished; None: unfinished
+    routing: Optional[torch.Tensor] = None  # host [MoE layers of this rank, prompt + response, topk], when finished
+
+
+@dataclass
+class _Group:
+    started: int  # the iteration its generation started in
+    position: int  # its prompt's position in that iteration's generation order
+    row: dict  # the prompt's dataset row (input_ids, labels, index, ...)
+    samples: List[_Sample]
+
+    @property
+    def key(self) -> Tuple[int, int]:
+        return self.started, self.position
+
+    @property
+    def finished(self) -> bool:
+        return all(s.reason is not None for s in self.samples)
+
+
+def _group_state(g: _Group) -> dict:
+    return {"started": g.started, "position": g.position, "row": g.row,
+            "samples": [{"sample_id": s.sample_id, "response": list(s.response), "log_probs": s.log_probs,
+                         "reason": s.reason, "routing": s.routing} for s in g.samples]}
+
+
+def _group_from_state(state: dict) -> _Group:
+    return _Group(int(state["started"]), int(state["position"]), dict(state["row"]),
+                  [_Sample(int(s["sample_id"]), list(s["response"]), s["log_probs"], s["reason"], s["routing"])
+                   for s in state["samples"]])
+
+
+def pending(state: Optional[dict]) -> Tuple[int, int]:
+    """(unfinished samples, finished groups) a saved `PartialRollouts.state_dict()` holds; (0, 0) for None."""
+    if not state:
+        return 0, 0
+    unfinished = sum(s["reason"] is None for rank in state["carried"] for g in rank for s in g["samples"])
+    return unfinished, len(state["ready"])
+
+
+class PartialRollouts:
+    """This DP rank's carried groups and every rank's finished ones, and the rounds of one iteration (module doc).
+
+    `generate_round(iteration, prompts, sample_ids, continuations, response_budgets)` generates one round (the
+    actor's `generate`, `from_args`); `gather(obj)` is every DP rank's `obj` in rank order."""
+
+    def __init__(self, generate_round: GenerateRound, tokenizer, sampling, *, group_size: int, local_groups: int,
+                 max_split: int, max_rounds: int, dp_rank: int = 0, dp_size: int = 1,
+                 gather: Callable[[object], list] = distributed.gather_over_data_parallel):
+        self.generate_round, self.tokenizer, self.sampling = generate_round, tokenizer, sampling
+        self.group_size, self.local_groups = int(group_size), int(local_groups)
+        self.max_split, self.max_rounds = int(max_split), int(max_rounds)
+        self.step_tokens = math.ceil(sampling.max_new_tokens / self.max_split)  # k, a round's tokens per sample
+        self.dp_rank, self.dp_size, self.gather = int(dp_rank), int(dp_size), gather
+        self.carried: List[_Group] = []  # this rank's unfinished groups, in key order
+        self.ready: List[_Group] = []  # every rank's finished groups, the same on every rank, in key order
+
+    @classmethod
+    def from_args(cls, args, actor_module, tokenizer, sampling) -> "PartialRollouts":
+        """The stage's partial rollouts on `actor_module`; refuses a model the continuous engine cannot run."""
+        from mindspeed_llm.inference.generation import continuous_engine_blockers
+        from mindspeed_llm.models import routing
+
+        blockers = continuous_engine_blockers(actor_module)
+        if blockers:
+            raise ArgumentError("--partial-rollout continues carried samples in the continuous generation engine, "
+                                f"which cannot run this actor: {'; '.join(blockers)}; drop --partial-rollout or "
+                                "remove the cause")
+
+        def generate_round(iteration, prompts, sample_ids, continuations, budgets) -> Rollout:
+            # ids past the tokenizer (Megatron's padded vocabulary) are never sampled; a mixture of experts records
+            # each token's experts (--moe-routing-replay, moe/routing_mismatch)
+            result = generate(actor_module, prompts, sampling, iteration=iteration, sample_ids=sample_ids,
+                              vocab_size=len(tokenizer), record_routing=True, continuations=continuations,
+                              response_budgets=budgets)
+            routing.mark_generated(actor_module)
+            return result
+
+        dp_rank, dp_size = distributed.data_parallel_info()
+        return cls(generate_round, tokenizer, sampling, group_size=args.n_samples_per_prompt,
+                   local_groups=args.global_batch_size // dp_size, max_split=args.partial_rollout_max_split,
+                   max_rounds=args.max_num_gen_batches, dp_rank=dp_rank, dp_size=dp_size)
+
+    # ------------------------------------------------------------------ one iteration
+    def collect(self, iteration: int, rows: Sequence[dict],
+                more_rows: Callable[[int], Sequence[dict]]) -> Tuple[Experience, Dict[str, float]]:
+        """This rank's training batch of iteration `iteration` (its share of the oldest --global-batch-size finished
+        groups, a group's samples consecutive) and the `partial_rollout/*` metrics. `rows` are this rank's prompts of
+        the sampler's batch for this iteration, `more_rows(j)` those of the j-th further one."""
+        rounds = 0
+        wanted = self.local_groups * self.dp_size
+        while len(self.ready) < wanted:  # the same list on every rank: every rank decides alike
+            if rounds >= self.max_rounds:
+                raise PartialRolloutBudgetError(
+                    f"--max-num-gen-batches {self.max_rounds}: iteration {iteration} generated {rounds} batches and "
+                    f"finished {len(self.ready)} of the {wanted} prompt groups of a --global-batch-size with "
+                    f"--partial-rollout-max-split {self.max_split} ({self.step_tokens} tokens per sample and batch); "
+                    "raise --max-num-gen-batches or lower --partial-rollout-max-split")
+            fresh = rows if rounds == 0 else more_rows(rounds)
+            groups = self.carried + [self._new_group(iteration, row) for row in fresh]
+            self._generate(iteration, groups)
+            self.carried = [g for g in groups if not g.finished]
+            shares = self.gather([g for g in groups if g.finished])
+            self.ready = sorted(self.ready + [g for finished in shares for g in finished], key=lambda g: g.key)
+            rounds += 1
+        if rounds == 0:  # a global batch had finished already: the sampler's batch waits, not started, behind the
+            self.carried += [self._new_group(iteration, row) for row in rows]  # carried groups
+        carried_out = sum(self.gather(sum(s.reason is None for g in self.carried for s in g.samples)))
+        batch, self.ready = self.ready[:wanted], self.ready[wanted:]
+        mine = batch[self.dp_rank * self.local_groups:(self.dp_rank + 1) * self.local_groups]
+        metrics = {
+            "partial_rollout/rounds": float(rounds),
+            "partial_rollout/carried": float(carried_out),
+            "partial_rollout/max_staleness": float(max(iteration - g.started for g in batch)),
+            "partial_rollout/waiting": float(len(self.ready)),
+        }
+        return self._experience(mine), metrics
+
+    def _new_group(self, iteration: int, row: dict) -> _Group:
+        position = int(row["position"])  # sample k draws from stream position * n + k, as `rollout.rollout`
+        return _Group(iteration, position, dict(row),
+                      [_Sample(position * self.group_size + k) for k in range(self.group_size)])
+
+    def _generate(self, iteration: int, groups: List[_Group]) -> None:
+        """One round over the unfinished samples of `groups` (in order); updates them in place. Every sample draws
+        from the stream of the iteration its group started in (`Continuation.iteration`), tokens or none yet."""
+        todo = [(g, s) for g in groups for s in g.samples if s.reason is None]
+        prompts = [[int(t) for t in g.row["input_ids"]] for g, _ in todo]
+        whole = self.sampling.response_budgets([len(p) for p in prompts])
+        budgets = [min(w, len(s.response) + self.step_tokens) for w, (_, s) in zip(whole, todo)]
+        continuations = [Continuation(list(s.response), s.log_probs if s.response else [], g.started)
+                         for g, s in todo]
+        result = self.generate_round(iteration, prompts, [s.sample_id for _, s in todo], continuations, budgets)
+        lengths = result.response_lengths.tolist()
+        for b, ((g, s), length, reason) in enumerate(zip(todo, lengths, result.finish_reasons)):
+            s.response = result.responses[b, :length].tolist()
+            s.log_probs = result.log_probs[b, :length].tolist() if result.log_probs is not None else None
+            cut = reason == "unfinished" or (reason == "length" and length < whole[b])
+            s.reason = None if cut else reason
+            if not cut and result.routing is not None:
+                s.routing = result.routing[b, :, :len(prompts[b]) + length].cpu()
+
+    def _experience(self, groups: List[_Group]) -> Experience:
+        """The finished `groups` as an Experience (the layout of `Rollout.sequences()`), with `rollout.rollout`'s
+        extras and each sample's `sample_ids` and `started` iteration."""
+        pairs = [(g, s) for g in groups for s in g.samples]
+        dev, pad = device.current_device(), self.sampling.pad_id
+        prompts = [[int(t) for t in g.row["input_ids"]] for g, _ in pairs]
+        B, P = len(pairs), max(len(p) for p in prompts)
+        R = max(1, max(len(s.response) for _, s in pairs))
+        prompt_tokens = torch.full((B, P), pad, dtype=torch.long)
+        responses = torch.full((B, R), pad, dtype=torch.long)
+        for b, (prompt, (_, s)) in enumerate(zip(prompts, pairs)):
+            prompt_tokens[b, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+            responses[b, :len(s.response)] = torch.tensor(s.response, dtype=torch.long)
+        lengths = torch.tensor([len(s.response) for _, s in pairs], dtype=torch.long)
+        mask = (torch.arange(R)[None, :] < lengths[:, None]).long()
+        log_probs = None
+        if all(s.log_probs is not None for _, s in pairs):
+            log_probs = torch.zeros((B, R), dtype=torch.float32)
+            for b, (_, s) in enumerate(pairs):
+                log_probs[b, :len(s.log_probs)] = torch.tensor(s.log_probs, dtype=torch.float32)
+        routing = None
+        if all(s.routing is not None for _, s in pairs):  # [B, layers, T, topk], -1 past each sample's tokens
+            width = max(s.routing.shape[1] for _, s in pairs)
+            routing = torch.stack([torch.nn.functional.pad(s.routing, (0, 0, 0, width - s.routing.shape[1]), value=-1)
+                                   for _, s in pairs]).to(dev)
+        reasons = [s.reason for _, s in pairs]
+        result = Rollout(
+            prompts=prompt_tokens.to(dev), prompt_lengths=torch.tensor([len(p) for p in prompts]).to(dev),
+            responses=responses.to(dev), response_mask=mask.to(dev), response_lengths=lengths.to(dev),
+            ended_with_eos=torch.tensor([r == "eos" for r in reasons], dtype=torch.bool).to(dev),
+            finish_reasons=reasons, log_probs=None if log_probs is None else log_probs.to(dev), pad_token_id=pad,
+            seed=self.sampling.seed if self.sampling.do_sample else None, routing=routing,
+        )
+        exp = Experience.from_rollout(result)
+        exp.extras["labels"] = [g.row.get("labels") for g, _ in pairs]
+        exp.extras["indices"] = [g.row.get("index") for g, _ in pairs]
+        exp.extras["finish_reasons"] = reasons
+        exp.extras["texts"] = result.decode(self.tokenizer)
+        exp.extras["sample_ids"] = [s.sample_id for _, s in pairs]
+        exp.extras["started"] = [g.started for g, _ in pairs]
+        return exp
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        """What a resume needs (a collective over the DP group: call it on every rank): the finished groups and every
+        DP rank's carried ones, as plain lists (and the finished samples' host routing tensors)."""
+        return {"group_size": self.group_size, "ready": [_group_state(g) for g in self.ready],
+                "carried": self.gather([_group_state(g) for g in self.carried])}
+
+    def load_state_dict(self, state: dict) -> Optional[str]:
+        """Restores `state_dict()`'s buffers: this rank's carried groups at the saved DP size, or, at another one,
+        the saved ranks' carried groups dealt over the ranks in key order (then returns a note saying so)."""
+        if int(state["group_size"]) != self.group_size:
+            raise ArgumentError(f"--n-samples-per-prompt {self.group_size}: the checkpoint's partial rollouts hold "
+                                f"groups of {state['group_size']} samples; resume with --n-samples-per-prompt "
+                                f"{state['group_size']}")
+        self.ready = [_group_from_state(g) for g in state["ready"]]
+        saved = state["carried"]
+        if len(saved) == self.dp_size:
+            self.carried = [_group_from_state(g) for g in saved[self.dp_rank]]
+            return None
+        everything = sorted((_group_from_state(g) for rank in saved for g in rank), key=lambda g: g.key)
+        self.carried = everything[self.dp_rank::self.dp_size]
+        return (f"--partial-rollout: the checkpoint's {len(everything)} carried prompt groups of {len(saved)} DP ranks "
+                f"are dealt over this run's {self.dp_size}")
+
+
+__all__ = ["PartialRollouts", "PartialRolloutBudgetError", "pending"]
