@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -62,9 +61,9 @@ def parse_args(argv=None):
 
 def build_task(root: Path, args) -> dict:
     from hf_tiny import save_tiny, write_tokenizer
+    from word_task import write_prompts
 
     from mindspeed_llm.checkpoint import convert_hf_to_mg
-    from mindspeed_llm.data.preprocess import preprocess
 
     tokenizer = root / "tokenizer"
     write_tokenizer(tokenizer, 256)
@@ -77,17 +76,7 @@ def build_task(root: Path, args) -> dict:
         out = root / f"mg_{role}"
         convert_hf_to_mg(hf, str(out), 1, 1, value_head=value_head, tokenizer_dir=str(tokenizer), progress=False)
         paths[role] = str(out)
-    rng = random.Random(0)
-    rows = [{"problem": " ".join(f"w{rng.randint(68, 255)}" for _ in range(rng.randint(3, 5))), "answer": "-"}
-            for _ in range(args.prompts * (args.iterations + 4) * 4)]  # more prompts than the runs draw
-    raw = root / "prompts.json"
-    raw.write_text(json.dumps(rows))
-    prefix = root / "data" / "prompts"
-    preprocess(["--input", str(raw), "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path",
-                str(tokenizer), "--output-prefix", str(prefix), "--handler-name", "R1AlpacaStyleInstructionHandler",
-                "--prompt-type", "empty", "--map-keys", json.dumps({"prompt": "problem", "labels": "answer"}),
-                "--log-interval", "0"])
-    paths["data"] = str(prefix)
+    paths["data"] = write_prompts(root, tokenizer, args.prompts * (args.iterations + 4) * 4)  # more than drawn
     return paths
 
 

@@ -21,7 +21,6 @@ def build(root: Path, layouts=((1, 1),), reward: bool = False, prompts: int = 16
     from hf_tiny import save_tiny, write_tokenizer
 
     from mindspeed_llm.checkpoint import convert_hf_to_mg
-    from mindspeed_llm.data.preprocess import preprocess
 
     # The tokenizer gets a folder of its own: next to a qwen2 config.json, transformers 5 would load it as a
     # Qwen2Tokenizer (BPE) instead of the word-level tokenizer it is.
@@ -36,6 +35,15 @@ def build(root: Path, layouts=((1, 1),), reward: bool = False, prompts: int = 16
             convert_hf_to_mg(hf, str(out), tp, pp, value_head=value_head, tokenizer_dir=str(tokenizer), progress=False)
             paths[f"mg_{role}_tp{tp}pp{pp}"] = str(out)
 
+    paths["data"] = write_prompts(root, tokenizer, prompts)
+    return paths
+
+
+def write_prompts(root: Path, tokenizer: Path, prompts: int) -> str:
+    """`prompts` prompts of 3..5 random words from w68..w255 (seed 0), preprocessed with the R1 handler under
+    `root/data/prompts`; returns that prefix."""
+    from mindspeed_llm.data.preprocess import preprocess
+
     rng = random.Random(0)
     rows = [{"problem": " ".join(f"w{rng.randint(68, VOCAB - 1)}" for _ in range(rng.randint(3, 5))), "answer": "-"}
             for _ in range(prompts)]
@@ -46,5 +54,4 @@ def build(root: Path, layouts=((1, 1),), reward: bool = False, prompts: int = 16
                 str(tokenizer), "--output-prefix", str(prefix), "--handler-name", "R1AlpacaStyleInstructionHandler",
                 "--prompt-type", "empty", "--map-keys", json.dumps({"prompt": "problem", "labels": "answer"}),
                 "--log-interval", "0"])
-    paths["data"] = str(prefix)
-    return paths
+    return str(prefix)
