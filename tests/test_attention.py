@@ -255,7 +255,7 @@ def _model_outputs(model, exp, plan, value_head, grads=True):
     """Forward-only outputs (through megatron's schedule) and every local parameter's gradient of a loss."""
     from megatron.core import parallel_state as ps
 
-    from mindspeed_llm.rl import passes
+    from mindspeed_llm.rl import batch_plan, passes
     from mindspeed_llm.rl.engine import _run_schedule
 
     width = exp.responses.shape[1]
@@ -265,7 +265,7 @@ def _model_outputs(model, exp, plan, value_head, grads=True):
             [model], plan.micro_batches(exp), lambda o, mb: passes.response_values(o, mb) * mb["response_mask"],
             (width,))
         out["scores"] = passes.forward_only(
-            [model], plan.micro_batches(exp), lambda o, mb: passes.gather_last_token(o, mb).reshape(-1), ())
+            [model], plan.micro_batches(exp), lambda o, mb: batch_plan.gather_last_token(o, mb).reshape(-1), ())
     else:
         out["logp"] = passes.forward_only(
             [model], plan.micro_batches(exp), lambda o, mb: passes.response_logprobs(o, mb) * mb["response_mask"],
@@ -273,7 +273,7 @@ def _model_outputs(model, exp, plan, value_head, grads=True):
         shard = model.model_spec.vocab_size // ps.get_tensor_model_parallel_world_size()
         out["logits"] = passes.forward_only(
             [model], plan.micro_batches(exp),
-            lambda o, mb: passes.gather_response(o, mb) * mb["response_mask"][..., None], (width, shard))
+            lambda o, mb: batch_plan.gather_response(o, mb) * mb["response_mask"][..., None], (width, shard))
 
     def loss(output, mb):
         if value_head:

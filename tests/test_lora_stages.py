@@ -313,7 +313,7 @@ def test_resume_is_bit_exact(resume_runs, stage):
 @pytest.mark.parametrize("stage", ["trl_ppo", "grpo"])
 def test_full_recompute_gives_the_same_run(resume_runs, stage):
     """Full recompute: the same metrics and adapters (to float rounding: with a frozen base, autograd sums the
-    checkpointed layers' input gradients in another order; grpo here is bit-identical, trl_ppo's metrics within ~1e-7, its adapters after two Adam steps within ~1e-5)."""
+    checkpointed layers' input gradients in another order; grpo here is bit-identical, trl_ppo's metrics within ~1e-7, its adapters after two Adam steps within ~1e-4)."""
     root, _ = resume_runs
     plain, recomputed = root / stage / "straight", root / stage / "recompute"
     rows = [json.loads(line) for line in (plain / "metrics.jsonl").read_text().splitlines()]
@@ -325,8 +325,10 @@ def test_full_recompute_gives_the_same_run(resume_runs, stage):
                 assert math.isclose(other[key], value, rel_tol=1e-5, abs_tol=1e-6), (key, other[key], value)
     for role in (["actor", "critic"] if stage == "trl_ppo" else ["actor"]):
         a, b = _payload(plain / "save", role, 2)["model"], _payload(recomputed / "save", role, 2)["model"]
-        for k in a:  # Adam's per-element normalisation lifts the rounding of small gradients (measured 1.4e-5)
-            assert _relative(b[k].float(), a[k].float()) <= 1e-4, (role, k)
+        # Adam's per-element normalisation lifts the rounding of small gradients (measured up to 1.2e-4 on the
+        # critic's B after two steps); a gradient lost under recompute leaves its B at 0, a difference of 1
+        for k in a:
+            assert _relative(b[k].float(), a[k].float()) <= 1e-3, (role, k)
         if stage == "trl_ppo":  # the adapters did train under recompute (a lost gradient leaves B at its start)
             assert any(float(b[k].float().norm()) > 0 for k in b if k.endswith(".lora.B")), role
 

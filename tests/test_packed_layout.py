@@ -65,7 +65,7 @@ def _worker(rank, world_size, tp, pp, roots):
     from mindspeed_llm import distributed
     from mindspeed_llm.checkpoint import load_megatron_weights, load_spec
     from mindspeed_llm.models import build_model
-    from mindspeed_llm.rl import passes
+    from mindspeed_llm.rl import batch_plan, passes
     from mindspeed_llm.rl.batch_plan import MicroBatchPlan
     from mindspeed_llm.rl.engine import _model_forward
 
@@ -100,7 +100,8 @@ def _worker(rank, world_size, tp, pp, roots):
             [policy], batches, lambda o, mb: passes.response_logprobs(o, mb) * mb["response_mask"], (width,))
         values = passes.forward_only(
             [value], batches, lambda o, mb: passes.response_values(o, mb) * mb["response_mask"], (width,))
-        scores = passes.forward_only([value], batches, lambda o, mb: passes.gather_last_token(o, mb).reshape(-1), ())
+        scores = passes.forward_only([value], batches,
+                                     lambda o, mb: batch_plan.gather_last_token(o, mb).reshape(-1), ())
         out[name] = {"logp": logp, "values": values, "scores": scores}
         if no_window and name == "plain":
             out["rows_logits_from"] = [int(mb["logits_from"]) for mb in plan.micro_batches(exp)]
