@@ -313,7 +313,8 @@ def test_resume_is_bit_exact(resume_runs, stage):
 @pytest.mark.parametrize("stage", ["trl_ppo", "grpo"])
 def test_full_recompute_gives_the_same_run(resume_runs, stage):
     """Full recompute: the same metrics and adapters (to float rounding: with a frozen base, autograd sums the
-    checkpointed layers' input gradients in another order; grpo here is bit-identical, trl_ppo's metrics within ~1e-7, its adapters after two Adam steps within ~1e-4)."""
+    checkpointed layers' input gradients in another order; grpo here is bit-identical, trl_ppo's metrics within
+    ~1e-7, its adapters after two Adam steps within ~1e-4)."""
     root, _ = resume_runs
     plain, recomputed = root / stage / "straight", root / stage / "recompute"
     rows = [json.loads(line) for line in (plain / "metrics.jsonl").read_text().splitlines()]
