@@ -585,13 +585,14 @@ class WriterLock:
                 try:
                     if self._holder() != holder:  # replaced since we read it: look again
                         continue
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(self.path)
                     log(f"taking over {self.path} from pid {holder.get('pid') if holder else '?'} on "
                         f"{holder.get('host') if holder else '?'}, which is no longer running")
-                    fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-                    with os.fdopen(fd, "w") as f:
+                    # replaced in one rename, never removed first: a taker that arrives now finds a file (ours,
+                    # or the dead one) and is refused, instead of creating its own in the gap
+                    staged = f"{self.path}.{os.getpid()}.staging"
+                    with open(staged, "w") as f:
                         json.dump(me, f)
+                    os.replace(staged, self.path)
                     self.held = True
                     return
                 finally:
