@@ -20,6 +20,7 @@ import types
 import torch
 
 from mindspeed_llm.patches import register
+from mindspeed_llm.patches.optimizer import cuda_type_names
 
 CPU = torch.device("cpu")
 
@@ -348,24 +349,6 @@ def _gather_along_first_dim(original):
 
 # ---------------------------------------------------------------- bf16 / fp16 training on CPU
 
-@contextlib.contextmanager
-def _cuda_type_names():
-    """For the block, `tensor.type()` of a CPU tensor reads as its CUDA counterpart's name."""
-    real = torch.Tensor.type
-
-    def type_(self, dtype=None, non_blocking=False, **kwargs):
-        if dtype is not None or kwargs:
-            return real(self, dtype, non_blocking, **kwargs)
-        name = real(self)
-        return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
-
-    torch.Tensor.type = type_
-    try:
-        yield
-    finally:
-        torch.Tensor.type = real
-
-
 @register(
     "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__",
     "it sorts parameters by `param.type()` ('torch.cuda.BFloat16Tensor' gets an fp32 main copy) and refuses "
@@ -373,6 +356,6 @@ def _cuda_type_names():
 )
 def _float16_optimizer_init(_original):
     def __init__(self, *args, **kwargs):
-        with _cuda_type_names():
+        with cuda_type_names():
             _original(self, *args, **kwargs)
     return __init__
