@@ -6,7 +6,7 @@ each core attention (``--attentions``: every case names its own, `build_model(..
 
 * one training forward + backward of the policy on the real path: `MicroBatchPlan` rows or packed prompt groups ->
   the actor's `TrainableModel` (megatron DDP with its fp32 grad buffer, bf16 weights) through megatron's schedule
-  (`rl.engine._run_schedule`, what `train_step` runs before the optimizer step) -> `rl.losses.clipped_policy_loss`
+  (`rl.engine._run_schedule`, what `train_step` runs before the optimizer step) -> `rl.loss_closures.clipped_policy_loss`
   (`passes.response_logprobs` -> `rl.logprobs.vocab_parallel_logprobs` with entropy, the clipped surrogate, the
   low_var_kl loss), with grpo's settings;
 * **saved for backward**: every tensor autograd packs during the forward
@@ -615,7 +615,8 @@ def measure(case: Case, device_type: str = "cpu", timing: bool = True) -> dict:
     import torch
 
     from mindspeed_llm.rl import engine
-    from mindspeed_llm.rl.losses import clipped_policy_loss
+    from mindspeed_llm.rl.loss_closures import clipped_policy_loss
+    from mindspeed_llm.rl.settings import LossSettings
     from mindspeed_llm.rl.passes import policy_logprobs
 
     rows, seq, prompt, response = case.rows_and_lengths()
@@ -626,7 +627,7 @@ def measure(case: Case, device_type: str = "cpu", timing: bool = True) -> dict:
     model = tm.module if train else tm
     exp = synthetic_experience(case.samples, prompt, response, case.shape.vocab)
     plan, mb = micro_batch_of(case, exp)
-    args = SimpleNamespace(**LOSS_ARGS, max_new_tokens=response)
+    args = LossSettings(**LOSS_ARGS, max_new_tokens=response)
     regions = Regions(model, markers=False)
     counter = SavedCounter(regions, _excluded_storages(tm))
     outside: Dict[str, Dict[str, int]] = {}
@@ -812,13 +813,14 @@ def measure_model_state(shape: Shape, distributed_optimizer: bool = False, offlo
 
     from mindspeed_llm.rl import model_state, roles
     from mindspeed_llm.rl.engine import OptimizerSettings, TrainableModel
-    from mindspeed_llm.rl.losses import clipped_policy_loss
+    from mindspeed_llm.rl.loss_closures import clipped_policy_loss
+    from mindspeed_llm.rl.settings import LossSettings
 
     gc.collect()
     case = Case(shape, 64, "sdpa")
     exp = synthetic_experience(1, 32, 32, shape.vocab)
     _, mb = micro_batch_of(case, exp)
-    args = SimpleNamespace(**LOSS_ARGS, max_new_tokens=32)
+    args = LossSettings(**LOSS_ARGS, max_new_tokens=32)
 
     def trained(parts=()):
         tm = TrainableModel(build(case, trainable=False), OptimizerSettings(
@@ -941,7 +943,8 @@ def _rss_child(case_json: str, out_path: str) -> None:
     import torch
 
     from mindspeed_llm.rl import engine
-    from mindspeed_llm.rl.losses import clipped_policy_loss
+    from mindspeed_llm.rl.loss_closures import clipped_policy_loss
+    from mindspeed_llm.rl.settings import LossSettings
 
     torch.set_num_threads(1)
     init_process(1)
@@ -951,7 +954,7 @@ def _rss_child(case_json: str, out_path: str) -> None:
     tm = build(case, trainable=True)
     exp = synthetic_experience(case.samples, prompt, response, case.shape.vocab)
     _, mb = micro_batch_of(case, exp)
-    args = SimpleNamespace(**LOSS_ARGS, max_new_tokens=response)
+    args = LossSettings(**LOSS_ARGS, max_new_tokens=response)
     gc.collect()
     rss_before = psutil.Process().memory_info().rss
     max_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

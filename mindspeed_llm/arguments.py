@@ -13,11 +13,15 @@ from typing import List, Optional, Sequence, Tuple
 from mindspeed_llm import compat_flags
 from mindspeed_llm.argument_ranges import check_ranges
 from mindspeed_llm.errors import ArgumentError  # noqa: F401  (re-exported: users import the parser's error from here)
+from mindspeed_llm.expert_layout import (
+    EP_NOT_MULTIPLE_OF_TP,
+    EXPERT_TP_NOT_1_OR_TP,
+    EXTEND_WITH_EXPERT_TP,
+    ExpertLayoutError,
+    resolve_expert_layout,
+)
+from mindspeed_llm.rl import settings as run_settings
 
-STAGES = ("trl_ppo", "grpo")
-KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-ADV_SCALES = ("group", "batch", "none")
 # megatron-core 0.16.1's selective recompute modules that run on the local layer spec (TransformerConfig's
 # recompute_modules); the other two are refused by name (`_check_recompute`)
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "mla_up_proj")
@@ -44,12 +48,17 @@ def _int_list(text: str) -> List[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # The choice lists are the registries' own (--stage, --kl-penalty, --loss-agg-mode, --adv-scale): importing them
+    # brings torch and megatron in, which the run needs next anyway.
+    from mindspeed_llm.rl import core_algos
+    from mindspeed_llm.rl.stages import STAGES
+
     p = argparse.ArgumentParser(
         prog="posttrain_gpt.py",
         description="In-process RL post-training (trl_ppo, grpo) for Megatron core models.",
         allow_abbrev=False,
     )
-    p.add_argument("--stage", choices=STAGES, required=True)
+    p.add_argument("--stage", choices=tuple(STAGES), required=True)
 
     g = p.add_argument_group("model (read from the checkpoint; when given, they must match it)")
     g.add_argument("--num-layers", type=int)
@@ -290,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("RL: algorithm")
     g.add_argument("--kl-coef", type=float, help="trl_ppo: 0.3 (reward penalty); grpo: 0.001 (KL loss); 0 = off")
-    g.add_argument("--kl-penalty", choices=KL_KINDS, help="trl_ppo: k1; grpo: low_var_kl")
+    g.add_argument("--kl-penalty", choices=core_algos.KL_KINDS, help="trl_ppo: k1; grpo: low_var_kl")
     g.add_argument("--gamma", type=float, default=1.0)
     g.add_argument("--lam", type=float, default=0.95)
     g.add_argument("--clip-ratio", type=float, default=0.2)
@@ -299,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cliprange-value", type=float, default=0.2)
     g.add_argument("--vf-coef", type=float, default=0.1)
     g.add_argument("--entropy-coeff", type=float, default=0.0)
-    g.add_argument("--loss-agg-mode", choices=LOSS_AGG_MODES,
+    g.add_argument("--loss-agg-mode", choices=core_algos.AGG_MODES,
                    help="how token losses are averaged (default: token-mean; seq-mean-token-mean with --policy-loss "
                         "gspo, the sequence-level mean GSPO is defined with)")
     g.add_argument("--adv-estimator",
@@ -311,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--dual-clip) or gspo (sequence-level ratio, clipped by --gspo-clip-ratio[-high])")
     g.add_argument("--gspo-clip-ratio", type=float, default=3e-4, help="gspo's lower clip range (GSPO paper: 3e-4)")
     g.add_argument("--gspo-clip-ratio-high", type=float, default=4e-4, help="gspo's upper clip range (4e-4)")
-    g.add_argument("--adv-scale", choices=ADV_SCALES,
+    g.add_argument("--adv-scale", choices=core_algos.GROUP_SCALES,
                    help="grpo: std scaling of the advantages (default: the estimator's: group for grpo, none for rloo)")
     g.add_argument("--whiten-rewards", action="store_true")
     g.add_argument("--ppo-epochs", type=int, default=1)
@@ -356,24 +365,20 @@ def _check_expert_parallel(args, world_size: int) -> None:
     """Resolve the experts' layout into `args.expert_parallel_size` (ranks the experts are split over,
     EP x TP with --moe-tp-extend-ep) and `args.expert_tensor_parallel_size` (1 or TP)."""
     tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
-    etp = args.expert_tensor_parallel_size
-    if args.moe_tp_extend_ep:
-        if etp not in (None, 1):
-            raise ArgumentError(
-                f"--moe-tp-extend-ep splits the experts over the TP ranks instead of inside each expert; it "
-                f"cannot be combined with --expert-tensor-parallel-size {etp} (drop one)")
-        etp, ep = 1, ep * tp
-    elif etp is None:
-        etp = tp
-    if etp == 1 and tp > 1 and ep % tp:
-        raise ArgumentError(
-            f"--expert-tensor-parallel-size 1 with --tensor-model-parallel-size {tp} needs an expert-parallel size "
-            f"that is a multiple of {tp} (the expert ranks run over the TP ranks), not {ep}; use --moe-tp-extend-ep "
-            f"or --expert-model-parallel-size {tp * max(1, ep // tp)}")
-    if etp not in (1, tp):
-        raise ArgumentError(
-            f"--expert-tensor-parallel-size {etp} must be 1 or --tensor-model-parallel-size {tp} (checkpoints "
-            f"keep experts either whole or split like the dense layers)")
+    try:
+        ep, etp = resolve_expert_layout(tp, ep, args.expert_tensor_parallel_size, args.moe_tp_extend_ep)
+    except ExpertLayoutError as exc:
+        raise ArgumentError({
+            EXTEND_WITH_EXPERT_TP: f"--moe-tp-extend-ep splits the experts over the TP ranks instead of inside each "
+                                   f"expert; it cannot be combined with --expert-tensor-parallel-size {exc.etp} (drop "
+                                   f"one)",
+            EXPERT_TP_NOT_1_OR_TP: f"--expert-tensor-parallel-size {exc.etp} must be 1 or --tensor-model-parallel-size "
+                                   f"{tp} (checkpoints keep experts either whole or split like the dense layers)",
+            EP_NOT_MULTIPLE_OF_TP: f"--expert-tensor-parallel-size 1 with --tensor-model-parallel-size {tp} needs an "
+                                   f"expert-parallel size that is a multiple of {tp} (the expert ranks run over the "
+                                   f"TP ranks), not {ep}; use --moe-tp-extend-ep or --expert-model-parallel-size "
+                                   f"{tp * max(1, ep // tp)}",
+        }[exc.rule]) from None
     if world_size % (etp * ep * pp):
         raise ArgumentError(
             f"world size {world_size} is not divisible by expert tensor parallel {etp} x expert parallel {ep}"
@@ -426,8 +431,9 @@ def _check_sequence_and_context_parallel(args) -> None:
             "runs megatron's local attention, which has none: drop --attention-backend or use auto / flash / fused")
 
 
-def validate_args(args, world_size: int) -> None:
-    """Fill stage defaults and reject inconsistent combinations with messages that name the flags."""
+def validate_args(args, world_size: int) -> run_settings.Settings:
+    """Fill stage defaults and reject inconsistent combinations with messages that name the flags. Returns the typed
+    settings the stages pass around (`rl/settings.py`), also attached as `args.settings`."""
     check_ranges(args, build_parser())  # every numeric flag in its range (argument_ranges.RANGES), floats finite
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     if world_size % (tp * pp * cp):
@@ -561,6 +567,8 @@ def validate_args(args, world_size: int) -> None:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.train_iters)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    args.settings = run_settings.from_args(args)
+    return args.settings
 
 
 def _check_partial_rollout(args) -> None:

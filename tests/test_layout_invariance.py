@@ -182,13 +182,13 @@ def _run_cases(rank, world_size, runs):
     from mindspeed_llm.rl.stages import grpo
 
     register_verifier("odd_first_word", override=True)(odd_first_word)
-    filtered, update = [], grpo.ppo_update
+    filtered, update, running = [], grpo.ppo_update, {}
 
-    def recording_update(model, exp, plan, args, *rest, **kwargs):
-        if args.filter_groups:
+    def recording_update(model, exp, plan, schedule, *rest, **kwargs):
+        if running["args"].filter_groups:
             out = exp.loss_mask.sum(-1) == 0
             filtered.append((int(out.sum()), int((out & (exp.response_mask.sum(-1) > 0)).sum())))
-        return update(model, exp, plan, args, *rest, **kwargs)
+        return update(model, exp, plan, schedule, *rest, **kwargs)
 
     grpo.ppo_update = recording_update
     # the samples per micro-batch of every update step cut by a token budget
@@ -204,7 +204,8 @@ def _run_cases(rank, world_size, runs):
     for argv in runs:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        trainer.run(parse_args(argv, world_size))
+        running["args"] = parse_args(argv, world_size)
+        trainer.run(running["args"])
     return filtered, budget_steps
 
 

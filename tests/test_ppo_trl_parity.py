@@ -67,6 +67,7 @@ What is compared, and why it survives any CPU's BLAS yet catches a wrong loss sc
   the values' distance to their clip is not checked: TRL computes them inside its loop, out of reach).
 """
 
+import dataclasses
 import json
 import sys
 import types
@@ -217,7 +218,8 @@ def _our_stage(rank, world_size, argv, responses, reference_root, mutation=None)
 
     def stage_with_reference(args, tokenizer):
         if mutation == "vf_coef_ignored":
-            args.vf_coef = 1.0  # the critic backpropagates its unscaled value loss
+            args.settings = dataclasses.replace(  # the critic backpropagates its unscaled value loss
+                args.settings, loss=dataclasses.replace(args.settings.loss, vf_coef=1.0))
         stage = stage_cls(args, tokenizer)
         load_megatron_weights(stage.reference, reference_root)
         built["stage"] = stage

@@ -33,6 +33,13 @@ from mindspeed_llm.checkpoint import hf_mapping as hfm
 from mindspeed_llm.checkpoint import megatron_layout as layout
 from mindspeed_llm.checkpoint import megatron_names, sharding
 from mindspeed_llm.checkpoint.errors import ConversionError
+from mindspeed_llm.expert_layout import (
+    EP_NOT_MULTIPLE_OF_TP,
+    EXPERT_TP_NOT_1_OR_TP,
+    EXTEND_WITH_EXPERT_TP,
+    ExpertLayoutError,
+    resolve_expert_layout,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +64,10 @@ def _progress(total: int, desc: str, enabled: bool):
 
 
 def expert_layout(spec, tp: int, ep: int = 1, etp: Optional[int] = None, moe_tp_extend_ep: bool = False):
-    """(effective expert-parallel size, expert tensor-parallel size) of the converter's flags, as the
-    training flags resolve them: --moe-tp-extend-ep spreads the experts over EP x TP ranks, whole (expert
-    TP 1); otherwise expert TP defaults to TP (experts split like the dense MLP). Errors name the flag."""
+    """(effective expert-parallel size, expert tensor-parallel size) of the converter's flags, by the rule the
+    training flags resolve them with (`mindspeed_llm.expert_layout`): --moe-tp-extend-ep spreads the experts over
+    EP x TP ranks, whole (expert TP 1); otherwise expert TP defaults to TP (experts split like the dense MLP). A
+    dense model takes none of them. Errors name the converter's flags."""
     if ep < 1:
         raise ConversionError(f"--target-expert-parallel-size {ep}: must be >= 1")
     if not spec.is_moe:
@@ -76,25 +84,19 @@ def expert_layout(spec, tp: int, ep: int = 1, etp: Optional[int] = None, moe_tp_
                 f"--expert-tensor-parallel-size {etp} needs a mixture-of-experts model, but this {spec.family} model "
                 f"is dense; drop the flag")
         return 1, tp
-    if moe_tp_extend_ep:
-        if etp not in (None, 1):
-            raise ConversionError(
-                f"--moe-tp-extend-ep keeps every expert whole (expert tensor parallel 1); it cannot be combined with "
-                f"--expert-tensor-parallel-size {etp} (drop one)")
-        return ep * tp, 1
-    etp = tp if etp is None else etp
-    if etp not in (1, tp):
-        raise ConversionError(
-            f"--expert-tensor-parallel-size {etp} must be 1 or --target-tensor-parallel-size {tp} (experts are kept "
-            f"either whole or split like the dense layers)")
-    if etp == 1 and tp > 1 and ep % tp:
-        # Megatron then gives rank r tp_rank r % TP and ep_rank r % EP; the shard layout keeps one shard per
-        # expert-parallel rank, which needs EP to be a multiple of TP.
-        raise ConversionError(
-            f"--expert-tensor-parallel-size 1 with --target-tensor-parallel-size {tp} needs a "
-            f"--target-expert-parallel-size that is a multiple of {tp} (got {ep}); pass --moe-tp-extend-ep to split "
-            f"the experts over EP x TP ranks, or drop --expert-tensor-parallel-size")
-    return ep, etp
+    try:
+        return resolve_expert_layout(tp, ep, etp, moe_tp_extend_ep)
+    except ExpertLayoutError as exc:
+        raise ConversionError({
+            EXTEND_WITH_EXPERT_TP: f"--moe-tp-extend-ep keeps every expert whole (expert tensor parallel 1); it cannot "
+                                   f"be combined with --expert-tensor-parallel-size {etp} (drop one)",
+            EXPERT_TP_NOT_1_OR_TP: f"--expert-tensor-parallel-size {etp} must be 1 or --target-tensor-parallel-size "
+                                   f"{tp} (experts are kept either whole or split like the dense layers)",
+            EP_NOT_MULTIPLE_OF_TP: f"--expert-tensor-parallel-size 1 with --target-tensor-parallel-size {tp} needs a "
+                                   f"--target-expert-parallel-size that is a multiple of {tp} (got {ep}); pass "
+                                   f"--moe-tp-extend-ep to split the experts over EP x TP ranks, or drop "
+                                   f"--expert-tensor-parallel-size",
+        }[exc.rule]) from None
 
 
 def _check_target_parallel(spec, tp: int, pp: int, ep: int = 1, etp: Optional[int] = None,

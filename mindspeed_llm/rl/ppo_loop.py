@@ -22,6 +22,7 @@ from mindspeed_llm.rl import moe
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.core_algos import critic_mask
 from mindspeed_llm.rl.experience import Experience
+from mindspeed_llm.rl.settings import UpdateSchedule
 
 
 def mini_batch_units(local_units: int, dp_rank: int, mini_batches: int, seed: int, iteration: int,
@@ -53,9 +54,9 @@ def loss_totals(mask: torch.Tensor, response_mask: torch.Tensor) -> Dict[str, to
     return {"total_tokens": tokens, "total_sequences": sequences, "total_value_tokens": value_tokens}
 
 
-def ppo_update(model, exp: Experience, plan: MicroBatchPlan, args, loss_fn: Callable, iteration: int,
-               group_size: int = 1) -> Dict[str, float]:
-    """`--ppo-epochs` passes over the iteration's samples in `--ppo-mini-batch-size` mini-batches, one
+def ppo_update(model, exp: Experience, plan: MicroBatchPlan, schedule: UpdateSchedule, loss_fn: Callable,
+               iteration: int, group_size: int = 1) -> Dict[str, float]:
+    """`schedule.ppo_epochs` passes over the iteration's samples in `schedule.ppo_mini_batch_size` mini-batches, one
     optimizer step each, cut into micro-batches by `plan`. A prompt's `group_size` samples stay in one
     mini-batch.
 
@@ -64,12 +65,12 @@ def ppo_update(model, exp: Experience, plan: MicroBatchPlan, args, loss_fn: Call
     """
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     local_units = exp.batch_size // group_size
-    mini_batches = exp.batch_size * dp_size // args.ppo_mini_batch_size
+    mini_batches = exp.batch_size * dp_size // schedule.ppo_mini_batch_size
     within_unit = torch.arange(group_size)
     steps: List[Dict[str, float]] = []
     with moe.update_stats(model.module) as moe_stats:  # nothing for a dense model
-        for epoch in range(args.ppo_epochs):
-            for units in mini_batch_units(local_units, dp_rank, mini_batches, args.seed, iteration, epoch):
+        for epoch in range(schedule.ppo_epochs):
+            for units in mini_batch_units(local_units, dp_rank, mini_batches, schedule.seed, iteration, epoch):
                 samples = (units[:, None] * group_size + within_unit[None, :]).reshape(-1).to(exp.tokens.device)
                 totals = loss_totals(exp.loss_mask[samples], exp.response_mask[samples])
                 micro_batches = [dict(mb, **totals) for mb in plan.micro_batches(exp, samples, update=True)]
@@ -80,8 +81,9 @@ def ppo_update(model, exp: Experience, plan: MicroBatchPlan, args, loss_fn: Call
     return result
 
 
-def old_logp_is_current(args, exp: Experience) -> bool:
+def old_logp_is_current(schedule: UpdateSchedule, exp: Experience) -> bool:
     """True when the update is one optimizer step over the whole batch (`--ppo-epochs 1`, one mini-batch):
     every micro-batch's forward then runs on the weights that generated the rollout, so the old log-probs
     equal the update's own (detached) and need no pass of their own (TRL does the same)."""
-    return args.ppo_epochs == 1 and exp.batch_size * parallel_state.get_data_parallel_world_size() <= args.ppo_mini_batch_size
+    global_samples = exp.batch_size * parallel_state.get_data_parallel_world_size()
+    return schedule.ppo_epochs == 1 and global_samples <= schedule.ppo_mini_batch_size

@@ -19,6 +19,7 @@ from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.models import ModelSpec, build_model
 from mindspeed_llm.rl import moe, recompute
 from mindspeed_llm.rl.engine import OptimizerSettings, TrainableModel
+from mindspeed_llm.rl.settings import OffloadSettings
 
 
 def _checked_spec(root: str, flag: str, args) -> ModelSpec:
@@ -152,17 +153,17 @@ def frozen(model):
     return model
 
 
-def offload_parts(args, name: str) -> tuple:
+def offload_parts(offload: OffloadSettings, name: str) -> tuple:
     """What of the actor's or critic's training state waits in host memory between updates
     (`rl/model_state.PARTS`): --offload-train-optimizer the optimizer's moments, --offload-train-grad the grad
     buffers, --offload-train-param the fp32 main weights and, for the critic, its weights too (the actor's weights
     generate, so they stay)."""
     parts = []
-    if getattr(args, "offload_train_optimizer", False):
+    if offload.offload_train_optimizer:
         parts.append("moments")
-    if getattr(args, "offload_train_grad", False):
+    if offload.offload_train_grad:
         parts.append("grads")
-    if getattr(args, "offload_train_param", False):
+    if offload.offload_train_param:
         parts += ["masters"] + (["weights"] if name == "critic" else [])
     return tuple(parts)
 
@@ -183,8 +184,8 @@ def trainable(model, args, name: str, flag: str) -> TrainableModel:
         schedule_on_resume=schedule_on_resume, lr_flag="--critic-lr" if critic else "--lr",
         **_loss_scale_settings(args),
     )
-    options = dict(name=name, check_finite=args.check_for_nan_in_loss_and_grad, offload=offload_parts(args, name),
-                   check_divergence=args.check_for_divergence)
+    options = dict(name=name, check_finite=args.check_for_nan_in_loss_and_grad,
+                   offload=offload_parts(args.settings.offload, name), check_divergence=args.check_for_divergence)
     if getattr(args, "lora", False):
         from mindspeed_llm.rl import lora
 

@@ -1,4 +1,4 @@
-"""One rollout: the sampling (and generation-engine) settings from the command line, generation with the actor's own
+"""One rollout: the generation engine's settings from the run's `SamplingSettings`, generation with the actor's own
 weights into an `Experience`, the rollout's length statistics, what `--mask-truncated-completions` takes out of the
 losses, and how far the sampler's log-probs are from the training forward's."""
 
@@ -15,27 +15,29 @@ from mindspeed_llm.models import routing
 from mindspeed_llm.rl import core_algos
 from mindspeed_llm.rl.experience import Experience
 from mindspeed_llm.rl.metrics import mean_min_max
+from mindspeed_llm.rl.settings import SamplingSettings
 
 
-def sampling_config(args, tokenizer, greedy: Optional[bool] = None) -> SamplingConfig:
-    """The rollout's settings from the command line: sampling, lengths, stop ids, and the generation engine's limits
-    (`--rollout-max-num-seqs`, `--rollout-max-num-batched-tokens`). `greedy` overrides `--do-sample`. A
+def sampling_config(sampling: SamplingSettings, tokenizer, greedy: Optional[bool] = None) -> SamplingConfig:
+    """The generation engine's settings of the run's `sampling` and the tokenizer's EOS / pad ids: sampling, lengths,
+    stop ids, and the engine's limits (`--rollout-max-num-seqs`, `--rollout-max-num-batched-tokens`). `greedy`
+    overrides `--do-sample`. A
     --stop-token-ids id the tokenizer cannot produce (generation never samples past it) is refused, naming the
     tokenizer's size."""
-    outside = [t for t in args.stop_token_ids if not 0 <= t < len(tokenizer)]
+    outside = [t for t in sampling.stop_token_ids if not 0 <= t < len(tokenizer)]
     if outside:
         raise ArgumentError(f"--stop-token-ids {' '.join(map(str, outside))}: outside the tokenizer's ids 0.."
                             f"{len(tokenizer) - 1} (--tokenizer-name-or-path), so no response could ever stop there; "
                             "give ids of this tokenizer")
-    do_sample = args.do_sample if greedy is None else not greedy
+    do_sample = sampling.do_sample if greedy is None else not greedy
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     return SamplingConfig(
-        do_sample=do_sample, temperature=args.temperature, top_k=args.top_k or None,
-        top_p=args.top_p if args.top_p < 1.0 else None, max_new_tokens=args.max_new_tokens,
-        max_length=args.max_length, eos_token_id=eos, stop_token_ids=tuple(args.stop_token_ids),
-        pad_token_id=pad, seed=args.seed, max_num_seqs=getattr(args, "rollout_max_num_seqs", None),
-        max_num_batched_tokens=getattr(args, "rollout_max_num_batched_tokens", None),
+        do_sample=do_sample, temperature=sampling.temperature, top_k=sampling.top_k or None,
+        top_p=sampling.top_p if sampling.top_p < 1.0 else None, max_new_tokens=sampling.max_new_tokens,
+        max_length=sampling.max_length, eos_token_id=eos, stop_token_ids=tuple(sampling.stop_token_ids),
+        pad_token_id=pad, seed=sampling.seed, max_num_seqs=sampling.rollout_max_num_seqs,
+        max_num_batched_tokens=sampling.rollout_max_num_batched_tokens,
     )
 
 

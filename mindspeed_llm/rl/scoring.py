@@ -13,6 +13,7 @@ from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.experience import Experience
 from mindspeed_llm.rl.passes import reward_scores
 from mindspeed_llm.rl.roles import on_device
+from mindspeed_llm.rl.settings import RewardMixing
 
 
 class Scorer:
@@ -21,10 +22,12 @@ class Scorer:
     `--overlong-buffer-len`); with their metrics."""
 
     @classmethod
-    def from_args(cls, args, reward_model=None) -> "Scorer":
-        return cls(args.verifier_function, args.verifier_weight, reward_model, args.reward_model_weight,
-                   args.offload_ref_reward, args.missing_eos_penalty, overlong_buffer_len=args.overlong_buffer_len,
-                   overlong_penalty_factor=args.overlong_penalty_factor, max_new_tokens=args.max_new_tokens)
+    def from_settings(cls, reward: RewardMixing, reward_model=None, offload: bool = False) -> "Scorer":
+        """The run's scorer: `reward`'s mixing, with `reward_model` (None: verifiers only) in host memory between
+        uses when `offload` (--offload-ref-reward)."""
+        return cls(reward.verifier_function, reward.verifier_weight, reward_model, reward.reward_model_weight,
+                   offload, reward.missing_eos_penalty, overlong_buffer_len=reward.overlong_buffer_len,
+                   overlong_penalty_factor=reward.overlong_penalty_factor, max_new_tokens=reward.max_new_tokens)
 
     def __init__(self, verifier_names: Sequence[str], verifier_weights: Sequence[float],
                  reward_model=None, reward_model_weight: float = 1.0, offload: bool = False,

@@ -24,7 +24,7 @@ from mindspeed_llm.rl import core_algos, lora, roles
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.dynamic_sampling import informative_groups, refill
 from mindspeed_llm.rl.evaluation import evaluate_policy
-from mindspeed_llm.rl.losses import clipped_policy_loss
+from mindspeed_llm.rl.loss_closures import clipped_policy_loss
 from mindspeed_llm.rl.metrics import Timers, mean_min_max, prefixed
 from mindspeed_llm.rl.partial_rollout import PartialRollouts
 from mindspeed_llm.rl.passes import policy_logprobs
@@ -51,6 +51,7 @@ class GRPOStage:
 
     def __init__(self, args, tokenizer):
         self.args = args
+        self.settings = settings = args.settings  # the typed parts (rl/settings.py); args for Megatron's own needs
         self.tokenizer = tokenizer
         self.estimator, self.advantages = _advantage_estimator(args)
         self.actor_metrics = ACTOR_METRICS + (ROLLOUT_IS_METRICS if args.rollout_is != "none" else ())
@@ -65,12 +66,13 @@ class GRPOStage:
         self.reference = None
         if args.kl_coef > 0:  # with LoRA: the actor with its adapters off, no second copy (rl/lora.py)
             self.reference = lora.reference(self.actor) if args.lora else roles.offloaded(roles.frozen(
-                roles.load_model(initial, flag, args, on_host=args.offload_ref_reward)), args.offload_ref_reward)
+                roles.load_model(initial, flag, args, on_host=settings.offload.offload_ref_reward)),
+                settings.offload.offload_ref_reward)
         reward_model = roles.load_reward_model(args) if args.reward_model else None
         roles.check_vocab({"actor": self.actor.module, "reference": self.reference, "reward": reward_model},
                           tokenizer)
-        self.scorer = Scorer.from_args(args, reward_model)
-        self.sampling = sampling_config(args, tokenizer)
+        self.scorer = Scorer.from_settings(settings.reward, reward_model, settings.offload.offload_ref_reward)
+        self.sampling = sampling_config(settings.sampling, tokenizer)
         self.partial_rollout = PartialRollouts.from_args(args, self.actor.module, tokenizer, self.sampling) \
             if args.partial_rollout else None
 
@@ -78,12 +80,12 @@ class GRPOStage:
         return {"actor": self.actor}
 
     def evaluate(self, rows: Sequence[dict]) -> Dict[str, float]:
-        return evaluate_policy(self.actor, self.reference, self.scorer, self.tokenizer, rows, self.args,
-                               self.args.offload_ref_reward)
+        return evaluate_policy(self.actor, self.reference, self.scorer, self.tokenizer, rows, self.settings.sampling,
+                               self.settings.offload.offload_ref_reward)
 
     # ------------------------------------------------------------------ one iteration
     def iteration(self, iteration: int, rows: Sequence[dict], more_rows=None) -> Dict[str, float]:
-        args, n = self.args, self.args.n_samples_per_prompt
+        args, settings, n = self.args, self.settings, self.args.n_samples_per_prompt
         timers = Timers(sync=device.synchronize)
         with timers("all"):
             self.actor.offload(timers)  # --offload-train-*: the training state waits in host memory until the update
@@ -101,12 +103,13 @@ class GRPOStage:
             with timers("old_log_p"):  # ~0 s when the update's own log-probs are the old ones
                 # a pass of its own when the update takes several steps, when the KL is a reward penalty (it is
                 # computed before the update), and with --recompute-old-logprobs / --rollout-is
-                if args.recompute_old_logprobs or self.estimator.kl_in_reward or not old_logp_is_current(args, exp):
-                    exp.old_logp = policy_logprobs(self.actor.chunks, exp, plan, args.temperature)
+                if (args.recompute_old_logprobs or self.estimator.kl_in_reward
+                        or not old_logp_is_current(settings.update, exp)):
+                    exp.old_logp = policy_logprobs(self.actor.chunks, exp, plan, settings.loss.temperature)
             if self.reference is not None:
-                with timers("reference_model"), roles.on_device(self.reference, args.offload_ref_reward,
+                with timers("reference_model"), roles.on_device(self.reference, settings.offload.offload_ref_reward,
                                                                 timers) as reference:
-                    exp.ref_logp = policy_logprobs([reference], exp, plan, args.temperature)
+                    exp.ref_logp = policy_logprobs([reference], exp, plan, settings.loss.temperature)
 
             with timers("adv"):
                 rewards, advantages = self._advantages(exp)
@@ -117,7 +120,7 @@ class GRPOStage:
                     exp.loss_mask = exp.loss_mask * informative.repeat_interleave(n)[:, None]
 
             with timers("update"), self.actor.on_device(timers):
-                actor_metrics = ppo_update(self.actor, exp, plan, args, self._loss, iteration, group_size=n)
+                actor_metrics = ppo_update(self.actor, exp, plan, settings.update, self._loss, iteration, group_size=n)
 
         metrics = {
             **prefixed("actor", {k: v for k, v in actor_metrics.items() if k not in ("grad_norm", "lr")}),
@@ -171,14 +174,14 @@ class GRPOStage:
         zeros = torch.zeros_like(exp.response_mask)
         token_rewards, _ = core_algos.compute_token_rewards(
             exp.scores, exp.old_logp if kl_coef else zeros, exp.ref_logp if kl_coef else zeros, exp.response_mask,
-            kl_coef, self.args.kl_penalty, score_at="last")
+            kl_coef, self.settings.loss.kl_penalty, score_at="last")
         exp.advantages = self.advantages(token_rewards, exp.response_mask, n, sum_across=sum_over_data_parallel)
         per_sample = (exp.advantages * exp.response_mask).sum(-1) / exp.response_mask.sum(-1).clamp(min=1)
         return token_rewards.sum(-1), per_sample
 
     def _loss(self, logits, mb):
         kl_coef = self.args.kl_coef if self.reference is not None and not self.estimator.kl_in_reward else 0.0
-        loss, m = clipped_policy_loss(self.args, logits, mb, kl_coef)
+        loss, m = clipped_policy_loss(self.settings.loss, logits, mb, kl_coef)
         if "kl_loss" not in m:  # --kl-coef 0, or the KL is in the reward: the column stays, at zero
             m["kl_loss"] = m["pg_loss"].new_zeros(())
         return loss, {k: m[k] for k in self.actor_metrics}

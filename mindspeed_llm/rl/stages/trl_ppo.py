@@ -20,7 +20,7 @@ from mindspeed_llm.distributed import sum_over_data_parallel
 from mindspeed_llm.rl import core_algos, lora, roles
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.evaluation import evaluate_policy
-from mindspeed_llm.rl.losses import clipped_policy_loss, clipped_value_loss
+from mindspeed_llm.rl.loss_closures import clipped_policy_loss, clipped_value_loss
 from mindspeed_llm.rl.metrics import Timers, prefixed
 from mindspeed_llm.rl.partial_rollout import PartialRollouts
 from mindspeed_llm.rl.passes import critic_values, policy_logprobs
@@ -48,14 +48,16 @@ class TrlPPOStage:
 
     def __init__(self, args, tokenizer):
         self.args = args
+        self.settings = settings = args.settings  # the typed parts (rl/settings.py); args for Megatron's own needs
         self.tokenizer = tokenizer
         self.gae = core_algos.ADV_ESTIMATORS[args.adv_estimator].fn  # validate_args: a critic estimator (gae)
         self.actor_metrics = ACTOR_METRICS + (ROLLOUT_IS_METRICS if args.rollout_is != "none" else ())
         self.actor = roles.trainable(roles.load_model(args.ref_model, "--ref-model", args, trained=True), args,
                                      "actor", "--ref-model")
         # with LoRA the frozen roles are the trained ones' bases (rl/lora.py): no second copies
+        on_host = settings.offload.offload_ref_reward
         self.reference = lora.reference(self.actor) if args.lora else roles.offloaded(roles.frozen(roles.load_model(
-            args.ref_model, "--ref-model", args, on_host=args.offload_ref_reward)), args.offload_ref_reward)
+            args.ref_model, "--ref-model", args, on_host=on_host)), on_host)
         self.critic = roles.trainable(
             roles.load_model(args.reward_model, "--reward-model", args, value_head=True, trained=True), args, "critic",
             "--reward-model")
@@ -65,8 +67,8 @@ class TrlPPOStage:
             reward_model = lora.reward_model(self.critic) if args.lora else roles.load_reward_model(args)
         roles.check_vocab({"actor": self.actor.module, "reference": self.reference,
                            "critic": self.critic.module, "reward": reward_model}, tokenizer)
-        self.scorer = Scorer.from_args(args, reward_model)
-        self.sampling = sampling_config(args, tokenizer)
+        self.scorer = Scorer.from_settings(settings.reward, reward_model, settings.offload.offload_ref_reward)
+        self.sampling = sampling_config(settings.sampling, tokenizer)
         self.partial_rollout = PartialRollouts.from_args(args, self.actor.module, tokenizer, self.sampling) \
             if args.partial_rollout else None
 
@@ -74,12 +76,12 @@ class TrlPPOStage:
         return {"actor": self.actor, "critic": self.critic}
 
     def evaluate(self, rows: Sequence[dict]) -> Dict[str, float]:
-        return evaluate_policy(self.actor, self.reference, self.scorer, self.tokenizer, rows, self.args,
-                               self.args.offload_ref_reward)
+        return evaluate_policy(self.actor, self.reference, self.scorer, self.tokenizer, rows, self.settings.sampling,
+                               self.settings.offload.offload_ref_reward)
 
     # ------------------------------------------------------------------ one iteration
     def iteration(self, iteration: int, rows: Sequence[dict], more_rows=None) -> Dict[str, float]:
-        args, n = self.args, self.args.n_samples_per_prompt
+        args, settings, n = self.args, self.settings, self.args.n_samples_per_prompt
         timers = Timers(sync=device.synchronize)
         with timers("all"):
             for trained in (self.actor, self.critic):  # --offload-train-*: training state in host memory until used
@@ -97,13 +99,14 @@ class TrlPPOStage:
             if args.mask_truncated_completions:  # they leave the actor's and the critic's losses
                 rollout_stats.update(mask_truncated_completions(exp))
             with timers("old_log_p"):
-                if exp.rollout_logp is not None and old_logp_is_current(args, exp) and not args.recompute_old_logprobs:
+                on_policy = old_logp_is_current(settings.update, exp) and not args.recompute_old_logprobs
+                if exp.rollout_logp is not None and on_policy:
                     exp.old_logp = exp.rollout_logp  # as TRL's PPO: the generation logits' log-probs, no pass
                 else:
-                    exp.old_logp = policy_logprobs(self.actor.chunks, exp, plan, args.temperature)
-            with timers("reference_model"), roles.on_device(self.reference, args.offload_ref_reward,
+                    exp.old_logp = policy_logprobs(self.actor.chunks, exp, plan, settings.loss.temperature)
+            with timers("reference_model"), roles.on_device(self.reference, settings.offload.offload_ref_reward,
                                                             timers) as reference:
-                exp.ref_logp = policy_logprobs([reference], exp, plan, args.temperature)
+                exp.ref_logp = policy_logprobs([reference], exp, plan, settings.loss.temperature)
             with timers("critic_model"):
                 self.critic.onload(timers, parts=("weights",))  # --offload-train-param: they left for the rollout
                 exp.values = critic_values(self.critic.chunks, exp, plan)
@@ -111,7 +114,7 @@ class TrlPPOStage:
 
             with timers("adv"):
                 rewards, kl = core_algos.compute_token_rewards(
-                    exp.scores, exp.old_logp, exp.ref_logp, exp.response_mask, args.kl_coef, args.kl_penalty
+                    exp.scores, exp.old_logp, exp.ref_logp, exp.response_mask, args.kl_coef, settings.loss.kl_penalty
                 )
                 value_mask = core_algos.response_mask_p1(exp.response_mask)
                 if args.whiten_rewards:
@@ -123,10 +126,11 @@ class TrlPPOStage:
                 )
 
             with timers("update"), self.actor.on_device(timers):
-                actor_metrics = ppo_update(self.actor, exp, plan, args, self._actor_loss, iteration, group_size=n)
+                actor_metrics = ppo_update(self.actor, exp, plan, settings.update, self._actor_loss, iteration,
+                                           group_size=n)
             with timers("update_critic"), self.critic.on_device(timers):
-                critic_metrics = ppo_update(self.critic, exp, plan, args, self._critic_loss, iteration,
-                                            group_size=n)
+                critic_metrics = ppo_update(self.critic, exp, plan, settings.update, self._critic_loss,
+                                            iteration, group_size=n)
 
         kl_sum = kl.sum(-1)
         metrics = {
@@ -146,9 +150,9 @@ class TrlPPOStage:
 
     # ------------------------------------------------------------------ loss closures (per micro-batch)
     def _actor_loss(self, logits, mb):
-        loss, m = clipped_policy_loss(self.args, logits, mb)  # TRL's PPO: the KL is in the reward
+        loss, m = clipped_policy_loss(self.settings.loss, logits, mb)  # TRL's PPO: the KL is in the reward
         return loss, {k: m[k] for k in self.actor_metrics}
 
     def _critic_loss(self, output, mb):
-        loss, m = clipped_value_loss(self.args, output, mb)
+        loss, m = clipped_value_loss(self.settings.loss, output, mb)
         return loss, {k: m[k] for k in CRITIC_METRICS}
