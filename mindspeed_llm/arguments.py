@@ -48,8 +48,8 @@ def _int_list(text: str) -> List[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # The choice lists are the registries' own (--stage, --kl-penalty, --loss-agg-mode, --adv-scale): importing them
-    # brings torch and megatron in, which the run needs next anyway.
+    # The choice lists are the registries' own (--stage, --kl-penalty, --loss-agg-mode, --adv-scale). core_algos
+    # brings torch in; the stage registry imports its stages (and megatron-core) only when one is built.
     from mindspeed_llm.rl import core_algos
     from mindspeed_llm.rl.stages import STAGES
 

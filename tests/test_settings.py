@@ -123,3 +123,16 @@ def test_parser_and_converter_resolve_the_experts_alike():
         parse_args(BASE + ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "4"], world_size=8)
     with pytest.raises(ConversionError, match="--expert-tensor-parallel-size 4 must be 1 or --target-tensor-parallel"):
         expert_layout(moe, 2, 1, 4)
+
+
+def test_parser_does_not_import_the_stages():
+    """`--help` and refused flags answer without megatron-core's import: the stage registry loads lazily."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; from mindspeed_llm.arguments import build_parser; p = build_parser(); "
+            "assert 'trl_ppo' in p.format_help(); print(sorted(m for m in sys.modules if m.startswith('megatron')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], check=True,
+                         capture_output=True, text=True).stdout
+    assert out.strip() == "[]"

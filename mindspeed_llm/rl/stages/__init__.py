@@ -1,9 +1,12 @@
-"""The RL stages, by their `--stage` name, and the protocol the trainer drives them through."""
+"""The RL stages, by their `--stage` name, and the protocol the trainer drives them through.
 
-from typing import Callable, Dict, List, Optional, Protocol, Sequence
+`STAGES` names each stage's class by module and attribute and imports it on first use: the parser takes its
+`--stage` choices from these keys, and `--help` or a refused flag should not wait for megatron-core's import (tens of
+seconds on a loaded 2-core machine), which the stage modules bring in."""
 
-from mindspeed_llm.rl.stages.grpo import GRPOStage
-from mindspeed_llm.rl.stages.trl_ppo import TrlPPOStage
+import importlib
+from collections.abc import MutableMapping
+from typing import Callable, Dict, Iterator, List, Optional, Protocol, Sequence
 
 
 class Stage(Protocol):
@@ -28,6 +31,43 @@ class Stage(Protocol):
         """Held-out metrics (`eval/*`) of the current policy on this DP rank's prompts."""
 
 
-STAGES = {"trl_ppo": TrlPPOStage, "grpo": GRPOStage}
+class _LazyRegistry(MutableMapping):
+    """name -> class; a value given as "module:attribute" is imported when first read, then kept."""
+
+    def __init__(self, entries: Dict[str, object]):
+        self._entries = dict(entries)
+
+    def __getitem__(self, name: str):
+        value = self._entries[name]
+        if isinstance(value, str):
+            module, attribute = value.split(":")
+            value = self._entries[name] = getattr(importlib.import_module(module), attribute)
+        return value
+
+    def __setitem__(self, name: str, value) -> None:
+        self._entries[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        del self._entries[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+STAGES = _LazyRegistry({
+    "trl_ppo": "mindspeed_llm.rl.stages.trl_ppo:TrlPPOStage",
+    "grpo": "mindspeed_llm.rl.stages.grpo:GRPOStage",
+})
+_EXPORTED_CLASSES = {"TrlPPOStage": "trl_ppo", "GRPOStage": "grpo"}
+
+
+def __getattr__(name: str):  # `from mindspeed_llm.rl.stages import GRPOStage` without importing both stages eagerly
+    if name in _EXPORTED_CLASSES:
+        return STAGES[_EXPORTED_CLASSES[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["STAGES", "Stage", "GRPOStage", "TrlPPOStage"]
