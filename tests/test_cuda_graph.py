@@ -69,14 +69,14 @@ def _cases(rank, world_size, tp, graph, replay=False):
     from mindspeed_llm import distributed
     from mindspeed_llm.inference import SamplingConfig, generate
     from mindspeed_llm.inference.cuda_graph import StaticDecodeKVCacheModel
-    from mindspeed_llm.models import ModelSpec, build_model
+    from mindspeed_llm.models import ArchitectureSpec, build_model
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     distributed.initialize(tp, 1, seed=0)
     torch.manual_seed(0)
     # Large init: well-separated logits, so a greedy choice is not a near tie that rounding could flip.
-    model = build_model(ModelSpec.from_hf_config(HF_CONFIG), init_method_std=0.3)
+    model = build_model(ArchitectureSpec.from_hf_config(HF_CONFIG), init_method_std=0.3)
     model = model.to(_device.current_device())
     prompts = _prompts()
     out = []

@@ -15,15 +15,15 @@ import pytest
 import torch
 
 from mindspeed_llm.models import routing
-from mindspeed_llm.models.spec import ModelSpec
+from mindspeed_llm.models.architecture import ArchitectureSpec
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.experience import Experience
 from tests.multiproc import run_distributed
 
 # Many experts, top-4, small random weights: router margins are small, so bf16 rounding flips some choices.
-SPEC = ModelSpec(family="qwen3_moe", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
-                 num_query_groups=2, kv_channels=16, vocab_size=128, qk_layernorm=True, num_experts=16,
-                 moe_ffn_hidden_size=32, moe_router_topk=4)
+SPEC = ArchitectureSpec(family="qwen3_moe", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                        num_query_groups=2, kv_channels=16, vocab_size=128, qk_layernorm=True, num_experts=16,
+                        moe_ffn_hidden_size=32, moe_router_topk=4)
 
 
 def _experience(prompt_lengths, response_lengths, width_r=None, vocab=100, seed=0):

@@ -75,7 +75,7 @@ from megatron.core.utils import get_model_config, unwrap_model
 from mindspeed_llm import device as _device
 from mindspeed_llm.inference import continuous, cuda_graph
 from mindspeed_llm.inference.kv_cache import KVCacheModel, KVCachePlan, plan_kv_cache
-from mindspeed_llm.inference.rollout import Continuation, Rollout
+from mindspeed_llm.inference.results import Continuation, Rollout
 from mindspeed_llm.models.attention import model_attention
 from mindspeed_llm.models.sequence_parallel import sequence_parallel_off
 from mindspeed_llm.inference.sampling import SamplingConfig, choose_tokens, sample_uniforms

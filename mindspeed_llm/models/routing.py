@@ -27,7 +27,7 @@ the process shares (actor, reference, critic):
 
 Token order: a router sees the hidden states `[S, rows, H]` of its forward flattened sequence-first, token
 `s * rows + r`. The stored routing is per sample and position, `[B, layers, T, topk]` in the Experience's
-right-padded layout (`inference/rollout.py`), -1 where unknown; `replay_targets` maps it to one micro-batch's
+right-padded layout (`inference/results.py`), -1 where unknown; `replay_targets` maps it to one micro-batch's
 router order, in either layout of `rl/batch_plan.py` (one row per sample, or packed prompt groups).
 Expert ids are global (the router is replicated over TP and EP), so EP and TP change nothing; with PP every
 stage records and replays its own layers. Under sequence parallelism a training forward's router sees its TP rank's
