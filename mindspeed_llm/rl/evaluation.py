@@ -23,7 +23,7 @@ def evaluate_policy(actor, reference, scorer, tokenizer, rows: Sequence[dict], a
     out = {"eval/score/mean": float(scores.mean()),
            "eval/response_length/mean": float(exp.response_lengths.float().mean())}
     if reference is not None:
-        logp = policy_logprobs(actor.chunks, exp, plan)
+        logp = policy_logprobs(actor.chunks, exp, plan, compare_routing=exp.routing_recorded)
         with on_device(reference, offload, timers) as ref_model:
             ref = policy_logprobs([ref_model], exp, plan)
         out["eval/kl/mean"] = float(((logp - ref) * exp.response_mask).sum(-1).mean())

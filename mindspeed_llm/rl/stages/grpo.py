@@ -102,7 +102,8 @@ class GRPOStage:
                 # a pass of its own when the update takes several steps, when the KL is a reward penalty (it is
                 # computed before the update), and with --recompute-old-logprobs / --rollout-is
                 if args.recompute_old_logprobs or self.estimator.kl_in_reward or not old_logp_is_current(args, exp):
-                    exp.old_logp = policy_logprobs(self.actor.chunks, exp, plan, args.temperature)
+                    exp.old_logp = policy_logprobs(self.actor.chunks, exp, plan, args.temperature,
+                                                   compare_routing=exp.routing_recorded)
             if self.reference is not None:
                 with timers("reference_model"), roles.on_device(self.reference, args.offload_ref_reward,
                                                                 timers) as reference:

@@ -100,7 +100,8 @@ class TrlPPOStage:
                 if exp.rollout_logp is not None and old_logp_is_current(args, exp) and not args.recompute_old_logprobs:
                     exp.old_logp = exp.rollout_logp  # as TRL's PPO: the generation logits' log-probs, no pass
                 else:
-                    exp.old_logp = policy_logprobs(self.actor.chunks, exp, plan, args.temperature)
+                    exp.old_logp = policy_logprobs(self.actor.chunks, exp, plan, args.temperature,
+                                                   compare_routing=exp.routing_recorded)
             with timers("reference_model"), roles.on_device(self.reference, args.offload_ref_reward,
                                                             timers) as reference:
                 exp.ref_logp = policy_logprobs([reference], exp, plan, args.temperature)
