@@ -123,15 +123,16 @@ def _no_target_layout(args) -> None:
 
 def _lora(args, iteration):
     """--lora-load / --save-lora-to-hf: None (no adapter), a Merger for the conversion, or "written" when
-    --save-lora-to-hf wrote the PEFT folder (nothing else to do). The base is --load-dir (its ModelSpec and whether it
-    is a value model check the adapter); --load-iteration picks the base's iteration, the adapter's latest is read."""
+    --save-lora-to-hf wrote the PEFT folder (nothing else to do). The base is --load-dir (its ArchitectureSpec and
+    whether it is a value model check the adapter); --load-iteration picks the base's iteration, the adapter's latest
+    is read."""
     import os
 
     from mindspeed_llm.checkpoint import lora as lora_files
     from mindspeed_llm.checkpoint.convert import _checkpoint_info
     from mindspeed_llm.checkpoint.errors import ConversionError
     from mindspeed_llm.checkpoint.hf_files import read_hf_config
-    from mindspeed_llm.models.spec import ModelSpec
+    from mindspeed_llm.models.architecture import ArchitectureSpec
 
     if args.save_lora_to_hf and not args.lora_load:
         raise ConversionError("--save-lora-to-hf writes the adapter of --lora-load DIR: add --lora-load")
@@ -147,7 +148,7 @@ def _lora(args, iteration):
         info = _checkpoint_info(args.load_dir, iteration)
         spec, value_head = info["spec"], info["value_head"]
     else:
-        spec, value_head = ModelSpec.from_hf_config(read_hf_config(args.load_dir)), bool(args.orm)
+        spec, value_head = ArchitectureSpec.from_hf_config(read_hf_config(args.load_dir)), bool(args.orm)
     if args.orm is not None and bool(args.orm) != value_head:
         raise ConversionError(f"--orm: --load-dir {args.load_dir} {'is' if value_head else 'is not'} a value model")
     adapter = lora_files.adapter_for_base(args.lora_load, spec, value_head)
@@ -247,7 +248,7 @@ def main(argv=None) -> int:
 
     args = build_parser().parse_args(argv)
     from mindspeed_llm.checkpoint.errors import ConversionError
-    from mindspeed_llm.models.spec import UnsupportedModelError
+    from mindspeed_llm.models.architecture import UnsupportedModelError
 
     class _Stderr(logging.Handler):  # the current sys.stderr at each message
         def emit(self, record):

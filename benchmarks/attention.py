@@ -52,9 +52,9 @@ def _init(device: str):
 
 
 def _spec(opts, layers: int):
-    from mindspeed_llm.models import ModelSpec
+    from mindspeed_llm.models import ArchitectureSpec
 
-    return ModelSpec.from_hf_config(dict(
+    return ArchitectureSpec.from_hf_config(dict(
         model_type="llama", vocab_size=opts.vocab, hidden_size=opts.hidden, intermediate_size=int(2.7 * opts.hidden),
         num_hidden_layers=layers, num_attention_heads=opts.heads, num_key_value_heads=opts.kv_heads,
         max_position_embeddings=max(opts.seq) * 2, rms_norm_eps=1e-6, rope_theta=10000.0, hidden_act="silu",

@@ -256,12 +256,12 @@ def timed(fns, repeats):
 def main(argv=None):
     args = parse_args(argv)
     from mindspeed_llm.inference import SamplingConfig
-    from mindspeed_llm.models import ModelSpec, build_model
+    from mindspeed_llm.models import ArchitectureSpec, build_model
 
     load_start = os.getloadavg()
     init_megatron()
     hf = build_hf(args)
-    spec = ModelSpec.from_hf_config(hf.config)
+    spec = ArchitectureSpec.from_hf_config(hf.config)
     megatron_model = build_model(spec)
     load_hf_weights(megatron_model, hf)
     megatron_model.eval()

@@ -144,7 +144,7 @@ TARGET_TRAIN_GB = 56
 
 @dataclass(frozen=True)
 class Shape:
-    """A decoder's shape; `spec()` gives the `ModelSpec` `build_model` takes."""
+    """A decoder's shape; `spec()` gives the `ArchitectureSpec` `build_model` takes."""
 
     hidden: int = 1024
     ffn: int = 2816
@@ -178,7 +178,7 @@ class Shape:
         return self.kv_heads * self.head_dim
 
     def spec(self, max_positions: int = 32768):
-        from mindspeed_llm.models import ModelSpec
+        from mindspeed_llm.models import ArchitectureSpec
 
         if self.kv_lora or self.dense_layers or self.shared_ffn:
             raise ValueError("memory.py measures dense, q/k-norm and plain MoE shapes only (not MLA / shared experts)")
@@ -186,11 +186,12 @@ class Shape:
         family = "qwen3_moe" if self.experts else "qwen3" if self.qk_norm else "qwen2" if self.qkv_bias else "llama"
         moe = dict(num_experts=self.experts, moe_ffn_hidden_size=self.moe_ffn, moe_router_topk=self.topk) \
             if self.experts else {}
-        return ModelSpec(family=family, num_layers=self.layers, hidden_size=self.hidden, ffn_hidden_size=self.ffn,
-                         num_attention_heads=self.heads, num_query_groups=self.kv_heads, kv_channels=self.head_dim,
-                         vocab_size=self.vocab, max_position_embeddings=max_positions,
-                         tie_word_embeddings=self.tied, add_qkv_bias=self.qkv_bias and not self.experts,
-                         qk_layernorm=self.qk_norm, **moe)
+        return ArchitectureSpec(
+            family=family, num_layers=self.layers, hidden_size=self.hidden, ffn_hidden_size=self.ffn,
+            num_attention_heads=self.heads, num_query_groups=self.kv_heads, kv_channels=self.head_dim,
+            vocab_size=self.vocab, max_position_embeddings=max_positions,
+            tie_word_embeddings=self.tied, add_qkv_bias=self.qkv_bias and not self.experts,
+            qk_layernorm=self.qk_norm, **moe)
 
 
 def model_shape(name: str) -> Shape:

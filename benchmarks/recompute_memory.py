@@ -1,8 +1,8 @@
 """Bytes one transformer layer keeps for its backward, without and with activation recompute.
 
 One megatron-core TransformerBlock of a single layer, built as the trained models are (`models.builder`'s
-TransformerConfig of a Qwen2-style `ModelSpec`: RMSNorm, SwiGLU, rotary, local attention), in train mode, runs one
-forward of `[s, 1, H]` hidden states (micro-batch 1, causal attention). Every tensor autograd saves for the
+TransformerConfig of a Qwen2-style `ArchitectureSpec`: RMSNorm, SwiGLU, rotary, local attention), in train mode,
+runs one forward of `[s, 1, H]` hidden states (micro-batch 1, causal attention). Every tensor autograd saves for the
 backward is caught with `torch.autograd.graph.saved_tensors_hooks`; the bytes of their distinct storages, the
 parameters left out, are counted after the forward (a storage megatron frees before the backward counts 0). The
 layer's input is included: full recompute keeps exactly that.
@@ -42,11 +42,12 @@ def saved_bytes(hidden: int, seq: int, dtype: str, setting: str) -> int:
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from mindspeed_llm.models.builder import _layer_spec, parse_dtype, transformer_config
-    from mindspeed_llm.models.spec import ModelSpec
+    from mindspeed_llm.models.architecture import ArchitectureSpec
 
     heads = max(1, hidden // 64)
-    spec = ModelSpec(family="qwen2", num_layers=1, hidden_size=hidden, ffn_hidden_size=4 * hidden,
-                     num_attention_heads=heads, num_query_groups=heads, kv_channels=hidden // heads, vocab_size=256)
+    spec = ArchitectureSpec(family="qwen2", num_layers=1, hidden_size=hidden, ffn_hidden_size=4 * hidden,
+                            num_attention_heads=heads, num_query_groups=heads, kv_channels=hidden // heads,
+                            vocab_size=256)
     config = transformer_config(spec, dtype, **SETTINGS[setting])
     block = TransformerBlock(config, _layer_spec(spec, config), post_layer_norm=False).to(parse_dtype(dtype))
     block.train()

@@ -38,12 +38,12 @@ MODES = ("random init", "from checkpoint")
 
 
 def _spec(opts):
-    from mindspeed_llm.models import ModelSpec
+    from mindspeed_llm.models import ArchitectureSpec
 
-    return ModelSpec(family="llama", num_layers=opts.layers, hidden_size=2048, ffn_hidden_size=8192,
-                     num_attention_heads=32, num_query_groups=8, kv_channels=64, vocab_size=opts.vocab,
-                     max_position_embeddings=131072, norm_epsilon=1e-5, rotary_base=500000.0, rope_scaling_factor=32.0,
-                     tie_word_embeddings=True)
+    return ArchitectureSpec(family="llama", num_layers=opts.layers, hidden_size=2048, ffn_hidden_size=8192,
+                            num_attention_heads=32, num_query_groups=8, kv_channels=64, vocab_size=opts.vocab,
+                            max_position_embeddings=131072, norm_epsilon=1e-5, rotary_base=500000.0,
+                            rope_scaling_factor=32.0, tie_word_embeddings=True)
 
 
 def _init_megatron():

@@ -199,7 +199,7 @@ def _memory_cases():
 # ============================================================================================ whole models
 
 def _experience():
-    from mindspeed_llm.inference.rollout import Rollout
+    from mindspeed_llm.inference.results import Rollout
     from mindspeed_llm.rl.experience import Experience
 
     g = torch.Generator().manual_seed(0)
@@ -227,11 +227,11 @@ def _experience():
 def _specs():
     from hf_tiny import DEEPSEEK_VARIANTS, tiny_config
 
-    from mindspeed_llm.models import ModelSpec
+    from mindspeed_llm.models import ArchitectureSpec
 
     return {
-        "gqa": ModelSpec.from_hf_config(tiny_config("qwen2", vocab_size=VOCAB).to_dict()),
-        "mla": ModelSpec.from_hf_config(tiny_config("deepseek_v3", vocab_size=VOCAB,
+        "gqa": ArchitectureSpec.from_hf_config(tiny_config("qwen2", vocab_size=VOCAB).to_dict()),
+        "mla": ArchitectureSpec.from_hf_config(tiny_config("deepseek_v3", vocab_size=VOCAB,
                                                     **DEEPSEEK_VARIANTS["deepseek_v3"]).to_dict()),
     }
 

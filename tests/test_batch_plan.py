@@ -5,7 +5,7 @@ micro-batches cut from a dealt sample order carry the right rows, reads, packed 
 import pytest
 import torch
 
-from mindspeed_llm.inference.rollout import Rollout
+from mindspeed_llm.inference.results import Rollout
 from mindspeed_llm.rl.core_algos import response_mask_p1
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan, gather_last_token, gather_response, token_budget_groups
 from mindspeed_llm.rl.experience import Experience

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from mindspeed_llm.inference.continuous import Sample, Scheduler, split_capacity
-from mindspeed_llm.models.spec import ModelSpec
+from mindspeed_llm.models.architecture import ArchitectureSpec
 from tests.multiproc import run_distributed
 
 EOS = 2
@@ -105,9 +105,9 @@ def test_decode_budget_stops_every_group():
 
 
 # ---------------------------------------------------------------------------------------------- EP2 mixture
-SPEC = ModelSpec(family="qwen3_moe", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
-                 num_query_groups=2, kv_channels=16, vocab_size=128, qk_layernorm=True, num_experts=16,
-                 moe_ffn_hidden_size=32, moe_router_topk=4)
+SPEC = ArchitectureSpec(family="qwen3_moe", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                        num_query_groups=2, kv_channels=16, vocab_size=128, qk_layernorm=True, num_experts=16,
+                        moe_ffn_hidden_size=32, moe_router_topk=4)
 
 
 def _ep2_body(rank, world_size):

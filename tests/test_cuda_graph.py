@@ -68,15 +68,15 @@ def _cases(rank, world_size, tp, graph, replay=False):
     from mindspeed_llm import device as _device
     from mindspeed_llm import distributed
     from mindspeed_llm.inference import SamplingConfig, generate
-    from mindspeed_llm.inference.cuda_graph import static_decode_engine
-    from mindspeed_llm.models import ModelSpec, build_model
+    from mindspeed_llm.inference.cuda_graph import StaticDecodeKVCacheModel
+    from mindspeed_llm.models import ArchitectureSpec, build_model
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     distributed.initialize(tp, 1, seed=0)
     torch.manual_seed(0)
     # Large init: well-separated logits, so a greedy choice is not a near tie that rounding could flip.
-    model = build_model(ModelSpec.from_hf_config(HF_CONFIG), init_method_std=0.3)
+    model = build_model(ArchitectureSpec.from_hf_config(HF_CONFIG), init_method_std=0.3)
     model = model.to(_device.current_device())
     prompts = _prompts()
     out = []
@@ -89,10 +89,16 @@ def _cases(rank, world_size, tp, graph, replay=False):
         # the static engine (megatron's KV cache), where the fixed-shape / CUDA-graph step lives
         plain = generate(model, prompts, sampling, iteration=2, prefill=prefill, engine="static")
         engines = []
-        with static_decode_engine(graph=graph, engines=engines, engine_cls=_replay_engine_class() if replay else None):
-            static = generate(model, prompts, sampling, iteration=2, prefill=prefill, engine="static")
+        engine_cls = _replay_engine_class() if replay else StaticDecodeKVCacheModel
+
+        def static_engine(model, plan, record_routing=False):  # the fixed-shape engine, kept for its facts
+            engines.append(engine_cls(model, plan, record_routing, graph=graph))
+            return engines[-1]
+
+        static = generate(model, prompts, sampling, iteration=2, prefill=prefill, engine="static",
+                          static_engine=static_engine)
         again = generate(model, prompts, sampling, iteration=2, prefill=prefill,
-                         engine="static")  # the switch is off again
+                         engine="static")  # the default engine again
         facts = [(e.static_reason, e.static_steps, e.graph) + ((len(e.outputs),) if replay else ()) for e in engines]
         out.append((name, _rollout_dict(plain),
                     _rollout_dict(static), _rollout_dict(again), facts))
@@ -141,12 +147,12 @@ def test_graph_branch_with_a_stand_in_replay_tp1():
 
 
 def test_switch(monkeypatch):
-    from mindspeed_llm.inference import cuda_graph, generation
+    from mindspeed_llm.inference import cuda_graph, kv_cache
 
     monkeypatch.delenv("MINDSPEED_DECODE_CUDA_GRAPH", raising=False)
-    assert cuda_graph.engine_class(torch.device("cuda", 0)) is generation._KVCacheModel
+    assert cuda_graph.engine_class(torch.device("cuda", 0)) is kv_cache.KVCacheModel
     monkeypatch.setenv("MINDSPEED_DECODE_CUDA_GRAPH", "1")
-    assert cuda_graph.engine_class(torch.device("cpu")) is generation._KVCacheModel  # never on CPU
+    assert cuda_graph.engine_class(torch.device("cpu")) is kv_cache.KVCacheModel  # never on CPU
     assert cuda_graph.engine_class(torch.device("cuda", 0)).graph_default is True
     from megatron.core import tensor_parallel
 

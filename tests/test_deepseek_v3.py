@@ -210,7 +210,7 @@ def test_hf_mg_hf_round_trip_is_bit_identical(tmp_path, case, layout):
     from transformers import AutoModelForCausalLM
 
     from mindspeed_llm.checkpoint import convert_hf_to_mg, convert_mg_to_hf
-    from mindspeed_llm.models import ModelSpec
+    from mindspeed_llm.models import ArchitectureSpec
 
     hf_dir = save_tiny("deepseek_v3", tmp_path / "hf", seed=7, **_variant(case))
     spec = convert_hf_to_mg(hf_dir, tmp_path / "mg", progress=False, **layout)
@@ -220,7 +220,7 @@ def test_hf_mg_hf_round_trip_is_bit_identical(tmp_path, case, layout):
     for name, tensor in source.items():
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
     assert any(n.endswith("e_score_correction_bias") for n in back)
-    assert ModelSpec.from_hf_config(tmp_path / "back") == spec
+    assert ArchitectureSpec.from_hf_config(tmp_path / "back") == spec
     if layout == dict(tp=2):  # the export is a transformers model with the source's outputs
         ids = torch.randint(3, 256, (1, 20), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
@@ -311,20 +311,20 @@ def test_mtp_layers_are_skipped_with_a_note(tmp_path, capfd):
 def test_unsupported_config_values_are_named(key, value, words):
     from hf_tiny import tiny_config
 
-    from mindspeed_llm.models import ModelSpec, UnsupportedModelError
+    from mindspeed_llm.models import ArchitectureSpec, UnsupportedModelError
 
     config = tiny_config("deepseek_v3", **_variant("deepseek_v3")).to_dict()
     config[key] = value
     with pytest.raises(UnsupportedModelError, match=words):
-        ModelSpec.from_hf_config(config)
+        ArchitectureSpec.from_hf_config(config)
 
 
 def test_parallel_sizes_that_do_not_divide_mla_are_named():
     from hf_tiny import tiny_config
 
-    from mindspeed_llm.models import ModelSpec
+    from mindspeed_llm.models import ArchitectureSpec
 
-    spec = ModelSpec.from_hf_config(tiny_config("deepseek_v3", **_variant("deepseek_v3")).to_dict())
+    spec = ArchitectureSpec.from_hf_config(tiny_config("deepseek_v3", **_variant("deepseek_v3")).to_dict())
     spec.check_parallel(2, 2, 2, 2)
     with pytest.raises(ValueError, match="q_lora_rank=24"):
         spec.check_parallel(16, 1, 1, 1)
@@ -387,7 +387,7 @@ def _without_patch_worker(rank, world_size, target):
     from hf_tiny import tiny_config
 
     from mindspeed_llm import distributed, patches
-    from mindspeed_llm.models import ModelSpec, build_model
+    from mindspeed_llm.models import ArchitectureSpec, build_model
 
     distributed.initialize(1, 1, rank=rank, world_size=world_size)
     for owner, attr, original, applied in list(patches._APPLIED):
@@ -395,7 +395,7 @@ def _without_patch_worker(rank, world_size, target):
             setattr(owner, attr, original)
     from mindspeed_llm.models.attention import PackedGroups
 
-    spec = ModelSpec.from_hf_config(tiny_config("deepseek_v3", **_variant("deepseek_v3")).to_dict())
+    spec = ArchitectureSpec.from_hf_config(tiny_config("deepseek_v3", **_variant("deepseek_v3")).to_dict())
     try:
         for attention in ("sdpa", "local"):  # the default fused core attention, and megatron's local one
             model = build_model(spec, attention=attention)

@@ -308,10 +308,10 @@ def _megatron_worker(rank, world_size):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from mindspeed_llm import distributed, patches
-    from mindspeed_llm.models import ModelSpec, build_model
+    from mindspeed_llm.models import ArchitectureSpec, build_model
 
-    spec = ModelSpec(family="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                     num_query_groups=2, kv_channels=16, vocab_size=256)
+    spec = ArchitectureSpec(family="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                            num_query_groups=2, kv_channels=16, vocab_size=256)
     out = {}
     with virtual_device() as vd:
         # The project's CPU patches get applied inside the block; the guard's overrides stay on top.

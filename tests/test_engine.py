@@ -14,12 +14,12 @@ def _guards(rank, world_size):
     from mindspeed_llm import distributed
     from mindspeed_llm.checkpoint.errors import DivergenceError, NonFiniteError
     from mindspeed_llm.models import build_model
-    from mindspeed_llm.models.spec import ModelSpec
+    from mindspeed_llm.models.architecture import ArchitectureSpec
     from mindspeed_llm.rl.engine import OptimizerSettings, TrainableModel
 
     distributed.initialize(1, 1, seed=3)
-    spec = ModelSpec(family="llama", num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                     num_query_groups=4, kv_channels=8, vocab_size=64, max_position_embeddings=32)
+    spec = ArchitectureSpec(family="llama", num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                            num_query_groups=4, kv_channels=8, vocab_size=64, max_position_embeddings=32)
     tokens = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
     batch = [{"tokens": tokens, "position_ids": torch.arange(6).repeat(2, 1)}]
 

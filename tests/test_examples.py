@@ -148,7 +148,7 @@ def test_qwen3_moe_launcher_fits_the_model_and_converts_at_its_layout(tmp_path, 
     the same TP / PP / EP writes that layout (accepted by convert_ckpt.py's parser)."""
     from types import SimpleNamespace
 
-    from mindspeed_llm.models import ModelSpec
+    from mindspeed_llm.models import ArchitectureSpec
     from mindspeed_llm.rl import moe, roles
 
     run_dir, convert_dir = tmp_path / "run", tmp_path / "convert"
@@ -157,7 +157,7 @@ def test_qwen3_moe_launcher_fits_the_model_and_converts_at_its_layout(tmp_path, 
     result, record = _launch(run_dir, QWEN3_MOE, NNODES="2", NODE_RANK="0", MASTER_ADDR="10.0.0.1", **layout)
     assert result.returncode == 0, result.stderr
     args = parse_args(_after(json.loads(record.read_text()), "posttrain_gpt.py"), world_size=16)
-    spec = ModelSpec.from_hf_config(QWEN3_30B_A3B)
+    spec = ArchitectureSpec.from_hf_config(QWEN3_30B_A3B)
     monkeypatch.setattr(roles, "load_spec", lambda root: spec)
     roles._checked_spec(args.ref_model, "--ref-model", args)  # raises on a flag that disagrees
     spec.check_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
@@ -211,7 +211,7 @@ def test_the_deepseek3_launcher_fits_the_model_and_converts_at_its_layout(tmp_pa
     the conversion script writes that layout."""
     from types import SimpleNamespace
 
-    from mindspeed_llm.models import ModelSpec
+    from mindspeed_llm.models import ArchitectureSpec
     from mindspeed_llm.rl import moe, roles
 
     run_dir, convert_dir = tmp_path / "run", tmp_path / "convert"
@@ -222,7 +222,7 @@ def test_the_deepseek3_launcher_fits_the_model_and_converts_at_its_layout(tmp_pa
     result, record = _launch(run_dir, DEEPSEEK3, NODE_RANK="0", MASTER_ADDR="10.0.0.1", **env)
     assert result.returncode == 0, result.stderr
     args = parse_args(_after(json.loads(record.read_text()), "posttrain_gpt.py"), world_size=8 * int(nodes))
-    spec = ModelSpec.from_hf_config(DEEPSEEK_V3)
+    spec = ArchitectureSpec.from_hf_config(DEEPSEEK_V3)
     monkeypatch.setattr(roles, "load_spec", lambda root: spec)
     roles._checked_spec(args.ref_model, "--ref-model", args)  # raises on a flag that disagrees
     spec.check_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,

@@ -243,12 +243,12 @@ def _layout_cases(tp, pp, root, prompts, eos, stop):
     from mindspeed_llm import device, distributed
     from mindspeed_llm.checkpoint import load_megatron_weights
     from mindspeed_llm.inference import generate
-    from mindspeed_llm.models import ModelSpec, build_model
+    from mindspeed_llm.models import ArchitectureSpec, build_model
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     distributed.initialize(tp, pp, seed=0)
-    spec = ModelSpec.from_hf_config(HF_CONFIG)
+    spec = ArchitectureSpec.from_hf_config(HF_CONFIG)
     model = build_model(spec)
     load_megatron_weights(model, root)
     model.train()

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from mindspeed_llm.checkpoint import megatron_layout as layout
-from mindspeed_llm.models.spec import ModelSpec
+from mindspeed_llm.models.architecture import ArchitectureSpec
 from tests.multiproc import run_distributed
 
-MOE = ModelSpec(family="qwen3_moe", num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
-                num_query_groups=2, kv_channels=8, vocab_size=64, qk_layernorm=True, num_experts=4,
-                moe_ffn_hidden_size=16, moe_router_topk=2, moe_layer_pattern=[0, 1])
-DENSE = ModelSpec(family="qwen3", num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
-                  num_query_groups=2, kv_channels=8, vocab_size=64, qk_layernorm=True)
+MOE = ArchitectureSpec(family="qwen3_moe", num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
+                       num_query_groups=2, kv_channels=8, vocab_size=64, qk_layernorm=True, num_experts=4,
+                       moe_ffn_hidden_size=16, moe_router_topk=2, moe_layer_pattern=[0, 1])
+DENSE = ArchitectureSpec(family="qwen3", num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
+                         num_query_groups=2, kv_channels=8, vocab_size=64, qk_layernorm=True)
 
 
 def test_shard_names_follow_megatron_lm():

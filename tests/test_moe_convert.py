@@ -131,7 +131,7 @@ def test_exports_load_in_transformers_identically(tmp_path):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from mindspeed_llm.checkpoint import hf_mapping as hfm
-    from mindspeed_llm.models.spec import ModelSpec
+    from mindspeed_llm.models.architecture import ArchitectureSpec
 
     ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(1))
     for name, (family, overrides) in MOE_VARIANTS.items():
@@ -139,7 +139,7 @@ def test_exports_load_in_transformers_identically(tmp_path):
             model = build_tiny(family, seq_cls=seq_cls, seed=11, num_layers=NUM_LAYERS, **overrides)
             src = tmp_path / f"{name}_{seq_cls}"
             model.save_pretrained(src)
-            spec = ModelSpec.from_hf_config(model.config.to_dict())
+            spec = ArchitectureSpec.from_hf_config(model.config.to_dict())
             written = {k[len("model."):] for k in _hf_tensors(src) if k.startswith("model.")}
             assert written == {n for i in range(NUM_LAYERS) for n in hfm.hf_layer_names(spec, i)} | {
                 "embed_tokens.weight", "norm.weight"}, name

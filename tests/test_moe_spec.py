@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mindspeed_llm.arguments import ArgumentError, parse_args
-from mindspeed_llm.models.spec import ModelSpec, UnsupportedModelError
+from mindspeed_llm.models.architecture import ArchitectureSpec, UnsupportedModelError
 
 QWEN3_MOE = dict(model_type="qwen3_moe", num_hidden_layers=4, hidden_size=64, intermediate_size=96,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256, num_experts=8,
@@ -24,15 +24,15 @@ MIXTRAL = dict(model_type="mixtral", num_hidden_layers=2, hidden_size=64, interm
 
 
 def test_families_read_from_config_json():
-    q3 = ModelSpec.from_hf_config(QWEN3_MOE)
+    q3 = ArchitectureSpec.from_hf_config(QWEN3_MOE)
     assert (q3.num_experts, q3.moe_ffn_hidden_size, q3.moe_router_topk, q3.ffn_hidden_size) == (8, 32, 2, 96)
     assert q3.moe_layers() == [0, 1, 0, 1] and q3.qk_layernorm and not q3.add_qkv_bias
     assert q3.moe_router_pre_softmax is False and q3.moe_aux_loss_coeff == 0.01
-    q2 = ModelSpec.from_hf_config(QWEN2_MOE)
+    q2 = ArchitectureSpec.from_hf_config(QWEN2_MOE)
     assert q2.moe_layers() == [0, 1]  # decoder_sparse_step 2: layers 2, 4, ... (1-based) are sparse
     assert q2.moe_shared_expert_intermediate_size == 48 and q2.moe_shared_expert_gate and q2.add_qkv_bias
     assert q2.moe_router_pre_softmax is True  # norm_topk_prob false: softmax over all experts, no renormalising
-    mx = ModelSpec.from_hf_config(MIXTRAL)
+    mx = ArchitectureSpec.from_hf_config(MIXTRAL)
     assert (mx.num_experts, mx.moe_ffn_hidden_size, mx.moe_layer_pattern) == (4, 112, None)
     assert mx.moe_layers() == [1, 1] and mx.moe_aux_loss_coeff == 0.02
 
@@ -41,24 +41,24 @@ def test_families_read_from_config_json():
 def test_written_config_reads_back_and_loads_in_transformers(config):
     from transformers import AutoConfig
 
-    spec = ModelSpec.from_hf_config(config)
+    spec = ArchitectureSpec.from_hf_config(config)
     written = spec.to_hf_config()
-    assert ModelSpec.from_hf_config(written) == spec
+    assert ArchitectureSpec.from_hf_config(written) == spec
     hf = AutoConfig.for_model(**written)
-    assert ModelSpec.from_hf_config(hf.to_dict()) == spec
+    assert ArchitectureSpec.from_hf_config(hf.to_dict()) == spec
 
 
 def test_unsupported_moe_settings_are_named():
     with pytest.raises(UnsupportedModelError, match="router_jitter_noise"):
-        ModelSpec.from_hf_config(dict(MIXTRAL, router_jitter_noise=0.1))
+        ArchitectureSpec.from_hf_config(dict(MIXTRAL, router_jitter_noise=0.1))
     with pytest.raises(UnsupportedModelError, match="sliding-window"):
-        ModelSpec.from_hf_config(dict(MIXTRAL, sliding_window=4096))
-    spec = ModelSpec.from_hf_config(QWEN3_MOE)
+        ArchitectureSpec.from_hf_config(dict(MIXTRAL, sliding_window=4096))
+    spec = ArchitectureSpec.from_hf_config(QWEN3_MOE)
     with pytest.raises(ValueError, match="--expert-model-parallel-size 3 .* num_experts=8"):
         spec.check_parallel(1, 1, ep=3)
     with pytest.raises(ValueError, match="--expert-tensor-parallel-size 3 does not divide moe_ffn_hidden_size=32"):
         spec.check_parallel(1, 1, ep=1, etp=3)
-    dense = ModelSpec.from_hf_config(dict(QWEN3_MOE, model_type="qwen3"))
+    dense = ArchitectureSpec.from_hf_config(dict(QWEN3_MOE, model_type="qwen3"))
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
         dense.check_parallel(1, 1, ep=2)
 
@@ -71,7 +71,7 @@ def test_router_semantics_match_transformers(norm_topk_prob):
 
     config = Qwen3MoeConfig(**{k: v for k, v in dict(QWEN3_MOE, norm_topk_prob=norm_topk_prob).items()
                                if k != "model_type"})
-    spec = ModelSpec.from_hf_config(config.to_dict())
+    spec = ArchitectureSpec.from_hf_config(config.to_dict())
     torch.manual_seed(0)
     block = Qwen3MoeSparseMoeBlock(config)
     for param in block.parameters():
@@ -166,7 +166,7 @@ def _grouped_gemm_fallback(rank, world_size):
     from mindspeed_llm.models import builder
 
     distributed.initialize(1, 1)
-    spec = ModelSpec.from_hf_config(QWEN3_MOE)
+    spec = ArchitectureSpec.from_hf_config(QWEN3_MOE)
     model = builder.build_model(spec, moe_grouped_gemm=True)
     return {"kernel": builder.grouped_gemm_kernel(),
             "grouped": builder.transformer_config(spec, moe_grouped_gemm=True).moe_grouped_gemm,

@@ -26,13 +26,13 @@ E, TOPK, LAYERS = 4, 2, 2
 
 
 def _spec(**overrides):
-    from mindspeed_llm.models import ModelSpec
+    from mindspeed_llm.models import ArchitectureSpec
 
     fields = dict(family="qwen3_moe", num_layers=LAYERS, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                   num_query_groups=2, kv_channels=8, vocab_size=64, max_position_embeddings=64, qk_layernorm=True,
                   num_experts=E, moe_ffn_hidden_size=16, moe_router_topk=TOPK, moe_aux_loss_coeff=0.0)
     fields.update(overrides)
-    return ModelSpec(**fields)
+    return ArchitectureSpec(**fields)
 
 
 def _micro_batches(seed: int, count: int = 2, rows: int = 2, width: int = 7):

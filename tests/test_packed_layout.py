@@ -31,7 +31,7 @@ VOCAB = 256
 
 
 def _experience():
-    from mindspeed_llm.inference.rollout import Rollout
+    from mindspeed_llm.inference.results import Rollout
     from mindspeed_llm.rl.experience import Experience
 
     g = torch.Generator().manual_seed(0)

@@ -124,11 +124,11 @@ def test_layer_counts_are_checked_per_pipeline_stage():
     from hf_tiny import tiny_config
 
     from mindspeed_llm.arguments import ArgumentError
-    from mindspeed_llm.models import ModelSpec
+    from mindspeed_llm.models import ArchitectureSpec
     from mindspeed_llm.rl import recompute
 
-    dense = ModelSpec.from_hf_config(tiny_config("qwen2", num_layers=4).to_dict())
-    moe = ModelSpec.from_hf_config(tiny_config("qwen2_moe").to_dict())
+    dense = ArchitectureSpec.from_hf_config(tiny_config("qwen2", num_layers=4).to_dict())
+    moe = ArchitectureSpec.from_hf_config(tiny_config("qwen2_moe").to_dict())
 
     def options(spec, extra, world=1, policy=True, trained=True):
         return recompute.model_options(spec, _parse(extra, world), trained=trained, policy=policy)
@@ -160,10 +160,10 @@ def test_layer_counts_are_checked_per_pipeline_stage():
 def _specs():
     from hf_tiny import tiny_config
 
-    from mindspeed_llm.models import ModelSpec
+    from mindspeed_llm.models import ArchitectureSpec
 
     def spec(family, **overrides):
-        return ModelSpec.from_hf_config(tiny_config(family, **overrides).to_dict())
+        return ArchitectureSpec.from_hf_config(tiny_config(family, **overrides).to_dict())
 
     from test_deepseek_v3 import _variant
 

@@ -15,15 +15,15 @@ import pytest
 import torch
 
 from mindspeed_llm.models import routing
-from mindspeed_llm.models.spec import ModelSpec
+from mindspeed_llm.models.architecture import ArchitectureSpec
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.experience import Experience
 from tests.multiproc import run_distributed
 
 # Many experts, top-4, small random weights: router margins are small, so bf16 rounding flips some choices.
-SPEC = ModelSpec(family="qwen3_moe", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
-                 num_query_groups=2, kv_channels=16, vocab_size=128, qk_layernorm=True, num_experts=16,
-                 moe_ffn_hidden_size=32, moe_router_topk=4)
+SPEC = ArchitectureSpec(family="qwen3_moe", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                        num_query_groups=2, kv_channels=16, vocab_size=128, qk_layernorm=True, num_experts=16,
+                        moe_ffn_hidden_size=32, moe_router_topk=4)
 
 
 def _experience(prompt_lengths, response_lengths, width_r=None, vocab=100, seed=0):
@@ -185,12 +185,11 @@ def _replay_body(rank, world_size, ep, dtype, pp=1, prefill="auto", dispatcher="
     exp = Experience.from_rollout(rollout)
     out["response_width"] = exp.responses.shape[1]
     if pp > 1:
-        routing.mark_generated(model)
         out["layers_here"] = exp.routing.shape[1]
         for name, plan in (("rows", MicroBatchPlan.build(exp, 4)), ("packed", MicroBatchPlan.build(exp, 4, n))):
             for replay in (False, True):
                 model.config.moe_enable_routing_replay = replay
-                policy_logprobs([model], exp, plan)
+                policy_logprobs([model], exp, plan, compare_routing=True)
                 out[f"{name}_{'replay' if replay else 'live'}_metric"] = exp.extras.pop("routing_mismatch")
         return out
     L, T = len(routing.moe_routers(model)), exp.tokens.shape[1]
@@ -201,19 +200,18 @@ def _replay_body(rank, world_size, ep, dtype, pp=1, prefill="auto", dispatcher="
     known = (exp.routing >= 0).all(-1).all(1)  # [B, T]
     out["recorded_all_but_last"] = bool(known[pos < (total - 1)[:, None]].all())
     out["no_padding_recorded"] = not bool(known[pos >= total[:, None]].any())
-    routing.mark_generated(model)
     for name, plan in (("rows", MicroBatchPlan.build(exp, 4)), ("packed", MicroBatchPlan.build(exp, 4, n))):
         core = model
         core.config.moe_enable_routing_replay = False
         live = _forward_routing(model, exp, plan)
         out[f"{name}_live_hand"] = _hand_mismatch(exp, plan, live)
         out[f"{name}_live_every_token"] = _hand_mismatch(exp, plan, live, every_token=True)
-        logp_live = policy_logprobs([model], exp, plan)
+        logp_live = policy_logprobs([model], exp, plan, compare_routing=True)
         out[f"{name}_live_metric"] = exp.extras.pop("routing_mismatch")
         core.config.moe_enable_routing_replay = True
         replayed = _forward_routing(model, exp, plan)
         out[f"{name}_replay_hand"] = _hand_mismatch(exp, plan, replayed)
-        logp_replay = policy_logprobs([model], exp, plan)
+        logp_replay = policy_logprobs([model], exp, plan, compare_routing=True)
         out[f"{name}_replay_metric"] = exp.extras.pop("routing_mismatch")
         # the replayed routing is exactly the recorded one wherever it was recorded (prompts included)
         exact = True
@@ -465,9 +463,13 @@ def test_dynamic_sampling_concat_pads_routing_as_unknown():
         T = exp.tokens.shape[1]
         exp.routing = torch.full((2, 2, T, 3), fill, dtype=torch.int16)
         exp.routing[:, :, T - 1] = -1
+        exp.routing_recorded = True  # the generating policy's routing: the old-log-prob pass still compares
     parts = [dynamic_sampling.rows_to_host(short, torch.tensor([1])),
              dynamic_sampling.rows_to_host(wide, torch.tensor([0]))]
     joined = dynamic_sampling.concat_rows(parts, "cpu")
+    assert joined.routing_recorded
+    assert not dynamic_sampling.concat_rows([dynamic_sampling.rows_to_host(_experience([2], [1]), torch.tensor([0]))],
+                                            "cpu").routing_recorded
     T = joined.tokens.shape[1]
     assert T == 7 and joined.routing.shape == (2, 2, T, 3)
     assert torch.equal(joined.routing[0, :, :3], short.routing[1, :, :3])

@@ -4,7 +4,7 @@ Public API (conversion and loading; importing this package does not import megat
 
     convert_hf_to_mg, convert_mg_to_hf, convert_mg_to_mg   whole-checkpoint conversions (convert_ckpt.py)
     load_megatron_weights(model, root, iteration=None)     this rank's shard into a built GPTModel, strictly
-    load_spec(root, iteration=None)                        the ModelSpec a checkpoint holds
+    load_spec(root, iteration=None)                        the ArchitectureSpec a checkpoint holds
     checkpoint_info(root, iteration=None)                  spec, TP/PP/EP, dtype, value head of a checkpoint
     HFWeights(dir)                                         lazy reader of HF safetensors / .bin (sharded or not)
     layout helpers: checkpoint_dir, shard_path, staging_dir, prepare_staging, publish, write_latest,

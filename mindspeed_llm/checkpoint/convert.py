@@ -283,15 +283,15 @@ def convert_hf_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, par
 
     `params_dtype` (fp32/bf16/fp16) defaults to the dtype of the HF weights. With `value_head` the HF
     folder must be a *ForSequenceClassification model (score.weight [1, hidden]); the head stays fp32.
-    Tokenizer files of `tokenizer_dir` (default: `load_dir`) are copied into `save_dir`. Returns the ModelSpec.
+    Tokenizer files of `tokenizer_dir` (default: `load_dir`) are copied into `save_dir`. Returns the ArchitectureSpec.
     Tensors holding NaN / inf raise ConversionError unless `allow_non_finite`.
     """
-    from mindspeed_llm.models.spec import ModelSpec
+    from mindspeed_llm.models.architecture import ArchitectureSpec
 
     load_dir, save_dir = os.fspath(load_dir), os.fspath(save_dir)
     config = hf_files.read_hf_config(load_dir)
     hfm.resolve_family(model_type_hf, config, where=os.path.join(load_dir, "config.json"))
-    spec = ModelSpec.from_hf_config(config)
+    spec = ArchitectureSpec.from_hf_config(config)
     ep, etp = expert_layout(spec, tp, ep, etp, moe_tp_extend_ep)
     _check_target_parallel(spec, tp, pp, ep, etp, moe_tp_extend_ep)
     weights = hf_files.HFWeights(load_dir)
@@ -505,7 +505,7 @@ def load_megatron_weights(model, root: str, iteration=None, strict: bool = True)
     """Load this rank's shard of the checkpoint under `root` into `model` (a GPTModel from build_model,
     possibly wrapped in DDP / Float16Module), after checking that it is the model the checkpoint holds.
 
-    Raises ValueError naming both values when the stored ModelSpec (vocab size, architecture), the
+    Raises ValueError naming both values when the stored ArchitectureSpec (vocab size, architecture), the
     value head, or the TP/PP layout differ from the model's; KeyError-like ValueError listing missing /
     unexpected / mis-shaped tensors when the key sets differ. Returns the loaded payload minus 'model'.
     """

@@ -119,7 +119,7 @@ def supported_model_types() -> str:
 
 def resolve_family(model_type_hf: Optional[str], config: dict, where: str = "config.json") -> str:
     """The family (config.json model_type) to convert, from --model-type-hf and/or the config."""
-    from mindspeed_llm.models.spec import SUPPORTED_FAMILIES, UnsupportedModelError
+    from mindspeed_llm.models.architecture import SUPPORTED_FAMILIES, UnsupportedModelError
 
     detected = config.get("model_type")
     if model_type_hf is None:

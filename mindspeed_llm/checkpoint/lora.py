@@ -121,7 +121,7 @@ def merge_into(full_base: Dict[str, torch.Tensor], adapter: Dict[str, torch.Tens
 
 # ------------------------------------------------------------------------------------------- adapter checkpoints
 class Adapter:
-    """A full adapter: its config (`models.lora.LoRAConfig`), tensors (global names), the ModelSpec it belongs to
+    """A full adapter: its config (`models.lora.LoRAConfig`), tensors (global names), the ArchitectureSpec it belongs to
     (None for a PEFT folder, which does not carry one), whether it is a value model's, and where it came from."""
 
     def __init__(self, config, tensors: Dict[str, torch.Tensor], spec=None, value_head: bool = False,
@@ -152,7 +152,7 @@ def read_adapter(path: str, spec=None, iteration=None) -> Adapter:
 def read_checkpoint(root: str, iteration=None) -> Adapter:
     """Every shard of an adapter checkpoint merged into a full adapter."""
     from mindspeed_llm.models.lora import LoRAConfig
-    from mindspeed_llm.models.spec import ModelSpec
+    from mindspeed_llm.models.architecture import ArchitectureSpec
 
     if not os.path.isdir(root):
         raise ConversionError(f"LoRA adapter {root} does not exist")
@@ -174,7 +174,7 @@ def read_checkpoint(root: str, iteration=None) -> Adapter:
             raise ConversionError(f"{root} holds full weights, not LoRA adapters (its shards have no 'lora' entry); "
                                   "pass it as --load-dir, or the --save of a LoRA run as --lora-load")
         meta = payload["lora"]
-        spec = ModelSpec.from_dict(payload["model_spec"])
+        spec = ArchitectureSpec.from_dict(payload["model_spec"])
         shards[(t, p, e)] = payload["model"]
     local_experts = spec.num_experts // ep if spec.is_moe else 0
     by_module: Dict[str, Dict[int, Tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -428,7 +428,7 @@ def _read_peft_weights(path: str) -> Dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------------------- conversions
 def adapter_for_base(path: str, spec, value_head: bool, iteration=None) -> Adapter:
     """The adapter of `convert_ckpt.py --lora-load PATH`, checked against the base it is merged into (or exported
-    beside): the same model (its ModelSpec, when the adapter carries one), a value model's adapter for a value
+    beside): the same model (its ArchitectureSpec, when the adapter carries one), a value model's adapter for a value
     model's base."""
     from mindspeed_llm.checkpoint.convert import spec_differences
 

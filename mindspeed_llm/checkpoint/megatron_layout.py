@@ -16,7 +16,7 @@ Every `model_optim_rng.pt` is a dict (see `make_payload`):
     model               state dict of this rank's GPTModel (local layer indices; `_extra_state` entries None)
     checkpoint_version  3.0
     iteration           0 for release, else the training iteration
-    model_spec          ModelSpec.to_dict() of the whole model
+    model_spec          ArchitectureSpec.to_dict() of the whole model
     args                argparse.Namespace with Megatron-LM's names: tensor_model_parallel_size,
                         pipeline_model_parallel_size, params_dtype (torch.dtype), bf16, fp16, value_head,
                         num_layers, hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups,
@@ -481,9 +481,9 @@ def make_payload(model_state: Dict[str, Any], spec, tp: int, pp: int, tp_rank: i
 
 def checkpoint_info(root: str, iteration: Optional[Iteration] = None) -> Dict[str, Any]:
     """What a checkpoint is, read from its first shard without loading tensors (mmap):
-    {'dir', 'iteration', 'tp', 'pp', 'ep', 'etp', 'spec' (ModelSpec), 'params_dtype', 'value_head', 'hf_config',
+    {'dir', 'iteration', 'tp', 'pp', 'ep', 'etp', 'spec' (ArchitectureSpec), 'params_dtype', 'value_head', 'hf_config',
     'lora' (whether it holds LoRA adapters only)}."""
-    from mindspeed_llm.models.spec import ModelSpec
+    from mindspeed_llm.models.architecture import ArchitectureSpec
 
     path, iteration = resolve_dir(root, iteration)
     tp, pp, ep, etp = read_layout(path)
@@ -509,7 +509,7 @@ def checkpoint_info(root: str, iteration: Optional[Iteration] = None) -> Dict[st
         "pp": pp,
         "ep": ep,
         "etp": etp,
-        "spec": ModelSpec.from_dict(payload["model_spec"]),
+        "spec": ArchitectureSpec.from_dict(payload["model_spec"]),
         "params_dtype": dtype if isinstance(dtype, torch.dtype) else torch.float32,
         "value_head": bool(get("value_head", False)),
         "hf_config": payload.get("hf_config"),
@@ -518,5 +518,5 @@ def checkpoint_info(root: str, iteration: Optional[Iteration] = None) -> Dict[st
 
 
 def load_spec(root: str, iteration: Optional[Iteration] = None):
-    """The ModelSpec stored in the checkpoint under `root` (nothing is built, tensors are not read)."""
+    """The ArchitectureSpec stored in the checkpoint under `root` (nothing is built, tensors are not read)."""
     return checkpoint_info(root, iteration)["spec"]

@@ -4,7 +4,7 @@ or Megatron-core's static KV cache, see `generate`.
 `generate` is imported lazily: `SamplingConfig` and `Rollout` do not import megatron.
 """
 
-from mindspeed_llm.inference.rollout import Continuation, Rollout, SequenceBatch
+from mindspeed_llm.inference.results import Continuation, Rollout, SequenceBatch
 from mindspeed_llm.inference.sampling import SamplingConfig, choose_tokens, filter_logits, sample_uniforms
 
 

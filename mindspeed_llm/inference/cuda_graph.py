@@ -6,7 +6,7 @@ with different shapes and a CUDA graph of one step is valid for that step only. 
 needs ``flash_decode`` (flash-attn's ``flash_attn_with_kvcache``), which this project does not use (its batched
 prefill needs attention that honours explicit masks; see ``mindspeed_llm.inference.generation``).
 
-:class:`StaticDecodeKVCacheModel` (a drop-in for generation's ``_KVCacheModel``) makes every decode step the
+:class:`StaticDecodeKVCacheModel` (a subclass of ``kv_cache.KVCacheModel``) makes every decode step the
 same computation on the same buffers, with the slot as a *tensor*:
 
 * inputs: the step's tokens and positions are copied into fixed ``[B, 1]`` buffers, the slot into a ``[1]``
@@ -37,27 +37,30 @@ hooks collect per-forward Python lists), ``flash_decode``; and for the graph, Mo
 dispatchers read split sizes on the host).
 
 Switch: ``MINDSPEED_DECODE_CUDA_GRAPH=1`` (see :func:`decode_cuda_graph_requested`); off by default and never
-on for a non-CUDA device; ``generation.generate``'s static engine asks :func:`engine_class` for its engine, and
+on for a non-CUDA device. ``generation.generate``'s static engine runs the ``static_engine`` it is given, by default
+the class :func:`engine_class` picks for the device (this module imports ``kv_cache``, never ``generation``), and
 ``engine="auto"`` picks the static engine while the switch is on (the continuous-batching engine,
-``inference/continuous.py``, has no graphed step).
+``inference/continuous.py``, has no graphed step). Tests and benchmarks pass the engine class itself:
+``generate(..., static_engine=functools.partial(StaticDecodeKVCacheModel, graph=True))``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Optional
 
 import torch
 
-from mindspeed_llm.inference import generation
+from megatron.core.utils import get_model_config
+
+from mindspeed_llm.inference.kv_cache import KVCacheModel
+from mindspeed_llm.models import routing
 from mindspeed_llm.patches.static_decode import STATIC_ATTR as _STATIC_ATTR
 from mindspeed_llm.patches.static_decode import StaticState as _StaticState
 from mindspeed_llm.patches.static_decode import install_attention_wrapper as _install_attention_wrapper
 from mindspeed_llm.patches.static_decode import no_rng_fork as _no_rng_fork
 
-__all__ = ["StaticDecodeKVCacheModel", "decode_cuda_graph_requested", "engine_class", "static_decode_engine",
-           "DECODE_CUDA_GRAPH_ENV"]
+__all__ = ["StaticDecodeKVCacheModel", "decode_cuda_graph_requested", "engine_class", "DECODE_CUDA_GRAPH_ENV"]
 
 DECODE_CUDA_GRAPH_ENV = "MINDSPEED_DECODE_CUDA_GRAPH"
 
@@ -72,14 +75,15 @@ def decode_cuda_graph_requested(device) -> bool:
 
 
 def engine_class(device):
-    """The engine class `generate` should use on `device` (generation's own unless the switch is on)."""
+    """The KV-cache model class `generate`'s static engine runs on `device` by default: ``KVCacheModel`` unless
+    the switch is on."""
     if decode_cuda_graph_requested(device):
         return _GraphedEngine
-    return generation._KVCacheModel
+    return KVCacheModel
 
 
-class StaticDecodeKVCacheModel(generation._KVCacheModel):
-    """generation's ``_KVCacheModel`` with fixed-shape decode steps (module docstring); ``graph=True`` captures
+class StaticDecodeKVCacheModel(KVCacheModel):
+    """``KVCacheModel`` with fixed-shape decode steps (module docstring); ``graph=True`` captures
     the step as a CUDA graph. Where the fixed-shape step is not supported it behaves exactly like the base
     class (``static_reason`` says why)."""
 
@@ -104,9 +108,9 @@ class StaticDecodeKVCacheModel(generation._KVCacheModel):
             return "pipeline parallelism (stages exchange activations by p2p at every step)"
         if self.capture is not None:
             return "MoE routing is being recorded (Python-side hooks per forward)"
-        if getattr(generation.get_model_config(self.model), "flash_decode", False):
+        if getattr(get_model_config(self.model), "flash_decode", False):
             return "flash_decode=True (megatron's own decode kernel)"
-        if self.graph and generation.routing.moe_routers(self.model):
+        if self.graph and routing.moe_routers(self.model):
             return "CUDA graph of a model with MoE layers (the token dispatchers read split sizes on the host)"
         return None
 
@@ -181,23 +185,3 @@ class StaticDecodeKVCacheModel(generation._KVCacheModel):
 class _GraphedEngine(StaticDecodeKVCacheModel):
     graph_default = True
 
-
-@contextlib.contextmanager
-def static_decode_engine(graph: bool = False, engines: Optional[list] = None, engine_cls=None):
-    """Makes `generation.generate` use :class:`StaticDecodeKVCacheModel` (or `engine_cls`; ``graph``: capture on
-    CUDA) inside the block, collecting the engines it creates into `engines` (tests read ``static_steps`` /
-    ``static_reason``). For tests and benchmarks; the run's switch is the hook in `generate` (module docstring)."""
-    original = generation._KVCacheModel
-    engine_cls = engine_cls or StaticDecodeKVCacheModel
-
-    def make(model, plan, record_routing=False):
-        engine = engine_cls(model, plan, record_routing, graph=graph)
-        if engines is not None:
-            engines.append(engine)
-        return engine
-
-    generation._KVCacheModel = make
-    try:
-        yield engines
-    finally:
-        generation._KVCacheModel = original

@@ -5,8 +5,8 @@
   the next sample, pipeline stages busy with micro-batch groups, partial rollouts via `max_decode_steps` /
   `continuations`). Its tokens equal the static engine's.
 * `engine="static"`: megatron's `GPTInferenceWrapper` + `StaticInferenceContext`, the whole batch in lock-step; the
-  reference, the stepwise prefill and the CUDA-graph decode step (`cuda_graph.py`). The rest of this docstring
-  describes it.
+  reference, the stepwise prefill and the CUDA-graph decode step (`cuda_graph.py`); its KV cache and slot plan are
+  `kv_cache.py`'s. The rest of this docstring describes it.
 
 Megatron's `StaticInferenceEngine` is not used: for RL it samples untempered log-probs, allows only one of
 top-k/top-p, seeds every rank alike and leaves the model in eval() with its KV buffers alive. Instead this
@@ -54,31 +54,28 @@ each CP rank generates its own prompts (the model is built without CP, `models/c
 does not enter generation.
 
 Code: `generate` checks its inputs and picks the engine (`_choose_engine`); the continuous one runs in
-`_generate_continuous`. The static one plans the slot layout (`_plan`), then, with the KV cache held by a
-`_KVCacheModel`, prefills and decodes (`_decode`: one `_TokenPicker.pick` and `_DecodeState.record` a slot) and
+`_generate_continuous`. The static one plans the slot layout (`kv_cache.plan_kv_cache`), then, with the KV cache held
+by a `kv_cache.KVCacheModel` (or the `static_engine` given; by default `cuda_graph.engine_class` picks it for the
+device), prefills and decodes (`_decode`: one `_TokenPicker.pick` and `_DecodeState.record` a slot) and
 lays the responses out into a `Rollout` (`_finish`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.inference.communication_utils import is_pipeline_last_stage
-from megatron.core.inference.contexts import StaticInferenceContext
-from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
-from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
 from megatron.core.transformer.enums import AttnBackend
-from megatron.core.utils import get_attr_wrapped_model, get_model_config, unwrap_model
+from megatron.core.utils import get_model_config, unwrap_model
 
 from mindspeed_llm import device as _device
-from mindspeed_llm.models import routing
-from mindspeed_llm.inference import continuous
-from mindspeed_llm.inference.rollout import Continuation, Rollout
+from mindspeed_llm.inference import continuous, cuda_graph
+from mindspeed_llm.inference.kv_cache import KVCacheModel, KVCachePlan, plan_kv_cache
+from mindspeed_llm.inference.results import Continuation, Rollout
 from mindspeed_llm.models.attention import model_attention
 from mindspeed_llm.models.sequence_parallel import sequence_parallel_off
 from mindspeed_llm.inference.sampling import SamplingConfig, choose_tokens, sample_uniforms
@@ -140,6 +137,7 @@ def generate(
     max_decode_steps: Optional[int] = None,
     continuations: Optional[Sequence[Optional[Continuation]]] = None,
     response_budgets: Optional[Sequence[int]] = None,
+    static_engine: Optional[Callable[..., KVCacheModel]] = None,
     _dedup_prefill: bool = True,
     _pipeline_groups: Optional[int] = None,
 ) -> Rollout:
@@ -178,6 +176,11 @@ def generate(
             tokens.
         response_budgets: per row the most response tokens (default: `sampling.response_budgets` of the prompt
             lengths); a continuation's old tokens count.
+        static_engine: the static engine's KV-cache model, called as `static_engine(model, plan, record_routing)`
+            with the batch's `KVCachePlan` (`inference/kv_cache.py`); default: what `cuda_graph.engine_class` picks
+            for the device (`KVCacheModel`, or the fixed-shape CUDA-graph step where MINDSPEED_DECODE_CUDA_GRAPH=1
+            on CUDA). Tests and benchmarks pass `cuda_graph.StaticDecodeKVCacheModel` (or a subclass). Given, it
+            selects the static engine under `engine="auto"` (`engine="continuous"` refuses it).
         _dedup_prefill: private; False prefills every row even where prompts repeat (tests compare both).
         _pipeline_groups: private; the continuous engine's number of row groups (default: the pipeline size;
             1: the whole batch passes the stages in turn, for tests).
@@ -190,30 +193,28 @@ def generate(
     peers = _expert_peers(model)
     chosen = _choose_engine(model, engine, prefill, batched, sampling, dev, peers,
                             dict(max_decode_steps=max_decode_steps, continuations=continuations,
-                                 _pipeline_groups=_pipeline_groups))
+                                 _pipeline_groups=_pipeline_groups), static_engine is not None)
     if chosen == "continuous":
         # --sequence-parallel: as the static engine below, the plain tensor-parallel model (models/sequence_parallel.py)
         with sequence_parallel_off(model):
             return _generate_continuous(model, prompts, budgets, sampling, iteration, sample_ids, vocab_size,
                                         record_routing, max_decode_steps, continuations, _dedup_prefill,
                                         _pipeline_groups, peers, dev)
-    plan = _plan(prompts, budgets, batched=batched, share_prefill=_dedup_prefill, device=dev)
+    plan = plan_kv_cache(prompts, budgets, batched=batched, share_prefill=_dedup_prefill, device=dev)
     if peers is not None:  # as many decode slots as the expert-parallel peer with the most (see _decode)
         _check_allgather_shapes(model, plan, len(prompts), peers)
         steps = _group_max(plan.slots - plan.first_step, peers)
         if steps > plan.slots - plan.first_step:
-            plan = _plan(prompts, budgets, batched=batched, share_prefill=_dedup_prefill, device=dev,
+            plan = plan_kv_cache(prompts, budgets, batched=batched, share_prefill=_dedup_prefill, device=dev,
                          decode_slots=steps)
     state = _DecodeState.start(plan, prompts, sampling)
     uniforms = _response_uniforms(sampling, [iteration] * len(prompts), sample_ids, len(prompts),
                                   plan.max_response, dev)
     group, source = _source_rank()
-    from mindspeed_llm.inference import cuda_graph  # imports this module: a local import
-
-    # _KVCacheModel, or its fixed-shape CUDA-graph variant where MINDSPEED_DECODE_CUDA_GRAPH=1 on CUDA.
+    make_engine = static_engine or cuda_graph.engine_class(dev)
     # --sequence-parallel: generation runs the plain tensor-parallel model (models/sequence_parallel.py)
     with sequence_parallel_off(model):
-        engine = cuda_graph.engine_class(dev)(model, plan, record_routing)
+        engine = make_engine(model, plan, record_routing)
         picker = _TokenPicker(sampling, uniforms, plan.starts, vocab_size, engine.last_stage, source, group)
         stats = dict(decode_forwards=0, decode_row_steps=0, finished_row_steps=0)
         try:
@@ -239,7 +240,7 @@ def _source_rank():
 
 
 def _choose_engine(model, engine: str, prefill: str, batched: bool, sampling: SamplingConfig, device, peers,
-                   continuous_only: dict) -> str:
+                   continuous_only: dict, static_engine_given: bool = False) -> str:
     """"continuous" or "static" for `engine` (see `generate`); raises where the choice cannot be honoured."""
     if engine not in ENGINES:
         raise ValueError(f"generate: engine={engine!r}; choose one of {ENGINES}")
@@ -247,6 +248,8 @@ def _choose_engine(model, engine: str, prefill: str, batched: bool, sampling: Sa
     wanted += [f"sampling.{name}" for name in ("max_num_seqs", "max_num_batched_tokens")
                if getattr(sampling, name) is not None]
     blockers = _continuous_blockers(model, prefill, batched, device, peers)
+    if static_engine_given:
+        blockers.append("static_engine is given (the static engine's KV-cache model)")
     if engine == "static" or (engine == "auto" and blockers):
         if wanted:
             why = "engine='static'" if engine == "static" else "the static engine runs here: " + "; ".join(blockers)
@@ -266,8 +269,6 @@ def continuous_engine_blockers(model) -> List[str]:
 
 def _continuous_blockers(model, prefill: str, batched: bool, device, peers) -> List[str]:
     """What keeps the continuous engine from running `model` (empty: nothing)."""
-    from mindspeed_llm.inference import cuda_graph  # imports this module: a local import
-
     blockers = []
     if prefill == "stepwise":
         blockers.append("prefill='stepwise' is the static engine's scheme")
@@ -409,75 +410,6 @@ def _response_uniforms(sampling: SamplingConfig, iterations: Sequence[int], samp
     return torch.from_numpy(table).to(device)
 
 
-# ---------------------------------------------------------------------------------------------- plan
-@dataclass(frozen=True)
-class _Plan:
-    """The KV-cache slot layout of one batch: row b's prompt occupies slots [offsets[b], offsets[b] + L_b),
-    its j-th response token slot starts[b] + j (see the module docstring for the two prefill modes)."""
-
-    batched: bool
-    offsets: List[int]  # [B] first prompt slot of each row: its left padding (0 when stepwise)
-    starts: torch.Tensor  # [B] slot of each row's first response token
-    first_step: int  # slots [0, first_step) are prefilled in one forward
-    slots: int  # T, the KV cache's sequence length
-    max_prompt: int  # L_max
-    max_response: int  # R_max
-    prompt_lengths: torch.Tensor  # [B]
-    budgets: torch.Tensor  # [B] the most tokens each row may generate
-    position_ids: torch.Tensor  # [B, T] the true position of each slot (rope ignores them)
-    key_is_pad: torch.Tensor  # [B, 1, 1, T] True at the left padding (megatron: True = masked)
-    share_index: Optional[torch.Tensor]  # [B] row -> its prefill row; None: every row prefills itself
-    unique_rows: Optional[torch.Tensor]  # the rows that run the shared prefill
-
-
-def _plan(prompts: List[List[int]], budgets: List[int], *, batched: bool, share_prefill: bool, device,
-          decode_slots: int = 0) -> _Plan:
-    """Lays the batch out in the KV cache: prompts left-padded to the longest one (batched prefill) or
-    right-padded (stepwise), and finds the rows that can share a prefill row. `decode_slots`: at least that many
-    slots after the prefill (expert-parallel peers decode in lock-step)."""
-    lengths = [len(p) for p in prompts]
-    L_min, L_max, R_max = min(lengths), max(lengths), max(budgets)
-    if batched:
-        T = L_max + R_max
-        offsets = [L_max - L for L in lengths]
-        starts, first_step = [L_max] * len(prompts), L_max
-    else:
-        T = max(L + R for L, R in zip(lengths, budgets))
-        offsets = [0] * len(prompts)
-        starts, first_step = lengths, L_min
-    T = max(T, first_step + decode_slots)
-    share_index = unique_rows = None
-    if share_prefill:
-        # Batched: the whole prompt (its left padding follows from its length). Stepwise: the first L_min tokens.
-        share_index, unique_rows = _prefill_sharing([tuple(p if batched else p[:L_min]) for p in prompts], device)
-    offsets_t = torch.tensor(offsets, dtype=torch.long, device=device).unsqueeze(1)
-    slots = torch.arange(T, device=device).unsqueeze(0)
-    return _Plan(
-        batched=batched, offsets=offsets, first_step=first_step, slots=T, max_prompt=L_max, max_response=R_max,
-        starts=torch.tensor(starts, dtype=torch.long, device=device),
-        prompt_lengths=torch.tensor(lengths, dtype=torch.long, device=device),
-        budgets=torch.tensor(budgets, dtype=torch.long, device=device),
-        position_ids=(slots - offsets_t).clamp(min=0),
-        key_is_pad=(slots < offsets_t).view(len(prompts), 1, 1, T),
-        share_index=share_index, unique_rows=unique_rows,
-    )
-
-
-def _prefill_sharing(windows: List[tuple], device) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Rows whose prefill window is identical (GRPO repeats each prompt n times) share one prefill row:
-    returns (row -> its prefill row, the rows that prefill), or (None, None) where no window repeats."""
-    prefill_row_of, share, unique_rows = {}, [], []
-    for row, window in enumerate(windows):
-        if window not in prefill_row_of:
-            prefill_row_of[window] = len(unique_rows)
-            unique_rows.append(row)
-        share.append(prefill_row_of[window])
-    if len(unique_rows) == len(windows):
-        return None, None
-    return (torch.tensor(share, dtype=torch.long, device=device),
-            torch.tensor(unique_rows, dtype=torch.long, device=device))
-
-
 def _place_prompts(prompts: List[List[int]], offsets: List[int], width: int, pad: int, device) -> torch.Tensor:
     """[B, width] pad tokens with row b's prompt at columns [offsets[b], offsets[b] + L_b)."""
     out = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
@@ -502,7 +434,7 @@ class _DecodeState:
     stop_ids: torch.Tensor
 
     @classmethod
-    def start(cls, plan: _Plan, prompts: List[List[int]], sampling: SamplingConfig) -> "_DecodeState":
+    def start(cls, plan: KVCachePlan, prompts: List[List[int]], sampling: SamplingConfig) -> "_DecodeState":
         """Nothing generated yet; rows with a zero budget are finished from the start."""
         dev = plan.starts.device
         B, T = len(prompts), plan.slots
@@ -580,116 +512,6 @@ class _TokenPicker:
         return packed[0].long(), (packed[1].float() if with_log_probs else None)
 
 
-# ---------------------------------------------------------------------------------------------- forward passes
-class _KVCacheModel:
-    """`model` behind Megatron's `GPTInferenceWrapper`, with a static KV cache sized for the plan's batch."""
-
-    def __init__(self, model, plan: _Plan, record_routing: bool = False):
-        config = get_model_config(model)
-        wrapper_config = InferenceWrapperConfig(
-            hidden_size=config.hidden_size,
-            params_dtype=config.params_dtype,
-            inference_batch_times_seqlen_threshold=-1,  # whole batch per pipeline step, no micro-batching
-            padded_vocab_size=int(getattr(unwrap_model(model), "vocab_size", 0) or 0),
-            inference_max_requests=len(plan.offsets),
-            inference_max_seq_length=plan.slots,
-            fp32_residual_connection=config.fp32_residual_connection,
-        )
-        self.model, self.plan = model, plan
-        self.context = StaticInferenceContext(max_batch_size=len(plan.offsets), max_sequence_length=plan.slots)
-        self.wrapper = GPTInferenceWrapper(model, wrapper_config, self.context)
-        self.last_stage = is_pipeline_last_stage(self.wrapper.pp_group)
-        self.was_training = model.training
-        self.stepwise_mask = None  # [1, 1, T, T] megatron's causal mask, for the stepwise prefill
-        # [B, layers, T, topk] each slot's experts per MoE layer of this rank (-1: not run), when recording
-        self.capture = self.routing = None
-        if record_routing and routing.moe_routers(model):
-            self.capture = routing.RoutingCapture(model)
-            self.routing = torch.full((len(plan.offsets), len(self.capture.routers), plan.slots,
-                                       routing.router_topk(model)), -1, dtype=routing.ROUTING_DTYPE,
-                                      device=plan.starts.device)
-
-    def prepare(self, tokens: torch.Tensor) -> None:
-        """eval(), an empty context, pipeline detection; the causal mask of the stepwise prefill."""
-        self.wrapper.prep_model_for_inference()
-        if not self.plan.batched:
-            self.stepwise_mask = self.wrapper.prep_inference_input(tokens)["attention_mask"]
-
-    def release(self) -> None:
-        """Frees the KV cache (its size kept in `cache_bytes`), resets the context and the pipeline input, restores
-        the model's train/eval mode."""
-        self.cache_bytes = sum(buf.nbytes for buffers in self.context.key_value_memory_dict.values()
-                               for buf in buffers if isinstance(buf, torch.Tensor))
-        self.context.key_value_memory_dict.clear()
-        self.context.reset()
-        get_attr_wrapped_model(self.model, "set_input_tensor")(None)
-        self.model.train(self.was_training)
-        if self.capture is not None:
-            self.capture.close()
-
-    def forward(self, tokens: torch.Tensor, start: int, end: int,
-                rows: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """Runs slots [start, end) (KV cache offset = start) for every row, or only for `rows` (which then fill
-        cache rows 0 .. len(rows)-1); logits [B or len(rows), V] of slot end-1 on the last stage, else None."""
-        window_tokens, window_positions = tokens[:, start:end], self.plan.position_ids[:, start:end]
-        if rows is not None:
-            window_tokens, window_positions = window_tokens[rows], window_positions[rows]
-        window = {"tokens": window_tokens, "position_ids": window_positions,
-                  "attention_mask": self._mask(start, end, rows)}
-        if self.wrapper.model_is_pipeline_parallel:
-            out = self.wrapper.forward_pass_with_pipeline_parallel_small_input_batch(window)
-        else:
-            out = self.wrapper.forward_pass_without_pipeline_parallel(window)
-        if self.capture is not None:
-            self._record(start, end, rows)
-        return out[:, -1, :] if out is not None else None
-
-    def _record(self, start: int, end: int, rows: Optional[torch.Tensor]) -> None:
-        """Stores the routing of the forward over slots [start, end) (router order: slot-major, then row)."""
-        count = self.routing.size(0) if rows is None else rows.numel()
-        for layer, ids in enumerate(self.capture.last()):
-            per_slot = ids.view(end - start, count, -1).transpose(0, 1).to(self.routing.dtype)
-            if rows is None:
-                self.routing[:, layer, start:end] = per_slot
-            else:
-                self.routing[rows, layer, start:end] = per_slot
-        self.capture.clear()
-
-    def _mask(self, start: int, end: int, rows: Optional[torch.Tensor]) -> torch.Tensor:
-        """Megatron's attention mask (True = masked) of queries [start, end) over keys [0, end)."""
-        if not self.plan.batched:
-            return self.stepwise_mask[..., start:end, :end]  # [1, 1, ., .]: the same for every row
-        mask = (self.plan.key_is_pad if rows is None else self.plan.key_is_pad[rows])[..., :end]
-        if end - start > 1:  # prefill: causal within the window as well
-            causal = torch.ones((end - start, end), dtype=torch.bool, device=mask.device).triu(1 + start)
-            mask = mask | causal.view(1, 1, end - start, end)
-        return mask
-
-    def prefill(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
-        """Slots [0, first_step) of every row; with repeated prompts, one forward over the unique ones, whose
-        KV-cache rows and logits are then copied to the rows that repeat them (a copy of what their own
-        forward would compute: the rows of a batch never mix)."""
-        plan = self.plan
-        if plan.share_index is None:
-            return self.forward(tokens, 0, plan.first_step)
-        logits = self.forward(tokens, 0, plan.first_step, plan.unique_rows)
-        batch = plan.share_index.numel()
-        if self.routing is not None:
-            prefill_row = plan.unique_rows[plan.share_index]
-            self.routing[:, :, :plan.first_step] = self.routing[prefill_row, :, :plan.first_step]
-        for buffers in self.context.key_value_memory_dict.values():  # this stage's layers: [T, B, groups, dim]
-            for buf in buffers:
-                if buf is not None:
-                    buf[:plan.first_step, :batch] = buf[:plan.first_step, plan.share_index]
-        return logits[plan.share_index] if logits is not None else None
-
-    def decode_step(self, tokens: torch.Tensor, pos: int) -> Optional[torch.Tensor]:
-        """Runs slot `pos` of every row; logits of that slot on the last stage."""
-        if pos >= self.plan.max_prompt:
-            self.context.enable_decode_mode()  # the token fed is a generated one in every row
-        return self.forward(tokens, pos, pos + 1)
-
-
 # ---------------------------------------------------------------------------------------------- loop and result
 def _expert_peers(model):
     """The expert-parallel group of a mixture of experts at EP > 1, else None. Its ranks hold other rollouts (they are
@@ -704,7 +526,7 @@ def _expert_peers(model):
     return parallel_state.get_expert_model_parallel_group()
 
 
-def _check_allgather_shapes(model, plan: _Plan, batch_size: int, peers) -> None:
+def _check_allgather_shapes(model, plan: KVCachePlan, batch_size: int, peers) -> None:
     """Megatron's all-gather token dispatcher gathers equal-sized token blocks from the expert-parallel ranks: the
     prefill and decode forwards must hold as many tokens on each. Refuses (on every rank) when they would not."""
     if getattr(get_model_config(model), "moe_token_dispatcher_type", None) != "allgather":
@@ -735,7 +557,7 @@ def _all_finished(state: _DecodeState, peers) -> bool:
     return _group_max(int(not state.all_finished()), peers) == 0
 
 
-def _decode(engine: _KVCacheModel, plan: _Plan, state: _DecodeState, picker: _TokenPicker, peers=None,
+def _decode(engine: KVCacheModel, plan: KVCachePlan, state: _DecodeState, picker: _TokenPicker, peers=None,
             stats: Optional[dict] = None) -> None:
     """Prefills, then picks one slot's tokens per step and runs that slot, until every row has stopped (on every
     expert-parallel peer too, `_expert_peers`). `stats` counts the decode forwards, their rows and the rows among
@@ -757,7 +579,7 @@ def _decode(engine: _KVCacheModel, plan: _Plan, state: _DecodeState, picker: _To
         logits = engine.decode_step(state.tokens, pos)
 
 
-def _finish(prompts: List[List[int]], plan: _Plan, state: _DecodeState, sampling: SamplingConfig) -> Rollout:
+def _finish(prompts: List[List[int]], plan: KVCachePlan, state: _DecodeState, sampling: SamplingConfig) -> Rollout:
     """Gathers each row's response slots into the `Rollout` layout (pad and mask 0 after its last token)."""
     dev = plan.starts.device
     pad = sampling.pad_id
@@ -782,7 +604,7 @@ def _finish(prompts: List[List[int]], plan: _Plan, state: _DecodeState, sampling
     )
 
 
-def _routing_by_position(slot_routing: torch.Tensor, plan: _Plan, state: _DecodeState) -> torch.Tensor:
+def _routing_by_position(slot_routing: torch.Tensor, plan: KVCachePlan, state: _DecodeState) -> torch.Tensor:
     """The KV-cache slots' routing `[B, layers, slots, topk]` in the Rollout's right-padded layout
     `[B, layers, max(L_b + r_b), topk]`: the prompt's and response's tokens at their positions, -1 on padding and
     where the token never ran (a response's last token when the batch stopped right after it)."""

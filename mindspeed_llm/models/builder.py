@@ -1,4 +1,4 @@
-"""Build Megatron-core `GPTModel`s (policy) and value-head models (critic, reward) from a `ModelSpec`.
+"""Build Megatron-core `GPTModel`s (policy) and value-head models (critic, reward) from a `ArchitectureSpec`.
 
 Only the local (non-Transformer-Engine) layer spec is used so that every device, the CPU included, runs
 the same modules; its core attention is `mindspeed_llm.models.attention.SDPAttention` (the device's fused
@@ -22,7 +22,7 @@ from megatron.core.transformer.enums import AttnBackend
 
 from mindspeed_llm.models.attention import ATTENTIONS, use_core_attention
 from mindspeed_llm.models.forward_layout import install_layout_hooks
-from mindspeed_llm.models.spec import ModelSpec
+from mindspeed_llm.models.architecture import ArchitectureSpec
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
@@ -48,7 +48,7 @@ def grouped_gemm_kernel() -> Optional[str]:
     return None
 
 
-def moe_config(spec: ModelSpec) -> dict:
+def moe_config(spec: ArchitectureSpec) -> dict:
     """TransformerConfig fields of `spec`'s mixture of experts (empty for a dense model).
 
     Run options (token dispatcher, load-balancing type, aux-loss coefficient, routing replay) are
@@ -80,7 +80,7 @@ def moe_config(spec: ModelSpec) -> dict:
     )
 
 
-def mla_config(spec: ModelSpec) -> dict:
+def mla_config(spec: ArchitectureSpec) -> dict:
     """MLATransformerConfig fields of `spec`'s multi-latent attention (empty without MLA).
 
     Megatron's q/kv RMSNorms on the compressed projections come with `qk_layernorm`; `kv_channels` is the
@@ -102,7 +102,7 @@ def mla_config(spec: ModelSpec) -> dict:
     return fields
 
 
-def transformer_config(spec: ModelSpec, params_dtype=torch.float32, **overrides) -> TransformerConfig:
+def transformer_config(spec: ArchitectureSpec, params_dtype=torch.float32, **overrides) -> TransformerConfig:
     """The TransformerConfig of `spec` under the current parallel state."""
     params_dtype = parse_dtype(params_dtype)
     kwargs = dict(
@@ -153,7 +153,7 @@ def transformer_config(spec: ModelSpec, params_dtype=torch.float32, **overrides)
     return (MLATransformerConfig if spec.is_mla else TransformerConfig)(**kwargs)
 
 
-def _layer_spec(spec: ModelSpec, config: TransformerConfig, attention: str = "sdpa"):
+def _layer_spec(spec: ArchitectureSpec, config: TransformerConfig, attention: str = "sdpa"):
     """Megatron-core's local (non-TE) spec: one layer spec for a dense model, a per-layer block spec
     (dense and MoE layers as `moe_layer_freq` says) for a mixture of experts; `attention`'s core attention."""
     if not spec.is_moe:
@@ -180,7 +180,7 @@ class ValueHead(torch.nn.Module):
 
 
 def build_model(
-    spec: ModelSpec,
+    spec: ArchitectureSpec,
     params_dtype=torch.float32,
     value_head: bool = False,
     pre_process: Optional[bool] = None,

@@ -27,7 +27,7 @@ the process shares (actor, reference, critic):
 
 Token order: a router sees the hidden states `[S, rows, H]` of its forward flattened sequence-first, token
 `s * rows + r`. The stored routing is per sample and position, `[B, layers, T, topk]` in the Experience's
-right-padded layout (`inference/rollout.py`), -1 where unknown; `replay_targets` maps it to one micro-batch's
+right-padded layout (`inference/results.py`), -1 where unknown; `replay_targets` maps it to one micro-batch's
 router order, in either layout of `rl/batch_plan.py` (one row per sample, or packed prompt groups).
 Expert ids are global (the router is replicated over TP and EP), so EP and TP change nothing; with PP every
 stage records and replays its own layers. Under sequence parallelism a training forward's router sees its TP rank's
@@ -227,7 +227,6 @@ def count_mismatch(observed: List[torch.Tensor], targets: List[torch.Tensor], sc
 
 # ---------------------------------------------------------------------------------------------- per-forward hook
 _COMPARE = "_routing_compare"  # on the core model: a [mismatched, compared] accumulator while comparing
-_GENERATED = "routing_generated"  # on the core model: it generated rollouts with recorded routing
 
 
 def _core(model):
@@ -242,29 +241,6 @@ def _core(model):
 def is_moe(model) -> bool:
     """A mixture of experts (on any stage: the config is the whole model's)."""
     return getattr(_core(model).config, "num_moe_experts", None) is not None
-
-
-def mark_generated(model) -> None:
-    """`model` generated the current rollouts (`rl/rollout.py`): its old-log-prob pass compares routing."""
-    if is_moe(model):
-        setattr(_core(model), _GENERATED, True)
-
-
-def generated(model) -> bool:
-    return bool(getattr(_core(model), _GENERATED, False))
-
-
-@contextlib.contextmanager
-def as_another_model(model):
-    """Forwards of `model` in this block are not the generating policy's (a LoRA reference is the actor with its
-    adapters off): no routing comparison is opened for them."""
-    core = _core(model)
-    was = getattr(core, _GENERATED, False)
-    setattr(core, _GENERATED, False)
-    try:
-        yield
-    finally:
-        setattr(core, _GENERATED, was)
 
 
 def mismatch_fraction(counts: torch.Tensor, model=None) -> Optional[float]:
@@ -362,5 +338,5 @@ def compare_routing(model, enabled: bool = True):
 __all__ = [
     "ROUTING_DTYPE", "moe_routers", "router_topk", "RoutingCapture", "capture_routing", "replay_routing",
     "token_sources", "replay_targets", "response_scope", "count_mismatch", "replays", "micro_batch_routing",
-    "compare_routing", "is_moe", "mark_generated", "generated", "mismatch_fraction",
+    "compare_routing", "is_moe", "mismatch_fraction",
 ]

@@ -41,12 +41,13 @@ def rows_to_host(exp: Experience, rows: torch.Tensor) -> Dict[str, object]:
     out = {name: t.index_select(0, rows).cpu() for name, t in exp.tensors().items() if name != "position_ids"}
     picked = rows.tolist()
     out["extras"] = {key: [exp.extras[key][i] for i in picked] for key in _ROW_EXTRAS if key in exp.extras}
+    out["routing_recorded"] = exp.routing_recorded
     return out
 
 
 def concat_rows(parts: List[Dict[str, object]], device) -> Experience:
     """One Experience of the rows of `parts`, right-padded to the longest sequence and response."""
-    names = [f.name for f in fields(Experience) if f.name not in ("position_ids", "extras")]
+    names = [f.name for f in fields(Experience) if f.name not in ("position_ids", "extras", "routing_recorded")]
     tensors = {}
     for name in names:
         values = [p[name] for p in parts if name in p]
@@ -72,6 +73,7 @@ def concat_rows(parts: List[Dict[str, object]], device) -> Experience:
     positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens).contiguous()
     exp = Experience(position_ids=positions, **tensors)
     exp.extras = {key: [x for p in parts for x in p["extras"][key]] for key in parts[0]["extras"]}
+    exp.routing_recorded = all(p.get("routing_recorded", False) for p in parts)
     return exp
 
 

@@ -44,6 +44,10 @@ class Experience:
     # [B, MoE layers of this rank, T, topk] int16: the rollout's experts of each token (-1 unknown / padding), for
     # --moe-routing-replay and the moe/routing_mismatch metric (`mindspeed_llm.models.routing`); None: dense model
     routing: Optional[torch.Tensor] = None
+    # The generating policy is a mixture of experts that recorded its routing into `routing` (on the ranks holding MoE
+    # layers; a pipeline stage without them has None): the old-log-prob pass of that policy compares its own routing
+    # with the rollout's (`rl/passes.policy_logprobs(compare_routing=...)`). The same on every rank.
+    routing_recorded: bool = False
 
     def __post_init__(self):
         if self.loss_mask is None:

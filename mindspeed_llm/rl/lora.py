@@ -34,7 +34,7 @@ import torch
 
 from mindspeed_llm.checkpoint.errors import CheckpointError
 from mindspeed_llm.errors import ArgumentError
-from mindspeed_llm.models import lora, routing
+from mindspeed_llm.models import lora
 from mindspeed_llm.rl.engine import TrainableModel
 
 DEFAULT_R, DEFAULT_ALPHA = 16, 32.0  # MindSpeed-LLM's defaults
@@ -245,7 +245,7 @@ class SharedBase:
     def active(self):
         module = self.module
         adapters = lora.frozen_copies(module) if self.frozen_adapters else lora.adapters_disabled(module)
-        with adapters, routing.as_another_model(module):
+        with adapters:
             if self.head is None:
                 yield module
                 return

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mindspeed_llm.errors import ArgumentError
-from mindspeed_llm.models import ModelSpec
+from mindspeed_llm.models import ArchitectureSpec
 from mindspeed_llm.models.builder import grouped_gemm_kernel
 
 # Megatron's tracker name of each load-balancing type's loss.
@@ -47,7 +47,7 @@ LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balan
               "global_aux_loss": "global_load_balancing_loss"}
 
 
-def model_options(spec: ModelSpec, args, flag: str, root: str, policy: bool) -> Dict[str, object]:
+def model_options(spec: ArchitectureSpec, args, flag: str, root: str, policy: bool) -> Dict[str, object]:
     """`build_model` overrides for the run's MoE flags (empty for a dense model). `policy`: a causal LM (actor or
     reference), the models --moe-routing-replay applies to."""
     if policy and not spec.is_moe:
@@ -139,7 +139,7 @@ class UpdateStats:
         from megatron.core.utils import unwrap_model
 
         core = unwrap_model(model)
-        self.spec: Optional[ModelSpec] = getattr(core, "model_spec", None)
+        self.spec: Optional[ArchitectureSpec] = getattr(core, "model_spec", None)
         self.enabled = bool(self.spec is not None and self.spec.is_moe)
         self.routers = _routers(core) if self.enabled else []
         self.num_layers = core.config.num_layers if self.enabled else 0

@@ -132,12 +132,14 @@ class PartialRollouts:
 
     def __init__(self, generate_round: GenerateRound, tokenizer, sampling, *, group_size: int, local_groups: int,
                  max_split: int, max_rounds: int, dp_rank: int = 0, dp_size: int = 1,
-                 gather: Callable[[object], list] = distributed.gather_over_data_parallel):
+                 gather: Callable[[object], list] = distributed.gather_over_data_parallel,
+                 routing_recorded: bool = False):
         self.generate_round, self.tokenizer, self.sampling = generate_round, tokenizer, sampling
         self.group_size, self.local_groups = int(group_size), int(local_groups)
         self.max_split, self.max_rounds = int(max_split), int(max_rounds)
         self.step_tokens = math.ceil(sampling.max_new_tokens / self.max_split)  # k, a round's tokens per sample
         self.dp_rank, self.dp_size, self.gather = int(dp_rank), int(dp_size), gather
+        self.routing_recorded = bool(routing_recorded)  # the rounds record MoE routing: `Experience.routing_recorded`
         self.carried: List[_Group] = []  # this rank's unfinished groups, in key order
         self.ready: List[_Group] = []  # every rank's finished groups, the same on every rank, in key order
 
@@ -159,13 +161,13 @@ class PartialRollouts:
             result = generate(actor_module, prompts, sampling, iteration=iteration, sample_ids=sample_ids,
                               vocab_size=len(tokenizer), record_routing=True, continuations=continuations,
                               response_budgets=budgets)
-            routing.mark_generated(actor_module)
             return result
 
         dp_rank, dp_size = distributed.data_parallel_info()
         return cls(generate_round, tokenizer, sampling, group_size=args.n_samples_per_prompt,
                    local_groups=args.global_batch_size // dp_size, max_split=args.partial_rollout_max_split,
-                   max_rounds=args.max_num_gen_batches, dp_rank=dp_rank, dp_size=dp_size)
+                   max_rounds=args.max_num_gen_batches, dp_rank=dp_rank, dp_size=dp_size,
+                   routing_recorded=routing.is_moe(actor_module))
 
     # ------------------------------------------------------------------ one iteration
     def collect(self, iteration: int, rows: Sequence[dict],
@@ -260,6 +262,7 @@ class PartialRollouts:
             seed=self.sampling.seed if self.sampling.do_sample else None, routing=routing,
         )
         exp = Experience.from_rollout(result)
+        exp.routing_recorded = self.routing_recorded
         exp.extras["labels"] = [g.row.get("labels") for g, _ in pairs]
         exp.extras["indices"] = [g.row.get("index") for g, _ in pairs]
         exp.extras["finish_reasons"] = reasons

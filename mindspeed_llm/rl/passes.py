@@ -67,12 +67,15 @@ def last_token_values(output: torch.Tensor, micro_batch: Dict[str, torch.Tensor]
     return _in_place(picked.reshape(-1).float(), held, micro_batch["last_token_index"].shape)
 
 
-def policy_logprobs(model, exp: Experience, plan: MicroBatchPlan, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probs `[B, R]` of the response tokens. With a mixture of experts, the forward of the model that generated
-    `exp` (the old-log-prob pass) also compares its routing with the rollout's: `exp.extras["routing_mismatch"]`
-    (`models/routing.py`; 0 with --moe-routing-replay, which routes by the rollout's choice)."""
+def policy_logprobs(model, exp: Experience, plan: MicroBatchPlan, temperature: float = 1.0,
+                    compare_routing: bool = False) -> torch.Tensor:
+    """Log-probs `[B, R]` of the response tokens. `compare_routing`: this is the forward of the policy that generated
+    `exp` (the stages' old-log-prob pass passes `exp.routing_recorded`; a reference never asks); for a mixture of
+    experts it also compares its routing with the rollout's: `exp.extras["routing_mismatch"]` (`models/routing.py`;
+    0 with --moe-routing-replay, which routes by the rollout's choice)."""
     width = exp.responses.shape[1]
-    compare = routing.generated(model)  # the same on every rank: a stage without MoE layers adds zeros
+    # the same on every rank (the model's config): a pipeline stage without MoE layers adds zeros
+    compare = compare_routing and routing.is_moe(model)
     with routing.compare_routing(model, enabled=compare) as counts:
         logp = forward_only(
             model, plan.micro_batches(exp),

@@ -18,10 +18,10 @@ from __future__ import annotations
 from typing import Dict
 
 from mindspeed_llm.errors import ArgumentError
-from mindspeed_llm.models import ModelSpec
+from mindspeed_llm.models import ArchitectureSpec
 
 
-def _applies(spec: ModelSpec) -> Dict[str, bool]:
+def _applies(spec: ArchitectureSpec) -> Dict[str, bool]:
     """Which selective modules have something to recompute in a model of `spec`."""
     moe = spec.moe_layers()
     return {
@@ -33,7 +33,7 @@ def _applies(spec: ModelSpec) -> Dict[str, bool]:
     }
 
 
-def model_options(spec: ModelSpec, args, trained: bool, policy: bool) -> Dict[str, object]:
+def model_options(spec: ArchitectureSpec, args, trained: bool, policy: bool) -> Dict[str, object]:
     """`build_model` overrides for activation recompute: empty for a frozen role (`trained=False`) or without
     --recompute-granularity. `policy`: the actor, whose layers every selective module must apply to (a critic of
     another architecture gets the modules that apply to it)."""

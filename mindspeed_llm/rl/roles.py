@@ -16,14 +16,14 @@ import torch
 from mindspeed_llm import device
 from mindspeed_llm.checkpoint import load_megatron_weights, load_spec
 from mindspeed_llm.errors import ArgumentError
-from mindspeed_llm.models import ModelSpec, build_model
+from mindspeed_llm.models import ArchitectureSpec, build_model
 from mindspeed_llm.rl import moe, recompute
 from mindspeed_llm.rl.engine import OptimizerSettings, TrainableModel
 from mindspeed_llm.rl.settings import OffloadSettings
 
 
-def _checked_spec(root: str, flag: str, args) -> ModelSpec:
-    """The checkpoint's ModelSpec, after checking every model flag the command line gave against it (Megatron-LM
+def _checked_spec(root: str, flag: str, args) -> ArchitectureSpec:
+    """The checkpoint's ArchitectureSpec, after checking every model flag the command line gave against it (Megatron-LM
     scripts describe the model with flags; here the checkpoint does, and a flag that disagrees is an error)."""
     spec = load_spec(root)
 
@@ -57,7 +57,7 @@ def _checked_spec(root: str, flag: str, args) -> ModelSpec:
     return spec
 
 
-def _check_moe_flags(spec: ModelSpec, args, mismatch) -> None:
+def _check_moe_flags(spec: ArchitectureSpec, args, mismatch) -> None:
     """The mixture-of-experts shape flags of MindSpeed-LLM scripts (--num-experts, --moe-router-topk,
     --moe-ffn-hidden-size / --moe-intermediate-size, --moe-shared-expert-intermediate-size) against the checkpoint
     (a dense checkpoint has no experts)."""
@@ -76,7 +76,7 @@ def _check_moe_flags(spec: ModelSpec, args, mismatch) -> None:
             raise mismatch(f"{option} {wanted}", f"{name}={getattr(spec, name)}")
 
 
-def _check_attention_flags(spec: ModelSpec, args, mismatch) -> None:
+def _check_attention_flags(spec: ArchitectureSpec, args, mismatch) -> None:
     """Grouped-query attention and q/k/v biases as Megatron-LM reads the flags: --num-query-groups counts with
     --group-query-attention (default 1), without it every head has its own keys and values; --disable-bias-linear
     turns the q/k/v bias off unless --add-qkv-bias turns it back on."""

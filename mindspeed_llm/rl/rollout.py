@@ -57,8 +57,8 @@ def rollout(actor_module, rows: Sequence[dict], sampling: SamplingConfig, iterat
     # A mixture of experts records each token's experts (--moe-routing-replay, moe/routing_mismatch)
     result = generate(actor_module, prompts, sampling, iteration=iteration, sample_ids=sample_ids,
                       vocab_size=len(tokenizer), record_routing=True)
-    routing.mark_generated(actor_module)
     exp = Experience.from_rollout(result)
+    exp.routing_recorded = routing.is_moe(actor_module)  # the old-log-prob pass compares routing with it
     exp.extras["labels"] = [row.get("labels") for row in samples]
     exp.extras["indices"] = [row.get("index") for row in samples]
     exp.extras["finish_reasons"] = list(result.finish_reasons)  # "eos" | "stop" | "length"

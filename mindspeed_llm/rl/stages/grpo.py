@@ -105,7 +105,8 @@ class GRPOStage:
                 # computed before the update), and with --recompute-old-logprobs / --rollout-is
                 if (args.recompute_old_logprobs or self.estimator.kl_in_reward
                         or not old_logp_is_current(settings.update, exp)):
-                    exp.old_logp = policy_logprobs(self.actor.chunks, exp, plan, settings.loss.temperature)
+                    exp.old_logp = policy_logprobs(self.actor.chunks, exp, plan, settings.loss.temperature,
+                                                   compare_routing=exp.routing_recorded)
             if self.reference is not None:
                 with timers("reference_model"), roles.on_device(self.reference, settings.offload.offload_ref_reward,
                                                                 timers) as reference:

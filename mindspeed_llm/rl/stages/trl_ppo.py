@@ -103,7 +103,8 @@ class TrlPPOStage:
                 if exp.rollout_logp is not None and on_policy:
                     exp.old_logp = exp.rollout_logp  # as TRL's PPO: the generation logits' log-probs, no pass
                 else:
-                    exp.old_logp = policy_logprobs(self.actor.chunks, exp, plan, settings.loss.temperature)
+                    exp.old_logp = policy_logprobs(self.actor.chunks, exp, plan, settings.loss.temperature,
+                                                   compare_routing=exp.routing_recorded)
             with timers("reference_model"), roles.on_device(self.reference, settings.offload.offload_ref_reward,
                                                             timers) as reference:
                 exp.ref_logp = policy_logprobs([reference], exp, plan, settings.loss.temperature)

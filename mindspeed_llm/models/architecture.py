@@ -1,4 +1,4 @@
-"""`ModelSpec`: the architecture of a decoder-only model, independent of any framework.
+"""`ArchitectureSpec`: the architecture of a decoder-only model, independent of any framework.
 
 It is read from a Hugging Face `config.json` (Llama, Qwen2/2.5, Qwen3, Mistral families and the
 mixture-of-experts families Qwen3-MoE, Qwen2-MoE, Mixtral, and DeepSeek-V3 with multi-latent attention) or from the
@@ -36,7 +36,7 @@ class UnsupportedModelError(ValueError):
 
 
 @dataclass
-class ModelSpec:
+class ArchitectureSpec:
     family: str
     num_layers: int
     hidden_size: int
@@ -104,7 +104,7 @@ class ModelSpec:
 
     # ------------------------------------------------------------------ Hugging Face config.json
     @classmethod
-    def from_hf_config(cls, config: Any) -> "ModelSpec":
+    def from_hf_config(cls, config: Any) -> "ArchitectureSpec":
         """`config` is a path to a model folder or config.json, a dict, or a transformers config."""
         if isinstance(config, (str, os.PathLike)):
             path = os.fspath(config)
@@ -176,7 +176,7 @@ class ModelSpec:
         )
 
     @classmethod
-    def _from_deepseek_v3(cls, config: Dict[str, Any]) -> "ModelSpec":
+    def _from_deepseek_v3(cls, config: Dict[str, Any]) -> "ArchitectureSpec":
         """DeepSeek-V3 (MLA, YaRN, sigmoid group-limited routing with expert bias, shared experts)."""
         def bad(key, why):
             return UnsupportedModelError(f"deepseek_v3 config.json: {key}={config.get(key)!r} {why}")
@@ -349,7 +349,7 @@ class ModelSpec:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Dict[str, Any]) -> "ModelSpec":
+    def from_dict(cls, data: Dict[str, Any]) -> "ArchitectureSpec":
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
@@ -447,7 +447,7 @@ def _moe_fields_from_hf(family: str, config: Dict[str, Any]) -> Dict[str, Any]:
     return fields_
 
 
-def _moe_fields_to_hf(spec: "ModelSpec") -> Dict[str, Any]:
+def _moe_fields_to_hf(spec: "ArchitectureSpec") -> Dict[str, Any]:
     if spec.family == "mixtral":
         if spec.moe_router_pre_softmax or spec.moe_layer_pattern is not None:
             raise UnsupportedModelError("mixtral renormalises its top-k and has no dense layers")
