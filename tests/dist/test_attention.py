@@ -34,14 +34,10 @@ from __future__ import annotations
 
 import math
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-from multiproc import run_distributed  # noqa: E402
+from tests.helpers.multiproc import run_distributed  # noqa: E402
 
 FP32_MODULE_TOL = 5e-6
 FP32_MODEL_TOL = 5e-5
@@ -225,7 +221,7 @@ def _experience():
 
 
 def _specs():
-    from hf_tiny import DEEPSEEK_VARIANTS, tiny_config
+    from tests.helpers.hf_tiny import DEEPSEEK_VARIANTS, tiny_config
 
     from mindspeed_llm.models import ModelSpec
 

@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # see pytest.ini
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _positive(x):

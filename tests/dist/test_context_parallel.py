@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-from multiproc import run_distributed  # noqa: E402
+from tests.helpers.multiproc import run_distributed  # noqa: E402
 
 TOL = 5e-6
 
@@ -179,8 +176,8 @@ def test_checkpoint_moves_between_cp_sizes(tmp_path):
     giving the uninterrupted CP1 run's second iteration: its metrics within the layout test's tolerances and its
     weights within 1e-5 of their norm (both stages; SGD with momentum, so the optimizer state moves too: Adam would
     turn the rounding of near-zero gradients into whole steps)."""
-    import word_task
-    from test_layout_invariance import ATOL, KEY_ATOL, RTOL, SKIPPED, WEIGHT_RTOL, _full_weights, _relative
+    from tests.helpers import word_task
+    from tests.helpers.stage_layouts import ATOL, KEY_ATOL, RTOL, SKIPPED, WEIGHT_RTOL, full_weights, relative
 
     task = word_task.build(tmp_path / "task", reward=True)
     run_distributed(_resume_worker, 2, task, str(tmp_path / "runs"))
@@ -206,6 +203,6 @@ def test_checkpoint_moves_between_cp_sizes(tmp_path):
                 atol = KEY_ATOL.get(key, ATOL)
                 assert abs(got[key] - expected) <= atol + RTOL * abs(expected), (stage, name, key, got[key], expected)
             for role in roles:
-                ref, weights = _full_weights(base / "A", role), _full_weights(base / name, role)
+                ref, weights = full_weights(base / "A", role), full_weights(base / name, role)
                 for tensor in ref:
-                    assert _relative(weights[tensor], ref[tensor]) <= WEIGHT_RTOL, (stage, name, role, tensor)
+                    assert relative(weights[tensor], ref[tensor]) <= WEIGHT_RTOL, (stage, name, role, tensor)

@@ -10,13 +10,10 @@ under a mask); the captured graph itself needs CUDA and is skipped without it. R
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from multiproc import run_distributed  # noqa: E402
+from tests.helpers.multiproc import run_distributed  # noqa: E402
 
 HF_CONFIG = dict(
     model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -29,9 +29,10 @@ import os
 import pytest
 import torch
 
-from hf_tiny import DEEPSEEK_VARIANTS, PAD_TOKEN_ID, build_tiny, save_tiny
-from multiproc import run_distributed
-from test_models_parity import _hf_reference
+from tests.helpers.hf_tiny import DEEPSEEK_VARIANTS, PAD_TOKEN_ID, build_tiny, deepseek_variant, save_tiny
+from tests.helpers.hf_parity import case_diff, hf_reference
+from tests.helpers.multiproc import run_distributed
+from tests.helpers.stage_layouts import run_stages
 
 TOL = 1e-5
 BATCH, SEQ = 2, 80
@@ -48,12 +49,6 @@ VALUE_CASES = ["deepseek_v3-value"]  # DeepseekV3ForSequenceClassification: the 
 VALUE_LAYOUTS = ("tp1", "ep2", "pp2")
 PROMPTS = [[5, 9, 17, 33, 4, 8, 90], [7, 3, 11], [12, 13, 14, 15, 16]]
 MAX_NEW = 10
-
-
-def _variant(name, **extra):
-    overrides = dict(DEEPSEEK_VARIANTS[name])
-    overrides.update(extra)
-    return overrides
 
 
 def _packed_positions(s):
@@ -86,7 +81,6 @@ def _worker(rank, world_size, jobs):
     from mindspeed_llm.inference.generation import generate
     from mindspeed_llm.inference.sampling import SamplingConfig
     from mindspeed_llm.models import build_model, forward_layout
-    from test_models_parity import _case_diff
 
     results = {"diffs": {}, "key_mismatch": {}, "ranks": {}, "packed": {}, "unpacked": {}, "greedy": {}}
     for layout, (tp, pp, ep, etp), cases in jobs:
@@ -104,7 +98,7 @@ def _worker(rank, world_size, jobs):
             keys = set(stored["model"]) ^ set(model.state_dict())
             if keys:
                 results["key_mismatch"][(layout, name)] = sorted(keys)
-            diff = _case_diff(model, case, tp, pp)
+            diff = case_diff(model, case, tp, pp)
             if diff is not None:
                 results["diffs"][(layout, name)] = diff
             if layout != "tp1" or case["value"]:
@@ -132,13 +126,13 @@ def parity(tmp_path_factory):
     per_layout = {name: [] for name in LAYOUTS}
     for index, name in enumerate(CASES + VALUE_CASES):
         value = name.endswith("-value")
-        kwargs = dict(seed=300 + index, seq_cls=value, **_variant(name[:-len("-value")] if value else name))
+        kwargs = dict(seed=300 + index, seq_cls=value, **deepseek_variant(name[:-len("-value")] if value else name))
         hf_dir = save_tiny("deepseek_v3", base / name / "hf", **kwargs)
         ids = torch.randint(3, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(index))
         if value:
             ids[1, -3:] = PAD_TOKEN_ID  # right padding: the pooled score is the last real token's
         model = build_tiny("deepseek_v3", **kwargs)
-        ref = _hf_reference(model, ids, True) if value else _hf_refs(model, ids)
+        ref = hf_reference(model, ids, True) if value else _hf_refs(model, ids)
         for layout, (convert, _) in LAYOUTS.items():
             if value and layout not in VALUE_LAYOUTS:
                 continue
@@ -212,7 +206,7 @@ def test_hf_mg_hf_round_trip_is_bit_identical(tmp_path, case, layout):
     from mindspeed_llm.checkpoint import convert_hf_to_mg, convert_mg_to_hf
     from mindspeed_llm.models import ModelSpec
 
-    hf_dir = save_tiny("deepseek_v3", tmp_path / "hf", seed=7, **_variant(case))
+    hf_dir = save_tiny("deepseek_v3", tmp_path / "hf", seed=7, **deepseek_variant(case))
     spec = convert_hf_to_mg(hf_dir, tmp_path / "mg", progress=False, **layout)
     convert_mg_to_hf(tmp_path / "mg", tmp_path / "back", progress=False)
     source, back = _load(hf_dir), _load(tmp_path / "back")
@@ -309,22 +303,22 @@ def test_mtp_layers_are_skipped_with_a_note(tmp_path, capfd):
     ("hidden_act", "gelu", "hidden_act"),
 ])
 def test_unsupported_config_values_are_named(key, value, words):
-    from hf_tiny import tiny_config
+    from tests.helpers.hf_tiny import tiny_config
 
     from mindspeed_llm.models import ModelSpec, UnsupportedModelError
 
-    config = tiny_config("deepseek_v3", **_variant("deepseek_v3")).to_dict()
+    config = tiny_config("deepseek_v3", **deepseek_variant("deepseek_v3")).to_dict()
     config[key] = value
     with pytest.raises(UnsupportedModelError, match=words):
         ModelSpec.from_hf_config(config)
 
 
 def test_parallel_sizes_that_do_not_divide_mla_are_named():
-    from hf_tiny import tiny_config
+    from tests.helpers.hf_tiny import tiny_config
 
     from mindspeed_llm.models import ModelSpec
 
-    spec = ModelSpec.from_hf_config(tiny_config("deepseek_v3", **_variant("deepseek_v3")).to_dict())
+    spec = ModelSpec.from_hf_config(tiny_config("deepseek_v3", **deepseek_variant("deepseek_v3")).to_dict())
     spec.check_parallel(2, 2, 2, 2)
     with pytest.raises(ValueError, match="q_lora_rank=24"):
         spec.check_parallel(16, 1, 1, 1)
@@ -339,12 +333,7 @@ def test_grpo_trains_a_deepseek_v3_actor_at_ep2(tmp_path):
     MoE metrics finite, both expert-parallel shards saved with their own experts moved, the dense part (MLA) moved,
     and the routing bias changed by megatron's aux-loss-free balancing update."""
     import json
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    import word_task
-    from test_dynamic_sampling import _stage_runs
+    from tests.helpers import word_task
 
     from mindspeed_llm.checkpoint import convert_hf_to_mg
 
@@ -361,7 +350,7 @@ def test_grpo_trains_a_deepseek_v3_actor_at_ep2(tmp_path):
             "--train-iters", "1", "--save", str(out), "--metrics-jsonl", str(out / "m.jsonl"),
             "--n-samples-per-prompt", "2", "--verifier-function", "odd_first_word", "--kl-coef", "0.05",
             "--moe-routing-replay"]
-    run_distributed(_stage_runs, 2, [argv])
+    run_distributed(run_stages, 2, [argv])
     rows = [json.loads(line) for line in (out / "m.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1]
     for key in ("actor/moe/seq_load_balancing_loss", "actor/moe/tokens_per_expert_max", "actor/pg_loss"):
@@ -384,7 +373,7 @@ def test_grpo_trains_a_deepseek_v3_actor_at_ep2(tmp_path):
 def _without_patch_worker(rank, world_size, target):
     """Build a tiny DeepSeek-V3 with the patch of `target` undone (the others applied); the error, or None."""
     os.environ["MINDSPEED_DEVICE"] = "cpu"
-    from hf_tiny import tiny_config
+    from tests.helpers.hf_tiny import tiny_config
 
     from mindspeed_llm import distributed, patches
     from mindspeed_llm.models import ModelSpec, build_model
@@ -395,7 +384,7 @@ def _without_patch_worker(rank, world_size, target):
             setattr(owner, attr, original)
     from mindspeed_llm.models.attention import PackedGroups
 
-    spec = ModelSpec.from_hf_config(tiny_config("deepseek_v3", **_variant("deepseek_v3")).to_dict())
+    spec = ModelSpec.from_hf_config(tiny_config("deepseek_v3", **deepseek_variant("deepseek_v3")).to_dict())
     try:
         for attention in ("sdpa", "local"):  # the default fused core attention, and megatron's local one
             model = build_model(spec, attention=attention)

@@ -31,7 +31,7 @@ import shutil
 import pytest
 import torch
 
-from multiproc import run_distributed
+from tests.helpers.multiproc import run_distributed
 
 pytestmark = pytest.mark.slow  # see pytest.ini
 
@@ -184,7 +184,7 @@ def _patch_cases(reward_checkpoint):
 def _dp1_body(rank, world_size, reshard_argv, distrib_files, cases, reward_checkpoint):
     """Each optimizer patch shown needed; a DP2 checkpoint loaded at DP1, each role's gathered state returned next to
     the file's; then the command lines of `cases` through posttrain_gpt.main."""
-    from multiproc import _posttrain_main_cases
+    from tests.helpers.multiproc import _posttrain_main_cases
 
     from megatron.core import parallel_state
 
@@ -207,7 +207,7 @@ def _dp1_body(rank, world_size, reshard_argv, distrib_files, cases, reward_check
 
 @pytest.fixture(scope="module")
 def dp1(model_state_runs, tmp_path_factory):
-    from model_state_runs import stage_argv
+    from tests.helpers.model_state_runs import stage_argv
 
     task, root = model_state_runs["task"], model_state_runs["root"]
     out = tmp_path_factory.mktemp("dp1")

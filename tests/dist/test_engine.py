@@ -5,7 +5,7 @@ when that is not finite), and a step that moves the weights by more than half th
 
 import pytest
 
-from multiproc import run_distributed
+from tests.helpers.multiproc import run_distributed
 
 
 def _guards(rank, world_size):

@@ -14,7 +14,7 @@ import pytest
 
 from mindspeed_llm.arguments import parse_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted((ROOT / "examples").rglob("*.sh"))
 # launcher -> (its stage, the nodes it is checked on: a multiple of its TP x PP devices at 8 per node)
 LAUNCHERS = {

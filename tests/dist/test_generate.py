@@ -21,13 +21,10 @@ import contextlib
 import gc
 import os
 import pickle
-import sys
 
 import pytest
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from multiproc import run_distributed  # noqa: E402
+from tests.helpers.multiproc import run_distributed  # noqa: E402
 
 from mindspeed_llm.inference import Rollout, SamplingConfig, filter_logits, sample_uniforms  # noqa: E402
 from mindspeed_llm.inference.sampling import choose_tokens, top_k_top_p_candidates  # noqa: E402

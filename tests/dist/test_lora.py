@@ -32,15 +32,11 @@ checkpoint into a PP2 model (a reshard of the adapters; peft's logits again).
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-from hf_tiny import build_tiny, save_tiny  # noqa: E402
-from multiproc import run_distributed  # noqa: E402
+from tests.helpers.hf_tiny import build_tiny, save_tiny  # noqa: E402
+from tests.helpers.multiproc import run_distributed  # noqa: E402
 
 peft = pytest.importorskip("peft")
 
@@ -274,9 +270,9 @@ def _phase1(rank, world_size, jobs):
 
 
 def _forward_backward_free(model, ids, tp, pp):
-    from test_models_parity import _forward
+    from tests.helpers.hf_parity import megatron_forward
 
-    return _forward(model, ids, tp, pp)
+    return megatron_forward(model, ids, tp, pp)
 
 
 def _phase2(rank, world_size, jobs):

@@ -22,14 +22,11 @@ so that each group has spread, and TRL is given our per-sample advantages (their
 """
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-from multiproc import run_distributed  # noqa: E402
+from tests.helpers.multiproc import run_distributed  # noqa: E402
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.slow  # see pytest.ini
@@ -157,7 +154,7 @@ def _trl_steps(hf_dir, adapter, record, steps):
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import use_adapter
 
-    from test_trl_parity import _trl_grpo
+    from tests.helpers.trl_reference import trl_grpo
 
     base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, adapter, is_trainable=True)
@@ -173,7 +170,7 @@ def _trl_steps(hf_dir, adapter, record, steps):
     for b, r in enumerate(RESPONSES):
         completion_ids[b, :len(r)] = torch.tensor(r)
         completion_mask[b, :len(r)] = 1
-    trainer = _trl_grpo("bnpo", KL_COEF, 0.0, 1.0, CLIP, CLIP, WIDTH, model, gas=1, spg=1)
+    trainer = trl_grpo("bnpo", KL_COEF, 0.0, 1.0, CLIP, CLIP, WIDTH, model, gas=1, spg=1)
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([torch.ones_like(prompt_ids), completion_mask], 1)
     with torch.no_grad():
@@ -247,7 +244,7 @@ def _compare(ours, theirs, spec):
 
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory):
-    import word_task
+    from tests.helpers import word_task
 
     root = tmp_path_factory.mktemp("lora_trl")
     paths = word_task.build(root)

@@ -14,18 +14,16 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
-from hf_tiny import FAMILIES, PAD_TOKEN_ID, build_tiny, save_tiny
-from multiproc import run_distributed
+from tests.helpers.hf_tiny import FAMILIES, build_tiny, save_tiny
+from tests.helpers.hf_parity import TOL, case_diff, hf_reference, token_ids
+from tests.helpers.multiproc import run_distributed
 
-TOL = 1e-5
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
 LM_CASES = [f"{family}-{'tied' if tie else 'untied'}" for family in FAMILIES for tie in (False, True)]
 VALUE_CASES = ["llama-value", "qwen2-value", "qwen3-value"]
 RESHARDED = [f"{family}-tied" for family in FAMILIES]  # also loaded at PP=2 from a TP=2 -> PP=2 reshard
 NUM_LAYERS = 4
-BATCH, SEQ = 2, 11
 
 
 def _case(name):
@@ -33,63 +31,7 @@ def _case(name):
     return family, kind
 
 
-def _token_ids(vocab, seed, pad_tail=0):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (BATCH, SEQ), generator=gen)
-    if pad_tail:
-        ids[1, -pad_tail:] = PAD_TOKEN_ID  # right padding on the second row
-    return ids
-
-
-@torch.no_grad()
-def _hf_reference(model, ids, value):
-    if not value:
-        return {"logits": model(input_ids=ids).logits.float()}
-    hidden = model.model(input_ids=ids).last_hidden_state
-    values = model.score(hidden).float()
-    pooled = model(input_ids=ids).logits.float()  # [b, 1] at the last non-pad token
-    return {"values": values, "pooled": pooled}
-
-
 # ------------------------------------------------------------------------------------------- worker
-
-def _forward(model, ids, tp, pp):
-    """Full output of the model on the last stage (every TP rank); None on other stages."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    b, s = ids.shape
-    pos = torch.arange(s).unsqueeze(0).expand(b, s)
-    with torch.no_grad():
-        if pp > 1:
-            if ps.is_pipeline_first_stage():
-                hidden = model(ids, pos, None)  # [s, b, h] when not the last stage
-                dist.send(hidden.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
-                return None
-            buf = torch.empty(s, b, model.config.hidden_size, dtype=model.config.params_dtype)
-            dist.recv(buf, src=ps.get_pipeline_model_parallel_prev_rank())
-            model.set_input_tensor(buf)
-        out = model(ids, pos, None)  # [b, s, vocab/tp] or [b, s, 1]
-    if tp > 1 and not getattr(model, "is_value_model", False):
-        parts = [torch.empty_like(out) for _ in range(tp)]
-        dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
-        out = torch.cat(parts, dim=-1)
-    return out
-
-
-def _case_diff(model, case, tp, pp):
-    """max |output - transformers| of one case (logits, or per-token and pooled values) on the last stage;
-    None on other stages."""
-    out = _forward(model, case["ids"], tp, pp)
-    if out is None:
-        return None
-    ref = case["ref"]
-    if not case["value"]:
-        return (out - ref["logits"]).abs().max().item()
-    diff = (out - ref["values"]).abs().max().item()
-    last = (case["ids"] != PAD_TOKEN_ID).long().cumsum(-1).argmax(-1)  # last non-pad position
-    pooled = out[torch.arange(out.shape[0]), last]
-    return max(diff, (pooled - ref["pooled"]).abs().max().item())
 
 
 def _parity_worker(rank, world_size, jobs, error_roots):
@@ -113,7 +55,7 @@ def _parity_worker(rank, world_size, jobs, error_roots):
             keys = set(stored["model"]) ^ set(model.state_dict())
             if keys:
                 results["key_mismatch"][(layout, case["name"])] = sorted(keys)
-            diff = _case_diff(model, case, tp, pp)
+            diff = case_diff(model, case, tp, pp)
             if diff is not None:
                 results["diffs"][(layout, case["name"])] = diff
         if layout == "tp2":
@@ -152,8 +94,8 @@ def parity(tmp_path_factory):
         hf_dir = save_tiny(family, base / name / "hf", tie=tie, seq_cls=value, seed=100 + index,
                            num_layers=NUM_LAYERS)
         model = build_tiny(family, tie=tie, seq_cls=value, seed=100 + index, num_layers=NUM_LAYERS)
-        ids = _token_ids(model.config.vocab_size, seed=index, pad_tail=3 if value else 0)
-        ref = _hf_reference(model, ids, value)
+        ids = token_ids(model.config.vocab_size, seed=index, pad_tail=3 if value else 0)
+        ref = hf_reference(model, ids, value)
         for layout, (tp, pp) in LAYOUTS.items():
             root = base / name / f"mg_{layout}"
             convert_hf_to_mg(hf_dir, root, tp=tp, pp=pp, value_head=value, progress=False)

@@ -24,9 +24,9 @@ import os
 
 import pytest
 
-from hf_tiny import MOE_VARIANTS, build_tiny, save_tiny
-from multiproc import run_distributed
-from test_models_parity import TOL, _case_diff, _hf_reference, _token_ids
+from tests.helpers.hf_tiny import MOE_VARIANTS, build_tiny, save_tiny
+from tests.helpers.hf_parity import TOL, case_diff, hf_reference, token_ids
+from tests.helpers.multiproc import run_distributed
 
 # name -> (convert_hf_to_mg keyword arguments, distributed.initialize (tp, pp, ep, expert tp), world size)
 LAYOUTS = {
@@ -72,7 +72,7 @@ def _moe_worker(rank, world_size, jobs):
             keys = {k for k in set(stored["model"]) ^ set(model.state_dict())}
             if keys:
                 results["key_mismatch"][(layout, case["name"])] = sorted(keys)
-            diff = _case_diff(model, case, tp, pp)
+            diff = case_diff(model, case, tp, pp)
             if diff is not None:
                 results["diffs"][(layout, case["name"])] = diff
         ps.destroy_model_parallel()
@@ -90,8 +90,8 @@ def parity(tmp_path_factory):
         family, overrides = VARIANTS[name[:-len("-value")] if value else name]
         kwargs = dict(seq_cls=value, seed=200 + index, num_layers=NUM_LAYERS, **overrides)
         hf_dir = save_tiny(family, base / name / "hf", **kwargs)
-        ids = _token_ids(256, seed=index, pad_tail=3 if value else 0)
-        ref = _hf_reference(build_tiny(family, **kwargs), ids, value)
+        ids = token_ids(256, seed=index, pad_tail=3 if value else 0)
+        ref = hf_reference(build_tiny(family, **kwargs), ids, value)
         for layout, (convert, _, _) in LAYOUTS.items():
             if value and layout not in VALUE_LAYOUTS:
                 continue

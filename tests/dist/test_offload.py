@@ -110,7 +110,7 @@ def _guarded(rank, world_size, runs):
     import os
 
     os.environ["MINDSPEED_DEVICE"] = "cpu"
-    from device_guard import virtual_device
+    from tests.helpers.device_guard import virtual_device
     from megatron.core import parallel_state
 
     import posttrain_gpt
@@ -129,9 +129,9 @@ def test_offload_and_the_distributed_optimizer_keep_device_tensors_on_the_device
     iterations with the distributed optimizer, bf16 and every offload flag: the host copies and the freed and
     re-allocated device storage never meet device math. (No --save: the checkpoint gathers on megatron's gloo
     group, host tensors by design, which the guard cannot tell from a device group.)"""
-    from model_state_runs import OFFLOAD, stage_argv
+    from tests.helpers.model_state_runs import OFFLOAD, stage_argv
 
-    from multiproc import run_distributed
+    from tests.helpers.multiproc import run_distributed
 
     task = model_state_runs["task"]
     runs = [stage_argv(task, stage, tmp_path / stage, "--use-distributed-optimizer", "--bf16", *OFFLOAD, iters=2,

@@ -15,14 +15,10 @@ The plain layout itself equals `transformers` (tests/test_models_parity.py), so 
 """
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-from multiproc import run_distributed  # noqa: E402
+from tests.helpers.multiproc import run_distributed  # noqa: E402
 
 N = 4
 PROMPT_LENGTHS = (5, 9, 3, 6)
@@ -119,7 +115,7 @@ def _worker(rank, world_size, tp, pp, roots):
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    from hf_tiny import save_tiny
+    from tests.helpers.hf_tiny import save_tiny
 
     from mindspeed_llm.checkpoint import convert_hf_to_mg
 

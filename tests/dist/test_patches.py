@@ -20,6 +20,7 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 # What torch raises for a torch.cuda call on a machine without CUDA: a CPU build, or a CUDA build without a driver.
 CUDA_ERRORS = ("Torch not compiled with CUDA enabled", "Found no NVIDIA driver")
 LR, CLIP = 1e-3, 0.05
@@ -29,7 +30,7 @@ def _run_modes(*modes: str) -> dict:
     """Run each mode in its own fresh interpreter (concurrently); {mode: result dict}."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MINDSPEED_DEVICE="cpu", PYTHONWARNINGS="ignore")
     procs = {m: subprocess.Popen([sys.executable, os.path.join(HERE, "test_patches.py"), m], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=env, cwd=os.path.dirname(HERE))
+                                 stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
              for m in modes}
     results = {}
     for mode, proc in procs.items():
@@ -87,14 +88,11 @@ def test_patches_are_sufficient(sufficient):
 # ------------------------------------------------------------------------------------------- subprocess body
 
 def _setup():
-    import socket
-
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    from tests.helpers.ports import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     from mindspeed_llm import distributed
 
     distributed.initialize(1, 1, seed=1234)  # applies the CPU patches (device.setup)
@@ -105,7 +103,7 @@ def _tiny_pair(tmp):
     """(megatron GPTModel, HF model) with the same random weights, via the converter and loader."""
     import torch
 
-    from hf_tiny import build_tiny
+    from tests.helpers.hf_tiny import build_tiny
     from mindspeed_llm.checkpoint import convert_hf_to_mg, load_megatron_weights, load_spec
     from mindspeed_llm.models import build_model
 
@@ -239,7 +237,7 @@ def _mode_sufficient(tmp):
 def _main(mode: str) -> None:
     import tempfile
 
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, ROOT)  # tests.helpers
     with tempfile.TemporaryDirectory() as tmp:
         result = {"needed": _mode_needed, "sufficient": _mode_sufficient}[mode](tmp)
     print("RESULT " + json.dumps(result), flush=True)

@@ -68,17 +68,14 @@ What is compared, and why it survives any CPU's BLAS yet catches a wrong loss sc
 """
 
 import json
-import sys
 import types
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-from multiproc import run_distributed  # noqa: E402
-from stage_assets import posttrain_argv  # noqa: E402
+from tests.helpers.multiproc import run_distributed  # noqa: E402
+from tests.helpers.stage_assets import posttrain_argv  # noqa: E402
 
 WIDTH = 6  # response_length / --max-new-tokens; the fixed responses use all of it
 TEMPERATURE = 1.0

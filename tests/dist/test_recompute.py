@@ -24,14 +24,13 @@ its branches in another order, so those cases are compared within float32 roundi
 
 import contextlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-from multiproc import run_distributed  # noqa: E402
+from tests.helpers.multiproc import run_distributed  # noqa: E402
+from tests.helpers.hf_tiny import deepseek_variant
+from tests.helpers.routing_batches import MOE_SPEC, groups_share_prompts, synthetic_experience
 
 BASE_ARGV = ["--stage", "grpo", "--global-batch-size", "8", "--train-iters", "1", "--data-path", "x",
              "--ref-model", "r", "--verifier-function", "math_acc"]
@@ -121,7 +120,7 @@ def test_flags_resolve_as_megatron_lm():
 
 def test_layer_counts_are_checked_per_pipeline_stage():
     """--recompute-num-layers counts the layers of one pipeline stage: 2 layers at PP2 leave 1 per stage."""
-    from hf_tiny import tiny_config
+    from tests.helpers.hf_tiny import tiny_config
 
     from mindspeed_llm.arguments import ArgumentError
     from mindspeed_llm.models import ModelSpec
@@ -158,29 +157,27 @@ def test_layer_counts_are_checked_per_pipeline_stage():
 
 # ---------------------------------------------------------------------------------------------- model level
 def _specs():
-    from hf_tiny import tiny_config
+    from tests.helpers.hf_tiny import tiny_config
 
     from mindspeed_llm.models import ModelSpec
 
     def spec(family, **overrides):
         return ModelSpec.from_hf_config(tiny_config(family, **overrides).to_dict())
 
-    from test_deepseek_v3 import _variant
 
     return {"dense": spec("qwen2"), "moe": spec("qwen2_moe"),
-            "mla": spec("deepseek_v3", **_variant("deepseek_v3"))}
+            "mla": spec("deepseek_v3", **deepseek_variant("deepseek_v3"))}
 
 
 def _batches(vocab, routing_layers=0, topk=0, experts=0):
     """Two plans of one synthetic batch of prompt groups of 2 with padding: one row per sample (2 micro-batches)
     and packed groups (RoPE at position ids that are not the slots, a group attention mask). With
     `routing_layers`, a planted routing (random experts, not the model's) for replay."""
-    from test_routing_replay import _experience, _groups_share_prompts
 
     from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 
-    exp = _experience([4, 4, 6, 6], [5, 2, 3, 7], vocab=vocab, seed=1)
-    _groups_share_prompts(exp, 2)
+    exp = synthetic_experience([4, 4, 6, 6], [5, 2, 3, 7], vocab=vocab, seed=1)
+    groups_share_prompts(exp, 2)
     if routing_layers:
         g = torch.Generator().manual_seed(7)
         T = exp.tokens.shape[1]
@@ -583,7 +580,6 @@ def _pp2_replay_check():
     forward): with a planted routing replayed, the gradients with full recompute and with --moe-layer-recompute
     equal those without; without the checkpoint snapshot they do not."""
     from megatron.core import parallel_state
-    from test_routing_replay import SPEC
 
     from mindspeed_llm import distributed
     from mindspeed_llm.models import build_model
@@ -591,17 +587,17 @@ def _pp2_replay_check():
     parallel_state.destroy_model_parallel()
     distributed.initialize(1, 2, seed=6)
     replay = dict(moe_enable_routing_replay=True)
-    state = build_model(SPEC, **replay).state_dict()
+    state = build_model(MOE_SPEC, **replay).state_dict()
     batches = [mb for _ in range(2) for mb in
-               _batches(SPEC.vocab_size, 1, SPEC.moe_router_topk, SPEC.num_experts)["rows"]]  # 4 micro-batches
-    planted, _, _ = _step(SPEC, state, replay, batches)
-    live, _, _ = _step(SPEC, state, replay, [{k: v for k, v in mb.items() if k != "routing"} for mb in batches])
+               _batches(MOE_SPEC.vocab_size, 1, MOE_SPEC.moe_router_topk, MOE_SPEC.num_experts)["rows"]]  # 4 micro-batches
+    planted, _, _ = _step(MOE_SPEC, state, replay, batches)
+    live, _, _ = _step(MOE_SPEC, state, replay, [{k: v for k, v in mb.items() if k != "routing"} for mb in batches])
     out = {"planted_differs_from_live": not _same(planted, live)}
     for name, fields in (("full_uniform", FULL_UNIFORM), ("moe_layer_recompute", dict(moe_layer_recompute=True))):
-        grads, _, _ = _step(SPEC, state, dict(replay, **fields), batches)
+        grads, _, _ = _step(MOE_SPEC, state, dict(replay, **fields), batches)
         out[name] = _same(grads, planted)
     with _unpatched("tensor_parallel.checkpoint"):
-        grads, _, _ = _step(SPEC, state, dict(replay, **FULL_UNIFORM), batches)
+        grads, _, _ = _step(MOE_SPEC, state, dict(replay, **FULL_UNIFORM), batches)
     out["without_snapshot_differs"] = not _same(grads, planted)
     return out
 
@@ -609,7 +605,7 @@ def _pp2_replay_check():
 @pytest.fixture(scope="module")
 def stage_runs(tmp_path_factory):
     """{layout: {case: (metrics row, rank results)}} after every case on every layout, and the PP2 replay check."""
-    import word_task
+    from tests.helpers import word_task
 
     task = word_task.build(tmp_path_factory.mktemp("word_task"), layouts=((1, 1), (2, 1), (1, 2)), reward=True)
     root = tmp_path_factory.mktemp("recompute_runs")

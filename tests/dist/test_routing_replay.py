@@ -15,41 +15,10 @@ import pytest
 import torch
 
 from mindspeed_llm.models import routing
-from mindspeed_llm.models.spec import ModelSpec
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.experience import Experience
-from tests.multiproc import run_distributed
-
-# Many experts, top-4, small random weights: router margins are small, so bf16 rounding flips some choices.
-SPEC = ModelSpec(family="qwen3_moe", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
-                 num_query_groups=2, kv_channels=16, vocab_size=128, qk_layernorm=True, num_experts=16,
-                 moe_ffn_hidden_size=32, moe_router_topk=4)
-
-
-def _experience(prompt_lengths, response_lengths, width_r=None, vocab=100, seed=0):
-    """A synthetic Experience in the rollout layout (`Experience.from_rollout`'s conventions)."""
-    g = torch.Generator().manual_seed(seed)
-    B = len(prompt_lengths)
-    R = width_r or max(response_lengths)
-    T = max(p + r for p, r in zip(prompt_lengths, response_lengths))
-    tokens = torch.zeros(B, T, dtype=torch.long)
-    responses = torch.zeros(B, R, dtype=torch.long)
-    mask = torch.zeros(B, R)
-    for b, (p, r) in enumerate(zip(prompt_lengths, response_lengths)):
-        tokens[b, :p + r] = torch.randint(1, vocab, (p + r,), generator=g)
-        responses[b, :r] = tokens[b, p:p + r]
-        mask[b, :r] = 1
-    return Experience(tokens=tokens, position_ids=torch.arange(T).expand(B, T).clone(),
-                      prompt_lengths=torch.tensor(prompt_lengths), responses=responses, response_mask=mask,
-                      ended_with_eos=torch.zeros(B, dtype=torch.bool))
-
-
-def _groups_share_prompts(exp, n):
-    """Make the n samples of each group share the first sample's prompt (packed groups need it)."""
-    for b in range(exp.batch_size):
-        first = b - b % n
-        P = int(exp.prompt_lengths[b])
-        exp.tokens[b, :P] = exp.tokens[first, :P]
+from tests.helpers.multiproc import run_distributed
+from tests.helpers.routing_batches import MOE_SPEC, groups_share_prompts, synthetic_experience
 
 
 # ---------------------------------------------------------------------------------------------- layout maps
@@ -60,9 +29,9 @@ def test_token_sources_agree_with_the_plan_tokens(group_size):
     n = group_size
     prompts = [L for L in (3, 5) for _ in range(n)] if n > 1 else [3, 6, 2, 4]
     responses = [4, 1, 6, 2, 5, 3][: 2 * n] if n > 1 else [5, 1, 3, 4]
-    exp = _experience(prompts, responses)
+    exp = synthetic_experience(prompts, responses)
     if n > 1:
-        _groups_share_prompts(exp, n)
+        groups_share_prompts(exp, n)
     plan = MicroBatchPlan.build(exp, micro_batch_size=len(prompts) if n > 1 else 2, group_size=n)
     assert plan.packed == (n > 1)
     for mb, first in zip(plan.micro_batches(exp), range(0, exp.batch_size, plan.micro_batch_size)):
@@ -82,7 +51,7 @@ def test_token_sources_agree_with_the_plan_tokens(group_size):
 
 def test_replay_targets_put_each_token_in_router_order():
     """Router order is sequence-first (token s * rows + r); unknown and padding are -1."""
-    exp = _experience([2, 3], [2, 1])
+    exp = synthetic_experience([2, 3], [2, 1])
     L, k = 2, 3
     T = exp.tokens.shape[1]
     code = torch.arange(2 * L * T * k, dtype=torch.int16).view(2, L, T, k)
@@ -108,7 +77,7 @@ def test_count_mismatch_against_a_hand_count():
 
 
 def test_response_scope_is_every_response_token_but_the_last():
-    exp = _experience([2, 3], [3, 1])
+    exp = synthetic_experience([2, 3], [3, 1])
     mb = MicroBatchPlan.build(exp, 2).micro_batches(exp)[0]
     scope = routing.response_scope(mb).view(-1, 2).t()  # [rows, S]
     assert scope[0].nonzero().flatten().tolist() == [2, 3]
@@ -172,7 +141,7 @@ def _replay_body(rank, world_size, ep, dtype, pp=1, prefill="auto", dispatcher="
     from mindspeed_llm.rl.passes import policy_logprobs
 
     distributed.initialize(1, pp, seed=3, expert_model_parallel_size=ep)
-    model = build_model(SPEC, params_dtype=dtype, moe_token_dispatcher_type=dispatcher, attention=attention)
+    model = build_model(MOE_SPEC, params_dtype=dtype, moe_token_dispatcher_type=dispatcher, attention=attention)
     out = {}
     dp_rank = parallel_state.get_data_parallel_rank()
     g = torch.Generator().manual_seed(11 + dp_rank)
@@ -194,7 +163,7 @@ def _replay_body(rank, world_size, ep, dtype, pp=1, prefill="auto", dispatcher="
                 out[f"{name}_{'replay' if replay else 'live'}_metric"] = exp.extras.pop("routing_mismatch")
         return out
     L, T = len(routing.moe_routers(model)), exp.tokens.shape[1]
-    out["routing_shape"] = tuple(exp.routing.shape), (len(prompts), L, T, SPEC.moe_router_topk)
+    out["routing_shape"] = tuple(exp.routing.shape), (len(prompts), L, T, MOE_SPEC.moe_router_topk)
     # every prompt and response token but possibly the last was recorded; padding was not
     total = exp.prompt_lengths + exp.response_lengths
     pos = torch.arange(T)[None, :]
@@ -289,12 +258,12 @@ def _exactness_body(rank, world_size, ep):
     from mindspeed_llm.rl import engine
 
     distributed.initialize(1, 1, seed=4, expert_model_parallel_size=ep)
-    model = build_model(SPEC, params_dtype="bf16", moe_enable_routing_replay=True)
+    model = build_model(MOE_SPEC, params_dtype="bf16", moe_enable_routing_replay=True)
     routers = routing.moe_routers(model)
-    L, k, E = len(routers), SPEC.moe_router_topk, SPEC.num_experts
+    L, k, E = len(routers), MOE_SPEC.moe_router_topk, MOE_SPEC.num_experts
     n = 2
-    exp = _experience([4, 4, 6, 6], [5, 2, 3, 7], vocab=120, seed=rank)
-    _groups_share_prompts(exp, n)
+    exp = synthetic_experience([4, 4, 6, 6], [5, 2, 3, 7], vocab=120, seed=rank)
+    groups_share_prompts(exp, n)
     out = {}
     for name, plan in (("rows", MicroBatchPlan.build(exp, 2)), ("packed", MicroBatchPlan.build(exp, 4, n))):
         exp.routing = None
@@ -362,7 +331,7 @@ def _save_moe_release(rank, world_size, root, vocab):
     from mindspeed_llm.models import build_model
 
     distributed.initialize(1, 1, seed=2)
-    spec = replace(SPEC, vocab_size=vocab, hidden_size=32, kv_channels=8, ffn_hidden_size=48,
+    spec = replace(MOE_SPEC, vocab_size=vocab, hidden_size=32, kv_channels=8, ffn_hidden_size=48,
                    moe_ffn_hidden_size=16, max_position_embeddings=128)
     state = {k: v for k, v in build_model(spec).state_dict().items() if v is not None}
     layout.save_file(layout.make_payload(state, spec, 1, 1, 0, 0, torch.float32, False),
@@ -379,7 +348,7 @@ def test_stage_with_moe_routing_replay(stage_paths, tmp_path, stage, replay):
     replay changes the routing is shown by the tests above, this one checks the flag's wiring.)"""
     import json
 
-    from stage_assets import VOCAB, torchrun
+    from tests.helpers.stage_assets import VOCAB, torchrun
 
     ckpt = str(tmp_path / "moe")
     run_distributed(_save_moe_release, 1, ckpt, VOCAB)
@@ -438,7 +407,7 @@ def _allgather_uneven_body(rank, world_size):
     from mindspeed_llm.models import build_model
 
     distributed.initialize(1, 1, seed=3, expert_model_parallel_size=2)
-    model = build_model(SPEC, moe_token_dispatcher_type="allgather")
+    model = build_model(MOE_SPEC, moe_token_dispatcher_type="allgather")
     prompts = [[5, 6, 7], [8, 9] + [3] * (2 * rank)]  # rank 1's longest prompt is longer: another prefill size
     try:
         generate(model, prompts, SamplingConfig(max_new_tokens=2))
@@ -460,7 +429,7 @@ def test_dynamic_sampling_concat_pads_routing_as_unknown():
     along the positions and cut to the joined sequence width, each row's recorded values kept."""
     from mindspeed_llm.rl import dynamic_sampling
 
-    short, wide = _experience([2, 2], [1, 2]), _experience([3, 3], [4, 1])
+    short, wide = synthetic_experience([2, 2], [1, 2]), synthetic_experience([3, 3], [4, 1])
     for exp, fill in ((short, 5), (wide, 9)):
         T = exp.tokens.shape[1]
         exp.routing = torch.full((2, 2, T, 3), fill, dtype=torch.int16)

@@ -14,14 +14,10 @@ Both stages' whole iterations at TP2 + SP (and CP2 x TP2 + SP) are in tests/test
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-from multiproc import run_distributed  # noqa: E402
+from tests.helpers.multiproc import run_distributed  # noqa: E402
 
 TOL = 1e-6
 
@@ -128,7 +124,7 @@ def _worker(rank, world_size, task):
 
 @pytest.fixture(scope="module")
 def sp_runs(tmp_path_factory):
-    import word_task
+    from tests.helpers import word_task
 
     task = word_task.build(tmp_path_factory.mktemp("sp_task"), layouts=((2, 1),), reward=True)
     return run_distributed(_worker, 2, task)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stage_assets import posttrain_argv, torchrun
+from tests.helpers.stage_assets import posttrain_argv, torchrun
 
 pytestmark = pytest.mark.slow  # see pytest.ini
 
@@ -167,7 +167,7 @@ def test_resume_after_kill_during_save_equals_uninterrupted(stage_paths, tmp_pat
     argv = stage_argv(stage_paths, stage, tp, 1, iters=4, extra=[
         "--save", str(resumed), "--save-interval", "2", "--metrics-jsonl", str(resumed / "m.jsonl")])
     driver = tmp_path / "kill_driver.py"
-    driver.write_text(KILLING_DRIVER.format(root=str(Path(__file__).resolve().parents[1])))
+    driver.write_text(KILLING_DRIVER.format(root=str(Path(__file__).resolve().parents[2])))
     kill_on_call = 2 if stage == "trl_ppo" else 1
     killed = torchrun(argv, nproc=2, env={"KILL_AT": "4", "KILL_ON_CALL": str(kill_on_call)}, script=str(driver))
     assert killed.returncode != 0, "the fault injection did not fire"

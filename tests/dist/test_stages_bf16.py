@@ -22,7 +22,7 @@ import math
 import pytest
 import torch
 
-from multiproc import run_distributed
+from tests.helpers.multiproc import run_distributed
 
 ITERS = 3
 LOSSES = {"grpo": ["actor/pg_loss", "actor/kl_loss", "actor/entropy"],
@@ -90,7 +90,7 @@ def _runs(rank, world_size, runs):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    import word_task
+    from tests.helpers import word_task
 
     root = tmp_path_factory.mktemp("bf16")
     task = word_task.build(root / "task", reward=True)

@@ -25,17 +25,17 @@ from pathlib import Path
 
 import pytest
 
-from multiproc import posttrain_in_process, run_distributed
+from tests.helpers.multiproc import posttrain_in_process, run_distributed
 
 pytestmark = pytest.mark.slow  # see pytest.ini
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    import word_task
+    from tests.helpers import word_task
 
     return word_task.build(tmp_path_factory.mktemp("safety_task"), layouts=((1, 1), (2, 1)), reward=True)
 
@@ -152,7 +152,7 @@ def test_convert_refuses_a_training_root(saved, tmp_path):
 
 
 def _tp2_resume(rank, world_size, argv_):
-    from multiproc import _posttrain_main_cases
+    from tests.helpers.multiproc import _posttrain_main_cases
 
     return _posttrain_main_cases(rank, world_size, [argv_])[0]
 

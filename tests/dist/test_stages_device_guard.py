@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from multiproc import run_distributed
+from tests.helpers.multiproc import run_distributed
 
 
 def _argv(task, stage, tp, pp, out):
@@ -35,7 +35,7 @@ def _argv(task, stage, tp, pp, out):
 def _guarded_runs(rank, world_size, runs, unmoved_models=False):
     """posttrain_gpt.main on each argv inside `virtual_device()`; returns the exit codes."""
     os.environ["MINDSPEED_DEVICE"] = "cpu"
-    from device_guard import virtual_device
+    from tests.helpers.device_guard import virtual_device
     from megatron.core import parallel_state
 
     import posttrain_gpt
@@ -55,7 +55,7 @@ def _guarded_runs(rank, world_size, runs, unmoved_models=False):
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    import word_task
+    from tests.helpers import word_task
 
     return word_task.build(tmp_path_factory.mktemp("guard_task"), layouts=((1, 1), (2, 1), (1, 2)), reward=True)
 

@@ -5,7 +5,8 @@ naming it. The generation batches are synthetic (rows whose scores say which gro
 import pytest
 import torch
 
-from multiproc import run_distributed
+from tests.helpers.multiproc import run_distributed
+from tests.helpers.stage_layouts import full_weights, run_stages
 
 N, LOCAL = 2, 2  # samples per prompt; prompts per rank and generation batch (DP2) / twice that at DP1
 # Per generation batch, the global groups' scores (4 groups of 2): informative where the two differ.
@@ -86,23 +87,6 @@ def test_refill_budget_is_named():
 
 
 # ---------------------------------------------------------------------------------------------- the grpo stage
-def _odd_first_word(text, label):
-    words = text.split()
-    return float(bool(words) and words[0][1:].isdigit() and int(words[0][1:]) % 2 == 1)
-
-
-def _stage_runs(rank, world_size, runs):
-    from megatron.core import parallel_state
-
-    from mindspeed_llm.arguments import parse_args
-    from mindspeed_llm.rl import trainer
-    from mindspeed_llm.rl.verifiers import register_verifier
-
-    register_verifier("odd_first_word", override=True)(_odd_first_word)
-    for argv in runs:
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        trainer.run(parse_args(argv, world_size))
 
 
 @pytest.mark.slow
@@ -111,8 +95,7 @@ def test_dynamic_sampling_resumes_exactly_at_dp2(tmp_path):
     every generation batch) and the random streams are restored, on 2 DP ranks."""
     import json
 
-    import word_task
-    from test_layout_invariance import _full_weights
+    from tests.helpers import word_task
 
     task = word_task.build(tmp_path / "task")
     base = ["--stage", "grpo", "--micro-batch-size", "2", "--global-batch-size", "4", "--n-samples-per-prompt", "2",
@@ -126,7 +109,7 @@ def test_dynamic_sampling_resumes_exactly_at_dp2(tmp_path):
     def run(out, iters, *extra):
         return base + ["--train-iters", str(iters), "--save", str(out), "--metrics-jsonl", str(out / "m.jsonl"), *extra]
 
-    run_distributed(_stage_runs, 2, [run(whole, 2, "--save-interval", "1"), run(split, 1),
+    run_distributed(run_stages, 2, [run(whole, 2, "--save-interval", "1"), run(split, 1),
                                      run(split, 2, "--load", str(split))])
     rows = {name: [json.loads(line) for line in (out / "m.jsonl").read_text().splitlines()]
             for name, out in (("whole", whole), ("split", split))}
@@ -135,5 +118,5 @@ def test_dynamic_sampling_resumes_exactly_at_dp2(tmp_path):
         assert {k: v for k, v in a.items() if not k.startswith("timing/") and not k.endswith("_tps")} == \
             {k: v for k, v in b.items() if not k.startswith("timing/") and not k.endswith("_tps")}
     assert sum(r["dynamic_sampling/num_gen_batches"] for r in rows["whole"]) > 2  # some iteration refilled
-    a, b = _full_weights(whole, "actor"), _full_weights(split, "actor")
+    a, b = full_weights(whole, "actor"), full_weights(split, "actor")
     assert all(torch.equal(a[k], b[k]) for k in a)

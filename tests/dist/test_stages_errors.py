@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from multiproc import run_distributed
-from stage_assets import posttrain_argv
+from tests.helpers.multiproc import run_distributed
+from tests.helpers.stage_assets import posttrain_argv
 from mindspeed_llm.arguments import ArgumentError, parse_args
 
 BASE = ["--data-path", "d", "--train-iters", "1", "--global-batch-size", "4", "--ref-model", "r"]
@@ -89,7 +89,7 @@ def _damaged_copies(paths, tmp_path) -> dict:
 
 
 def test_bad_checkpoints_data_and_verifiers_fail_before_compute(stage_paths, tmp_path):
-    from hf_tiny import save_tiny
+    from tests.helpers.hf_tiny import save_tiny
     from mindspeed_llm.checkpoint import convert_hf_to_mg
     from mindspeed_llm.data.preprocess import preprocess
 

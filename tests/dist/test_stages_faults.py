@@ -38,16 +38,16 @@ from pathlib import Path
 
 import pytest
 
-from multiproc import posttrain_in_process, run_distributed
+from tests.helpers.multiproc import posttrain_in_process, run_distributed, single_rank_env
 
 pytestmark = pytest.mark.slow  # see pytest.ini
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    import word_task
+    from tests.helpers import word_task
 
     return word_task.build(tmp_path_factory.mktemp("faults_task"), reward=True)
 
@@ -66,18 +66,10 @@ def argv(task, out: Path, *extra, stage="grpo", iters=2):
     return base + list(extra)
 
 
-def _env():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
-                WORLD_SIZE="1", LOCAL_RANK="0", PYTHONWARNINGS="ignore")
-
-
 def run(args, script="posttrain_gpt.py", timeout=300):
     """posttrain_gpt.py (or a driver script) as a process of its own; the CompletedProcess."""
     return subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True,
-                          env=_env(), timeout=timeout)
+                          env=single_rank_env(), timeout=timeout)
 
 
 def rows(out: Path):
@@ -217,7 +209,7 @@ def test_sigterm_with_the_signal_handler_saves_and_exits(task, tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "posttrain_gpt.py", *argv(task, out, "--save", str(out),
                                                                          "--exit-signal-handler", iters=200)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=single_rank_env())
     deadline = time.time() + 240
     while not rows(out) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.5)

@@ -24,11 +24,8 @@ Asserted:
 
 import json
 import math
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
-from multiproc import run_distributed  # noqa: E402
+from tests.helpers.multiproc import run_distributed  # noqa: E402
 
 TARGET_WORDS = frozenset(f"w{i}" for i in range(4, 68))
 ITERS = 30
@@ -43,7 +40,7 @@ def toy_low_words(text, label):
 
 def _build_task(root: Path):
     """Tiny HF model -> Megatron checkpoint, a word-level tokenizer, and preprocessed word prompts."""
-    import word_task
+    from tests.helpers import word_task
 
     paths = word_task.build(root)
     return paths["tokenizer"], paths["mg_actor_tp1pp1"], paths["data"]

@@ -25,16 +25,13 @@ moves A as well as B; the critic (trl_ppo) gets fresh adapters (B = 0) and train
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-from multiproc import run_distributed  # noqa: E402
-from test_layout_invariance import (ATOL, KEY_ATOL, RTOL, SKIPPED, _argv, _cases, _metrics,  # noqa: E402
-                                    _relative, _run_cases)
+from tests.helpers.multiproc import run_distributed  # noqa: E402
+from tests.helpers.stage_layouts import (ATOL, KEY_ATOL, RTOL, SKIPPED, layout_argv, metrics_row, odd_first_word, relative,
+                                          run_cases, update_cases)
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.slow  # see pytest.ini
@@ -63,7 +60,7 @@ def _peft_adapter(hf_dir: str, out: Path) -> str:
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    import word_task
+    from tests.helpers import word_task
 
     root = tmp_path_factory.mktemp("lora_task")
     paths = word_task.build(root, layouts=((1, 1), (2, 1), (1, 2)), reward=True)
@@ -74,20 +71,20 @@ def task(tmp_path_factory):
 
 
 def _lora_argv(task, stage, layout, extra, out):
-    return _argv(task, stage, layout, list(extra) + ["--lora-load", task["peft"]], out)
+    return layout_argv(task, stage, layout, list(extra) + ["--lora-load", task["peft"]], out)
 
 
 @pytest.fixture(scope="module")
 def layout_runs(task, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_layouts")
-    cases = _cases()
+    cases = update_cases()
     dirs = {layout: {case: root / layout / case for case in CASES} for layout in LAYOUTS}
     by_world = {}
     for layout in LAYOUTS:
         by_world.setdefault(WORLD[layout], []).extend(
             _lora_argv(task, cases[case][0], layout, cases[case][1], dirs[layout][case]) for case in CASES)
     for world, runs in by_world.items():
-        run_distributed(_run_cases, world, runs)
+        run_distributed(run_cases, world, runs)
     return dirs
 
 
@@ -107,7 +104,7 @@ def _initial_actor(task):
 @pytest.mark.parametrize("layout,case", [(layout, case) for layout in LAYOUTS if layout != "mbs1" for case in CASES])
 def test_one_lora_update_is_layout_invariant(layout_runs, task, layout, case):
     reference, other = layout_runs["mbs1"][case], layout_runs[layout][case]
-    ref_metrics, metrics = _metrics(reference), _metrics(other)
+    ref_metrics, metrics = metrics_row(reference), metrics_row(other)
     assert sorted(metrics) == sorted(ref_metrics)
     for key, expected in ref_metrics.items():
         atol = KEY_ATOL.get(key, ATOL)
@@ -117,9 +114,9 @@ def test_one_lora_update_is_layout_invariant(layout_runs, task, layout, case):
         ref, got = _adapters(reference / "save", role), _adapters(other / "save", role)
         assert sorted(ref) == sorted(got)
         for name in ref:
-            assert _relative(got[name], ref[name]) <= 1e-5, f"{layout} {case} {role}/{name}"
+            assert relative(got[name], ref[name]) <= 1e-5, f"{layout} {case} {role}/{name}"
             if role == "actor":
-                change = _relative(got[name] - initial[name], ref[name] - initial[name])
+                change = relative(got[name] - initial[name], ref[name] - initial[name])
                 assert change <= 1e-3, f"{layout} {case} actor/{name}: the update differs by {change:.2e}"
 
 
@@ -140,7 +137,7 @@ def test_lora_updates_are_not_trivial(layout_runs, task):
 
 # ---------------------------------------------------------------------------------------------- one process
 def _argv_iters(task, stage, out: Path, iters: int, extra=(), load=None, lora=True, steps=2):
-    argv = _argv(task, stage, "mbs1", [], out)
+    argv = layout_argv(task, stage, "mbs1", [], out)
     argv[argv.index("--train-iters") + 1] = str(iters)
     if stage == "trl_ppo":  # `steps` optimizer steps per iteration
         argv += ["--global-batch-size", "4", "--ppo-mini-batch-size", str(4 // steps), "--lr", "0.01"]
@@ -163,7 +160,6 @@ def _stage_body(rank, world_size, runs):
     import posttrain_gpt
     from mindspeed_llm.rl import stages
     from mindspeed_llm.rl.verifiers import register_verifier
-    from test_layout_invariance import odd_first_word
 
     register_verifier("odd_first_word", override=True)(odd_first_word)
     built = {}
@@ -329,7 +325,7 @@ def test_full_recompute_gives_the_same_run(resume_runs, stage):
         # Adam's per-element normalisation lifts the rounding of small gradients (measured up to 1.2e-4 on the
         # critic's B after two steps); a gradient lost under recompute leaves its B at 0, a difference of 1
         for k in a:
-            assert _relative(b[k].float(), a[k].float()) <= 1e-3, (role, k)
+            assert relative(b[k].float(), a[k].float()) <= 1e-3, (role, k)
         if stage == "trl_ppo":  # the adapters did train under recompute (a lost gradient leaves B at its start)
             assert any(float(b[k].float().norm()) > 0 for k in b if k.endswith(".lora.B")), role
 
@@ -381,7 +377,7 @@ def test_zero_adapters_first_iteration_equals_full_run(resume_runs, stage):
     """B = 0: the LoRA model is the base, so iteration 1's rollout, scores, KL, values and losses are the full run's
     (the reference and the reward model being the shared bases); only the gradients' parameters differ."""
     root, _ = resume_runs
-    full, zero = _metrics(root / stage / "full"), _metrics(root / stage / "zero_lora")
+    full, zero = metrics_row(root / stage / "full"), metrics_row(root / stage / "zero_lora")
     differ = ("grad_norm", "actor/grad_norm", "critic/grad_norm")
     for key, expected in full.items():
         if key in differ:

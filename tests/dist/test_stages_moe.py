@@ -20,7 +20,8 @@ import types
 import pytest
 import torch
 
-from multiproc import run_distributed
+from tests.helpers.multiproc import run_distributed
+from tests.helpers.stage_layouts import ATOL, KEY_ATOL, RTOL, SKIPPED, WEIGHT_RTOL, relative, run_stages
 
 E, TOPK, LAYERS = 4, 2, 2
 
@@ -143,7 +144,7 @@ def _aux_gradient_case(rank, world_size):
     return results, hand, hand_plain, sum(aux_values) / M
 
 
-def _relative(a, b):
+def relative(a, b):
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
@@ -158,7 +159,7 @@ def test_aux_loss_gradient_equals_the_hand_written_loss():
         assert float((without[name] - hand_plain[name]).norm()) <= 1e-5 * float(hand_plain[name].norm()) + 1e-9, name
     router = "decoder.layers.0.mlp.router.weight"
     # the aux term is really in the gradient: the router's gradient moves with it
-    assert _relative(with_aux[router], without[router]) > 1e-3
+    assert relative(with_aux[router], without[router]) > 1e-3
     # Megatron's tracked loss (without its coefficient), averaged over layers and micro-batches
     assert metrics["moe/load_balancing_loss"] == pytest.approx(hand_aux, rel=1e-5)
     assert "moe/load_balancing_loss" not in metrics0  # a zero coefficient: megatron computes none
@@ -230,7 +231,7 @@ MOE_KEYS = ["moe/load_balancing_loss", "moe/tokens_per_expert_min", "moe/tokens_
 
 @pytest.fixture(scope="module")
 def moe_task(tmp_path_factory):
-    import stage_assets
+    from tests.helpers import stage_assets
 
     return stage_assets.build_moe(tmp_path_factory.mktemp("moe_task"), ep=2)
 
@@ -264,10 +265,9 @@ def test_moe_actor_at_ep2_trains_and_resumes_bitwise(moe_task, tmp_path, stage):
     bit (metrics and every expert-parallel shard), with the MoE metrics logged and finite."""
     import json
 
-    from test_dynamic_sampling import _stage_runs  # registers the odd_first_word verifier, runs trainer.run
 
     whole, split = tmp_path / "whole", tmp_path / "split"
-    run_distributed(_stage_runs, 2, [_stage_argv(moe_task, stage, whole, 2, "--save-interval", "1"),
+    run_distributed(run_stages, 2, [_stage_argv(moe_task, stage, whole, 2, "--save-interval", "1"),
                                      _stage_argv(moe_task, stage, split, 1),
                                      _stage_argv(moe_task, stage, split, 2, "--load", str(split))])
     rows = {name: [json.loads(line) for line in (out / "m.jsonl").read_text().splitlines()]
@@ -307,7 +307,7 @@ def test_moe_actor_at_ep2_trains_and_resumes_bitwise(moe_task, tmp_path, stage):
 
 @pytest.mark.slow
 def test_moe_flags_that_cannot_work_are_refused_by_name(moe_task, tmp_path):
-    from multiproc import _posttrain_main_cases
+    from tests.helpers.multiproc import _posttrain_main_cases
 
     dense = moe_task["mg_actor_tp1pp1"]
 
@@ -357,8 +357,6 @@ def test_moe_actor_at_tp2_ep2_with_sequence_parallel(moe_task, tmp_path):
     (resharded to TP1 x EP1) within 1e-5 of their norm. SGD, as in the layout test."""
     import json
 
-    from test_dynamic_sampling import _stage_runs  # registers the odd_first_word verifier, runs trainer.run
-    from test_layout_invariance import ATOL, KEY_ATOL, RTOL, SKIPPED, WEIGHT_RTOL, _relative
 
     from mindspeed_llm.checkpoint import convert_hf_to_mg, convert_mg_to_mg, load_shard
 
@@ -368,8 +366,8 @@ def test_moe_actor_at_tp2_ep2_with_sequence_parallel(moe_task, tmp_path):
     common = ["--moe-routing-replay", "--recompute-old-logprobs", "--optimizer", "sgd", "--sgd-momentum", "0",
               "--lr", "0.5", "--clip-grad", "1.0", "--micro-batch-size", "4"]
     reference, sequence_parallel = tmp_path / "tp1ep2", tmp_path / "tp2ep2_sp"
-    run_distributed(_stage_runs, 2, [_stage_argv(moe_task, "grpo", reference, 1, *common)])
-    run_distributed(_stage_runs, 4, [_stage_argv(moe_task, "grpo", sequence_parallel, 1, *common, "--ref-model",
+    run_distributed(run_stages, 2, [_stage_argv(moe_task, "grpo", reference, 1, *common)])
+    run_distributed(run_stages, 4, [_stage_argv(moe_task, "grpo", sequence_parallel, 1, *common, "--ref-model",
                                                  str(tp2), "--tensor-model-parallel-size", "2",
                                                  "--sequence-parallel")])
     (expected,), (got,) = ([json.loads(line) for line in (out / "m.jsonl").read_text().splitlines()]
@@ -391,8 +389,8 @@ def test_moe_actor_at_tp2_ep2_with_sequence_parallel(moe_task, tmp_path):
     moved = 0.0
     for key, value in merged["reference"].items():
         if torch.is_tensor(value) and value.is_floating_point():
-            assert _relative(merged["sp"][key].float(), value.float()) <= WEIGHT_RTOL, key
-            moved = max(moved, _relative(merged["initial"][key].float(), value.float()))
+            assert relative(merged["sp"][key].float(), value.float()) <= WEIGHT_RTOL, key
+            moved = max(moved, relative(merged["initial"][key].float(), value.float()))
     assert moved > 1e-3, moved  # the step moved the weights well past the tolerance
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from multiproc import run_distributed
-from test_layout_invariance import ATOL, LAYOUTS, RTOL, _argv, _full_weights, _metrics, _run_cases
+from tests.helpers.multiproc import run_distributed
+from tests.helpers.stage_layouts import ATOL, LAYOUTS, RTOL, full_weights, layout_argv, metrics_row, run_cases
 
 pytestmark = pytest.mark.slow  # see pytest.ini
 
@@ -45,13 +45,13 @@ RUN_LAYOUTS = ("mbs1", "mbs4", "dp2")
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    import word_task
+    from tests.helpers import word_task
 
     return word_task.build(tmp_path_factory.mktemp("word_task"), reward=True)
 
 
 def _run_recorded(rank, world_size, runs):
-    """`_run_cases`, recording for every update of every run: which rows were truncated, which rows have an empty
+    """`run_cases`, recording for every update of every run: which rows were truncated, which rows have an empty
     loss mask, and which groups of 2 the group filter would take out (all scores equal)."""
     import torch
 
@@ -70,7 +70,7 @@ def _run_recorded(rank, world_size, runs):
         return recording
 
     grpo.ppo_update, trl_ppo.ppo_update = recorder(grpo.ppo_update), recorder(trl_ppo.ppo_update)
-    _run_cases(rank, world_size, runs)
+    run_cases(rank, world_size, runs)
     return records
 
 
@@ -82,7 +82,7 @@ def runs(task, tmp_path_factory):
     for layout in RUN_LAYOUTS:
         world = LAYOUTS[layout][2]
         by_world.setdefault(world, []).extend(
-            _argv(task, stage, layout, extra, dirs[layout][case]) for case, (stage, extra) in CASES.items())
+            layout_argv(task, stage, layout, extra, dirs[layout][case]) for case, (stage, extra) in CASES.items())
     records = {}
     for world, argvs in by_world.items():
         records[world] = run_distributed(_run_recorded, world, argvs)[0]
@@ -109,7 +109,7 @@ def test_the_loss_mask_leaves_out_exactly_the_truncated_responses(runs):
 def test_the_methods_log_their_metrics(runs):
     runs, _ = runs
     for case, (stage, extra) in CASES.items():
-        metrics = _metrics(runs["mbs1"][case], skipped=())  # every logged key
+        metrics = metrics_row(runs["mbs1"][case], skipped=())  # every logged key
         names = set(metrics)
         # the old log-probs came from a training forward: the sampler's are compared with them
         assert {"rollout_mismatch/abs_diff_mean", "rollout_mismatch/abs_diff_max", "rollout_mismatch/k3_kl"} <= names
@@ -129,22 +129,22 @@ def test_the_methods_log_their_metrics(runs):
             assert metrics["actor/rollout_is_clipfrac"] == 0
         norm = metrics["actor/grad_norm" if stage == "trl_ppo" else "grad_norm"]
         assert norm > 1e-3, (case, norm)
-    assert _metrics(runs["mbs1"]["grpo_rpp"])["actor/kl_loss"] == 0  # REINFORCE++: the KL is in the reward
+    assert metrics_row(runs["mbs1"]["grpo_rpp"])["actor/kl_loss"] == 0  # REINFORCE++: the KL is in the reward
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("layout", ["mbs4", "dp2"])
 def test_the_methods_are_layout_invariant(runs, task, layout, case):
     runs, _ = runs
-    reference, other = _metrics(runs["mbs1"][case]), _metrics(runs[layout][case])
+    reference, other = metrics_row(runs["mbs1"][case]), metrics_row(runs[layout][case])
     assert sorted(other) == sorted(reference)
     for key, expected in reference.items():
         assert math.isfinite(expected), (key, expected)
         assert abs(other[key] - expected) <= ATOL + RTOL * abs(expected), f"{layout} {case} {key}: {other[key]!r} " \
                                                                            f"!= {expected!r}"
     for role in (["actor", "critic"] if CASES[case][0] == "trl_ppo" else ["actor"]):
-        ref = _full_weights(Path(runs["mbs1"][case]) / "save", role)
-        got = _full_weights(Path(runs[layout][case]) / "save", role)
+        ref = full_weights(Path(runs["mbs1"][case]) / "save", role)
+        got = full_weights(Path(runs[layout][case]) / "save", role)
         for name in ref:
             scale = float(ref[name].norm()) or 1.0
             assert float((got[name] - ref[name]).norm()) / scale <= 1e-5, f"{layout} {case} {role}/{name}"

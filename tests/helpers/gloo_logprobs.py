@@ -1,21 +1,16 @@
-"""Helpers for tests/test_logprobs.py: run a function on N local processes joined in a gloo group.
+"""Helpers for tests/unit/test_logprobs.py and tests/dist/test_triton_logprobs.py: run a function on N local processes joined in a gloo group.
 
 The worker functions live here (not in the test module) so the spawned children can import them by
 module name without re-importing the test module's dependencies.
 """
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers.ports import free_port
 
 
 def _entry(rank, world_size, port, fn, args):

@@ -9,7 +9,7 @@ and all of them split 2 ways for tensor parallelism (heads, key/value heads, ffn
 MOE_VARIANTS) also split 2 ways for expert parallelism and expert TP (even expert count and widths);
 their router (and Qwen2-MoE's shared_expert_gate) weights are random like every other matrix.
 
-    from tests.hf_tiny import save_tiny
+    from tests.helpers.hf_tiny import save_tiny
     path = save_tiny("qwen2", tmp_path / "qwen2", tie=True)                  # *ForCausalLM
     path = save_tiny("llama", tmp_path / "rm", seq_cls=True)                # *ForSequenceClassification
     model = build_tiny("qwen3")                                              # in memory, no folder
@@ -170,3 +170,9 @@ def save_tiny(family: str, path, *, tie: bool = False, seq_cls: bool = False, se
 def read_config(path) -> Dict[str, Any]:
     with open(os.path.join(os.fspath(path), "config.json")) as f:
         return json.load(f)
+
+
+def deepseek_variant(name, **extra):
+    overrides = dict(DEEPSEEK_VARIANTS[name])
+    overrides.update(extra)
+    return overrides

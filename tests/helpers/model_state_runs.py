@@ -156,8 +156,8 @@ def _runs_body(rank, world_size, runs):
 
 def build(tmp_path_factory) -> dict:
     """Run the table on 2 processes: {"task", "root", "records" (rank 0's), "argv"}."""
-    import word_task
-    from multiproc import run_distributed
+    from tests.helpers import word_task
+    from tests.helpers.multiproc import run_distributed
 
     root = tmp_path_factory.mktemp("model_state")
     task = word_task.build(root / "task", reward=True)

@@ -8,16 +8,11 @@ put all cases of one layout into one body.
 
 import os
 import pickle
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers.ports import free_port
 
 
 def _entry(rank, world_size, port, fn, args, queue):
@@ -90,3 +85,8 @@ def posttrain_in_process(cases):
     """posttrain_gpt.main on each argv (a list of argvs), one after another in one spawned process (world size
     1): [(exit code, stdout, stderr)] per case."""
     return run_distributed(_posttrain_main_cases, 1, cases)[0]
+
+
+def single_rank_env():
+    return dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+                WORLD_SIZE="1", LOCAL_RANK="0", PYTHONWARNINGS="ignore")

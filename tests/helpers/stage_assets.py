@@ -16,7 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.ports import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 151936  # Qwen2.5's padded vocabulary
 
 
@@ -33,12 +35,11 @@ def arithmetic_rows(count: int, seed: int = 0):
 
 def build(root: Path) -> dict:
     """Build everything under `root`; returns the paths."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from hf_tiny import save_tiny
+    from tests.helpers.hf_tiny import save_tiny
 
     from mindspeed_llm.data.offline_tokenizer import cached_qwen2_5_tokenizer
 
-    chat_template = (Path(__file__).parent / "fixtures" / "tokenizers" / "qwen2_5_chat_template.jinja").read_text()
+    chat_template = (ROOT / "tests" / "fixtures" / "tokenizers" / "qwen2_5_chat_template.jinja").read_text()
     tokenizer = str(cached_qwen2_5_tokenizer(chat_template=chat_template))
     paths = {"tokenizer": tokenizer}
     ids = dict(vocab_size=VOCAB, bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
@@ -93,16 +94,8 @@ def torchrun(argv: list, nproc: int = 2, env=None, timeout: int = 600, script: s
     """Run `script` (posttrain_gpt.py) under torchrun (gloo on CPU); returns the CompletedProcess."""
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", script, *argv]
+           f"--master_port={free_port()}", script, *argv]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=timeout)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_moe(root: Path, ep: int = 2) -> dict:
@@ -111,9 +104,8 @@ def build_moe(root: Path, ep: int = 2) -> dict:
     load-balancing coefficient 0.01) converted with `convert_hf_to_mg` for expert parallelism `ep`: {"tokenizer",
     "data", "mg_actor_tp1pp1" (dense), "mg_reward_tp1pp1" (dense), "hf_moe_actor", "mg_moe_actor_ep{ep}",
     "mg_moe_reward_ep{ep}"}."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    import word_task
-    from hf_tiny import save_tiny
+    from tests.helpers import word_task
+    from tests.helpers.hf_tiny import save_tiny
 
     from mindspeed_llm.checkpoint import convert_hf_to_mg
 

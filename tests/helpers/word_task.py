@@ -18,7 +18,7 @@ VOCAB = 256
 
 def build(root: Path, layouts=((1, 1),), reward: bool = False, prompts: int = 16, model_seed: int = 3) -> dict:
     """Write everything under `root`; returns {"tokenizer", "data", "mg_actor_tp{t}pp{p}", "mg_reward_tp{t}pp{p}"}."""
-    from hf_tiny import save_tiny, write_tokenizer
+    from tests.helpers.hf_tiny import save_tiny, write_tokenizer
 
     from mindspeed_llm.checkpoint import convert_hf_to_mg
 

@@ -18,7 +18,7 @@ import torch
 
 from mindspeed_llm.inference.continuous import Sample, Scheduler, split_capacity
 from mindspeed_llm.models.spec import ModelSpec
-from tests.multiproc import run_distributed
+from tests.helpers.multiproc import run_distributed
 
 EOS = 2
 

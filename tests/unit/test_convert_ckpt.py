@@ -15,39 +15,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_tiny import FAMILIES, build_tiny, save_tiny
+from tests.helpers.hf_tiny import FAMILIES, build_tiny, save_tiny
+from tests.helpers.convert_checks import assert_identical, convert_cli, hf_tensors
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import convert_ckpt  # noqa: E402
 from mindspeed_llm import checkpoint as ckpt  # noqa: E402
 from mindspeed_llm.checkpoint import megatron_layout as layout  # noqa: E402
-
-
-def _cli(*argv) -> int:
-    return convert_ckpt.main([str(a) for a in argv] + ["--no-progress"])
-
-
-def _hf_tensors(path):
-    out = {}
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    for file in files:
-        out.update(load_file(os.path.join(path, file)))
-    return out
-
-
-def _assert_identical(a, b):
-    assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))
-    for name in a:
-        assert a[name].dtype == b[name].dtype, (name, a[name].dtype, b[name].dtype)
-        assert torch.equal(a[name], b[name]), name
 
 
 # ------------------------------------------------------------------------------------------- round trips
@@ -58,16 +35,16 @@ def test_round_trip_bit_identical(tmp_path, family, orm):
     """HF -> mg (TP x PP in {1,2}^2) -> HF gives the same tensors, tied and untied, through the CLI."""
     for tie in (False, True):
         src = save_tiny(family, tmp_path / f"hf_{tie}", tie=tie, seq_cls=orm, num_layers=4, seed=7)
-        original = _hf_tensors(src)
+        original = hf_tensors(src)
         for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2)):
             mg, out = tmp_path / f"mg_{tie}_{tp}{pp}", tmp_path / f"out_{tie}_{tp}{pp}"
             flags = ["--orm"] if orm else []
-            assert _cli("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", src, "--save-dir", mg,
+            assert convert_cli("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", src, "--save-dir", mg,
                         "--target-tensor-parallel-size", tp, "--target-pipeline-parallel-size", pp, *flags) == 0
             assert layout.find_layout(layout.checkpoint_dir(mg, "release")) == (tp, pp)
-            assert _cli("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", mg,
+            assert convert_cli("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", mg,
                         "--save-dir", out, *flags) == 0
-            _assert_identical(original, _hf_tensors(out))
+            assert_identical(original, hf_tensors(out))
 
 
 def test_exports_load_in_transformers_with_same_outputs(tmp_path):
@@ -96,14 +73,14 @@ def test_exports_load_in_transformers_with_same_outputs(tmp_path):
 def test_reshard_mg_to_mg_and_iteration_checkpoints(tmp_path):
     src = save_tiny("qwen3", tmp_path / "hf", tie=True, num_layers=4, seed=1)
     ckpt.convert_hf_to_mg(src, tmp_path / "tp2", tp=2, pp=1, progress=False)
-    assert _cli("--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", tmp_path / "tp2",
+    assert convert_cli("--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", tmp_path / "tp2",
                 "--save-dir", tmp_path / "pp2", "--target-pipeline-parallel-size", 2) == 0
     assert layout.find_layout(tmp_path / "pp2" / "release") == (1, 2)
     # the same tensors: merge both back to one full state dict
     info = layout.checkpoint_info(tmp_path / "pp2")
     assert info["tp"] == 1 and info["pp"] == 2 and info["spec"] == ckpt.load_spec(tmp_path / "tp2")
     ckpt.convert_mg_to_hf(tmp_path / "pp2", tmp_path / "out", progress=False)
-    _assert_identical(_hf_tensors(src), _hf_tensors(tmp_path / "out"))
+    assert_identical(hf_tensors(src), hf_tensors(tmp_path / "out"))
     # a training-style iteration checkpoint is found through the tracker
     shard = layout.load_shard(tmp_path / "pp2", 0, 1)
     staging = layout.prepare_staging(tmp_path / "pp2", 20)
@@ -162,10 +139,10 @@ def test_dtypes(tmp_path):
     shard = layout.load_shard(tmp_path / "mg", 0, 0)["model"]
     assert {t.dtype for t in shard.values() if t is not None} == {torch.bfloat16}
     ckpt.convert_mg_to_hf(tmp_path / "mg", tmp_path / "out", progress=False)
-    _assert_identical(_hf_tensors(tmp_path / "hf"), _hf_tensors(tmp_path / "out"))
+    assert_identical(hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "out"))
     assert json.load(open(tmp_path / "out" / "config.json"))["torch_dtype"] == "bfloat16"
     ckpt.convert_mg_to_hf(tmp_path / "mg", tmp_path / "out32", params_dtype="fp32", progress=False)
-    assert {t.dtype for t in _hf_tensors(tmp_path / "out32").values()} == {torch.float32}
+    assert {t.dtype for t in hf_tensors(tmp_path / "out32").values()} == {torch.float32}
 
 
 def test_reads_sharded_safetensors_and_pytorch_bin(tmp_path):
@@ -192,8 +169,8 @@ def test_reads_sharded_safetensors_and_pytorch_bin(tmp_path):
                       open(src / "pytorch_model.bin.index.json", "w"))
         ckpt.convert_hf_to_mg(src, tmp_path / f"{fmt}_mg", tp=2, pp=2, progress=False)
         ckpt.convert_mg_to_hf(tmp_path / f"{fmt}_mg", tmp_path / f"{fmt}_out", progress=False)
-        out = _hf_tensors(tmp_path / f"{fmt}_out")
-        _assert_identical(state, out)
+        out = hf_tensors(tmp_path / f"{fmt}_out")
+        assert_identical(state, out)
 
 
 def test_tokenizer_files_travel(tmp_path):
@@ -209,7 +186,7 @@ def test_tokenizer_files_travel(tmp_path):
     # --tokenizer-dir wins
     bare = save_tiny("llama", tmp_path / "bare", seed=8)
     other = tmp_path / "tok"
-    from hf_tiny import write_tokenizer
+    from tests.helpers.hf_tiny import write_tokenizer
     write_tokenizer(other, 256)
     ckpt.convert_hf_to_mg(bare, tmp_path / "mg2", tokenizer_dir=str(other), progress=False)
     assert os.path.isfile(tmp_path / "mg2" / "tokenizer.json")
@@ -227,7 +204,7 @@ def test_model_type_aliases(tmp_path):
 # ------------------------------------------------------------------------------------------- errors
 
 def _error(capsys, *argv) -> str:
-    assert _cli(*argv) == 1
+    assert convert_cli(*argv) == 1
     return capsys.readouterr().err
 
 
@@ -463,7 +440,7 @@ def test_error_training_save_root_points_to_the_roles(tmp_path, capsys):
     err = _error(capsys, "--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", root,
                  "--save-dir", tmp_path / "mg2")
     assert "is a training --save directory" in err
-    assert _cli("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", root / "critic",
+    assert convert_cli("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", root / "critic",
                 "--save-dir", tmp_path / "out", "--orm") == 0
 
 
@@ -499,7 +476,7 @@ def test_write_errors_and_save_dirs_are_named(tmp_path, capsys, monkeypatch):
 
 
 def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, capsys):
-    from hf_tiny import write_tokenizer
+    from tests.helpers.hf_tiny import write_tokenizer
 
     src = save_tiny("llama", tmp_path / "hf", seed=12)  # a 256-token vocabulary
     big, fits = tmp_path / "big", tmp_path / "fits"

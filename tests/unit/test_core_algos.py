@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mindspeed_llm.rl import core_algos as ca
+from tests.helpers.threads import shards_in_threads
 
 
 def close(actual, expected, atol=1e-6):
@@ -282,30 +283,6 @@ def test_group_advantages_edge_cases():
 # ----------------------------------------------------------------------------------------------------
 # A batch split into shards: the totals / sum_across give the whole batch's numbers
 # ----------------------------------------------------------------------------------------------------
-def _shards_in_threads(fn, shards):
-    """Run fn(shard, sum_across) on every shard concurrently, with `sum_across` an in-process all-reduce."""
-    import threading
-
-    barrier = threading.Barrier(len(shards))
-    slots = [None] * len(shards)
-    results = [None] * len(shards)
-
-    def run(i):
-        def sum_across(t):
-            slots[i] = t
-            barrier.wait()
-            total = sum(slots[1:], slots[0])
-            barrier.wait()  # everyone has read the slots before they are reused
-            return total
-
-        results[i] = fn(shards[i], sum_across)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(shards))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
 
 
 def test_split_batch_losses_add_up_to_the_whole_batch():
@@ -347,17 +324,17 @@ def test_sum_across_shards_gives_the_whole_batch_statistics():
     g = torch.Generator().manual_seed(1)
     x, mask = torch.randn(6, 4, generator=g), (torch.rand(6, 4, generator=g) > 0.3).float()
     shards = [(x[:2], mask[:2]), (x[2:], mask[2:])]
-    whitened = _shards_in_threads(lambda s, sum_across: ca.masked_whiten(s[0], s[1], sum_across=sum_across), shards)
+    whitened = shards_in_threads(lambda s, sum_across: ca.masked_whiten(s[0], s[1], sum_across=sum_across), shards)
     close(torch.cat(whitened), ca.masked_whiten(x, mask))
-    kept = _shards_in_threads(lambda s, sum_across: ca.masked_whiten(s[0], s[1], False, sum_across=sum_across), shards)
+    kept = shards_in_threads(lambda s, sum_across: ca.masked_whiten(s[0], s[1], False, sum_across=sum_across), shards)
     close(torch.cat(kept), ca.masked_whiten(x, mask, shift_mean=False))
     # GAE's whitening, and the batch std of group advantages (groups never span shards)
     values = torch.randn(6, 4, generator=g)
-    gae = _shards_in_threads(lambda s, sum_across: ca.compute_gae(s[0], s[1], s[2], 1.0, 0.95, sum_across=sum_across)[0],
+    gae = shards_in_threads(lambda s, sum_across: ca.compute_gae(s[0], s[1], s[2], 1.0, 0.95, sum_across=sum_across)[0],
                              [(x[:2], values[:2], mask[:2]), (x[2:], values[2:], mask[2:])])
     close(torch.cat(gae), ca.compute_gae(x, values, mask, 1.0, 0.95)[0])
     scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5, 0.0, float("nan"), 2.0])
-    adv = _shards_in_threads(lambda s, sum_across: ca.group_advantages(s, 2, scale="batch", sum_across=sum_across),
+    adv = shards_in_threads(lambda s, sum_across: ca.group_advantages(s, 2, scale="batch", sum_across=sum_across),
                              [scores[:4], scores[4:]])
     close(torch.cat(adv), ca.group_advantages(scores, 2, scale="batch"))
     # the local statistics of one shard are not the batch's: the reduction matters here
@@ -376,7 +353,6 @@ def test_rloo_advantages_hand_computed():
         ca.rloo_advantages(scores, 3, scale="group")
     assert ca.ADV_ESTIMATORS["rloo"].fn is ca.rloo_advantages
     assert ca.ADV_ESTIMATORS["grpo"].fn(scores[:3], 3).tolist() == ca.group_advantages(scores[:3], 3).tolist()
-
 
 
 def test_critic_mask_leaves_out_rows_the_loss_mask_took_out():

@@ -7,12 +7,8 @@ from pathlib import Path
 
 import pytest
 
-try:
-    from fixtures_data import (ALPACA_JSON, DAPO, DEEPSCALER, ROOT, load_json_rows, preprocess_args, qwen_tok,
-                               qwen_tok_dir, run_preprocess)  # noqa: F401
-except ImportError:
-    from tests.fixtures_data import (ALPACA_JSON, DAPO, DEEPSCALER, ROOT, load_json_rows, preprocess_args, qwen_tok,
-                                     qwen_tok_dir, run_preprocess)  # noqa: F401
+from tests.helpers.fixtures_data import (ALPACA_JSON, DAPO, DEEPSCALER, ROOT, load_json_rows,
+                                         preprocess_args, qwen_tok, qwen_tok_dir, run_preprocess)  # noqa: F401
 
 from mindspeed_llm.data import (DataError, DatasetNotFoundError, InputFormatError, MissingColumnError,
                                 OutputExistsError, PromptDataset, UnknownNameError)
@@ -211,10 +207,7 @@ def test_read_only_output_folder_fails_before_tokenizing(tmp_path):
     import shutil
     import tempfile
 
-    try:
-        from fixtures_data import run_forked
-    except ImportError:
-        from tests.fixtures_data import run_forked
+    from tests.helpers.fixtures_data import run_forked
 
     base = Path(tempfile.mkdtemp(prefix="ro-out-"))  # outside root's 0700 pytest folder
     try:

@@ -7,14 +7,9 @@ from pathlib import Path
 
 import pytest
 
-try:
-    from fixtures_data import (ALPACA_JSON, ALPACA_PARQUET, CASES, DAPO, DEEPSCALER, QWEN25_CHAT_TEMPLATE, ROOT,
-                               load_json_rows, load_parquet_rows, preprocessed, qwen_tok, qwen_tok_dir,
-                               run_preprocess)  # noqa: F401
-except ImportError:
-    from tests.fixtures_data import (ALPACA_JSON, ALPACA_PARQUET, CASES, DAPO, DEEPSCALER, QWEN25_CHAT_TEMPLATE,
-                                     ROOT, load_json_rows, load_parquet_rows, preprocessed, qwen_tok, qwen_tok_dir,
-                                     run_preprocess)  # noqa: F401
+from tests.helpers.fixtures_data import (ALPACA_JSON, ALPACA_PARQUET, CASES, DAPO, DEEPSCALER,
+                                         QWEN25_CHAT_TEMPLATE, ROOT, load_json_rows, load_parquet_rows,
+                                         preprocessed, qwen_tok, qwen_tok_dir, run_preprocess)  # noqa: F401
 
 from mindspeed_llm.data import IGNORE_INDEX, PromptDataset, get_template
 from mindspeed_llm.data.preprocess import _config_defaults, build_parser

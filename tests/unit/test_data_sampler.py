@@ -3,10 +3,7 @@ import json
 
 import pytest
 
-try:
-    from fixtures_data import preprocessed, qwen_tok, qwen_tok_dir  # noqa: F401
-except ImportError:
-    from tests.fixtures_data import preprocessed, qwen_tok, qwen_tok_dir  # noqa: F401
+from tests.helpers.fixtures_data import preprocessed, qwen_tok, qwen_tok_dir  # noqa: F401
 
 from mindspeed_llm.data import DataError, NotEnoughPromptsError, PromptDataLoader, PromptDataset, PromptSampler
 

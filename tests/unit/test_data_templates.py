@@ -3,12 +3,9 @@ import json
 
 import pytest
 
-try:
-    from fixtures_data import (ROOT, CHATML_TEMPLATE, EMPTY_TEMPLATE, LLAMA3_TEMPLATE, QWEN2_TEMPLATE,
-                               QWEN25_CHAT_TEMPLATE, SMOLLM2_TEMPLATE, qwen_tok, qwen_tok_dir)  # noqa: F401
-except ImportError:
-    from tests.fixtures_data import (ROOT, CHATML_TEMPLATE, EMPTY_TEMPLATE, LLAMA3_TEMPLATE, QWEN2_TEMPLATE,
-                                     QWEN25_CHAT_TEMPLATE, SMOLLM2_TEMPLATE, qwen_tok, qwen_tok_dir)  # noqa: F401
+from tests.helpers.fixtures_data import (ROOT, CHATML_TEMPLATE, EMPTY_TEMPLATE, LLAMA3_TEMPLATE,
+                                         QWEN2_TEMPLATE, QWEN25_CHAT_TEMPLATE, SMOLLM2_TEMPLATE, qwen_tok,
+                                         qwen_tok_dir)  # noqa: F401
 
 from mindspeed_llm.data import UnknownNameError, get_template, load_templates
 

@@ -2,10 +2,8 @@
 import json
 import unicodedata
 
-try:
-    from fixtures_data import ALPACA_JSON, DAPO, DEEPSCALER, load_json_rows, load_parquet_rows, qwen_tok, qwen_tok_dir  # noqa: F401
-except ImportError:  # tests/ imported as a package
-    from tests.fixtures_data import ALPACA_JSON, DAPO, DEEPSCALER, load_json_rows, load_parquet_rows, qwen_tok, qwen_tok_dir  # noqa: F401
+from tests.helpers.fixtures_data import (ALPACA_JSON, DAPO, DEEPSCALER, load_json_rows, load_parquet_rows,
+                                         qwen_tok, qwen_tok_dir)  # noqa: F401
 
 # Token ids published for Qwen2.5-Instruct (printed by apply_chat_template / tokenizer calls in
 # public Qwen2.5 examples).

@@ -6,17 +6,14 @@ patches do not leak into the other tests of the session.
 """
 
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).parent))
-from device_guard import DEVICE, HOST, MARKER, DeviceMixError, virtual_device  # noqa: E402
-from multiproc import free_port, run_distributed  # noqa: E402
+from tests.helpers.device_guard import DEVICE, HOST, MARKER, DeviceMixError, virtual_device  # noqa: E402
+from tests.helpers.multiproc import run_distributed  # noqa: E402
+from tests.helpers.ports import free_port  # noqa: E402
 
 from mindspeed_llm import device  # noqa: E402
 

@@ -16,10 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-try:
-    from fixtures_data import DEEPSCALER, load_json_rows, preprocess_args, qwen_tok_dir, run_forked  # noqa: F401
-except ImportError:
-    from tests.fixtures_data import DEEPSCALER, load_json_rows, preprocess_args, qwen_tok_dir, run_forked  # noqa: F401
+from tests.helpers.fixtures_data import (DEEPSCALER, load_json_rows, preprocess_args, qwen_tok_dir,
+                                         run_forked)  # noqa: F401
 
 from mindspeed_llm.data import OutputExistsError, PromptDataset
 from mindspeed_llm.data.preprocess import main, preprocess
@@ -27,7 +25,7 @@ from mindspeed_llm.data.writer import FAULT_ENV, existing_outputs, meta_path
 
 R1 = "R1AlpacaStyleInstructionHandler"
 DS_KEYS = {"prompt": "problem", "labels": "answer"}
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def listing(folder: Path):
@@ -202,7 +200,7 @@ def _poison(path, name, nan=3, inf=1):
 
 
 def test_convert_refuses_non_finite_weights_in_every_direction(tmp_path, capsys):
-    from hf_tiny import save_tiny
+    from tests.helpers.hf_tiny import save_tiny
     from safetensors.torch import load_file
 
     from mindspeed_llm.checkpoint import megatron_layout as layout
@@ -242,7 +240,7 @@ def test_convert_refuses_non_finite_weights_in_every_direction(tmp_path, capsys)
 
 
 def test_convert_refuses_a_dtype_that_overflows(tmp_path, capsys):
-    from hf_tiny import save_tiny
+    from tests.helpers.hf_tiny import save_tiny
     from safetensors.torch import load_file, save_file
 
     src = save_tiny("llama", tmp_path / "hf", num_layers=2, seed=22)

@@ -22,7 +22,7 @@ from mindspeed_llm import compat_flags
 from mindspeed_llm.arguments import build_parser
 from mindspeed_llm.run_config import GENERATE, MEGATRON, RL, SAMPLING, Nested, Slot
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TABLES = ("run_config.py", "compat_flags.py")
 
 

@@ -11,8 +11,7 @@ from mindspeed_llm.rl.logprobs import reference_logprobs, vocab_parallel_logprob
 
 # The helper is imported by plain module name whether or not tests/ is a package, so the spawned
 # workers (which inherit sys.path) can unpickle its functions.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dist_helpers_logprobs import run_gloo, tp_logprobs_worker  # noqa: E402
+from tests.helpers.gloo_logprobs import run_gloo, tp_logprobs_worker  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 

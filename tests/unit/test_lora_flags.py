@@ -5,7 +5,7 @@ import pytest
 
 from mindspeed_llm import compat_flags
 from mindspeed_llm.arguments import ArgumentError, parse_args
-from test_run_config import _error, grpo_file, parsed, ppo_file, write  # noqa: F401 (fixtures of that module)
+from tests.helpers.mindspeed_rl_configs import config_error, grpo_file, parsed, ppo_file, write
 
 BASE = ["--stage", "grpo", "--ref-model", "m", "--data-path", "d", "--global-batch-size", "8", "--train-iters", "1",
         "--verifier-function", "math_acc"]
@@ -90,16 +90,16 @@ def test_frozen_roles_lora_keys_are_ignored_and_the_critics_must_be_the_actors(t
     assert "reward_config.lora_target_modules" in ignored
     data = _lora_megatron(ppo_file())
     data["critic_config"]["lora_r"] = 8
-    assert "critic_config.lora_r: 8 differs from the run's --lora-r 128" in _error(tmp_path, data)
+    assert "critic_config.lora_r: 8 differs from the run's --lora-r 128" in config_error(tmp_path, data)
 
 
 def test_share_backbone_needs_lora_and_false_is_refused_with_it(tmp_path):
     data = grpo_file()
     data["rl_config"]["share_backbone"] = True
-    assert "needs LoRA adapters to switch off" in _error(tmp_path, data)
+    assert "needs LoRA adapters to switch off" in config_error(tmp_path, data)
     data = _lora_megatron(grpo_file())
     data["rl_config"]["share_backbone"] = False
-    assert "with LoRA the reference here is always the actor's base" in _error(tmp_path, data)
+    assert "with LoRA the reference here is always the actor's base" in config_error(tmp_path, data)
     data = grpo_file()
     data["rl_config"]["share_backbone"] = True  # LoRA from the command line
     assert parsed(["--config", write(tmp_path, data), "--lora-target-modules", "linear_qkv"], 16)["lora"]

@@ -3,7 +3,6 @@
 
 import json
 import os
-import socket
 import time
 from contextlib import closing
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 from mindspeed_llm.rl import metrics as M
+from tests.helpers.ports import free_port
 
 
 class FakeClock:
@@ -92,12 +92,6 @@ def test_reduce_without_distributed_returns_input():
     assert M.reduce_metrics({"b": 2, "a/max": 1.5}) == {"a/max": 1.5, "b": 2.0}
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _reduce_worker(rank, world_size, port, out_dir):
     import torch.distributed as dist
 
@@ -130,7 +124,7 @@ def _reduce_worker(rank, world_size, port, out_dir):
 def test_reduce_metrics_two_gloo_ranks(tmp_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(_reduce_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_reduce_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert res["mean"] == {"actor/pg_loss": 2.0, "grpo/score/mean": 0.5, "math_acc_rewards/failures": 3.0,

@@ -13,12 +13,12 @@ import sys
 
 import pytest
 
-from multiproc import run_distributed
-from stage_assets import posttrain_argv
+from tests.helpers.multiproc import run_distributed
+from tests.helpers.stage_assets import posttrain_argv
 from mindspeed_llm import compat_flags
 from mindspeed_llm.arguments import ArgumentError, parse_args
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
@@ -275,7 +275,7 @@ def test_split_evaluates_on_the_valid_part_and_trains_on_the_rest(stage_paths, t
 @pytest.fixture(scope="module")
 def llama_tied(tmp_path_factory):
     """A tiny tied Llama 3 style checkpoint (llama3 RoPE scaling factor 8, rope_theta 500000, 4 heads, 2 groups)."""
-    from hf_tiny import save_tiny
+    from tests.helpers.hf_tiny import save_tiny
     from mindspeed_llm.checkpoint import convert_hf_to_mg
 
     root = tmp_path_factory.mktemp("llama_tied")
@@ -440,7 +440,7 @@ def test_convert_ckpt_parses_mindspeed_spellings_and_no_abbreviations():
 
 def test_convert_ckpt_runs_the_mindspeed_orm_command(tmp_path):
     import convert_ckpt
-    from hf_tiny import save_tiny
+    from tests.helpers.hf_tiny import save_tiny
 
     save_tiny("llama", tmp_path / "HF", seq_cls=True)
     (tmp_path / "tok").mkdir()

@@ -12,7 +12,7 @@ import torch
 
 from mindspeed_llm.checkpoint import megatron_layout as layout
 from mindspeed_llm.models.spec import ModelSpec
-from tests.multiproc import run_distributed
+from tests.helpers.multiproc import run_distributed
 
 MOE = ModelSpec(family="qwen3_moe", num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
                 num_query_groups=2, kv_channels=8, vocab_size=64, qk_layernorm=True, num_experts=4,

@@ -15,8 +15,8 @@ import os
 import pytest
 import torch
 
-from hf_tiny import MOE_VARIANTS, build_tiny, save_tiny
-from test_convert_ckpt import _assert_identical, _cli, _hf_tensors
+from tests.helpers.hf_tiny import MOE_VARIANTS, build_tiny, save_tiny
+from tests.helpers.convert_checks import assert_identical, convert_cli, hf_tensors
 
 from mindspeed_llm.checkpoint import convert_hf_to_mg, convert_mg_to_hf, convert_mg_to_mg  # noqa: E402
 from mindspeed_llm.checkpoint import megatron_layout as layout  # noqa: E402
@@ -108,11 +108,11 @@ def test_round_trip_bit_identical(tmp_path, name, orm):
     """HF -> mg at every layout -> HF gives the same tensors (and the shards hold the right experts)."""
     family = MOE_VARIANTS[name][0]
     src = _save(tmp_path, name, seq_cls=orm)
-    original = _hf_tensors(src)
+    original = hf_tensors(src)
     flags = ["--orm"] if orm else []
     for label, (args, stored, folders) in LAYOUTS.items():
         mg, out = tmp_path / f"mg_{label}", tmp_path / f"out_{label}"
-        assert _cli("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", src, "--save-dir", mg,
+        assert convert_cli("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", src, "--save-dir", mg,
                     *args, *flags) == 0
         ckpt = layout.checkpoint_dir(mg, "release")
         assert sorted(n for n in os.listdir(ckpt) if n.startswith("mp_rank")) == folders, label
@@ -120,9 +120,9 @@ def test_round_trip_bit_identical(tmp_path, name, orm):
         info = layout.checkpoint_info(mg)
         assert (info["ep"], info["etp"], info["value_head"]) == (stored[2], stored[3], orm)
         _check_expert_shards(mg, src, original, family, *stored)
-        assert _cli("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", mg, "--save-dir", out,
+        assert convert_cli("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", mg, "--save-dir", out,
                     *flags) == 0
-        _assert_identical(original, _hf_tensors(out))
+        assert_identical(original, hf_tensors(out))
 
 
 def test_exports_load_in_transformers_identically(tmp_path):
@@ -140,7 +140,7 @@ def test_exports_load_in_transformers_identically(tmp_path):
             src = tmp_path / f"{name}_{seq_cls}"
             model.save_pretrained(src)
             spec = ModelSpec.from_hf_config(model.config.to_dict())
-            written = {k[len("model."):] for k in _hf_tensors(src) if k.startswith("model.")}
+            written = {k[len("model."):] for k in hf_tensors(src) if k.startswith("model.")}
             assert written == {n for i in range(NUM_LAYERS) for n in hfm.hf_layer_names(spec, i)} | {
                 "embed_tokens.weight", "norm.weight"}, name
             mg, out = tmp_path / f"mg_{name}_{seq_cls}", tmp_path / f"out_{name}_{seq_cls}"
@@ -168,7 +168,7 @@ def test_fused_expert_format_reads_like_the_hub_format(tmp_path):
         hub, fused = tmp_path / f"hub_{name}", tmp_path / f"fused_{name}"
         model.save_pretrained(hub)
         model.save_pretrained(fused, save_original_format=False)
-        names = _hf_tensors(fused)
+        names = hf_tensors(fused)
         assert any(k.endswith("mlp.experts.gate_up_proj") for k in names), sorted(names)[:8]  # really fused
         for kw in (dict(tp=2, ep=2), dict(tp=2, ep=2, etp=1), dict(pp=2, ep=2)):
             a, b = tmp_path / f"a_{name}", tmp_path / f"b_{name}"
@@ -182,7 +182,7 @@ def test_reshard_between_expert_layouts(tmp_path):
     to the original HF tensors and gives the same shards as converting from HF at that layout."""
     for name in ("qwen2_moe", "qwen3_moe-mixed"):
         src = _save(tmp_path, name, seed=9)
-        original = _hf_tensors(src)
+        original = hf_tensors(src)
         chain = [dict(tp=2, ep=2), dict(tp=2), dict(tp=2, moe_tp_extend_ep=True), dict(pp=2, ep=2),
                  dict(tp=2, ep=2, etp=1), dict()]
         previous = tmp_path / f"{name}_0"
@@ -194,7 +194,7 @@ def test_reshard_between_expert_layouts(tmp_path):
             _assert_same_shards(target, direct, (name, kw))
             out = tmp_path / f"{name}_{hop}_hf"
             convert_mg_to_hf(target, out, progress=False)
-            _assert_identical(original, _hf_tensors(out))
+            assert_identical(original, hf_tensors(out))
             previous = target
 
 
@@ -220,13 +220,13 @@ def test_other_sizes_round_trip(tmp_path):
         expected_ep = kw.get("ep", 1) * (kw["tp"] if kw.get("moe_tp_extend_ep") else 1)
         assert info["ep"] == expected_ep
         convert_mg_to_hf(mg, out, progress=False)
-        _assert_identical(_hf_tensors(src), _hf_tensors(out))
+        assert_identical(hf_tensors(src), hf_tensors(out))
 
 
 # ------------------------------------------------------------------------------------------- errors
 
 def _convert_error(capsys, *argv):
-    assert _cli(*argv) == 1
+    assert convert_cli(*argv) == 1
     return capsys.readouterr().err
 
 

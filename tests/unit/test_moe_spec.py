@@ -174,7 +174,7 @@ def _grouped_gemm_fallback(rank, world_size):
 
 
 def test_grouped_gemm_falls_back_to_sequential_mlp_where_no_kernel():
-    from tests.multiproc import run_distributed
+    from tests.helpers.multiproc import run_distributed
 
     result = run_distributed(_grouped_gemm_fallback, 1)[0]  # its own process: the CPU patches stay there
     if result["kernel"] is not None:

@@ -257,7 +257,7 @@ def test_partial_rollout_implies_recomputed_old_logprobs_and_a_default_budget():
 
 
 def test_mindspeed_partial_rollout_max_split_maps_to_the_flags(tmp_path):
-    from test_run_config import GRPO_FLAGS, _error, grpo_file, parsed, write
+    from tests.helpers.mindspeed_rl_configs import GRPO_FLAGS, config_error, grpo_file, parsed, write
 
     data = grpo_file()
     data["rl_config"]["partial_rollout_max_split"] = 4
@@ -266,7 +266,7 @@ def test_mindspeed_partial_rollout_max_split_maps_to_the_flags(tmp_path):
     data["rl_config"]["partial_rollout_max_split"] = 1  # MindSpeed-RL's default: off
     assert parsed(["--config", write(tmp_path, data)], 16) == parsed(GRPO_FLAGS, 16)
     data["rl_config"]["partial_rollout_max_split"] = 0
-    assert "rl_config.partial_rollout_max_split: 0 must be an integer >= 1" in _error(tmp_path, data)
+    assert "rl_config.partial_rollout_max_split: 0 must be an integer >= 1" in config_error(tmp_path, data)
 
 
 def test_an_actor_the_continuous_engine_cannot_run_is_refused(monkeypatch):
@@ -351,7 +351,7 @@ def test_a_carried_sample_is_one_generation_whose_weights_changed_at_the_cut(tas
     """Greedy: the carried sample's response is W0's first k tokens, then W1's continuation of prompt + those k
     (a fresh generation from that longer prompt), with each part's log-probs; it is neither W0's nor W1's whole
     uninterrupted response."""
-    from multiproc import run_distributed
+    from tests.helpers.multiproc import run_distributed
 
     out = run_distributed(_weights_change_at_the_cut, 1, task["mg_actor_tp1pp1"])[0]
     second, head, tail = out["second"], out["head"], out["tail"]
@@ -383,7 +383,7 @@ sys.exit(posttrain_gpt.main(sys.argv[1:]))
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    import word_task
+    from tests.helpers import word_task
 
     return word_task.build(tmp_path_factory.mktemp("partial_task"), reward=True)
 
@@ -420,8 +420,9 @@ def test_kill_and_resume_gives_the_same_metrics_and_weights(task, tmp_path, stag
     import sys
     from pathlib import Path
 
-    from test_faults import ROOT, _env
-    from test_layout_invariance import _full_weights
+    from tests.helpers.multiproc import single_rank_env
+    from tests.helpers.stage_layouts import full_weights
+    from tests.helpers.stage_assets import ROOT
 
     whole, split = tmp_path / "whole", tmp_path / "split"
     driver = tmp_path / "kill_after_save.py"
@@ -429,7 +430,7 @@ def test_kill_and_resume_gives_the_same_metrics_and_weights(task, tmp_path, stag
 
     def run(script, out, **env):
         return subprocess.run([sys.executable, str(script), *_stage_argv(task, out, stage)], cwd=ROOT,
-                              capture_output=True, text=True, env=dict(_env(), **env), timeout=300)
+                              capture_output=True, text=True, env=dict(single_rank_env(), **env), timeout=300)
 
     done = run(Path(ROOT) / "posttrain_gpt.py", whole)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -450,7 +451,7 @@ def test_kill_and_resume_gives_the_same_metrics_and_weights(task, tmp_path, stag
     assert max(r["partial_rollout/max_staleness"] for r in rows["whole"]) >= 1
     assert os.path.exists(split / "latest_checkpointed_iteration.txt")
     for role in ("actor",) + (("critic",) if stage == "trl_ppo" else ()):
-        a, b = _full_weights(whole, role), _full_weights(split, role)
+        a, b = full_weights(whole, role), full_weights(split, role)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), role
 
 
@@ -460,8 +461,8 @@ def test_dp2_trains_what_dp1_trains(task, tmp_path):
     metrics and rewards), the losses to float rounding (another reduction order)."""
     import json
 
-    from multiproc import run_distributed
-    from test_dynamic_sampling import _stage_runs
+    from tests.helpers.multiproc import run_distributed
+    from tests.helpers.stage_layouts import run_stages
 
     def argv(out):
         return ["--stage", "grpo", "--micro-batch-size", "2", "--global-batch-size", "4", "--n-samples-per-prompt",
@@ -472,8 +473,8 @@ def test_dp2_trains_what_dp1_trains(task, tmp_path):
                 "--stop-token-ids", ",".join(map(str, range(100, 140))), "--metrics-jsonl", str(out / "m.jsonl"),
                 "--no-check-for-divergence"]
 
-    run_distributed(_stage_runs, 2, [argv(tmp_path / "dp2")])
-    run_distributed(_stage_runs, 1, [argv(tmp_path / "dp1")])
+    run_distributed(run_stages, 2, [argv(tmp_path / "dp2")])
+    run_distributed(run_stages, 1, [argv(tmp_path / "dp1")])
     rows = {dp: [json.loads(line) for line in (tmp_path / dp / "m.jsonl").read_text().splitlines()]
             for dp in ("dp1", "dp2")}
     assert any(r["partial_rollout/waiting"] > 0 for r in rows["dp1"])

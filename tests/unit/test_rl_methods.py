@@ -73,7 +73,7 @@ def test_reinforce_plus_plus_baseline_by_hand():
 
 
 def test_token_estimators_take_the_whole_batch_statistics():
-    from test_core_algos import _shards_in_threads
+    from tests.helpers.threads import shards_in_threads
 
     g = torch.Generator().manual_seed(3)
     mask = (torch.rand(8, 5, generator=g) > 0.3).float()
@@ -82,7 +82,7 @@ def test_token_estimators_take_the_whole_batch_statistics():
     for name in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
         fn = ca.ADV_ESTIMATORS[name].fn
         whole = fn(rewards, mask, 2, gamma=0.9)
-        halves = _shards_in_threads(lambda s, sum_across: fn(s[0], s[1], 2, gamma=0.9, sum_across=sum_across),
+        halves = shards_in_threads(lambda s, sum_across: fn(s[0], s[1], 2, gamma=0.9, sum_across=sum_across),
                                     [(rewards[:4], mask[:4]), (rewards[4:], mask[4:])])
         close(torch.cat(halves), whole)
         assert not torch.allclose(fn(rewards[:4], mask[:4], 2, gamma=0.9), whole[:4])  # the reduction matters

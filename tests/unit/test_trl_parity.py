@@ -35,7 +35,6 @@ The methods selected by flag (issue 16), on the same stubbed ``GRPOTrainer._comp
 import math
 import types
 import warnings
-from collections import defaultdict
 
 import pytest
 import torch
@@ -49,6 +48,7 @@ with warnings.catch_warnings():
 
 from mindspeed_llm.rl import core_algos as ca
 from mindspeed_llm.rl.logprobs import vocab_parallel_logprobs
+from tests.helpers.trl_reference import trl_grpo
 
 ATOL = 1e-6
 
@@ -300,45 +300,6 @@ class _LogitsModel:
         return types.SimpleNamespace(logits=self.logits)
 
 
-def _trl_grpo(loss_type, beta, entropy_coef, temperature, eps, eps_high, max_completion_length, model, gas, spg,
-              importance_sampling_level="token", vllm_is=False):
-    trainer = object.__new__(GRPOTrainer)  # no __init__: only the attributes _compute_loss reads
-    accelerator = types.SimpleNamespace(
-        num_processes=1,
-        is_main_process=True,
-        sync_gradients=True,
-        gather=lambda t: t,
-        gather_for_metrics=lambda t: t,
-        reduce=lambda t, reduction="sum": t,
-    )
-    attrs = {
-        "accelerator": accelerator,
-        "model": model,
-        "model_kwarg_keys": (),
-        "temperature": temperature,
-        "loss_type": loss_type,
-        "beta": beta,
-        "epsilon_low": eps,
-        "epsilon_high": eps_high,
-        "importance_sampling_level": importance_sampling_level,
-        "top_entropy_quantile": 1.0,
-        "off_policy_mask_threshold": None,
-        "use_vllm": vllm_is,
-        "vllm_importance_sampling_correction": vllm_is,
-        "aux_loss_enabled": False,
-        "max_completion_length": max_completion_length,
-        "current_gradient_accumulation_steps": gas,
-        "entropy_coef": entropy_coef,
-        "use_adaptive_entropy": False,
-        "_entropy_bonus_enabled": entropy_coef != 0.0,
-        "_metrics": {"train": defaultdict(list), "eval": defaultdict(list)},
-        "args": types.SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=spg),
-    }
-    for name, value in attrs.items():
-        setattr(trainer, name, value)
-    return trainer
-
-
 GRPO_LOSS_TYPES = {  # TRL loss_type -> our aggregation mode
     "grpo": "seq-mean-token-mean",
     "bnpo": "token-mean",
@@ -383,7 +344,7 @@ def test_grpo_loss_matches_trl_compute_loss(loss_type, beta, entropy_coef):
         "num_items_in_batch": num_items_in_batch,
     }
     model = _LogitsModel(full)
-    trainer = _trl_grpo(loss_type, beta, entropy_coef, temperature, eps, eps_high, max_completion_length, model, gas, spg)
+    trainer = trl_grpo(loss_type, beta, entropy_coef, temperature, eps, eps_high, max_completion_length, model, gas, spg)
     trl_loss = trainer._compute_loss(model, inputs)
 
     # our side: fused log-probs + entropy, then one policy_loss call
@@ -460,7 +421,7 @@ def _compare_with_trl(comp_logits, head, tail, inputs, trainer_kwargs, ours_kwar
     """TRL's _compute_loss vs policy_loss: loss and gradient w.r.t. the logits. Returns (ours, TRL's trainer)."""
     logits_trl = comp_logits.clone().requires_grad_()
     model = _LogitsModel(torch.cat([head, logits_trl, tail], 1))
-    trainer = _trl_grpo(loss_type, trainer_kwargs.pop("beta", 0.0), 0.0, 0.7, model=model, gas=1, spg=1,
+    trainer = trl_grpo(loss_type, trainer_kwargs.pop("beta", 0.0), 0.0, 0.7, model=model, gas=1, spg=1,
                         max_completion_length=12, **trainer_kwargs)
     trl_loss = trainer._compute_loss(model, inputs)
     logits_ours = comp_logits.clone().requires_grad_()
