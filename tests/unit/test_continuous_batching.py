@@ -1,0 +1,182 @@
+"""The continuous-batching engine (`mindspeed_llm/inference/continuous.py`).
+
+* its scheduler alone (host-side, no model): admission in batch order into freed slots, rows kept packed (a tail row
+  moves into a hole), prefill windows shared with a sample in flight, prefills packed and chunked under the token
+  cap, the decode budget;
+* a tiny mixture of experts at EP2 on 2 gloo processes (all-to-all dispatcher), the ranks holding other prompts
+  (GRPO groups of 2) and budgets, one rank with nothing to generate in one case: the continuous engine at 3 rows
+  in flight gives the static engine's tokens (greedy and sampled), log-probs within 2e-5 and the same recorded
+  routing, and both peers run the same number of forwards (dummy ones where a rank has less to do).
+
+The dense layouts (TP1 x DP2, TP2, PP2) are compared with the static engine and `transformers` in
+tests/test_generate.py, in its spawns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mindspeed_llm.inference.continuous import Sample, Scheduler, split_capacity
+from mindspeed_llm.models.architecture import ArchitectureSpec
+from tests.helpers.multiproc import run_distributed
+
+EOS = 2
+
+
+def _scheduler(prompts, budgets, capacities, token_cap=None, share=True, max_decode_steps=None):
+    samples = [Sample(list(p), len(p), n) for p, n in zip(prompts, budgets)]
+    for s in samples:
+        if s.budget == 0:
+            s.reason = "length"
+    return Scheduler(samples, capacities, token_cap=token_cap, share_prefill=share, pad_id=0, eos_ids=[EOS],
+                     stop_ids=[], max_decode_steps=max_decode_steps)
+
+
+def test_split_capacity():
+    assert split_capacity(7, 3, None) == [3, 2, 2]
+    assert split_capacity(2, 4, None) == [1, 1, 0, 0]
+    assert split_capacity(9, 2, 3) == [3, 3]
+
+
+def test_slots_are_reused_in_order_and_rows_stay_packed():
+    s = _scheduler([[5, 6, 7], [8, 9], [10], [11, 12, 13, 14], [15, 16]], [3, 1, 2, 3, 1], [3])
+    u = s.decide(0, 0)
+    assert u.decode.samples == [0, 1, 2] and u.decode.base == 0
+    assert u.decode.positions == [2, 1, 0] and u.decode.tokens == [7, 9, 10] and u.decode.steps == [0, 0, 0]
+    # one prefill forward for the two rows with a window (the one-token prompt has none), right-padded
+    (p,) = u.prefills
+    assert p.samples == [1, 0] and p.slots == [1, 0] and p.start == 0 and p.width == 2 and p.counts == [1, 2]
+    assert p.tokens == [[8, 0], [5, 6]]
+    s.apply(u, [20, 21, 22])  # sample 1 is at its budget of 1
+    assert s.samples[1].reason == "length" and s.samples[1].known == [8, 9, 21]
+    u = s.decide(1, 0)
+    assert u.decode.samples == [0, 3, 2] and not u.moves  # sample 3 takes the freed slot 1
+    assert u.decode.positions == [3, 3, 1] and u.decode.steps == [1, 0, 1]
+    s.apply(u, [EOS, 30, 31])  # sample 0 stops on EOS, sample 2 at its budget
+    assert [s.samples[b].reason for b in (0, 2)] == ["eos", "length"]
+    u = s.decide(2, 0)  # sample 3 keeps slot 1, the new sample 4 takes the hole at slot 0
+    assert u.decode.samples == [4, 3] and not u.moves
+    s.apply(u, [40, 41])  # sample 4 at its budget
+    u = s.decide(3, 0)
+    assert u.decode.samples == [3] and u.moves == [(1, 0, 5)]  # the row left in slot 1 moves into the hole
+    s.apply(u, [50])
+    assert not s.busy() and s.decide(4, 0).decode is None
+    assert s.stats["decode_row_steps"] == sum(len(x.known) - x.prompt_length for x in s.samples) == 9
+
+
+def test_prefill_windows_are_shared_with_samples_in_flight():
+    group = [3, 4, 5, 6]
+    s = _scheduler([group] * 3 + [[7, 8]] * 2, [4, 1, 2, 3, 3], [2])
+    u = s.decide(0, 0)
+    assert [p.samples for p in u.prefills] == [[0]]  # one prefill, the sibling copies it
+    assert u.copies == [(0, 1, 3, 0, 1)]
+    s.apply(u, [9, 9])  # sample 1 done
+    u = s.decide(1, 0)  # sample 2 copies sample 0's rows, still in flight
+    assert not u.prefills and u.copies == [(0, 1, 3, 0, 2)]
+    s.apply(u, [EOS, 9])  # sample 0 done: [7, 8] has no holder, sample 2 still holds `group`
+    u = s.decide(2, 0)
+    assert [p.samples for p in u.prefills] == [[3]] and u.copies == []
+    s.apply(u, [9, 9])  # sample 2 done; sample 4 copies sample 3's one-token window
+    u = s.decide(3, 0)
+    assert u.decode.samples == [3, 4] and u.copies == [(0, 1, 1, 3, 4)]
+    assert s.stats["prefill_shared_rows"] == 3
+    unshared = _scheduler([group] * 3, [2] * 3, [3], share=False)
+    assert [p.samples for p in unshared.decide(0, 0).prefills] == [[0, 1, 2]]
+
+
+def test_token_cap_packs_and_chunks_prefills():
+    prompts = [[1] * 4, [1, 2, 3], [5] * 11, [6] * 3]
+    s = _scheduler(prompts, [1] * 4, [4], token_cap=6)
+    u = s.decide(0, 0)
+    shapes = [(p.samples, p.start, p.width, p.counts) for p in u.prefills]
+    # windows 3, 2, 10, 2 tokens: two rows of <= 3 fit 6 tokens; 10 > 6 is prefilled alone in chunks of 6
+    assert shapes == [([1, 3], 0, 2, [2, 2]), ([2], 0, 6, [6]), ([2], 6, 4, [4]), ([0], 0, 3, [3])]
+    assert all(len(p.slots) * p.width <= 6 for p in u.prefills)
+    assert u.prefills[2].tokens == [[5] * 4]
+
+
+def test_decode_budget_stops_every_group():
+    s = _scheduler([[1, 2]] * 3, [5] * 3, [1, 1], max_decode_steps=2, share=False)
+    for k in range(4):
+        u = s.decide(k, k % 2)
+        s.apply(u, [7])
+    assert s.decide(4, 0).decode is None and s.decide(5, 1).decode is None and not s.busy()
+    assert [x.response_length for x in s.samples] == [2, 2, 0] and not any(x.finished for x in s.samples)
+
+
+# ---------------------------------------------------------------------------------------------- EP2 mixture
+SPEC = ArchitectureSpec(family="qwen3_moe", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                        num_query_groups=2, kv_channels=16, vocab_size=128, qk_layernorm=True, num_experts=16,
+                        moe_ffn_hidden_size=32, moe_router_topk=4)
+
+
+def _ep2_body(rank, world_size):
+    from dataclasses import replace
+
+    from mindspeed_llm import distributed
+    from mindspeed_llm.inference import SamplingConfig, generate
+    from mindspeed_llm.models import build_model
+
+    distributed.initialize(1, 1, seed=3, expert_model_parallel_size=2)
+    model = build_model(SPEC, moe_token_dispatcher_type="alltoall", init_method_std=0.3)
+    g = torch.Generator().manual_seed(11 + rank)
+    lengths = (5, 9, 3, 7) if rank == 0 else (4, 6)
+    prompts = [p for p in (torch.randint(3, 120, (n,), generator=g).tolist() for n in lengths) for _ in range(2)]
+    ids = [100 * rank + i for i in range(len(prompts))]
+    out = []
+    for name, sampling in (("greedy", SamplingConfig(max_new_tokens=6 + 8 * rank, pad_token_id=0)),
+                           ("sample", SamplingConfig(do_sample=True, max_new_tokens=6 + 8 * rank, pad_token_id=0,
+                                                     seed=5)),
+                           ("idle rank 0", SamplingConfig(max_new_tokens=0 if rank == 0 else 9, pad_token_id=0))):
+        static = generate(model, prompts, sampling, iteration=2, sample_ids=ids, record_routing=True, engine="static")
+        bounded = generate(model, prompts, replace(sampling, max_num_seqs=3), iteration=2, sample_ids=ids,
+                           record_routing=True)
+        out.append((name, static, bounded))
+    return out
+
+
+def test_expert_parallel_peers_equal_the_static_engine_and_run_the_same_forwards():
+    results = run_distributed(_ep2_body, 2)
+    for case in range(3):
+        forwards = []
+        for rank, per_rank in enumerate(results):
+            name, static, bounded = per_rank[case]
+            assert bounded.response_token_lists() == static.response_token_lists(), (rank, name)
+            assert bounded.finish_reasons == static.finish_reasons
+            torch.testing.assert_close(bounded.log_probs, static.log_probs, atol=2e-5, rtol=0)
+            stats = bounded.stats
+            forwards.append(stats["prefill_forwards"] + stats["decode_forwards"] + stats["dummy_forwards"])
+            assert stats["kv_rows"] == 3 and stats["finished_row_steps"] == 0
+            if stats["decode_forwards"] == 0:  # nothing to generate (budget 0): nothing run, nothing recorded
+                assert name == "idle rank 0" and rank == 0 and not bool((bounded.routing >= 0).any())
+                continue
+            # the same experts for every token the continuous engine ran (all but each response's last token)
+            total = bounded.prompt_lengths + bounded.response_lengths
+            T = bounded.routing.shape[2]
+            ran = torch.arange(T)[None, :] < (total - 1)[:, None]
+            ours, theirs = bounded.routing.permute(0, 2, 1, 3)[ran], static.routing[:, :, :T].permute(0, 2, 1, 3)[ran]
+            assert bool((ours >= 0).all()) and torch.equal(ours, theirs), (rank, name)
+            assert not bool((bounded.routing.permute(0, 2, 1, 3)[~ran] >= 0).any())
+        # the peers exchange tokens in every MoE layer of every forward: the same count, dummies on the rank with less
+        assert forwards[0] == forwards[1], (name, forwards)
+        assert results[0][case][2].stats["dummy_forwards"] > 0
+    assert results[1][2][2].stats["dummy_forwards"] == 0
+
+
+def test_rollout_flags_reach_the_sampling_config():
+    """`--rollout-max-num-seqs` / `--rollout-max-num-batched-tokens` ride in the stages' SamplingConfig (rl/rollout.py),
+    which `rollout()` hands to `generate`; left out, there is no limit."""
+    from types import SimpleNamespace
+
+    from mindspeed_llm.arguments import parse_args
+    from mindspeed_llm.rl.rollout import sampling_config
+
+    base = ["--stage", "grpo", "--verifier-function", "math_acc", "--data-path", "d", "--train-iters", "1",
+            "--global-batch-size", "4", "--ref-model", "r"]
+    tokenizer = SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    args = parse_args(base + ["--rollout-max-num-seqs", "16", "--rollout-max-num-batched-tokens", "512"])
+    for greedy in (None, True):  # the rollout's and the evaluation's settings
+        config = sampling_config(args, tokenizer, greedy=greedy)
+        assert (config.max_num_seqs, config.max_num_batched_tokens) == (16, 512)
+    config = sampling_config(parse_args(base), tokenizer)
+    assert config.max_num_seqs is None and config.max_num_batched_tokens is None

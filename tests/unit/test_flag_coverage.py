@@ -1,0 +1,82 @@
+"""Every flag the parser accepts is applied, listed as ignored (`compat_flags`), or refused: a flag that parses and is
+never read anywhere is a silent no-op, the worst kind of bug a launcher script can hit. Likewise every key the YAML
+run config maps to a slot (`run_config.Slot`) is read by the mapping code.
+
+A flag counts as read when the package (or `posttrain_gpt.py`) reads its destination outside the parser's
+construction: `args.<dest>` / `self.args.<dest>`, `getattr(args, "<dest>")`, or the destination's name as a string
+literal (the tables that loop over names) anywhere but the two mapping tables (`run_config.py`, which maps YAML keys
+of the same names, and `compat_flags.py`). Flags that `validate_args` resolves into others (e.g.
+`--lr-warmup-fraction` -> `lr_warmup_iters`) are read there, which counts.
+
+Run on the sources of ea923d8 (before activation recompute was applied) this test lists `--swiglu`,
+`--use-rotary-position-embeddings`, `--recompute-granularity` (read nowhere: its only trace was
+`config.recompute_granularity`, megatron's field) and `--no-save-optim`; a planted flag is listed too
+(`test_a_planted_unused_flag_is_found`).
+"""
+
+import argparse
+import re
+from pathlib import Path
+
+from mindspeed_llm import compat_flags
+from mindspeed_llm.arguments import build_parser
+from mindspeed_llm.run_config import GENERATE, MEGATRON, RL, SAMPLING, Nested, Slot
+
+ROOT = Path(__file__).resolve().parents[2]
+TABLES = ("run_config.py", "compat_flags.py")
+
+
+def _sources():
+    files = sorted((ROOT / "mindspeed_llm").rglob("*.py")) + [ROOT / "posttrain_gpt.py"]
+    texts = {}
+    for path in files:
+        text = path.read_text()
+        if path.name == "arguments.py":  # the parser's own construction reads nothing
+            start, end = text.index("def build_parser"), text.index("def parse_args")
+            text = text[:start] + text[end:]
+        texts[path] = text
+    return texts
+
+
+def unread_flags(parser: argparse.ArgumentParser, sources) -> list:
+    ignored = {compat_flags._dest(f) for f in (*compat_flags.IGNORED_SWITCHES, *compat_flags.IGNORED_VALUES,
+                                               *compat_flags.IGNORED_LISTS)}
+    missing = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help", *ignored):
+            continue
+        dest = re.escape(action.dest)
+        attribute = re.compile(rf"\bargs\.{dest}\b|getattr\(\s*[\w.]*args\s*,\s*[\"']{dest}[\"']")
+        literal = re.compile(rf"[\"']{dest}[\"']")
+        if not any(attribute.search(text) or (path.name not in TABLES and literal.search(text))
+                   for path, text in sources.items()):
+            missing.append(action.option_strings[0])
+    return missing
+
+
+def test_every_flag_is_read_or_listed_as_ignored():
+    assert unread_flags(build_parser(), _sources()) == []
+
+
+def test_a_planted_unused_flag_is_found():
+    parser = build_parser()
+    parser.add_argument("--planted-unused-flag", type=int)
+    assert unread_flags(parser, _sources()) == ["--planted-unused-flag"]
+
+
+def _slots(table):
+    for key, entry in table.items():
+        if isinstance(entry, Slot):
+            yield key, entry.name
+        elif isinstance(entry, Nested):
+            yield from _slots(entry.table)
+
+
+def test_every_yaml_slot_is_read_by_the_mapping():
+    """A `Slot` is a key the mapping code resolves itself (checkpoints, stage-dependent keys): its name must be read
+    there (`slot("name")`, `origin("name")`, `"name" in ...slots`, or a tuple of names the code loops over)."""
+    text = (ROOT / "mindspeed_llm" / "run_config.py").read_text()
+    code = text[text.index("def _resolve("):]
+    unread = [key for table in (MEGATRON, RL, GENERATE, SAMPLING) for key, name in _slots(table)
+              if not re.search(rf"[\"']{re.escape(name)}[\"']", code)]
+    assert unread == []

@@ -1,0 +1,148 @@
+"""The GPU check's parts that a CPU machine can check, quickly (nothing heavy is run):
+
+* `scripts/gpu_check.sh` without a GPU: prints the no-GPU line, exits 3, writes nothing;
+* `scripts/gpu_check.py run --dry-run`: every step, with the command lines the H200 run would use, and those
+  command lines are accepted by the real parsers (posttrain_gpt.py's, benchmarks/vs_trl.py's);
+* `benchmarks/vs_trl.py --device / --dtype`: both sides set together (TRL's config, our argv and environment);
+* `--device cuda` without a GPU: one line and a non-zero exit, from vs_trl.py and logprobs.py.
+"""
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def vs_trl():
+    return _load("bench_vs_trl", ROOT / "benchmarks" / "vs_trl.py")
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    return _load("gpu_check_script", ROOT / "scripts" / "gpu_check.py")
+
+
+def test_gpu_check_sh_without_gpu(tmp_path):
+    if shutil.which("nvidia-smi") and _has_cuda():
+        pytest.skip("a GPU is here: the script would run the whole check")
+    env = dict(os.environ, OUT=str(tmp_path))
+    env.pop("GPU_CHECK_ALLOW_CPU", None)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("no GPU: nothing to check"), proc.stdout
+    assert list(tmp_path.iterdir()) == []  # nothing written to $OUT
+
+
+def test_dry_run_lists_every_step(gpu_check):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "run", "--dry-run"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for name in gpu_check.ORDER:
+        assert f"[{name}]" in out, name
+    commands = "\n".join(line for line in out.splitlines() if line.startswith("    $ "))
+    assert "mindspeed_llm.demo.run --tiny --stage grpo" in commands
+    assert "mindspeed_llm.demo.run --tiny --stage trl_ppo" in commands
+    assert "--layers 24 --hidden 896 --heads 14 --kv-heads 2 --ffn 4864 --vocab 151936" in commands
+    assert commands.count("posttrain_gpt.py --stage") == 2 and commands.count(" --bf16 ") == 2
+    assert commands.count("benchmarks/vs_trl.py --device cuda") == 5  # prepare + 2 stages x 2 dtypes
+    assert "benchmarks/logprobs.py --device cuda --tokens 8192" in commands
+    assert "benchmarks/attention.py --device cuda --seq 1024 2048 4096" in commands and " --check " in commands
+    assert "expected in all" in out
+
+
+def _check(gpu_check, *argv):
+    opts = gpu_check.build_parser().parse_args(["run", *argv])
+    opts.size = opts.size or ("full" if opts.device == "cuda" else "tiny")
+    opts.budget = opts.budget or 480.0
+    return gpu_check.Check(opts)
+
+
+def test_h200_command_lines_parse(gpu_check, vs_trl):
+    """The command lines of the full-size (H200) run pass posttrain_gpt.py's and vs_trl.py's own parsers."""
+    from mindspeed_llm.arguments import parse_args
+
+    check = _check(gpu_check, "--device", "cuda")
+    steps = {s.name: s for s in check.steps}
+    assert list(steps) == gpu_check.ORDER
+    for stage in ("grpo", "trl_ppo"):
+        (argv,) = steps[f"qwen_{stage}"].commands
+        argv = [str(a) for a in argv]
+        args = parse_args(argv[argv.index("posttrain_gpt.py") + 1:], world_size=1)
+        assert args.stage == stage and args.bf16 and args.train_iters == 3
+    for name in ("vs_trl_prepare", "vs_trl_fp32_grpo", "vs_trl_fp32_trl_ppo", "vs_trl_bf16_grpo",
+                 "vs_trl_bf16_trl_ppo"):
+        (argv,) = steps[name].commands
+        argv = [str(a) for a in argv]
+        args = vs_trl.build_parser().parse_args(argv[argv.index("benchmarks/vs_trl.py") + 1:])
+        assert args.device == "cuda" and (args.tiny_layers, args.tiny_hidden, args.prompts) == (12, 768, 32)
+        if name != "vs_trl_prepare":
+            assert args.dtype == name.split("_")[2] and args.only == name.split("_", 3)[3]
+    # the budget: the setup group side by side, then one step after the other
+    sub = _check(gpu_check, "--device", "cuda", "--steps", "env,qwen_grpo", "--skip", "qwen_grpo")
+    assert [s.name for s in sub.steps] == ["env"]
+    with pytest.raises(SystemExit):
+        _check(gpu_check, "--steps", "no_such_step")
+
+
+def test_vs_trl_device_dtype_flags(vs_trl, tmp_path):
+    defaults = vs_trl.build_parser().parse_args([])
+    assert (defaults.device, defaults.dtype) == ("cpu", "fp32")
+    model = {"hf": "HF", "hf_value": "HFV", "mg": "MG", "mg_value": "MGV"}
+    schedule = [([1, 2, 3], "4")]
+    expected = {("cpu", "fp32"): (True, False), ("cuda", "bf16"): (False, True), ("cuda", "fp32"): (False, False),
+                ("cpu", "bf16"): (True, True)}
+    for (device, dtype), (use_cpu, bf16) in expected.items():
+        args = vs_trl.build_parser().parse_args(["--device", device, "--dtype", dtype])
+        for stage in ("grpo", "trl_ppo"):
+            spec = vs_trl.trl_spec(stage, model, schedule, tmp_path, args)
+            config = vs_trl._trl_common_config(spec)
+            assert (config["use_cpu"], config["bf16"], config["fp16"]) == (use_cpu, bf16, False), (device, dtype)
+            ours = [str(a) for a in vs_trl.our_argv(stage, model, tmp_path / "data", tmp_path / "m.jsonl", args)]
+            assert ("--bf16" in ours) == bf16
+            assert "--fp16" not in ours
+        assert vs_trl._env(2, device)["MINDSPEED_DEVICE"] == device
+    # a spec written before --device / --dtype existed means the old behaviour: CPU, fp32
+    old = {k: v for k, v in vs_trl.trl_spec("grpo", model, schedule, tmp_path, defaults).items()
+           if k not in ("device", "dtype")}
+    assert vs_trl._trl_common_config(old)["use_cpu"] is True
+    with pytest.raises(ValueError):
+        vs_trl.trl_precision_kwargs("tpu", "fp32")
+    with pytest.raises(SystemExit):
+        vs_trl.build_parser().parse_args(["--device", "tpu"])
+
+
+def test_cuda_refused_in_one_line_without_gpu(vs_trl):
+    """A SystemExit with a message: Python prints that one line (no traceback) and exits 1."""
+    if _has_cuda():
+        pytest.skip("a GPU is here")
+    logprobs = _load("bench_logprobs", ROOT / "benchmarks" / "logprobs.py")
+    for run in (lambda: vs_trl.main(["--device", "cuda", "--model", "tiny"]),
+                lambda: logprobs.main(["--device", "cuda"])):
+        with pytest.raises(SystemExit) as exc:
+            run()
+        message = exc.value.code
+        assert isinstance(message, str) and "\n" not in message and "sees no CUDA device" in message, message

@@ -1,0 +1,486 @@
+"""Partial rollouts (`--partial-rollout`, `rl/partial_rollout.py`).
+
+* The buffers, on a scripted generator (each sample's length fixed by its sample id, its tokens naming it): which
+  groups train in which iteration (only whole groups, oldest first), what each round asks for (carried samples
+  first, as continuations of their own stream, with the round's budget), the metrics, the named error of
+  --max-num-gen-batches, a state_dict round trip that continues exactly, and DP2 (two threads, a barrier as the
+  collective) giving DP1's groups, rank r the r-th share; a DP2 checkpoint resumed at DP1.
+* On a real model (one spawn): a carried sample's tokens are those of one generation whose weights changed at the
+  cut (greedy: the first k tokens of the old weights, then the new weights' continuation of prompt + those k).
+* The stages (slow, `posttrain_gpt.py` processes): with a budget that cuts samples, a run and a SIGKILL after a
+  save + resume give the same metrics and weights, bit for bit (grpo and trl_ppo); refusals by name.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+
+import pytest
+import torch
+
+from mindspeed_llm.inference import Rollout, SamplingConfig
+from mindspeed_llm.rl.partial_rollout import PartialRolloutBudgetError, PartialRollouts, pending
+
+N = 2  # samples per prompt
+MAX_NEW, SPLIT = 8, 2  # a round adds at most 4 tokens to a sample
+LENGTHS = [2, 7, 3, 3, 8, 1, 6, 2]  # sample id s (position p * N + k) stops (EOS) after LENGTHS[s % 8] tokens
+EOS = 3
+
+
+def _token(started, sample_id, j):
+    return 1000 + 100 * started + 10 * sample_id + j
+
+
+def _logp(started, j):
+    return -(j + 1) / 4 - started  # exact in float32
+
+
+class _Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+class ScriptedGenerator:
+    """`generate_round` of a model whose sample (started iteration i, id s) emits `_token(i, s, j)` for j < its
+    length, then EOS is implied (reason "eos" at the length); records each call."""
+
+    def __init__(self, lengths=LENGTHS):
+        self.calls, self.lengths = [], lengths
+
+    def __call__(self, iteration, prompts, sample_ids, continuations, budgets):
+        rows = []
+        for prompt, sid, carry, budget in zip(prompts, sample_ids, continuations, budgets):
+            started, old = carry.iteration, list(carry.response)  # every sample comes with its stream
+            assert old == [_token(started, sid, j) for j in range(len(old))]  # its own tokens come back
+            assert list(carry.log_probs) == [_logp(started, j) for j in range(len(old))]
+            end = self.lengths[sid % 8]
+            length = min(end, budget)
+            rows.append((prompt, [_token(started, sid, j) for j in range(length)],
+                         [_logp(started, j) for j in range(length)], "eos" if length == end else "length"))
+        self.calls.append(dict(iteration=iteration, sample_ids=list(sample_ids), budgets=list(budgets),
+                               started=[c.iteration for c in continuations],
+                               tokens=[len(c.response) for c in continuations]))
+        B, P, R = len(rows), max(len(r[0]) for r in rows), max(1, max(len(r[1]) for r in rows))
+        prompts_t, responses = torch.zeros(B, P, dtype=torch.long), torch.zeros(B, R, dtype=torch.long)
+        log_probs = torch.zeros(B, R)
+        for b, (prompt, response, lp, _) in enumerate(rows):
+            prompts_t[b, :len(prompt)] = torch.tensor(prompt)
+            responses[b, :len(response)] = torch.tensor(response, dtype=torch.long)
+            log_probs[b, :len(lp)] = torch.tensor(lp)
+        lengths = torch.tensor([len(r[1]) for r in rows])
+        return Rollout(prompts=prompts_t, prompt_lengths=torch.tensor([len(r[0]) for r in rows]), responses=responses,
+                       response_mask=(torch.arange(R)[None] < lengths[:, None]).long(), response_lengths=lengths,
+                       ended_with_eos=torch.tensor([r[3] == "eos" for r in rows]), finish_reasons=[r[3] for r in rows],
+                       log_probs=log_probs, pad_token_id=0)
+
+
+def _buffers(generator, local_groups=2, dp_rank=0, dp_size=1, gather=None, max_rounds=4, routing_recorded=False):
+    sampling = SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=EOS, pad_token_id=0)
+    return PartialRollouts(generator, _Tokenizer(), sampling, group_size=N, local_groups=local_groups,
+                           max_split=SPLIT, max_rounds=max_rounds, dp_rank=dp_rank, dp_size=dp_size,
+                           gather=gather or (lambda obj: [obj]), routing_recorded=routing_recorded)
+
+
+def _rows(global_batch=2, dp_rank=0, dp_size=1):
+    """`trainer.next_rows`: this rank's prompts of generation batch j, `position` counting on over the batches."""
+    local = global_batch // dp_size
+
+    def rows(j):
+        first = j * global_batch + dp_rank * local
+        return [dict(input_ids=[7, 8, 9][:1 + (first + k) % 3], index=first + k, position=first + k, labels="-")
+                for k in range(local)]
+    return rows
+
+
+def _trained(exp):
+    """(started, sample id, response) per row of a training batch."""
+    return [(st, sid, exp.responses[b, :int(exp.response_mask[b].sum())].tolist())
+            for b, (st, sid) in enumerate(zip(exp.extras["started"], exp.extras["sample_ids"]))]
+
+
+def _expected(started, sid, lengths=LENGTHS):
+    return started, sid, [_token(started, sid, j) for j in range(lengths[sid % 8])]
+
+
+def test_whole_groups_train_oldest_first_and_carried_samples_continue():
+    gen = ScriptedGenerator()
+    buffers, rows = _buffers(gen), _rows()
+    # iteration 1, round 1: positions 0 (lengths 2, 7: cut at 4) and 1 (3, 3: done); round 2: position 0 finishes,
+    # positions 2 (8 cut, 1) and 3 (6 cut, 2) start; it trains positions 0 and 1
+    exp, metrics = buffers.collect(1, rows(0), rows)
+    assert _trained(exp) == [_expected(1, s) for s in (0, 1, 2, 3)]
+    assert metrics == {"partial_rollout/rounds": 2.0, "partial_rollout/carried": 2.0,
+                       "partial_rollout/max_staleness": 0.0, "partial_rollout/waiting": 0.0}
+    assert gen.calls[1] == dict(iteration=1, sample_ids=[1, 4, 5, 6, 7], budgets=[8, 4, 4, 4, 4],
+                                started=[1] * 5, tokens=[4, 0, 0, 0, 0])  # the carried sample first, its whole budget
+    # the rollout log-probs of a carried sample: the first round's and the second's, as recorded
+    assert exp.rollout_logp[1, :7].tolist() == [_logp(1, j) for j in range(7)]
+    assert exp.extras["finish_reasons"] == ["eos"] * 4
+    # the samples that finished in round 2 (ids 5 and 7) wait for their group's other sample
+    assert pending(buffers.state_dict()) == (2, 0)
+
+    # iteration 2: the carried positions 2 and 3 of iteration 1 finish first and train (staleness 1); of the fresh
+    # ones, position 1 finishes and waits, position 0 is carried
+    exp, metrics = buffers.collect(2, rows(0), rows)
+    assert gen.calls[2]["started"] == [1, 1, 2, 2, 2, 2] and gen.calls[2]["tokens"] == [4, 4, 0, 0, 0, 0]
+    assert _trained(exp) == [_expected(1, s) for s in (4, 5, 6, 7)]
+    assert metrics == {"partial_rollout/rounds": 1.0, "partial_rollout/carried": 1.0,
+                       "partial_rollout/max_staleness": 1.0, "partial_rollout/waiting": 1.0}
+    assert [(g.started, g.position) for g in buffers.ready] == [(2, 1)]
+    assert [(g.started, g.position) for g in buffers.carried] == [(2, 0)]
+
+
+def test_a_finished_global_batch_trains_without_a_round():
+    """When a global batch has finished already, the iteration generates nothing: the sampler's batch waits, not
+    started, behind the carried groups, and a later round starts it from its own iteration's stream."""
+    lengths = [8, 1, 1, 1, 1, 1, 1, 1]  # only sample 0 of position 0 needs 2 rounds
+    gen = ScriptedGenerator(lengths)
+    buffers, rows = _buffers(gen, routing_recorded=True), _rows()  # as for a mixture of experts
+    # iteration 1: round 1 finishes position 1; round 2 finishes positions 0, 2 and 3: two groups wait
+    exp, metrics = buffers.collect(1, rows(0), rows)
+    assert metrics["partial_rollout/rounds"] == 2.0 and metrics["partial_rollout/waiting"] == 2.0
+    exp, metrics = buffers.collect(2, rows(0), rows)
+    assert len(gen.calls) == 2  # no round
+    assert exp.routing_recorded  # the old-log-prob pass still compares routing, though nothing was generated
+    assert _trained(exp) == [_expected(1, s, lengths) for s in (4, 5, 6, 7)]
+    assert metrics == {"partial_rollout/rounds": 0.0, "partial_rollout/carried": 4.0,
+                       "partial_rollout/max_staleness": 1.0, "partial_rollout/waiting": 0.0}
+    exp, metrics = buffers.collect(3, rows(0), rows)
+    assert gen.calls[2]["started"] == [2, 2, 2, 2, 3, 3, 3, 3] and set(gen.calls[2]["tokens"]) == {0}
+    # position 1 of iteration 2 (its tokens drawn from iteration 2's stream), then position 1 of iteration 3
+    assert _trained(exp) == [_expected(*key, lengths) for key in ((2, 2), (2, 3), (3, 2), (3, 3))]
+    assert metrics["partial_rollout/max_staleness"] == 1.0 and metrics["partial_rollout/rounds"] == 1.0
+
+
+def test_state_dict_round_trip_continues_exactly_and_pending_counts():
+    gen_a, gen_b = ScriptedGenerator(), ScriptedGenerator()
+    a, rows = _buffers(gen_a), _rows()
+    a.collect(1, rows(0), rows)
+    a.collect(2, rows(0), rows)
+    blob = io.BytesIO()
+    torch.save(a.state_dict(), blob)  # as the checkpoint holds it
+    blob.seek(0)
+    state = torch.load(blob, weights_only=False)
+    assert pending(state) == (1, 1) and pending(None) == (0, 0)
+    b = _buffers(gen_b)
+    assert b.load_state_dict(state) is None
+    for iteration in (3, 4):
+        exp_a, metrics_a = a.collect(iteration, rows(0), rows)
+        exp_b, metrics_b = b.collect(iteration, rows(0), rows)
+        assert _trained(exp_a) == _trained(exp_b) and metrics_a == metrics_b
+        assert torch.equal(exp_a.tokens, exp_b.tokens) and torch.equal(exp_a.rollout_logp, exp_b.rollout_logp)
+    assert gen_a.calls[-2:] == gen_b.calls
+    with pytest.raises(Exception, match="--n-samples-per-prompt 3"):
+        PartialRollouts(gen_b, _Tokenizer(), b.sampling, group_size=3, local_groups=2, max_split=SPLIT,
+                        max_rounds=4).load_state_dict(state)
+
+
+def test_too_few_rounds_is_named():
+    buffers, rows = _buffers(ScriptedGenerator(), max_rounds=1), _rows()
+    with pytest.raises(PartialRolloutBudgetError, match=r"^--max-num-gen-batches 1: iteration 1 generated 1 batches "
+                                                        r"and finished 1 of the 2 prompt groups"):
+        buffers.collect(1, rows(0), rows)
+
+
+def _threads(fn, world):
+    """fn(rank, gather) on `world` threads whose `gather` is a collective (a barrier); the results by rank."""
+    slots, results, barrier = [None] * world, [None] * world, threading.Barrier(world)
+
+    def gather_for(rank):
+        def gather(obj):
+            slots[rank] = obj
+            barrier.wait()
+            out = list(slots)
+            barrier.wait()
+            return out
+        return gather
+
+    def body(rank):
+        results[rank] = fn(rank, gather_for(rank))
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return results
+
+
+def test_dp2_trains_the_dp1_groups_and_resumes_at_dp1():
+    iterations = (1, 2, 3)
+    one, rows = _buffers(ScriptedGenerator(), local_groups=2), _rows()
+    single = [one.collect(i, rows(0), rows) for i in iterations]
+
+    def dp2(rank, gather):
+        buffers = _buffers(ScriptedGenerator(), local_groups=1, dp_rank=rank, dp_size=2, gather=gather)
+        rank_rows = _rows(dp_rank=rank, dp_size=2)
+        out = [buffers.collect(i, rank_rows(0), rank_rows) for i in iterations[:2]]
+        return out, buffers.state_dict()
+
+    ranks = _threads(dp2, 2)
+    for i in range(2):
+        exp1, metrics1 = single[i]
+        assert [row for rank in ranks for row in _trained(rank[0][i][0])] == _trained(exp1)
+        assert ranks[0][0][i][1] == ranks[1][0][i][1] == metrics1
+    # the DP2 checkpoint of iteration 2 resumed on one rank: its carried groups are dealt over it in key order
+    resumed = _buffers(ScriptedGenerator(), local_groups=2)
+    assert "carried prompt groups of 2 DP ranks" in resumed.load_state_dict(ranks[0][1])
+    exp, metrics = resumed.collect(3, rows(0), rows)
+    assert _trained(exp) == _trained(single[2][0]) and metrics == single[2][1]
+
+
+# ---------------------------------------------------------------------------------------------- flags and refusals
+BASE = ["--stage", "grpo", "--verifier-function", "math_acc", "--data-path", "d", "--train-iters", "4",
+        "--global-batch-size", "4", "--ref-model", "r"]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--partial-rollout-max-split", "3"], "--partial-rollout-max-split 3 has no effect without --partial-rollout"),
+    (["--partial-rollout", "--partial-rollout-max-split", "1"], "--partial-rollout-max-split 1 must be >= 2"),
+    (["--partial-rollout", "--dynamic-sampling"], "--partial-rollout and --dynamic-sampling both draw further"),
+    (["--partial-rollout", "--context-parallel-size", "2"], "--partial-rollout with --context-parallel-size 2 is not"),
+])
+def test_flags_that_do_not_combine_are_refused_by_name(extra, needle):
+    from mindspeed_llm.arguments import ArgumentError, parse_args
+
+    with pytest.raises(ArgumentError) as err:
+        parse_args(BASE + extra, world_size=2)
+    assert needle in str(err.value)
+
+
+def test_partial_rollout_implies_recomputed_old_logprobs_and_a_default_budget():
+    from mindspeed_llm.arguments import parse_args
+
+    args = parse_args(BASE + ["--partial-rollout"], world_size=1)
+    assert args.recompute_old_logprobs and args.partial_rollout_max_split == 2
+    assert not parse_args(BASE, world_size=1).recompute_old_logprobs
+
+
+def test_mindspeed_partial_rollout_max_split_maps_to_the_flags(tmp_path):
+    from tests.helpers.mindspeed_rl_configs import GRPO_FLAGS, config_error, grpo_file, parsed, write
+
+    data = grpo_file()
+    data["rl_config"]["partial_rollout_max_split"] = 4
+    assert parsed(["--config", write(tmp_path, data)], 16) == \
+        parsed(GRPO_FLAGS + ["--partial-rollout", "--partial-rollout-max-split", "4"], 16)
+    data["rl_config"]["partial_rollout_max_split"] = 1  # MindSpeed-RL's default: off
+    assert parsed(["--config", write(tmp_path, data)], 16) == parsed(GRPO_FLAGS, 16)
+    data["rl_config"]["partial_rollout_max_split"] = 0
+    assert "rl_config.partial_rollout_max_split: 0 must be an integer >= 1" in config_error(tmp_path, data)
+
+
+def test_an_actor_the_continuous_engine_cannot_run_is_refused(monkeypatch):
+    from types import SimpleNamespace
+
+    from mindspeed_llm.arguments import ArgumentError
+    from mindspeed_llm.inference import generation
+
+    # the reasons `generation._continuous_blockers` gives (sequence parallelism, a CUDA-graph decode, ...)
+    monkeypatch.setattr(generation, "continuous_engine_blockers", lambda model: ["sequence parallelism splits ..."])
+    args = SimpleNamespace(n_samples_per_prompt=2, global_batch_size=2, partial_rollout_max_split=2,
+                           max_num_gen_batches=4)
+    with pytest.raises(ArgumentError, match=r"^--partial-rollout continues carried samples in the continuous "
+                                            r"generation engine, which cannot run this actor: sequence parallelism"):
+        PartialRollouts.from_args(args, object(), _WordTokenizer(), SamplingConfig(max_new_tokens=8))
+
+
+def test_a_checkpoint_with_buffers_is_refused_by_a_run_without_the_flag():
+    from types import SimpleNamespace
+
+    from mindspeed_llm.checkpoint.training import CheckpointError
+    from mindspeed_llm.rl import trainer
+
+    buffers, rows = _buffers(ScriptedGenerator()), _rows()
+    buffers.collect(1, rows(0), rows)
+    args = SimpleNamespace(load="/ckpt")
+    with pytest.raises(CheckpointError, match=r"^--load /ckpt iteration 1 holds 2 unfinished samples and 0 finished "
+                                              r"prompt groups of --partial-rollout, which this run would drop"):
+        trainer._resume_partial_rollouts(args, SimpleNamespace(partial_rollout=None), buffers.state_dict(), 1)
+    trainer._resume_partial_rollouts(args, SimpleNamespace(partial_rollout=None), None, 1)  # nothing to drop
+
+
+# ---------------------------------------------------------------------------------------------- a real model
+class _WordTokenizer(_Tokenizer):
+    def __len__(self):
+        return 256  # word_task.VOCAB
+
+
+def _weights_change_at_the_cut(rank, world_size, actor_root):
+    from types import SimpleNamespace
+
+    from mindspeed_llm import distributed
+    from mindspeed_llm.checkpoint import load_megatron_weights, load_spec
+    from mindspeed_llm.inference import generate
+    from mindspeed_llm.models import build_model
+
+    distributed.initialize(1, 1, seed=0)
+    model = build_model(load_spec(actor_root))
+    load_megatron_weights(model, actor_root)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 256, (n,), generator=g).tolist() for n in (3, 5, 4, 6)]
+    sampling = SamplingConfig(max_new_tokens=MAX_NEW, pad_token_id=0)  # greedy, no EOS: every sample takes 2 rounds
+    args = SimpleNamespace(n_samples_per_prompt=1, global_batch_size=2, partial_rollout_max_split=SPLIT,
+                           max_num_gen_batches=4)
+    buffers = PartialRollouts.from_args(args, model, _WordTokenizer(), sampling)
+
+    def rows(j):
+        return [dict(input_ids=prompts[2 * j + k], position=2 * j + k, index=2 * j + k) for k in range(2)]
+
+    w0 = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    # iteration 1: round 1 cuts prompts 0, 1; round 2 finishes them and cuts prompts 2, 3 (after 4 tokens of W0)
+    first, _ = buffers.collect(1, rows(0), lambda j: rows(j))
+    with torch.no_grad():  # "the update": W1 = W0 + noise
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.5 * p.detach().float().std().clamp(min=1e-3))
+    second, _ = buffers.collect(2, rows(0), lambda j: rows(j + 1))  # iteration 2: prompts 2, 3 finish under W1
+    w1 = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+
+    k = MAX_NEW // SPLIT
+    cut = [prompts[2], prompts[3]]
+    model.load_state_dict(w0, strict=False)
+    head = generate(model, cut, SamplingConfig(max_new_tokens=k, pad_token_id=0), vocab_size=256)
+    whole_w0 = generate(model, cut, sampling, vocab_size=256)
+    model.load_state_dict(w1, strict=False)
+    tail = generate(model, [p + h for p, h in zip(cut, head.response_token_lists())],
+                    SamplingConfig(max_new_tokens=MAX_NEW - k, pad_token_id=0), vocab_size=256)
+    whole_w1 = generate(model, cut, sampling, vocab_size=256)
+    return dict(first=first, second=second, head=head, tail=tail, whole_w0=whole_w0, whole_w1=whole_w1)
+
+
+def test_a_carried_sample_is_one_generation_whose_weights_changed_at_the_cut(task):
+    """Greedy: the carried sample's response is W0's first k tokens, then W1's continuation of prompt + those k
+    (a fresh generation from that longer prompt), with each part's log-probs; it is neither W0's nor W1's whole
+    uninterrupted response."""
+    from tests.helpers.multiproc import run_distributed
+
+    out = run_distributed(_weights_change_at_the_cut, 1, task["mg_actor_tp1pp1"])[0]
+    second, head, tail = out["second"], out["head"], out["tail"]
+    assert second.extras["started"] == [1, 1]
+    k = MAX_NEW // SPLIT
+    got = [second.responses[b, :MAX_NEW].tolist() for b in range(2)]
+    expected = [h + t for h, t in zip(head.response_token_lists(), tail.response_token_lists())]
+    assert got == expected
+    assert got != out["whole_w0"].response_token_lists() and got != out["whole_w1"].response_token_lists()
+    torch.testing.assert_close(second.rollout_logp[:, :k], head.log_probs[:, :k], atol=1e-5, rtol=0)
+    torch.testing.assert_close(second.rollout_logp[:, k:MAX_NEW], tail.log_probs[:, :MAX_NEW - k], atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- the stages
+KILL_AFTER_SAVE = """
+# posttrain_gpt.py, SIGKILLed as soon as its save of iteration KILL_AT is complete (published).
+import os, signal, sys
+import mindspeed_llm.checkpoint.training as training_ckpt
+original = training_ckpt.save
+def save(root, iteration, *args, **kwargs):
+    original(root, iteration, *args, **kwargs)
+    if iteration == int(os.environ["KILL_AT"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+training_ckpt.save = save
+import posttrain_gpt
+sys.exit(posttrain_gpt.main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    from tests.helpers import word_task
+
+    return word_task.build(tmp_path_factory.mktemp("partial_task"), reward=True)
+
+
+def _stage_argv(task, out, stage, *extra):
+    # 8 new tokens in rounds of 3: every iteration cuts samples; 40 stop ids (of 256) end some responses early, so
+    # groups finish in different rounds and finished groups wait in the checkpoint too
+    base = ["--stage", stage, "--ref-model", task["mg_actor_tp1pp1"], "--tokenizer-name-or-path", task["tokenizer"],
+            "--data-path", task["data"], "--global-batch-size", "2", "--micro-batch-size", "2", "--train-iters", "4",
+            "--max-length", "24", "--max-new-tokens", "8", "--do-sample", "--seed", "5", "--lr", "1e-2",
+            "--stop-token-ids", ",".join(map(str, range(100, 140))), "--partial-rollout",
+            "--partial-rollout-max-split", "3", "--save", str(out), "--load", str(out), "--save-interval", "1",
+            "--metrics-jsonl", str(out / "metrics.jsonl"), "--no-check-for-divergence"]
+    if stage == "grpo":
+        base += ["--n-samples-per-prompt", "2", "--verifier-function", "first_line_answer", "--kl-coef", "0.01"]
+    else:
+        base += ["--reward-model", task["mg_reward_tp1pp1"]]
+    return base + list(extra)
+
+
+def _compared(row):
+    return {k: v for k, v in row.items() if not k.startswith("timing/") and not k.endswith("_tps")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["grpo", "trl_ppo"])
+def test_kill_and_resume_gives_the_same_metrics_and_weights(task, tmp_path, stage):
+    """A run of 4 iterations, and the same command SIGKILLed right after its save of iteration 2 and run again
+    (it resumes, with the carried and the waiting groups): the same metrics rows and weights, bit for bit."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.helpers.multiproc import single_rank_env
+    from tests.helpers.stage_layouts import full_weights
+    from tests.helpers.stage_assets import ROOT
+
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    driver = tmp_path / "kill_after_save.py"
+    driver.write_text(KILL_AFTER_SAVE)
+
+    def run(script, out, **env):
+        return subprocess.run([sys.executable, str(script), *_stage_argv(task, out, stage)], cwd=ROOT,
+                              capture_output=True, text=True, env=dict(single_rank_env(), **env), timeout=300)
+
+    done = run(Path(ROOT) / "posttrain_gpt.py", whole)
+    assert done.returncode == 0, done.stderr[-3000:]
+    killed = run(driver, split, KILL_AT="2")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    from mindspeed_llm.checkpoint import load_shard
+    saved = load_shard(str(split / "actor"), 0, 0, 2, weights_only=False)["data_position"]["partial_rollout"]
+    assert pending(saved)[0] > 0  # the checkpoint carries cut samples across the kill
+    again = run(Path(ROOT) / "posttrain_gpt.py", split)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {split} at iteration 2" in again.stdout
+
+    rows = {name: [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            for name, out in (("whole", whole), ("split", split))}
+    assert [r["iteration"] for r in rows["split"]] == [1, 2, 3, 4]
+    assert [_compared(r) for r in rows["whole"]] == [_compared(r) for r in rows["split"]]
+    assert any(r["partial_rollout/carried"] > 0 for r in rows["whole"])
+    assert max(r["partial_rollout/max_staleness"] for r in rows["whole"]) >= 1
+    assert os.path.exists(split / "latest_checkpointed_iteration.txt")
+    for role in ("actor",) + (("critic",) if stage == "trl_ppo" else ()):
+        a, b = full_weights(whole, role), full_weights(split, role)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), role
+
+
+@pytest.mark.slow
+def test_dp2_trains_what_dp1_trains(task, tmp_path):
+    """grpo with cut samples at DP2 and at DP1 (same global batch): the same groups train (the same partial_rollout
+    metrics and rewards), the losses to float rounding (another reduction order)."""
+    import json
+
+    from tests.helpers.multiproc import run_distributed
+    from tests.helpers.stage_layouts import run_stages
+
+    def argv(out):
+        return ["--stage", "grpo", "--micro-batch-size", "2", "--global-batch-size", "4", "--n-samples-per-prompt",
+                "2", "--seed", "5", "--data-path", task["data"], "--tokenizer-name-or-path", task["tokenizer"],
+                "--max-length", "24", "--max-new-tokens", "8", "--do-sample", "--ref-model", task["mg_actor_tp1pp1"],
+                "--verifier-function", "odd_first_word", "--kl-coef", "0.05", "--lr", "0.01", "--train-iters", "3",
+                "--partial-rollout", "--partial-rollout-max-split", "3",
+                "--stop-token-ids", ",".join(map(str, range(100, 140))), "--metrics-jsonl", str(out / "m.jsonl"),
+                "--no-check-for-divergence"]
+
+    run_distributed(run_stages, 2, [argv(tmp_path / "dp2")])
+    run_distributed(run_stages, 1, [argv(tmp_path / "dp1")])
+    rows = {dp: [json.loads(line) for line in (tmp_path / dp / "m.jsonl").read_text().splitlines()]
+            for dp in ("dp1", "dp2")}
+    assert any(r["partial_rollout/waiting"] > 0 for r in rows["dp1"])
+    for one, two in zip(rows["dp1"], rows["dp2"]):
+        exact = [k for k in one if k.startswith(("partial_rollout/", "grpo/score/", "response_length/"))]
+        assert {k: one[k] for k in exact} == {k: two[k] for k in exact}
+        for key in ("actor/pg_loss", "grad_norm", "actor/kl_loss"):
+            assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
