@@ -34,8 +34,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mindspeed_llm.rl.core_algos import kl
-
 __all__ = ["fused_policy_loss", "fused_value_loss", "POLICY_METRICS", "VALUE_METRICS", "BLOCK_T"]
 
 BLOCK_T = 1024
@@ -46,9 +44,6 @@ POLICY_METRICS = ("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "pg_clipfrac_l
 VALUE_METRICS = ("vf_max_sum", "vf_clipfrac", "vpred", "returns")
 _KL_CODES = {"k1": 1, "k2": 2, "k3": 3, "low_var_kl": 3, "abs": 4}
 _IS_CODES = {"none": 0, "tis": 1, "mis": 2}
-# The k3 / low_var_kl bounds of core_algos.kl (log-ratio, then the estimate), as compile-time constants.
-_K3_LOG_RATIO_BOUND = tl.constexpr(kl._K3_LOG_RATIO_BOUND)
-_K3_VALUE_BOUND = tl.constexpr(kl._K3_VALUE_BOUND)
 
 
 @triton.jit
@@ -65,7 +60,7 @@ def _policy_loss_kernel(
     length, lo, hi, dual_clip, kl_coef, entropy_coeff, is_threshold,
     SEQUENCE_RATIO: tl.constexpr, DUAL: tl.constexpr, KL: tl.constexpr, ENTROPY: tl.constexpr,
     ENTROPY_GRAD: tl.constexpr, IS: tl.constexpr, LOGP_GRAD: tl.constexpr, N_METRICS: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, K3_LOG_RATIO_BOUND: tl.constexpr, K3_VALUE_BOUND: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -125,12 +120,12 @@ def _policy_loss_kernel(
             d_kl = -diff
         elif KL == 3:
             log_r = ref - lp
-            log_r_c = tl.minimum(tl.maximum(log_r, -_K3_LOG_RATIO_BOUND), _K3_LOG_RATIO_BOUND)
+            log_r_c = tl.minimum(tl.maximum(log_r, -K3_LOG_RATIO_BOUND), K3_LOG_RATIO_BOUND)
             e = tl.exp(log_r_c)
             est = e - log_r_c - 1.0
-            kl = tl.minimum(tl.maximum(est, -_K3_VALUE_BOUND), _K3_VALUE_BOUND)
-            passes = ((log_r >= -_K3_LOG_RATIO_BOUND) & (log_r <= _K3_LOG_RATIO_BOUND)
-                      & (est >= -_K3_VALUE_BOUND) & (est <= _K3_VALUE_BOUND))
+            kl = tl.minimum(tl.maximum(est, -K3_VALUE_BOUND), K3_VALUE_BOUND)
+            passes = ((log_r >= -K3_LOG_RATIO_BOUND) & (log_r <= K3_LOG_RATIO_BOUND)
+                      & (est >= -K3_VALUE_BOUND) & (est <= K3_VALUE_BOUND))
             d_kl = tl.where(passes, 1.0 - e, 0.0)
         else:
             diff = lp - ref
@@ -213,7 +208,7 @@ class _FusedPolicyLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logp, entropy, old_logp, advantages, mask, ref_logp, rollout_logp, seq_log_ratio, loss_den,
                 tok_den, params):
-        (lo, hi, dual_clip, kl_code, kl_coef, entropy_coeff, is_code, is_threshold) = params
+        (lo, hi, dual_clip, kl_code, kl_coef, entropy_coeff, is_code, is_threshold, k3_bounds) = params
         batch, length = logp.shape
         device = logp.device
         block = _block(length)
@@ -239,7 +234,8 @@ class _FusedPolicyLoss(torch.autograd.Function):
                 length, lo, hi, dual_clip if dual_clip is not None else 0.0, kl_coef, entropy_coeff, is_threshold,
                 SEQUENCE_RATIO=seq_log_ratio is not None, DUAL=dual_clip is not None, KL=kl_code,
                 ENTROPY=entropy is not None, ENTROPY_GRAD=entropy_grad, IS=is_code, LOGP_GRAD=logp_grad,
-                N_METRICS=n, BLOCK_T=block, num_warps=4,
+                N_METRICS=n, BLOCK_T=block, K3_LOG_RATIO_BOUND=k3_bounds[0], K3_VALUE_BOUND=k3_bounds[1],
+                num_warps=4,
             )
         sums = partial.sum(dim=0)
         loss = sums[0]
@@ -264,19 +260,24 @@ class _FusedPolicyLoss(torch.autograd.Function):
 def fused_policy_loss(logp, old_logp, advantages, mask, loss_denominator, token_denominator, *, clip_low, clip_high,
                       dual_clip=None, sequence_log_ratio=None, ref_logp=None, kl_coef=0.0, kl_kind="k1",
                       entropy=None, entropy_coeff=0.0, rollout_logp=None, rollout_is="none",
-                      rollout_is_threshold=2.0):
+                      rollout_is_threshold=2.0, k3_bounds=None):
     """``core_algos.policy_loss`` on ``[B, T]`` inputs, fused. ``advantages`` ``[B, T]`` or ``[B, 1]``;
     ``loss_denominator`` / ``token_denominator``: ``core_algos.aggregation_denominator`` of the loss's mode and of
     ``token-mean``; ``sequence_log_ratio`` ``[B]``: GSPO's detached row mean of ``logp - old_logp`` (None: the token
-    ratio). ``ref_logp`` / ``kl_coef`` / ``kl_kind``: the KL term when ``kl_coef != 0``. Returns ``(loss, metrics)``
+    ratio). ``ref_logp`` / ``kl_coef`` / ``kl_kind``: the KL term when ``kl_coef != 0``; ``k3_bounds``: the
+    k3 / low_var_kl clamps (log-ratio, estimate) of ``core_algos.kl``, which the caller passes (this layer imports
+    nothing above it). Returns ``(loss, metrics)``
     with ``core_algos.policy_loss``'s keys."""
     batch, length = logp.shape
     device = logp.device
     if advantages.shape[-1] == 1 and length != 1:
         advantages = advantages.expand(batch, length)  # stride 0 along T: read once per row from cache
     kl_code = _KL_CODES[kl_kind] if kl_coef != 0.0 else 0
+    if kl_code == _KL_CODES["k3"] and k3_bounds is None:
+        raise ValueError("fused_policy_loss: kl_kind k3 / low_var_kl needs k3_bounds (core_algos.kl's clamps)")
+    k3_bounds = (0.0, 0.0) if k3_bounds is None else k3_bounds  # unused by the other estimators
     params = (1.0 - clip_low, 1.0 + clip_high, dual_clip, kl_code, float(kl_coef), float(entropy_coeff),
-              _IS_CODES[rollout_is], float(rollout_is_threshold))
+              _IS_CODES[rollout_is], float(rollout_is_threshold), tuple(float(b) for b in k3_bounds))
     seq = sequence_log_ratio.detach().to(torch.float32).contiguous() if sequence_log_ratio is not None else None
     loss, sums = _FusedPolicyLoss.apply(
         logp, entropy, old_logp.detach(), advantages.detach(), mask, ref_logp.detach() if kl_code else None,

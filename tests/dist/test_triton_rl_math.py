@@ -302,6 +302,7 @@ def check_compiles_for_cuda():
 
     from mindspeed_llm.kernels import triton_rl_losses as losses
     from mindspeed_llm.kernels import triton_scans as scans
+    from mindspeed_llm.rl.core_algos.kl import K3_LOG_RATIO_BOUND, K3_VALUE_BOUND
 
     target = GPUTarget("cuda", 90, 32)
 
@@ -326,7 +327,8 @@ def check_compiles_for_cuda():
                                                 "s_ent", "s_rollout", "s_grad", "s_grad_ent", "length")})
     policy_sig.update({name: "fp32" for name in ("lo", "hi", "dual_clip", "kl_coef", "entropy_coeff",
                                                  "is_threshold")})
-    flags = ("SEQUENCE_RATIO", "DUAL", "KL", "ENTROPY", "ENTROPY_GRAD", "IS", "LOGP_GRAD", "N_METRICS", "BLOCK_T")
+    flags = ("SEQUENCE_RATIO", "DUAL", "KL", "ENTROPY", "ENTROPY_GRAD", "IS", "LOGP_GRAD", "N_METRICS", "BLOCK_T",
+             "K3_LOG_RATIO_BOUND", "K3_VALUE_BOUND")
     policy_sig.update({name: "constexpr" for name in flags})
     order = ["logp_ptr", "old_ptr", "adv_ptr", "mask_ptr", "ref_ptr", "ent_ptr", "rollout_ptr", "seq_ptr",
              "loss_den_ptr", "tok_den_ptr", "grad_logp_ptr", "grad_ent_ptr", "partial_ptr", "s_logp", "s_old",
@@ -342,7 +344,8 @@ def check_compiles_for_cuda():
         if i % 2:  # bf16 inputs on every other combination
             for name in ("logp_ptr", "old_ptr", "adv_ptr", "ref_ptr", "ent_ptr", "rollout_ptr"):
                 sig[name] = "*bf16"
-        build(losses._policy_loss_kernel, sig, dict(zip(flags, combo + (len(losses.POLICY_METRICS), losses.BLOCK_T))))
+        constants = combo + (len(losses.POLICY_METRICS), losses.BLOCK_T, K3_LOG_RATIO_BOUND, K3_VALUE_BOUND)
+        build(losses._policy_loss_kernel, sig, dict(zip(flags, constants)))
     for dtype in ("fp32", "bf16"):
         sig = {"values_ptr": f"*{dtype}", "old_ptr": f"*{dtype}", "returns_ptr": f"*{dtype}", "mask_ptr": "*fp32",
                "tok_den_ptr": "*fp32", "grad_ptr": "*fp32", "partial_ptr": "*fp32", "s_values": "i32", "s_old": "i32",

@@ -10,8 +10,8 @@ KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
 
 # Bounds used by the k3 / low_var_kl estimator (as in verl and MindSpeed-RL): the log-ratio is clamped
 # before exp() so it cannot overflow, and the estimate itself is clamped to [-10, 10].
-_K3_LOG_RATIO_BOUND = 20.0
-_K3_VALUE_BOUND = 10.0
+K3_LOG_RATIO_BOUND = 20.0
+K3_VALUE_BOUND = 10.0
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
@@ -34,8 +34,8 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     if kind == "k2":
         return 0.5 * (ref_logp - logp).square()
     if kind in ("k3", "low_var_kl"):
-        log_r = (ref_logp - logp).clamp(-_K3_LOG_RATIO_BOUND, _K3_LOG_RATIO_BOUND)
-        return (torch.exp(log_r) - log_r - 1).clamp(-_K3_VALUE_BOUND, _K3_VALUE_BOUND)
+        log_r = (ref_logp - logp).clamp(-K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)
+        return (torch.exp(log_r) - log_r - 1).clamp(-K3_VALUE_BOUND, K3_VALUE_BOUND)
     if kind == "abs":
         return (logp - ref_logp).abs()
     raise ValueError(f"unknown KL estimator kind {kind!r}; valid kinds are: {', '.join(KL_KINDS)}")

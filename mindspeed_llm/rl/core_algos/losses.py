@@ -14,7 +14,7 @@ from typing import Callable, Dict, NamedTuple, Optional
 import torch
 
 from mindspeed_llm.kernels import select_kernel
-from mindspeed_llm.rl.core_algos.kl import KL_KINDS, kl_penalty
+from mindspeed_llm.rl.core_algos.kl import K3_LOG_RATIO_BOUND, K3_VALUE_BOUND, KL_KINDS, kl_penalty
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ROLLOUT_IS_MODES = ("none", "tis", "mis")
@@ -361,6 +361,7 @@ def _fused_policy_loss(logp, old_logp, advantages, response_mask, clip_low, clip
         clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, sequence_log_ratio=sequence_log_ratio,
         ref_logp=ref_logp, kl_coef=kl_coef, kl_kind=kl_kind, entropy=entropy, entropy_coeff=entropy_coeff,
         rollout_logp=rollout_logp, rollout_is=rollout_is, rollout_is_threshold=rollout_is_threshold,
+        k3_bounds=(K3_LOG_RATIO_BOUND, K3_VALUE_BOUND),
     )
 
 
