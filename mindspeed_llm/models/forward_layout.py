@@ -37,7 +37,7 @@ import torch
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.utils import unwrap_model
 
-from mindspeed_llm.models.forward_state import per_forward
+from mindspeed_llm.forward_state import per_forward
 
 _POSITIONS = "_layout_position_ids"
 _OUTPUT_SPANS = "_layout_output_spans"  # ((start, stop or None), ...) of the output layer's input; None: all
@@ -160,7 +160,7 @@ def forward_layout(model, position_ids: Optional[torch.Tensor] = None, logits_fr
     output_layer = getattr(core, "output_layer", None)
     with contextlib.ExitStack() as stack:
         # per_forward: a recomputed layer (activation recompute) rotates by these positions too, e.g. MLA's own
-        # rotary inside each layer (models/forward_state.py)
+        # rotary inside each layer (mindspeed_llm/forward_state.py)
         for rotary in rotaries:
             stack.enter_context(per_forward(rotary, _POSITIONS, position_ids))
             stack.enter_context(per_forward(rotary, _ROTARY_LENGTH,

@@ -44,7 +44,7 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.utils import unwrap_model
 
-from mindspeed_llm.models.forward_state import per_forward
+from mindspeed_llm.forward_state import per_forward
 
 ROUTING_DTYPE = torch.int16  # expert ids; -1 = unknown
 

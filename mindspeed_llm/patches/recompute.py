@@ -3,7 +3,7 @@
 1. `tensor_parallel.checkpoint` (full recompute, and the selective `core_attn`, `mlp`, `moe`, `shared_experts`
    modules) runs the checkpointed function again inside the backward, where the per-forward settings of its
    micro-batch are gone: the rotary positions of packed rows and the replayed routing
-   (`models/forward_state.py`). The wrapper takes a snapshot of the live settings when the region is
+   (`mindspeed_llm/forward_state.py`). The wrapper takes a snapshot of the live settings when the region is
    checkpointed and runs the function inside it, so the recompute sees its own micro-batch's settings, also
    when 1F1B recomputes a micro-batch after later ones ran their forwards. Without live settings it is
    megatron's call unchanged. (`CheckpointWithoutOutput`, the `layernorm` / `mla_up_proj` / `moe_act`
@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+from mindspeed_llm import forward_state
 from mindspeed_llm.patches import register
 
 ALL_DEVICES = ("cpu", "cuda", "npu")
@@ -29,8 +30,6 @@ ALL_DEVICES = ("cpu", "cuda", "npu")
     devices=ALL_DEVICES,
 )
 def _checkpoint_with_forward_state(original):
-    from mindspeed_llm.models import forward_state
-
     def checkpoint(function, distribute_saved_activations, *args):
         saved = forward_state.snapshot()
         if not saved:
