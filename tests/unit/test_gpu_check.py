@@ -1,7 +1,8 @@
 """The GPU check's parts that a CPU machine can check, quickly (nothing heavy is run), in this process (`gpu_check.sh`
 without a GPU and `gpu_check.py run --dry-run` as processes: tests/dist/test_gpu_check_dist.py):
 
-* the command lines the H200 run would use are accepted by the real parsers (posttrain_gpt.py's, benchmarks/vs_trl.py's);
+* the command lines the H200 run would use are accepted by the real parsers (posttrain_gpt.py's,
+  benchmarks/vs_trl.py's);
 * `benchmarks/vs_trl.py --device / --dtype`: both sides set together (TRL's config, our argv and environment);
 * `--device cuda` without a GPU: one line and a non-zero exit, from vs_trl.py and logprobs.py.
 """

@@ -1,5 +1,6 @@
 """Tests of mindspeed_llm.rl.metrics: timers, throughput formulas, length stats, cross-rank reduction
-without a process group (two gloo processes: tests/dist/test_metrics_dist.py), the stdout / JSONL / TensorBoard writers."""
+without a process group (two gloo processes: tests/dist/test_metrics_dist.py), the stdout / JSONL /
+TensorBoard writers."""
 
 import json
 import os

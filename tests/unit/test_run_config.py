@@ -178,7 +178,8 @@ def test_unknown_nested_keys_and_sections(tmp_path):
     assert "'generate_config.sampling_config' (did you mean 'top_k'?)" in config_error(tmp_path, data)
     data = grpo_file()
     data["model"]["qwen25_7b"]["num_layer"] = 28
-    assert "unknown key 'num_layer' in section 'model.qwen25_7b' (did you mean 'num_layers'?)" in config_error(tmp_path, data)
+    assert "unknown key 'num_layer' in section 'model.qwen25_7b' (did you mean 'num_layers'?)" in \
+        config_error(tmp_path, data)
     data = grpo_file()
     data["rl_confg"] = {}
     assert "unknown section 'rl_confg' (did you mean 'rl_config'?)" in config_error(tmp_path, data)
