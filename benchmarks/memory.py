@@ -72,7 +72,7 @@ Usage::
 
     python benchmarks/memory.py --json runs/memory.json              # default shape, 2k/4k/8k, ~1 h on 2 cores
     python benchmarks/memory.py --reuse runs/memory.json --only "s=4096 none" --max-case-gb 14 --json runs/m2.json
-    python benchmarks/memory.py --toy --no-tp2 --json /tmp/m.json    # a minute (tests/unit/test_benchmark_memory.py)
+    python benchmarks/memory.py --toy --no-tp2 --json /tmp/m.json  # a minute (tests/dist/test_benchmark_memory_dist.py)
     python benchmarks/memory.py --project-only runs/memory.json      # redo fit + projection from a JSON"""
 
 from __future__ import annotations
