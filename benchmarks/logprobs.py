@@ -2,7 +2,7 @@
 
 Variants: "fused" is the chunked torch path of ``vocab_parallel_logprobs`` (``MINDSPEED_LOGPROBS_KERNEL=torch``),
 "triton" the Triton kernel behind the same call (``MINDSPEED_LOGPROBS_KERNEL=triton``; CUDA only: on CPU its
-row is skipped with a note, its CPU check being tests/test_triton_logprobs.py under ``TRITON_INTERPRET=1``),
+row is skipped with a note, its CPU check being tests/dist/test_triton_logprobs.py under ``TRITON_INTERPRET=1``),
 "naive" ``reference_logprobs``. All variants compute the target log-prob *and* the entropy of every token (``--no-entropy`` drops
 the entropy). "naive" is ``reference_logprobs``: fp32 upcast of the whole ``[tokens, vocab]`` logits,
 ``log_softmax``, gather, ``-(exp(lsm) * lsm).sum(-1)``. Modes:
@@ -159,7 +159,7 @@ def _triton_skip_reason(device):
         return None  # Triton's interpreter: checks this script's triton path without a GPU (times meaningless)
     if device != "cuda":
         return ("skipped: the Triton kernel runs on CUDA only (on CPU it is checked under TRITON_INTERPRET=1 by "
-                "tests/test_triton_logprobs.py, not timed)")
+                "tests/dist/test_triton_logprobs.py, not timed)")
     import importlib.util
 
     if importlib.util.find_spec("triton") is None:

@@ -72,7 +72,7 @@ Usage::
 
     python benchmarks/memory.py --json runs/memory.json              # default shape, 2k/4k/8k, ~1 h on 2 cores
     python benchmarks/memory.py --reuse runs/memory.json --only "s=4096 none" --max-case-gb 14 --json runs/m2.json
-    python benchmarks/memory.py --toy --no-tp2 --json /tmp/m.json    # a minute (tests/test_benchmark_memory.py)
+    python benchmarks/memory.py --toy --no-tp2 --json /tmp/m.json  # a minute (tests/dist/test_benchmark_memory_dist.py)
     python benchmarks/memory.py --project-only runs/memory.json      # redo fit + projection from a JSON"""
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ MODELS = {
                        kv_heads=4, head_dim=128, vocab=152064, qkv_bias=True, tied=False, published_params=7.62e9),
     "Qwen2.5-32B": dict(source="Qwen/Qwen2.5-32B-Instruct config.json", hidden=5120, ffn=27648, layers=64, heads=40,
                         kv_heads=8, head_dim=128, vocab=152064, qkv_bias=True, tied=False, published_params=32.76e9),
-    "Qwen3-30B-A3B": dict(source="Qwen/Qwen3-30B-A3B config.json (as in tests/test_examples.py)", hidden=2048,
+    "Qwen3-30B-A3B": dict(source="Qwen/Qwen3-30B-A3B config.json (as in tests/dist/test_examples.py)", hidden=2048,
                           ffn=6144, layers=48, heads=32, kv_heads=4, head_dim=128, vocab=151936, qk_norm=True,
                           tied=False, experts=128, topk=8, moe_ffn=768, published_params=30.53e9),
     "Llama-3.2-1B": dict(source="meta-llama/Llama-3.2-1B config.json", hidden=2048, ffn=8192, layers=16, heads=32,
@@ -1566,7 +1566,7 @@ class Launch:
 
 
 def read_launcher(path: str) -> Launch:
-    """Runs the launcher with a stub in place of python (as tests/test_examples.py does) at its own default node
+    """Runs the launcher with a stub in place of python (as tests/dist/test_examples.py does) at its own default node
     count, 8 devices a node (launch_env.sh), and parses the posttrain command line with the real parser."""
     from mindspeed_llm.arguments import parse_args
 

@@ -4,7 +4,7 @@
 The skewed mix: the stage's own lengths can only be skewed by what the policy emits (every prompt may answer
 --max-new-tokens: `validate_args` keeps --max-prompt-length + --max-new-tokens within --max-length), so the run
 gives `--stop-ids` (9) of the 256 word ids as --stop-token-ids to a tiny random Qwen2 (`--layers`, `--hidden`, the
-word task's vocabulary: tests/helpers/hf_tiny.py), whose next-token distribution is near uniform: a response stops at each
+word-task vocabulary: tests/helpers/hf_tiny.py), whose next-token distribution is near uniform: a response ends at each
 token with p = 9/256, its length is geometric, (1 - p)^64 = 10% of them run to the 64-token cap and the others
 average about a third of it: `generate.py`'s skewed mix (10% at the cap, the rest at 10-50%) by sampling instead
 of by budget.

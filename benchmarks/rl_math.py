@@ -15,7 +15,7 @@ Variants:
   backward. ``torch`` / ``triton`` through ``MINDSPEED_LOSS_KERNEL``.
 
 ``triton`` runs on CUDA only here (on CPU its rows are skipped with a note: the kernels' CPU check is
-tests/test_triton_rl_math.py under ``TRITON_INTERPRET=1``, which says nothing about speed; with
+tests/dist/test_triton_rl_math.py under ``TRITON_INTERPRET=1``, which says nothing about speed; with
 ``TRITON_INTERPRET=1`` set, small CPU runs take the triton rows through the interpreter, to check this script).
 
 Every (device, op, T, variant) runs in a fresh subprocess so measurements do not interfere:
@@ -178,7 +178,7 @@ def _triton_skip_reason(device):
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
         return None  # the interpreter: exercises this script's triton rows on CPU; its times mean nothing
     if device != "cuda":
-        return ("the Triton kernels run on CUDA here (their CPU check is tests/test_triton_rl_math.py under "
+        return ("the Triton kernels run on CUDA here (their CPU check is tests/dist/test_triton_rl_math.py under "
                 "TRITON_INTERPRET=1, not timed)")
     import importlib.util
 

@@ -168,7 +168,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, sc
     `sparse_mode=0`, `upper_left` / `lower_right` as `sparse_mode` 2 / 3 with the compressed 2048 x 2048 causal
     mask, key/value heads fewer than query heads read natively, `keep_prob = 1 - dropout_p`. The NPU translation
     is written from torch_npu's documented signature and checked against SDPA on CPU with a stand-in
-    (tests/test_attention.py); it is unverified until run on an NPU.
+    (tests/dist/test_attention.py); it is unverified until run on an NPU.
     """
     if causal is not None and causal not in CAUSAL_VARIANTS:
         raise ValueError(f"attention: causal={causal!r}; use one of {CAUSAL_VARIANTS} or None")

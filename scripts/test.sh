@@ -8,6 +8,9 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="$(bash "$root/scripts/setup_venv.sh" | tail -n 1)"
 cd "$root"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# This checkout's package first, for the tests' child processes too: a venv shared between checkouts has its
+# editable install pointing at another one.
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 paths=(tests)
 if [ "${1:-}" = "--fast" ]; then
   shift

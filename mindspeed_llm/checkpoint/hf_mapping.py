@@ -37,7 +37,7 @@ projections gate/up/down = gate_proj/up_proj/down_proj (Qwen-MoE) or w1/w3/w2 (M
 transformers 5.x holds experts fused in memory (`mlp.experts.gate_up_proj` [E, 2F, hidden] = [gate ; up] per
 expert, `mlp.experts.down_proj` [E, hidden, F], Mixtral's router as `mlp.gate.weight`) but its
 `save_pretrained` (5.24) writes the per-expert Hub names above, and `from_pretrained` reads them back into the
-same tensors (tests/test_moe_convert.py checks both). Both formats are read here; the Hub format is written.
+same tensors (tests/unit/test_moe_convert.py checks both). Both formats are read here; the Hub format is written.
 
 DeepSeek-V3 (model_type deepseek_v3): multi-latent attention replaces q/k/v (names under self_attn. / self_attention.):
 q_a_proj -> linear_q_down_proj, q_a_layernorm -> q_layernorm, q_b_proj -> linear_q_up_proj (or q_proj ->

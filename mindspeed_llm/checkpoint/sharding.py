@@ -6,7 +6,7 @@ is what one (tp_rank, pp_rank) GPTModel's `state_dict()` holds: layer indices lo
 (stage p holds global layers [p*L/PP, (p+1)*L/PP), renumbered from 0), TP slices, and `_extra_state`
 entries (None) for megatron's parallel linears.
 
-TP rules (measured against GPTModel, see tests/test_models_parity.py):
+TP rules (measured against GPTModel, see tests/dist/test_models_parity.py):
 - vocab-parallel, split on dim 0: word embeddings, output layer;
 - column-parallel, split on dim 0: linear_qkv weight and bias (its rows are grouped per key/value head,
   so contiguous chunks are whole groups), linear_fc1 with [gate ; up] split separately (rank r holds

@@ -35,7 +35,7 @@ Test hook (not for users): with ``MINDSPEED_LLM_FAULT_AT=<point>`` in the enviro
 SIGKILLs itself when the commit reaches ``<point>``: ``staged`` (after 1), ``aside`` (after 2),
 ``swap`` (during 4: the previous manifest is gone, one new file is in place), ``published``
 (after 4); or when a later run restoring an interrupted swap has put back one file (``restoring``).
-``tests/test_faults_data.py`` uses it.
+``tests/unit/test_faults_data.py`` uses it.
 """
 from __future__ import annotations
 

@@ -44,8 +44,8 @@ last row stops, and the cache is sized by the whole batch. Here:
   (`Rollout.continuations`), and a later call continues it from its prompt + response so far.
 
 Equality with the static engine: the same tokens (greedy and sampled) and log-probs to float rounding (another
-batch shape, true positions instead of left-padded slots, another reduction length; tests/test_generate.py,
-tests/test_continuous_batching.py). Not bitwise in general.
+batch shape, true positions instead of left-padded slots, another reduction length; tests/dist/test_generate.py,
+tests/dist/test_continuous_batching_dist.py). Not bitwise in general.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ The prefill (Python-int slots, a forward per call) goes through the same wrapper
 rotary, so the whole cache is consistently post-rotary (``mindspeed_llm/patches/inference.py`` does the same
 for the ordinary static step on every device; unpatched megatron caches keys before rotary and re-rotates them
 all at every step, which the fixed-shape step does not do). The logits equal the ordinary path's up to the
-summation order over the extra zero-weight slots; greedy tokens are the same (tests/test_cuda_graph.py).
+summation order over the extra zero-weight slots; greedy tokens are the same (tests/dist/test_cuda_graph.py).
 
 With ``graph=True`` (CUDA only) the first decode step is run once eagerly on a side stream (warm-up: lazy
 buffers, NCCL communicators) and then captured; every step (the first included) replays the graph after

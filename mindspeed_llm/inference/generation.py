@@ -41,7 +41,7 @@ Speed: megatron computes only the last position's logits per forward (`StaticInf
 cost O(new tokens) in rotary work instead of O(cached tokens), reads grouped key/value heads in place instead
 of `repeat_interleave` copies of the cache (megatron's local attention; the fused `SDPAttention` reads them in
 place itself), and skips the autograd Functions of linear layers and TP regions under no_grad; all exact
-(tests/test_generate.py compares with megatron's unpatched code).
+(tests/dist/test_generate.py compares with megatron's unpatched code).
 
 Parallelism: the logits come out of the last pipeline stage already gathered over tensor parallelism
 (`runtime_gather_output=True`). The last stage picks the tokens and broadcasts them (with their log-probs)

@@ -23,7 +23,7 @@ Memory: no ``[tokens, vocab]`` fp32 buffer at all (the torch path has a two-chun
 the only full-size allocation, as in any backward.
 
 Importing this module imports Triton and defines the kernels; set ``TRITON_INTERPRET=1`` *before* the
-import to run them on CPU tensors with Triton's interpreter (that is how tests/test_triton_logprobs.py
+import to run them on CPU tensors with Triton's interpreter (that is how tests/dist/test_triton_logprobs.py
 checks them on machines without a GPU). Block sizes and warp counts are untuned defaults: no GPU was
 available when this was written.
 """

@@ -24,7 +24,7 @@ chooses this path (``mindspeed_llm.kernels.select_kernel``). What differs is how
 Inputs are read in their dtypes (bool masks as bytes), results are cast to the torch path's dtypes (the log-probs'
 for the loss and metrics; the gradients come back in each input's dtype). Importing this module imports Triton
 and defines the kernels; ``TRITON_INTERPRET=1`` before the import runs them on CPU tensors
-(tests/test_triton_rl_math.py). ``BLOCK_T`` and the warp count are untuned defaults: no GPU was available when this
+(tests/dist/test_triton_rl_math.py). ``BLOCK_T`` and the warp count are untuned defaults: no GPU was available when this
 was written. On Ascend (Triton-Ascend) the kernels have never run.
 """
 

@@ -17,7 +17,7 @@ of the torch path (``result_type(rewards, values)``, resp. the rewards' dtype). 
 ``core_algos.scans`` takes the torch path when an input needs a gradient.
 
 Importing this module imports Triton and defines the kernel; set ``TRITON_INTERPRET=1`` *before* the import to
-run it on CPU tensors with Triton's interpreter (tests/test_triton_rl_math.py). ``BLOCK_T`` and the warp count
+run it on CPU tensors with Triton's interpreter (tests/dist/test_triton_rl_math.py). ``BLOCK_T`` and the warp count
 are untuned defaults: no GPU was available when this was written. On Ascend (Triton-Ascend) it has never run.
 """
 

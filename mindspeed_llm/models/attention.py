@@ -28,7 +28,7 @@ local layer spec); `--attention-backend` / `--use-flash-attn` choose (Megatron-L
 `mindspeed_llm.arguments`). Not supported (refused when built): megatron's off-by-one / learnable softmax and
 sliding-window attention (`--attention-backend local` runs them).
 
-Verified on CPU against megatron's local attention (tests/test_attention.py: the module alone in fp32 and bf16,
+Verified on CPU against megatron's local attention (tests/dist/test_attention.py: the module alone in fp32 and bf16,
 whole models at TP1 / TP2 / PP2 in both layouts, GQA, MLA, greedy generation). CUDA runs torch's own SDPA kernels:
 unverified until `scripts/gpu_check.sh` runs on a GPU; NPU: see `device.attention`.
 """

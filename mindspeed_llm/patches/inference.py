@@ -1,7 +1,7 @@
 """Speed patches for rollout generation on megatron-core 0.16.1 (devices: cpu, cuda, npu).
 
 All are exact: they change *how* a step is computed, never what. Greedy rollouts stay token for token
-equal to `transformers` and to megatron's unpatched code (tests/test_generate.py, TP1/TP2/PP2, batched and
+equal to `transformers` and to megatron's unpatched code (tests/dist/test_generate.py, TP1/TP2/PP2, batched and
 stepwise prefill), and a training forward (autograd on, no inference context) reaches none of the new code.
 Patch 1 serves megatron's static KV cache (the `engine="static"` path of `inference/generation.py`); 2-4 also
 serve the continuous-batching engine (`inference/continuous.py`), whose decode steps are plain eval forwards

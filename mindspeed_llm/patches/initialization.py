@@ -5,8 +5,9 @@ as tensor-parallel (`tensor_model_parallel`, `partition_dim`, `partition_stride`
 which they call only when `config.perform_initialization` is on. A model built to be loaded from a checkpoint
 (`perform_initialization=False`, `rl/roles.from_checkpoint`) then has unmarked weights, and megatron treats each
 unmarked weight as a duplicate on every TP rank: the gradient norm counts the sharded weights of TP rank 0 only, so
-at TP > 1 gradient clipping (and the logged grad_norm) came out wrong (tests/test_layout_invariance.py's TP2 cases
-caught it). The patch marks the weight as those functions would have, after the constructor, when it did not:
+at TP > 1 gradient clipping (and the logged grad_norm) came out wrong (the TP2 cases of
+tests/dist/test_stages_layout_invariance.py caught it). The patch marks the weight as those functions would have,
+after the constructor, when it did not:
 the same attributes, nothing else.
 """
 

@@ -26,7 +26,7 @@ held to 5e-5) and 2.7e-6 of each gradient tensor's largest entry (held to 2e-5):
 error (a key seen that should not be, a lost head or scale) moves them by 1e-2 or more. bf16: the fused kernel
 accumulates in fp32 where megatron's attention rounds scores and probabilities to bf16, so each is measured against
 the fp32 result and the fused error may exceed megatron-bf16's by at most half (plus 1e-3).
-Greedy generation with either attention: tests/test_generate.py (the same tokens, batched, stepwise and shared
+Greedy generation with either attention: tests/dist/test_generate.py (the same tokens, batched, stepwise and shared
 prefill, at TP1, TP2 and PP2).
 """
 

@@ -7,7 +7,7 @@
   gradients (those of k and v come back through the all-gather's reduce-scatter);
 * a training checkpoint written at CP2 resumes at CP1 and one written at CP1 at CP2 (`test_checkpoint_moves_between_
   cp_sizes`, slow: both stages' real runs); the training results of CP2 and SP against the TP1 reference are in
-  tests/test_layout_invariance.py.
+  tests/dist/test_stages_layout_invariance.py.
 """
 
 from __future__ import annotations

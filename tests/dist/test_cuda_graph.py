@@ -4,7 +4,7 @@ rounding (with the speed patches of mindspeed_llm/patches/inference.py applied, 
 
 On CPU the fixed-shape step runs eagerly (what the graph records: the slot as a tensor, the whole cache read
 under a mask); the captured graph itself needs CUDA and is skipped without it. Run on a GPU machine with
-``pytest tests/test_cuda_graph.py`` (the CUDA case moves the model to the GPU in its own process).
+``pytest tests/dist/test_cuda_graph.py`` (the CUDA case moves the model to the GPU in its own process).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """DeepSeek-V3 (model_type deepseek_v3): conversion, transformers parity, packed positions, greedy generation.
 
-Tiny random DeepseekV3ForCausalLM models (tests/hf_tiny.py, DEEPSEEK_VARIANTS; the routing bias
+Tiny random DeepseekV3ForCausalLM models (tests/helpers/hf_tiny.py, DEEPSEEK_VARIANTS; the routing bias
 e_score_correction_bias random too):
     deepseek_v3          q LoRA (q_a_proj / q_a_layernorm / q_b_proj), 8 experts in 4 groups of which 2 are kept,
                          top-4, routed_scaling_factor 2.5, one shared expert, layer 0 dense, YaRN factor 4 past 64

@@ -1,7 +1,7 @@
 """`rl/engine.py`'s step guards, on a tiny model in one process: NaN / inf gradients behind a finite loss stop the step
 before the optimizer moves (the guard reduces each gradient buffer to its norm first, and counts the bad values only
 when that is not finite), and a step that moves the weights by more than half their norm is divergence.
-(Stage-level runs of both guards: tests/test_faults.py, tests/test_stage_errors.py.)"""
+(Stage-level runs of both guards: tests/dist/test_stages_faults.py, tests/dist/test_stages_errors.py.)"""
 
 import pytest
 

@@ -1,6 +1,6 @@
 """LoRA against `peft`'s LoRA on the transformers models, and adapters in and out (issue 29).
 
-The reference is `peft` 0.21 (`get_peft_model` with a `LoraConfig` on `tests/hf_tiny.py` models, fp32): random
+The reference is `peft` 0.21 (`get_peft_model` with a `LoraConfig` on `tests/helpers/hf_tiny.py` models, fp32): random
 non-zero A and B (`init_lora_weights=False`) on q, k, v, o, gate, up and down, saved with `save_pretrained`. Ours reads
 that folder (`checkpoint/lora.read_peft`), adds adapters to the converted Megatron model (`models/lora.apply_lora`)
 and loads them (`rl/lora.load_adapter`, each rank its TP slice). Two adapters per model:

@@ -1,7 +1,7 @@
 """Converted Hugging Face checkpoints give the logits / values of `transformers` at TP=1, TP=2 and PP=2.
 
 One module-scoped run does everything that needs megatron: the parent builds tiny random HF models
-(tests/hf_tiny.py; every family, tied and untied embeddings, random norms and biases), converts each to
+(tests/helpers/hf_tiny.py; every family, tied and untied embeddings, random norms and biases), converts each to
 Megatron with TP=1, TP=2 and PP=2 (plus TP=2 -> PP=2 resharded copies), computes the `transformers`
 reference; then ONE spawned 2-process gloo run initialises each layout in turn (TP=1 runs as DP=2),
 builds the GPTModel from the checkpoint's spec, loads its shard with `load_megatron_weights`, runs the

@@ -2,7 +2,7 @@
 
 The parent builds tiny random Qwen3-MoE (also a variant with a dense layer and norm_topk_prob=False, i.e.
 megatron's pre-softmax router), Qwen2-MoE (shared expert and its sigmoid gate) and Mixtral models
-(tests/hf_tiny.py), their *ForSequenceClassification value heads, the transformers reference outputs, and
+(tests/helpers/hf_tiny.py), their *ForSequenceClassification value heads, the transformers reference outputs, and
 converts each to every layout. ONE spawned 2-process gloo run then initialises each layout in turn (megatron's
 expert groups included), builds the GPTModel from the checkpoint's spec (`build_model(load_spec(root))`),
 loads this rank's (tp, pp, ep) shard with `load_megatron_weights` and runs the forward (helpers shared with

@@ -11,7 +11,7 @@ one at the full width) is read four ways on a tiny Qwen2 converted from Hugging 
 
 Compared: response log-probs (policy), critic values and reward scores (value head), at TP=1, TP=2 and PP=2
 through the real passes (`rl/passes.py`, megatron's schedule), and the gradients of a log-prob loss (TP=1, TP=2).
-The plain layout itself equals `transformers` (tests/test_models_parity.py), so this is parity by transitivity.
+The plain layout itself equals `transformers` (tests/dist/test_models_parity.py), so this is parity by transitivity.
 """
 
 import os

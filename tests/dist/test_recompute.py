@@ -589,7 +589,7 @@ def _pp2_replay_check():
     replay = dict(moe_enable_routing_replay=True)
     state = build_model(MOE_SPEC, **replay).state_dict()
     batches = [mb for _ in range(2) for mb in
-               _batches(MOE_SPEC.vocab_size, 1, MOE_SPEC.moe_router_topk, MOE_SPEC.num_experts)["rows"]]  # 4 micro-batches
+               _batches(MOE_SPEC.vocab_size, 1, MOE_SPEC.moe_router_topk, MOE_SPEC.num_experts)["rows"]]  # 4 mbs
     planted, _, _ = _step(MOE_SPEC, state, replay, batches)
     live, _, _ = _step(MOE_SPEC, state, replay, [{k: v for k, v in mb.items() if k != "routing"} for mb in batches])
     out = {"planted_differs_from_live": not _same(planted, live)}

@@ -9,7 +9,7 @@
   plain model's static engine (the continuous one with 2 rows in flight for 3 prompts, so a slot is reused);
 * megatron's torch norm refuses sequence parallelism without `patches/sequence_parallel.py`.
 
-Both stages' whole iterations at TP2 + SP (and CP2 x TP2 + SP) are in tests/test_layout_invariance.py.
+Both stages' whole iterations at TP2 + SP (and CP2 x TP2 + SP) are in tests/dist/test_stages_layout_invariance.py.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def test_three_iterations(stage_paths, tmp_path, stage, tp, pp):
     assert any(r[LOSS_KEYS[stage][0]] != 0 for r in records)
     assert any(r["actor/grad_norm" if stage == "trl_ppo" else "grad_norm"] > 0 for r in records)
     # The logged numbers hang together the way the stage computes them (the layouts' numerical agreement is
-    # tests/test_layout_invariance.py's business).
+    # tests/dist/test_stages_layout_invariance.py's business).
     for r in records:
         assert r["actor/lr"] == pytest.approx(1e-3)
         if stage == "trl_ppo":  # the KL penalty of the rewards, -kl_coef * KL summed over each response (0.3)

@@ -1,7 +1,7 @@
 """A learning test for `--stage grpo`: on a toy task a tiny random model's reward rises, deterministically.
 
-Task: a tiny random Qwen2 (2 layers, hidden 64, `tests/hf_tiny.py`) with a 256-word vocabulary (`w4`..`w255` plus
-`<pad> <s> </s> <unk>`, `hf_tiny.write_tokenizer`), converted with `convert_hf_to_mg`, continues prompts of 3..5
+Task: a tiny random Qwen2 (2 layers, hidden 64, `tests/helpers/hf_tiny.py`) with a 256-word vocabulary (`w4`..`w255`
+plus `<pad> <s> </s> <unk>`, `hf_tiny.write_tokenizer`), converted with `convert_hf_to_mg`, continues prompts of 3..5
 random words (preprocessed with `--prompt-type empty`). A verifier registered in the worker,
 `toy_low_words`, scores a response by the fraction of its words in `w4`..`w67` (a quarter of the vocabulary; an empty
 response scores 0). Random sampling hits those words often enough (initial mean ~0.3) to give every group of 8

@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 from tests.helpers.multiproc import run_distributed  # noqa: E402
-from tests.helpers.stage_layouts import (ATOL, KEY_ATOL, RTOL, SKIPPED, layout_argv, metrics_row, odd_first_word, relative,
-                                          run_cases, update_cases)
+from tests.helpers.stage_layouts import (ATOL, KEY_ATOL, RTOL, SKIPPED, layout_argv, metrics_row, odd_first_word,
+                                         relative, run_cases, update_cases)
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.slow  # see pytest.ini

@@ -6,7 +6,7 @@ change); and the kernel choice (``MINDSPEED_LOGPROBS_KERNEL``).
 
 ``TRITON_INTERPRET=1`` must be set before the kernels are defined and would change how any other Triton
 code in the pytest process behaves, so the interpreted checks run in a child process: this file run as a
-script (``python tests/test_triton_logprobs.py CHECK``); a failed check exits non-zero with its traceback.
+script (``python tests/dist/test_triton_logprobs.py CHECK``); a failed check exits non-zero with its traceback.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ fused policy / value losses (mindspeed_llm.kernels.triton_rl_losses) against cor
 every metric and the gradients), in fp32 and with bf16 inputs; the dispatch from core_algos (MINDSPEED_SCAN_KERNEL /
 MINDSPEED_LOSS_KERNEL=triton); and the real kernels compiled by Triton down to an sm_90 cubin (no GPU needed).
 
-As in tests/test_triton_logprobs.py, ``TRITON_INTERPRET=1`` must be set before the kernels are defined, so the
-interpreted checks run in a child process (this file run as a script, ``python tests/test_triton_rl_math.py
+As in tests/dist/test_triton_logprobs.py, ``TRITON_INTERPRET=1`` must be set before the kernels are defined, so the
+interpreted checks run in a child process (this file run as a script, ``python tests/dist/test_triton_rl_math.py
 CHECK``).
 
 Tolerances. fp32: the same arithmetic in another order (a scan tree / block sums instead of a chain / torch's

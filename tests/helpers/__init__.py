@@ -1,4 +1,5 @@
-"""What the tests share (no test file imports another): gloo process launchers (`multiproc`, `gloo_logprobs`),
-the one `free_port` (`ports`), tiny Hugging Face models (`hf_tiny`), the stage tests' assets and argv (`stage_assets`,
-`word_task`, `model_state_runs`), the data tests' fixtures (`fixtures_data`) and the virtual-device guard
-(`device_guard`). Map: tests/README.md."""
+"""What the tests share (no test file imports another): process launchers (`multiproc`, `gloo_logprobs`) and the one
+`free_port` (`ports`), tiny Hugging Face models (`hf_tiny`), the stage tests' assets, argv and runs (`stage_assets`,
+`word_task`, `stage_layouts`, `model_state_runs`), reference computations (`hf_parity`, `trl_reference`,
+`convert_checks`, `threads`, `routing_batches`), MindSpeed-RL run configs (`mindspeed_rl_configs`), the data tests'
+fixtures (`fixtures_data`) and the virtual-device guard (`device_guard`). Map: tests/README.md."""

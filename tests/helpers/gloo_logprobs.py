@@ -1,4 +1,5 @@
-"""Helpers for tests/unit/test_logprobs.py and tests/dist/test_triton_logprobs.py: run a function on N local processes joined in a gloo group.
+"""Helpers for tests/dist/test_logprobs_dist.py and tests/dist/test_triton_logprobs.py: run a function on N local
+processes joined in a gloo group.
 
 The worker functions live here (not in the test module) so the spawned children can import them by
 module name without re-importing the test module's dependencies.

@@ -11,7 +11,7 @@ with warnings.catch_warnings():
 
 
 def trl_grpo(loss_type, beta, entropy_coef, temperature, eps, eps_high, max_completion_length, model, gas, spg,
-              importance_sampling_level="token", vllm_is=False):
+             importance_sampling_level="token", vllm_is=False):
     trainer = object.__new__(GRPOTrainer)  # no __init__: only the attributes _compute_loss reads
     accelerator = types.SimpleNamespace(
         num_processes=1,

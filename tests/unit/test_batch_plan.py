@@ -1,6 +1,7 @@
 """`MicroBatchPlan` (`rl/batch_plan.py`): the packed prompt-group layout built with whole-tensor ops equals a
 group-by-group construction written out by hand (its attention pattern through `PackedGroups.dense_mask`), and
-micro-batches cut from a dealt sample order carry the right rows, reads, packed groups and per-sample tensors. (That the layouts compute the same outputs is tests/test_packed_layout.py.)"""
+micro-batches cut from a dealt sample order carry the right rows, reads, packed groups and per-sample tensors. (That
+the layouts compute the same outputs is tests/dist/test_packed_layout.py.)"""
 
 import pytest
 import torch

@@ -39,11 +39,12 @@ def test_round_trip_bit_identical(tmp_path, family, orm):
         for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2)):
             mg, out = tmp_path / f"mg_{tie}_{tp}{pp}", tmp_path / f"out_{tie}_{tp}{pp}"
             flags = ["--orm"] if orm else []
-            assert convert_cli("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", src, "--save-dir", mg,
-                        "--target-tensor-parallel-size", tp, "--target-pipeline-parallel-size", pp, *flags) == 0
+            assert convert_cli("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", src,
+                               "--save-dir", mg, "--target-tensor-parallel-size", tp,
+                               "--target-pipeline-parallel-size", pp, *flags) == 0
             assert layout.find_layout(layout.checkpoint_dir(mg, "release")) == (tp, pp)
             assert convert_cli("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", mg,
-                        "--save-dir", out, *flags) == 0
+                               "--save-dir", out, *flags) == 0
             assert_identical(original, hf_tensors(out))
 
 
@@ -74,7 +75,7 @@ def test_reshard_mg_to_mg_and_iteration_checkpoints(tmp_path):
     src = save_tiny("qwen3", tmp_path / "hf", tie=True, num_layers=4, seed=1)
     ckpt.convert_hf_to_mg(src, tmp_path / "tp2", tp=2, pp=1, progress=False)
     assert convert_cli("--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", tmp_path / "tp2",
-                "--save-dir", tmp_path / "pp2", "--target-pipeline-parallel-size", 2) == 0
+                       "--save-dir", tmp_path / "pp2", "--target-pipeline-parallel-size", 2) == 0
     assert layout.find_layout(tmp_path / "pp2" / "release") == (1, 2)
     # the same tensors: merge both back to one full state dict
     info = layout.checkpoint_info(tmp_path / "pp2")
@@ -441,7 +442,7 @@ def test_error_training_save_root_points_to_the_roles(tmp_path, capsys):
                  "--save-dir", tmp_path / "mg2")
     assert "is a training --save directory" in err
     assert convert_cli("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", root / "critic",
-                "--save-dir", tmp_path / "out", "--orm") == 0
+                       "--save-dir", tmp_path / "out", "--orm") == 0
 
 
 def test_write_errors_and_save_dirs_are_named(tmp_path, capsys, monkeypatch):

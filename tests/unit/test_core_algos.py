@@ -331,11 +331,11 @@ def test_sum_across_shards_gives_the_whole_batch_statistics():
     # GAE's whitening, and the batch std of group advantages (groups never span shards)
     values = torch.randn(6, 4, generator=g)
     gae = shards_in_threads(lambda s, sum_across: ca.compute_gae(s[0], s[1], s[2], 1.0, 0.95, sum_across=sum_across)[0],
-                             [(x[:2], values[:2], mask[:2]), (x[2:], values[2:], mask[2:])])
+                            [(x[:2], values[:2], mask[:2]), (x[2:], values[2:], mask[2:])])
     close(torch.cat(gae), ca.compute_gae(x, values, mask, 1.0, 0.95)[0])
     scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5, 0.0, float("nan"), 2.0])
     adv = shards_in_threads(lambda s, sum_across: ca.group_advantages(s, 2, scale="batch", sum_across=sum_across),
-                             [scores[:4], scores[4:]])
+                            [scores[:4], scores[4:]])
     close(torch.cat(adv), ca.group_advantages(scores, 2, scale="batch"))
     # the local statistics of one shard are not the batch's: the reduction matters here
     assert not torch.allclose(ca.masked_whiten(x[:2], mask[:2]), ca.masked_whiten(x, mask)[:2])

@@ -1,7 +1,7 @@
-"""preprocess_data.py on the real-schema samples: ids, labels, extras, workers, filters, configs."""
+"""preprocess_data.py on the real-schema samples: ids, labels, extras, workers, filters, configs
+(the example script as a process of its own: tests/dist/test_data_preprocess_dist.py)."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -186,19 +186,6 @@ def test_dataset_yaml_configs_hold_valid_flags(name):
     parse_map_keys(cfg.get("map_keys"))
 
 
-def test_example_script_reads_yaml_config(qwen_tok_dir, tmp_path):
-    """bash examples/data/preprocess_data.sh deepscaler, with the yaml's paths overridden by env vars."""
-    env = dict(os.environ, INPUT=str(DEEPSCALER), TOKENIZER=str(qwen_tok_dir), OUTPUT_PREFIX=str(tmp_path / "ds"),
-               WORKERS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(["bash", str(ROOT / "examples" / "data" / "preprocess_data.sh"), "deepscaler"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert "kept 43 of 43 rows" in proc.stderr and "rows/s" in proc.stderr
-    ds = PromptDataset(str(tmp_path / "ds"))
-    assert [ds[i]["labels"] for i in range(len(ds))] == [r["answer"] for r in load_json_rows(DEEPSCALER)]
-    assert ds.meta["prompt_type"] == "qwen_r1" and ds.meta["handler"] == "R1AlpacaStyleInstructionHandler"
-
-
 def test_math_17k_yaml_config_with_overrides(qwen_tok_dir, tmp_path):
     from mindspeed_llm.data.preprocess import preprocess
 
@@ -210,13 +197,6 @@ def test_math_17k_yaml_config_with_overrides(qwen_tok_dir, tmp_path):
     assert res.num_samples == len(ds) == 30
     assert [ds[i]["labels"] for i in range(30)] == [r["reward_model"]["ground_truth"] for r in rows]
     assert ds[0]["data_source"] == "math_dapo"
-
-
-def test_example_script_rejects_unknown_config(tmp_path):
-    proc = subprocess.run(["bash", str(ROOT / "examples" / "data" / "preprocess_data.sh"), "nope"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert proc.returncode != 0
-    assert "nope" in proc.stderr and "deepscaler" in proc.stderr
 
 
 def test_overlong_prompts_truncate_keeps_the_end_and_counts(qwen_tok_dir, qwen_tok, tmp_path, capsys):

@@ -1,16 +1,14 @@
-"""The GPU check's parts that a CPU machine can check, quickly (nothing heavy is run):
+"""The GPU check's parts that a CPU machine can check, quickly (nothing heavy is run), in this process (`gpu_check.sh`
+without a GPU and `gpu_check.py run --dry-run` as processes: tests/dist/test_gpu_check_dist.py):
 
-* `scripts/gpu_check.sh` without a GPU: prints the no-GPU line, exits 3, writes nothing;
-* `scripts/gpu_check.py run --dry-run`: every step, with the command lines the H200 run would use, and those
-  command lines are accepted by the real parsers (posttrain_gpt.py's, benchmarks/vs_trl.py's);
+* the command lines the H200 run would use are accepted by the real parsers (posttrain_gpt.py's,
+  benchmarks/vs_trl.py's);
 * `benchmarks/vs_trl.py --device / --dtype`: both sides set together (TRL's config, our argv and environment);
 * `--device cuda` without a GPU: one line and a non-zero exit, from vs_trl.py and logprobs.py.
 """
 
 import importlib.util
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -41,37 +39,6 @@ def vs_trl():
 @pytest.fixture(scope="module")
 def gpu_check():
     return _load("gpu_check_script", ROOT / "scripts" / "gpu_check.py")
-
-
-def test_gpu_check_sh_without_gpu(tmp_path):
-    if shutil.which("nvidia-smi") and _has_cuda():
-        pytest.skip("a GPU is here: the script would run the whole check")
-    env = dict(os.environ, OUT=str(tmp_path))
-    env.pop("GPU_CHECK_ALLOW_CPU", None)
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == 3, proc.stdout + proc.stderr
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("no GPU: nothing to check"), proc.stdout
-    assert list(tmp_path.iterdir()) == []  # nothing written to $OUT
-
-
-def test_dry_run_lists_every_step(gpu_check):
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "run", "--dry-run"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
-    for name in gpu_check.ORDER:
-        assert f"[{name}]" in out, name
-    commands = "\n".join(line for line in out.splitlines() if line.startswith("    $ "))
-    assert "mindspeed_llm.demo.run --tiny --stage grpo" in commands
-    assert "mindspeed_llm.demo.run --tiny --stage trl_ppo" in commands
-    assert "--layers 24 --hidden 896 --heads 14 --kv-heads 2 --ffn 4864 --vocab 151936" in commands
-    assert commands.count("posttrain_gpt.py --stage") == 2 and commands.count(" --bf16 ") == 2
-    assert commands.count("benchmarks/vs_trl.py --device cuda") == 5  # prepare + 2 stages x 2 dtypes
-    assert "benchmarks/logprobs.py --device cuda --tokens 8192" in commands
-    assert "benchmarks/attention.py --device cuda --seq 1024 2048 4096" in commands and " --check " in commands
-    assert "expected in all" in out
 
 
 def _check(gpu_check, *argv):

@@ -1,17 +1,12 @@
 """Fused vocab-parallel log-probs (mindspeed_llm.rl.logprobs) vs the plain reference: values and
-gradients w.r.t. the logits, single shard and TP=2 over gloo."""
+gradients w.r.t. the logits, single shard (TP=2 over gloo: tests/dist/test_logprobs_dist.py)."""
 
 import os
-import sys
 
 import pytest
 import torch
 
 from mindspeed_llm.rl.logprobs import reference_logprobs, vocab_parallel_logprobs
-
-# The helper is imported by plain module name whether or not tests/ is a package, so the spawned
-# workers (which inherit sys.path) can unpickle its functions.
-from tests.helpers.gloo_logprobs import run_gloo, tp_logprobs_worker  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 
@@ -79,16 +74,3 @@ def test_invalid_inputs():
         vocab_parallel_logprobs(logits, torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match="chunk_size"):
         vocab_parallel_logprobs(logits, torch.zeros(4, dtype=torch.long), chunk_size=0)
-
-
-def test_tensor_parallel_two_ranks_gloo():
-    # One spawn for every case (process start dominates). Each case:
-    # (token shape, full vocab, dtype, temperature, with_entropy, chunk_size, atol, rtol)
-    cases = [
-        ((5, 7), 202, torch.float32, 1.0, False, 4, 1e-5, 1e-5),
-        ((5, 7), 202, torch.float32, 0.7, True, 3, 1e-5, 1e-5),
-        ((33,), 96, torch.float32, 1.0, True, None, 1e-5, 1e-5),
-        ((4, 6), 202, torch.bfloat16, 1.0, True, 5, 1e-2, 1e-2),
-        ((4, 6), 202, torch.bfloat16, 0.7, False, 1, 1e-2, 1e-2),
-    ]
-    run_gloo(tp_logprobs_worker, world_size=2, args=(cases,))

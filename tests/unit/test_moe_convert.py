@@ -113,7 +113,7 @@ def test_round_trip_bit_identical(tmp_path, name, orm):
     for label, (args, stored, folders) in LAYOUTS.items():
         mg, out = tmp_path / f"mg_{label}", tmp_path / f"out_{label}"
         assert convert_cli("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", src, "--save-dir", mg,
-                    *args, *flags) == 0
+                           *args, *flags) == 0
         ckpt = layout.checkpoint_dir(mg, "release")
         assert sorted(n for n in os.listdir(ckpt) if n.startswith("mp_rank")) == folders, label
         assert tuple(layout.read_layout(ckpt)) == stored, label
@@ -121,7 +121,7 @@ def test_round_trip_bit_identical(tmp_path, name, orm):
         assert (info["ep"], info["etp"], info["value_head"]) == (stored[2], stored[3], orm)
         _check_expert_shards(mg, src, original, family, *stored)
         assert convert_cli("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", mg, "--save-dir", out,
-                    *flags) == 0
+                           *flags) == 0
         assert_identical(original, hf_tensors(out))
 
 

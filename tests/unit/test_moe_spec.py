@@ -1,4 +1,5 @@
-"""Mixture-of-experts model specs from Hugging Face configs, the expert-parallel flags, and the two MoE patches.
+"""Mixture-of-experts model specs from Hugging Face configs, the expert-parallel flags, and the MoE patches
+(the grouped-GEMM fallback, in a spawned process: tests/dist/test_moe_spec_dist.py).
 
 The router semantics are checked against transformers' own MoE blocks: megatron's `moe_router_pre_softmax`
 must give HF's `norm_topk_prob` behaviour for the same router logits.
@@ -159,25 +160,3 @@ def test_router_runs_without_transformer_engine():
             moe_utils.te_general_gemm = saved
         elif hasattr(moe_utils, "te_general_gemm"):
             delattr(moe_utils, "te_general_gemm")
-
-
-def _grouped_gemm_fallback(rank, world_size):
-    from mindspeed_llm import distributed
-    from mindspeed_llm.models import builder
-
-    distributed.initialize(1, 1)
-    spec = ArchitectureSpec.from_hf_config(QWEN3_MOE)
-    model = builder.build_model(spec, moe_grouped_gemm=True)
-    return {"kernel": builder.grouped_gemm_kernel(),
-            "grouped": builder.transformer_config(spec, moe_grouped_gemm=True).moe_grouped_gemm,
-            "names": [n for n, _ in model.named_parameters() if ".mlp.experts." in n]}
-
-
-def test_grouped_gemm_falls_back_to_sequential_mlp_where_no_kernel():
-    from tests.helpers.multiproc import run_distributed
-
-    result = run_distributed(_grouped_gemm_fallback, 1)[0]  # its own process: the CPU patches stay there
-    if result["kernel"] is not None:
-        pytest.skip(f"a grouped GEMM kernel ({result['kernel']}) is installed here")
-    assert result["grouped"] is False
-    assert "decoder.layers.1.mlp.experts.local_experts.7.linear_fc2.weight" in result["names"], result["names"][:4]

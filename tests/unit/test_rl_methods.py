@@ -83,7 +83,7 @@ def test_token_estimators_take_the_whole_batch_statistics():
         fn = ca.ADV_ESTIMATORS[name].fn
         whole = fn(rewards, mask, 2, gamma=0.9)
         halves = shards_in_threads(lambda s, sum_across: fn(s[0], s[1], 2, gamma=0.9, sum_across=sum_across),
-                                    [(rewards[:4], mask[:4]), (rewards[4:], mask[4:])])
+                                   [(rewards[:4], mask[:4]), (rewards[4:], mask[4:])])
         close(torch.cat(halves), whole)
         assert not torch.allclose(fn(rewards[:4], mask[:4], 2, gamma=0.9), whole[:4])  # the reduction matters
 

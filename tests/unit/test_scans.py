@@ -195,7 +195,8 @@ def test_benchmark_rl_math_child_measures_and_checks(monkeypatch):
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks", "rl_math.py")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(root, "benchmarks", "rl_math.py")
     spec = importlib.util.spec_from_file_location("rl_math_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -422,7 +422,7 @@ def _compare_with_trl(comp_logits, head, tail, inputs, trainer_kwargs, ours_kwar
     logits_trl = comp_logits.clone().requires_grad_()
     model = _LogitsModel(torch.cat([head, logits_trl, tail], 1))
     trainer = trl_grpo(loss_type, trainer_kwargs.pop("beta", 0.0), 0.0, 0.7, model=model, gas=1, spg=1,
-                        max_completion_length=12, **trainer_kwargs)
+                       max_completion_length=12, **trainer_kwargs)
     trl_loss = trainer._compute_loss(model, inputs)
     logits_ours = comp_logits.clone().requires_grad_()
     logp, entropy = vocab_parallel_logprobs(logits_ours, inputs["completion_ids"], temperature=0.7, with_entropy=True)

@@ -6,7 +6,7 @@
 # parameters) is data-parallel over all 64 ranks, its optimizer state sharded by --use-distributed-optimizer.
 #
 # Honest limits of this layout (read before launching):
-# - NOT RUN at this size: the family is verified on tiny DeepSeek-V3 models (tests/test_deepseek_v3.py: conversion
+# - NOT RUN at this size: the family is verified on tiny DeepSeek-V3 models (tests/dist/test_deepseek_v3.py: conversion
 #   bit for bit at TP / PP / EP, transformers' logits at TP1, TP2, EP2, TP2 x EP2, PP2, greedy generation, packed
 #   positions).
 # - DOES NOT FIT a 64 or 80 GB device at this layout, by its model state alone (benchmarks/memory.py, which measures

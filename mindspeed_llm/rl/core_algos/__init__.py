@@ -33,7 +33,7 @@ arXiv:2503.20783); RLOO (Ahmadian et al. 2024, arXiv:2402.14740); REINFORCE++ (H
 formulas); GSPO (Zheng et al. 2025, arXiv:2507.18071); KL estimators k1/k2/k3 (J. Schulman, "Approximating KL
 divergence", 2020).
 Behaviour is matched to Hugging Face TRL 1.12.0 where TRL has the same quantity (see
-tests/test_trl_parity.py).
+tests/unit/test_trl_parity.py).
 
 What is where
 -------------

@@ -25,7 +25,7 @@ instead of in place (autograd keeps what it saved), so the scan is differentiabl
 Precision: the same products and sums as the loop in another order (a tree of depth ``log2 T`` instead of a
 chain of ``T``), in the inputs' dtype. In fp32 the results differ from the loop's by rounding only: against a
 float64 loop both errors are a few ``eps * sum_k |c^(k-t) a_k|`` (bounded by ``T`` such units for the loop, by
-about ``2 log2 T`` for the scan), which is the tolerance ``tests/test_scans.py`` states. A non-finite ``a_k``
+about ``2 log2 T`` for the scan), which is the tolerance ``tests/unit/test_scans.py`` states. A non-finite ``a_k``
 makes the positions before ``k`` (of its row) non-finite, as in the loop.
 
 On CUDA (and Ascend with Triton-Ascend) :func:`gae_scan` and :func:`discounted_returns` run

@@ -1,0 +1,65 @@
+"""scripts/gpu_check.sh and gpu_check.py as processes of their own on a machine without a GPU: the shell script's
+refusal, the dry run's list of every step. Their parsing in this process: tests/unit/test_gpu_check.py.
+"""
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    return _load("gpu_check_script", ROOT / "scripts" / "gpu_check.py")
+
+
+def test_gpu_check_sh_without_gpu(tmp_path):
+    if shutil.which("nvidia-smi") and _has_cuda():
+        pytest.skip("a GPU is here: the script would run the whole check")
+    env = dict(os.environ, OUT=str(tmp_path))
+    env.pop("GPU_CHECK_ALLOW_CPU", None)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("no GPU: nothing to check"), proc.stdout
+    assert list(tmp_path.iterdir()) == []  # nothing written to $OUT
+
+
+def test_dry_run_lists_every_step(gpu_check):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "run", "--dry-run"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for name in gpu_check.ORDER:
+        assert f"[{name}]" in out, name
+    commands = "\n".join(line for line in out.splitlines() if line.startswith("    $ "))
+    assert "mindspeed_llm.demo.run --tiny --stage grpo" in commands
+    assert "mindspeed_llm.demo.run --tiny --stage trl_ppo" in commands
+    assert "--layers 24 --hidden 896 --heads 14 --kv-heads 2 --ffn 4864 --vocab 151936" in commands
+    assert commands.count("posttrain_gpt.py --stage") == 2 and commands.count(" --bf16 ") == 2
+    assert commands.count("benchmarks/vs_trl.py --device cuda") == 5  # prepare + 2 stages x 2 dtypes
+    assert "benchmarks/logprobs.py --device cuda --tokens 8192" in commands
+    assert "benchmarks/attention.py --device cuda --seq 1024 2048 4096" in commands and " --check " in commands
+    assert "expected in all" in out
