@@ -9,6 +9,7 @@ import torch
 
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.rl.roles import check_vocab, frozen, offload_parts
+from mindspeed_llm.rl.settings import OffloadSettings
 
 
 @pytest.mark.parametrize("flags,name,parts", [
@@ -21,7 +22,7 @@ from mindspeed_llm.rl.roles import check_vocab, frozen, offload_parts
      ("moments", "grads", "masters", "weights")),
 ])
 def test_offload_parts_by_flag_and_role(flags, name, parts):
-    assert offload_parts(SimpleNamespace(**flags), name) == parts
+    assert offload_parts(OffloadSettings(**flags), name) == parts
 
 
 class _Model:
