@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     import vs_trl
 
     bench = vs_trl.build_parser().parse_args(["--model", "smollm2", "--only", "trl_ppo", "--iterations",
-                                              str(1 + args.timed + args.profiled), "--warmup", "1",
+                                              str(args.timed + args.profiled), "--warmup", "1",
                                               "--threads", threads, "--workdir", args.workdir])
     work = Path(args.workdir).resolve()
     model = vs_trl.prepare_model("smollm2", work, bench)
