@@ -14,8 +14,8 @@ mask; `optimizer.py` lets the distributed optimizer take CPU and NPU tensors and
 included; `initialization.py` marks the tensor-parallel weights of models built without random initialisation as
 megatron marks those it draws; `sequence_parallel.py` lets the local spec's torch norms run under
 `--sequence-parallel`. `rotary.py` (CPU) takes the rotary table's cos / sin once per forward instead of once per
-query / key call and drops a copy (same results). `static_decode.py` holds the patches the CUDA-graph decode engine installs on demand (only
-when it runs; see that module).
+query / key call and drops a copy (same results). `static_decode.py` holds the patches the CUDA-graph decode engine
+installs on demand (only when it runs; see that module).
 """
 
 from __future__ import annotations
