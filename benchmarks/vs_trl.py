@@ -410,6 +410,12 @@ class _Recorder:
             self.cur["end"] = time.perf_counter()
             self.cur["all"] = self.cur["end"] - self.cur["start"]
 
+    def update_started(self):
+        """Called once per iteration, at the first forward of TRL's PPO update (a hook for update_profile.py)."""
+
+    def update_ended(self):
+        """Called where TRL's PPO update ends (its log call; a hook for update_profile.py)."""
+
     def add(self, name, seconds):
         if self.iterations and "end" not in self.cur:
             self.cur[name] = self.cur.get(name, 0.0) + seconds
@@ -601,7 +607,9 @@ def _trl_ppo(spec, rec):
 
     def timed_forward(model, *a, **k):
         if torch.is_grad_enabled():  # the update's joint policy + value forward: the update starts here
-            rec.cur.setdefault("_update_start", time.perf_counter())
+            if "_update_start" not in rec.cur:
+                rec.update_started()
+                rec.cur["_update_start"] = time.perf_counter()
             return saved["forward"](model, *a, **k)
         t0 = time.perf_counter()
         out = saved["forward"](model, *a, **k)
@@ -619,6 +627,7 @@ def _trl_ppo(spec, rec):
     def timed_log(logs, *a, **k):
         if rec.iterations and "_update_start" in rec.cur:
             rec.cur["update"] = time.perf_counter() - rec.cur["_update_start"]
+            rec.update_ended()
         rec.logs.append(dict(logs))
         return log(logs, *a, **k)
 

@@ -13,8 +13,9 @@ mask; `optimizer.py` lets the distributed optimizer take CPU and NPU tensors and
 (a param group mixing fp32 and bf16 parameters; loading with torch Adam's `step`), those two on every device, CUDA
 included; `initialization.py` marks the tensor-parallel weights of models built without random initialisation as
 megatron marks those it draws; `sequence_parallel.py` lets the local spec's torch norms run under
-`--sequence-parallel`. `static_decode.py` holds the patches the CUDA-graph decode engine installs on demand (only
-when it runs; see that module).
+`--sequence-parallel`. `rotary.py` (CPU) takes the rotary table's cos / sin once per forward instead of once per
+query / key call and drops a copy (same results). `static_decode.py` holds the patches the CUDA-graph decode engine
+installs on demand (only when it runs; see that module).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def registry() -> List[Patch]:
 
 def _load_patch_modules():
     from mindspeed_llm.patches import (  # noqa: F401  (registration happens at import)
-        cpu, inference, initialization, mla, moe, optimizer, recompute, sequence_parallel)
+        cpu, inference, initialization, mla, moe, optimizer, recompute, rotary, sequence_parallel)
 
 
 def apply_patches(device_kind: str) -> List[str]:
