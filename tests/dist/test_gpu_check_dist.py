@@ -2,40 +2,23 @@
 refusal, the dry run's list of every step. Their parsing in this process: tests/unit/test_gpu_check.py.
 """
 
-import importlib.util
 import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+from tests.helpers.scripts import ROOT, has_cuda, load_script
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    return _load("gpu_check_script", ROOT / "scripts" / "gpu_check.py")
+    return load_script("gpu_check_script", ROOT / "scripts" / "gpu_check.py")
 
 
 def test_gpu_check_sh_without_gpu(tmp_path):
-    if shutil.which("nvidia-smi") and _has_cuda():
+    if shutil.which("nvidia-smi") and has_cuda():
         pytest.skip("a GPU is here: the script would run the whole check")
     env = dict(os.environ, OUT=str(tmp_path))
     env.pop("GPU_CHECK_ALLOW_CPU", None)

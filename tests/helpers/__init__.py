@@ -2,4 +2,5 @@
 `free_port` (`ports`), tiny Hugging Face models (`hf_tiny`), the stage tests' assets, argv and runs (`stage_assets`,
 `word_task`, `stage_layouts`, `model_state_runs`), reference computations (`hf_parity`, `trl_reference`,
 `convert_checks`, `threads`, `routing_batches`), MindSpeed-RL run configs (`mindspeed_rl_configs`), the data tests'
-fixtures (`fixtures_data`) and the virtual-device guard (`device_guard`). Map: tests/README.md."""
+fixtures (`fixtures_data`), the virtual-device guard (`device_guard`) and scripts imported by path (`scripts`).
+Map: tests/README.md."""

@@ -7,38 +7,21 @@ without a GPU and `gpu_check.py run --dry-run` as processes: tests/dist/test_gpu
 * `--device cuda` without a GPU: one line and a non-zero exit, from vs_trl.py and logprobs.py.
 """
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+from tests.helpers.scripts import ROOT, has_cuda, load_script
 
 
 @pytest.fixture(scope="module")
 def vs_trl():
-    return _load("bench_vs_trl", ROOT / "benchmarks" / "vs_trl.py")
+    return load_script("bench_vs_trl", ROOT / "benchmarks" / "vs_trl.py")
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    return _load("gpu_check_script", ROOT / "scripts" / "gpu_check.py")
+    return load_script("gpu_check_script", ROOT / "scripts" / "gpu_check.py")
 
 
 def _check(gpu_check, *argv):
@@ -104,9 +87,9 @@ def test_vs_trl_device_dtype_flags(vs_trl, tmp_path):
 
 def test_cuda_refused_in_one_line_without_gpu(vs_trl):
     """A SystemExit with a message: Python prints that one line (no traceback) and exits 1."""
-    if _has_cuda():
+    if has_cuda():
         pytest.skip("a GPU is here")
-    logprobs = _load("bench_logprobs", ROOT / "benchmarks" / "logprobs.py")
+    logprobs = load_script("bench_logprobs", ROOT / "benchmarks" / "logprobs.py")
     for run in (lambda: vs_trl.main(["--device", "cuda", "--model", "tiny"]),
                 lambda: logprobs.main(["--device", "cuda"])):
         with pytest.raises(SystemExit) as exc:
