@@ -43,6 +43,23 @@ def _destroy_model_parallel():
         pass
 
 
+def _destroy_subgroups():
+    """Destroy every process group but the default one: megatron's destroy_model_parallel forgets its groups
+    without destroying them, and each gloo group keeps its threads (a warm rank gathered hundreds, polling)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not dist.is_initialized():
+        return
+    world = distributed_c10d._get_default_group()
+    for group in list(distributed_c10d._world.pg_map):
+        if group is not world:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:
+                pass
+
+
 def _entry(rank, world_size, port, fn, args, queue):
     _rank_env(rank, world_size, port)
     import torch.distributed as dist
@@ -94,6 +111,7 @@ def _warm_entry(rank, world_size, port, inbox, outbox):
                 result, status = traceback.format_exc(), "error"
             finally:
                 _destroy_model_parallel()
+                _destroy_subgroups()
                 os.environ.clear()
                 os.environ.update(env)
                 os.chdir(cwd)
