@@ -13,6 +13,9 @@ a fresh process). A body that fails, or leaves the default process group destroy
 body of that world size gets fresh ones. `run_in_fresh_processes` spawns new processes for one body (for a body that
 needs a fresh interpreter, e.g. to see a warning its process has not shown yet); `MINDSPEED_TEST_FRESH_RANKS=1` in
 the environment makes `run_distributed` do that for every body (to tell a leak between bodies from a real failure).
+A body that leaves an attribute of the project's modules (mindspeed_llm, posttrain_gpt) or a stage of the registry
+replaced by another object (a recording wrapper, a planted bug) retires its ranks too; a body that replaces something
+of megatron's or torch's must put it back itself (as the patch-removal bodies do).
 """
 
 import atexit
@@ -79,6 +82,37 @@ def _entry(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
+def _own_attributes():
+    """{(module, name): id} of every attribute of the project's loaded modules (mindspeed_llm, posttrain_gpt) and
+    of the stage registry's loaded entries: what a test body replaces to record or plant something."""
+    import sys
+
+    ids = {}
+    for module_name, module in list(sys.modules.items()):
+        if module is not None and (module_name == "posttrain_gpt" or module_name.split(".")[0] == "mindspeed_llm"):
+            for name, value in list(vars(module).items()):
+                ids[(module_name, name)] = id(value)
+    stages = sys.modules.get("mindspeed_llm.rl.stages")
+    if stages is not None:
+        for name, value in list(stages.STAGES._entries.items()):
+            # a "module:attribute" string is replaced by that class on first use: both stand for the class
+            ids[("STAGES", name)] = id(_lazy_stage(value) if isinstance(value, str) else value)
+    return ids
+
+
+def _lazy_stage(entry):
+    import importlib
+
+    module, attribute = entry.split(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def _replaced_own_attributes(before):
+    """The attributes of `before` (`_own_attributes`) that now hold another object."""
+    after = _own_attributes()
+    return sorted(key for key, value in before.items() if key in after and after[key] != value)
+
+
 def _release_memory():
     gc.collect()
     try:  # hand freed heap back to the system: a warm rank otherwise keeps its largest body's peak
@@ -103,10 +137,15 @@ def _warm_entry(rank, world_size, port, inbox, outbox):
             if message is None:
                 return
             torch.manual_seed(seed)
+            replaced = []
             try:
                 fn, args = pickle.loads(message)
+                own = _own_attributes()
                 result = pickle.dumps(fn(rank, world_size, *args))  # bytes: see _entry
                 status = "ok"
+                # A body that left one of the project's functions or classes replaced (a recording wrapper, a
+                # planted bug) would hand it to the next body: its ranks retire instead.
+                replaced = _replaced_own_attributes(own)
             except BaseException:
                 result, status = traceback.format_exc(), "error"
             finally:
@@ -117,7 +156,7 @@ def _warm_entry(rank, world_size, port, inbox, outbox):
                 os.chdir(cwd)
                 torch.set_default_dtype(torch.float32)
                 torch.set_num_threads(threads)
-            retire = status == "error" or not dist.is_initialized()
+            retire = status == "error" or bool(replaced) or not dist.is_initialized()
             outbox.put((rank, status, result, retire))
             if retire:
                 return
