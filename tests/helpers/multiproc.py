@@ -6,10 +6,11 @@ exists (MASTER_ADDR/PORT set to a free loopback port). Megatron parallel state i
 
 Process start is slow (~5 s per rank with megatron on a quiet 2-core machine, more under load), so
 `run_distributed` keeps the processes of each world size warm for the session (`_WarmRanks`) and runs one body
-after another on them. Between bodies each rank puts back what a fresh process would have: no megatron parallel
-state, the environment and working directory it started with, float32 as the default dtype, its thread count, and
-torch's default generator re-seeded with its start-up seed (so a body drawing from it unseeded draws what it drew in
-a fresh process). A body that fails, or leaves the default process group destroyed, retires its processes: the next
+after another on them (the project's trainer and stages imported before the first). Between bodies each rank puts
+back what a fresh process would have: no megatron parallel state or process groups but the default one, empty
+functools caches in the project's modules, the environment and working directory it started with, float32 as the
+default dtype, its thread count, and torch's default generator re-seeded with its start-up seed (so a body drawing
+from it unseeded draws what it drew in a fresh process). A body that fails, or leaves the default process group destroyed, retires its processes: the next
 body of that world size gets fresh ones. `run_in_fresh_processes` spawns new processes for one body (for a body that
 needs a fresh interpreter, e.g. to see a warning its process has not shown yet); `MINDSPEED_TEST_FRESH_RANKS=1` in
 the environment makes `run_distributed` do that for every body (to tell a leak between bodies from a real failure).
@@ -113,6 +114,32 @@ def _replaced_own_attributes(before):
     return sorted(key for key, value in before.items() if key in after and after[key] != value)
 
 
+def _preload_project():
+    """Import the project's entry point, trainer and stages before the first body, so that what that body replaces
+    in them is seen too (`_own_attributes` only knows modules loaded before a body)."""
+    try:
+        import posttrain_gpt  # noqa: F401
+        import mindspeed_llm.rl.trainer  # noqa: F401
+        from mindspeed_llm.rl.stages import STAGES
+
+        for name in list(STAGES):
+            STAGES[name]
+    except Exception:  # the body that needs them reports the error
+        pass
+
+
+def _clear_project_caches():
+    """Empty the functools caches of the project's modules (e.g. `device.accelerator`, which reads
+    MINDSPEED_DEVICE): a fresh process starts with them empty."""
+    import sys
+
+    for module_name, module in list(sys.modules.items()):
+        if module is not None and module_name.split(".")[0] == "mindspeed_llm":
+            for value in list(vars(module).values()):
+                if callable(getattr(value, "cache_clear", None)):
+                    value.cache_clear()
+
+
 def _release_memory():
     gc.collect()
     try:  # hand freed heap back to the system: a warm rank otherwise keeps its largest body's peak
@@ -131,6 +158,9 @@ def _warm_entry(rank, world_size, port, inbox, outbox):
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     env, cwd, threads, seed = dict(os.environ), os.getcwd(), torch.get_num_threads(), torch.initial_seed()
+    _preload_project()
+    os.environ.clear()
+    os.environ.update(env)
     try:
         while True:
             message = inbox.get()
@@ -151,6 +181,7 @@ def _warm_entry(rank, world_size, port, inbox, outbox):
             finally:
                 _destroy_model_parallel()
                 _destroy_subgroups()
+                _clear_project_caches()
                 os.environ.clear()
                 os.environ.update(env)
                 os.chdir(cwd)
