@@ -10,8 +10,8 @@ after another on them (the project's trainer and stages imported before the firs
 back what a fresh process would have: no megatron parallel state or process groups but the default one, empty
 functools caches in the project's modules, the environment and working directory it started with, float32 as the
 default dtype, its thread count, and torch's default generator re-seeded with its start-up seed (so a body drawing
-from it unseeded draws what it drew in a fresh process). A body that fails, or leaves the default process group destroyed, retires its processes: the next
-body of that world size gets fresh ones. `run_in_fresh_processes` spawns new processes for one body (for a body that
+from it unseeded draws what it drew in a fresh process). A body that fails, or leaves the default process group
+destroyed, retires its processes: the next body of that world size gets fresh ones. `run_in_fresh_processes` spawns new processes for one body (for a body that
 needs a fresh interpreter, e.g. to see a warning its process has not shown yet); `MINDSPEED_TEST_FRESH_RANKS=1` in
 the environment makes `run_distributed` do that for every body (to tell a leak between bodies from a real failure).
 A body that leaves an attribute of the project's modules (mindspeed_llm, posttrain_gpt) or a stage of the registry
