@@ -4,19 +4,20 @@ The body must be a module-level function `fn(rank, world_size, *args)`; it runs 
 exists (MASTER_ADDR/PORT set to a free loopback port). Megatron parallel state is the body's business
 (call `mindspeed_llm.distributed.initialize(tp, pp)`).
 
-Process start is slow (~5 s per rank with megatron on a quiet 2-core machine, more under load), so
-`run_distributed` keeps the processes of each world size warm for the session (`_WarmRanks`) and runs one body
-after another on them (the project's trainer and stages imported before the first). Between bodies each rank puts
-back what a fresh process would have: no megatron parallel state or process groups but the default one, empty
-functools caches in the project's modules, the environment and working directory it started with, float32 as the
-default dtype, its thread count, and torch's default generator re-seeded with its start-up seed (so a body drawing
-from it unseeded draws what it drew in a fresh process). A body that fails, or leaves the default process group
-destroyed, retires its processes: the next body of that world size gets fresh ones. `run_in_fresh_processes` spawns new processes for one body (for a body that
-needs a fresh interpreter, e.g. to see a warning its process has not shown yet); `MINDSPEED_TEST_FRESH_RANKS=1` in
-the environment makes `run_distributed` do that for every body (to tell a leak between bodies from a real failure).
+Process start is slow (~5 s per rank with megatron on a quiet 2-core machine, more under load), so `run_distributed`
+keeps the processes of each world size warm for the session (`_WarmRanks`) and runs one body after another on them
+(the project's trainer and stages imported before the first). Between bodies each rank puts back what a fresh
+process would have: no megatron parallel state or process groups but the default one, empty functools caches in the
+project's modules, the environment and working directory it started with, float32 as the default dtype, its thread
+count, and torch's default generator re-seeded with its start-up seed (so a body drawing from it unseeded draws what
+it drew in a fresh process). A body that fails, or leaves the default process group destroyed, retires its
+processes: the next body of that world size gets fresh ones. `run_in_fresh_processes` spawns new processes for one
+body (for a body that needs a fresh interpreter, e.g. to see a warning its process has not shown yet);
+`MINDSPEED_TEST_FRESH_RANKS=1` in the environment makes `run_distributed` do that for every body (to tell a leak
+between bodies from a real failure).
 A body that leaves an attribute of the project's modules (mindspeed_llm, posttrain_gpt) or a stage of the registry
-replaced by another object (a recording wrapper, a planted bug) retires its ranks too; a body that replaces something
-of megatron's or torch's must put it back itself (as the patch-removal bodies do).
+replaced by another object (a recording wrapper, a planted bug) retires its ranks too; a body that replaces
+something of megatron's or torch's must put it back itself (as the patch-removal bodies do).
 """
 
 import atexit
