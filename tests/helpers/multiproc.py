@@ -85,15 +85,17 @@ def _entry(rank, world_size, port, fn, args, queue):
 
 
 def _own_attributes():
-    """{(module, name): id} of every attribute of the project's loaded modules (mindspeed_llm, posttrain_gpt) and
-    of the stage registry's loaded entries: what a test body replaces to record or plant something."""
+    """{(module, name): id} of every function and class of the project's loaded modules (mindspeed_llm,
+    posttrain_gpt) and of the stage registry's entries: what a test body replaces to record or plant something (the
+    modules' other globals are their state: flags, caches)."""
     import sys
 
     ids = {}
     for module_name, module in list(sys.modules.items()):
         if module is not None and (module_name == "posttrain_gpt" or module_name.split(".")[0] == "mindspeed_llm"):
             for name, value in list(vars(module).items()):
-                ids[(module_name, name)] = id(value)
+                if callable(value):
+                    ids[(module_name, name)] = id(value)
     stages = sys.modules.get("mindspeed_llm.rl.stages")
     if stages is not None:
         for name, value in list(stages.STAGES._entries.items()):
