@@ -373,15 +373,25 @@ def test_grpo_trains_a_deepseek_v3_actor_at_ep2(tmp_path):
 def _without_patch_worker(rank, world_size, target):
     """Build a tiny DeepSeek-V3 with the patch of `target` undone (the others applied); the error, or None."""
     os.environ["MINDSPEED_DEVICE"] = "cpu"
-    from tests.helpers.hf_tiny import tiny_config
-
     from mindspeed_llm import distributed, patches
-    from mindspeed_llm.models import ArchitectureSpec, build_model
 
     distributed.initialize(1, 1, rank=rank, world_size=world_size)
+    undone = []  # put back at the end: the process runs other bodies after this one (multiproc's warm ranks)
     for owner, attr, original, applied in list(patches._APPLIED):
         if applied == target:
+            undone.append((owner, attr, getattr(owner, attr)))
             setattr(owner, attr, original)
+    try:
+        return _build_and_train_deepseek()
+    finally:
+        for owner, attr, patched in undone:
+            setattr(owner, attr, patched)
+
+
+def _build_and_train_deepseek():
+    from tests.helpers.hf_tiny import tiny_config
+
+    from mindspeed_llm.models import ArchitectureSpec, build_model
     from mindspeed_llm.models.attention import PackedGroups
 
     spec = ArchitectureSpec.from_hf_config(tiny_config("deepseek_v3", **deepseek_variant("deepseek_v3")).to_dict())

@@ -346,7 +346,8 @@ def test_stage_with_moe_routing_replay(stage_paths, tmp_path, stage, replay):
     replay changes the routing is shown by the tests above, this one checks the flag's wiring.)"""
     import json
 
-    from tests.helpers.stage_assets import VOCAB, torchrun
+    from tests.helpers.multiproc import posttrain_in_process
+    from tests.helpers.stage_assets import VOCAB
 
     ckpt = str(tmp_path / "moe")
     run_distributed(_save_moe_release, 1, ckpt, VOCAB)
@@ -361,8 +362,9 @@ def test_stage_with_moe_routing_replay(stage_paths, tmp_path, stage, replay):
     else:
         argv += ["--ref-model", ckpt, "--reward-model", stage_paths["mg_reward_tp1pp1"], "--temperature", "1.0"]
     argv += ["--moe-routing-replay"] if replay else []
-    result = torchrun(argv, nproc=1)
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    # posttrain_gpt.main on the warm world-size-1 rank (what torchrun --nproc_per_node=1 runs, without the launch)
+    ((code, stdout, stderr),) = posttrain_in_process([argv])
+    assert code == 0, f"{stdout[-3000:]}\n{stderr[-5000:]}"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert len(rows) == 2
     for row in rows:

@@ -1,5 +1,6 @@
-"""The trl_ppo and grpo stages end to end under torchrun (2 gloo processes): TP=2, PP=2, DP=2; resume
-after a SIGKILL in the middle of a checkpoint save equals an uninterrupted run, bit for bit."""
+"""The trl_ppo and grpo stages end to end on 2 gloo processes: TP=2, PP=2, DP=2 (posttrain_gpt.main on the warm
+ranks of tests/helpers/multiproc.py: what torchrun runs, without the launch); resume under torchrun after a SIGKILL
+in the middle of a checkpoint save equals an uninterrupted run, bit for bit."""
 
 import json
 import math
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.multiproc import _posttrain_main_cases, run_distributed
 from tests.helpers.stage_assets import posttrain_argv, torchrun
 
 pytestmark = pytest.mark.slow  # see pytest.ini
@@ -49,6 +51,12 @@ def check_ok(result):
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
 
 
+def run_ok(argv):
+    """posttrain_gpt.main(argv) on the 2 warm ranks; each must exit 0."""
+    for rank, ((code, stdout, stderr),) in enumerate(run_distributed(_posttrain_main_cases, 2, [argv])):
+        assert code == 0, f"rank {rank}: exit {code}\n{stdout[-4000:]}\n{stderr[-6000:]}"
+
+
 @pytest.mark.parametrize("stage", ["trl_ppo", "grpo"])
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
 def test_three_iterations(stage_paths, tmp_path, stage, tp, pp):
@@ -62,7 +70,7 @@ def test_three_iterations(stage_paths, tmp_path, stage, tp, pp):
         extra += ["--filter-groups"] if stage == "grpo" else ["--whiten-rewards", "--eval-samples", "1"]
     if stage == "trl_ppo" and tp == 2:  # critic and reward half the actor's width (argparse: the last value wins)
         extra += ["--reward-model", stage_paths["mg_reward_small_tp2pp1"]]
-    check_ok(torchrun(stage_argv(stage_paths, stage, tp, pp, iters=3, extra=extra), nproc=2))
+    run_ok(stage_argv(stage_paths, stage, tp, pp, iters=3, extra=extra))
 
     records = read_jsonl(metrics_file)
     assert [r["iteration"] for r in records] == [1, 2, 3]
