@@ -18,7 +18,7 @@ This module imports nothing of the package: the parser imports it, never the oth
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional, Tuple
 
 
@@ -93,30 +93,15 @@ class Settings:
 PARTS = (SamplingSettings, LossSettings, UpdateSchedule, RewardMixing, OffloadSettings)
 
 
+def _part(cls, args):
+    """`cls` with each field read from the Namespace entry of its name (lists as tuples: the parts are frozen)."""
+    values = {f.name: getattr(args, f.name) for f in fields(cls)}
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+
 def from_args(args) -> Settings:
-    """The settings of a validated command line (`arguments.validate_args`)."""
-    return Settings(
-        sampling=SamplingSettings(
-            do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            max_new_tokens=args.max_new_tokens, max_length=args.max_length,
-            stop_token_ids=tuple(args.stop_token_ids), seed=args.seed,
-            rollout_max_num_seqs=args.rollout_max_num_seqs,
-            rollout_max_num_batched_tokens=args.rollout_max_num_batched_tokens),
-        loss=LossSettings(
-            temperature=args.temperature, policy_loss=args.policy_loss, clip_ratio=args.clip_ratio,
-            clip_ratio_high=args.clip_ratio_high, dual_clip=args.dual_clip, gspo_clip_ratio=args.gspo_clip_ratio,
-            gspo_clip_ratio_high=args.gspo_clip_ratio_high, loss_agg_mode=args.loss_agg_mode,
-            max_new_tokens=args.max_new_tokens, kl_penalty=args.kl_penalty, entropy_coeff=args.entropy_coeff,
-            rollout_is=args.rollout_is, rollout_is_threshold=args.rollout_is_threshold,
-            cliprange_value=args.cliprange_value, vf_coef=args.vf_coef),
-        update=UpdateSchedule(ppo_epochs=args.ppo_epochs, ppo_mini_batch_size=args.ppo_mini_batch_size,
-                              seed=args.seed),
-        reward=RewardMixing(
-            verifier_function=tuple(args.verifier_function), verifier_weight=tuple(args.verifier_weight),
-            reward_model_weight=args.reward_model_weight, missing_eos_penalty=args.missing_eos_penalty,
-            overlong_buffer_len=args.overlong_buffer_len, overlong_penalty_factor=args.overlong_penalty_factor,
-            max_new_tokens=args.max_new_tokens),
-        offload=OffloadSettings(
-            offload_ref_reward=args.offload_ref_reward, offload_train_optimizer=args.offload_train_optimizer,
-            offload_train_grad=args.offload_train_grad, offload_train_param=args.offload_train_param),
-    )
+    """The settings of a validated command line (`arguments.validate_args`): every field is the flag destination
+    of its name."""
+    return Settings(sampling=_part(SamplingSettings, args), loss=_part(LossSettings, args),
+                    update=_part(UpdateSchedule, args), reward=_part(RewardMixing, args),
+                    offload=_part(OffloadSettings, args))
