@@ -98,17 +98,9 @@ def _own_attributes():
                     ids[(module_name, name)] = id(value)
     stages = sys.modules.get("mindspeed_llm.rl.stages")
     if stages is not None:
-        for name, value in list(stages.STAGES._entries.items()):
-            # a "module:attribute" string is replaced by that class on first use: both stand for the class
-            ids[("STAGES", name)] = id(_lazy_stage(value) if isinstance(value, str) else value)
+        for name, value in list(stages.STAGES.items()):  # the registry imports a stage's class on first read
+            ids[("STAGES", name)] = id(value)
     return ids
-
-
-def _lazy_stage(entry):
-    import importlib
-
-    module, attribute = entry.split(":")
-    return getattr(importlib.import_module(module), attribute)
 
 
 def _replaced_own_attributes(before):
