@@ -6,7 +6,9 @@ A flag counts as read when the package (or `posttrain_gpt.py`) reads its destina
 construction: `args.<dest>` / `self.args.<dest>`, `getattr(args, "<dest>")`, or the destination's name as a string
 literal (the tables that loop over names) anywhere but the two mapping tables (`run_config.py`, which maps YAML keys
 of the same names, and `compat_flags.py`). Flags that `validate_args` resolves into others (e.g.
-`--lr-warmup-fraction` -> `lr_warmup_iters`) are read there, which counts.
+`--lr-warmup-fraction` -> `lr_warmup_iters`) are read there, which counts. A flag whose destination is a field of
+a typed settings part (`rl/settings.py`, which fills every field from the destination of its name) counts as read
+when a consumer reads that field: `<part>.<dest>` anywhere but `settings.py` itself.
 
 Run on the sources of ea923d8 (before activation recompute was applied) this test lists `--swiglu`,
 `--use-rotary-position-embeddings`, `--recompute-granularity` (read nowhere: its only trace was
@@ -18,12 +20,16 @@ import argparse
 import re
 from pathlib import Path
 
+from dataclasses import fields
+
 from mindspeed_llm import compat_flags
 from mindspeed_llm.arguments import build_parser
+from mindspeed_llm.rl import settings
 from mindspeed_llm.run_config import GENERATE, MEGATRON, RL, SAMPLING, Nested, Slot
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLES = ("run_config.py", "compat_flags.py")
+SETTING_FIELDS = frozenset(f.name for part in settings.PARTS for f in fields(part))
 
 
 def _sources():
@@ -38,7 +44,7 @@ def _sources():
     return texts
 
 
-def unread_flags(parser: argparse.ArgumentParser, sources) -> list:
+def unread_flags(parser: argparse.ArgumentParser, sources, setting_fields=SETTING_FIELDS) -> list:
     ignored = {compat_flags._dest(f) for f in (*compat_flags.IGNORED_SWITCHES, *compat_flags.IGNORED_VALUES,
                                                *compat_flags.IGNORED_LISTS)}
     missing = []
@@ -48,7 +54,9 @@ def unread_flags(parser: argparse.ArgumentParser, sources) -> list:
         dest = re.escape(action.dest)
         attribute = re.compile(rf"\bargs\.{dest}\b|getattr\(\s*[\w.]*args\s*,\s*[\"']{dest}[\"']")
         literal = re.compile(rf"[\"']{dest}[\"']")
+        field_read = re.compile(rf"\.{dest}\b") if action.dest in setting_fields else None
         if not any(attribute.search(text) or (path.name not in TABLES and literal.search(text))
+                   or (field_read is not None and path.name != "settings.py" and field_read.search(text))
                    for path, text in sources.items()):
             missing.append(action.option_strings[0])
     return missing
@@ -62,6 +70,14 @@ def test_a_planted_unused_flag_is_found():
     parser = build_parser()
     parser.add_argument("--planted-unused-flag", type=int)
     assert unread_flags(parser, _sources()) == ["--planted-unused-flag"]
+
+
+def test_a_settings_field_no_consumer_reads_is_found():
+    """`settings.from_args` fills a field from the flag of its name, so the field existing proves nothing: a
+    consumer must read it."""
+    parser = build_parser()
+    parser.add_argument("--planted-setting", type=int)
+    assert unread_flags(parser, _sources(), SETTING_FIELDS | {"planted_setting"}) == ["--planted-setting"]
 
 
 def _slots(table):
