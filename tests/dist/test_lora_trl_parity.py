@@ -93,16 +93,17 @@ def _our_stage(rank, world_size, runs):
         stage.actor.optimizer.step = recorded_step
         return stage
 
-    rollout.generate = fixed_generate
-    grpo.ppo_update = recording_update
-    STAGES["grpo"] = stage_recording
     out = []
-    for argv, metrics_path in runs:
-        record.clear()
-        record["grads"] = []
-        trainer.run(parse_args(argv, world_size))
-        record["metrics"] = json.loads(Path(metrics_path).read_text().splitlines()[-1])
-        out.append(dict(record))
+    with pytest.MonkeyPatch.context() as patch:  # put back after the runs: the next body may get these ranks
+        patch.setattr(rollout, "generate", fixed_generate)
+        patch.setattr(grpo, "ppo_update", recording_update)
+        patch.setitem(STAGES, "grpo", stage_recording)
+        for argv, metrics_path in runs:
+            record.clear()
+            record["grads"] = []
+            trainer.run(parse_args(argv, world_size))
+            record["metrics"] = json.loads(Path(metrics_path).read_text().splitlines()[-1])
+            out.append(dict(record))
     return out
 
 

@@ -225,11 +225,12 @@ def _our_stage(rank, world_size, argv, responses, reference_root, mutation=None)
             recording_first_step(role, trained)
         return stage
 
-    if mutation == "loss_divided_by_microbatch_count":
-        engine.schedule_loss_scale = lambda num_microbatches, dp: float(dp)  # leaves Megatron's / num_microbatches
-    rollout.generate = fixed_generate
-    STAGES["trl_ppo"] = stage_with_reference
-    trainer.run(parse_args(argv, world_size))
+    with pytest.MonkeyPatch.context() as patch:  # put back after the run: the next body may get these ranks
+        if mutation == "loss_divided_by_microbatch_count":  # leaves Megatron's / num_microbatches
+            patch.setattr(engine, "schedule_loss_scale", lambda num_microbatches, dp: float(dp))
+        patch.setattr(rollout, "generate", fixed_generate)
+        patch.setitem(STAGES, "trl_ppo", stage_with_reference)
+        trainer.run(parse_args(argv, world_size))
     stage = built["stage"]
     record["deltas"] = {}
     for role, trained in stage.roles().items():

@@ -74,17 +74,15 @@ def _runs(rank, world_size, runs):
     def replaying(model, prompts, sampling, *, iteration=0, **kwargs):
         return recorded[iteration]
 
-    for name, fn in losses.items():
-        setattr(core_algos, name, dtype_recording(fn))
-    for fp32_argv, bf16_argv in runs:
-        for bf16_run, (argv, fake) in enumerate(((fp32_argv, recording), (bf16_argv, replaying))):
-            if parallel_state.model_parallel_is_initialized():
-                parallel_state.destroy_model_parallel()
-            rollout.generate = fake
-            try:
+    with pytest.MonkeyPatch.context() as patch:  # put back after the runs: the next body may get these ranks
+        for name, fn in losses.items():
+            patch.setattr(core_algos, name, dtype_recording(fn))
+        for fp32_argv, bf16_argv in runs:
+            for bf16_run, (argv, fake) in enumerate(((fp32_argv, recording), (bf16_argv, replaying))):
+                if parallel_state.model_parallel_is_initialized():
+                    parallel_state.destroy_model_parallel()
+                patch.setattr(rollout, "generate", fake)
                 trainer.run(parse_args(argv, world_size))
-            finally:
-                rollout.generate = generate
     return sorted(str(d) for d in dtypes)
 
 

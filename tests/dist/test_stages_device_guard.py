@@ -41,15 +41,16 @@ def _guarded_runs(rank, world_size, runs, unmoved_models=False):
     import posttrain_gpt
     from mindspeed_llm.rl import roles
 
-    if unmoved_models:  # the H200 bug: models built in host memory and never moved
-        load = roles.load_model
-        roles.load_model = lambda *args, **kwargs: load(*args, **kwargs).to("cpu")
     codes = []
-    for argv in runs:
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        with virtual_device():
-            codes.append(posttrain_gpt.main(argv))
+    with pytest.MonkeyPatch.context() as patch:  # put back after the runs: the next body may get these ranks
+        if unmoved_models:  # the H200 bug: models built in host memory and never moved
+            load = roles.load_model
+            patch.setattr(roles, "load_model", lambda *args, **kwargs: load(*args, **kwargs).to("cpu"))
+        for argv in runs:
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
+            with virtual_device():
+                codes.append(posttrain_gpt.main(argv))
     return codes
 
 

@@ -163,20 +163,21 @@ def _stage_body(rank, world_size, runs):
 
     register_verifier("odd_first_word", override=True)(odd_first_word)
     built = {}
-    for name, cls in list(stages.STAGES.items()):
-        def recording(args, tokenizer, cls=cls):
-            built["stage"] = cls(args, tokenizer)
-            built["args"] = args
-            return built["stage"]
-        stages.STAGES[name] = recording
     out = []
-    for argv, check in runs:
-        built.clear()
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            code = posttrain_gpt.main(argv)
-        info = _inspect(built) if check and code == 0 else None
-        out.append((code, err.getvalue()[-2000:], info))
+    with pytest.MonkeyPatch.context() as patch:  # put back after the runs: the next body may get these ranks
+        for name, cls in list(stages.STAGES.items()):
+            def recording(args, tokenizer, cls=cls):
+                built["stage"] = cls(args, tokenizer)
+                built["args"] = args
+                return built["stage"]
+            patch.setitem(stages.STAGES, name, recording)
+        for argv, check in runs:
+            built.clear()
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                code = posttrain_gpt.main(argv)
+            info = _inspect(built) if check and code == 0 else None
+            out.append((code, err.getvalue()[-2000:], info))
     return out
 
 

@@ -69,8 +69,10 @@ def _run_recorded(rank, world_size, runs):
             return update(model, exp, *args, **kwargs)
         return recording
 
-    grpo.ppo_update, trl_ppo.ppo_update = recorder(grpo.ppo_update), recorder(trl_ppo.ppo_update)
-    run_cases(rank, world_size, runs)
+    with pytest.MonkeyPatch.context() as patch:  # put back after the runs: the next body may get these ranks
+        for stage in (grpo, trl_ppo):
+            patch.setattr(stage, "ppo_update", recorder(stage.ppo_update))
+        run_cases(rank, world_size, runs)
     return records
 
 

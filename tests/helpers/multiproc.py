@@ -25,6 +25,7 @@ import gc
 import os
 import pickle
 import queue as queue_module
+import sys
 import traceback
 
 import torch.multiprocessing as mp
@@ -88,8 +89,6 @@ def _own_attributes():
     """{(module, name): id} of every function and class of the project's loaded modules (mindspeed_llm,
     posttrain_gpt) and of the stage registry's entries: what a test body replaces to record or plant something (the
     modules' other globals are their state: flags, caches)."""
-    import sys
-
     ids = {}
     for module_name, module in list(sys.modules.items()):
         if module is not None and (module_name == "posttrain_gpt" or module_name.split(".")[0] == "mindspeed_llm"):
@@ -126,8 +125,6 @@ def _preload_project():
 def _clear_project_caches():
     """Empty the functools caches of the project's modules (e.g. `device.accelerator`, which reads
     MINDSPEED_DEVICE): a fresh process starts with them empty."""
-    import sys
-
     for module_name, module in list(sys.modules.items()):
         if module is not None and module_name.split(".")[0] == "mindspeed_llm":
             for value in list(vars(module).values()):
@@ -171,6 +168,9 @@ def _warm_entry(rank, world_size, port, inbox, outbox):
                 # A body that left one of the project's functions or classes replaced (a recording wrapper, a
                 # planted bug) would hand it to the next body: its ranks retire instead.
                 replaced = _replaced_own_attributes(own)
+                if replaced and rank == 0:  # why the next body pays a spawn (seen with pytest -s)
+                    print(f"[warm ranks] {fn.__module__}.{fn.__qualname__} left {replaced} replaced: its ranks "
+                          "retire", file=sys.stderr, flush=True)
             except BaseException:
                 result, status = traceback.format_exc(), "error"
             finally:
