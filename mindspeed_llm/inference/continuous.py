@@ -23,7 +23,9 @@ last row stops, and the cache is sized by the whole batch. Here:
   next decode step together with the other rows, whose logits give the sample's next token. A sample whose
   prefill window equals that of a sample in flight (GRPO's n samples of a prompt) copies that row's KV instead of
   a forward; among the new samples of one step, one prefills and the others copy it. `max_num_batched_tokens`
-  bounds a prefill forward's rows x width (a longer prompt is prefilled in chunks) and a decode step's rows.
+  bounds a prefill forward's rows x width (a longer prompt is prefilled in chunks) and a decode step's rows; the
+  padding of a prefill forward is at most its real tokens (a long window among short ones gets a forward of its
+  own).
 * **Tokens**: the last stage picks the tokens of a decode step (`sampling.choose_tokens`, the uniform of sample b's
   j-th response token as in the static engine: the same prefix gives the same draw) and broadcasts them with their
   log-probs from one source rank (last stage, TP rank 0) to the model-parallel group, as the static engine does;
@@ -146,6 +148,9 @@ class _Group:
     stopped: bool = False  # the decode budget is spent
 
 
+PREFILL_PADDING_BOUND = 2  # a prefill forward computes at most twice its windows' tokens
+
+
 class Scheduler:
     """Admission, slot layout and prefill sharing; identical on every rank of a model-parallel group (it sees only
     the prompts, the plan and the broadcast tokens)."""
@@ -239,22 +244,26 @@ class Scheduler:
 
     def _pack(self, leaders: List[int]) -> List[Prefill]:
         """Prefill forwards for `leaders`: by ascending window length, as many rows as keep rows x width within the
-        token cap; a window longer than the cap alone, in chunks."""
+        token cap and the padding within the real tokens (rows x width <= PREFILL_PADDING_BOUND x the windows'
+        tokens: one long continuation among short prompts gets its own forward instead of padding them all to its
+        length); a window longer than the cap alone, in chunks."""
         order = sorted(leaders, key=lambda s: self.samples[s].cached)
         cap = self.token_cap
-        out, batch = [], []
+        out, batch, real = [], [], 0
         for s in order:
             length = self.samples[s].cached
             if cap is not None and length > cap:
                 for start in range(0, length, cap):
                     out.append(self._prefill([s], start, min(cap, length - start)))
                 continue
-            if cap is not None and batch and (len(batch) + 1) * length > cap:
-                out.append(self._prefill(batch, 0, max(self.samples[b].cached for b in batch)))
-                batch = []
+            padded = (len(batch) + 1) * length  # the windows so far are no longer: `length` is the width
+            if batch and ((cap is not None and padded > cap) or padded > PREFILL_PADDING_BOUND * (real + length)):
+                out.append(self._prefill(batch, 0, self.samples[batch[-1]].cached))
+                batch, real = [], 0
             batch.append(s)
+            real += length
         if batch:
-            out.append(self._prefill(batch, 0, max(self.samples[b].cached for b in batch)))
+            out.append(self._prefill(batch, 0, self.samples[batch[-1]].cached))
         return out
 
     def _prefill(self, samples: List[int], start: int, width: int) -> Prefill:

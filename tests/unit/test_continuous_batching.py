@@ -89,6 +89,19 @@ def test_token_cap_packs_and_chunks_prefills():
     assert u.prefills[2].tokens == [[5] * 4]
 
 
+def test_a_long_window_among_short_ones_is_prefilled_alone():
+    """Without a token cap, one forward pads every window to the longest: a long continuation among short prompts
+    would multiply their work. A forward's rows x width stays within twice its windows' tokens."""
+    prompts = [[1] * 3, [2] * 3, [3] * 3, [4] * 13, [5] * 4]  # windows 2, 2, 2, 12, 3 tokens
+    u = _scheduler(prompts, [1] * 5, [5]).decide(0, 0)
+    # 2, 2, 2, 3: 4 x 3 = 12 padded <= 2 x 9; adding 12: 5 x 12 = 60 > 2 x 21
+    assert [(p.samples, p.width, p.counts) for p in u.prefills] == [([0, 1, 2, 4], 3, [2, 2, 2, 3]), ([3], 12, [12])]
+    assert u.prefills[0].tokens == [[1, 1, 0], [2, 2, 0], [3, 3, 0], [5, 5, 5]]
+    # two windows pad at most to twice their tokens: one forward
+    (p,) = _scheduler([[1] * 2, [2] * 9], [1, 1], [2]).decide(0, 0).prefills
+    assert (p.samples, p.width, p.counts) == ([0, 1], 8, [1, 8])
+
+
 def test_decode_budget_stops_every_group():
     s = _scheduler([[1, 2]] * 3, [5] * 3, [1, 1], max_decode_steps=2, share=False)
     for k in range(4):
