@@ -78,11 +78,11 @@ def _split_run(rank, world_size, argv):
             return method(self, *a)
         return wrapped
 
-    PromptDataset.__getitem__ = recording_get
-    GRPOStage.iteration = phase("train", GRPOStage.iteration)
-    GRPOStage.evaluate = phase("eval", GRPOStage.evaluate)
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):  # put back: these ranks stay warm
+        patch.setattr(PromptDataset, "__getitem__", recording_get)
+        patch.setattr(GRPOStage, "iteration", phase("train", GRPOStage.iteration))
+        patch.setattr(GRPOStage, "evaluate", phase("eval", GRPOStage.evaluate))
         code = posttrain_gpt.main(argv)
     return code, seen, out.getvalue()
 

@@ -15,9 +15,12 @@ processes: the next body of that world size gets fresh ones. `run_in_fresh_proce
 body (for a body that needs a fresh interpreter, e.g. to see a warning its process has not shown yet);
 `MINDSPEED_TEST_FRESH_RANKS=1` in the environment makes `run_distributed` do that for every body (to tell a leak
 between bodies from a real failure).
-A body that leaves an attribute of the project's modules (mindspeed_llm, posttrain_gpt) or a stage of the registry
-replaced by another object (a recording wrapper, a planted bug) retires its ranks too; a body that replaces
-something of megatron's or torch's must put it back itself (as the patch-removal bodies do).
+A body that leaves an attribute of the project's modules (mindspeed_llm, posttrain_gpt), a method of a class they
+define or a stage of the registry replaced by another object (a recording wrapper, a planted bug) retires its ranks
+too, and says so on stderr (seen with `pytest -s`): a body that records through a replacement puts it back
+(`pytest.MonkeyPatch.context()`) to keep its ranks warm. A body that replaces something of megatron's or torch's
+must put it back itself (as the patch-removal bodies do). tests/dist/test_warm_ranks.py checks the reset and the
+retirement.
 """
 
 import atexit
@@ -87,14 +90,18 @@ def _entry(rank, world_size, port, fn, args, queue):
 
 def _own_attributes():
     """{(module, name): id} of every function and class of the project's loaded modules (mindspeed_llm,
-    posttrain_gpt) and of the stage registry's entries: what a test body replaces to record or plant something (the
-    modules' other globals are their state: flags, caches)."""
+    posttrain_gpt), of the methods of the classes they define, and of the stage registry's entries: what a test body
+    replaces to record or plant something (the modules' other globals are their state: flags, caches)."""
     ids = {}
     for module_name, module in list(sys.modules.items()):
         if module is not None and (module_name == "posttrain_gpt" or module_name.split(".")[0] == "mindspeed_llm"):
             for name, value in list(vars(module).items()):
                 if callable(value):
                     ids[(module_name, name)] = id(value)
+                if isinstance(value, type) and value.__module__ == module_name:  # its methods, replaced in place
+                    for attr, member in list(vars(value).items()):
+                        if callable(member) or isinstance(member, (staticmethod, classmethod, property)):
+                            ids[(module_name, f"{name}.{attr}")] = id(member)
     stages = sys.modules.get("mindspeed_llm.rl.stages")
     if stages is not None:
         for name, value in list(stages.STAGES.items()):  # the registry imports a stage's class on first read

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 SEED = 4
@@ -128,7 +130,6 @@ def run_cases(rank, world_size, runs):
             filtered.append((int(out.sum()), int((out & (exp.response_mask.sum(-1) > 0)).sum())))
         return update(model, exp, plan, schedule, *rest, **kwargs)
 
-    grpo.ppo_update = recording_update
     # the samples per micro-batch of every update step cut by a token budget
     budget_steps, micro_batches = [], MicroBatchPlan.micro_batches
 
@@ -138,12 +139,14 @@ def run_cases(rank, world_size, runs):
             budget_steps.append([mb["responses"].shape[0] for mb in out])
         return out
 
-    MicroBatchPlan.micro_batches = recording_micro_batches
-    for argv in runs:
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        running["args"] = parse_args(argv, world_size)
-        trainer.run(running["args"])
+    with pytest.MonkeyPatch.context() as patch:  # put back after the runs: the next body may get these ranks
+        patch.setattr(grpo, "ppo_update", recording_update)
+        patch.setattr(MicroBatchPlan, "micro_batches", recording_micro_batches)
+        for argv in runs:
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
+            running["args"] = parse_args(argv, world_size)
+            trainer.run(running["args"])
     return filtered, budget_steps
 
 
