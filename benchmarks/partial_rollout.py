@@ -48,8 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--splits", type=int, nargs="+", default=[2, 4], help="--partial-rollout-max-split values")
     p.add_argument("--stages", nargs="+", default=["grpo", "trl_ppo"])
     p.add_argument("--max-num-batched-tokens", type=int,
-                   help="--rollout-max-num-batched-tokens of every run (default: none; a cap packs the carried "
-                        "samples' prefill by length instead of padding all of them to the longest)")
+                   help="--rollout-max-num-batched-tokens of every run (default: none; a cap also bounds each "
+                        "prefill forward's rows x width, beside the engine's padding bound)")
     p.add_argument("--repeats", type=int, default=2, help="runs per configuration, round-robin; the per-iteration "
                                                           "minimum is reported")
     p.add_argument("--wait-load", type=float, metavar="L",
