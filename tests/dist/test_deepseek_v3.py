@@ -32,6 +32,7 @@ import torch
 from tests.helpers.hf_tiny import DEEPSEEK_VARIANTS, PAD_TOKEN_ID, build_tiny, deepseek_variant, save_tiny
 from tests.helpers.hf_parity import case_diff, hf_reference
 from tests.helpers.multiproc import run_distributed
+from tests.helpers.patch_removal import without_patch
 from tests.helpers.stage_layouts import run_stages
 
 TOL = 1e-5
@@ -371,21 +372,16 @@ def test_grpo_trains_a_deepseek_v3_actor_at_ep2(tmp_path):
 # ------------------------------------------------------------------------------------------- the MLA patches
 
 def _without_patch_worker(rank, world_size, target):
-    """Build a tiny DeepSeek-V3 with the patch of `target` undone (the others applied); the error, or None."""
+    """Build a tiny DeepSeek-V3 with the patch of `target` undone (the others applied; None: all applied); the error,
+    or None."""
     os.environ["MINDSPEED_DEVICE"] = "cpu"
-    from mindspeed_llm import distributed, patches
+    from mindspeed_llm import distributed
 
     distributed.initialize(1, 1, rank=rank, world_size=world_size)
-    undone = []  # put back at the end: the process runs other bodies after this one (multiproc's warm ranks)
-    for owner, attr, original, applied in list(patches._APPLIED):
-        if applied == target:
-            undone.append((owner, attr, getattr(owner, attr)))
-            setattr(owner, attr, original)
-    try:
+    if target is None:  # every patch applied
         return _build_and_train_deepseek()
-    finally:
-        for owner, attr, patched in undone:
-            setattr(owner, attr, patched)
+    with without_patch(target):
+        return _build_and_train_deepseek()
 
 
 def _build_and_train_deepseek():

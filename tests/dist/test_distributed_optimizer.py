@@ -32,6 +32,7 @@ import pytest
 import torch
 
 from tests.helpers.multiproc import run_distributed
+from tests.helpers.patch_removal import without_patch
 
 pytestmark = pytest.mark.slow  # see pytest.ini
 
@@ -134,25 +135,12 @@ PATCHES = {  # patches/optimizer.py target -> what megatron raises without it
 def _patch_cases(reward_checkpoint):
     """Each patch of patches/optimizer.py taken away in turn, on a bf16 value-head model (its fp32 value head shares a
     param group with bf16 weights) with the distributed optimizer: {case: the error megatron raises, or None}."""
-    import contextlib
-
-    from mindspeed_llm import patches
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.rl import roles
     from mindspeed_llm.rl.engine import OptimizerSettings, TrainableModel
 
     args = parse_args(["--stage", "grpo", "--ref-model", "m", "--data-path", "d", "--global-batch-size", "1",
                        "--train-iters", "1", "--verifier-function", "math_acc", "--bf16"])
-
-    @contextlib.contextmanager
-    def without(target):
-        owner, attr, original, _ = next(entry for entry in patches._APPLIED if entry[3].endswith(target))
-        patched = getattr(owner, attr)
-        setattr(owner, attr, original)
-        try:
-            yield
-        finally:
-            setattr(owner, attr, patched)
 
     def trainable():
         model = roles.load_model(reward_checkpoint, "--reward-model", args, value_head=True)
@@ -169,13 +157,13 @@ def _patch_cases(reward_checkpoint):
         return None
 
     found = {}
-    with without(PATCHES["type checks"]):
+    with without_patch(PATCHES["type checks"]):
         found["type checks"] = error(trainable)
-    with without(PATCHES["group order"]):
+    with without_patch(PATCHES["group order"]):
         found["group order"] = error(lambda: trainable()[0].parameter_state())
     trained, sub = trainable()
     state = trained.parameter_state()
-    with without(PATCHES["loading with step"]):
+    with without_patch(PATCHES["loading with step"]):
         found["loading with step"] = error(lambda: sub.load_parameter_state_from_dp_zero(state))
     found["all patches"] = error(lambda: sub.load_parameter_state_from_dp_zero(state))
     return found

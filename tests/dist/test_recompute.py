@@ -22,13 +22,13 @@ its branches in another order, so those cases are compared within float32 roundi
   and reward model without, and the actor's layers run twice per update micro-batch.
 """
 
-import contextlib
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers.multiproc import run_distributed  # noqa: E402
+from tests.helpers.multiproc import run_distributed
+from tests.helpers.patch_removal import without_patch  # noqa: E402
 from tests.helpers.hf_tiny import deepseek_variant
 from tests.helpers.routing_batches import MOE_SPEC, groups_share_prompts, synthetic_experience
 
@@ -253,20 +253,6 @@ def _relative(a, b) -> float:
 ROUNDING = 1e-5
 
 
-@contextlib.contextmanager
-def _unpatched(target_suffix):
-    """Megatron's original in place of one of our patches, for the block."""
-    from mindspeed_llm import patches
-
-    owner, attr, original, _ = next(e for e in patches._APPLIED if e[3].endswith(target_suffix))
-    patched = getattr(owner, attr)
-    setattr(owner, attr, original)
-    try:
-        yield
-    finally:
-        setattr(owner, attr, patched)
-
-
 FULL_UNIFORM = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 FULL_BLOCK = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
 
@@ -318,11 +304,11 @@ def _model_level_body(rank, world_size):
                 else:
                     out["grads_equal"][f"{family}/{layout}/{name}"] = _same(grads, reference) and metrics == ref_metrics
             if family == "mla" and layout == "packed":  # MLA's rotary runs inside each (recomputed) layer
-                with _unpatched("tensor_parallel.checkpoint"):
+                with without_patch("tensor_parallel.checkpoint"):
                     grads, _, _ = _step(spec, state, FULL_UNIFORM, mbs)
                 out["differs"]["mla_positions_without_snapshot"] = not _same(grads, reference)
             if family == "moe" and layout == "rows":  # block leaves layer 1 unchecked: it must get the padding mask
-                with _unpatched("TransformerBlock._checkpointed_forward"):
+                with without_patch("TransformerBlock._checkpointed_forward"):
                     grads, metrics, _ = _step(spec, state, FULL_BLOCK, mbs)
                 out["differs"]["block_padding_grads"] = not _same(grads, reference)
                 out["differs"]["block_padding_tokens"] = (metrics["moe/tokens_per_expert_max"],
@@ -372,7 +358,7 @@ def _model_level_body(rank, world_size):
                              ("moe_layer_recompute", dict(moe_layer_recompute=True))):
             grads, metrics, _ = _step(spec, state, dict(replay, **fields), mbs)
             out["grads_equal"][f"replay/{layout}/{name}"] = _same(grads, planted) and metrics == planted_metrics
-        with _unpatched("tensor_parallel.checkpoint"):
+        with without_patch("tensor_parallel.checkpoint"):
             grads, _, _ = _step(spec, state, dict(replay, **FULL_UNIFORM), mbs)
         out["differs"][f"replay_without_snapshot/{layout}"] = not _same(grads, planted)
     return out
@@ -596,7 +582,7 @@ def _pp2_replay_check():
     for name, fields in (("full_uniform", FULL_UNIFORM), ("moe_layer_recompute", dict(moe_layer_recompute=True))):
         grads, _, _ = _step(MOE_SPEC, state, dict(replay, **fields), batches)
         out[name] = _same(grads, planted)
-    with _unpatched("tensor_parallel.checkpoint"):
+    with without_patch("tensor_parallel.checkpoint"):
         grads, _, _ = _step(MOE_SPEC, state, dict(replay, **FULL_UNIFORM), batches)
     out["without_snapshot_differs"] = not _same(grads, planted)
     return out

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.multiproc import run_distributed  # noqa: E402
+from tests.helpers.multiproc import run_distributed
+from tests.helpers.patch_removal import without_patch  # noqa: E402
 
 TOL = 1e-6
 
@@ -37,7 +38,7 @@ def _experience(rows, prompt, response, vocab, seed=0):
 
 
 def _worker(rank, world_size, task):
-    from mindspeed_llm import distributed, patches
+    from mindspeed_llm import distributed
     from mindspeed_llm.checkpoint import load_megatron_weights, load_spec
     from mindspeed_llm.inference import SamplingConfig, generate
     from mindspeed_llm.models import build_model
@@ -108,17 +109,12 @@ def _worker(rank, world_size, task):
                                             (log_probs - plain["generate_static"][1]).abs().max().item())
         out[f"report_{sp}"] = report
     # megatron's torch norm without the patch (the other patches stay)
-    owner, attr, original, _ = next(entry for entry in patches._APPLIED
-                                    if entry[3].endswith("WrappedTorchNorm.__new__"))
-    patched = owner.__dict__[attr]
-    setattr(owner, attr, original)
     try:
-        model(task["mg_actor_tp2pp1"], True)
+        with without_patch("WrappedTorchNorm.__new__"):
+            model(task["mg_actor_tp2pp1"], True)
         refused = None
     except AssertionError as exc:
         refused = str(exc)
-    finally:
-        setattr(owner, attr, patched)
     return out["report_True"], out["report_unmarked"], refused
 
 
