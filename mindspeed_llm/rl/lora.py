@@ -159,9 +159,10 @@ class LoRATrainableModel(TrainableModel):
             raise CheckpointError(f"{self.name}: the checkpoint's adapters do not fit this model ({listed})")
         self.module.load_state_dict(model_state, strict=False)
 
-    def load_state_dict(self, state: dict, load_optim: bool = True) -> None:
+    def load_state_dict(self, state: dict, *args, **kwargs) -> None:
+        # the rest as given: the loader passes the distributed optimizer's parameter_state and source by keyword
         self.check_checkpoint(state.get("lora"))
-        super().load_state_dict(state, load_optim)
+        super().load_state_dict(state, *args, **kwargs)
 
     def check_checkpoint(self, stored: Optional[dict]) -> None:
         """The checkpoint's `lora` entry against this run: LoRA at all, the config, the base."""
