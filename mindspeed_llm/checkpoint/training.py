@@ -381,6 +381,10 @@ def _load(root: str, roles: Dict[str, object], iteration: int, load_optim: bool,
             raise CheckpointError(f"--load {root}: the {name} checkpoint holds LoRA adapters (targets "
                                   f"{' '.join(state['lora']['config']['target_modules'])}), not full weights; pass "
                                   "the --lora-* flags it was trained with")
+        if getattr(trainable, "is_lora", False):
+            # before the optimizer state is read: another LoRA config, base or a full checkpoint is named as such,
+            # not as a distrib_optim.pt that does not fit (whose fix, --no-load-optim, would not help)
+            trainable.check_checkpoint(state.get("lora"))
         parameter_state, source = None, ""
         if load_optim and "optimizer" not in state:
             raise CheckpointError(f"{name}: iteration {iteration} under {role_root} holds no optimizer state (it "

@@ -159,13 +159,9 @@ class LoRATrainableModel(TrainableModel):
             raise CheckpointError(f"{self.name}: the checkpoint's adapters do not fit this model ({listed})")
         self.module.load_state_dict(model_state, strict=False)
 
-    def load_state_dict(self, state: dict, *args, **kwargs) -> None:
-        # the rest as given: the loader passes the distributed optimizer's parameter_state and source by keyword
-        self.check_checkpoint(state.get("lora"))
-        super().load_state_dict(state, *args, **kwargs)
-
     def check_checkpoint(self, stored: Optional[dict]) -> None:
-        """The checkpoint's `lora` entry against this run: LoRA at all, the config, the base."""
+        """The checkpoint's `lora` entry against this run: LoRA at all, the config, the base (`checkpoint.training`'s
+        loader calls it before it loads anything of the checkpoint)."""
         if stored is None:
             raise CheckpointError(f"{self.name}: the checkpoint holds full weights (a run without LoRA), but this run "
                                   "trains LoRA adapters; resume it without --lora-target-modules / --lora-load")

@@ -12,7 +12,9 @@ linear_fc2 (`model_state_runs.stage_argv`'s runs plus the LoRA flags), one spawn
   schedule start fresh (no Adam state, the masters equal the loaded adapters), and iteration 3 trains;
 * MindSpeed-RL's published LoRA config (grpo_lora_qwen25_32b_A2.yaml: lora_r 128, lora_alpha 128, the four targets,
   use_distributed_optimizer, bf16, finetune on the first run, no_load_optim and no_load_rng on the resume) on the
-  tiny model: 2 iterations, then one resume for iteration 3, with the adapters loaded exactly.
+  tiny model: 2 iterations, then one resume for iteration 3, with the adapters loaded exactly;
+* a full checkpoint into a LoRA run, or other LoRA flags, are refused by what differs, not as a `distrib_optim.pt`
+  that does not fit (whose advice, --no-load-optim, would not help).
 """
 
 import json
@@ -50,6 +52,11 @@ def _run_table(task, root: Path) -> dict:
                                               "--ckpt-step", "2")
     runs["trl_ppo_no_load_optim"] = stage_argv(task, "trl_ppo", root / "trl_ppo_no_load_optim", *LORA, "--load",
                                                str(root / "trl_ppo"), "--ckpt-step", "2", "--no-load-optim")
+    # refused by what differs, before the distributed optimizer's state is read (it does not fit either)
+    runs["full"] = stage_argv(task, "grpo", root / "full", "--use-distributed-optimizer", "--bf16", iters=1)
+    runs["error_full_into_lora"] = stage_argv(task, "grpo", root / "e1", *LORA, "--bf16", "--load", str(root / "full"))
+    runs["error_other_r"] = stage_argv(task, "grpo", root / "e2", *LORA, "--bf16", "--lora-r", "8", "--load",
+                                       str(root / "grpo"), "--ckpt-step", "2")
     published = root / "published"
     runs["published"] = stage_argv(task, "grpo", published, *PUBLISHED, "--finetune", iters=2)
     runs["published_resumed"] = stage_argv(task, "grpo", published, *PUBLISHED, "--load", str(published),
@@ -229,3 +236,15 @@ def test_published_lora_config_resumes(lora_runs):
         assert start["adam"] == 0 and start["stale"] == 0
     final = _shard(save, "actor", 3)["model"]
     assert any(not torch.equal(final[k], payload["model"][k]) for k in final)  # iteration 3 trained
+
+
+@pytest.mark.parametrize("label,message", [
+    ("full_into_lora", "actor: the checkpoint holds full weights (a run without LoRA)"),
+    ("other_r", "actor: the checkpoint's adapters have r 16 but this run has 8; pass the --lora-r"),
+])
+def test_lora_checkpoint_errors_come_before_the_optimizer_state(lora_runs, label, message):
+    """Not "distrib_optim.pt does not fit ... pass --no-load-optim", which would not help."""
+    _ok(lora_runs, "full")
+    for records in lora_runs["ranks"]:
+        error = records[f"error_{label}"]["error"]
+        assert error is not None and message in error and "distrib_optim.pt" not in error, error
