@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     g.add_argument("--sgd-momentum", type=float, default=0.9, help="with --optimizer sgd (Megatron-LM's default)")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--no-shuffle", action="store_true",
+                   help="prompts in dataset order (of --split's train part), epoch after epoch, instead of a fresh "
+                        "--seed permutation each epoch (MindSpeed-LLM's flag; MindSpeed-RL's no_shuffle)")
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--loss-scale", type=float, help="--fp16: a constant loss scale instead of the dynamic one")

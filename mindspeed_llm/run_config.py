@@ -198,12 +198,12 @@ MEGATRON: Dict[str, Any] = {
     "norm_topk_prob": Ignored("the router's normalisation is the checkpoint's (config.json's norm_topk_prob)"),
     "enable_expert_parallel": Ignored("expert parallelism is --expert-model-parallel-size > 1"),
     "gemm_gradient_accumulation_fusion": Ignored("a fused kernel switch: the local layer spec runs plain torch"),
-    "no_shuffle": Accept(_is(False), "this program shuffles the prompts every epoch (seeded by --seed); set "
-                                     "no_shuffle: false"),
+    "no_shuffle": Flag("--no-shuffle"),
     # without a flag here (ignored only while the parser has no flag of that name)
     "use_mc2": Ignored("an NPU communication-overlap kernel; the local torch layers are used here"),
     "attention_bias": Ignored("the architecture is read from the checkpoint"),
-    "full_shuffle_instruction_dataset": Ignored("prompts are shuffled over the whole dataset every epoch here"),
+    "full_shuffle_instruction_dataset": Ignored("prompts are drawn from the whole dataset here, shuffled every "
+                                                "epoch or, with no_shuffle, in dataset order"),
     "dataset_additional_keys": Ignored("the preprocessed dataset carries its labels (preprocess_data.py "
                                        "--map-keys); the verifiers check they are there"),
     # LoRA: lora_r, lora_alpha, lora_dropout, lora_target_modules, lora_load, lora_fusion, lora_ckpt_filter are the

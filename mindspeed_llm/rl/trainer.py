@@ -118,6 +118,12 @@ def _prompt_sets(args):
     return train, (PromptSubset(dataset, parts[1], "valid") if args.eval_interval and len(parts[1]) else None)
 
 
+def prompt_sampler(args, dataset_len: int, rank: int, size: int) -> PromptSampler:
+    """The training prompts' order over `size` rollout ranks: a --seed permutation per epoch, or dataset order with
+    --no-shuffle (the checkpoint records which, and a resume with the other is refused)."""
+    return PromptSampler(dataset_len, args.global_batch_size, rank, size, args.seed, shuffle=not args.no_shuffle)
+
+
 def _output_path_problem(args) -> Optional[str]:
     """Why an output of the run cannot be written where asked, found before any model is built: a --metrics-jsonl
     or --tensorboard-dir under a file (or a directory given as the JSONL file), a --save that is a file, or a --save
@@ -267,7 +273,7 @@ def run(args) -> None:
             print(f"posttrain_gpt.py: {line}", flush=True)
     tokenizer = load_tokenizer(args)
     dataset, eval_dataset = _prompt_sets(args)
-    sampler = PromptSampler(len(dataset), args.global_batch_size, rollout_rank, rollout_size, args.seed)
+    sampler = prompt_sampler(args, len(dataset), rollout_rank, rollout_size)
     check_labels(dataset, args)
     check_prompt_lengths(dataset, args, "--data-path")
     if eval_dataset is not None:

@@ -103,3 +103,43 @@ def test_loader_over_preprocessed_prompts_resumes_exactly(preprocessed):
             assert isinstance(item["labels"], str) and item["input_ids"][-3:] == [151644, 77091, 198]
     with pytest.raises(NotEnoughPromptsError):
         PromptDataLoader(ds, global_batch_size=64)
+
+
+@pytest.mark.parametrize("dp_size", [1, 2, 4])
+def test_no_shuffle_is_dataset_order_at_any_dp_size_epoch_after_epoch(dp_size):
+    """--no-shuffle: the global batches are the dataset's prompts in order (the last partial batch of an epoch
+    dropped, as with shuffling), the same at every DP size, each rank its contiguous share."""
+    ranks = [PromptSampler(10, 4, dp_rank=r, dp_size=dp_size, seed=9, shuffle=False) for r in range(dp_size)]
+    expected = [[0, 1, 2, 3], [4, 5, 6, 7]] * 3
+    for batch in expected:
+        shares = [r.next_batch_indices() for r in ranks]
+        assert sum(shares, []) == batch
+
+
+def test_no_shuffle_resumes_exactly_and_refuses_a_shuffled_resume():
+    full = PromptSampler(11, 4, dp_rank=1, dp_size=2, seed=5, shuffle=False)
+    expected = take(full, 7)
+    first = PromptSampler(11, 4, dp_rank=1, dp_size=2, seed=5, shuffle=False)
+    got = take(first, 3)
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = PromptSampler(11, 4, dp_rank=1, dp_size=2, seed=5, shuffle=False)
+    resumed.load_state_dict(state)
+    assert got + take(resumed, 4) == expected
+    with pytest.raises(DataError, match="the checkpoint has shuffle=False, this run has True"):
+        PromptSampler(11, 4, dp_rank=1, dp_size=2, seed=5).load_state_dict(state)
+
+
+def test_the_trainer_builds_the_order_no_shuffle_asks_for():
+    from types import SimpleNamespace
+
+    from mindspeed_llm.arguments import build_parser
+    from mindspeed_llm.rl.trainer import prompt_sampler
+
+    def order(*flags):
+        required = ["--stage", "grpo", "--global-batch-size", "4", "--train-iters", "1", "--data-path", "d"]
+        no_shuffle = build_parser().parse_args([*required, *flags]).no_shuffle
+        args = SimpleNamespace(global_batch_size=4, seed=3, no_shuffle=no_shuffle)
+        return sum(take(prompt_sampler(args, 12, 0, 1), 3), [])
+
+    assert order("--no-shuffle") == list(range(12))
+    assert sorted(order()) == list(range(12)) and order() != list(range(12))

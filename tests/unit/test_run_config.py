@@ -207,7 +207,6 @@ def test_wrong_type_names_key_and_file(tmp_path, section, key, value, expected):
     ("actor_config", "num_layer_list", "16,17,16,15", "the layers are split evenly over the pipeline stages"),
     ("rl_config", "use_kl_in_reward", True, "the KL to the reference is a loss term (grpo) in this run"),
     ("actor_config", "attention_mask_type", "general", "the models here are causal decoders"),
-    ("megatron_training", "no_shuffle", True, "shuffles the prompts"),
     ("megatron_training", "stage", "ray_dapo", "'ray_dapo' is not a stage of this program"),
     ("rl_config", "kl_ctrl_type", "adaptive", "the KL coefficient is fixed here"),
     ("rl_config", "shuffle_minibatch", True, "mini-batches are taken in order"),
