@@ -22,8 +22,9 @@ PPO_KEYS = [
     "response_length/min", "response_length/max", "prompt_length/mean", "prompt_length/min", "prompt_length/max",
     "timing/all", "timing/rollout", "timing/old_log_p", "timing/reference_model", "timing/reward_model",
     "timing/critic_model", "timing/adv", "timing/update", "timing/update_critic", "e2e_tps", "update_tps",
-    "vllm_tps", "rollout_tps", "n_samples_per_prompt",
-]
+    "vllm_tps", "rollout_tps", "n_samples_per_prompt", "actor/kl_loss", "grad_norm",
+] + [f"critic/{name}/{stat}" for name in ("score", "rewards", "advantages", "returns", "values")
+     for stat in ("mean", "max", "min")]  # MindSpeed-RL's PPO names
 GRPO_KEYS = [
     "actor/entropy", "actor/kl_loss", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "grad_norm",
     "math_acc_rewards/mean", "actor/lr", "grpo/score/mean", "grpo/score/max", "grpo/score/min", "grpo/rewards/mean",
@@ -93,6 +94,12 @@ def test_three_iterations(stage_paths, tmp_path, stage, tp, pp):
         assert r["actor/lr"] == pytest.approx(1e-3)
         if stage == "trl_ppo":  # the KL penalty of the rewards, -kl_coef * KL summed over each response (0.3)
             assert r["non_score_reward"] == pytest.approx(-0.3 * r["kl/mean"], rel=1e-5, abs=1e-7)
+            assert r["grad_norm"] == r["actor/grad_norm"] and r["actor/kl_loss"] == 0.0
+            assert r["critic/score/mean"] == pytest.approx(r["score/mean"], abs=1e-6)
+            if not dp2:  # the token rewards sum to the score plus the KL penalty (--whiten-rewards on dp2)
+                assert r["critic/rewards/mean"] == pytest.approx(r["score/mean"] + r["non_score_reward"], abs=1e-5)
+            for name in ("score", "rewards", "advantages", "returns", "values"):
+                assert r[f"critic/{name}/min"] <= r[f"critic/{name}/mean"] <= r[f"critic/{name}/max"]
         else:  # the score is math_acc plus the reward model (weights 1); group advantages have mean 0
             assert r["grpo/score/mean"] == pytest.approx(r["math_acc_rewards/mean"] + r["reward_model/mean"], abs=1e-5)
             assert r["grpo/rewards/mean"] == r["grpo/score/mean"]  # GRPO's KL is a loss, not in the reward

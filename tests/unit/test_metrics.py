@@ -88,6 +88,26 @@ def test_mean_min_max():
     assert M.mean_min_max("x", []) == {}
 
 
+def test_masked_mean_min_max_by_hand():
+    values = torch.tensor([[1.0, -2.0, 9.0], [4.0, 7.0, -8.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert M.masked_mean_min_max("critic/values", values, mask) == {
+        "critic/values/mean": 1.0, "critic/values/min": -2.0, "critic/values/max": 4.0}
+
+
+def test_masked_mean_is_over_all_ranks_tokens():
+    """Two DP shards of one batch: the mean is (1 - 2 + 4) / 3 on both, not the mean of the shards' means; each
+    keeps its own extremes for the MIN / MAX reduction; a shard without tokens leaves them to the other."""
+    shards = [(torch.tensor([[1.0, -2.0]]), torch.tensor([[1, 1]])), (torch.tensor([[4.0, 3.0]]), torch.tensor([[1, 0]])),
+              (torch.tensor([[5.0, 5.0]]), torch.tensor([[0, 0]]))]
+    totals = sum(torch.stack([(v.double() * m).sum(), m.sum().double()]) for v, m in shards)
+    out = [M.masked_mean_min_max("a", v, m, sum_across=lambda t: totals) for v, m in shards]
+    assert [o["a/mean"] for o in out] == [1.0, 1.0, 1.0]
+    assert [(o["a/min"], o["a/max"]) for o in out] == [(-2.0, 1.0), (4.0, 4.0), (float("inf"), float("-inf"))]
+    assert M.masked_mean_min_max("a", torch.ones(1, 2), torch.zeros(1, 2)) == {"a/mean": 0.0, "a/min": 0.0,
+                                                                             "a/max": 0.0}
+
+
 def test_reduce_without_distributed_returns_input():
     assert M.reduce_metrics({"b": 2, "a/max": 1.5}) == {"a/max": 1.5, "b": 2.0}
 

@@ -1,9 +1,9 @@
 """The figures an iteration logs that are computed from its batch: throughputs (MindSpeed-RL's formulas),
-mean / min / max of per-sample values, and a role's metrics under its name."""
+mean / min / max of per-sample values and of masked per-token values, and a role's metrics under its name."""
 
 from __future__ import annotations
 
-from typing import Dict, Mapping
+from typing import Callable, Dict, Mapping, Optional
 
 from mindspeed_llm.rl.metrics.timers import TIMING_PREFIX
 
@@ -66,3 +66,24 @@ def mean_min_max(prefix: str, values) -> Dict[str, float]:
         f"{prefix}/min": min(values),
         f"{prefix}/max": max(values),
     }
+
+
+def masked_mean_min_max(prefix: str, values, mask, sum_across: Optional[Callable] = None) -> Dict[str, float]:
+    """``{prefix/mean, prefix/min, prefix/max}`` of the per-token `values` where `mask` is set (MindSpeed-RL's PPO
+    ``critic/advantages`` etc.). The mean is over the tokens of the whole batch: `sum_across` sums the masked sum
+    and the token count over the ranks that hold shards of it, so it does not depend on how the rows are dealt; min
+    and max are this rank's, for the metric reduction's MIN / MAX. A rank without tokens reports +inf / -inf there
+    (the others' decide); a batch without any, 0."""
+    import torch
+
+    mask = mask.to(torch.bool)
+    picked = values.detach().double()[mask]
+    totals = torch.stack([picked.sum(), picked.new_tensor(float(picked.numel()))])
+    if sum_across is not None:
+        totals = sum_across(totals)
+    total, count = float(totals[0]), float(totals[1])
+    if not count:
+        return {f"{prefix}/mean": 0.0, f"{prefix}/min": 0.0, f"{prefix}/max": 0.0}
+    if not picked.numel():
+        return {f"{prefix}/mean": total / count, f"{prefix}/min": float("inf"), f"{prefix}/max": float("-inf")}
+    return {f"{prefix}/mean": total / count, f"{prefix}/min": float(picked.min()), f"{prefix}/max": float(picked.max())}

@@ -21,7 +21,7 @@ from mindspeed_llm.rl import core_algos, lora, roles
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.evaluation import evaluate_policy
 from mindspeed_llm.rl.loss_closures import clipped_policy_loss, clipped_value_loss
-from mindspeed_llm.rl.metrics import Timers, prefixed
+from mindspeed_llm.rl.metrics import Timers, masked_mean_min_max, mean_min_max, prefixed
 from mindspeed_llm.rl.partial_rollout import PartialRollouts
 from mindspeed_llm.rl.passes import critic_values, policy_logprobs
 from mindspeed_llm.rl.ppo_loop import old_logp_is_current, ppo_update
@@ -44,7 +44,7 @@ ROLLOUT_IS_METRICS = ("rollout_is_weight", "rollout_is_clipfrac")  # with --roll
 
 class TrlPPOStage:
     name = "trl_ppo"
-    log_lines = {"actor": ["actor/"], "critic": ["critic/"]}
+    log_lines = {"actor": ["actor/", "grad_norm"], "critic": ["critic/"]}
 
     def __init__(self, args, tokenizer):
         self.args = args
@@ -136,7 +136,10 @@ class TrlPPOStage:
         kl_sum = kl.sum(-1)
         metrics = {
             **prefixed("actor", actor_metrics),
+            "actor/kl_loss": 0.0,  # MindSpeed-RL's column: TRL's PPO puts the KL in the rewards, never in a loss
+            "grad_norm": actor_metrics["grad_norm"],  # MindSpeed-RL's bare name, beside actor/grad_norm
             **prefixed("critic", critic_metrics),
+            **self._critic_batch_metrics(exp, rewards),
             "score/mean": float(exp.scores.mean()),
             "kl/mean": float(kl_sum.mean()),
             "non_score_reward": float((-args.kl_coef * kl_sum).mean()),
@@ -148,6 +151,20 @@ class TrlPPOStage:
         }
         metrics.update(timers.pop())
         return metrics
+
+    @staticmethod
+    def _critic_batch_metrics(exp, rewards) -> Dict[str, float]:
+        """MindSpeed-RL's PPO log: `critic/score` per sample, `critic/rewards` the per-sample sum of the token
+        rewards (score plus the KL penalty, whitened with --whiten-rewards), `critic/{advantages,returns,values}`
+        over the response tokens (a mean over the whole batch's tokens)."""
+        mask = exp.response_mask
+        return {
+            **mean_min_max("critic/score", exp.scores),
+            **mean_min_max("critic/rewards", rewards.sum(-1)),
+            **masked_mean_min_max("critic/advantages", exp.advantages, mask, sum_over_data_parallel),
+            **masked_mean_min_max("critic/returns", exp.returns, mask, sum_over_data_parallel),
+            **masked_mean_min_max("critic/values", exp.values, mask, sum_over_data_parallel),
+        }
 
     # ------------------------------------------------------------------ loss closures (per micro-batch)
     def _actor_loss(self, logits, mb):
