@@ -18,7 +18,7 @@ import os
 import signal
 import socket
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 from megatron.core import parallel_state
@@ -128,7 +128,7 @@ def _output_path_problem(args) -> Optional[str]:
     """Why an output of the run cannot be written where asked, found before any model is built: a --metrics-jsonl
     or --tensorboard-dir under a file (or a directory given as the JSONL file), a --save that is a file, or a --save
     holding checkpoints this run would write over (it starts at iteration 1 there: without --load of that directory,
-    or with --finetune)."""
+    or with a --finetune that finetune_on_own_save did not turn into a resume)."""
     for flag, path, is_dir in (("--metrics-jsonl", args.metrics_jsonl, False), ("--tensorboard-dir",
                                                                              args.tensorboard_dir, True),
                                ("--save", args.save, True)):
@@ -144,13 +144,24 @@ def _output_path_problem(args) -> Optional[str]:
     if args.save and os.path.isdir(args.save):
         traces = checkpoint_traces(args.save)
         resumes_there = _resumes_from_load(args) and os.path.abspath(args.load) == os.path.abspath(args.save)
-        if traces and (not resumes_there or args.finetune):
-            why = ("--finetune restarts the iteration count" if resumes_there else
-                   "this run does not resume from it (--load)")
+        if traces and not resumes_there:  # (a --finetune of it resumes it: finetune_on_own_save)
             return (f"--save {args.save} already holds checkpoints ({', '.join(traces[:4])}"
-                    f"{' ...' if len(traces) > 4 else ''}) and {why}: its saves would replace them; pass --load "
-                    f"{args.save} to resume them, or another --save")
+                    f"{' ...' if len(traces) > 4 else ''}) and this run does not resume from it (--load): its saves "
+                    f"would replace them; pass --load {args.save} to resume them, or another --save")
     return None
+
+
+def finetune_on_own_save(args) -> Optional[str]:
+    """The startup line when --finetune is overridden, else None. MindSpeed-LLM's scripts carry --finetune (their
+    first run loads the SFT model with it); a user resumes one by adding --load <its --save>, and --finetune would
+    then restart the iteration count over the run's own checkpoints. With --load equal to --save and checkpoints
+    there, the run resumes them instead."""
+    if not (args.finetune and args.save and _resumes_from_load(args)):
+        return None
+    if os.path.abspath(args.load) != os.path.abspath(args.save) or not checkpoint_traces(args.save):
+        return None
+    return (f"--finetune is overridden: --load {args.load} is this run's own --save and holds its checkpoints, so the "
+            "run resumes them (--finetune would restart the iteration count and write over them)")
 
 
 def check_output_paths(args) -> None:
@@ -241,7 +252,22 @@ def _resume(args, stage, sampler) -> int:
     _resume_partial_rollouts(args, stage, loop_state.get("partial_rollout"), iteration)
     if distributed.is_rank_0():
         print(f"resumed from {args.load} at iteration {iteration}", flush=True)
+        for line in fresh_on_resume(args):
+            print(line, flush=True)
     return iteration
+
+
+def fresh_on_resume(args) -> List[str]:
+    """What a resume does not take from the checkpoint (--no-load-optim, --no-load-rng), one line each."""
+    lines = []
+    if args.no_load_optim:
+        lines.append("--no-load-optim: the optimizer starts over (Adam moments from zero) and so does the LR schedule "
+                     "(from its first step, warmup included); the weights, iteration and data position are the "
+                     "checkpoint's")
+    if args.no_load_rng:
+        lines.append("--no-load-rng: the torch, numpy and Python random states start from --seed, not the "
+                     "checkpoint's (the rollouts' per-sample streams do not depend on them; dropout does)")
+    return lines
 
 
 def _resume_partial_rollouts(args, stage, saved: Optional[dict], iteration: int) -> None:
@@ -279,6 +305,11 @@ def run(args) -> None:
     if eval_dataset is not None:
         check_prompt_lengths(eval_dataset, args, "--eval-data-path" if args.eval_data_path else "--split (valid)")
 
+    override = distributed.broadcast_object(finetune_on_own_save(args) if distributed.is_rank_0() else None)
+    if override:
+        args.finetune = False
+        if distributed.is_rank_0():
+            print(f"posttrain_gpt.py: {override}", flush=True)
     check_output_paths(args)
     lock = training_ckpt.WriterLock(args.save) if args.save else None
     if lock is not None:
