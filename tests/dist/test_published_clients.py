@@ -1,0 +1,183 @@
+"""The real-client lane: MindSpeed users' published files, verbatim in tests/fixtures/ (origins in the folders'
+READMEs), run end to end at a tiny shape for two iterations and resumed once. Only shape, path and size values are
+substituted, by `tests/helpers/published_clients.py`, which refuses any other change; each case below shows its
+substitutions. What a case adds beyond them is said where it is added.
+
+- MindSpeed-RL's `grpo_qwen25_7b_A3.yaml`, `ppo_qwen25_32b_A3.yaml`, `grpo_lora_qwen25_32b_A2.yaml` on 2 gloo ranks
+  (TP2 with their sequence parallelism, the distributed optimizer, bf16, offload), resumed as MindSpeed-RL's docs
+  say: `finetune: false`, `load` = the save, `no_load_optim` / `no_load_rng` false, the reference's original weights
+  in `rl_config.integrated_mode_config.ref_model_load_path`.
+- MindSpeed-LLM's `trl_ppo_llama32_1b_ptd.sh` (`--finetune --no-load-optim --no-load-rng` as published) under its
+  own torchrun line, on a tiny Llama-3.2-shaped model (llama3 RoPE scaling, tied embeddings); resumed the way a
+  user of it does: the same script with `--load <its --save>` added.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.multiproc import _posttrain_main_cases, run_distributed
+from tests.helpers.ports import free_port
+from tests.helpers.published_clients import ROOT, rewrite_run_config, rewrite_script
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    from tests.helpers import word_task
+
+    return word_task.build(tmp_path_factory.mktemp("published_task"), layouts=((2, 1),), reward=True)
+
+
+def _sizes(save, task, actor_load, tp_sections, iters):
+    """The substitutions every MindSpeed-RL case makes: paths to the tiny task, TP2 x PP1 on 2 ranks, two prompts per
+    batch of two samples, short lengths, `iters` iterations saved at each."""
+    changes = {("megatron_training", "tokenizer_name_or_path"): task["tokenizer"],
+               ("megatron_training", "data_path"): task["data"], ("megatron_training", "global_batch_size"): 2,
+               ("megatron_training", "seq_length"): 64, ("megatron_training", "train_iters"): iters,
+               ("megatron_training", "save_interval"): 1,
+               ("actor_config", "load"): actor_load, ("actor_config", "micro_batch_size"): 2, ("actor_config", "save"): save,
+               ("rl_config", "mini_batch_size"): 2, ("rl_config", "max_prompt_length"): 16,
+               ("rl_config", "n_samples_per_prompt"): 2,
+               ("generate_config", "max_model_len"): 32, ("generate_config", "max_num_batched_tokens"): 64,
+               ("generate_config", "max_num_seqs"): 8, ("generate_config", "infer_tensor_parallel_size"): 2,
+               ("generate_config", "sampling_config", "max_tokens"): 4}
+    for section in tp_sections:
+        changes[(section, "tensor_model_parallel_size")] = 2
+        changes[(section, "pipeline_model_parallel_size")] = 1
+        changes[(section, "micro_batch_size")] = 2
+    return changes
+
+
+def _run(cases):
+    """posttrain_gpt.main on the 2 warm ranks, each argv after the other: rank 0's (code, stdout, stderr) per argv,
+    every rank's exit code checked."""
+    results = run_distributed(_posttrain_main_cases, 2, cases)
+    for rank, rank_results in enumerate(results):
+        for (code, out, err) in rank_results:
+            assert code == 0, f"rank {rank}: exit {code}\n{out[-3000:]}\n{err[-5000:]}"
+    return results[0]
+
+
+def _metrics(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def _resumed_file(first: Path, out: Path, roles, save, ref, iters):
+    import yaml
+
+    data = yaml.safe_load(first.read_text())
+    for role in roles:
+        data[role].update(finetune=False, load=save, no_load_optim=False, no_load_rng=False)
+    data["megatron_training"]["train_iters"] = iters
+    data["rl_config"]["integrated_mode_config"] = {"ref_model_load_path": ref}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "model").mkdir(exist_ok=True)
+    for model_file in (first.parent / "model").iterdir():
+        (out / "model" / model_file.name).write_text(model_file.read_text())
+    target = out / first.name
+    target.write_text(yaml.safe_dump(data, sort_keys=False))
+    return target
+
+
+CASES = {
+    # file: (the sections whose layout is set, the roles a resume loads, what the command line adds)
+    "grpo_qwen25_7b_A3.yaml": (("actor_config",), ("actor_config",), ()),
+    # the critic starts from a value-head checkpoint here (MindSpeed-RL initialises one on the policy): the
+    # command line names it, and the rule reward scores alone (the startup lines say so)
+    "ppo_qwen25_32b_A3.yaml": (("actor_config", "critic_config"), ("actor_config", "critic_config"),
+                               ("--reward-model", "mg_reward_tp2pp1")),
+    "grpo_lora_qwen25_32b_A2.yaml": (("actor_config",), ("actor_config",), ()),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_mindspeed_rl_config_runs_and_resumes(task, tmp_path, name):
+    sections, roles, extra = CASES[name]
+    save = str(tmp_path / "save")
+    changes = _sizes(save, task, task["mg_actor_tp2pp1"], sections, iters=2)
+    if name == "ppo_qwen25_32b_A3.yaml":
+        changes[("critic_config", "load")] = task["mg_actor_tp2pp1"]  # as published: the policy's checkpoint
+        changes[("critic_config", "save")] = save
+    if name == "grpo_lora_qwen25_32b_A2.yaml":
+        changes[("actor_config", "num_layer_list")] = "2"  # 16,16,16,16 over PP4: the tiny model's 2 layers on PP1
+        changes[("rl_config", "ref_forward_micro_batch_size")] = 2
+        for key in ("reward_dispatch_size", "adv_dispatch_size", "actor_update_dispatch_size"):
+            changes[("rl_config", key)] = 4
+    extra = [task[v] if v in task else v for v in extra]
+    metrics = tmp_path / "metrics.jsonl"
+    first = rewrite_run_config(name, tmp_path / "first", changes)
+    resumed = _resumed_file(first, tmp_path / "resume", roles, save, task["mg_actor_tp2pp1"], iters=3)
+    (_, out1, _), (_, out2, _) = _run([["--config", str(first), "--metrics-jsonl", str(metrics), *extra],
+                                       ["--config", str(resumed), "--metrics-jsonl", str(metrics), *extra]])
+    assert "resumed" not in out1
+    assert f"resumed from {save} at iteration 2" in out2, out2[-3000:]
+    assert [r["iteration"] for r in _metrics(metrics)] == [1, 2, 3]
+    assert (Path(save) / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    for role in ("actor", "critic") if "ppo" in name else ("actor",):
+        assert (Path(save) / role / "iter_0000003").is_dir()
+
+
+# ---------------------------------------------------------------------------------------- MindSpeed-LLM's script
+LLAMA32 = "trl_ppo_llama32_1b_ptd.sh"
+
+
+@pytest.fixture(scope="module")
+def llama32(tmp_path_factory):
+    """A tiny Llama-3.2-shaped policy (llama3 RoPE scaling, tied embeddings) and a value-head reward model of the
+    same family, converted to TP1 x PP2 as MindSpeed-LLM's conversion scripts do (--orm for the reward model)."""
+    from tests.helpers.hf_tiny import save_tiny, write_tokenizer
+
+    from mindspeed_llm.checkpoint import convert_hf_to_mg
+
+    root = tmp_path_factory.mktemp("llama32")
+    write_tokenizer(root / "tokenizer", 256)
+    paths = {"tokenizer": str(root / "tokenizer")}
+    for role, value_head in (("sft", False), ("reward", True)):
+        hf = save_tiny("llama", root / f"hf_{role}", tie=not value_head, seq_cls=value_head, seed=7)
+        convert_hf_to_mg(hf, str(root / f"mg_{role}"), 1, 2, value_head=value_head, tokenizer_dir=paths["tokenizer"],
+                         progress=False)
+        paths[role] = str(root / f"mg_{role}")
+    return paths
+
+
+def _llama32_script(llama32, data, save, iters):
+    return rewrite_script(LLAMA32, {
+        "NPUS_PER_NODE": 2, "MASTER_PORT": free_port(), "TP": 1, "PP": 2,
+        "DATA_PATH": data, "SFT_LOAD_DIR": llama32["sft"], "REWARD_LOAD_DIR": llama32["reward"],
+        "TOKENIZER_MODEL": llama32["tokenizer"], "CKPT_SAVE_DIR": save,
+        "--num-layers": 2, "--hidden-size": 64, "--ffn-hidden-size": 160, "--num-attention-heads": 4,
+        "--num-query-groups": 2, "--seq-length": 64, "--max-position-embeddings": 16384,
+        "--padded-vocab-size": 256, "--norm-epsilon": "1e-6", "--rope-scaling-factor": "8.0",
+        "--train-iters": iters, "--max-new-tokens": 4, "--max-length": 24,
+    })
+
+
+def test_mindspeed_llm_trl_ppo_script_runs_and_resumes(task, llama32, tmp_path):
+    save = str(tmp_path / "ckpt")
+    work = tmp_path / "work"
+    (work / "logs").mkdir(parents=True)  # the script tees into logs/, as its README has the user create
+    os.symlink(ROOT / "posttrain_gpt.py", work / "posttrain_gpt.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    first = _llama32_script(llama32, task["data"], save, iters=2)
+    # resuming: the same script, --load of its own --save added (the user's only edit besides --train-iters)
+    resume = _llama32_script(llama32, task["data"], save, iters=3).replace(
+        "    --save ${CKPT_SAVE_DIR} \\", "    --save ${CKPT_SAVE_DIR} \\\n    --load ${CKPT_SAVE_DIR} \\")
+    assert resume.count("--load ${CKPT_SAVE_DIR}") == 1
+    outs = []
+    for text in (first, resume):
+        result = subprocess.run(["bash", "-c", text], cwd=work, env=env, capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, f"{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+        outs.append(result.stdout)
+    assert "resumed" not in outs[0]
+    assert "--finetune is overridden" in outs[1] and f"resumed from {save} at iteration 2" in outs[1], outs[1][-4000:]
+    assert "--no-load-optim: the optimizer starts over" in outs[1] and "--no-load-rng:" in outs[1]
+    assert (Path(save) / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    log = (work / "logs" / "trl_ppo_llama32_1b.log").read_text()  # the script's tee
+    assert "iteration        3/       3" in log or " 3/ 3" in log or "iteration 3" in log, log[-2000:]
