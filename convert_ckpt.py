@@ -126,6 +126,22 @@ def _no_target_layout(args) -> None:
                               f"(its layout is read from it); drop the flag")
 
 
+def _lora_flags(args) -> None:
+    """The --lora-load / --save-lora-to-hf combinations refused before any model is read."""
+    from mindspeed_llm.checkpoint.errors import ConversionError
+
+    if args.save_lora_to_hf and not args.lora_load:
+        raise ConversionError("--save-lora-to-hf writes the adapter of --lora-load DIR: add --lora-load")
+    if not args.lora_load:
+        return
+    if args.save_lora_to_hf and args.save_model_type != "hf":
+        raise ConversionError("--save-lora-to-hf writes a Hugging Face (PEFT) adapter: use --save-model-type hf")
+    if args.load_model_type == "hf" and args.save_model_type == "hf" and not args.save_lora_to_hf:
+        raise ConversionError("--lora-load with --load-model-type hf --save-model-type hf: merge into a Megatron "
+                              "checkpoint (--save-model-type mg) and export that, or merge a PEFT adapter with "
+                              "peft's merge_and_unload")
+
+
 def _lora(args, iteration):
     """--lora-load / --save-lora-to-hf: None (no adapter), a Merger for the conversion, or "written" when
     --save-lora-to-hf wrote the PEFT folder (nothing else to do). The base is --load-dir (its ArchitectureSpec and
@@ -140,16 +156,8 @@ def _lora(args, iteration):
     from mindspeed_llm.checkpoint.hf_files import read_hf_config
     from mindspeed_llm.models.architecture import ArchitectureSpec
 
-    if args.save_lora_to_hf and not args.lora_load:
-        raise ConversionError("--save-lora-to-hf writes the adapter of --lora-load DIR: add --lora-load")
     if not args.lora_load:
         return None
-    if args.save_lora_to_hf and args.save_model_type != "hf":
-        raise ConversionError("--save-lora-to-hf writes a Hugging Face (PEFT) adapter: use --save-model-type hf")
-    if args.load_model_type == "hf" and args.save_model_type == "hf" and not args.save_lora_to_hf:
-        raise ConversionError("--lora-load with --load-model-type hf --save-model-type hf: merge into a Megatron "
-                              "checkpoint (--save-model-type mg) and export that, or merge a PEFT adapter with "
-                              "peft's merge_and_unload")
     if args.load_model_type == "mg":
         info = _checkpoint_info(args.load_dir, iteration)
         spec, value_head = info["spec"], info["value_head"]
@@ -202,6 +210,7 @@ def run(args) -> None:
     for line in published_flags.startup_lines(args):
         print(f"convert_ckpt.py: {line}", file=sys.stderr)
     published_flags.check_command(args)
+    _lora_flags(args)
     tokenizer_dir = _mindspeed_flags(args)
     problem = conversion_target_problem(args.save_dir, args.save_model_type)
     if problem:
