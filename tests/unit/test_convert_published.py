@@ -204,3 +204,16 @@ def test_even_layer_list_and_ignored_flags_pass(tmp_path, capsys):
     assert convert_cli("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", tmp_path / "mg",
                        "--save-dir", tmp_path / "out", "--source-pipeline-parallel-size", "1") == 1
     assert "--source-pipeline-parallel-size 1, but" in capsys.readouterr().err
+
+
+def test_convert_ckpt_v2_is_the_same_converter(tmp_path, capsys, monkeypatch):
+    """MindSpeed-LLM's newer scripts call convert_ckpt_v2.py: the alias runs convert_ckpt.main on its argv."""
+    import os
+    import runpy
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.setattr("sys.argv", ["convert_ckpt_v2.py", "--load-model-type", "mg", "--save-model-type", "hf",
+                                     "--load-dir", str(tmp_path), "--save-dir", str(tmp_path / "o"), "--lora-r", "8"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(os.path.join(root, "convert_ckpt_v2.py"), run_name="__main__")
+    assert exit_.value.code == 1 and "--lora-r: no effect without --lora-load" in capsys.readouterr().err
