@@ -22,8 +22,11 @@ LoRA adapters (a LoRA run's `<save>/actor` or `<save>/critic`, or a PEFT folder)
     python convert_ckpt.py --load-model-type mg --save-model-type hf --load-dir mg/base --lora-load ckpt/actor \
         --save-lora-to-hf --save-dir hf/adapter             # the adapter alone, as PEFT loads it
 
-MindSpeed-LLM's spellings parse too: --use-mcore-models (always so here), --model-type GPT, --tokenizer-model
-PATH (the tokenizer file or folder whose files are copied next to the weights, as --tokenizer-dir).
+MindSpeed-LLM's published commands run as published: --model-type-hf llama2 --add-qkv-bias on a Qwen2.5 folder,
+--lora-r / --lora-alpha / --lora-target-modules beside --lora-load (checked against the adapter), --hf-cfg-dir,
+--tokenizer-model PATH (its folder's tokenizer files are copied, as --tokenizer-dir); flags that change nothing
+here (--use-mcore-models, --model-type GPT, --moe-grouped-gemm, ...) are listed at startup with the reason
+(mindspeed_llm/checkpoint/published_flags.py).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mindspeed_llm.checkpoint import published_flags
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)  # "--model-type GPT" must not pass for --model-type-hf
     p.add_argument("--load-model-type", choices=("hf", "mg"), required=True)
@@ -52,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MindSpeed: the experts are split over EP x TP ranks and kept whole (expert TP 1); the "
                         "checkpoint stores expert parallel = --target-expert-parallel-size x TP")
     p.add_argument("--model-type-hf", default=None,
-                   help="llama2, llama3, qwen2, qwen25, qwen3, mistral, qwen3_moe, qwen2_moe, mixtral, deepseek_v3, ... "
-                        "(default: config.json model_type)")
+                   help="llama2, llama3, qwen2, qwen25, qwen3, mistral, qwen3-moe, qwen2-moe, mixtral, deepseek3, ... "
+                        "(config.json's model_type decides the mapping; a name of the same layout, e.g. llama2 for "
+                        "qwen2, is accepted with a note, one of another layout is refused)")
     p.add_argument("--params-dtype", default=None, choices=("fp32", "bf16", "fp16"),
                    help="dtype of the saved weights (default: that of the loaded checkpoint)")
     p.add_argument("--orm", action="store_true", default=None,
@@ -63,8 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-model", default=None,
                    help="MindSpeed-LLM's tokenizer flag: a tokenizer file (e.g. HF/tokenizer.json) or folder; its "
                         "folder's tokenizer files are copied, as with --tokenizer-dir")
-    p.add_argument("--use-mcore-models", action="store_true",
-                   help="accepted for MindSpeed-LLM scripts: Megatron checkpoints here are always megatron-core's")
     p.add_argument("--model-type", default=None,
                    help="MindSpeed-LLM's model type: only GPT (decoder-only) is converted here")
     p.add_argument("--load-iteration", default=None,
@@ -79,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --lora-load and --save-model-type hf: write the adapter alone as a PEFT folder "
                         "(adapter_config.json + adapter_model.safetensors, Hugging Face module names)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    published_flags.add_arguments(p)  # MindSpeed-LLM's other conversion flags: checked, ignored or refused
     return p
 
 
@@ -121,6 +126,22 @@ def _no_target_layout(args) -> None:
                               f"(its layout is read from it); drop the flag")
 
 
+def _lora_flags(args) -> None:
+    """The --lora-load / --save-lora-to-hf combinations refused before any model is read."""
+    from mindspeed_llm.checkpoint.errors import ConversionError
+
+    if args.save_lora_to_hf and not args.lora_load:
+        raise ConversionError("--save-lora-to-hf writes the adapter of --lora-load DIR: add --lora-load")
+    if not args.lora_load:
+        return
+    if args.save_lora_to_hf and args.save_model_type != "hf":
+        raise ConversionError("--save-lora-to-hf writes a Hugging Face (PEFT) adapter: use --save-model-type hf")
+    if args.load_model_type == "hf" and args.save_model_type == "hf" and not args.save_lora_to_hf:
+        raise ConversionError("--lora-load with --load-model-type hf --save-model-type hf: merge into a Megatron "
+                              "checkpoint (--save-model-type mg) and export that, or merge a PEFT adapter with "
+                              "peft's merge_and_unload")
+
+
 def _lora(args, iteration):
     """--lora-load / --save-lora-to-hf: None (no adapter), a Merger for the conversion, or "written" when
     --save-lora-to-hf wrote the PEFT folder (nothing else to do). The base is --load-dir (its ArchitectureSpec and
@@ -129,21 +150,14 @@ def _lora(args, iteration):
     import os
 
     from mindspeed_llm.checkpoint import lora as lora_files
+    from mindspeed_llm.checkpoint import published_flags
     from mindspeed_llm.checkpoint.convert import _checkpoint_info
     from mindspeed_llm.checkpoint.errors import ConversionError
     from mindspeed_llm.checkpoint.hf_files import read_hf_config
     from mindspeed_llm.models.architecture import ArchitectureSpec
 
-    if args.save_lora_to_hf and not args.lora_load:
-        raise ConversionError("--save-lora-to-hf writes the adapter of --lora-load DIR: add --lora-load")
     if not args.lora_load:
         return None
-    if args.save_lora_to_hf and args.save_model_type != "hf":
-        raise ConversionError("--save-lora-to-hf writes a Hugging Face (PEFT) adapter: use --save-model-type hf")
-    if args.load_model_type == "hf" and args.save_model_type == "hf" and not args.save_lora_to_hf:
-        raise ConversionError("--lora-load with --load-model-type hf --save-model-type hf: merge into a Megatron "
-                              "checkpoint (--save-model-type mg) and export that, or merge a PEFT adapter with "
-                              "peft's merge_and_unload")
     if args.load_model_type == "mg":
         info = _checkpoint_info(args.load_dir, iteration)
         spec, value_head = info["spec"], info["value_head"]
@@ -152,6 +166,7 @@ def _lora(args, iteration):
     if args.orm is not None and bool(args.orm) != value_head:
         raise ConversionError(f"--orm: --load-dir {args.load_dir} {'is' if value_head else 'is not'} a value model")
     adapter = lora_files.adapter_for_base(args.lora_load, spec, value_head)
+    published_flags.check_adapter(args, adapter)
     if args.save_lora_to_hf:
         _no_target_layout(args)
         if os.path.abspath(args.save_dir) in (os.path.abspath(args.load_dir), os.path.abspath(args.lora_load)):
@@ -187,11 +202,15 @@ def _check_tokenizer_fits(tokenizer_dir: str, args) -> None:
 
 
 def run(args) -> None:
-    from mindspeed_llm.checkpoint import convert_hf_to_mg, convert_mg_to_hf, convert_mg_to_mg
+    from mindspeed_llm.checkpoint import convert_hf_to_mg, convert_mg_to_hf, convert_mg_to_mg, published_flags
     from mindspeed_llm.checkpoint.errors import ConversionError
 
     from mindspeed_llm.checkpoint.megatron_layout import conversion_target_problem
 
+    for line in published_flags.startup_lines(args):
+        print(f"convert_ckpt.py: {line}", file=sys.stderr)
+    published_flags.check_command(args)
+    _lora_flags(args)
     tokenizer_dir = _mindspeed_flags(args)
     problem = conversion_target_problem(args.save_dir, args.save_model_type)
     if problem:
@@ -205,6 +224,9 @@ def run(args) -> None:
     iteration = args.load_iteration
     if iteration is not None and iteration != "release":
         iteration = int(iteration)
+    spec, info, where = published_flags.model_and_layout(args, iteration)
+    for note in published_flags.check_model(args, spec, info, where):
+        print(f"convert_ckpt.py: note: {note}", file=sys.stderr)
     lora = _lora(args, iteration)
     if lora == "written":
         return

@@ -3,6 +3,7 @@
 `posttrain_gpt.py` accepts them so that published scripts run unchanged, stores the ones a command line gave on
 `args.ignored_flags` ({flag: reason}) and prints them once at startup on rank 0 (`startup_lines`, which
 `rl.startup` prints with the other startup lines). Adding a switch is one line of `IGNORED_SWITCHES`.
+`convert_ckpt.py` registers its own tables (`CONVERT_IGNORED`, MindSpeed-LLM's conversion scripts) the same way.
 """
 
 from __future__ import annotations
@@ -82,25 +83,61 @@ def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
-def add_ignored_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register every ignored flag (hidden from --help)."""
-    for flag in IGNORED_SWITCHES:
+# convert_ckpt.py: MindSpeed-LLM's conversion flags that change nothing here, as (switches, values, lists).
+CONVERT_ALWAYS_MCORE = "Megatron checkpoints here are always megatron-core's"
+CONVERT_IGNORED = (
+    {
+        "--use-mcore-models": CONVERT_ALWAYS_MCORE,
+        # the checkpoint holds each expert's weights apart either way; the training run's flag picks the kernel
+        "--moe-grouped-gemm": "the checkpoint stores each expert apart either way, the run's --moe-grouped-gemm "
+                              "picks the kernel",
+        "--mla-mm-split": "the checkpoint keeps megatron-core's MLA projections (linear_q_up_proj, "
+                          "linear_kv_up_proj), which the stages here build",
+        "--save-layer-by-layer": "conversions here stream one pipeline stage at a time",
+    },
+    {
+        "--mtp-num-layers": (int, "DeepSeek's multi-token-prediction layers are not converted (the stages here "
+                                  "train without MTP)"),
+        "--transformer-impl": (str, "the checkpoint layout is the same for both implementations"),
+        "--make-vocab-size-divisible-by": (int, "the vocabulary is the config's vocab_size, unpadded"),
+    },
+    {
+        "--spec": "the layer spec follows from the model_type (config.json or the checkpoint)",
+    },
+)
+
+
+def add_ignored_arguments(parser: argparse.ArgumentParser, tables=None) -> None:
+    """Register every ignored flag (hidden from --help) of `tables` ((switches, values, lists); default: the
+    training flags)."""
+    switches, values, lists = tables or (IGNORED_SWITCHES, IGNORED_VALUES, IGNORED_LISTS)
+    for flag in switches:
         parser.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
-    for flag, (kind, _reason) in IGNORED_VALUES.items():
+    for flag, (kind, _reason) in values.items():
         parser.add_argument(flag, type=kind, action="append", help=argparse.SUPPRESS)  # may repeat (--seq-length)
-    for flag in IGNORED_LISTS:
+    for flag in lists:
         parser.add_argument(flag, nargs="+", help=argparse.SUPPRESS)
 
 
-def ignored_flags(args) -> Dict[str, str]:
-    """{flag: reason} of the ignored flags this command line gave, in table order."""
-    found = {flag: reason for flag, reason in IGNORED_SWITCHES.items() if getattr(args, _dest(flag), False)}
-    found.update({flag: reason for flag, (_, reason) in IGNORED_VALUES.items()
+def ignored_flags(args, tables=None) -> Dict[str, str]:
+    """{flag: reason} of the ignored flags of `tables` this command line gave, in table order."""
+    switches, values, lists = tables or (IGNORED_SWITCHES, IGNORED_VALUES, IGNORED_LISTS)
+    found = {flag: reason for flag, reason in switches.items() if getattr(args, _dest(flag), False)}
+    found.update({flag: reason for flag, (_, reason) in values.items()
                   if getattr(args, _dest(flag), None) is not None})
-    found.update({flag: reason for flag, reason in IGNORED_LISTS.items() if getattr(args, _dest(flag), None)})
-    if getattr(args, "params_dtype", None) != "fp16":
+    found.update({flag: reason for flag, reason in lists.items() if getattr(args, _dest(flag), None)})
+    if tables is None and getattr(args, "params_dtype", None) != "fp16":
         found.update({flag: FP16_ONLY for flag in LOSS_SCALE_FLAGS if getattr(args, _dest(flag), None) is not None})
     return found
+
+
+def ignored_line(found: Dict[str, str]) -> str:
+    """'ignored flags: ...' of {flag: reason}, grouped by reason ('' when none)."""
+    by_reason: Dict[str, List[str]] = {}
+    for flag, reason in found.items():
+        by_reason.setdefault(reason, []).append(flag)
+    return ("ignored flags: " + "; ".join(f"{', '.join(flags)} ({reason})" for reason, flags in by_reason.items())
+            if by_reason else "")
 
 
 def startup_lines(args, backend: str) -> List[str]:
@@ -108,12 +145,9 @@ def startup_lines(args, backend: str) -> List[str]:
     rest): the ignored flags (one line, grouped by reason), a --distributed-backend the device overrides and the
     notes `validate_args` left (`args.startup_notes`)."""
     lines = []
-    by_reason: Dict[str, List[str]] = {}
-    for flag, reason in getattr(args, "ignored_flags", {}).items():
-        by_reason.setdefault(reason, []).append(flag)
-    if by_reason:
-        lines.append("ignored flags: " + "; ".join(f"{', '.join(flags)} ({reason})"
-                                                   for reason, flags in by_reason.items()))
+    line = ignored_line(getattr(args, "ignored_flags", {}))
+    if line:
+        lines.append(line)
     wanted = getattr(args, "distributed_backend", None)
     if wanted and wanted != backend:
         lines.append(f"--distributed-backend {wanted}: this device's collectives use {backend}; using {backend}")

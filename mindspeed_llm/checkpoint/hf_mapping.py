@@ -66,18 +66,35 @@ from mindspeed_llm.checkpoint.megatron_names import (EMBED, EXPERT_BIAS, FINAL_N
                                                      MLA_Q_LORA, MOE_ROUTER, OUTPUT, SHARED_FC1, SHARED_FC2,
                                                      SHARED_GATE, expert_name, is_moe_layer, mla_attention_names)
 
-# Names accepted by --model-type-hf -> the config.json model_type they stand for.
+# Names accepted by --model-type-hf (MindSpeed-LLM's and config.json's; '-' reads as '_') -> the model_type they
+# stand for.
 MODEL_TYPE_ALIASES = {
     "llama": "llama", "llama2": "llama", "llama3": "llama", "llama31": "llama", "llama3.1": "llama",
     "llama32": "llama", "llama3.2": "llama",
     "qwen2": "qwen2", "qwen25": "qwen2", "qwen2.5": "qwen2", "qwen2_5": "qwen2",
     "qwen3": "qwen3",
-    "mistral": "mistral",
+    "mistral": "mistral", "magistral": "mistral",
     "qwen3_moe": "qwen3_moe", "qwen3moe": "qwen3_moe",
     "qwen2_moe": "qwen2_moe", "qwen2moe": "qwen2_moe", "qwen15_moe": "qwen2_moe", "qwen1.5_moe": "qwen2_moe",
     "mixtral": "mixtral",
     "deepseek_v3": "deepseek_v3", "deepseek3": "deepseek_v3", "deepseekv3": "deepseek_v3",
+    "deepseek2": "deepseek_v2", "deepseek_v2": "deepseek_v2", "deepseek2_lite": "deepseek_v2",
 }
+
+# The weight layout each model_type shares with others. MindSpeed-LLM converts Qwen2 / Qwen2.5 as llama2 plus
+# --add-qkv-bias and Mistral as llama, so a --model-type-hf of the same layout only names it; config.json's
+# model_type picks the mapping (biases, norms, experts). A name of another layout is a mistake and is refused.
+LAYOUTS = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
+           "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "deepseek_v3": "deepseek", "deepseek_v2": "deepseek"}
+_LAYOUT_WORDS = {"llama": "dense", "qwen3": "dense, q/k norms", "qwen3_moe": "mixture of experts, q/k norms",
+                 "qwen2_moe": "mixture of experts, shared expert", "mixtral": "mixture of experts",
+                 "deepseek": "multi-latent attention, mixture of experts"}
+
+
+def _layout(model_type: str) -> str:
+    name = LAYOUTS.get(model_type)
+    return f"{name} layout: {_LAYOUT_WORDS[name]}" if name else "another layout"
+
 
 # Multi-latent attention (DeepSeek-V3): Megatron name (relative to decoder.layers.i.) -> HF name under self_attn.
 MLA_NAMES = tuple(zip(MLA_Q_LORA + (MLA_Q,) + MLA_KV_AND_OUT, (
@@ -117,29 +134,53 @@ def supported_model_types() -> str:
     return ", ".join(sorted(MODEL_TYPE_ALIASES))
 
 
-def resolve_family(model_type_hf: Optional[str], config: dict, where: str = "config.json") -> str:
-    """The family (config.json model_type) to convert, from --model-type-hf and/or the config."""
-    from mindspeed_llm.models.architecture import SUPPORTED_FAMILIES, UnsupportedModelError
+def _canonical(model_type_hf: str) -> str:
+    from mindspeed_llm.models.architecture import UnsupportedModelError
 
-    detected = config.get("model_type")
-    if model_type_hf is None:
-        if detected not in SUPPORTED_FAMILIES:
-            raise UnsupportedModelError(
-                f"{where}: model_type {detected!r} is not supported; supported model types: "
-                f"{', '.join(SUPPORTED_FAMILIES)} (--model-type-hf accepts {supported_model_types()})"
-            )
-        return detected
-    family = MODEL_TYPE_ALIASES.get(str(model_type_hf).strip().lower())
+    key = str(model_type_hf).strip().lower().replace("-", "_")
+    family = MODEL_TYPE_ALIASES.get(key)
     if family is None:
         raise UnsupportedModelError(
             f"--model-type-hf {model_type_hf!r} is not supported; supported: {supported_model_types()}"
         )
-    if detected is not None and detected != family:
-        raise ConversionError(
-            f"--model-type-hf {model_type_hf!r} means model_type {family!r}, but {where} says "
-            f"model_type {detected!r}; drop --model-type-hf to use the config's type"
-        )
     return family
+
+
+def model_type_note(model_type_hf: Optional[str], detected: str, where: str = "config.json") -> Optional[str]:
+    """None when --model-type-hf is absent or names `detected` (the model's own model_type); a one-line note
+    when it names another model_type of the same layout (MindSpeed-LLM's llama2 for a qwen2 model); raises
+    ConversionError naming both when it names another layout."""
+    if model_type_hf is None:
+        return None
+    family = _canonical(model_type_hf)
+    if detected is None or family == detected:
+        return None
+    if LAYOUTS.get(family) != LAYOUTS.get(detected):
+        raise ConversionError(
+            f"--model-type-hf {model_type_hf!r} means model_type {family!r} ({_layout(family)}), but {where} "
+            f"says model_type {detected!r} ({_layout(detected)}); drop --model-type-hf to use the config's type"
+        )
+    return (f"--model-type-hf {model_type_hf}: MindSpeed-LLM's name for the {LAYOUTS[family]} layout, which "
+            f"{detected} shares; converting with the {detected} mapping (model_type of {where})")
+
+
+def resolve_family(model_type_hf: Optional[str], config: dict, where: str = "config.json") -> str:
+    """The family (config.json model_type) to convert: the config's; --model-type-hf, when given, must name
+    it or a model_type of the same layout (`model_type_note`)."""
+    from mindspeed_llm.models.architecture import SUPPORTED_FAMILIES, UnsupportedModelError
+
+    detected = config.get("model_type")
+    if model_type_hf is not None:
+        family = _canonical(model_type_hf)
+        if detected is None:
+            detected = family  # a config without model_type: the flag names it
+        model_type_note(model_type_hf, detected, where)
+    if detected not in SUPPORTED_FAMILIES:
+        raise UnsupportedModelError(
+            f"{where}: model_type {detected!r} is not supported; supported model types: "
+            f"{', '.join(SUPPORTED_FAMILIES)} (--model-type-hf accepts {supported_model_types()})"
+        )
+    return detected
 
 # ------------------------------------------------------------------------------------------- fused layouts
 
