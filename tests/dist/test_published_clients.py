@@ -179,5 +179,5 @@ def test_mindspeed_llm_trl_ppo_script_runs_and_resumes(task, llama32, tmp_path):
     assert "--finetune is overridden" in outs[1] and f"resumed from {save} at iteration 2" in outs[1], outs[1][-4000:]
     assert "--no-load-optim: the optimizer starts over" in outs[1] and "--no-load-rng:" in outs[1]
     assert (Path(save) / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
-    log = (work / "logs" / "trl_ppo_llama32_1b.log").read_text()  # the script's tee
-    assert "iteration        3/       3" in log or " 3/ 3" in log or "iteration 3" in log, log[-2000:]
+    log = (work / "logs" / "trl_ppo_llama32_1b.log").read_text()  # the script's tee (of the last run)
+    assert f"resumed from {save} at iteration 2" in log
