@@ -201,6 +201,25 @@ def _check_tokenizer_fits(tokenizer_dir: str, args) -> None:
                               f"{vocab}: it is not this model's tokenizer; pass the model's own")
 
 
+HF_OUTPUT_MARK = ".mindspeed_llm_hf_output"
+
+
+def _keep_a_foreign_hf_model(args) -> None:
+    """mg -> hf into a --save-dir holding a Hugging Face model this converter did not write (no HF_OUTPUT_MARK):
+    MindSpeed-LLM's older scripts pass the original model there, and its converter wrote to `<save-dir>/mg2hf/`.
+    So does this one, saying so, instead of writing over the original."""
+    if args.save_model_type != "hf" or args.load_model_type != "mg":
+        return
+    if not os.path.isfile(os.path.join(args.save_dir, "config.json")) or \
+            os.path.exists(os.path.join(args.save_dir, HF_OUTPUT_MARK)):
+        return
+    target = os.path.join(args.save_dir, "mg2hf")
+    print(f"convert_ckpt.py: note: --save-dir {args.save_dir} holds a Hugging Face model this program did not write "
+          f"(the original model, as MindSpeed-LLM's scripts pass it); the converted model goes to {target}, as "
+          "MindSpeed-LLM's converter writes it", file=sys.stderr)
+    args.save_dir = target
+
+
 def run(args) -> None:
     from mindspeed_llm.checkpoint import convert_hf_to_mg, convert_mg_to_hf, convert_mg_to_mg, published_flags
     from mindspeed_llm.checkpoint.errors import ConversionError
@@ -212,6 +231,7 @@ def run(args) -> None:
     published_flags.check_command(args)
     _lora_flags(args)
     tokenizer_dir = _mindspeed_flags(args)
+    _keep_a_foreign_hf_model(args)
     problem = conversion_target_problem(args.save_dir, args.save_model_type)
     if problem:
         raise ConversionError(problem)
@@ -240,6 +260,8 @@ def run(args) -> None:
         convert_mg_to_hf(args.load_dir, args.save_dir, params_dtype=args.params_dtype, value_head=args.orm,
                          tokenizer_dir=tokenizer_dir, iteration=iteration, progress=progress,
                          allow_non_finite=args.allow_non_finite, lora=lora)
+        with open(os.path.join(args.save_dir, HF_OUTPUT_MARK), "w") as mark:
+            mark.write("a Hugging Face model written by convert_ckpt.py (it may convert into this folder again)\n")
     elif args.load_model_type == "mg" and args.save_model_type == "mg":
         convert_mg_to_mg(args.load_dir, args.save_dir, tp=tp, pp=pp, params_dtype=args.params_dtype,
                          iteration=iteration, value_head=args.orm, progress=progress,

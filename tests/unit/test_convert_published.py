@@ -60,6 +60,23 @@ def test_llama32_hf2mcore_and_mcore2hf(tmp_path, capsys):
     status, err = _run(capsys, tmp_path, "llama32_mcore2hf.sh", load_dir=tmp_path / "mg", save_dir=tmp_path / "out")
     assert status == 0, err
     assert_identical(_bf16(hf_tensors(hf)), hf_tensors(tmp_path / "out"))  # --params-dtype bf16
+    # again into its own output: replaced in place (it is this program's)
+    status, err = _run(capsys, tmp_path, "llama32_mcore2hf.sh", load_dir=tmp_path / "mg", save_dir=tmp_path / "out")
+    assert status == 0 and "mg2hf" not in err and not (tmp_path / "out" / "mg2hf").exists(), err
+
+
+def test_mcore2hf_into_the_original_model_keeps_it(tmp_path, capsys):
+    """MindSpeed-LLM's llama32 mcore2hf script says to pass the original Hugging Face folder as --save-dir (its
+    converter wrote to <save-dir>/mg2hf/): the original stays byte for byte, the model goes to mg2hf/."""
+    hf = save_tiny("llama", tmp_path / "hf", seed=1, tokenizer=True)
+    assert convert_cli("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", hf,
+                       "--save-dir", tmp_path / "mg") == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
+    status, err = _run(capsys, tmp_path, "llama32_mcore2hf.sh", load_dir=tmp_path / "mg", save_dir=hf)
+    assert status == 0, err
+    assert f"the converted model goes to {hf}/mg2hf" in err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir() if p.is_file()} == before
+    assert_identical(hf_tensors(hf), hf_tensors(tmp_path / "hf" / "mg2hf"))
 
 
 @pytest.mark.parametrize("version", ["qwen25_v1", "rl_qwen25"])
