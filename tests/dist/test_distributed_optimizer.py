@@ -31,6 +31,7 @@ import shutil
 import pytest
 import torch
 
+from tests.helpers.model_state_runs import nested_tensors
 from tests.helpers.multiproc import run_distributed
 from tests.helpers.patch_removal import without_patch
 
@@ -43,15 +44,6 @@ def _roles(stage):
     return ["actor", "critic"] if stage == "trl_ppo" else ["actor"]
 
 
-def _tensors(obj, prefix=""):
-    """{path: tensor} of every tensor in a nested checkpoint object."""
-    if isinstance(obj, torch.Tensor):
-        return {prefix: obj}
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
-    out = {}
-    for key, value in items:
-        out.update(_tensors(value, f"{prefix}/{key}"))
-    return out
 
 
 def _metrics(path):
@@ -73,14 +65,14 @@ def test_resume_continues_bit_for_bit(model_state_runs, stage, dtype):
         assert shard["args"].use_distributed_optimizer and shard["args"].data_parallel_size == 2
         again = torch.load(b / "model_optim_rng.pt", weights_only=False)
         for key in ("model", "optimizer"):
-            x, y = _tensors(shard[key]), _tensors(again[key])
+            x, y = nested_tensors(shard[key]), nested_tensors(again[key])
             assert x.keys() == y.keys()
             for path in x:
                 assert torch.equal(x[path], y[path]), f"{role} {key}{path}"
             compared += len(x)
         assert shard["optimizer"]["optimizer"]["param_groups"] == again["optimizer"]["optimizer"]["param_groups"]
         state, state_again = (torch.load(d / "distrib_optim.pt", weights_only=False) for d in (a, b))
-        x, y = _tensors(state), _tensors(state_again)
+        x, y = nested_tensors(state), nested_tensors(state_again)
         assert x.keys() == y.keys() and any(path.endswith("exp_avg_sq") for path in x)
         for path, value in x.items():
             assert torch.equal(value, y[path]), f"{role} distrib_optim.pt{path}"
@@ -243,7 +235,7 @@ def test_dp2_state_loads_at_dp1_bit_for_bit(dp1):
     pairs, results, paths = dp1
     assert sorted(pairs) == ["actor", "critic"]
     for role, (loaded, saved) in pairs.items():
-        x, y = _tensors(loaded), _tensors(saved)
+        x, y = nested_tensors(loaded), nested_tensors(saved)
         assert x.keys() == y.keys() and len(x) >= 3, role
         for path in x:
             assert torch.equal(x[path], y[path]), f"{role}{path}"

@@ -20,19 +20,13 @@ import json
 import pytest
 import torch
 
+from tests.helpers.model_state_runs import nested_tensors
+
 pytestmark = pytest.mark.slow  # see pytest.ini
 
 PAIRS = [("trl_ppo_bf16_offload", "trl_ppo_bf16"), ("grpo_bf16_plain_offload", "grpo_bf16_plain")]
 
 
-def _tensors(obj, prefix=""):
-    if isinstance(obj, torch.Tensor):
-        return {prefix: obj}
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
-    out = {}
-    for key, value in items:
-        out.update(_tensors(value, f"{prefix}/{key}"))
-    return out
 
 
 def _rows(path):
@@ -53,7 +47,7 @@ def test_offload_trains_bit_for_bit(model_state_runs, offloaded, reference):
             x, y = (torch.load(d / name, weights_only=False) for d in (a, b))
             if name == "model_optim_rng.pt":
                 x, y = {k: x[k] for k in ("model", "optimizer")}, {k: y[k] for k in ("model", "optimizer")}
-            x, y = _tensors(x), _tensors(y)
+            x, y = nested_tensors(x), nested_tensors(y)
             assert x.keys() == y.keys()
             for path in x:
                 assert torch.equal(x[path], y[path]), f"{offloaded} {role} {name}{path}"

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.model_state_runs import stage_argv
+from tests.helpers.model_state_runs import nested_tensors, stage_argv
 from tests.helpers.multiproc import run_distributed
 from tests.helpers.stage_layouts import SKIPPED
 
@@ -138,14 +138,6 @@ def _ok(lora_runs, name):
         assert records[name]["error"] is None, f"{name} rank {rank}: {records[name]['error']}"
 
 
-def _tensors(obj, prefix=""):
-    if isinstance(obj, torch.Tensor):
-        return {prefix: obj}
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
-    out = {}
-    for key, value in items:
-        out.update(_tensors(value, f"{prefix}/{key}"))
-    return out
 
 
 def _metrics(path: Path) -> dict:
@@ -176,8 +168,8 @@ def test_lora_distributed_optimizer_resume_is_bit_exact(lora_runs, stage):
         assert "lora" in a and a["args"].use_distributed_optimizer and a["args"].data_parallel_size == 2
         assert all(".lora." in k or k == "output_layer.weight" for k in a["model"]), sorted(a["model"])
         for key in ("model", "optimizer"):
-            compared += _equal(_tensors(a[key]), _tensors(b[key]), f"{stage} {role} {key}")
-        state, again = (_tensors(_shard(d, role, 3, "distrib_optim.pt")) for d in (straight, resumed))
+            compared += _equal(nested_tensors(a[key]), nested_tensors(b[key]), f"{stage} {role} {key}")
+        state, again = (nested_tensors(_shard(d, role, 3, "distrib_optim.pt")) for d in (straight, resumed))
         compared += _equal(state, again, f"{stage} {role} distrib_optim.pt")
         # the distributed optimizer's state is the trained tensors': masters (bf16) / weights and two moments each
         trained = sum(v.numel() for v in a["model"].values())
@@ -210,8 +202,8 @@ def test_no_load_optim_keeps_the_adapters_and_restarts_the_optimizer(lora_runs):
     assert sorted(logged) == [3]
     # the first step of a fresh Adam: each saved exp_avg_sq is (1 - beta2) g^2 of that one step, unlike the
     # straight run's after three steps
-    fresh = _tensors(_shard(root / "trl_ppo_no_load_optim", "actor", 3, "distrib_optim.pt"))
-    straight = _tensors(_shard(root / "trl_ppo", "actor", 3, "distrib_optim.pt"))
+    fresh = nested_tensors(_shard(root / "trl_ppo_no_load_optim", "actor", 3, "distrib_optim.pt"))
+    straight = nested_tensors(_shard(root / "trl_ppo", "actor", 3, "distrib_optim.pt"))
     assert fresh.keys() == straight.keys()
     assert any(not torch.equal(fresh[k], straight[k]) for k in fresh if k.endswith("exp_avg_sq"))
 

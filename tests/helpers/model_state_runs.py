@@ -164,3 +164,16 @@ def build(tmp_path_factory) -> dict:
     table = run_table(task, root / "runs")
     records = run_distributed(_runs_body, 2, list(table.items()))[0]
     return {"task": task, "root": root / "runs", "records": records, "argv": table}
+
+
+def nested_tensors(obj, prefix=""):
+    """{path: tensor} of every tensor in a nested checkpoint object (dicts, lists, tuples)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    out = {}
+    for key, value in items:
+        out.update(nested_tensors(value, f"{prefix}/{key}"))
+    return out
