@@ -29,11 +29,26 @@ With a frozen base nothing before the first adapter requires grad, so a recomput
 forward) would give its adapters no gradient: the embedding's output is made to require grad in training forwards
 (what MindSpeed-LLM's --lora-register-forward-hook does; later pipeline stages receive inputs that require grad).
 
+Sequence parallelism (megatron's, read from the linear at every call: generation turns it off), so that the
+adapters compute exactly what they compute without it:
+
+* column-parallel: the linear's input is this rank's shard of the sequence, which the linear all-gathers; the
+  adapter gathers it too (megatron's `gather_from_sequence_parallel_region`), after its dropout on the shard (under
+  SP megatron's dropouts draw per rank, so the gathered mask is one mask, the same on every rank). Its backward
+  splits instead of reduce-scattering: the input gradient of the adapter path is already whole on every rank
+  (h's all-reduce), and A's gradient the full one, as without SP;
+* row-parallel: the linear reduce-scatters its output to the sequence shard; the adapter reduce-scatters its
+  partial `A_r x_r` (rank r, not the output width; `reduce_scatter_to_sequence_parallel_region`, backward an
+  all-gather, so A's gradient is whole) and applies B to its positions. B's gradient is then a partial sum over
+  the TP ranks: B carries `sequence_parallel = True`, as megatron's row-parallel bias and norms do, and
+  `finalize_model_grads` all-reduces it over TP.
+
 The split parameters carry megatron's tensor-parallel attributes (the gradient norm counts them once per rank, the
 replicated ones on TP rank 0 only); an expert's adapter is an expert parameter (`allreduce=False`, reduced over the
-expert-data-parallel group, as its linear). Routed experts with expert tensor parallelism > 1 are refused (a
-trained mixture of experts runs at TP 1, `rl/moe.check_trainable`). Pipeline and expert parallelism need nothing:
-each rank adapts its own layers and experts.
+expert-data-parallel group, as its linear). Routed experts with expert tensor parallelism > 1 are refused (an MoE
+at TP > 1 trains under sequence parallelism, `rl/moe.check_trainable`: LoRA on its routed experts needs
+--expert-tensor-parallel-size 1, where they run unsplit; its shared experts follow the rules above). Pipeline and
+expert parallelism need nothing: each rank adapts its own layers and experts.
 
 Initialisation is PEFT's: B = 0, A ~ kaiming-uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)) over the FULL input
 width, drawn from a generator seeded by the run's seed and the module's global name (global layer and expert
@@ -166,8 +181,10 @@ class LoRAAdapter(torch.nn.Module):
         self.gather_output = bool(getattr(base, "gather_output", False))
         self.input_is_parallel = bool(getattr(base, "input_is_parallel", True))
         if getattr(base, "is_expert", False) and self.tp_size > 1:
-            raise ValueError("LoRA on routed experts needs expert tensor parallelism 1 (a trained mixture of experts "
-                             "runs at TP 1)")
+            # an expert's linear at expert TP > 1 communicates through the token dispatcher, not its own group;
+            # the adapters' TP rules above are not checked there
+            raise ValueError("LoRA on routed experts needs expert tensor parallelism 1 (--expert-tensor-parallel-size "
+                             "1; a mixture of experts at TP > 1 trains under --sequence-parallel)")
         weight = base.weight
         fan_in = base.input_size
         bound = 1.0 / math.sqrt(fan_in)
@@ -184,30 +201,54 @@ class LoRAAdapter(torch.nn.Module):
         self.B = torch.nn.Parameter(b.to(device=weight.device, dtype=weight.dtype).contiguous())
         split = self.B if kind == "column" else self.A
         set_tensor_model_parallel_attributes(split, self.tp_size > 1, 0 if kind == "column" else 1, 1)
+        if kind == "row" and self.tp_size > 1:
+            # under sequence parallelism B acts on this rank's sequence shard only, so its gradient is a partial sum
+            # over the TP ranks: marked as megatron marks the row-parallel bias and the norms, finalize_model_grads
+            # all-reduces it over TP (it reads the mark only while config.sequence_parallel is on)
+            self.B.sequence_parallel = True
         for param in (self.A, self.B):
             param.allreduce = getattr(weight, "allreduce", True)  # an expert's: reduced over expert data parallel
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else None
 
-    def _dropped(self, x):
+    def _dropped(self, x, shard: bool = False):
+        """`shard`: x is this rank's sequence shard (a column adapter under sequence parallelism)."""
         if self.dropout is None or not self.training:
             return x
-        if self.kind == "row" and self.tp_size > 1:  # a TP slice: each rank its own mask, as attention dropout
+        if (self.kind == "row" or shard) and self.tp_size > 1:
+            # a TP slice (channels, or positions): each rank its own mask, as megatron's attention dropout and its
+            # dropouts under sequence parallelism
             from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
             with get_cuda_rng_tracker().fork():
                 return self.dropout(x)
         return self.dropout(x)
 
-    def forward(self, x: torch.Tensor, gather_output: Optional[bool] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gather_output: Optional[bool] = None,
+                sequence_parallel: bool = False) -> torch.Tensor:
+        """`sequence_parallel`: the linear runs megatron's sequence parallelism now (its input, for a column-parallel
+        linear, or its output, for a row-parallel one, is this rank's shard of the sequence)."""
         from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                            gather_from_sequence_parallel_region,
                                                             gather_from_tensor_model_parallel_region,
                                                             reduce_from_tensor_model_parallel_region,
+                                                            reduce_scatter_to_sequence_parallel_region,
                                                             scatter_to_tensor_model_parallel_region)
 
         comm = self.tp_size > 1
+        sequence_parallel = comm and sequence_parallel
         a, b = self.frozen if self.use_frozen else (self.A, self.B)
         if self.kind == "column":
-            h = F.linear(self._dropped(x), a)
+            if sequence_parallel:
+                # the whole sequence, as the linear gathers it. Dropout acts on the shard first: megatron draws
+                # under SP from the per-rank model-parallel RNG, so after the gather every rank holds the same
+                # dropped input (one mask, as without SP; A is replicated and its gradient must agree). The
+                # adapter's input gradient comes out whole on every rank (h's backward all-reduce below), so each
+                # rank keeps its shard of it: split, not reduce-scattered
+                x = gather_from_sequence_parallel_region(self._dropped(x, shard=True),
+                                                         tensor_parallel_output_grad=False, group=self.tp_group)
+            else:
+                x = self._dropped(x)
+            h = F.linear(x, a)
             if comm:  # backward: sum the partial dh of every rank's B rows
                 h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
             delta = F.linear(h, b) * self.scaling
@@ -217,7 +258,9 @@ class LoRAAdapter(torch.nn.Module):
         if comm and not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, group=self.tp_group)
         h = F.linear(self._dropped(x), a)
-        if comm:  # forward: A x over the whole input width
+        if sequence_parallel:  # A x over the whole width, this rank's positions (the linear's output shard)
+            h = reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
+        elif comm:  # forward: A x over the whole input width
             h = reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
         return F.linear(h, b) * self.scaling
 
@@ -228,7 +271,11 @@ def _hook(module, args, kwargs, output):
         return output
     x = args[0] if args else kwargs["input_"]
     out, bias = output
-    return out + adapter(x, kwargs.get("runtime_gather_output")).to(out.dtype), bias
+    # read at every call: generation turns the linears' sequence parallelism off (models/sequence_parallel.py); an
+    # expert's linear with its own communication runs without it (as megatron's forward does)
+    sequence_parallel = bool(getattr(module, "sequence_parallel", False)) and not getattr(
+        module, "explicit_expert_comm", False)
+    return out + adapter(x, kwargs.get("runtime_gather_output"), sequence_parallel).to(out.dtype), bias
 
 
 def _input_requires_grad(module, args, output):

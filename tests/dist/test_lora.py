@@ -9,8 +9,9 @@ and loads them (`rl/lora.load_adapter`, each rank its TP slice). Two adapters pe
   fused Megatron linear (rank 3r on linear_qkv, 2r on linear_fc1);
 * `shared`: the same with A_k = A_v = A_q and A_up = A_gate, the form an export of ours has: read as rank r.
 
-One 2-process gloo run (phase 1) does, at TP1 (run as DP2), TP2 and PP2, for a Qwen2 and a tied Llama policy and a
-Qwen2 value model:
+One 2-process gloo run (phase 1) does, at TP1 (run as DP2), TP2, PP2 and TP2 with sequence parallelism (the row
+adapters' B gradients summed over TP as megatron's finalize_model_grads sums the marked ones), for a Qwen2 and a
+tied Llama policy and a Qwen2 value model:
 
 * logits (values) against peft's, within 1e-5;
 * the gradient of a fixed linear function of the logits (of the values) w.r.t. every adapter, merged over the TP
@@ -36,6 +37,7 @@ import os
 import pytest
 import torch
 from tests.helpers.hf_tiny import build_tiny, save_tiny  # noqa: E402
+from tests.helpers.lora_adapters import adapter_grads, randomise_b  # noqa: E402
 from tests.helpers.multiproc import run_distributed  # noqa: E402
 
 peft = pytest.importorskip("peft")
@@ -45,11 +47,12 @@ GRAD_TOL = 1e-4
 R, ALPHA = 4, 8
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MG_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
-LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2_sp": (2, 1)}  # tp2_sp: with --sequence-parallel
+SP_LAYOUTS = ("tp2_sp",)
 CASES = {"qwen2": dict(family="qwen2", tie=False, value=False),
          "llama-tied": dict(family="llama", tie=True, value=False),
          "qwen2-value": dict(family="qwen2", tie=False, value=True)}
-BATCH, SEQ = 2, 9
+BATCH, SEQ = 2, 10  # TP2 + SP splits the sequence in two
 
 
 def _ids(vocab, seed):
@@ -145,39 +148,14 @@ def _forward_backward(model, ids, tp, pp, value, weights):
     return out
 
 
-def _adapter_grads(model, tp):
-    """{global module: (dA, dB)} merged over TP, and whether every replicated tensor's gradient was the same on every
-    TP rank: {global module: bool}."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from mindspeed_llm.checkpoint import lora as lora_files
-    from mindspeed_llm.models import lora
-
-    grads, same = {}, {}
-    for name, (a, b) in lora.adapter_tensors(model).items():
-        ga, gb = a.grad.detach().clone(), b.grad.detach().clone()
-        if tp > 1:
-            gathered = []
-            for g in (ga, gb):
-                parts = [torch.empty_like(g) for _ in range(tp)]
-                dist.all_gather(parts, g.contiguous(), group=ps.get_tensor_model_parallel_group())
-                gathered.append(parts)
-            replicated = gathered[0] if lora_files.split_rule(name) != "row" else gathered[1]
-            same[name] = all(torch.equal(replicated[0], p) for p in replicated)
-            ga, gb = lora_files.merge_ranks(name, list(zip(*gathered)))
-        grads[name] = (ga, gb)
-    return grads, same
-
-
-def _lora_model(root, adapter_path, value=False, targets=None):
+def _lora_model(root, adapter_path, value=False, sp=False):
     from mindspeed_llm.checkpoint import load_megatron_weights, load_spec
     from mindspeed_llm.checkpoint import lora as lora_files
     from mindspeed_llm.models import build_model, lora
     from mindspeed_llm.rl.lora import load_adapter
 
     spec = load_spec(root)
-    model = build_model(spec, value_head=value)
+    model = build_model(spec, value_head=value, sequence_parallel=sp)
     load_megatron_weights(model, root)
     if adapter_path is None:
         return model.eval()
@@ -188,26 +166,6 @@ def _lora_model(root, adapter_path, value=False, targets=None):
         with torch.no_grad():
             model.output_layer.weight.copy_(adapter.tensors["output_layer.weight"])
     return model.eval()
-
-
-def _randomise_b(model, seed):
-    """Every adapter's B drawn from its global name (the same at any layout), so the adapters act."""
-    import zlib
-
-    from mindspeed_llm.checkpoint import lora as lora_files
-    from mindspeed_llm.models import lora
-
-    with torch.no_grad():
-        for name, (a, b) in lora.adapter_tensors(model).items():
-            g = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-            adapter = next(m for m in lora.adapters(model).values() if m.B is b)
-            if lora_files.split_rule(name) == "row":
-                b.copy_(torch.randn(b.shape, generator=g) * 0.3)
-            else:  # the full B, then this rank's rows
-                full_rows = b.shape[0] * adapter.tp_size
-                full = torch.randn(full_rows, b.shape[1], generator=g) * 0.3
-                rank = adapter.tp_group.rank() if adapter.tp_size > 1 else 0
-                b.copy_(lora_files.split_for_rank(name, a.detach(), full, adapter.tp_size, rank)[1])
 
 
 def _save_adapters(model, root, base):
@@ -238,7 +196,7 @@ def _phase1(rank, world_size, jobs):
                 load_megatron_weights(model, case["root"])
                 lora.apply_lora(model, lora.LoRAConfig(r=R, alpha=ALPHA, target_modules=tuple(case["targets"])),
                                 seed=3)
-                _randomise_b(model, seed=5)
+                randomise_b(model, seed=5)
                 model.eval()
                 with torch.no_grad():
                     out = _forward_backward_free(model, case["ids"], tp, pp)
@@ -248,9 +206,9 @@ def _phase1(rank, world_size, jobs):
                 if out is not None and ps.get_tensor_model_parallel_rank() == 0:
                     results["moe"][key] = (out, base)
                 continue
-            model = _lora_model(case["root"], case["adapter"], case["value"])
+            model = _lora_model(case["root"], case["adapter"], case["value"], sp=layout in SP_LAYOUTS)
             out = _forward_backward(model, case["ids"], tp, pp, case["value"], case["weights"])
-            grads, same = _adapter_grads(model, tp)
+            grads, same = adapter_grads(model)
             results["grads"].setdefault(key, {}).update(grads)
             results["same"].setdefault(key, {}).update(same)
             if out is not None:
@@ -315,6 +273,9 @@ def runs(tmp_path_factory):
                        num_layers=4)
         paths[name] = {"hf": hf}
         for layout, (tp, pp) in LAYOUTS.items():
+            if layout in SP_LAYOUTS:  # the TP2 checkpoint, built with sequence parallelism
+                paths[name][layout] = paths[name]["tp2"]
+                continue
             root = base / name / f"mg_{layout}"
             convert_hf_to_mg(hf, root, tp, pp, value_head=case["value"], progress=False)
             paths[name][layout] = str(root)
@@ -403,6 +364,7 @@ def test_logits_match_peft(runs, layout, name, kind):
     ours = runs["phase1"]["out"][(layout, f"{name}/{kind}")]
     ref = runs["refs"][(name, kind)][0]
     diff = (ours - ref).abs().max().item()
+    print(f"{name} {kind} at {layout}: max |output - peft| {diff:.2e}")
     assert diff <= TOL, f"{name} {kind} at {layout}: max |output - peft| = {diff:.3g}"
     assert (ref - _no_lora_reference(runs, name)).abs().max() > 0.1  # the adapters act
 
@@ -452,7 +414,7 @@ def test_adapter_gradients_match_peft(runs, layout, name):
             worst = max(worst, rel)
             assert rel <= GRAD_TOL, f"{name} at {layout}: d{what} of {module} differs by {rel:.2e} of its norm"
     print(f"{name} at {layout}: largest relative gradient difference {worst:.2e}")
-    if layout == "tp2":  # the replicated adapter tensors' gradients are the same on both TP ranks
+    if layout in ("tp2", "tp2_sp"):  # the replicated adapter tensors' gradients are the same on both TP ranks
         same = runs["phase1"]["same"][(layout, f"{name}/shared")]
         assert same and all(same.values()), same
     if CASES[name]["value"]:
