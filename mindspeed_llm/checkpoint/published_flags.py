@@ -11,6 +11,7 @@ chunks, noop layers, uneven pipeline stages) are refused.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 from typing import List
@@ -38,18 +39,13 @@ def add_arguments(p) -> None:
                    help="mixture of experts: checked against the model's leading dense layers")
     p.add_argument("--num-layer-list", default=None,
                    help="layers per pipeline stage (4,4,4,4): accepted when it is the even split, refused otherwise")
-    p.add_argument("--noop-layers", default=None, help=argparse_hidden())
-    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None, help=argparse_hidden())
+    # refused flags, parsed only to be named in the refusal (check_command)
+    p.add_argument("--noop-layers", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None, help=argparse.SUPPRESS)
     for what in ("tensor", "pipeline", "expert"):
         p.add_argument(f"--source-{what}-parallel-size", type=int, default=None,
                        help=f"mg input: checked against the checkpoint's {what}-parallel size")
     compat_flags.add_ignored_arguments(p, compat_flags.CONVERT_IGNORED)
-
-
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS  # refused flags: parsed only to be named in the refusal
 
 
 def check_command(args) -> None:
