@@ -16,6 +16,16 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(lane)
 
 
+@pytest.fixture(scope="module")
+def warm_ranks():
+    """The module's `run_distributed` bodies share processes, kept for this module alone
+    (`tests/helpers/multiproc.py`); a module asks with `pytest.mark.usefixtures("warm_ranks")`."""
+    from tests.helpers import multiproc
+
+    with multiproc.warm_ranks():
+        yield
+
+
 @pytest.fixture(scope="session")
 def stage_paths(tmp_path_factory):
     """Tokenizer, tiny HF policy/reward, their Megatron conversions (TP/PP 1x1, 2x1, 1x2), prompts."""

@@ -39,6 +39,8 @@ import pytest
 import torch
 from tests.helpers.multiproc import run_distributed  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+
 FP32_MODULE_TOL = 5e-6
 FP32_MODEL_TOL = 5e-5
 GRAD_REL_TOL = 2e-5

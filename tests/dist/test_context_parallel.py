@@ -20,6 +20,8 @@ import pytest
 import torch
 from tests.helpers.multiproc import run_distributed  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+
 TOL = 5e-6
 
 

@@ -7,10 +7,13 @@ forwards (dummy ones where a rank has less to do). Its scheduler alone: tests/un
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mindspeed_llm.models.architecture import ArchitectureSpec
 from tests.helpers.multiproc import run_distributed
+
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
 
 
 SPEC = ArchitectureSpec(family="qwen3_moe", num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,

@@ -15,6 +15,8 @@ import pytest
 import torch
 from tests.helpers.multiproc import run_distributed  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+
 HF_CONFIG = dict(
     model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,

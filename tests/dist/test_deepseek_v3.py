@@ -35,6 +35,8 @@ from tests.helpers.multiproc import run_distributed
 from tests.helpers.patch_removal import without_patch
 from tests.helpers.stage_layouts import run_stages
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+
 TOL = 1e-5
 BATCH, SEQ = 2, 80
 # name -> (convert_hf_to_mg keyword arguments, distributed.initialize (tp, pp, ep, expert tp)); world size 2

@@ -5,12 +5,15 @@ plain torch cases: tests/unit/test_device_guard.py.
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 from tests.helpers.device_guard import DEVICE, DeviceMixError, virtual_device  # noqa: E402
 from tests.helpers.multiproc import run_distributed  # noqa: E402
 
 from mindspeed_llm import device  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
 
 
 def _megatron_worker(rank, world_size):

@@ -35,7 +35,7 @@ from tests.helpers.model_state_runs import nested_tensors
 from tests.helpers.multiproc import run_distributed
 from tests.helpers.patch_removal import without_patch
 
-pytestmark = pytest.mark.slow  # see pytest.ini
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_ranks")]  # see pytest.ini
 
 CASES = [("trl_ppo", "fp32"), ("trl_ppo", "bf16"), ("grpo", "fp32"), ("grpo", "bf16")]
 

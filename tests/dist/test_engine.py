@@ -7,6 +7,8 @@ import pytest
 
 from tests.helpers.multiproc import run_distributed
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+
 
 def _guards(rank, world_size):
     import torch

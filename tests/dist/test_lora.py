@@ -40,6 +40,8 @@ from tests.helpers.hf_tiny import build_tiny, save_tiny  # noqa: E402
 from tests.helpers.lora_adapters import adapter_grads, randomise_b  # noqa: E402
 from tests.helpers.multiproc import run_distributed  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+
 peft = pytest.importorskip("peft")
 
 TOL = 1e-5

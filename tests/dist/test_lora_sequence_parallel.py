@@ -36,6 +36,8 @@ from tests.helpers.hf_tiny import save_tiny
 from tests.helpers.lora_adapters import adapter_grads, randomise_b
 from tests.helpers.multiproc import run_distributed
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+
 TOL, GRAD_TOL, STEP_TOL = 1e-5, 1e-4, 1e-6
 R, ALPHA = 4, 8
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")

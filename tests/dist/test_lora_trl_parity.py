@@ -29,7 +29,7 @@ import torch
 from tests.helpers.multiproc import run_distributed  # noqa: E402
 
 pytest.importorskip("peft")
-pytestmark = pytest.mark.slow  # see pytest.ini
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_ranks")]  # see pytest.ini
 
 GRAD_TOL = 1e-4
 LR, KL_COEF, CLIP = 1.0, 0.05, 0.2

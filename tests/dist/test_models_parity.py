@@ -19,6 +19,8 @@ from tests.helpers.hf_tiny import FAMILIES, build_tiny, save_tiny
 from tests.helpers.hf_parity import TOL, case_diff, hf_reference, token_ids
 from tests.helpers.multiproc import run_distributed
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
 LM_CASES = [f"{family}-{'tied' if tie else 'untied'}" for family in FAMILIES for tie in (False, True)]
 VALUE_CASES = ["llama-value", "qwen2-value", "qwen3-value"]

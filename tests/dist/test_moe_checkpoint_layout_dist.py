@@ -5,11 +5,14 @@ The shard names and layout reads: tests/unit/test_moe_checkpoint_layout.py.
 
 import os
 
+import pytest
 import torch
 
 from mindspeed_llm.checkpoint import megatron_layout as layout
 from mindspeed_llm.models.architecture import ArchitectureSpec
 from tests.helpers.multiproc import run_distributed
+
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
 
 
 MOE = ArchitectureSpec(family="qwen3_moe", num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,

@@ -28,6 +28,8 @@ from tests.helpers.hf_tiny import MOE_VARIANTS, build_tiny, save_tiny
 from tests.helpers.hf_parity import TOL, case_diff, hf_reference, token_ids
 from tests.helpers.multiproc import run_distributed
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+
 # name -> (convert_hf_to_mg keyword arguments, distributed.initialize (tp, pp, ep, expert tp), world size)
 LAYOUTS = {
     "tp1": (dict(), (1, 1, 1, 1), 2),

@@ -6,6 +6,8 @@ import pytest
 
 from mindspeed_llm.models.architecture import ArchitectureSpec
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+
 
 QWEN3_MOE = dict(model_type="qwen3_moe", num_hidden_layers=4, hidden_size=64, intermediate_size=96,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256, num_experts=8,

@@ -22,7 +22,7 @@ import torch
 
 from tests.helpers.model_state_runs import nested_tensors
 
-pytestmark = pytest.mark.slow  # see pytest.ini
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_ranks")]  # see pytest.ini
 
 PAIRS = [("trl_ppo_bf16_offload", "trl_ppo_bf16"), ("grpo_bf16_plain_offload", "grpo_bf16_plain")]
 

@@ -20,6 +20,8 @@ import pytest
 import torch
 from tests.helpers.multiproc import run_distributed  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+
 N = 4
 PROMPT_LENGTHS = (5, 9, 3, 6)
 RESPONSE_LENGTHS = ((3, 7, 1, 7), (2, 2, 5, 0), (6, 4, 4, 1), (7, 2, 3, 5))  # width 7; group 1 has an empty response

@@ -78,6 +78,8 @@ import torch
 from tests.helpers.multiproc import run_distributed  # noqa: E402
 from tests.helpers.stage_assets import posttrain_argv  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+
 WIDTH = 6  # response_length / --max-new-tokens; the fixed responses use all of it
 TEMPERATURE = 1.0
 TRL_TEMPERATURE_EPS = 1e-7  # TRL divides logits by temperature + 1e-7

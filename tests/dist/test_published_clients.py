@@ -24,7 +24,7 @@ from tests.helpers.multiproc import _posttrain_main_cases, run_distributed
 from tests.helpers.ports import free_port
 from tests.helpers.published_clients import ROOT, rewrite_run_config, rewrite_script
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_ranks")]
 
 
 @pytest.fixture(scope="module")

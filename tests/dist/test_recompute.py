@@ -32,6 +32,8 @@ from tests.helpers.patch_removal import without_patch  # noqa: E402
 from tests.helpers.hf_tiny import deepseek_variant
 from tests.helpers.routing_batches import MOE_SPEC, groups_share_prompts, synthetic_experience
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+
 BASE_ARGV = ["--stage", "grpo", "--global-batch-size", "8", "--train-iters", "1", "--data-path", "x",
              "--ref-model", "r", "--verifier-function", "math_acc"]
 

@@ -20,6 +20,8 @@ from mindspeed_llm.rl.experience import Experience
 from tests.helpers.multiproc import run_distributed
 from tests.helpers.routing_batches import MOE_SPEC, groups_share_prompts, synthetic_experience
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+
 
 # ---------------------------------------------------------------------------------------------- layout maps
 @pytest.mark.parametrize("group_size", [1, 2, 3])

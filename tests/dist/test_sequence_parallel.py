@@ -20,6 +20,8 @@ import torch
 from tests.helpers.multiproc import run_distributed
 from tests.helpers.patch_removal import without_patch  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+
 TOL = 1e-6
 
 

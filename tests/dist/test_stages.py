@@ -13,7 +13,7 @@ import torch
 from tests.helpers.multiproc import _posttrain_main_cases, run_distributed
 from tests.helpers.stage_assets import posttrain_argv, torchrun
 
-pytestmark = pytest.mark.slow  # see pytest.ini
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_ranks")]  # see pytest.ini
 
 PPO_KEYS = [
     "actor/pg_loss", "actor/abs_pg_loss", "actor/ppo_ratio", "actor/ppo_ratio_clamped", "actor/pg_clipfrac",

@@ -24,6 +24,8 @@ import torch
 
 from tests.helpers.multiproc import run_distributed
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+
 ITERS = 3
 LOSSES = {"grpo": ["actor/pg_loss", "actor/kl_loss", "actor/entropy"],
           "trl_ppo": ["actor/pg_loss", "actor/abs_pg_loss", "actor/entropy", "critic/vf_loss"]}

@@ -27,7 +27,7 @@ import pytest
 
 from tests.helpers.multiproc import posttrain_in_process, run_distributed
 
-pytestmark = pytest.mark.slow  # see pytest.ini
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_ranks")]  # see pytest.ini
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACKER = "latest_checkpointed_iteration.txt"

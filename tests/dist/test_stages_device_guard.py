@@ -17,6 +17,8 @@ import pytest
 
 from tests.helpers.multiproc import run_distributed
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+
 
 def _argv(task, stage, tp, pp, out):
     models = f"tp{tp}pp{pp}"

@@ -8,6 +8,8 @@ import torch
 from tests.helpers.multiproc import run_distributed
 from tests.helpers.stage_layouts import full_weights, run_stages
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+
 N, LOCAL = 2, 2  # samples per prompt; prompts per rank and generation batch (DP2) / twice that at DP1
 # Per generation batch, the global groups' scores (4 groups of 2): informative where the two differ.
 SCORES = [

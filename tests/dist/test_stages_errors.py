@@ -4,8 +4,12 @@ import contextlib
 import io
 import json
 
+import pytest
+
 from tests.helpers.multiproc import run_distributed
 from tests.helpers.stage_assets import posttrain_argv
+
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
 
 
 def _run_main_cases(rank, world_size, cases):

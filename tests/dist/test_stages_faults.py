@@ -40,7 +40,7 @@ import pytest
 
 from tests.helpers.multiproc import posttrain_in_process, run_distributed, single_rank_env
 
-pytestmark = pytest.mark.slow  # see pytest.ini
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_ranks")]  # see pytest.ini
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -25,7 +25,12 @@ Asserted:
 import json
 import math
 from pathlib import Path
+
+import pytest
+
 from tests.helpers.multiproc import run_distributed  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
 
 TARGET_WORDS = frozenset(f"w{i}" for i in range(4, 68))
 ITERS = 30

@@ -62,7 +62,7 @@ from tests.helpers.multiproc import run_distributed  # noqa: E402
 from tests.helpers.stage_layouts import (ATOL, BUDGETS, KEY_ATOL, LAYOUTS, RTOL, SEED, WEIGHT_RTOL, full_weights,
                                          layout_argv, metrics_row, relative, run_cases, update_cases)
 
-pytestmark = pytest.mark.slow  # see pytest.ini
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_ranks")]  # see pytest.ini
 
 CHANGE_RTOL = 1e-3  # per tensor, relative to its change's norm
 # the cases of the newer layouts (None: all): a row and a packed layout of each stage, a sequence-level loss mode,

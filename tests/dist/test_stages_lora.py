@@ -35,7 +35,7 @@ from tests.helpers.stage_layouts import (ATOL, KEY_ATOL, RTOL, SKIPPED, layout_a
                                          relative, run_cases, update_cases)
 
 pytest.importorskip("peft")
-pytestmark = pytest.mark.slow  # see pytest.ini
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_ranks")]  # see pytest.ini
 
 LAYOUTS = ("mbs1", "tp2", "pp2", "dp2", "tp2_sp")
 WORLD = {"mbs1": 1, "tp2": 2, "pp2": 2, "dp2": 2, "tp2_sp": 2}

@@ -27,7 +27,7 @@ from tests.helpers.model_state_runs import nested_tensors, stage_argv
 from tests.helpers.multiproc import run_distributed
 from tests.helpers.stage_layouts import SKIPPED
 
-pytestmark = pytest.mark.slow  # see pytest.ini
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_ranks")]  # see pytest.ini
 
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 LORA = ["--use-distributed-optimizer", "--lora-target-modules", *TARGETS]

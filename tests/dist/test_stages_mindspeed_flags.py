@@ -17,6 +17,8 @@ from tests.helpers.multiproc import run_distributed
 from tests.helpers.stage_assets import posttrain_argv
 from mindspeed_llm.arguments import ArgumentError, parse_args
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)

@@ -23,6 +23,8 @@ import torch
 from tests.helpers.multiproc import run_distributed
 from tests.helpers.stage_layouts import ATOL, KEY_ATOL, RTOL, SKIPPED, WEIGHT_RTOL, relative, run_stages
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+
 E, TOPK, LAYERS = 4, 2, 2
 
 

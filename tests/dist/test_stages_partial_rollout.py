@@ -102,6 +102,8 @@ def save(root, iteration, *args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
 training_ckpt.save = save
 import posttrain_gpt
+
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
 sys.exit(posttrain_gpt.main(sys.argv[1:]))
 """
 

@@ -18,7 +18,7 @@ import pytest
 from tests.helpers.multiproc import run_distributed
 from tests.helpers.stage_layouts import ATOL, LAYOUTS, RTOL, full_weights, layout_argv, metrics_row, run_cases
 
-pytestmark = pytest.mark.slow  # see pytest.ini
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_ranks")]  # see pytest.ini
 
 STOPS = ["--stop-token-ids", " ".join(str(i) for i in range(40, 66))]
 GRPO = ["--global-batch-size", "8", "--n-samples-per-prompt", "2", "--verifier-function", "odd_first_word",

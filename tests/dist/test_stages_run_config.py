@@ -13,6 +13,8 @@ import yaml
 from mindspeed_llm.run_config import RL
 from tests.helpers.mindspeed_rl_configs import actor_config, generate_config, megatron_training, write
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+
 
 @pytest.mark.slow
 def test_a_mindspeed_rl_file_trains_and_its_resume_file_resumes(tmp_path):

@@ -9,9 +9,12 @@ A checkpoint that lacks a tensor (the value
 head) is still an error naming it.
 """
 
+import pytest
 import torch
 
 from tests.helpers.multiproc import run_distributed
+
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
 
 MODELS = [("qwen2", False, "fp32"), ("qwen2", False, "bf16"), ("qwen2", True, "fp32"), ("qwen3_moe", False, "fp32"),
           ("deepseek_v3", False, "fp32")]

@@ -1,12 +1,11 @@
-"""The warm gloo ranks of `tests.helpers.multiproc.run_distributed`: a body gets what a fresh process would have
-(no megatron parallel state, one process group, the start-up environment, float32, an empty project cache), and a
-body that leaves a project function, a method of a project class or a stage of the registry replaced retires its
-ranks (the next body runs in new processes), while one that puts them back keeps them warm."""
+"""`tests.helpers.multiproc.run_distributed`: without the `warm_ranks` fixture every body runs in new processes;
+under `warm_ranks()` (a module's fixture) a module's bodies share processes, each getting what a fresh process would
+have (no megatron parallel state, one process group, the start-up environment, float32, an empty project cache), and
+the processes end with the module: the next module's bodies never meet them."""
 
 import os
 
-import pytest
-
+from tests.helpers import multiproc
 from tests.helpers.multiproc import run_distributed
 
 def _dirty(rank, world_size):
@@ -39,9 +38,10 @@ def _state(rank, world_size):
 
 
 def test_a_warm_rank_is_reset_between_bodies():
-    first = run_distributed(_state, 2)
-    dirty = run_distributed(_dirty, 2)
-    after = run_distributed(_state, 2)
+    with multiproc.warm_ranks():
+        first = run_distributed(_state, 2)
+        dirty = run_distributed(_dirty, 2)
+        after = run_distributed(_state, 2)
     assert [d[0] for d in dirty] == [s["pid"] for s in first] == [s["pid"] for s in after]  # the same processes
     assert all(d[1] == 1 for d in dirty)  # the body filled the cache ...
     assert [s["draw"] for s in after] == [s["draw"] for s in first] == [d[2] for d in dirty]  # ... and re-seeded
@@ -51,26 +51,20 @@ def test_a_warm_rank_is_reset_between_bodies():
         assert state["cwd"] == first[0]["cwd"]
 
 
-def _replace(rank, world_size, what, put_back):
-    """Replaces a project function, a method of a project class or a stage; puts it back if `put_back`."""
-    from mindspeed_llm.data import PromptDataset
-    from mindspeed_llm.rl import rollout, stages
-
-    stand_in = lambda *a, **k: None  # noqa: E731
-    with pytest.MonkeyPatch.context() as patch:
-        if what == "stage":
-            (patch.setitem if put_back else type(stages.STAGES).__setitem__)(stages.STAGES, "grpo", stand_in)
-        else:
-            owner, name = {"function": (rollout, "generate"), "method": (PromptDataset, "__getitem__")}[what]
-            (patch.setattr if put_back else setattr)(owner, name, stand_in)
-    return os.getpid()
+def test_without_the_fixture_each_body_gets_new_processes():
+    (first,) = run_distributed(_state, 1)
+    (dirty,) = run_distributed(_dirty, 1)
+    (after,) = run_distributed(_state, 1)
+    assert len({first["pid"], dirty[0], after["pid"]}) == 3
+    assert after["probe"] is None and after["dtype"] == "torch.float32" and after["cwd"] == first["cwd"]
 
 
-@pytest.mark.parametrize("what", ["function", "method", "stage"])
-def test_a_body_that_leaves_a_replacement_retires_its_ranks(what):
-    (pid,) = run_distributed(_replace, 1, what, True)
-    (kept,) = run_distributed(_state, 1)
-    assert kept["pid"] == pid  # put back: the ranks stay warm
-    (pid,) = run_distributed(_replace, 1, what, False)
-    (fresh,) = run_distributed(_state, 1)
-    assert fresh["pid"] != pid  # left replaced: the next body runs in a new process
+def test_warm_ranks_end_with_their_module():
+    """Two modules' blocks: the second's bodies run on processes of their own, and the first's are gone."""
+    with multiproc.warm_ranks():
+        one = [run_distributed(_state, 1)[0]["pid"] for _ in range(2)]
+    with multiproc.warm_ranks():
+        two = [run_distributed(_state, 1)[0]["pid"] for _ in range(2)]
+    assert one[0] == one[1] and two[0] == two[1] and one[0] != two[0]
+    for pid in one:  # the first module's process was stopped when its block ended
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/status").read().find("zombie") >= 0

@@ -4,26 +4,22 @@ The body must be a module-level function `fn(rank, world_size, *args)`; it runs 
 exists (MASTER_ADDR/PORT set to a free loopback port). Megatron parallel state is the body's business
 (call `mindspeed_llm.distributed.initialize(tp, pp)`).
 
-Process start is slow (~5 s per rank with megatron on a quiet 2-core machine, more under load), so `run_distributed`
-keeps the processes of each world size warm for the session (`_WarmRanks`) and runs one body after another on them
-(the project's trainer and stages imported before the first). Between bodies each rank puts back what a fresh
-process would have: no megatron parallel state or process groups but the default one, empty functools caches in the
+`run_distributed` runs each body in new processes, unless the test module asked for warm ranks with the
+`warm_ranks` fixture (tests/conftest.py; `pytestmark = pytest.mark.usefixtures("warm_ranks")`): then the module's
+bodies run one after another on processes kept for that module alone (`warm_ranks()`, one set per world size), and
+closed when the module ends. Process start is slow (~5 s per rank with megatron on a quiet 2-core machine, more under
+load), which is what a module of many bodies saves. Between bodies each warm rank puts back what a fresh process
+would have: no megatron parallel state or process groups but the default one, empty functools caches in the
 project's modules, the environment and working directory it started with, float32 as the default dtype, its thread
-count, and torch's default generator re-seeded with its start-up seed (so a body drawing from it unseeded draws what
-it drew in a fresh process). A body that fails, or leaves the default process group destroyed, retires its
-processes: the next body of that world size gets fresh ones. `run_in_fresh_processes` spawns new processes for one
-body (for a body that needs a fresh interpreter, e.g. to see a warning its process has not shown yet);
-`MINDSPEED_TEST_FRESH_RANKS=1` in the environment makes `run_distributed` do that for every body (to tell a leak
-between bodies from a real failure).
-A body that leaves an attribute of the project's modules (mindspeed_llm, posttrain_gpt), a method of a class they
-define or a stage of the registry replaced by another object (a recording wrapper, a planted bug) retires its ranks
-too, and says so on stderr (seen with `pytest -s`): a body that records through a replacement puts it back
-(`pytest.MonkeyPatch.context()`) to keep its ranks warm. A body that replaces something of megatron's or torch's
-must put it back itself (as the patch-removal bodies do). tests/dist/test_warm_ranks.py checks the reset and the
-retirement.
+count, and torch's default generator re-seeded with its start-up seed. What a body replaces in the project's modules
+(a recording wrapper, a planted bug) it puts back itself (`pytest.MonkeyPatch.context()`): its module's next bodies
+share its processes, and no other module does. A body that fails, or leaves the default process group destroyed,
+retires its processes: the module's next body gets fresh ones. `MINDSPEED_TEST_FRESH_RANKS=1` runs every body in new
+processes (to tell a leak between a module's bodies from a real failure). tests/dist/test_warm_ranks.py checks the
+reset, the fresh default and the module boundary.
 """
 
-import atexit
+import contextlib
 import gc
 import os
 import pickle
@@ -88,47 +84,6 @@ def _entry(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def _own_attributes():
-    """{(module, name): id} of every function and class of the project's loaded modules (mindspeed_llm,
-    posttrain_gpt), of the methods of the classes they define, and of the stage registry's entries: what a test body
-    replaces to record or plant something (the modules' other globals are their state: flags, caches)."""
-    ids = {}
-    for module_name, module in list(sys.modules.items()):
-        if module is not None and (module_name == "posttrain_gpt" or module_name.split(".")[0] == "mindspeed_llm"):
-            for name, value in list(vars(module).items()):
-                if callable(value):
-                    ids[(module_name, name)] = id(value)
-                if isinstance(value, type) and value.__module__ == module_name:  # its methods, replaced in place
-                    for attr, member in list(vars(value).items()):
-                        if callable(member) or isinstance(member, (staticmethod, classmethod, property)):
-                            ids[(module_name, f"{name}.{attr}")] = id(member)
-    stages = sys.modules.get("mindspeed_llm.rl.stages")
-    if stages is not None:
-        for name, value in list(stages.STAGES.items()):  # the registry imports a stage's class on first read
-            ids[("STAGES", name)] = id(value)
-    return ids
-
-
-def _replaced_own_attributes(before):
-    """The attributes of `before` (`_own_attributes`) that now hold another object."""
-    after = _own_attributes()
-    return sorted(key for key, value in before.items() if key in after and after[key] != value)
-
-
-def _preload_project():
-    """Import the project's entry point, trainer and stages before the first body, so that what that body replaces
-    in them is seen too (`_own_attributes` only knows modules loaded before a body)."""
-    try:
-        import posttrain_gpt  # noqa: F401
-        import mindspeed_llm.rl.trainer  # noqa: F401
-        from mindspeed_llm.rl.stages import STAGES
-
-        for name in list(STAGES):
-            STAGES[name]
-    except Exception:  # the body that needs them reports the error
-        pass
-
-
 def _clear_project_caches():
     """Empty the functools caches of the project's modules (e.g. `device.accelerator`, which reads
     MINDSPEED_DEVICE): a fresh process starts with them empty."""
@@ -157,27 +112,16 @@ def _warm_entry(rank, world_size, port, inbox, outbox):
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     env, cwd, threads, seed = dict(os.environ), os.getcwd(), torch.get_num_threads(), torch.initial_seed()
-    _preload_project()
-    os.environ.clear()
-    os.environ.update(env)
     try:
         while True:
             message = inbox.get()
             if message is None:
                 return
             torch.manual_seed(seed)
-            replaced = []
             try:
                 fn, args = pickle.loads(message)
-                own = _own_attributes()
                 result = pickle.dumps(fn(rank, world_size, *args))  # bytes: see _entry
                 status = "ok"
-                # A body that left one of the project's functions or classes replaced (a recording wrapper, a
-                # planted bug) would hand it to the next body: its ranks retire instead.
-                replaced = _replaced_own_attributes(own)
-                if replaced and rank == 0:  # why the next body pays a spawn (seen with pytest -s)
-                    print(f"[warm ranks] {fn.__module__}.{fn.__qualname__} left {replaced} replaced: its ranks "
-                          "retire", file=sys.stderr, flush=True)
             except BaseException:
                 result, status = traceback.format_exc(), "error"
             finally:
@@ -189,7 +133,7 @@ def _warm_entry(rank, world_size, port, inbox, outbox):
                 os.chdir(cwd)
                 torch.set_default_dtype(torch.float32)
                 torch.set_num_threads(threads)
-            retire = status == "error" or bool(replaced) or not dist.is_initialized()
+            retire = status == "error" or not dist.is_initialized()
             outbox.put((rank, status, result, retire))
             if retire:
                 return
@@ -289,30 +233,38 @@ class _WarmRanks:
         _stop(self.procs, timeout)
 
 
-_warm = {}  # world size -> _WarmRanks, the most recently used last
+_pool = None  # world size -> _WarmRanks of the module that asked for warm ranks (the most recently used last)
 
 
-def _close_warm():
-    while _warm:
-        _warm.pop(next(iter(_warm))).close()
-
-
-atexit.register(_close_warm)
+@contextlib.contextmanager
+def warm_ranks():
+    """For the block (a test module: the `warm_ranks` fixture), `run_distributed` keeps its processes between bodies,
+    one set per world size (at most WARM_WORLD_SIZES at once); they are closed at the end of the block."""
+    global _pool
+    if _pool is not None:
+        raise RuntimeError("warm_ranks() is already active (one module at a time)")
+    _pool = {}
+    try:
+        yield
+    finally:
+        pool, _pool = _pool, None
+        while pool:
+            pool.pop(next(iter(pool))).close()
 
 
 def run_distributed(fn, world_size=2, *args):
-    """Returns [result of rank 0, result of rank 1, ...] of `fn` on the warm ranks of `world_size` (see the module
-    doc); raises with the failing rank's traceback."""
-    if os.environ.get("MINDSPEED_TEST_FRESH_RANKS") == "1":
+    """Returns [result of rank 0, result of rank 1, ...] of `fn` on `world_size` gloo processes: new ones, or the
+    module's warm ones under `warm_ranks()` (see the module doc); raises with the failing rank's traceback."""
+    if _pool is None or os.environ.get("MINDSPEED_TEST_FRESH_RANKS") == "1":
         return run_in_fresh_processes(fn, world_size, *args)
-    ranks = _warm.pop(world_size, None)
+    ranks = _pool.pop(world_size, None)
     if ranks is None:
-        while len(_warm) >= WARM_WORLD_SIZES:  # the least recently used world size goes
-            _warm.pop(next(iter(_warm))).close()
+        while len(_pool) >= WARM_WORLD_SIZES:  # the least recently used world size goes
+            _pool.pop(next(iter(_pool))).close()
         ranks = _WarmRanks(world_size)
     retired, results = ranks.run(fn, args)
     if not retired:
-        _warm[world_size] = ranks
+        _pool[world_size] = ranks
     return _unpack(results, world_size)
 
 
