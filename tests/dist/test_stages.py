@@ -84,7 +84,7 @@ def test_three_iterations(stage_paths, tmp_path, stage, tp, pp):
     if stage == "trl_ppo":
         assert [k for k in records[0] if k.startswith("actor/")] == [
             "actor/pg_loss", "actor/abs_pg_loss", "actor/ppo_ratio", "actor/ppo_ratio_clamped", "actor/pg_clipfrac",
-            "actor/ppo_kl", "actor/entropy", "actor/lr", "actor/grad_norm"]
+            "actor/ppo_kl", "actor/entropy", "actor/lr", "actor/grad_norm", "actor/kl_loss"]  # the last: MindSpeed-RL's
     # The loss is really computed: it moves between iterations, and some update is non-trivial.
     assert any(r[LOSS_KEYS[stage][0]] != 0 for r in records)
     assert any(r["actor/grad_norm" if stage == "trl_ppo" else "grad_norm"] > 0 for r in records)
