@@ -13,7 +13,8 @@ Module-level and function-local imports:
   `rl/stages/__init__.py` imports a stage on first use, `patches/__init__.py` imports its patch modules when the
   patches are applied, and megatron-core or transformers are kept out of `--help`). With function-local imports
   added there is exactly one loop, the patch registry's (`patches/__init__.py` imports `patches/cpu.py` ... inside
-  `apply`, and each patch module imports `register` from the package); `test_function_local_loops` pins that.
+  `_load_patch_modules`, and each patch module imports `register` from the package); `test_function_local_loops`
+  pins that.
 - the layer check reads both: a function-local import still says that the lower module knows the higher one.
   `importlib.import_module` by name (the stage registry, the patch targets) is not read.
 
