@@ -56,10 +56,14 @@ def test_settings_are_frozen(part):
 def test_every_default_is_the_parsers():
     parser = build_parser()
     dests = {action.dest for action in parser._actions}
-    assert {f.name for f in dataclasses.fields(run_settings.Settings)} == {"sampling", "loss", "update", "reward",
-                                                                           "offload"}
+    assert {f.name for f in dataclasses.fields(run_settings.Settings)} == {
+        "sampling", "loss", "update", "reward", "offload", "algorithm", "batch", "models", "parallel", "data",
+        "checkpoint", "loop"}
     for part in run_settings.PARTS:
         for f in dataclasses.fields(part):
+            if f.metadata.get("derived"):  # validate_args works it out of several flags: no flag of its own
+                assert f.name not in dests, f"{part.__name__}.{f.name} is a flag's destination, not derived"
+                continue
             assert f.name in dests, f"{part.__name__}.{f.name} is no flag's destination"
             default = parser.get_default(f.name)
             default = tuple(default) if isinstance(default, list) else default
