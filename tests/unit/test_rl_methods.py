@@ -240,7 +240,7 @@ def test_one_decorator_makes_an_estimator_and_a_policy_loss_selectable():
 
     try:
         args = parse_args(GRPO + ["--adv-estimator", "half", "--policy-loss", "plain"])
-        entry, estimator = _advantage_estimator(args)
+        entry, estimator = _advantage_estimator(args.settings.algorithm)
         assert entry.fn is half and estimator(torch.tensor([2.0, 4.0]), 2).tolist() == [1.0, 2.0]
         loss, _ = ca.policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([3.0]), torch.ones(1, 2),
                                  loss_type=args.policy_loss)
@@ -275,6 +275,8 @@ def test_the_stage_probes_the_estimator_options():
     from mindspeed_llm.rl.stages.grpo import _advantage_estimator
 
     with pytest.raises(ArgumentError, match="--adv-estimator dr_grpo: dr_grpo advantages are not scaled"):
-        _advantage_estimator(parse_args(GRPO + ["--adv-estimator", "dr_grpo", "--adv-scale", "group"]))
-    entry, fn = _advantage_estimator(parse_args(GRPO + ["--adv-estimator", "reinforce_plus_plus", "--gamma", "0.5"]))
+        _advantage_estimator(
+            parse_args(GRPO + ["--adv-estimator", "dr_grpo", "--adv-scale", "group"]).settings.algorithm)
+    entry, fn = _advantage_estimator(parse_args(GRPO + ["--adv-estimator", "reinforce_plus_plus", "--gamma",
+                                                           "0.5"]).settings.algorithm)
     assert entry.kind == "token" and fn.keywords == {"gamma": 0.5}
