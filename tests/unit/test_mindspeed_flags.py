@@ -334,6 +334,6 @@ def test_tokenizer_not_use_fast_reaches_the_loader(monkeypatch):
     calls = []
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
                         lambda path, **kw: calls.append((path, kw)) or "tok")
-    load_tokenizer(_parse("--tokenizer-name-or-path", "T", "--tokenizer-not-use-fast"))
-    load_tokenizer(_parse("--tokenizer-name-or-path", "T"))
+    load_tokenizer(_parse("--tokenizer-name-or-path", "T", "--tokenizer-not-use-fast").settings.data)
+    load_tokenizer(_parse("--tokenizer-name-or-path", "T").settings.data)
     assert calls == [("T", {"use_fast": False}), ("T", {"use_fast": True})]

@@ -125,8 +125,8 @@ class TrlPPOStage:
                     rewards = core_algos.masked_whiten(rewards, value_mask, shift_mean=False,
                                                        sum_across=sum_over_data_parallel) * value_mask
                 exp.advantages, exp.returns = self.gae(
-                    rewards, exp.values, exp.response_mask, algorithm.gamma, algorithm.lam, whiten=True, value_mask=value_mask,
-                    sum_across=sum_over_data_parallel,
+                    rewards, exp.values, exp.response_mask, algorithm.gamma, algorithm.lam, whiten=True,
+                    value_mask=value_mask, sum_across=sum_over_data_parallel,
                 )
 
             with timers("update"), self.actor.on_device(timers):
