@@ -215,11 +215,12 @@ PPO = BASE + ["--stage", "trl_ppo", "--reward-model", "x"]
 
 
 def test_defaults_per_stage():
-    ppo, grpo = parse_args(PPO), parse_args(GRPO)
-    assert (ppo.adv_estimator, ppo.policy_loss, ppo.rollout_is, ppo.recompute_old_logprobs) == ("gae", "vanilla",
-                                                                                                "none", False)
-    assert (grpo.adv_estimator, grpo.policy_loss) == ("grpo", "vanilla")
-    assert parse_args(GRPO + ["--rollout-is", "tis"]).recompute_old_logprobs  # the correction implies it
+    ppo, grpo = parse_args(PPO).settings, parse_args(GRPO).settings
+    assert (ppo.algorithm.adv_estimator, ppo.loss.policy_loss, ppo.algorithm.rollout_is,
+            ppo.algorithm.recompute_old_logprobs) == ("gae", "vanilla", "none", False)
+    assert (grpo.algorithm.adv_estimator, grpo.loss.policy_loss) == ("grpo", "vanilla")
+    # the correction implies it
+    assert parse_args(GRPO + ["--rollout-is", "tis"]).settings.algorithm.recompute_old_logprobs
 
 
 def test_one_decorator_makes_an_estimator_and_a_policy_loss_selectable():
