@@ -208,6 +208,7 @@ class Settings:
 # Settings' fields and their part classes, in order
 PART_OF = {f.name: f.default_factory for f in fields(Settings)}
 PARTS = tuple(PART_OF.values())
+FIELD_NAMES = frozenset(f.name for cls in PARTS for f in fields(cls))
 
 
 def _part(cls, args, resolved):
@@ -220,6 +221,9 @@ def _part(cls, args, resolved):
 def from_args(args, **resolved) -> Settings:
     """The settings of a validated command line (`arguments.validate_args`): every field is the flag destination
     (or the derived value) of its name, taken from `resolved` when there, else from the Namespace."""
+    unknown = set(resolved) - FIELD_NAMES  # a value resolved for no field would be lost
+    if unknown:
+        raise TypeError(f"no settings field named {', '.join(sorted(unknown))}")
     return Settings(**{name: _part(cls, args, resolved) for name, cls in PART_OF.items()})
 
 
@@ -230,7 +234,7 @@ def with_values(settings: Settings, **values) -> Settings:
         part = getattr(settings, name)
         own = {k: v for k, v in values.items() if k in {f.name for f in fields(cls)}}
         parts[name] = replace(part, **own) if own else part
-    unknown = set(values) - {f.name for cls in PARTS for f in fields(cls)}
+    unknown = set(values) - FIELD_NAMES
     if unknown:
         raise TypeError(f"no settings field named {', '.join(sorted(unknown))}")
     return Settings(**parts)
