@@ -1,4 +1,5 @@
-"""The numeric flags' ranges, as one table next to the parser (`arguments.py`), each with where its bound comes from.
+"""The numeric flags' ranges, as one table next to the parser (`arguments/parser.py`), each with where its bound
+comes from.
 
 `check_ranges(args, parser)` runs first in `validate_args`: every float flag the command line sets must be finite
 (NaN and inf pass argparse's `float`), and every flag of `RANGES` that is set must lie in its range. A violation is

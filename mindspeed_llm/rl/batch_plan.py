@@ -46,6 +46,7 @@ import torch
 
 from mindspeed_llm.models.attention import PackedGroups
 from mindspeed_llm.rl.experience import RESPONSE_FIELDS, Experience
+from mindspeed_llm.rl.settings import BatchSettings
 
 MicroBatch = Dict[str, torch.Tensor]
 
@@ -104,21 +105,18 @@ class MicroBatchPlan:
         )
 
     @classmethod
-    def for_run(cls, exp: Experience, args, group_size: int = 1) -> "MicroBatchPlan":
-        """The plan of a stage's iteration from the command line: `--micro-batch-size`, `--max-tokens-per-micro-batch`
-        (the update), `--forward-max-tokens-per-micro-batch` (the passes), micro-batch counts agreed over DP. The
-        budgets count the tokens one rank holds: under `--context-parallel-size` N a micro-batch of N times as many
-        (each rank holds 1/N of every row)."""
+    def for_run(cls, exp: Experience, batch: BatchSettings, group_size: int = 1) -> "MicroBatchPlan":
+        """The plan of a stage's iteration from the run's `batch` settings: `--micro-batch-size`,
+        `--max-tokens-per-micro-batch` (the update), `--forward-max-tokens-per-micro-batch` (the passes), micro-batch
+        counts agreed over DP. The budgets count the tokens one rank holds: under `--context-parallel-size` N a
+        micro-batch of N times as many (each rank holds 1/N of every row)."""
         from mindspeed_llm.distributed import max_over_data_parallel
 
-        cp = getattr(args, "context_parallel_size", 1)
+        def budget(value):
+            return None if value is None else value * batch.context_parallel_size
 
-        def budget(name):
-            value = getattr(args, name, None)
-            return None if value is None else value * cp
-
-        return cls.build(exp, args.micro_batch_size, group_size, max_tokens=budget("max_tokens_per_micro_batch"),
-                         forward_max_tokens=budget("forward_max_tokens_per_micro_batch"),
+        return cls.build(exp, batch.micro_batch_size, group_size, max_tokens=budget(batch.max_tokens_per_micro_batch),
+                         forward_max_tokens=budget(batch.forward_max_tokens_per_micro_batch),
                          equalize=max_over_data_parallel)
 
     @property

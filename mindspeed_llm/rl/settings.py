@@ -1,25 +1,40 @@
-"""The settings the stages pass around, typed and frozen: one part per consumer, each a function of the validated
-command line (`arguments.validate_args` builds them with `from_args` and attaches them as `args.settings`).
+"""The settings of a run, typed and frozen: one part per consumer, each a function of the validated command line
+(`arguments.validate_args` builds them with `from_args` and attaches them as `args.settings`).
 
-    SamplingSettings  the rollout's sampling and generation-engine limits   (`rollout.sampling_config`)
-    LossSettings      the actor's and critic's loss closures                  (`loss_closures`)
-    UpdateSchedule    epochs x mini-batches of an update                      (`ppo_loop.ppo_update`)
-    RewardMixing      verifiers, reward model and penalties, by weight        (`scoring.Scorer.from_settings`)
-    OffloadSettings   what waits in host memory between uses                  (`roles.offload_parts`, `on_device`)
+    SamplingSettings   the rollout's sampling and generation-engine limits   (`rollout.sampling_config`)
+    LossSettings       the actor's and critic's loss closures                  (`loss_closures`)
+    UpdateSchedule     epochs x mini-batches of an update                      (`ppo_loop.ppo_update`)
+    RewardMixing       verifiers, reward model and penalties, by weight        (`scoring.Scorer.from_settings`)
+    OffloadSettings    what waits in host memory between uses                  (`roles.offload_parts`, `on_device`)
+    AlgorithmSettings  estimator, KL, discounting, filters, samples per prompt (`rl/stages/*`)
+    BatchSettings      micro-batches and their token budgets                   (`batch_plan.MicroBatchPlan.for_run`)
+    ModelSources       which checkpoints the stage's roles load                (`rl/stages/*` constructors)
+    ParallelSettings   the process grid                                         (`trainer.run`)
+    DataSettings       prompts, held-out prompts, tokenizer                    (`trainer._prompt_sets`, ...)
+    CheckpointSettings save / load / resume                                    (`trainer._resume`, `_loop`)
+    LoopSettings       iterations, evaluation and logging                      (`trainer._loop`)
 
 A field is named after the flag's destination it holds (`--clip-ratio-high` -> `clip_ratio_high`), and its default
 is the parser's, so a part can be read like the Namespace it comes from (tests/test_settings.py checks every
-default against the parser). The values are the validated ones: the stage defaults `validate_args` filled in
-(`--kl-penalty`, `--clip-ratio-high`, `--ppo-mini-batch-size`, `--loss-agg-mode`, ...), lists as tuples.
-Megatron's own needs (model building, optimizer, checkpoints) still read the Namespace.
+default against the parser): a new option of an estimator is one flag and one field. The values are the validated
+ones: the stage defaults `validate_args` filled in (`--kl-penalty`, `--clip-ratio-high`, `--ppo-mini-batch-size`,
+`--loss-agg-mode`, ...), lists as tuples. The few fields no flag sets (`derived`: the world size, the resolved
+expert layout, `--split`'s weights, ...) are values `validate_args` works out of several flags.
+The same field may sit in several parts (`max_new_tokens`, `seed`, `stage`): each part is whole for its consumer.
+Megatron's own needs (model building, optimizer, checkpoints' contents) still read the Namespace.
 
 This module imports nothing of the package: the parser imports it, never the other way round.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Tuple
+
+
+def derived(default=None):
+    """A field no flag sets: `validate_args` works it out of several flags (and names it in its doc)."""
+    return field(default=default, metadata={"derived": True})
 
 
 @dataclass(frozen=True)
@@ -82,26 +97,144 @@ class OffloadSettings:
 
 
 @dataclass(frozen=True)
+class AlgorithmSettings:
+    """What the stages compute from the scored rollouts, and how many samples they draw."""
+    stage: Optional[str] = None
+    adv_estimator: Optional[str] = None  # validate_args: gae for trl_ppo, grpo for grpo
+    adv_scale: Optional[str] = None  # None: the outcome estimator's own default
+    gamma: float = 1.0
+    lam: float = 0.95
+    kl_coef: Optional[float] = None  # validate_args: by --stage when not given
+    kl_penalty: Optional[str] = None  # validate_args: by --stage when not given
+    whiten_rewards: bool = False
+    n_samples_per_prompt: Optional[int] = None  # validate_args: by --stage when not given
+    filter_groups: bool = False
+    dynamic_sampling: bool = False
+    max_num_gen_batches: int = 10
+    partial_rollout: bool = False
+    partial_rollout_max_split: Optional[int] = None  # validate_args: 2 with --partial-rollout
+    mask_truncated_completions: bool = False
+    recompute_old_logprobs: bool = False  # validate_args: on with --rollout-is / --partial-rollout
+    rollout_is: str = "none"
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    global_batch_size: Optional[int] = None  # prompts per iteration (a required flag)
+    micro_batch_size: int = 1
+    max_tokens_per_micro_batch: Optional[int] = None
+    forward_max_tokens_per_micro_batch: Optional[int] = None
+    context_parallel_size: int = 1  # the budgets count one rank's tokens: 1 / CP of each row
+
+
+@dataclass(frozen=True)
+class ModelSources:
+    ref_model: Optional[str] = None
+    reward_model: Optional[str] = None
+    load: Optional[str] = None
+    lora: bool = derived(False)  # --lora-target-modules or --lora-load given
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_parallel_size: int = derived(1)  # ranks the experts are split over (EP x TP with --moe-tp-extend-ep)
+    expert_tensor_parallel_size: Optional[int] = None  # validate_args: 1 or TP
+    world_size: int = derived(1)
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    data_path: Optional[str] = None
+    eval_data_path: Optional[str] = None
+    split: Optional[str] = None
+    split_weights: Optional[Tuple[float, float, float]] = derived()  # --split's, normalised; None: no --split
+    eval_interval: Optional[int] = None  # validate_args: None when there is nothing to evaluate
+    global_batch_size: Optional[int] = None
+    seed: int = 1234
+    no_shuffle: bool = False
+    max_prompt_length: Optional[int] = None  # validate_args: --max-length - --max-new-tokens when not given
+    tokenizer_name_or_path: Optional[str] = None
+    tokenizer_not_use_fast: bool = False
+    ref_model: Optional[str] = None  # the tokenizer's fallback places
+    load: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    stage: Optional[str] = None
+    ref_model: Optional[str] = None  # grpo without it: --load is the initial actor, not a run to resume
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    finetune: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    no_save_optim: bool = False
+    ckpt_step: Optional[int] = None
+    exit_signal_handler: bool = False
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    train_iters: Optional[int] = None  # a required flag
+    global_batch_size: Optional[int] = None
+    log_interval: int = 1
+    metrics_jsonl: Optional[str] = None
+    tensorboard_dir: Optional[str] = None
+    eval_interval: Optional[int] = None  # validate_args: None when there is nothing to evaluate
+    eval_prompts: int = derived(0)  # held-out prompts per evaluation: --eval-samples, else --eval-iters x batch; 0 all
+    check_for_divergence: bool = True
+
+
+@dataclass(frozen=True)
 class Settings:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     loss: LossSettings = field(default_factory=LossSettings)
     update: UpdateSchedule = field(default_factory=UpdateSchedule)
     reward: RewardMixing = field(default_factory=RewardMixing)
     offload: OffloadSettings = field(default_factory=OffloadSettings)
+    algorithm: AlgorithmSettings = field(default_factory=AlgorithmSettings)
+    batch: BatchSettings = field(default_factory=BatchSettings)
+    models: ModelSources = field(default_factory=ModelSources)
+    parallel: ParallelSettings = field(default_factory=ParallelSettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    loop: LoopSettings = field(default_factory=LoopSettings)
 
 
-PARTS = (SamplingSettings, LossSettings, UpdateSchedule, RewardMixing, OffloadSettings)
+# Settings' fields and their part classes, in order
+PART_OF = {f.name: f.default_factory for f in fields(Settings)}
+PARTS = tuple(PART_OF.values())
+FIELD_NAMES = frozenset(f.name for cls in PARTS for f in fields(cls))
 
 
-def _part(cls, args):
-    """`cls` with each field read from the Namespace entry of its name (lists as tuples: the parts are frozen)."""
-    values = {f.name: getattr(args, f.name) for f in fields(cls)}
+def _part(cls, args, resolved):
+    """`cls` with each field read from `resolved` or else the Namespace entry of its name (lists as tuples: the
+    parts are frozen)."""
+    values = {f.name: resolved[f.name] if f.name in resolved else getattr(args, f.name) for f in fields(cls)}
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
-def from_args(args) -> Settings:
+def from_args(args, **resolved) -> Settings:
     """The settings of a validated command line (`arguments.validate_args`): every field is the flag destination
-    of its name."""
-    return Settings(sampling=_part(SamplingSettings, args), loss=_part(LossSettings, args),
-                    update=_part(UpdateSchedule, args), reward=_part(RewardMixing, args),
-                    offload=_part(OffloadSettings, args))
+    (or the derived value) of its name, taken from `resolved` when there, else from the Namespace."""
+    unknown = set(resolved) - FIELD_NAMES  # a value resolved for no field would be lost
+    if unknown:
+        raise TypeError(f"no settings field named {', '.join(sorted(unknown))}")
+    return Settings(**{name: _part(cls, args, resolved) for name, cls in PART_OF.items()})
+
+
+def with_values(settings: Settings, **values) -> Settings:
+    """`settings` with the named fields set in every part that has them (a field may sit in several)."""
+    parts = {}
+    for name, cls in PART_OF.items():
+        part = getattr(settings, name)
+        own = {k: v for k, v in values.items() if k in {f.name for f in fields(cls)}}
+        parts[name] = replace(part, **own) if own else part
+    unknown = set(values) - FIELD_NAMES
+    if unknown:
+        raise TypeError(f"no settings field named {', '.join(sorted(unknown))}")
+    return Settings(**parts)

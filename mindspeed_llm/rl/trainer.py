@@ -32,16 +32,17 @@ from mindspeed_llm.data.prompt_dataset import PromptSubset, split_indices
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.rl import partial_rollout
 from mindspeed_llm.rl.metrics import MetricsLogger, reduce_metrics, throughput_metrics
+from mindspeed_llm.rl.settings import CheckpointSettings, DataSettings, RewardMixing, Settings, with_values
 from mindspeed_llm.rl.stages import STAGES
 from mindspeed_llm.rl.startup import startup_lines
 
 
-def load_tokenizer(args):
+def load_tokenizer(data: DataSettings):
     from transformers import AutoTokenizer
 
-    path = args.tokenizer_name_or_path or args.ref_model or args.load
+    path = data.tokenizer_name_or_path or data.ref_model or data.load
     try:
-        return AutoTokenizer.from_pretrained(path, use_fast=not getattr(args, "tokenizer_not_use_fast", False))
+        return AutoTokenizer.from_pretrained(path, use_fast=not data.tokenizer_not_use_fast)
     except Exception as exc:  # transformers' own message does not name our flag
         raise ArgumentError(
             f"cannot load a tokenizer from {path!r} ({exc}); pass --tokenizer-name-or-path, or convert the model "
@@ -49,38 +50,38 @@ def load_tokenizer(args):
         ) from exc
 
 
-def check_labels(dataset, args) -> None:
+def check_labels(dataset, reward: RewardMixing, data_path: str) -> None:
     from mindspeed_llm.rl.verifiers import check_verifiers, verifier_requires_label
 
     try:
-        check_verifiers(args.verifier_function, args.verifier_weight)
+        check_verifiers(list(reward.verifier_function), list(reward.verifier_weight))
     except ValueError as exc:  # the message lists the valid names
         raise ArgumentError(f"--verifier-function: {exc}") from exc
-    for name in args.verifier_function:
+    for name in reward.verifier_function:
         if verifier_requires_label(name) and "labels" not in dataset.extra_keys:
             raise ArgumentError(
-                f"--verifier-function {name} needs a reference answer per prompt, but {args.data_path} has no labels; "
+                f"--verifier-function {name} needs a reference answer per prompt, but {data_path} has no labels; "
                 "preprocess with R1AlpacaStyleInstructionHandler and --map-keys '{\"prompt\": ..., \"labels\": ...}'"
             )
 
 
-def check_prompt_lengths(dataset, args, flag: str) -> None:
+def check_prompt_lengths(dataset, max_prompt_length: int, flag: str) -> None:
     """Prompts are never cut at training time: one longer than --max-prompt-length is an error here."""
     lengths = dataset.prompt_lengths
-    over = int((lengths > args.max_prompt_length).sum()) if len(lengths) else 0
+    over = int((lengths > max_prompt_length).sum()) if len(lengths) else 0
     if over:
         raise ArgumentError(
             f"{flag} {dataset.prefix}: {over} of {len(lengths)} prompts are longer than --max-prompt-length "
-            f"{args.max_prompt_length} (the longest has {int(lengths.max())} tokens); preprocess with "
-            f"--max-prompt-length {args.max_prompt_length} --overlong-prompts drop (or truncate), or raise "
+            f"{max_prompt_length} (the longest has {int(lengths.max())} tokens); preprocess with "
+            f"--max-prompt-length {max_prompt_length} --overlong-prompts drop (or truncate), or raise "
             "--max-prompt-length / --max-length"
         )
 
 
-def _resumes_from_load(args) -> bool:
+def _resumes_from_load(checkpoint: CheckpointSettings) -> bool:
     """--load is a --save directory to resume from, except for grpo without --ref-model, where it is the
     initial actor (a converted model)."""
-    return bool(args.load) and not (args.stage == "grpo" and not args.ref_model)
+    return bool(checkpoint.load) and not (checkpoint.stage == "grpo" and not checkpoint.ref_model)
 
 
 def _gather_to_logger(metrics: Dict[str, float]) -> Dict[str, float]:
@@ -94,44 +95,44 @@ def _gather_to_logger(metrics: Dict[str, float]) -> Dict[str, float]:
     return metrics
 
 
-def _prompt_sets(args):
+def _prompt_sets(data: DataSettings):
     """The training prompts and the held-out ones (None: no evaluation): --eval-data-path, or --split's parts of
     --data-path (the training sampler then sees only the train part)."""
-    dataset = PromptDataset(args.data_path)
-    weights = getattr(args, "split_weights", None)
+    dataset = PromptDataset(data.data_path)
+    weights = data.split_weights
     if weights is None:
-        eval_dataset = PromptDataset(args.eval_data_path) if args.eval_data_path else None
-        return dataset, (eval_dataset if args.eval_interval else None)
-    parts = split_indices(len(dataset), weights, args.seed)
-    sizes = f"--split {args.split} of --data-path {args.data_path} ({len(dataset)} prompts: " \
+        eval_dataset = PromptDataset(data.eval_data_path) if data.eval_data_path else None
+        return dataset, (eval_dataset if data.eval_interval else None)
+    parts = split_indices(len(dataset), weights, data.seed)
+    sizes = f"--split {data.split} of --data-path {data.data_path} ({len(dataset)} prompts: " \
             f"{len(parts[0])} train, {len(parts[1])} valid, {len(parts[2])} test)"
     if weights[1] > 0 and not len(parts[1]):
         raise ArgumentError(f"{sizes} leaves the valid part empty; give it a larger weight or use more prompts")
-    if len(parts[0]) < args.global_batch_size:
+    if len(parts[0]) < data.global_batch_size:
         raise ArgumentError(f"{sizes} leaves fewer training prompts than one --global-batch-size "
-                            f"{args.global_batch_size}; give --split's train part more weight or use more prompts")
+                            f"{data.global_batch_size}; give --split's train part more weight or use more prompts")
     if distributed.is_rank_0():
         print(sizes + (" (the test part is not used)" if len(parts[2]) else ""), flush=True)
     train = PromptSubset(dataset, parts[0], "train")
-    if args.eval_data_path:
-        return train, (PromptDataset(args.eval_data_path) if args.eval_interval else None)
-    return train, (PromptSubset(dataset, parts[1], "valid") if args.eval_interval and len(parts[1]) else None)
+    if data.eval_data_path:
+        return train, (PromptDataset(data.eval_data_path) if data.eval_interval else None)
+    return train, (PromptSubset(dataset, parts[1], "valid") if data.eval_interval and len(parts[1]) else None)
 
 
-def prompt_sampler(args, dataset_len: int, rank: int, size: int) -> PromptSampler:
+def prompt_sampler(data: DataSettings, dataset_len: int, rank: int, size: int) -> PromptSampler:
     """The training prompts' order over `size` rollout ranks: a --seed permutation per epoch, or dataset order with
     --no-shuffle (the checkpoint records which, and a resume with the other is refused)."""
-    return PromptSampler(dataset_len, args.global_batch_size, rank, size, args.seed, shuffle=not args.no_shuffle)
+    return PromptSampler(dataset_len, data.global_batch_size, rank, size, data.seed, shuffle=not data.no_shuffle)
 
 
-def _output_path_problem(args) -> Optional[str]:
+def _output_path_problem(settings: Settings) -> Optional[str]:
     """Why an output of the run cannot be written where asked, found before any model is built: a --metrics-jsonl
     or --tensorboard-dir under a file (or a directory given as the JSONL file), a --save that is a file, or a --save
     holding checkpoints this run would write over (it starts at iteration 1 there: without --load of that directory,
     or with a --finetune that finetune_on_own_save did not turn into a resume)."""
-    for flag, path, is_dir in (("--metrics-jsonl", args.metrics_jsonl, False), ("--tensorboard-dir",
-                                                                             args.tensorboard_dir, True),
-                               ("--save", args.save, True)):
+    loop, checkpoint = settings.loop, settings.checkpoint
+    for flag, path, is_dir in (("--metrics-jsonl", loop.metrics_jsonl, False),
+                               ("--tensorboard-dir", loop.tensorboard_dir, True), ("--save", checkpoint.save, True)):
         if not path:
             continue
         if os.path.exists(path) and os.path.isdir(path) != is_dir:
@@ -141,32 +142,33 @@ def _output_path_problem(args) -> Optional[str]:
             parent = os.path.dirname(parent)
         if parent and not os.path.isdir(parent):
             return f"{flag} {path} lies under {parent}, which is a file; pass a path in a directory"
-    if args.save and os.path.isdir(args.save):
-        traces = checkpoint_traces(args.save)
-        resumes_there = _resumes_from_load(args) and os.path.abspath(args.load) == os.path.abspath(args.save)
+    if checkpoint.save and os.path.isdir(checkpoint.save):
+        traces = checkpoint_traces(checkpoint.save)
+        resumes_there = _resumes_from_load(checkpoint) and \
+            os.path.abspath(checkpoint.load) == os.path.abspath(checkpoint.save)
         if traces and not resumes_there:  # (a --finetune of it resumes it: finetune_on_own_save)
-            return (f"--save {args.save} already holds checkpoints ({', '.join(traces[:4])}"
+            return (f"--save {checkpoint.save} already holds checkpoints ({', '.join(traces[:4])}"
                     f"{' ...' if len(traces) > 4 else ''}) and this run does not resume from it (--load): its saves "
-                    f"would replace them; pass --load {args.save} to resume them, or another --save")
+                    f"would replace them; pass --load {checkpoint.save} to resume them, or another --save")
     return None
 
 
-def finetune_on_own_save(args) -> Optional[str]:
+def finetune_on_own_save(checkpoint: CheckpointSettings) -> Optional[str]:
     """The startup line when --finetune is overridden, else None. MindSpeed-LLM's scripts carry --finetune (their
     first run loads the SFT model with it); a user resumes one by adding --load <its --save>, and --finetune would
     then restart the iteration count over the run's own checkpoints. With --load equal to --save and checkpoints
     there, the run resumes them instead."""
-    if not (args.finetune and args.save and _resumes_from_load(args)):
+    if not (checkpoint.finetune and checkpoint.save and _resumes_from_load(checkpoint)):
         return None
-    if os.path.abspath(args.load) != os.path.abspath(args.save) or not checkpoint_traces(args.save):
+    if os.path.abspath(checkpoint.load) != os.path.abspath(checkpoint.save) or not checkpoint_traces(checkpoint.save):
         return None
-    return (f"--finetune is overridden: --load {args.load} is this run's own --save and holds its checkpoints, so the "
-            "run resumes them (--finetune would restart the iteration count and write over them)")
+    return (f"--finetune is overridden: --load {checkpoint.load} is this run's own --save and holds its checkpoints, "
+            "so the run resumes them (--finetune would restart the iteration count and write over them)")
 
 
-def check_output_paths(args) -> None:
+def check_output_paths(settings: Settings) -> None:
     """`_output_path_problem`, judged on rank 0 (one filesystem view) and raised on every rank."""
-    problem = _output_path_problem(args) if distributed.is_rank_0() else None
+    problem = _output_path_problem(settings) if distributed.is_rank_0() else None
     problem = distributed.broadcast_object(problem)
     if problem:
         raise training_ckpt.CheckpointError(problem)
@@ -188,13 +190,12 @@ def check_shared_save(save: str, lock_file: str, wait_s: float = 10.0) -> None:
         )
 
 
-def _evaluate(stage, dataset, args) -> Dict[str, float]:
-    """The stage's held-out metrics over the first `args.eval_prompts` held-out prompts (--eval-samples, else
+def _evaluate(stage, dataset, eval_prompts: int) -> Dict[str, float]:
+    """The stage's held-out metrics over the first `eval_prompts` held-out prompts (--eval-samples, else
     --eval-iters x --global-batch-size; 0 = all), dealt over the DP ranks: each rank's means weighted by its
     prompt count, so every DP rank returns the mean over all of them, even when some rank holds none."""
     dp_rank, dp_size = distributed.data_parallel_info()
-    wanted = getattr(args, "eval_prompts", args.eval_samples)
-    count = len(dataset) if not wanted else min(wanted, len(dataset))
+    count = len(dataset) if not eval_prompts else min(eval_prompts, len(dataset))
     if not count:
         return {}
     indices = list(range(dp_rank, count, dp_size))
@@ -221,56 +222,58 @@ class _ExitSignal:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def _resume(args, stage, sampler) -> int:
+def _resume(checkpoint: CheckpointSettings, stage, sampler) -> int:
     """Load what --load / --finetune / --ckpt-step say; returns the iteration the run continues from."""
-    if not _resumes_from_load(args):
+    if not _resumes_from_load(checkpoint):
         return 0
     roles = stage.roles()
-    iteration = training_ckpt.resume_iteration(args.load, roles, args.stage, save=args.save, ckpt_step=args.ckpt_step)
+    iteration = training_ckpt.resume_iteration(checkpoint.load, roles, checkpoint.stage, save=checkpoint.save,
+                                               ckpt_step=checkpoint.ckpt_step)
     if iteration is None:
         if distributed.is_rank_0():
-            print(f"--load {args.load} holds no checkpoint yet; starting from scratch (it is also --save: the next "
-                  "run with this command line resumes from what this one saves)", flush=True)
+            print(f"--load {checkpoint.load} holds no checkpoint yet; starting from scratch (it is also --save: the "
+                  "next run with this command line resumes from what this one saves)", flush=True)
         return 0
-    finetune = args.finetune
+    finetune = checkpoint.finetune
     messages = []
 
     def reconcile(name, trainable, state):
         messages.extend(trainable.reconcile_schedule(state["opt_param_scheduler"]))
 
-    loop_state = training_ckpt.load(args.load, roles, iteration, load_optim=not (finetune or args.no_load_optim),
-                                    load_rng=not (finetune or args.no_load_rng), on_schedule=reconcile)
+    loop_state = training_ckpt.load(checkpoint.load, roles, iteration,
+                                    load_optim=not (finetune or checkpoint.no_load_optim),
+                                    load_rng=not (finetune or checkpoint.no_load_rng), on_schedule=reconcile)
     if distributed.is_rank_0():
         for message in messages:
             print(message, flush=True)
     if finetune:
         if distributed.is_rank_0():
-            print(f"--finetune: weights from {args.load} iteration {iteration}; iteration, optimizer, RNG and data "
-                  "position start fresh", flush=True)
+            print(f"--finetune: weights from {checkpoint.load} iteration {iteration}; iteration, optimizer, RNG and "
+                  "data position start fresh", flush=True)
         return 0
     sampler.load_state_dict(loop_state["sampler"])
-    _resume_partial_rollouts(args, stage, loop_state.get("partial_rollout"), iteration)
+    _resume_partial_rollouts(checkpoint, stage, loop_state.get("partial_rollout"), iteration)
     if distributed.is_rank_0():
-        print(f"resumed from {args.load} at iteration {iteration}", flush=True)
-        for line in fresh_on_resume(args):
+        print(f"resumed from {checkpoint.load} at iteration {iteration}", flush=True)
+        for line in fresh_on_resume(checkpoint):
             print(line, flush=True)
     return iteration
 
 
-def fresh_on_resume(args) -> List[str]:
+def fresh_on_resume(checkpoint: CheckpointSettings) -> List[str]:
     """What a resume does not take from the checkpoint (--no-load-optim, --no-load-rng), one line each."""
     lines = []
-    if args.no_load_optim:
+    if checkpoint.no_load_optim:
         lines.append("--no-load-optim: the optimizer starts over (Adam moments from zero) and so does the LR schedule "
                      "(from its first step, warmup included); the weights, iteration and data position are the "
                      "checkpoint's")
-    if args.no_load_rng:
+    if checkpoint.no_load_rng:
         lines.append("--no-load-rng: the torch, numpy and Python random states start from --seed, not the "
                      "checkpoint's (the rollouts' per-sample streams do not depend on them; dropout does)")
     return lines
 
 
-def _resume_partial_rollouts(args, stage, saved: Optional[dict], iteration: int) -> None:
+def _resume_partial_rollouts(checkpoint: CheckpointSettings, stage, saved: Optional[dict], iteration: int) -> None:
     """--partial-rollout's carried and finished groups continue from the checkpoint; a checkpoint that holds some is
     refused by a run without the flag, which would drop them."""
     partial = getattr(stage, "partial_rollout", None)
@@ -278,7 +281,7 @@ def _resume_partial_rollouts(args, stage, saved: Optional[dict], iteration: int)
         unfinished, finished = partial_rollout.pending(saved)
         if unfinished or finished:
             raise training_ckpt.CheckpointError(
-                f"--load {args.load} iteration {iteration} holds {unfinished} unfinished samples and {finished} "
+                f"--load {checkpoint.load} iteration {iteration} holds {unfinished} unfinished samples and {finished} "
                 "finished prompt groups of --partial-rollout, which this run would drop; resume with --partial-rollout "
                 "(or --finetune, which starts the data afresh)")
         return
@@ -288,56 +291,65 @@ def _resume_partial_rollouts(args, stage, saved: Optional[dict], iteration: int)
 
 
 def run(args) -> None:
-    distributed.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed,
-                           expert_model_parallel_size=args.expert_parallel_size,
-                           expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-                           context_parallel_size=args.context_parallel_size)
+    """A run of the validated command line `args`: its typed parts (`args.settings`) drive everything here; the
+    Namespace itself goes only to the startup report of the flags (`startup_lines`) and to the stage, whose model
+    building reads Megatron's flags (tests/unit/test_namespace_boundary.py)."""
+    settings: Settings = args.settings
+    parallel, checkpoint, data = settings.parallel, settings.checkpoint, settings.data
+    distributed.initialize(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size, data.seed,
+                           expert_model_parallel_size=parallel.expert_parallel_size,
+                           expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+                           context_parallel_size=parallel.context_parallel_size)
     # the prompts are dealt over DP x CP: the CP ranks of a DP rank generate their own (rollout_parallel_info)
     rollout_rank, rollout_size = distributed.rollout_parallel_info()
     if distributed.is_rank_0():
         for line in startup_lines(args, device.accelerator().backend):
             print(f"posttrain_gpt.py: {line}", flush=True)
-    tokenizer = load_tokenizer(args)
-    dataset, eval_dataset = _prompt_sets(args)
-    sampler = prompt_sampler(args, len(dataset), rollout_rank, rollout_size)
-    check_labels(dataset, args)
-    check_prompt_lengths(dataset, args, "--data-path")
+    tokenizer = load_tokenizer(data)
+    dataset, eval_dataset = _prompt_sets(data)
+    sampler = prompt_sampler(data, len(dataset), rollout_rank, rollout_size)
+    check_labels(dataset, settings.reward, data.data_path)
+    check_prompt_lengths(dataset, data.max_prompt_length, "--data-path")
     if eval_dataset is not None:
-        check_prompt_lengths(eval_dataset, args, "--eval-data-path" if args.eval_data_path else "--split (valid)")
+        check_prompt_lengths(eval_dataset, data.max_prompt_length,
+                             "--eval-data-path" if data.eval_data_path else "--split (valid)")
 
-    override = distributed.broadcast_object(finetune_on_own_save(args) if distributed.is_rank_0() else None)
+    override = distributed.broadcast_object(finetune_on_own_save(checkpoint) if distributed.is_rank_0() else None)
     if override:
-        args.finetune = False
+        settings = with_values(settings, finetune=False)
+        checkpoint = settings.checkpoint
         if distributed.is_rank_0():
             print(f"posttrain_gpt.py: {override}", flush=True)
-    check_output_paths(args)
-    lock = training_ckpt.WriterLock(args.save) if args.save else None
+    check_output_paths(settings)
+    lock = training_ckpt.WriterLock(checkpoint.save) if checkpoint.save else None
     if lock is not None:
         problem = None
         if distributed.is_rank_0():
             try:
-                os.makedirs(args.save, exist_ok=True)
+                os.makedirs(checkpoint.save, exist_ok=True)
                 lock.acquire()
             except (OSError, training_ckpt.CheckpointError) as exc:
                 problem = str(exc) if isinstance(exc, training_ckpt.CheckpointError) else \
-                    f"--save {args.save} cannot be written ({exc.strerror or exc}); pass a --save this job can write"
+                    f"--save {checkpoint.save} cannot be written ({exc.strerror or exc}); pass a --save this job can " \
+                    "write"
         problem = distributed.broadcast_object(problem)
         if problem:
             raise training_ckpt.CheckpointError(problem)
-        check_shared_save(args.save, lock.path)
-    exit_signal = _ExitSignal(args.exit_signal_handler)
+        check_shared_save(checkpoint.save, lock.path)
+    exit_signal = _ExitSignal(checkpoint.exit_signal_handler)
     logger = None
+    loop = settings.loop
     try:
-        stage = STAGES[args.stage](args, tokenizer)
-        if args.save:
-            training_ckpt.check_save_dir(args.save, stage.roles())
-        start = _resume(args, stage, sampler)
+        stage = STAGES[checkpoint.stage](args, tokenizer)
+        if checkpoint.save:
+            training_ckpt.check_save_dir(checkpoint.save, stage.roles())
+        start = _resume(checkpoint, stage, sampler)
         logger = MetricsLogger(
-            args.log_interval, jsonl_path=args.metrics_jsonl, tensorboard_dir=args.tensorboard_dir,
-            rank=torch.distributed.get_rank(), total_iterations=args.train_iters, lines=stage.log_lines,
-            resumed_at=start if _resumes_from_load(args) else None,  # rows of re-run iterations are replaced
+            loop.log_interval, jsonl_path=loop.metrics_jsonl, tensorboard_dir=loop.tensorboard_dir,
+            rank=torch.distributed.get_rank(), total_iterations=loop.train_iters, lines=stage.log_lines,
+            resumed_at=start if _resumes_from_load(checkpoint) else None,  # rows of re-run iterations are replaced
         )
-        _loop(args, stage, dataset, eval_dataset, sampler, logger, start, exit_signal)
+        _loop(settings, stage, dataset, eval_dataset, sampler, logger, start, exit_signal)
     finally:
         exit_signal.restore()
         if logger is not None:
@@ -371,10 +383,12 @@ class EntropyGuard:
             raise DivergenceError(distributed.gather_messages(found)[0])  # the same on every rank that has it
 
 
-def _loop(args, stage, dataset, eval_dataset, sampler, logger, start: int, exit_signal) -> None:
+def _loop(settings: Settings, stage, dataset, eval_dataset, sampler, logger, start: int, exit_signal) -> None:
+    loop, checkpoint, n = settings.loop, settings.checkpoint, settings.algorithm.n_samples_per_prompt
+    world_size = settings.parallel.world_size
     _, dp_size = distributed.data_parallel_info()
     rollout_rank, _ = distributed.rollout_parallel_info()
-    prompts_per_dp_rank = args.global_batch_size // dp_size  # a DP rank's CP ranks hold its prompts together
+    prompts_per_dp_rank = loop.global_batch_size // dp_size  # a DP rank's CP ranks hold its prompts together
     saved: Optional[int] = start or None
 
     def save(iteration: int) -> None:
@@ -382,26 +396,27 @@ def _loop(args, stage, dataset, eval_dataset, sampler, logger, start: int, exit_
         loop_state = {"sampler": sampler.state_dict()}
         if getattr(stage, "partial_rollout", None) is not None:  # its buffers (a collective over DP)
             loop_state["partial_rollout"] = stage.partial_rollout.state_dict()
-        training_ckpt.save(args.save, iteration, stage.roles(), loop_state, save_optim=not args.no_save_optim)
+        training_ckpt.save(checkpoint.save, iteration, stage.roles(), loop_state,
+                           save_optim=not checkpoint.no_save_optim)
         saved = iteration
 
     def next_rows(generation_batch: int):
         """This rank's prompts of the sampler's next global batch. `position` (the prompt's place in the global
         batch; generation batches after the first of an iteration, `--dynamic-sampling`'s, continue the count)
         keys its samples' random streams."""
-        first = generation_batch * args.global_batch_size + rollout_rank * sampler.local_batch_size
+        first = generation_batch * loop.global_batch_size + rollout_rank * sampler.local_batch_size
         return [dict(dataset[i], index=i, position=first + k) for k, i in enumerate(sampler.next_batch_indices())]
 
     entropy_guard = EntropyGuard(stage.roles()["actor"].module.model_spec.vocab_size)
     iteration = start
-    if start >= args.train_iters and distributed.is_rank_0():
-        print(f"posttrain_gpt.py: the checkpoint is at iteration {start}, --train-iters is {args.train_iters}: nothing "
+    if start >= loop.train_iters and distributed.is_rank_0():
+        print(f"posttrain_gpt.py: the checkpoint is at iteration {start}, --train-iters is {loop.train_iters}: nothing "
               f"left to train; raise --train-iters to continue", flush=True)
-    for iteration in range(start + 1, args.train_iters + 1):
+    for iteration in range(start + 1, loop.train_iters + 1):
         last = f"the last checkpoint is iteration {saved}" if saved else "no checkpoint was written"
         try:
             metrics = stage.iteration(iteration, next_rows(0), next_rows)
-            if args.check_for_divergence:
+            if loop.check_for_divergence:
                 entropy_guard.check(metrics)
         except DivergenceError as exc:
             raise DivergenceError(
@@ -413,23 +428,24 @@ def _loop(args, stage, dataset, eval_dataset, sampler, logger, start: int, exit_
                 f"saved ({last}); lower --lr or check the data (--no-check-for-nan-in-loss-and-grad trains on)"
             ) from None
         metrics.update(throughput_metrics(
-            metrics["prompt_length/mean"] * prompts_per_dp_rank * args.n_samples_per_prompt,
-            metrics["response_length/mean"] * prompts_per_dp_rank * args.n_samples_per_prompt,
-            args.world_size // dp_size, metrics,
+            metrics["prompt_length/mean"] * prompts_per_dp_rank * n,
+            metrics["response_length/mean"] * prompts_per_dp_rank * n,
+            world_size // dp_size, metrics,
         ))
-        if eval_dataset is not None and args.eval_interval and iteration % args.eval_interval == 0:
-            metrics.update(_evaluate(stage, eval_dataset, args))
+        if eval_dataset is not None and loop.eval_interval and iteration % loop.eval_interval == 0:
+            metrics.update(_evaluate(stage, eval_dataset, loop.eval_prompts))
         metrics = _gather_to_logger(metrics)
-        metrics.update(global_batch_size=args.global_batch_size, world_size=args.world_size)
+        metrics.update(global_batch_size=loop.global_batch_size, world_size=world_size)
         logger.log(iteration, metrics)
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
+        if checkpoint.save and checkpoint.save_interval and iteration % checkpoint.save_interval == 0:
             save(iteration)
         if exit_signal.any_rank():
-            if args.save and saved != iteration:
+            if checkpoint.save and saved != iteration:
                 save(iteration)
             if distributed.is_rank_0():
-                where = f"saved iteration {iteration} to {args.save}" if args.save else "no --save: nothing saved"
+                where = f"saved iteration {iteration} to {checkpoint.save}" if checkpoint.save else \
+                    "no --save: nothing saved"
                 print(f"SIGTERM received: {where}; exiting (--exit-signal-handler)", flush=True)
             return
-    if args.save and saved != iteration:  # Megatron-LM saves at the end of training
+    if checkpoint.save and saved != iteration:  # Megatron-LM saves at the end of training
         save(iteration)

@@ -177,7 +177,7 @@ def _dp1_body(rank, world_size, reshard_argv, distrib_files, cases, reward_check
     args = parse_args(reshard_argv, world_size)
     distributed.initialize(1, 1, args.seed)
     patch_errors = _patch_cases(reward_checkpoint)
-    stage = STAGES[args.stage](args, load_tokenizer(args))
+    stage = STAGES[args.stage](args, load_tokenizer(args.settings.data))
     training_ckpt.load(args.load, stage.roles(), 1)
     pairs = {name: (trainable.parameter_state(), torch.load(distrib_files[name], weights_only=False))
              for name, trainable in stage.roles().items()}

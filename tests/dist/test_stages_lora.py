@@ -206,7 +206,7 @@ def _inspect(built):
     dataset = PromptDataset(args.data_path)
     rows = [dict(dataset[i], index=i, position=i) for i in range(4)]
     exp = rollout(stage.actor.module, rows, stage.sampling, 1, stage.tokenizer)
-    plan = MicroBatchPlan.for_run(exp, args, group_size=1)
+    plan = MicroBatchPlan.for_run(exp, args.settings.batch, group_size=1)
     # the initial policy: the base with the --lora-load adapter, built afresh
     from mindspeed_llm.checkpoint import lora as lora_files
     from mindspeed_llm.rl.lora import load_adapter

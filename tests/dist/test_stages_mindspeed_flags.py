@@ -35,7 +35,8 @@ def _parse(*extra, world=1, base=BASE):
 def _prompt_sets(paths, *extra):
     from mindspeed_llm.rl.trainer import _prompt_sets
 
-    return _prompt_sets(parse_args(posttrain_argv(paths, "grpo", iters=1, extra=list(extra)), world_size=1))
+    args = parse_args(posttrain_argv(paths, "grpo", iters=1, extra=list(extra)), world_size=1)
+    return _prompt_sets(args.settings.data)
 
 
 def test_split_parts_of_data_path(stage_paths):

@@ -4,6 +4,7 @@ equal (`GRPO_FLAGS`, `PPO_FLAGS`), their sections, and how a test writes, parses
 (`write`, `parsed`, `config_error`)."""
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,15 @@ def write(tmp_path, data, name="run.yaml") -> str:
 
 
 def parsed(argv, world_size=1) -> dict:
+    """The resolved run of a command line: its Namespace with every typed settings field's value (the stage
+    defaults and derived values `validate_args` resolves into the settings, not the Namespace), lists as given."""
     # as posttrain_gpt.main: --config is resolved before parsing
-    return vars(parse_args(config_argv(list(map(str, argv))), world_size=world_size))
+    args = parse_args(config_argv(list(map(str, argv))), world_size=world_size)
+    values = vars(args)
+    for part in dataclasses.fields(args.settings):
+        for name, value in dataclasses.asdict(getattr(args.settings, part.name)).items():
+            values[name] = list(value) if isinstance(values.get(name), list) else value
+    return values
 
 
 def converted_model(path: Path) -> str:

@@ -74,10 +74,10 @@ def test_the_defaults_are_in_range():
 
 def test_gspo_averages_per_sequence_unless_told_otherwise():
     args = _parse("--policy-loss", "gspo")
-    assert args.loss_agg_mode == "seq-mean-token-mean"
+    assert args.settings.loss.loss_agg_mode == "seq-mean-token-mean"
     assert any("--policy-loss gspo: losses averaged per sequence" in note for note in args.startup_notes)
-    assert _parse("--policy-loss", "gspo", "--loss-agg-mode", "token-mean").loss_agg_mode == "token-mean"
-    assert _parse().loss_agg_mode == "token-mean"
+    assert _parse("--policy-loss", "gspo", "--loss-agg-mode", "token-mean").settings.loss.loss_agg_mode == "token-mean"
+    assert _parse().settings.loss.loss_agg_mode == "token-mean"
 
 
 def test_stop_ids_outside_the_tokenizer_are_refused():

@@ -1,6 +1,7 @@
-"""`mindspeed_llm/arguments.py`'s `validate_args`: each inconsistent combination of flags is refused by `parse_args`
-with an `ArgumentError` naming the flags, before any model is built. (The same mistakes through posttrain_gpt.py's exit
-code and stderr: tests/dist/test_stages_errors.py; the ranges of single flags: tests/unit/test_argument_ranges.py.)
+"""`mindspeed_llm/arguments/validation.py`'s `validate_args`: each inconsistent combination of flags is refused by
+`parse_args` with an `ArgumentError` naming the flags, before any model is built. (The same mistakes through
+posttrain_gpt.py's exit code and stderr: tests/dist/test_stages_errors.py; the ranges of single flags:
+tests/unit/test_argument_ranges.py.)
 """
 
 import pytest

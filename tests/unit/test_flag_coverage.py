@@ -3,7 +3,8 @@ never read anywhere is a silent no-op, the worst kind of bug a launcher script c
 run config maps to a slot (`run_config.Slot`) is read by the mapping code.
 
 A flag counts as read when the package (or `posttrain_gpt.py`) reads its destination outside the parser's
-construction: `args.<dest>` / `self.args.<dest>`, `getattr(args, "<dest>")`, or the destination's name as a string
+construction (`arguments/parser.py`): `args.<dest>` / `self.args.<dest>` / `run.<dest>` (validation's view of the
+Namespace), `getattr(args, "<dest>")`, or the destination's name as a string
 literal (the tables that loop over names) anywhere but the two mapping tables (`run_config.py`, which maps YAML keys
 of the same names, and `compat_flags.py`). Flags that `validate_args` resolves into others (e.g.
 `--lr-warmup-fraction` -> `lr_warmup_iters`) are read there, which counts. A flag whose destination is a field of
@@ -37,9 +38,8 @@ def _sources():
     texts = {}
     for path in files:
         text = path.read_text()
-        if path.name == "arguments.py":  # the parser's own construction reads nothing
-            start, end = text.index("def build_parser"), text.index("def parse_args")
-            text = text[:start] + text[end:]
+        if path.parent.name == "arguments" and path.name == "parser.py":  # the parser's own construction reads nothing
+            continue
         texts[path] = text
     return texts
 
@@ -52,7 +52,8 @@ def unread_flags(parser: argparse.ArgumentParser, sources, setting_fields=SETTIN
         if not action.option_strings or action.dest in ("help", *ignored):
             continue
         dest = re.escape(action.dest)
-        attribute = re.compile(rf"\bargs\.{dest}\b|getattr\(\s*[\w.]*args\s*,\s*[\"']{dest}[\"']")
+        # `run.<dest>`: validation's view of the Namespace (arguments/validation._Resolving)
+        attribute = re.compile(rf"\b(?:args|run)\.{dest}\b|getattr\(\s*[\w.]*(?:args|run)\s*,\s*[\"']{dest}[\"']")
         literal = re.compile(rf"[\"']{dest}[\"']")
         field_read = re.compile(rf"\.{dest}\b") if action.dest in setting_fields else None
         if not any(attribute.search(text) or (path.name not in TABLES and literal.search(text))

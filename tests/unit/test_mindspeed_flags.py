@@ -66,7 +66,7 @@ def test_published_trl_ppo_command_line_parses():
     assert args.rotary_base == 500000 and args.norm_epsilon == 1e-5 and args.rope_scaling_factor == 32.0
     assert args.tokenizer_not_use_fast and args.distributed_backend == "nccl"
     # --split 100,0,0 has no valid part: evaluation is off, said once, and the run goes on
-    assert args.eval_interval is None and args.eval_source is None
+    assert args.settings.loop.eval_interval is None and args.settings.data.split_weights[1] == 0
     assert [n for n in args.startup_notes if "evaluation is off" in n and "--split 100,0,0" in n]
 
 
@@ -161,19 +161,23 @@ def test_loss_scale_flags_reach_megatrons_grad_scaler_with_fp16():
 ])
 def test_split_weights(text, weights):
     args = _parse("--split", text)
-    assert args.split_weights == pytest.approx(weights)
+    assert args.settings.data.split_weights == pytest.approx(weights)
 
 
 def test_eval_prompt_counts():
-    assert _parse("--split", "98,2,0", "--eval-interval", "5", "--eval-iters", "3").eval_prompts == 12
+    def loop(*flags):
+        return _parse(*flags).settings.loop
+
+    assert loop("--split", "98,2,0", "--eval-interval", "5", "--eval-iters", "3").eval_prompts == 12
     args = _parse("--split", "98,2,0", "--eval-interval", "5", "--eval-iters", "3", "--eval-samples", "7")
-    assert args.eval_prompts == 7 and args.eval_source == "split"
-    assert _parse("--split", "98,2,0", "--eval-interval", "5").eval_prompts == 0  # all
+    assert args.settings.loop.eval_prompts == 7 and args.settings.loop.eval_interval == 5  # on --split's valid part
+    assert loop("--split", "98,2,0", "--eval-interval", "5").eval_prompts == 0  # all
     off = _parse("--split", "98,2,0", "--eval-interval", "5", "--eval-iters", "0")
-    assert off.eval_interval is None and "--eval-iters 0" in " ".join(off.startup_notes)
+    assert off.settings.loop.eval_interval is None and "--eval-iters 0" in " ".join(off.startup_notes)
     held = _parse("--split", "98,2,0")
-    assert held.eval_interval is None and "never evaluated" in " ".join(held.startup_notes)
-    assert _parse("--eval-data-path", "e", "--split", "100,0,0", "--eval-interval", "2").eval_source == "eval-data-path"
+    assert held.settings.loop.eval_interval is None and "never evaluated" in " ".join(held.startup_notes)
+    # --split without a valid part, but --eval-data-path: evaluated on that
+    assert loop("--eval-data-path", "e", "--split", "100,0,0", "--eval-interval", "2").eval_interval == 2
 
 
 def test_split_indices_are_disjoint_deterministic_and_rounded_as_megatron():
@@ -334,6 +338,6 @@ def test_tokenizer_not_use_fast_reaches_the_loader(monkeypatch):
     calls = []
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
                         lambda path, **kw: calls.append((path, kw)) or "tok")
-    load_tokenizer(_parse("--tokenizer-name-or-path", "T", "--tokenizer-not-use-fast"))
-    load_tokenizer(_parse("--tokenizer-name-or-path", "T"))
+    load_tokenizer(_parse("--tokenizer-name-or-path", "T", "--tokenizer-not-use-fast").settings.data)
+    load_tokenizer(_parse("--tokenizer-name-or-path", "T").settings.data)
     assert calls == [("T", {"use_fast": False}), ("T", {"use_fast": True})]

@@ -251,8 +251,9 @@ def test_partial_rollout_implies_recomputed_old_logprobs_and_a_default_budget():
     from mindspeed_llm.arguments import parse_args
 
     args = parse_args(BASE + ["--partial-rollout"], world_size=1)
-    assert args.recompute_old_logprobs and args.partial_rollout_max_split == 2
-    assert not parse_args(BASE, world_size=1).recompute_old_logprobs
+    algorithm = args.settings.algorithm
+    assert algorithm.recompute_old_logprobs and algorithm.partial_rollout_max_split == 2
+    assert not parse_args(BASE, world_size=1).settings.algorithm.recompute_old_logprobs
 
 
 def test_mindspeed_partial_rollout_max_split_maps_to_the_flags(tmp_path):

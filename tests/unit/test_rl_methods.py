@@ -215,11 +215,12 @@ PPO = BASE + ["--stage", "trl_ppo", "--reward-model", "x"]
 
 
 def test_defaults_per_stage():
-    ppo, grpo = parse_args(PPO), parse_args(GRPO)
-    assert (ppo.adv_estimator, ppo.policy_loss, ppo.rollout_is, ppo.recompute_old_logprobs) == ("gae", "vanilla",
-                                                                                                "none", False)
-    assert (grpo.adv_estimator, grpo.policy_loss) == ("grpo", "vanilla")
-    assert parse_args(GRPO + ["--rollout-is", "tis"]).recompute_old_logprobs  # the correction implies it
+    ppo, grpo = parse_args(PPO).settings, parse_args(GRPO).settings
+    assert (ppo.algorithm.adv_estimator, ppo.loss.policy_loss, ppo.algorithm.rollout_is,
+            ppo.algorithm.recompute_old_logprobs) == ("gae", "vanilla", "none", False)
+    assert (grpo.algorithm.adv_estimator, grpo.loss.policy_loss) == ("grpo", "vanilla")
+    # the correction implies it
+    assert parse_args(GRPO + ["--rollout-is", "tis"]).settings.algorithm.recompute_old_logprobs
 
 
 def test_one_decorator_makes_an_estimator_and_a_policy_loss_selectable():
@@ -240,7 +241,7 @@ def test_one_decorator_makes_an_estimator_and_a_policy_loss_selectable():
 
     try:
         args = parse_args(GRPO + ["--adv-estimator", "half", "--policy-loss", "plain"])
-        entry, estimator = _advantage_estimator(args)
+        entry, estimator = _advantage_estimator(args.settings.algorithm)
         assert entry.fn is half and estimator(torch.tensor([2.0, 4.0]), 2).tolist() == [1.0, 2.0]
         loss, _ = ca.policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([3.0]), torch.ones(1, 2),
                                  loss_type=args.policy_loss)
@@ -275,6 +276,8 @@ def test_the_stage_probes_the_estimator_options():
     from mindspeed_llm.rl.stages.grpo import _advantage_estimator
 
     with pytest.raises(ArgumentError, match="--adv-estimator dr_grpo: dr_grpo advantages are not scaled"):
-        _advantage_estimator(parse_args(GRPO + ["--adv-estimator", "dr_grpo", "--adv-scale", "group"]))
-    entry, fn = _advantage_estimator(parse_args(GRPO + ["--adv-estimator", "reinforce_plus_plus", "--gamma", "0.5"]))
+        _advantage_estimator(
+            parse_args(GRPO + ["--adv-estimator", "dr_grpo", "--adv-scale", "group"]).settings.algorithm)
+    entry, fn = _advantage_estimator(parse_args(GRPO + ["--adv-estimator", "reinforce_plus_plus", "--gamma",
+                                                           "0.5"]).settings.algorithm)
     assert entry.kind == "token" and fn.keywords == {"gamma": 0.5}

@@ -56,10 +56,14 @@ def test_settings_are_frozen(part):
 def test_every_default_is_the_parsers():
     parser = build_parser()
     dests = {action.dest for action in parser._actions}
-    assert {f.name for f in dataclasses.fields(run_settings.Settings)} == {"sampling", "loss", "update", "reward",
-                                                                           "offload"}
+    assert {f.name for f in dataclasses.fields(run_settings.Settings)} == {
+        "sampling", "loss", "update", "reward", "offload", "algorithm", "batch", "models", "parallel", "data",
+        "checkpoint", "loop"}
     for part in run_settings.PARTS:
         for f in dataclasses.fields(part):
+            if f.metadata.get("derived"):  # validate_args works it out of several flags: no flag of its own
+                assert f.name not in dests, f"{part.__name__}.{f.name} is a flag's destination, not derived"
+                continue
             assert f.name in dests, f"{part.__name__}.{f.name} is no flag's destination"
             default = parser.get_default(f.name)
             default = tuple(default) if isinstance(default, list) else default
@@ -136,3 +140,21 @@ def test_parser_does_not_import_the_stages():
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], check=True,
                          capture_output=True, text=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("extra", [[], ["--policy-loss", "gspo", "--split", "98,2,0", "--eval-interval", "2",
+                                        "--partial-rollout", "--lr-warmup-fraction", "0.5"]])
+def test_validation_resolves_into_the_settings_not_the_namespace(extra):
+    """`validate_args` writes onto the Namespace only what Megatron's model / optimizer building and the startup
+    report read (`MEGATRON_DERIVED`) and the values named with their outside readers (`PUBLISHED`); the stage
+    defaults and derived values are the settings'."""
+    from mindspeed_llm.arguments import validation
+
+    args = build_parser().parse_args(BASE + extra)
+    given = dict(vars(args))
+    validate_args(args, 1)
+    written = {name for name, value in vars(args).items() if name not in given or given[name] != value}
+    assert written <= set(validation.MEGATRON_DERIVED) | set(validation.PUBLISHED) | {"settings"}
+    assert args.kl_penalty is None and args.settings.loss.kl_penalty == "low_var_kl"  # grpo's default
+    assert args.adv_estimator is None and args.settings.algorithm.adv_estimator == "grpo"
+    assert args.clip_ratio_high is None and args.settings.loss.clip_ratio_high == 0.2

@@ -3,11 +3,11 @@ and the output paths found unwritable before any model is built. (The loop itsel
 tests/dist/test_stages*.py.)"""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 
 from mindspeed_llm.checkpoint.errors import DivergenceError
+from mindspeed_llm.rl.settings import Settings, with_values
 from mindspeed_llm.rl.trainer import EntropyGuard, _output_path_problem, finetune_on_own_save, fresh_on_resume
 
 
@@ -27,9 +27,12 @@ def test_a_policy_that_starts_uniform_is_not_flagged():
 
 
 def _args(**over):
-    base = dict(metrics_jsonl=None, tensorboard_dir=None, save=None, load=None, finetune=False, stage="trl_ppo",
-                ref_model=None)
-    return SimpleNamespace(**{**base, **over})
+    """The run's settings with these fields (in every part that has them)."""
+    return with_values(Settings(), **{"stage": "trl_ppo", **over})
+
+
+def _checkpoint(**over):
+    return _args(**over).checkpoint
 
 
 def test_output_paths_of_the_wrong_kind_are_named(tmp_path):
@@ -60,25 +63,25 @@ def test_finetune_of_the_runs_own_save_resumes_it(tmp_path):
     """MindSpeed-LLM's scripts carry --finetune; resuming one by adding --load <its --save> resumes (a line says
     --finetune is overridden) instead of being refused with a fix that is already on the command line."""
     save = tmp_path / "save"
-    args = _args(save=str(save), load=str(save), finetune=True)
+    args = _checkpoint(save=str(save), load=str(save), finetune=True)
     assert finetune_on_own_save(args) is None  # nothing saved yet: --load holds no checkpoint, nothing to resume
     (save / "actor" / "iter_0000002").mkdir(parents=True)
     (save / "latest_checkpointed_iteration.txt").write_text("2")
     line = finetune_on_own_save(args)
     assert line == (f"--finetune is overridden: --load {save} is this run's own --save and holds its checkpoints, so "
                     "the run resumes them (--finetune would restart the iteration count and write over them)")
-    assert finetune_on_own_save(_args(save=str(save), load=str(save) + "/", finetune=True)) == line.replace(
+    assert finetune_on_own_save(_checkpoint(save=str(save), load=str(save) + "/", finetune=True)) == line.replace(
         f"--load {save}", f"--load {save}/")
     # --finetune from another checkpoint (or without it) is what it says
     other = tmp_path / "sft"
-    assert finetune_on_own_save(_args(save=str(save), load=str(other), finetune=True)) is None
-    assert finetune_on_own_save(_args(save=str(save), load=str(save))) is None
+    assert finetune_on_own_save(_checkpoint(save=str(save), load=str(other), finetune=True)) is None
+    assert finetune_on_own_save(_checkpoint(save=str(save), load=str(save))) is None
     # grpo without --ref-model: --load is the initial actor, never a resume
-    assert finetune_on_own_save(_args(stage="grpo", save=str(save), load=str(save), finetune=True)) is None
+    assert finetune_on_own_save(_checkpoint(stage="grpo", save=str(save), load=str(save), finetune=True)) is None
 
 
 def test_a_resume_says_what_starts_over():
-    both = fresh_on_resume(_args(no_load_optim=True, no_load_rng=True))
+    both = fresh_on_resume(_checkpoint(no_load_optim=True, no_load_rng=True))
     assert [line.split(":")[0] for line in both] == ["--no-load-optim", "--no-load-rng"]
     assert "Adam moments from zero" in both[0] and "LR schedule" in both[0] and "start from --seed" in both[1]
-    assert fresh_on_resume(_args(no_load_optim=False, no_load_rng=False)) == []
+    assert fresh_on_resume(_checkpoint(no_load_optim=False, no_load_rng=False)) == []

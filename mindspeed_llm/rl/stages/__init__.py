@@ -10,8 +10,11 @@ from typing import Callable, Dict, Iterator, List, Optional, Protocol, Sequence
 
 
 class Stage(Protocol):
-    """What the outer loop (`rl/trainer.py`) knows of a stage. Built as `Stage(args, tokenizer)`, which loads its
-    models and checks them against each other and the tokenizer."""
+    """What the outer loop (`rl/trainer.py`) knows of a stage. Built as `Stage(model_args, tokenizer)`, which loads
+    its models and checks them against each other and the tokenizer. `model_args` is the validated Namespace: the
+    stage reads its typed parts (`model_args.settings`, rl/settings.py) and hands the Namespace itself only to the
+    model-building calls (`rl/roles.py`, `rl/lora.py`), which read Megatron's flags
+    (tests/unit/test_namespace_boundary.py)."""
 
     name: str
     log_lines: Dict[str, List[str]]  # stdout line groups (`MetricsLogger`)

@@ -38,6 +38,7 @@ from mindspeed_llm.rl.rollout import (
     sampling_config,
 )
 from mindspeed_llm.rl.scoring import Scorer
+from mindspeed_llm.rl.settings import AlgorithmSettings
 
 
 # The actor's logged losses (`core_algos`' names; `actor/lr` and the bare `grad_norm` follow, as MindSpeed-RL logs).
@@ -49,32 +50,35 @@ class GRPOStage:
     name = "grpo"
     log_lines = {"actor": ["actor/", "grad_norm"], "reward": ["grpo/"], "timing": ["timing/"]}
 
-    def __init__(self, args, tokenizer):
-        self.args = args
-        self.settings = settings = args.settings  # the typed parts (rl/settings.py); args for Megatron's own needs
+    def __init__(self, model_args, tokenizer):
+        # `model_args` (the Namespace) goes to the role / model-building calls only; everything else reads the typed
+        # parts (rl/settings.py)
+        self.settings = settings = model_args.settings
+        self.algorithm, models = settings.algorithm, settings.models
         self.tokenizer = tokenizer
-        self.estimator, self.advantages = _advantage_estimator(args)
-        self.actor_metrics = ACTOR_METRICS + (ROLLOUT_IS_METRICS if args.rollout_is != "none" else ())
-        if not args.ref_model and os.path.isdir(os.path.join(args.load, "actor")):
+        self.estimator, self.advantages = _advantage_estimator(self.algorithm)
+        self.actor_metrics = ACTOR_METRICS + (ROLLOUT_IS_METRICS if self.algorithm.rollout_is != "none" else ())
+        if not models.ref_model and os.path.isdir(os.path.join(models.load, "actor")):
             raise ArgumentError(
-                f"--load {args.load} is a grpo --save directory: pass --ref-model with the original weights too "
+                f"--load {models.load} is a grpo --save directory: pass --ref-model with the original weights too "
                 "(the reference model always comes from them; the actor resumes from --load)"
             )
-        initial = args.ref_model or args.load
-        flag = "--ref-model" if args.ref_model else "--load"
-        self.actor = roles.trainable(roles.load_model(initial, flag, args, trained=True), args, "actor", flag)
+        initial = models.ref_model or models.load
+        flag = "--ref-model" if models.ref_model else "--load"
+        self.actor = roles.trainable(roles.load_model(initial, flag, model_args, trained=True), model_args, "actor",
+                                     flag)
         self.reference = None
-        if args.kl_coef > 0:  # with LoRA: the actor with its adapters off, no second copy (rl/lora.py)
-            self.reference = lora.reference(self.actor) if args.lora else roles.offloaded(roles.frozen(
-                roles.load_model(initial, flag, args, on_host=settings.offload.offload_ref_reward)),
+        if self.algorithm.kl_coef > 0:  # with LoRA: the actor with its adapters off, no second copy (rl/lora.py)
+            self.reference = lora.reference(self.actor) if models.lora else roles.offloaded(roles.frozen(
+                roles.load_model(initial, flag, model_args, on_host=settings.offload.offload_ref_reward)),
                 settings.offload.offload_ref_reward)
-        reward_model = roles.load_reward_model(args) if args.reward_model else None
+        reward_model = roles.load_reward_model(model_args) if models.reward_model else None
         roles.check_vocab({"actor": self.actor.module, "reference": self.reference, "reward": reward_model},
                           tokenizer)
         self.scorer = Scorer.from_settings(settings.reward, reward_model, settings.offload.offload_ref_reward)
         self.sampling = sampling_config(settings.sampling, tokenizer)
-        self.partial_rollout = PartialRollouts.from_args(args, self.actor.module, tokenizer, self.sampling) \
-            if args.partial_rollout else None
+        self.partial_rollout = PartialRollouts.from_args(model_args, self.actor.module, tokenizer, self.sampling) \
+            if self.algorithm.partial_rollout else None
 
     def roles(self):
         return {"actor": self.actor}
@@ -85,25 +89,25 @@ class GRPOStage:
 
     # ------------------------------------------------------------------ one iteration
     def iteration(self, iteration: int, rows: Sequence[dict], more_rows=None) -> Dict[str, float]:
-        args, settings, n = self.args, self.settings, self.args.n_samples_per_prompt
+        algorithm, settings, n = self.algorithm, self.settings, self.algorithm.n_samples_per_prompt
         timers = Timers(sync=device.synchronize)
         with timers("all"):
             self.actor.offload(timers)  # --offload-train-*: the training state waits in host memory until the update
             exp, plan, score_metrics = self._generate(iteration, rows, timers, more_rows)
-            if args.dynamic_sampling:  # refill with more prompt groups until the batch's groups all carry signal
+            if algorithm.dynamic_sampling:  # refill with more prompt groups until the batch's groups all carry signal
                 exp, sampling_stats = refill(  # the DP rank's groups (its CP ranks' rows together)
                     exp, lambda j: self._generate(iteration, more_rows(j), timers)[0], n, exp.batch_size // n,
-                    args.max_num_gen_batches)
-                plan = MicroBatchPlan.for_run(exp, args, group_size=n)
+                    algorithm.max_num_gen_batches)
+                plan = MicroBatchPlan.for_run(exp, settings.batch, group_size=n)
                 score_metrics.update(sampling_stats)
             rollout_stats = rollout_metrics(exp)
-            if args.mask_truncated_completions:
+            if algorithm.mask_truncated_completions:
                 rollout_stats.update(mask_truncated_completions(exp))
 
             with timers("old_log_p"):  # ~0 s when the update's own log-probs are the old ones
                 # a pass of its own when the update takes several steps, when the KL is a reward penalty (it is
                 # computed before the update), and with --recompute-old-logprobs / --rollout-is
-                if (args.recompute_old_logprobs or self.estimator.kl_in_reward
+                if (algorithm.recompute_old_logprobs or self.estimator.kl_in_reward
                         or not old_logp_is_current(settings.update, exp)):
                     exp.old_logp = policy_logprobs(self.actor.chunks, exp, plan, settings.loss.temperature,
                                                    compare_routing=exp.routing_recorded)
@@ -114,7 +118,7 @@ class GRPOStage:
 
             with timers("adv"):
                 rewards, advantages = self._advantages(exp)
-                if args.filter_groups:
+                if algorithm.filter_groups:
                     # Groups whose samples all scored the same carry no signal; their tokens leave the loss
                     # (its mask, so shapes and step counts stay equal on every rank; no refill).
                     informative = informative_groups(exp.scores, n)
@@ -137,7 +141,7 @@ class GRPOStage:
             **mismatch_metrics(exp),
             "n_samples_per_prompt": n,
         }
-        if args.filter_groups:
+        if algorithm.filter_groups:
             metrics["grpo/filtered_groups"] = float(1.0 - informative.float().mean())
         metrics.update(timers.pop())
         return metrics
@@ -147,7 +151,7 @@ class GRPOStage:
         the scorer's metrics). Every pass and the update compute a prompt once per group, when micro-batches hold
         whole groups. With --partial-rollout the groups are the oldest finished ones (`rl/partial_rollout.py`,
         which takes further prompts from `more_rows`) and the metrics include `partial_rollout/*`."""
-        n = self.args.n_samples_per_prompt
+        n = self.algorithm.n_samples_per_prompt
         partial_metrics = {}
         with timers("rollout"):
             if self.partial_rollout is not None:
@@ -155,7 +159,7 @@ class GRPOStage:
             else:
                 exp = rollout(self.actor.module, rows, self.sampling, iteration, self.tokenizer, samples_per_prompt=n)
                 exp = gather_context_parallel(exp)  # the CP ranks' rollouts: this DP rank's share, on each of them
-        plan = MicroBatchPlan.for_run(exp, self.args, group_size=n)
+        plan = MicroBatchPlan.for_run(exp, self.settings.batch, group_size=n)
         exp.scores, score_metrics = self.scorer(exp, plan, timers)
         return exp, plan, {**partial_metrics, **score_metrics}
 
@@ -164,14 +168,14 @@ class GRPOStage:
         """`exp.advantages` [B, R] from the estimator; returns (the per-sample rewards they come from, the advantages
         as logged: per sample -- for a token estimator its mean over the response, a statistic of whole samples like
         every logged one, which DP ranks average alike)."""
-        n = self.args.n_samples_per_prompt
+        n = self.algorithm.n_samples_per_prompt
         if self.estimator.kind == "outcome":
             advantages = self.advantages(exp.scores, n, sum_across=sum_over_data_parallel)
             exp.advantages = advantages[:, None] * exp.response_mask
             return exp.scores, advantages
         # token estimators: the score on the last response token (verl's placement), less the KL penalty on every
         # token when the estimator takes the KL in the reward (then it is no loss, `_loss`)
-        kl_coef = self.args.kl_coef if self.estimator.kl_in_reward and self.reference is not None else 0.0
+        kl_coef = self.algorithm.kl_coef if self.estimator.kl_in_reward and self.reference is not None else 0.0
         zeros = torch.zeros_like(exp.response_mask)
         token_rewards, _ = core_algos.compute_token_rewards(
             exp.scores, exp.old_logp if kl_coef else zeros, exp.ref_logp if kl_coef else zeros, exp.response_mask,
@@ -181,31 +185,31 @@ class GRPOStage:
         return token_rewards.sum(-1), per_sample
 
     def _loss(self, logits, mb):
-        kl_coef = self.args.kl_coef if self.reference is not None and not self.estimator.kl_in_reward else 0.0
+        kl_coef = self.algorithm.kl_coef if self.reference is not None and not self.estimator.kl_in_reward else 0.0
         loss, m = clipped_policy_loss(self.settings.loss, logits, mb, kl_coef)
         if "kl_loss" not in m:  # --kl-coef 0, or the KL is in the reward: the column stays, at zero
             m["kl_loss"] = m["pg_loss"].new_zeros(())
         return loss, {k: m[k] for k in self.actor_metrics}
 
 
-def _advantage_estimator(args):
+def _advantage_estimator(algorithm: AlgorithmSettings):
     """`--adv-estimator` from `core_algos.ADV_ESTIMATORS` (`validate_args` checked that it is critic-free): an
     outcome estimator with `--adv-scale` when given (else its own default), a token estimator with `--gamma`.
     Checked on a dummy group now, so a bad pair fails before any model loads. Returns (the registry entry, the
     estimator with its options)."""
-    estimator = core_algos.ADV_ESTIMATORS.get(args.adv_estimator)
+    estimator = core_algos.ADV_ESTIMATORS.get(algorithm.adv_estimator)
     if estimator is None or estimator.kind == "critic":
-        raise ArgumentError(f"--adv-estimator {args.adv_estimator}: not a critic-free estimator; valid names: "
+        raise ArgumentError(f"--adv-estimator {algorithm.adv_estimator}: not a critic-free estimator; valid names: "
                             f"{', '.join(k for k, e in core_algos.ADV_ESTIMATORS.items() if e.kind != 'critic')}")
-    n = args.n_samples_per_prompt
+    n = algorithm.n_samples_per_prompt
     if estimator.kind == "outcome":
-        options = {} if args.adv_scale is None else {"scale": args.adv_scale}
+        options = {} if algorithm.adv_scale is None else {"scale": algorithm.adv_scale}
         probe = (torch.zeros(n), n)
     else:
-        options = {"gamma": args.gamma}
+        options = {"gamma": algorithm.gamma}
         probe = (torch.zeros(n, 1), torch.ones(n, 1), n)
     try:
         estimator.fn(*probe, **options)
     except ValueError as exc:
-        raise ArgumentError(f"--adv-estimator {args.adv_estimator}: {exc}") from exc
+        raise ArgumentError(f"--adv-estimator {algorithm.adv_estimator}: {exc}") from exc
     return estimator, functools.partial(estimator.fn, **options)

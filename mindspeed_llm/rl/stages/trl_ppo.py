@@ -46,31 +46,33 @@ class TrlPPOStage:
     name = "trl_ppo"
     log_lines = {"actor": ["actor/", "grad_norm"], "critic": ["critic/"]}
 
-    def __init__(self, args, tokenizer):
-        self.args = args
-        self.settings = settings = args.settings  # the typed parts (rl/settings.py); args for Megatron's own needs
+    def __init__(self, model_args, tokenizer):
+        # `model_args` (the Namespace) goes to the role / model-building calls only; everything else reads the typed
+        # parts (rl/settings.py)
+        self.settings = settings = model_args.settings
+        self.algorithm, models = settings.algorithm, settings.models
         self.tokenizer = tokenizer
-        self.gae = core_algos.ADV_ESTIMATORS[args.adv_estimator].fn  # validate_args: a critic estimator (gae)
-        self.actor_metrics = ACTOR_METRICS + (ROLLOUT_IS_METRICS if args.rollout_is != "none" else ())
-        self.actor = roles.trainable(roles.load_model(args.ref_model, "--ref-model", args, trained=True), args,
-                                     "actor", "--ref-model")
+        self.gae = core_algos.ADV_ESTIMATORS[self.algorithm.adv_estimator].fn  # validate_args: a critic estimator
+        self.actor_metrics = ACTOR_METRICS + (ROLLOUT_IS_METRICS if self.algorithm.rollout_is != "none" else ())
+        self.actor = roles.trainable(roles.load_model(models.ref_model, "--ref-model", model_args, trained=True),
+                                     model_args, "actor", "--ref-model")
         # with LoRA the frozen roles are the trained ones' bases (rl/lora.py): no second copies
         on_host = settings.offload.offload_ref_reward
-        self.reference = lora.reference(self.actor) if args.lora else roles.offloaded(roles.frozen(roles.load_model(
-            args.ref_model, "--ref-model", args, on_host=on_host)), on_host)
+        self.reference = lora.reference(self.actor) if models.lora else roles.offloaded(roles.frozen(roles.load_model(
+            models.ref_model, "--ref-model", model_args, on_host=on_host)), on_host)
         self.critic = roles.trainable(
-            roles.load_model(args.reward_model, "--reward-model", args, value_head=True, trained=True), args, "critic",
-            "--reward-model")
-        uses_reward_model = args.reward_model_weight != 0 or not args.verifier_function
+            roles.load_model(models.reward_model, "--reward-model", model_args, value_head=True, trained=True),
+            model_args, "critic", "--reward-model")
+        uses_reward_model = settings.reward.reward_model_weight != 0 or not settings.reward.verifier_function
         reward_model = None
         if uses_reward_model:
-            reward_model = lora.reward_model(self.critic) if args.lora else roles.load_reward_model(args)
+            reward_model = lora.reward_model(self.critic) if models.lora else roles.load_reward_model(model_args)
         roles.check_vocab({"actor": self.actor.module, "reference": self.reference,
                            "critic": self.critic.module, "reward": reward_model}, tokenizer)
         self.scorer = Scorer.from_settings(settings.reward, reward_model, settings.offload.offload_ref_reward)
         self.sampling = sampling_config(settings.sampling, tokenizer)
-        self.partial_rollout = PartialRollouts.from_args(args, self.actor.module, tokenizer, self.sampling) \
-            if args.partial_rollout else None
+        self.partial_rollout = PartialRollouts.from_args(model_args, self.actor.module, tokenizer, self.sampling) \
+            if self.algorithm.partial_rollout else None
 
     def roles(self):
         return {"actor": self.actor, "critic": self.critic}
@@ -81,7 +83,7 @@ class TrlPPOStage:
 
     # ------------------------------------------------------------------ one iteration
     def iteration(self, iteration: int, rows: Sequence[dict], more_rows=None) -> Dict[str, float]:
-        args, settings, n = self.args, self.settings, self.args.n_samples_per_prompt
+        algorithm, settings, n = self.algorithm, self.settings, self.algorithm.n_samples_per_prompt
         timers = Timers(sync=device.synchronize)
         with timers("all"):
             for trained in (self.actor, self.critic):  # --offload-train-*: training state in host memory until used
@@ -94,12 +96,12 @@ class TrlPPOStage:
                     exp = rollout(self.actor.module, rows, self.sampling, iteration, self.tokenizer,
                                   samples_per_prompt=n)
                     exp = gather_context_parallel(exp)  # the CP ranks' rollouts: this DP rank's share, on each
-            plan = MicroBatchPlan.for_run(exp, args, group_size=n)
+            plan = MicroBatchPlan.for_run(exp, settings.batch, group_size=n)
             rollout_stats = rollout_metrics(exp)
-            if args.mask_truncated_completions:  # they leave the actor's and the critic's losses
+            if algorithm.mask_truncated_completions:  # they leave the actor's and the critic's losses
                 rollout_stats.update(mask_truncated_completions(exp))
             with timers("old_log_p"):
-                on_policy = old_logp_is_current(settings.update, exp) and not args.recompute_old_logprobs
+                on_policy = old_logp_is_current(settings.update, exp) and not algorithm.recompute_old_logprobs
                 if exp.rollout_logp is not None and on_policy:
                     exp.old_logp = exp.rollout_logp  # as TRL's PPO: the generation logits' log-probs, no pass
                 else:
@@ -115,15 +117,16 @@ class TrlPPOStage:
 
             with timers("adv"):
                 rewards, kl = core_algos.compute_token_rewards(
-                    exp.scores, exp.old_logp, exp.ref_logp, exp.response_mask, args.kl_coef, settings.loss.kl_penalty
+                    exp.scores, exp.old_logp, exp.ref_logp, exp.response_mask, algorithm.kl_coef,
+                    settings.loss.kl_penalty
                 )
                 value_mask = core_algos.response_mask_p1(exp.response_mask)
-                if args.whiten_rewards:
+                if algorithm.whiten_rewards:
                     rewards = core_algos.masked_whiten(rewards, value_mask, shift_mean=False,
                                                        sum_across=sum_over_data_parallel) * value_mask
                 exp.advantages, exp.returns = self.gae(
-                    rewards, exp.values, exp.response_mask, args.gamma, args.lam, whiten=True, value_mask=value_mask,
-                    sum_across=sum_over_data_parallel,
+                    rewards, exp.values, exp.response_mask, algorithm.gamma, algorithm.lam, whiten=True,
+                    value_mask=value_mask, sum_across=sum_over_data_parallel,
                 )
 
             with timers("update"), self.actor.on_device(timers):
@@ -142,7 +145,7 @@ class TrlPPOStage:
             **self._critic_batch_metrics(exp, rewards),
             "score/mean": float(exp.scores.mean()),
             "kl/mean": float(kl_sum.mean()),
-            "non_score_reward": float((-args.kl_coef * kl_sum).mean()),
+            "non_score_reward": float((-algorithm.kl_coef * kl_sum).mean()),
             **score_metrics,
             **partial_metrics,
             **rollout_stats,

@@ -1,0 +1,568 @@
+"""Checking a parsed command line and resolving it into the run's typed settings (`rl/settings.py`).
+
+`validate_args` turns every inconsistent combination into an `ArgumentError` whose message names the flags
+and the fix, before any model is built or any compute is spent, and returns the settings: the stage defaults and
+the values that follow from several flags are resolved into them, not written back into the Namespace, except:
+
+* `MEGATRON_DERIVED`: what Megatron's model and optimizer building (`rl/roles.py`, `rl/lora.py`, `rl/moe.py`,
+  `rl/recompute.py`, `models/builder.py`) and the checkpoints' records read from the Namespace;
+* `PUBLISHED`: resolved values that a reader outside the typed boundary still takes from the Namespace, each
+  named with its reader; an entry goes when its reader takes `args.settings`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+from mindspeed_llm import compat_flags
+from mindspeed_llm.argument_ranges import check_ranges
+from mindspeed_llm.arguments.parser import (
+    LLAMA3_FIXED,
+    LOCAL_ATTENTION_BACKENDS,
+    RECOMPUTE_MODULES,
+    REFUSED_RECOMPUTE_MODULES,
+    build_parser,
+)
+from mindspeed_llm.errors import ArgumentError
+from mindspeed_llm.expert_layout import (
+    EP_NOT_MULTIPLE_OF_TP,
+    EXPERT_TP_NOT_1_OR_TP,
+    EXTEND_WITH_EXPERT_TP,
+    ExpertLayoutError,
+    resolve_expert_layout,
+)
+from mindspeed_llm.rl import settings as run_settings
+
+STAGE_DEFAULTS = {
+    "trl_ppo": dict(kl_coef=0.3, kl_penalty="k1", n_samples_per_prompt=1),
+    "grpo": dict(kl_coef=0.001, kl_penalty="low_var_kl", n_samples_per_prompt=8),
+}
+# Written on the Namespace: model building, the optimizer and the startup report read them there.
+MEGATRON_DERIVED = (
+    "world_size", "data_parallel_size",  # checkpoints record the DP size; benchmarks read it
+    "expert_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type",  # rl/moe.model_options
+    "params_dtype", "attention", "sequence_parallel",  # rl/roles.load_model -> models.build_model
+    "recompute_granularity", "recompute_modules",  # rl/recompute.model_options
+    "critic_lr", "lr_warmup_iters", "lr_decay_iters",  # rl/roles.trainable -> OptimizerSettings
+    "lora", "lora_target_modules",  # rl/roles.trainable, rl/lora.py
+    "ignored_flags", "startup_notes",  # compat_flags.startup_lines
+)
+# Resolved settings values still copied onto the Namespace for readers outside the typed boundary (their owners'):
+PUBLISHED = {
+    "n_samples_per_prompt": "rl/partial_rollout.PartialRollouts.from_args; benchmarks/memory.py",
+    "partial_rollout_max_split": "rl/partial_rollout.PartialRollouts.from_args",
+    "kl_coef": "benchmarks/memory.py (the launcher projection: a reference model when > 0)",
+    "max_length": "benchmarks/memory.py",
+    "max_prompt_length": "benchmarks/memory.py",
+    "ppo_mini_batch_size": "benchmarks/memory.py",
+}
+
+
+def _check_expert_parallel(args, world_size: int) -> None:
+    """Resolve the experts' layout into `args.expert_parallel_size` (ranks the experts are split over,
+    EP x TP with --moe-tp-extend-ep) and `args.expert_tensor_parallel_size` (1 or TP)."""
+    tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
+    try:
+        ep, etp = resolve_expert_layout(tp, ep, args.expert_tensor_parallel_size, args.moe_tp_extend_ep)
+    except ExpertLayoutError as exc:
+        raise ArgumentError({
+            EXTEND_WITH_EXPERT_TP: f"--moe-tp-extend-ep splits the experts over the TP ranks instead of inside each "
+                                   f"expert; it cannot be combined with --expert-tensor-parallel-size {exc.etp} (drop "
+                                   f"one)",
+            EXPERT_TP_NOT_1_OR_TP: f"--expert-tensor-parallel-size {exc.etp} must be 1 or --tensor-model-parallel-size "
+                                   f"{tp} (checkpoints keep experts either whole or split like the dense layers)",
+            EP_NOT_MULTIPLE_OF_TP: f"--expert-tensor-parallel-size 1 with --tensor-model-parallel-size {tp} needs an "
+                                   f"expert-parallel size that is a multiple of {tp} (the expert ranks run over the "
+                                   f"TP ranks), not {ep}; use --moe-tp-extend-ep or --expert-model-parallel-size "
+                                   f"{tp * max(1, ep // tp)}",
+        }[exc.rule]) from None
+    if world_size % (etp * ep * pp):
+        raise ArgumentError(
+            f"world size {world_size} is not divisible by expert tensor parallel {etp} x expert parallel {ep}"
+            f"{' (--expert-model-parallel-size x TP, --moe-tp-extend-ep)' if args.moe_tp_extend_ep else ''} x "
+            f"--pipeline-model-parallel-size {pp}; launch a multiple of {etp * ep * pp} processes or lower "
+            f"--expert-model-parallel-size")
+    if args.moe_token_dispatcher_type is None:
+        args.moe_token_dispatcher_type = "alltoall" if ep > 1 or pp > 1 else "allgather"
+    elif args.moe_token_dispatcher_type == "allgather" and ep > 1:
+        raise ArgumentError(
+            f"--moe-token-dispatcher-type allgather cannot run expert parallel {ep}: megatron's all-gather "
+            f"dispatcher needs the same number of tokens on every expert-parallel rank, and RL micro-batches differ "
+            f"in length from rank to rank; use --moe-token-dispatcher-type alltoall (the default with experts split)")
+    elif args.moe_token_dispatcher_type == "allgather" and pp > 1:
+        raise ArgumentError(
+            f"--moe-token-dispatcher-type allgather cannot run --pipeline-model-parallel-size {pp}: micro-batches "
+            "are cut to their own length, so the pipeline stages exchange variable shapes, which megatron allows "
+            "with the all-to-all dispatcher only; use --moe-token-dispatcher-type alltoall (the default with PP)")
+    args.expert_parallel_size = ep
+    args.expert_tensor_parallel_size = etp
+
+
+def _check_attention_backend(args) -> None:
+    """`args.attention`, the core attention every model is built with (`build_model(attention=...)`): "sdpa" (the
+    device's fused kernel) unless --attention-backend local / unfused asks for megatron's local attention, which is
+    said at startup (it is not the default)."""
+    backend = args.attention_backend
+    if args.use_flash_attn and backend in LOCAL_ATTENTION_BACKENDS:
+        raise ArgumentError(f"--use-flash-attn and --attention-backend {backend} contradict each other: the first asks "
+                            "for the fused attention kernel, the second for megatron's local attention; drop one")
+    args.attention = "local" if backend in LOCAL_ATTENTION_BACKENDS else "sdpa"
+    if args.attention == "local":
+        args.startup_notes.append(f"--attention-backend {backend}: megatron's local DotProductAttention (the "
+                                  "reference; its memory grows with the square of the sequence length)")
+
+
+def _check_sequence_and_context_parallel(args) -> None:
+    """--sequence-parallel needs TP > 1 (Megatron-LM turns it off at TP 1, and so does this, saying so);
+    --context-parallel-size > 1 needs the fused core attention, whose CP path gathers the keys and values over the
+    CP group (megatron's local attention has none). A mixture of experts under CP is refused when its checkpoint
+    is read (`rl/moe.model_options`)."""
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        args.sequence_parallel = False
+        args.startup_notes.append("--sequence-parallel is off: it splits activations over the tensor-parallel ranks, "
+                                  "and --tensor-model-parallel-size is 1 (Megatron-LM's rule)")
+    if args.context_parallel_size > 1 and args.attention == "local":
+        raise ArgumentError(
+            f"--context-parallel-size {args.context_parallel_size} needs the fused core attention (its context-"
+            f"parallel path gathers keys and values over the CP ranks); --attention-backend {args.attention_backend} "
+            "runs megatron's local attention, which has none: drop --attention-backend or use auto / flash / fused")
+
+
+class _Resolving:
+    """The Namespace seen through what validation resolves for the settings: a read gives the resolved value when
+    there is one, else the Namespace's; a write is recorded in `resolved` and leaves the Namespace as given."""
+
+    def __init__(self, args):
+        object.__setattr__(self, "_args", args)
+        object.__setattr__(self, "resolved", {})
+
+    def __getattr__(self, name):
+        return self.resolved[name] if name in self.resolved else getattr(self._args, name)
+
+    def __setattr__(self, name, value):
+        self.resolved[name] = value
+
+
+def validate_args(args, world_size: int) -> run_settings.Settings:
+    """Reject inconsistent combinations with messages that name the flags, and resolve the run's settings (stage
+    defaults, derived values): returns the typed parts the stages pass around (`rl/settings.py`), also attached as
+    `args.settings`. The Namespace gets only what Megatron's model and optimizer building reads (`MEGATRON_DERIVED`)
+    and the values readers outside the typed boundary still take from it (`PUBLISHED`)."""
+    check_ranges(args, build_parser())  # every numeric flag in its range (argument_ranges.RANGES), floats finite
+    _check_world(args, world_size)
+    _check_model_flags(args)
+    _check_recompute(args)
+    args.ignored_flags = compat_flags.ignored_flags(args)  # printed once at startup (compat_flags.startup_lines)
+    args.startup_notes = []
+    _check_attention_backend(args)
+    _check_sequence_and_context_parallel(args)
+
+    run = _Resolving(args)  # the settings' values: the stage defaults and what follows from several flags
+    for name, value in STAGE_DEFAULTS[args.stage].items():
+        if getattr(args, name) is None:
+            setattr(run, name, value)
+    if args.clip_ratio_high is None:
+        run.clip_ratio_high = args.clip_ratio
+    _check_learning_rates(args)
+    _resolve_lengths(run)
+    _check_batches(run)
+    if args.optimizer == "sgd" and args.use_distributed_optimizer:
+        raise ArgumentError("--optimizer sgd does not work with --use-distributed-optimizer (megatron refuses it); "
+                            "drop one of them")
+    _check_token_budgets(run)
+    if args.dynamic_sampling and (args.stage != "grpo" or run.n_samples_per_prompt < 2):
+        raise ArgumentError("--dynamic-sampling keeps grpo groups whose rewards differ: it needs --stage grpo and "
+                            "--n-samples-per-prompt >= 2")
+    _check_partial_rollout(run)
+    _check_roles(run)
+    _check_checkpoint_flags(args)
+    _check_evaluation(run)
+    _check_algorithm(run)
+    _check_lora(args)
+    if args.lr_warmup_fraction is not None:
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.train_iters)
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    for name in PUBLISHED:
+        if name in run.resolved:
+            setattr(args, name, run.resolved[name])
+    args.settings = run_settings.from_args(args, **run.resolved)
+    return args.settings
+
+
+def _check_world(args, world_size: int) -> None:
+    """The process grid against the world size; Megatron's derived values (`args.world_size`, `data_parallel_size`,
+    the experts' layout, `params_dtype`) on the Namespace: model building and checkpoints read them."""
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    if world_size % (tp * pp * cp):
+        raise ArgumentError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--context-parallel-size {cp} x --pipeline-model-parallel-size {pp}; launch a multiple of "
+            f"{tp * pp * cp} processes"
+        )
+    args.world_size = world_size
+    args.data_parallel_size = world_size // (tp * pp * cp)  # megatron's: the CP ranks are not in it
+    _check_expert_parallel(args, world_size)
+    if args.bf16 and args.fp16:
+        raise ArgumentError("--bf16 and --fp16 are exclusive; pick one")
+    args.params_dtype = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
+
+
+def _check_learning_rates(args) -> None:
+    """`args.critic_lr` (default --lr: the critic's optimizer is built from the Namespace) and --min-lr below both."""
+    if args.critic_lr is None:
+        args.critic_lr = args.lr
+    for flag, lr in (("--lr", args.lr), ("--critic-lr", args.critic_lr)):
+        if args.min_lr > lr:  # Megatron-LM's scheduler asserts min_lr <= max_lr
+            raise ArgumentError(f"--min-lr {args.min_lr:g} is above {flag} {lr:g}: the LR schedule decays from "
+                                f"{flag} down to --min-lr; lower --min-lr")
+
+
+def _resolve_lengths(run) -> None:
+    """--max-length and --max-prompt-length, each from the other and --max-new-tokens when not given."""
+    if run.max_length is None:
+        run.max_length = 256 if run.max_prompt_length is None else run.max_prompt_length + run.max_new_tokens
+    if run.max_new_tokens >= run.max_length:
+        raise ArgumentError(
+            f"--max-new-tokens {run.max_new_tokens} must be smaller than --max-length {run.max_length} "
+            "(--max-length bounds prompt + response)"
+        )
+    if run.max_prompt_length is None:
+        run.max_prompt_length = run.max_length - run.max_new_tokens
+    if run.max_prompt_length + run.max_new_tokens > run.max_length:
+        raise ArgumentError(
+            f"--max-prompt-length {run.max_prompt_length} + --max-new-tokens {run.max_new_tokens} exceeds "
+            f"--max-length {run.max_length}"
+        )
+
+
+def _check_batches(run) -> None:
+    """Batch arithmetic: every DP rank gets whole micro-batches of whole prompt groups; --ppo-mini-batch-size
+    defaults to the whole batch."""
+    world_size, dp = run.world_size, run.data_parallel_size
+    tp, pp, cp = run.tensor_model_parallel_size, run.pipeline_model_parallel_size, run.context_parallel_size
+    n = run.n_samples_per_prompt
+    sequences = run.global_batch_size * n
+    if run.global_batch_size % dp:
+        raise ArgumentError(
+            f"--global-batch-size {run.global_batch_size} is not divisible by the data-parallel size {dp} "
+            f"(world {world_size} / (TP {tp} x CP {cp} x PP {pp})); each DP rank needs whole prompts"
+        )
+    if run.global_batch_size % (dp * cp):
+        raise ArgumentError(
+            f"--global-batch-size {run.global_batch_size} is not divisible by data-parallel size {dp} x "
+            f"--context-parallel-size {cp}: the CP ranks of a DP rank generate its prompts as data-parallel "
+            "replicas, each whole prompts")
+    per_rank = sequences // dp
+    if per_rank % run.micro_batch_size:
+        raise ArgumentError(
+            f"--global-batch-size {run.global_batch_size} x --n-samples-per-prompt {n} = {sequences} sequences is "
+            f"not divisible by data-parallel size {dp} x --micro-batch-size {run.micro_batch_size}"
+        )
+    if run.ppo_mini_batch_size is None:
+        run.ppo_mini_batch_size = sequences
+    mini = run.ppo_mini_batch_size
+    if sequences % mini or mini % (dp * run.micro_batch_size):
+        raise ArgumentError(
+            f"--ppo-mini-batch-size {mini} must divide the {sequences} sequences of an iteration and be a multiple "
+            f"of data-parallel size {dp} x --micro-batch-size {run.micro_batch_size}"
+        )
+    if mini % (n * dp):
+        raise ArgumentError(
+            f"--ppo-mini-batch-size {mini} must be a multiple of --n-samples-per-prompt {n} x data-parallel size {dp}: "
+            "a prompt's samples stay in one mini-batch, and every DP rank holds whole prompts of each"
+        )
+    if run.offload_train_param and run.params_dtype == "fp32" and run.stage == "grpo":
+        run.startup_notes.append("--offload-train-param offloads nothing here: an fp32 actor has no separate main "
+                                 "weights, and its weights generate (with --bf16 it offloads the fp32 main weights)")
+
+
+def _check_roles(run) -> None:
+    """The checkpoints each stage's roles load and the reward's sources; --verifier-weight 1.0 each by default."""
+    if run.stage == "trl_ppo":
+        if not run.ref_model:
+            raise ArgumentError("--ref-model is required for --stage trl_ppo (actor and reference weights)")
+        if not run.reward_model:
+            raise ArgumentError(
+                "--reward-model is required for --stage trl_ppo (critic initialisation; convert it with --orm)"
+            )
+    else:
+        if not run.ref_model and not run.load:
+            raise ArgumentError("--stage grpo needs the initial actor: pass --ref-model (or --load to resume)")
+        if not run.verifier_function and not run.reward_model:
+            raise ArgumentError("--stage grpo needs a reward: --verifier-function NAME ... and/or --reward-model DIR")
+    if run.verifier_weight and len(run.verifier_weight) != len(run.verifier_function):
+        raise ArgumentError(
+            f"--verifier-weight has {len(run.verifier_weight)} values for {len(run.verifier_function)} "
+            "--verifier-function names; give one weight per verifier"
+        )
+    if run.verifier_function and not run.verifier_weight:
+        run.verifier_weight = [1.0] * len(run.verifier_function)
+
+
+def _check_checkpoint_flags(args) -> None:
+    if args.save_interval and not args.save:
+        raise ArgumentError("--save-interval needs --save DIR")
+    if args.ckpt_step is not None and (not args.load or args.ckpt_step < 1):
+        raise ArgumentError(f"--ckpt-step {args.ckpt_step} needs --load DIR and an iteration >= 1")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each "
+                            "other; pass one")
+
+
+def _check_partial_rollout(run) -> None:
+    """--partial-rollout and its budget (`rl/partial_rollout.py`): what does not combine with it is refused."""
+    if not run.partial_rollout:
+        if run.partial_rollout_max_split is not None:
+            raise ArgumentError(f"--partial-rollout-max-split {run.partial_rollout_max_split} has no effect without "
+                                "--partial-rollout; add it or drop the budget")
+        return
+    if run.partial_rollout_max_split is None:
+        run.partial_rollout_max_split = 2
+    if run.dynamic_sampling:
+        raise ArgumentError("--partial-rollout and --dynamic-sampling both draw further generation batches, by "
+                            "different rules (finished groups / groups whose rewards differ), and are not combined "
+                            "here; drop one of them")
+    if run.context_parallel_size > 1:  # the buffers are per DP rank; CP ranks share a DP rank's rollouts
+        raise ArgumentError(f"--partial-rollout with --context-parallel-size {run.context_parallel_size} is not "
+                            "supported (its buffers are kept per data-parallel rank, not checked under CP); use "
+                            "--context-parallel-size 1 or drop --partial-rollout")
+    # the carried tokens' log-probs are an earlier policy's: the update's old log-probs come from a training forward
+    # under the weights of the update (and --rollout-is weighs the carried tokens against the sampler's)
+    run.recompute_old_logprobs = True
+
+
+def _check_token_budgets(run) -> None:
+    """--max-tokens-per-micro-batch / --forward-max-tokens-per-micro-batch hold at least the widest model row: a
+    sample (prompt + response), or a packed prompt group (prompt + n responses)."""
+    n, cp = run.n_samples_per_prompt, run.context_parallel_size
+    packed = n > 1 and run.micro_batch_size % n == 0
+    row = run.max_prompt_length + (n if packed else 1) * run.max_new_tokens
+    widest = -(-row // cp)  # a budget counts the tokens one rank holds: 1 / CP of each row
+    what = (f"a packed prompt group (--max-prompt-length {run.max_prompt_length} + --n-samples-per-prompt {n} x "
+            f"--max-new-tokens {run.max_new_tokens}; --micro-batch-size {run.micro_batch_size} packs groups, a "
+            f"size that is not a multiple of {n} lays out one row per sample)" if packed
+            else f"one sample (--max-prompt-length {run.max_prompt_length} + --max-new-tokens "
+                 f"{run.max_new_tokens})")
+    if run.forward_max_tokens_per_micro_batch is not None and run.max_tokens_per_micro_batch is None:
+        run.startup_notes.append("--forward-max-tokens-per-micro-batch: the forward-only passes cut micro-batches "
+                                  "by tokens; the update's are --micro-batch-size samples each")
+    for flag, budget in (("--max-tokens-per-micro-batch", run.max_tokens_per_micro_batch),
+                         ("--forward-max-tokens-per-micro-batch", run.forward_max_tokens_per_micro_batch)):
+        if budget is not None and budget < widest:
+            share = f" (1/{cp} of {row} on each of --context-parallel-size {cp} ranks)" if cp > 1 else ""
+            raise ArgumentError(f"{flag} {budget} is smaller than the widest model row, {widest} tokens{share} for "
+                                f"{what}; give at least {widest}")
+
+
+def _check_model_flags(args) -> None:
+    """Model and precision flags, as far as they can be checked without the checkpoint (`rl/roles._checked_spec`
+    compares the model flags with it)."""
+    if args.normalization is not None and args.normalization != "RMSNorm":
+        raise ArgumentError(f"--normalization {args.normalization}: the supported models (llama, qwen2, qwen3, "
+                            "mistral) use RMSNorm; pass --normalization RMSNorm or drop the flag")
+    if args.position_embedding_type is not None and args.position_embedding_type != "rope":
+        raise ArgumentError(f"--position-embedding-type {args.position_embedding_type}: the supported models use "
+                            "rotary embeddings; pass --position-embedding-type rope or drop the flag")
+    if args.rope_scaling_type is not None and args.rope_scaling_type != "llama3":
+        raise ArgumentError(f"--rope-scaling-type {args.rope_scaling_type}: megatron-core implements only llama3 "
+                            "frequency scaling; pass --rope-scaling-type llama3 or drop the flag")
+    for flag, fixed in LLAMA3_FIXED.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and value != fixed:
+            raise ArgumentError(f"{flag} {value}: megatron-core's llama3 RoPE scaling is implemented for {flag} "
+                                f"{fixed} only; a model trained with another value cannot be run here")
+
+
+def _check_recompute(args) -> None:
+    """Megatron-LM's recompute flags, resolved into `args.recompute_granularity` (None: off), `recompute_method`,
+    `recompute_num_layers` (full) and `recompute_modules` (selective), refusing what megatron-core's
+    TransformerConfig or Megatron-LM's validate_args refuse, and flags that would have no effect.
+    `rl/recompute.model_options` checks the rest against each trained model's layers."""
+    granularity = args.recompute_granularity
+    if args.recompute_activations:
+        if granularity == "full":
+            raise ArgumentError("--recompute-activations is Megatron-LM's --recompute-granularity selective, which "
+                                "contradicts --recompute-granularity full; pass one of them")
+        granularity = "selective"
+    modules = list(dict.fromkeys(args.recompute_modules)) if args.recompute_modules is not None else None
+    if args.moe_layer_recompute:
+        if granularity == "full":
+            raise ArgumentError("--moe-layer-recompute is selective recompute of the MoE layers; megatron-core refuses "
+                                "it with --recompute-granularity full (which recomputes whole layers): drop one")
+        granularity = "selective"
+        modules = (modules or ["core_attn"]) + ([] if "moe" in (modules or []) else ["moe"])  # megatron-core's rule
+    method, layers = args.recompute_method, args.recompute_num_layers
+    if granularity is None:
+        given = [flag for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers),
+                                          ("--recompute-modules", modules),
+                                          ("--distribute-saved-activations", args.distribute_saved_activations))
+                 if value not in (None, False)]
+        if given:
+            raise ArgumentError(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without "
+                                "--recompute-granularity full or selective; add one or drop them")
+    elif granularity == "full":
+        if method is None or layers is None:
+            raise ArgumentError(
+                "--recompute-granularity full needs --recompute-method uniform|block and --recompute-num-layers N "
+                "(megatron-core refuses full recompute without them): uniform checkpoints each pipeline stage's "
+                "layers in groups of N, block the first N layers of each stage; e.g. --recompute-method uniform "
+                "--recompute-num-layers 1")
+        if layers < 1:
+            raise ArgumentError(f"--recompute-num-layers {layers} must be >= 1")
+        if modules is not None:
+            raise ArgumentError("--recompute-modules chooses selective recompute's submodules; "
+                                "--recompute-granularity full recomputes whole layers: drop one of them")
+        if args.distribute_saved_activations and args.tensor_model_parallel_size < 2:
+            raise ArgumentError("--distribute-saved-activations splits the checkpointed activations over the tensor-"
+                                "parallel ranks: it needs --tensor-model-parallel-size > 1 (Megatron-LM's rule)")
+    else:
+        for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers)):
+            if value is not None:
+                raise ArgumentError(f"{flag} applies to --recompute-granularity full; selective recompute (of the "
+                                    "--recompute-modules of every layer) takes neither: drop it")
+        if args.distribute_saved_activations:
+            raise ArgumentError("--distribute-saved-activations applies to --recompute-granularity full only "
+                                "(Megatron-LM's rule)")
+        modules = modules or ["core_attn"]  # megatron-core's default
+        for name in modules:
+            if name in REFUSED_RECOMPUTE_MODULES:
+                raise ArgumentError(f"--recompute-modules {name} {REFUSED_RECOMPUTE_MODULES[name]}")
+            if name not in RECOMPUTE_MODULES:
+                raise ArgumentError(f"--recompute-modules {name}: unknown; choose from {', '.join(RECOMPUTE_MODULES)}")
+    args.recompute_granularity = granularity
+    args.recompute_modules = modules if granularity == "selective" else None
+
+
+def _check_lora(args) -> None:
+    """`args.lora`: whether the run trains LoRA adapters (--lora-target-modules or --lora-load); the LoRA numbers
+    checked. r / alpha / dropout stay None when not given: with --lora-load the adapter's own apply and a flag that
+    disagrees with it is an error (`rl/lora.lora_config`)."""
+    from mindspeed_llm.models.lora import check_targets
+
+    args.lora = bool(args.lora_target_modules or args.lora_load)
+    if args.lora_modules_to_save:
+        raise ArgumentError(f"--lora-modules-to-save {' '.join(args.lora_modules_to_save)}: training whole modules "
+                            "beside the adapters is not supported here (the critic's value head trains fully on its "
+                            "own); drop the flag")
+    given = [flag for flag, value in (("--lora-r", args.lora_r), ("--lora-alpha", args.lora_alpha),
+                                      ("--lora-dropout", args.lora_dropout)) if value is not None]
+    if not args.lora:
+        if given:
+            raise ArgumentError(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without "
+                                "--lora-target-modules (LoRA is on when target modules, or --lora-load, are given)")
+        return
+    if args.lora_target_modules:
+        try:
+            check_targets(args.lora_target_modules)
+        except ValueError as exc:
+            raise ArgumentError(f"--lora-target-modules {exc}") from None
+        args.lora_target_modules = list(dict.fromkeys(args.lora_target_modules))
+    # --sequence-parallel: the adapters gather and reduce-scatter the sequence as their linears do (models/lora.py).
+    # Under context parallelism each rank holds a part of every sequence and the adapters act per token, which
+    # should need nothing, but no run has compared them (attention, the loss and the gradients over CP); refused.
+    if getattr(args, "context_parallel_size", 1) > 1:
+        raise ArgumentError(f"LoRA (--lora-target-modules / --lora-load) with --context-parallel-size "
+                            f"{args.context_parallel_size} is not supported (not checked yet); use "
+                            "--context-parallel-size 1")
+    if args.lora_r is not None and args.lora_r < 1:
+        raise ArgumentError(f"--lora-r {args.lora_r} must be >= 1")
+    if args.lora_alpha is not None and not (math.isfinite(args.lora_alpha) and args.lora_alpha > 0):
+        raise ArgumentError(f"--lora-alpha {args.lora_alpha} must be a finite number > 0")
+    if args.lora_dropout is not None and not 0.0 <= args.lora_dropout < 1.0:
+        raise ArgumentError(f"--lora-dropout {args.lora_dropout} must be in [0, 1)")
+    if args.offload_ref_reward:
+        shared = "the reference and the reward model are" if args.stage == "trl_ppo" else "the reference is"
+        rest = ("only grpo's --reward-model is offloaded" if args.stage == "grpo" and args.reward_model
+                else "nothing is offloaded")
+        args.startup_notes.append(f"--offload-ref-reward: with LoRA {shared} the trained models' bases with their "
+                                  f"adapters off, not models of their own: {rest}")
+
+
+def _split_weights(text: str) -> Tuple[float, float, float]:
+    """Megatron-LM's --split: up to three train,valid,test weights ("98,2,0", "98 2 0", "969/30/1"), missing
+    ones 0, normalised by their sum."""
+    try:
+        weights = [float(x) for x in text.replace("/", ",").replace(",", " ").split()]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+        raise ArgumentError(f"--split {text!r}: expected up to three weights >= 0 for train,valid,test with a "
+                            "positive sum, e.g. --split 98,2,0")
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    return tuple(w / total for w in weights)
+
+
+def _check_evaluation(run) -> None:
+    """--split's weights (`split_weights`), whether there are held-out prompts to evaluate (`eval_interval`, None
+    when not) and how many an evaluation takes (`eval_prompts`, 0 = all)."""
+    run.split_weights = _split_weights(run.split) if run.split is not None else None
+    if run.split_weights is not None and run.split_weights[0] == 0:
+        raise ArgumentError(f"--split {run.split} leaves nothing to train on; give the train part a weight")
+    valid = run.split_weights is not None and run.split_weights[1] > 0
+    if run.eval_data_path and valid:
+        raise ArgumentError(f"--eval-data-path and --split {run.split} both give held-out prompts; pick one "
+                            "(drop --eval-data-path, or give --split a valid weight of 0)")
+    eval_source = "eval-data-path" if run.eval_data_path else ("split" if valid else None)
+    run.eval_prompts = run.eval_samples or (run.eval_iters or 0) * run.global_batch_size
+    if not run.eval_interval:
+        if valid:
+            run.startup_notes.append(f"--split {run.split} holds out a valid part, but no --eval-interval is "
+                                      "given: it is never evaluated")
+        return
+    if eval_source is None:
+        if run.split_weights is None:
+            raise ArgumentError("--eval-interval needs held-out prompts: --eval-data-path (a preprocessed prompt "
+                                "set) or --split with a valid part (e.g. --split 98,2,0)")
+        run.startup_notes.append(f"evaluation is off: --split {run.split} has no valid part (--eval-interval "
+                                  f"{run.eval_interval} is ignored; e.g. --split 98,2,0 evaluates)")
+        run.eval_interval = None
+    elif run.eval_iters == 0 and not run.eval_samples:
+        run.startup_notes.append("evaluation is off: --eval-iters 0 (Megatron-LM's way to skip it)")
+        run.eval_interval = None
+
+
+def _check_algorithm(run) -> None:
+    """--adv-estimator / --policy-loss against the registries of `rl/core_algos` (a registered method is a valid
+    name), which stage takes which estimator, and the overlong and rollout-correction flags."""
+    from mindspeed_llm.rl import core_algos
+
+    if run.adv_estimator is None:
+        run.adv_estimator = "gae" if run.stage == "trl_ppo" else "grpo"
+    estimator = core_algos.ADV_ESTIMATORS.get(run.adv_estimator)
+    fits = [name for name, e in core_algos.ADV_ESTIMATORS.items() if (e.kind == "critic") == (run.stage == "trl_ppo")]
+    if estimator is None:
+        raise ArgumentError(f"--adv-estimator {run.adv_estimator}: unknown; valid names for --stage {run.stage}: "
+                            f"{', '.join(fits)}")
+    if run.stage == "trl_ppo" and estimator.kind != "critic":
+        raise ArgumentError(f"--adv-estimator {run.adv_estimator} is critic-free: --stage trl_ppo trains a critic "
+                            f"and estimates with {', '.join(fits)}; use --stage grpo for {run.adv_estimator}")
+    if run.stage != "trl_ppo" and estimator.kind == "critic":
+        raise ArgumentError(f"--adv-estimator {run.adv_estimator} needs a critic: --stage trl_ppo only (grpo "
+                            f"takes {', '.join(fits)})")
+    if estimator.kind == "outcome" and run.n_samples_per_prompt < 2:
+        raise ArgumentError(f"--adv-estimator {run.adv_estimator} compares the samples of a prompt with each other: "
+                            f"with --n-samples-per-prompt {run.n_samples_per_prompt} every advantage is 0 and "
+                            "nothing trains; give --n-samples-per-prompt 2 or more")
+    if run.adv_scale is not None and estimator.kind != "outcome":
+        raise ArgumentError(f"--adv-scale {run.adv_scale} applies to the group estimators (grpo, dr_grpo, rloo), "
+                            f"not to --adv-estimator {run.adv_estimator}; drop it")
+    if run.policy_loss not in core_algos.POLICY_LOSSES:
+        raise ArgumentError(f"--policy-loss {run.policy_loss}: unknown; valid names: "
+                            f"{', '.join(core_algos.POLICY_LOSSES)}")
+    if run.loss_agg_mode is None:
+        # GSPO (Zheng et al. 2025) averages its sequence-level losses over sequences, as verl runs it
+        run.loss_agg_mode = "seq-mean-token-mean" if run.policy_loss == "gspo" else "token-mean"
+        if run.policy_loss == "gspo":
+            run.startup_notes.append("--policy-loss gspo: losses averaged per sequence (--loss-agg-mode "
+                                      "seq-mean-token-mean, the aggregation GSPO is defined with); pass "
+                                      "--loss-agg-mode to choose another")
+    if run.policy_loss == "gspo" and run.dual_clip is not None:
+        raise ArgumentError("--dual-clip applies to --policy-loss vanilla; gspo has no dual clip")
+    if run.overlong_buffer_len is not None and not 1 <= run.overlong_buffer_len <= run.max_new_tokens:
+        raise ArgumentError(f"--overlong-buffer-len {run.overlong_buffer_len} must be in [1, --max-new-tokens "
+                            f"{run.max_new_tokens}]")
+    if run.rollout_is != "none":
+        run.recompute_old_logprobs = True  # the weights compare the sampler with the training forward

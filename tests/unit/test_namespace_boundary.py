@@ -1,0 +1,124 @@
+"""The argparse Namespace stops at model building: the stages, the trainer's loop, the batch plan and the rollout
+strategies read the typed parts of `rl/settings.py`, so an option (an estimator's, a loop's) is one flag and one
+field, and what a stage reads is written in its types.
+
+The walk (ast) looks at every function parameter named `args` / `model_args` and at `self.args` in these modules.
+Allowed uses of such a name: reading `.settings` (the typed parts), and passing it to the model-building calls
+(`MODEL_BUILDING`: they read Megatron's flags). Anything else -- `args.kl_coef`, `getattr(args, ...)`, storing it,
+passing it elsewhere -- is a read of the Namespace and fails here.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "mindspeed_llm"
+
+CHECKED = (
+    "rl/stages/__init__.py", "rl/stages/grpo.py", "rl/stages/trl_ppo.py", "rl/trainer.py", "rl/batch_plan.py",
+    "rl/rollout.py", "rl/partial_rollout.py", "rl/dynamic_sampling.py", "rl/experience.py",
+    # the typed consumers the stages call
+    "rl/ppo_loop.py", "rl/loss_closures.py", "rl/scoring.py", "rl/evaluation.py", "rl/passes.py",
+)
+NAMESPACE_NAMES = ("args", "model_args")
+# Calls that may receive the Namespace: model building (roles read Megatron's model, optimizer and LoRA flags),
+# the startup report of the command line's flags, and the stage constructor (`STAGES[name](args, tokenizer)`,
+# whose model building needs them).
+MODEL_BUILDING = frozenset({"roles.load_model", "roles.trainable", "roles.load_reward_model", "startup_lines",
+                            "STAGES[]"})
+# Reads that are known and owned elsewhere, by (module, function): what each of its reads says. They go when their
+# owner types them; each must still be found (a stale entry fails too), so the list only shrinks.
+PENDING = {
+    # the rollout seam's (rl/partial_rollout.py): `PartialRollouts.from_args` reads n_samples_per_prompt,
+    # global_batch_size, partial_rollout_max_split, max_num_gen_batches from the Namespace, and the stages hand it
+    # theirs, until it takes typed parts
+    ("rl/partial_rollout.py", "PartialRollouts.from_args"): "args.",
+    ("rl/stages/grpo.py", "GRPOStage.__init__"): "model_args passed to PartialRollouts.from_args",
+    ("rl/stages/trl_ppo.py", "TrlPPOStage.__init__"): "model_args passed to PartialRollouts.from_args",
+}
+
+
+def _callee(call: ast.Call) -> str:
+    func = call.func
+    if isinstance(func, ast.Subscript):  # STAGES[name](...)
+        return f"{ast.unparse(func.value)}[]"
+    return ast.unparse(func)
+
+
+def namespace_reads(source: str, allowed=MODEL_BUILDING):
+    """[(qualified function name, what it does with the Namespace)] of a module's source."""
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    found = []
+
+    def visit(node, scope):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(child, scope + [child.name])
+                continue
+            visit(child, scope)
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return
+        a = node.args
+        names = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs) if p.arg in NAMESPACE_NAMES}
+        for use in ast.walk(node):
+            if isinstance(use, ast.Attribute) and use.attr == "args" and ast.unparse(use.value) == "self":
+                found.append((".".join(scope), f"self.args at line {use.lineno}"))
+            if not (isinstance(use, ast.Name) and use.id in names and isinstance(use.ctx, ast.Load)):
+                continue
+            parent = parents[use]
+            if isinstance(parent, ast.Attribute):
+                if parent.attr != "settings":
+                    found.append((".".join(scope), f"{use.id}.{parent.attr} at line {use.lineno}"))
+                continue
+            call = parents[parent] if isinstance(parent, ast.keyword) else parent
+            if isinstance(call, ast.Call) and call.func is not use and _callee(call) in allowed:
+                continue
+            what = f"passed to {_callee(call)}" if isinstance(call, ast.Call) else type(parent).__name__
+            found.append((".".join(scope), f"{use.id} {what} at line {use.lineno}"))
+
+    visit(tree, [])
+    return found
+
+
+def _reads():
+    reads = {}
+    for relative in CHECKED:
+        for function, what in namespace_reads((PACKAGE / relative).read_text()):
+            reads.setdefault((relative, function), []).append(what)
+    return reads
+
+
+def test_the_stages_loop_and_batch_plan_read_no_namespace():
+    unexpected = {key: [w for w in what if key not in PENDING or PENDING[key] not in w]
+                  for key, what in _reads().items()}
+    unexpected = {key: what for key, what in unexpected.items() if what}
+    assert unexpected == {}, "reads of the argparse Namespace outside model building: " + "; ".join(
+        f"{path} {function}: {', '.join(what)}" for (path, function), what in unexpected.items())
+
+
+def test_the_pending_reads_are_still_there():
+    """A pending entry whose reads are gone is taken off the list (it only shrinks)."""
+    reads = _reads()
+    assert [key for key in PENDING if key not in reads] == []
+
+
+@pytest.mark.parametrize("planted,needle", [
+    ("if model_args.kl_coef > 0:", "model_args.kl_coef"),
+    ("if getattr(model_args, 'kl_coef') > 0:", "model_args passed to getattr"),
+])
+def test_a_planted_read_is_found(planted, needle):
+    source = (PACKAGE / "rl/stages/grpo.py").read_text()
+    original = "if self.algorithm.kl_coef > 0:"
+    assert original in source
+    reads = namespace_reads(source.replace(original, planted))
+    assert [function for function, what in reads if needle in what] == ["GRPOStage.__init__"]
+
+
+def test_a_planted_self_args_is_found():
+    source = (PACKAGE / "rl/trainer.py").read_text()
+    original = "loop, checkpoint, n = settings.loop"
+    planted = source.replace(original, "self.args = None\n    " + original)
+    assert [what.split(" at ")[0] for _, what in namespace_reads(planted)] == ["self.args"]
