@@ -69,7 +69,7 @@ import torch
 from mindspeed_llm import device, distributed
 from mindspeed_llm.errors import ArgumentError, UserError
 from mindspeed_llm.inference import Continuation, Rollout, generate
-from mindspeed_llm.rl.experience import Experience
+from mindspeed_llm.rl.experience import Experience, SampleData
 
 # generate_round(iteration, prompts, sample_ids, continuations, response_budgets) -> Rollout
 GenerateRound = Callable[[int, List[List[int]], List[int], List[Optional[Continuation]], List[int]], Rollout]
@@ -230,7 +230,7 @@ class PartialRollouts:
 
     def _experience(self, groups: List[_Group]) -> Experience:
         """The finished `groups` as an Experience (the layout of `Rollout.sequences()`), with `rollout.rollout`'s
-        extras and each sample's `sample_ids` and `started` iteration."""
+        sample data and each sample's `sample_ids` and `started` iteration."""
         pairs = [(g, s) for g in groups for s in g.samples]
         dev, pad = device.current_device(), self.sampling.pad_id
         prompts = [[int(t) for t in g.row["input_ids"]] for g, _ in pairs]
@@ -263,12 +263,9 @@ class PartialRollouts:
         )
         exp = Experience.from_rollout(result)
         exp.routing_recorded = self.routing_recorded
-        exp.extras["labels"] = [g.row.get("labels") for g, _ in pairs]
-        exp.extras["indices"] = [g.row.get("index") for g, _ in pairs]
-        exp.extras["finish_reasons"] = reasons
-        exp.extras["texts"] = result.decode(self.tokenizer)
-        exp.extras["sample_ids"] = [s.sample_id for _, s in pairs]
-        exp.extras["started"] = [g.started for g, _ in pairs]
+        exp.sample_data = SampleData.of_prompts(
+            [g.row for g, _ in pairs], finish_reasons=reasons, texts=result.decode(self.tokenizer),
+            sample_ids=[s.sample_id for _, s in pairs], started=[g.started for g, _ in pairs])
         return exp
 
     # ------------------------------------------------------------------ checkpoint

@@ -81,7 +81,7 @@ def test_a_carried_sample_is_one_generation_whose_weights_changed_at_the_cut(tas
 
     out = run_distributed(_weights_change_at_the_cut, 1, task["mg_actor_tp1pp1"])[0]
     second, head, tail = out["second"], out["head"], out["tail"]
-    assert second.extras["started"] == [1, 1]
+    assert second.sample_data.started == [1, 1]
     k = MAX_NEW // SPLIT
     got = [second.responses[b, :MAX_NEW].tolist() for b in range(2)]
     expected = [h + t for h, t in zip(head.response_token_lists(), tail.response_token_lists())]

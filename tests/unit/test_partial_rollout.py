@@ -94,7 +94,7 @@ def _rows(global_batch=2, dp_rank=0, dp_size=1):
 def _trained(exp):
     """(started, sample id, response) per row of a training batch."""
     return [(st, sid, exp.responses[b, :int(exp.response_mask[b].sum())].tolist())
-            for b, (st, sid) in enumerate(zip(exp.extras["started"], exp.extras["sample_ids"]))]
+            for b, (st, sid) in enumerate(zip(exp.sample_data.started, exp.sample_data.sample_ids))]
 
 
 def _expected(started, sid, lengths=LENGTHS):
@@ -114,7 +114,7 @@ def test_whole_groups_train_oldest_first_and_carried_samples_continue():
                                 started=[1] * 5, tokens=[4, 0, 0, 0, 0])  # the carried sample first, its whole budget
     # the rollout log-probs of a carried sample: the first round's and the second's, as recorded
     assert exp.rollout_logp[1, :7].tolist() == [_logp(1, j) for j in range(7)]
-    assert exp.extras["finish_reasons"] == ["eos"] * 4
+    assert exp.sample_data.finish_reasons == ["eos"] * 4
     # the samples that finished in round 2 (ids 5 and 7) wait for their group's other sample
     assert pending(buffers.state_dict()) == (2, 0)
 

@@ -100,17 +100,18 @@ class GRPOStage:
             if args.mask_truncated_completions:
                 rollout_stats.update(mask_truncated_completions(exp))
 
+            routing_mismatch = None  # the old-log-prob pass's, for a mixture of experts
             with timers("old_log_p"):  # ~0 s when the update's own log-probs are the old ones
                 # a pass of its own when the update takes several steps, when the KL is a reward penalty (it is
                 # computed before the update), and with --recompute-old-logprobs / --rollout-is
                 if (args.recompute_old_logprobs or self.estimator.kl_in_reward
                         or not old_logp_is_current(settings.update, exp)):
-                    exp.old_logp = policy_logprobs(self.actor.chunks, exp, plan, settings.loss.temperature,
-                                                   compare_routing=exp.routing_recorded)
+                    exp.old_logp, routing_mismatch = policy_logprobs(
+                        self.actor.chunks, exp, plan, settings.loss.temperature, compare_routing=exp.routing_recorded)
             if self.reference is not None:
                 with timers("reference_model"), roles.on_device(self.reference, settings.offload.offload_ref_reward,
                                                                 timers) as reference:
-                    exp.ref_logp = policy_logprobs([reference], exp, plan, settings.loss.temperature)
+                    exp.ref_logp, _ = policy_logprobs([reference], exp, plan, settings.loss.temperature)
 
             with timers("adv"):
                 rewards, advantages = self._advantages(exp)
@@ -134,7 +135,7 @@ class GRPOStage:
             **mean_min_max("grpo/advantages", advantages),
             **score_metrics,
             **rollout_stats,
-            **mismatch_metrics(exp),
+            **mismatch_metrics(exp, routing_mismatch),
             "n_samples_per_prompt": n,
         }
         if args.filter_groups:

@@ -98,16 +98,17 @@ class TrlPPOStage:
             rollout_stats = rollout_metrics(exp)
             if args.mask_truncated_completions:  # they leave the actor's and the critic's losses
                 rollout_stats.update(mask_truncated_completions(exp))
+            routing_mismatch = None  # the old-log-prob pass's, for a mixture of experts
             with timers("old_log_p"):
                 on_policy = old_logp_is_current(settings.update, exp) and not args.recompute_old_logprobs
                 if exp.rollout_logp is not None and on_policy:
                     exp.old_logp = exp.rollout_logp  # as TRL's PPO: the generation logits' log-probs, no pass
                 else:
-                    exp.old_logp = policy_logprobs(self.actor.chunks, exp, plan, settings.loss.temperature,
-                                                   compare_routing=exp.routing_recorded)
+                    exp.old_logp, routing_mismatch = policy_logprobs(
+                        self.actor.chunks, exp, plan, settings.loss.temperature, compare_routing=exp.routing_recorded)
             with timers("reference_model"), roles.on_device(self.reference, settings.offload.offload_ref_reward,
                                                             timers) as reference:
-                exp.ref_logp = policy_logprobs([reference], exp, plan, settings.loss.temperature)
+                exp.ref_logp, _ = policy_logprobs([reference], exp, plan, settings.loss.temperature)
             with timers("critic_model"):
                 self.critic.onload(timers, parts=("weights",))  # --offload-train-param: they left for the rollout
                 exp.values = critic_values(self.critic.chunks, exp, plan)
@@ -146,7 +147,7 @@ class TrlPPOStage:
             **score_metrics,
             **partial_metrics,
             **rollout_stats,
-            **mismatch_metrics(exp),
+            **mismatch_metrics(exp, routing_mismatch),
             "n_samples_per_prompt": n,
         }
         metrics.update(timers.pop())
