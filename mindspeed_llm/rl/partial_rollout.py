@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -125,10 +125,14 @@ def pending(state: Optional[dict]) -> Tuple[int, int]:
 
 
 class PartialRollouts:
-    """This DP rank's carried groups and every rank's finished ones, and the rounds of one iteration (module doc).
+    """This DP rank's carried groups and every rank's finished ones, and the rounds of one iteration (module doc): the
+    `partial_rollout` rollout strategy (`rollout_strategies`).
 
     `generate_round(iteration, prompts, sample_ids, continuations, response_budgets)` generates one round (the
     actor's `generate`, `from_args`); `gather(obj)` is every DP rank's `obj` in rank order."""
+
+    name = "partial_rollout"  # also its state's key in the checkpoint's loop state
+    flag = "--partial-rollout"
 
     def __init__(self, generate_round: GenerateRound, tokenizer, sampling, *, group_size: int, local_groups: int,
                  max_split: int, max_rounds: int, dp_rank: int = 0, dp_size: int = 1,
@@ -170,11 +174,12 @@ class PartialRollouts:
                    routing_recorded=routing.is_moe(actor_module))
 
     # ------------------------------------------------------------------ one iteration
-    def collect(self, iteration: int, rows: Sequence[dict],
-                more_rows: Callable[[int], Sequence[dict]]) -> Tuple[Experience, Dict[str, float]]:
+    def collect(self, iteration: int, prompts) -> Tuple[Experience, Dict[str, float]]:
         """This rank's training batch of iteration `iteration` (its share of the oldest --global-batch-size finished
-        groups, a group's samples consecutive) and the `partial_rollout/*` metrics. `rows` are this rank's prompts of
-        the sampler's batch for this iteration, `more_rows(j)` those of the j-th further one."""
+        groups, a group's samples consecutive) and the `partial_rollout/*` metrics. `prompts.first_batch` are this
+        rank's prompts of the sampler's batch for this iteration, `prompts.more(j)` those of the j-th further one
+        (`rollout_strategies.PromptSource`)."""
+        rows = prompts.first_batch
         rounds = 0
         wanted = self.local_groups * self.dp_size
         while len(self.ready) < wanted:  # the same list on every rank: every rank decides alike
@@ -184,7 +189,7 @@ class PartialRollouts:
                     f"finished {len(self.ready)} of the {wanted} prompt groups of a --global-batch-size with "
                     f"--partial-rollout-max-split {self.max_split} ({self.step_tokens} tokens per sample and batch); "
                     "raise --max-num-gen-batches or lower --partial-rollout-max-split")
-            fresh = rows if rounds == 0 else more_rows(rounds)
+            fresh = rows if rounds == 0 else prompts.more(rounds)
             groups = self.carried + [self._new_group(iteration, row) for row in fresh]
             self._generate(iteration, groups)
             self.carried = [g for g in groups if not g.finished]
@@ -291,6 +296,14 @@ class PartialRollouts:
         self.carried = everything[self.dp_rank::self.dp_size]
         return (f"--partial-rollout: the checkpoint's {len(everything)} carried prompt groups of {len(saved)} DP ranks "
                 f"are dealt over this run's {self.dp_size}")
+
+    @classmethod
+    def saved_work(cls, state: dict) -> Optional[str]:
+        """What a saved state holds that a run without --partial-rollout would drop, or None."""
+        unfinished, finished = pending(state)
+        if not (unfinished or finished):
+            return None
+        return f"{unfinished} unfinished samples and {finished} finished prompt groups of --partial-rollout"
 
 
 __all__ = ["PartialRollouts", "PartialRolloutBudgetError", "pending"]

@@ -4,7 +4,7 @@ losses, and how far the sampler's log-probs are from the training forward's."""
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -73,6 +73,38 @@ def gather_context_parallel(exp: Experience) -> Experience:
     if len(parts) == 1:
         return exp
     return Experience.concat(parts, exp.tokens.device)
+
+
+class SingleTurnRollouts:
+    """The `single_turn` rollout strategy (`rollout_strategies`): one generation of the iteration's prompt batch,
+    `samples_per_prompt` samples a prompt, the CP ranks' rollouts gathered (`gather_context_parallel`). Nothing
+    carries over between iterations."""
+
+    name = "single_turn"
+    flag = None  # the default
+
+    def __init__(self, actor_module, tokenizer, sampling: SamplingConfig, samples_per_prompt: int = 1):
+        self.actor_module, self.tokenizer, self.sampling = actor_module, tokenizer, sampling
+        self.samples_per_prompt = int(samples_per_prompt)
+
+    @classmethod
+    def from_args(cls, args, actor_module, tokenizer, sampling: SamplingConfig) -> "SingleTurnRollouts":
+        return cls(actor_module, tokenizer, sampling, args.n_samples_per_prompt)
+
+    def collect(self, iteration: int, prompts) -> Tuple[Experience, Dict[str, float]]:
+        exp = rollout(self.actor_module, prompts.first_batch, self.sampling, iteration, self.tokenizer,
+                      samples_per_prompt=self.samples_per_prompt)
+        return gather_context_parallel(exp), {}  # the CP ranks' rollouts: this DP rank's share, on each of them
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state: dict) -> Optional[str]:
+        return None
+
+    @classmethod
+    def saved_work(cls, state: dict) -> Optional[str]:
+        return None
 
 
 def rollout_metrics(exp: Experience) -> Dict[str, float]:

@@ -16,6 +16,7 @@ import torch
 
 from mindspeed_llm.inference import Rollout, SamplingConfig
 from mindspeed_llm.rl.partial_rollout import PartialRollouts, pending
+from mindspeed_llm.rl.rollout_strategies import PromptSource
 
 
 MAX_NEW, SPLIT = 8, 2  # a round adds at most 4 tokens to a sample
@@ -54,11 +55,11 @@ def _weights_change_at_the_cut(rank, world_size, actor_root):
 
     w0 = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
     # iteration 1: round 1 cuts prompts 0, 1; round 2 finishes them and cuts prompts 2, 3 (after 4 tokens of W0)
-    first, _ = buffers.collect(1, rows(0), lambda j: rows(j))
+    first, _ = buffers.collect(1, PromptSource(rows(0), rows))
     with torch.no_grad():  # "the update": W1 = W0 + noise
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.5 * p.detach().float().std().clamp(min=1e-3))
-    second, _ = buffers.collect(2, rows(0), lambda j: rows(j + 1))  # iteration 2: prompts 2, 3 finish under W1
+    second, _ = buffers.collect(2, PromptSource(rows(0), lambda j: rows(j + 1)))  # iteration 2: prompts 2, 3 finish under W1
     w1 = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
 
     k = MAX_NEW // SPLIT

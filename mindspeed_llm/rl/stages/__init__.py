@@ -6,7 +6,7 @@ seconds on a loaded 2-core machine), which the stage modules bring in."""
 
 import importlib
 from collections.abc import MutableMapping
-from typing import Callable, Dict, Iterator, List, Optional, Protocol, Sequence
+from typing import Dict, Iterator, List, Protocol, Sequence
 
 
 class Stage(Protocol):
@@ -15,23 +15,22 @@ class Stage(Protocol):
 
     name: str
     log_lines: Dict[str, List[str]]  # stdout line groups (`MetricsLogger`)
-    # --partial-rollout's buffers (`rl/partial_rollout.PartialRollouts`, saved with the loop state), else None
-    partial_rollout: Optional[object]
+    # how it generates its experience (`rl/rollout_strategies.RolloutStrategy`; its state is saved with the loop state)
+    rollouts: object
 
     def roles(self) -> Dict[str, object]:
         """The trained models by role name (`TrainableModel`s: "actor", "critic"): what checkpoints hold."""
 
-    def iteration(self, iteration: int, rows: Sequence[dict],
-                  more_rows: Callable[[int], Sequence[dict]]) -> Dict[str, float]:
-        """One iteration on this DP rank's prompts; returns its metrics (this rank's view). `more_rows(j)` gives
-        this rank's prompts of the next global batch (j: its generation batch in this iteration, from 1), for a
-        stage that generates more than one batch (`--dynamic-sampling`, `--partial-rollout`)."""
+    def iteration(self, iteration: int, prompts) -> Dict[str, float]:
+        """One iteration on this DP rank's prompts (`rl/rollout_strategies.PromptSource`: the sampler's batch of the
+        iteration, and further ones for what generates more than one batch, `--dynamic-sampling`,
+        `--partial-rollout`); returns its metrics (this rank's view)."""
 
     def evaluate(self, rows: Sequence[dict]) -> Dict[str, float]:
         """Held-out metrics (`eval/*`) of the current policy on this DP rank's prompts."""
 
 
-class _LazyRegistry(MutableMapping):
+class LazyRegistry(MutableMapping):
     """name -> class; a value given as "module:attribute" is imported when first read, then kept."""
 
     def __init__(self, entries: Dict[str, object]):
@@ -57,7 +56,7 @@ class _LazyRegistry(MutableMapping):
         return len(self._entries)
 
 
-STAGES = _LazyRegistry({
+STAGES = LazyRegistry({
     "trl_ppo": "mindspeed_llm.rl.stages.trl_ppo:TrlPPOStage",
     "grpo": "mindspeed_llm.rl.stages.grpo:GRPOStage",
 })

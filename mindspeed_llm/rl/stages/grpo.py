@@ -26,17 +26,10 @@ from mindspeed_llm.rl.dynamic_sampling import informative_groups, refill
 from mindspeed_llm.rl.evaluation import evaluate_policy
 from mindspeed_llm.rl.loss_closures import clipped_policy_loss
 from mindspeed_llm.rl.metrics import Timers, mean_min_max, prefixed
-from mindspeed_llm.rl.partial_rollout import PartialRollouts
 from mindspeed_llm.rl.passes import policy_logprobs
 from mindspeed_llm.rl.ppo_loop import old_logp_is_current, ppo_update
-from mindspeed_llm.rl.rollout import (
-    gather_context_parallel,
-    mask_truncated_completions,
-    mismatch_metrics,
-    rollout,
-    rollout_metrics,
-    sampling_config,
-)
+from mindspeed_llm.rl.rollout import mask_truncated_completions, mismatch_metrics, rollout_metrics, sampling_config
+from mindspeed_llm.rl.rollout_strategies import PromptSource, build_rollouts
 from mindspeed_llm.rl.scoring import Scorer
 
 
@@ -73,8 +66,7 @@ class GRPOStage:
                           tokenizer)
         self.scorer = Scorer.from_settings(settings.reward, reward_model, settings.offload.offload_ref_reward)
         self.sampling = sampling_config(settings.sampling, tokenizer)
-        self.partial_rollout = PartialRollouts.from_args(args, self.actor.module, tokenizer, self.sampling) \
-            if args.partial_rollout else None
+        self.rollouts = build_rollouts(args, self.actor.module, tokenizer, self.sampling)
 
     def roles(self):
         return {"actor": self.actor}
@@ -84,15 +76,15 @@ class GRPOStage:
                                self.settings.offload.offload_ref_reward)
 
     # ------------------------------------------------------------------ one iteration
-    def iteration(self, iteration: int, rows: Sequence[dict], more_rows=None) -> Dict[str, float]:
+    def iteration(self, iteration: int, prompts: PromptSource) -> Dict[str, float]:
         args, settings, n = self.args, self.settings, self.args.n_samples_per_prompt
         timers = Timers(sync=device.synchronize)
         with timers("all"):
             self.actor.offload(timers)  # --offload-train-*: the training state waits in host memory until the update
-            exp, plan, score_metrics = self._generate(iteration, rows, timers, more_rows)
+            exp, plan, score_metrics = self._generate(iteration, prompts, timers)
             if args.dynamic_sampling:  # refill with more prompt groups until the batch's groups all carry signal
                 exp, sampling_stats = refill(  # the DP rank's groups (its CP ranks' rows together)
-                    exp, lambda j: self._generate(iteration, more_rows(j), timers)[0], n, exp.batch_size // n,
+                    exp, lambda j: self._generate(iteration, prompts.batch(j), timers)[0], n, exp.batch_size // n,
                     args.max_num_gen_batches)
                 plan = MicroBatchPlan.for_run(exp, args, group_size=n)
                 score_metrics.update(sampling_stats)
@@ -143,22 +135,16 @@ class GRPOStage:
         metrics.update(timers.pop())
         return metrics
 
-    def _generate(self, iteration: int, rows: Sequence[dict], timers, more_rows=None):
-        """`rows`' groups (a prompt's n samples are consecutive rows), scored: (experience, its micro-batch plan,
-        the scorer's metrics). Every pass and the update compute a prompt once per group, when micro-batches hold
-        whole groups. With --partial-rollout the groups are the oldest finished ones (`rl/partial_rollout.py`,
-        which takes further prompts from `more_rows`) and the metrics include `partial_rollout/*`."""
+    def _generate(self, iteration: int, prompts: PromptSource, timers):
+        """The rollout strategy's groups of `prompts` (a prompt's n samples are consecutive rows), scored:
+        (experience, its micro-batch plan, the strategy's and the scorer's metrics). Every pass and the update
+        compute a prompt once per group, when micro-batches hold whole groups."""
         n = self.args.n_samples_per_prompt
-        partial_metrics = {}
         with timers("rollout"):
-            if self.partial_rollout is not None:
-                exp, partial_metrics = self.partial_rollout.collect(iteration, rows, more_rows)
-            else:
-                exp = rollout(self.actor.module, rows, self.sampling, iteration, self.tokenizer, samples_per_prompt=n)
-                exp = gather_context_parallel(exp)  # the CP ranks' rollouts: this DP rank's share, on each of them
+            exp, rollout_strategy_metrics = self.rollouts.collect(iteration, prompts)
         plan = MicroBatchPlan.for_run(exp, self.args, group_size=n)
         exp.scores, score_metrics = self.scorer(exp, plan, timers)
-        return exp, plan, {**partial_metrics, **score_metrics}
+        return exp, plan, {**rollout_strategy_metrics, **score_metrics}
 
     # ------------------------------------------------------------------ loss closure (per micro-batch)
     def _advantages(self, exp):
