@@ -17,7 +17,7 @@ One iteration (`PartialRollouts.collect`), on every DP rank:
 2. A prompt's group of n samples is finished when all n are (trl_ppo: n is 1 by default). Every rank's newly
    finished groups are exchanged over the DP group (host memory), so every rank holds the same list of finished
    groups ("ready") in the global order of their key: (the iteration their generation started, the prompt's
-   position in that iteration's generation order, `trainer.next_rows`).
+   position in that iteration's generation order, `rollout_strategies.PromptSource`).
 3. Rounds run while fewer than --global-batch-size groups are ready (every rank decides alike: the list is the
    same everywhere, and expert-parallel peers generate in lock-step), none when the earlier rounds finished a
    global batch already (MindSpeed-RL's check comes before generating): the sampler's batch of the iteration then

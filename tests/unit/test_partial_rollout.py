@@ -82,7 +82,7 @@ def _buffers(generator, local_groups=2, dp_rank=0, dp_size=1, gather=None, max_r
 
 
 def _rows(global_batch=2, dp_rank=0, dp_size=1):
-    """`trainer.next_rows`: this rank's prompts of generation batch j, `position` counting on over the batches."""
+    """`PromptSource.from_sampler`'s draw: this rank's prompts of generation batch j, `position` counting on."""
     local = global_batch // dp_size
 
     def rows(j):
