@@ -6,7 +6,10 @@ seconds on a loaded 2-core machine), which the stage modules bring in."""
 
 import importlib
 from collections.abc import MutableMapping
-from typing import Dict, Iterator, List, Protocol, Sequence
+from typing import TYPE_CHECKING, Dict, Iterator, List, Protocol, Sequence
+
+if TYPE_CHECKING:  # rollout_strategies imports this module (LazyRegistry)
+    from mindspeed_llm.rl.rollout_strategies import PromptSource, RolloutStrategy
 
 
 class Stage(Protocol):
@@ -16,12 +19,12 @@ class Stage(Protocol):
     name: str
     log_lines: Dict[str, List[str]]  # stdout line groups (`MetricsLogger`)
     # how it generates its experience (`rl/rollout_strategies.RolloutStrategy`; its state is saved with the loop state)
-    rollouts: object
+    rollouts: "RolloutStrategy"
 
     def roles(self) -> Dict[str, object]:
         """The trained models by role name (`TrainableModel`s: "actor", "critic"): what checkpoints hold."""
 
-    def iteration(self, iteration: int, prompts) -> Dict[str, float]:
+    def iteration(self, iteration: int, prompts: "PromptSource") -> Dict[str, float]:
         """One iteration on this DP rank's prompts (`rl/rollout_strategies.PromptSource`: the sampler's batch of the
         iteration, and further ones for what generates more than one batch, `--dynamic-sampling`,
         `--partial-rollout`); returns its metrics (this rank's view)."""
