@@ -50,8 +50,7 @@ MEGATRON_DERIVED = (
 )
 # Resolved settings values still copied onto the Namespace for readers outside the typed boundary (their owners'):
 PUBLISHED = {
-    "n_samples_per_prompt": "rl/partial_rollout.PartialRollouts.from_args; benchmarks/memory.py",
-    "partial_rollout_max_split": "rl/partial_rollout.PartialRollouts.from_args",
+    "n_samples_per_prompt": "benchmarks/memory.py",
     "kl_coef": "benchmarks/memory.py (the launcher projection: a reference model when > 0)",
     "max_length": "benchmarks/memory.py",
     "max_prompt_length": "benchmarks/memory.py",

@@ -13,17 +13,12 @@ generation batches.
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Callable, Dict, List, Tuple
 
 import torch
 
 from mindspeed_llm import distributed
 from mindspeed_llm.rl.experience import Experience
-
-# Per-row python data of an Experience that moves with its rows.
-_ROW_EXTRAS = ("labels", "indices", "finish_reasons", "texts")
-_PADDED = ("tokens", "responses", "response_mask", "rollout_logp", "loss_mask")  # [B, T] or [B, R]
 
 
 class GenerationBudgetError(RuntimeError):
@@ -33,48 +28,6 @@ class GenerationBudgetError(RuntimeError):
 def informative_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     """[G] bool: the groups of `group_size` consecutive samples whose scores are not all equal."""
     return scores.view(-1, group_size).std(dim=1, unbiased=False) > 0
-
-
-def rows_to_host(exp: Experience, rows: torch.Tensor) -> Dict[str, object]:
-    """The `rows` of a scored Experience as CPU tensors and lists (picklable, to send over the DP group)."""
-    rows = rows.to(exp.tokens.device)
-    out = {name: t.index_select(0, rows).cpu() for name, t in exp.tensors().items() if name != "position_ids"}
-    picked = rows.tolist()
-    out["extras"] = {key: [exp.extras[key][i] for i in picked] for key in _ROW_EXTRAS if key in exp.extras}
-    out["routing_recorded"] = exp.routing_recorded
-    return out
-
-
-def concat_rows(parts: List[Dict[str, object]], device) -> Experience:
-    """One Experience of the rows of `parts`, right-padded to the longest sequence and response."""
-    names = [f.name for f in fields(Experience) if f.name not in ("position_ids", "extras", "routing_recorded")]
-    tensors = {}
-    for name in names:
-        values = [p[name] for p in parts if name in p]
-        if len(values) != len(parts):
-            continue
-        if name in _PADDED:
-            width = max(v.shape[1] for v in values)
-            values = [torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in values]
-        elif name == "routing":  # [B, layers, T, topk] (models/routing.py): padded along T with -1, "unknown"
-            width = max(v.shape[2] for v in values)
-            values = [torch.nn.functional.pad(v, (0, 0, 0, width - v.shape[2]), value=-1) for v in values]
-        tensors[name] = torch.cat(values).to(device)
-    # no wider than the rows need: sequences to the longest prompt + response, responses to the longest response
-    lengths = tensors["response_mask"].sum(-1).long()
-    width_r = int(lengths.max()) if len(lengths) else 0
-    width_t = int((tensors["prompt_lengths"] + lengths).max()) if len(lengths) else 0
-    for name in _PADDED:
-        if name in tensors:
-            tensors[name] = tensors[name][:, :width_t if name == "tokens" else width_r].contiguous()
-    if "routing" in tensors:
-        tensors["routing"] = tensors["routing"][:, :, :width_t].contiguous()
-    tokens = tensors["tokens"]
-    positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens).contiguous()
-    exp = Experience(position_ids=positions, **tensors)
-    exp.extras = {key: [x for p in parts for x in p["extras"][key]] for key in parts[0]["extras"]}
-    exp.routing_recorded = all(p.get("routing_recorded", False) for p in parts)
-    return exp
 
 
 def refill(first: Experience, generate: Callable[[int], Experience], group_size: int, local_groups: int,
@@ -90,14 +43,14 @@ def refill(first: Experience, generate: Callable[[int], Experience], group_size:
     """
     dp_rank = distributed.data_parallel_info()[0]
     samples = torch.arange(group_size)
-    candidates: List[Dict[str, object]] = []  # per generation batch: every rank's informative rows, in rank order
+    candidates: List[Experience] = []  # per generation batch: every rank's informative rows (host), in rank order
     kept = generated = 0
     exp, j = first, 0
     while True:
         mask = informative_groups(exp.scores, group_size)
         groups = torch.nonzero(mask).flatten().cpu()
         rows = (groups[:, None] * group_size + samples[None, :]).reshape(-1)
-        shares = distributed.gather_over_data_parallel((len(groups), rows_to_host(exp, rows)))
+        shares = distributed.gather_over_data_parallel((len(groups), exp.select(rows, device="cpu")))
         candidates.extend(part for count, part in shares if count)
         kept += sum(count for count, _ in shares)
         generated += local_groups * len(shares)
@@ -111,10 +64,10 @@ def refill(first: Experience, generate: Callable[[int], Experience], group_size:
                 "--max-num-gen-batches, or make the task's rewards vary more (temperature, harder/easier prompts)"
             )
         exp = generate(j)
-    everything = concat_rows(candidates, "cpu")  # every rank's candidates stay in host memory; only this rank's go over
-    mine = torch.arange(dp_rank * local_groups, (dp_rank + 1) * local_groups)
+    everything = Experience.concat(candidates, "cpu")  # every rank's candidates stay in host memory; only this rank's
+    mine = torch.arange(dp_rank * local_groups, (dp_rank + 1) * local_groups)  # go over
     rows = (mine[:, None] * group_size + samples[None, :]).reshape(-1)
-    batch = concat_rows([rows_to_host(everything, rows)], first.tokens.device)
+    batch = Experience.concat([everything.select(rows)], first.tokens.device)
     metrics = {"dynamic_sampling/num_gen_batches": float(j),
                "dynamic_sampling/filtered_fraction": 1.0 - kept / generated}
     return batch, metrics

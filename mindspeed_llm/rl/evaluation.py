@@ -25,8 +25,8 @@ reference waits in host memory (--offload-ref-reward)."""
     out = {"eval/score/mean": float(scores.mean()),
            "eval/response_length/mean": float(exp.response_lengths.float().mean())}
     if reference is not None:
-        logp = policy_logprobs(actor.chunks, exp, plan, compare_routing=exp.routing_recorded)
+        logp, _ = policy_logprobs(actor.chunks, exp, plan, compare_routing=exp.routing_recorded)
         with on_device(reference, offload, timers) as ref_model:
-            ref = policy_logprobs([ref_model], exp, plan)
+            ref, _ = policy_logprobs([ref_model], exp, plan)
         out["eval/kl/mean"] = float(((logp - ref) * exp.response_mask).sum(-1).mean())
     return out

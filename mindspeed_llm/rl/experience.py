@@ -8,8 +8,8 @@ groups, the read positions) is `rl/batch_plan.py`'s job.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Dict, Optional
+from dataclasses import dataclass, field, fields, replace
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -18,6 +18,55 @@ import torch
 # own longest response (`rl/batch_plan.py`).
 RESPONSE_FIELDS = ("responses", "response_mask", "rollout_logp", "loss_mask", "old_logp", "ref_logp", "values",
                    "advantages", "returns")
+# The row-padded fields a join pads to its widest row ([B, T] or [B, R]); `routing` is padded along its T axis.
+_PADDED = ("tokens", "responses", "response_mask", "rollout_logp", "loss_mask")
+# Not joined: position ids are rebuilt for the joined width; the rest are not tensors.
+_NOT_JOINED = ("position_ids", "sample_data", "routing_recorded")
+
+
+# The dataset row keys that are not columns of their own: the prompt itself, and the trainer's place for it.
+_ROW_KEYS = ("input_ids", "labels", "index", "position")
+
+
+@dataclass
+class SampleData:
+    """Per-sample python data, one list entry per row of the Experience (None: not recorded by the rollout that made
+    it). Every field is a list over the rows, and `select` / `concat` treat them all alike, so a new column is a new
+    field here and nothing else: gathers, refills and partial rollouts carry it."""
+
+    labels: Optional[list] = None  # the dataset's reference answer (the verifiers' label), None where it has none
+    indices: Optional[List[int]] = None  # the prompt's dataset index (error messages name it)
+    texts: Optional[List[str]] = None  # the decoded response (the verifiers read it)
+    finish_reasons: Optional[List[str]] = None  # "eos" | "stop" | "length"
+    sample_ids: Optional[List[int]] = None  # the sample's random stream (partial rollouts)
+    started: Optional[List[int]] = None  # the iteration its generation started (partial rollouts)
+    # the dataset's further columns (--dataset-additional-keys) by name, for a verifier that reads them
+    columns: Dict[str, list] = field(default_factory=dict)
+
+    @classmethod
+    def of_prompts(cls, rows: Sequence[dict], **known) -> "SampleData":
+        """The data of samples whose prompts are the dataset rows `rows` (one per sample), plus `known` fields."""
+        columns = {key: [row.get(key) for row in rows] for key in dict.fromkeys(k for r in rows for k in r)
+                   if key not in _ROW_KEYS}
+        return cls(labels=[row.get("labels") for row in rows], indices=[row.get("index") for row in rows],
+                   columns=columns, **known)
+
+    def _lists(self) -> Dict[str, list]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "columns"}
+
+    def select(self, rows: Sequence[int]) -> "SampleData":
+        picked = {name: None if values is None else [values[i] for i in rows] for name, values in self._lists().items()}
+        return SampleData(columns={k: [v[i] for i in rows] for k, v in self.columns.items()}, **picked)
+
+    @staticmethod
+    def concat(parts: Sequence["SampleData"]) -> "SampleData":
+        """The rows of `parts` one after another; a field some part lacks is lacking in the result."""
+        joined = {}
+        for name in parts[0]._lists():
+            values = [getattr(p, name) for p in parts]
+            joined[name] = None if any(v is None for v in values) else [x for v in values for x in v]
+        keys = [k for k in parts[0].columns if all(k in p.columns for p in parts)]
+        return SampleData(columns={k: [x for p in parts for x in p.columns[k]] for k in keys}, **joined)
 
 
 @dataclass
@@ -40,7 +89,7 @@ class Experience:
     scores: Optional[torch.Tensor] = None  # [B]
     advantages: Optional[torch.Tensor] = None  # [B, R]
     returns: Optional[torch.Tensor] = None  # [B, R]
-    extras: Dict[str, object] = field(default_factory=dict)  # per-row python data (labels, texts)
+    sample_data: SampleData = field(default_factory=SampleData)  # per-row python data (labels, texts, ...)
     # [B, MoE layers of this rank, T, topk] int16: the rollout's experts of each token (-1 unknown / padding), for
     # --moe-routing-replay and the moe/routing_mismatch metric (`mindspeed_llm.models.routing`); None: dense model
     routing: Optional[torch.Tensor] = None
@@ -80,3 +129,43 @@ class Experience:
     def tensors(self) -> Dict[str, torch.Tensor]:
         """Every tensor field that is set, by name."""
         return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    # ------------------------------------------------------------------ rows
+    def select(self, rows: torch.Tensor, device=None) -> "Experience":
+        """The Experience of rows `rows` (in that order), its tensors on `device` (default: where they are; the
+        host, to send them over a process group)."""
+        index = rows.to(self.tokens.device)
+        picked = {name: t.index_select(0, index) for name, t in self.tensors().items()}
+        if device is not None:
+            picked = {name: t.to(device) for name, t in picked.items()}
+        return replace(self, **picked, sample_data=self.sample_data.select(rows.tolist()))
+
+    @classmethod
+    def concat(cls, parts: Sequence["Experience"], device) -> "Experience":
+        """One Experience of the rows of `parts` on `device`, right-padded to the longest sequence and response and no
+        wider (a tensor some part lacks is left out; routing is padded with -1, "unknown", `models/routing.py`)."""
+        tensors = {}
+        for f in fields(cls):
+            values = [getattr(p, f.name) for p in parts]
+            if f.name in _NOT_JOINED or any(v is None for v in values):
+                continue
+            if f.name in _PADDED:
+                width = max(v.shape[1] for v in values)
+                values = [torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in values]
+            elif f.name == "routing":  # [B, layers, T, topk]
+                width = max(v.shape[2] for v in values)
+                values = [torch.nn.functional.pad(v, (0, 0, 0, width - v.shape[2]), value=-1) for v in values]
+            tensors[f.name] = torch.cat(values).to(device)
+        # no wider than the rows need: sequences to the longest prompt + response, responses to the longest response
+        lengths = tensors["response_mask"].sum(-1).long()
+        width_r = int(lengths.max()) if len(lengths) else 0
+        width_t = int((tensors["prompt_lengths"] + lengths).max()) if len(lengths) else 0
+        for name in _PADDED:
+            if name in tensors:
+                tensors[name] = tensors[name][:, :width_t if name == "tokens" else width_r].contiguous()
+        if "routing" in tensors:
+            tensors["routing"] = tensors["routing"][:, :, :width_t].contiguous()
+        tokens = tensors["tokens"]
+        positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens).contiguous()
+        return cls(position_ids=positions, **tensors, sample_data=SampleData.concat([p.sample_data for p in parts]),
+                   routing_recorded=all(p.routing_recorded for p in parts))

@@ -17,7 +17,7 @@ One iteration (`PartialRollouts.collect`), on every DP rank:
 2. A prompt's group of n samples is finished when all n are (trl_ppo: n is 1 by default). Every rank's newly
    finished groups are exchanged over the DP group (host memory), so every rank holds the same list of finished
    groups ("ready") in the global order of their key: (the iteration their generation started, the prompt's
-   position in that iteration's generation order, `trainer.next_rows`).
+   position in that iteration's generation order, `rollout_strategies.PromptSource`).
 3. Rounds run while fewer than --global-batch-size groups are ready (every rank decides alike: the list is the
    same everywhere, and expert-parallel peers generate in lock-step), none when the earlier rounds finished a
    global batch already (MindSpeed-RL's check comes before generating): the sampler's batch of the iteration then
@@ -62,14 +62,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from mindspeed_llm import device, distributed
 from mindspeed_llm.errors import ArgumentError, UserError
 from mindspeed_llm.inference import Continuation, Rollout, generate
-from mindspeed_llm.rl.experience import Experience
+from mindspeed_llm.rl.experience import Experience, SampleData
 
 # generate_round(iteration, prompts, sample_ids, continuations, response_budgets) -> Rollout
 GenerateRound = Callable[[int, List[List[int]], List[int], List[Optional[Continuation]], List[int]], Rollout]
@@ -125,10 +125,14 @@ def pending(state: Optional[dict]) -> Tuple[int, int]:
 
 
 class PartialRollouts:
-    """This DP rank's carried groups and every rank's finished ones, and the rounds of one iteration (module doc).
+    """This DP rank's carried groups and every rank's finished ones, and the rounds of one iteration (module doc): the
+    `partial_rollout` rollout strategy (`rollout_strategies`).
 
     `generate_round(iteration, prompts, sample_ids, continuations, response_budgets)` generates one round (the
     actor's `generate`, `from_args`); `gather(obj)` is every DP rank's `obj` in rank order."""
+
+    name = "partial_rollout"  # also its state's key in the checkpoint's loop state
+    flag = "--partial-rollout"
 
     def __init__(self, generate_round: GenerateRound, tokenizer, sampling, *, group_size: int, local_groups: int,
                  max_split: int, max_rounds: int, dp_rank: int = 0, dp_size: int = 1,
@@ -144,7 +148,7 @@ class PartialRollouts:
         self.ready: List[_Group] = []  # every rank's finished groups, the same on every rank, in key order
 
     @classmethod
-    def from_args(cls, args, actor_module, tokenizer, sampling) -> "PartialRollouts":
+    def from_settings(cls, settings, actor_module, tokenizer, sampling) -> "PartialRollouts":
         """The stage's partial rollouts on `actor_module`; refuses a model the continuous engine cannot run."""
         from mindspeed_llm.inference.generation import continuous_engine_blockers
         from mindspeed_llm.models import routing
@@ -164,17 +168,20 @@ class PartialRollouts:
             return result
 
         dp_rank, dp_size = distributed.data_parallel_info()
-        return cls(generate_round, tokenizer, sampling, group_size=args.n_samples_per_prompt,
-                   local_groups=args.global_batch_size // dp_size, max_split=args.partial_rollout_max_split,
-                   max_rounds=args.max_num_gen_batches, dp_rank=dp_rank, dp_size=dp_size,
+        algorithm = settings.algorithm
+        return cls(generate_round, tokenizer, sampling, group_size=algorithm.n_samples_per_prompt,
+                   local_groups=settings.batch.global_batch_size // dp_size,
+                   max_split=algorithm.partial_rollout_max_split, max_rounds=algorithm.max_num_gen_batches,
+                   dp_rank=dp_rank, dp_size=dp_size,
                    routing_recorded=routing.is_moe(actor_module))
 
     # ------------------------------------------------------------------ one iteration
-    def collect(self, iteration: int, rows: Sequence[dict],
-                more_rows: Callable[[int], Sequence[dict]]) -> Tuple[Experience, Dict[str, float]]:
+    def collect(self, iteration: int, prompts) -> Tuple[Experience, Dict[str, float]]:
         """This rank's training batch of iteration `iteration` (its share of the oldest --global-batch-size finished
-        groups, a group's samples consecutive) and the `partial_rollout/*` metrics. `rows` are this rank's prompts of
-        the sampler's batch for this iteration, `more_rows(j)` those of the j-th further one."""
+        groups, a group's samples consecutive) and the `partial_rollout/*` metrics. `prompts.first_batch` are this
+        rank's prompts of the sampler's batch for this iteration, `prompts.more(j)` those of the j-th further one
+        (`rollout_strategies.PromptSource`)."""
+        rows = prompts.first_batch
         rounds = 0
         wanted = self.local_groups * self.dp_size
         while len(self.ready) < wanted:  # the same list on every rank: every rank decides alike
@@ -184,7 +191,7 @@ class PartialRollouts:
                     f"finished {len(self.ready)} of the {wanted} prompt groups of a --global-batch-size with "
                     f"--partial-rollout-max-split {self.max_split} ({self.step_tokens} tokens per sample and batch); "
                     "raise --max-num-gen-batches or lower --partial-rollout-max-split")
-            fresh = rows if rounds == 0 else more_rows(rounds)
+            fresh = rows if rounds == 0 else prompts.more(rounds)
             groups = self.carried + [self._new_group(iteration, row) for row in fresh]
             self._generate(iteration, groups)
             self.carried = [g for g in groups if not g.finished]
@@ -230,7 +237,7 @@ class PartialRollouts:
 
     def _experience(self, groups: List[_Group]) -> Experience:
         """The finished `groups` as an Experience (the layout of `Rollout.sequences()`), with `rollout.rollout`'s
-        extras and each sample's `sample_ids` and `started` iteration."""
+        sample data and each sample's `sample_ids` and `started` iteration."""
         pairs = [(g, s) for g in groups for s in g.samples]
         dev, pad = device.current_device(), self.sampling.pad_id
         prompts = [[int(t) for t in g.row["input_ids"]] for g, _ in pairs]
@@ -263,12 +270,9 @@ class PartialRollouts:
         )
         exp = Experience.from_rollout(result)
         exp.routing_recorded = self.routing_recorded
-        exp.extras["labels"] = [g.row.get("labels") for g, _ in pairs]
-        exp.extras["indices"] = [g.row.get("index") for g, _ in pairs]
-        exp.extras["finish_reasons"] = reasons
-        exp.extras["texts"] = result.decode(self.tokenizer)
-        exp.extras["sample_ids"] = [s.sample_id for _, s in pairs]
-        exp.extras["started"] = [g.started for g, _ in pairs]
+        exp.sample_data = SampleData.of_prompts(
+            [g.row for g, _ in pairs], finish_reasons=reasons, texts=result.decode(self.tokenizer),
+            sample_ids=[s.sample_id for _, s in pairs], started=[g.started for g, _ in pairs])
         return exp
 
     # ------------------------------------------------------------------ checkpoint
@@ -294,6 +298,14 @@ class PartialRollouts:
         self.carried = everything[self.dp_rank::self.dp_size]
         return (f"--partial-rollout: the checkpoint's {len(everything)} carried prompt groups of {len(saved)} DP ranks "
                 f"are dealt over this run's {self.dp_size}")
+
+    @classmethod
+    def saved_work(cls, state: dict) -> Optional[str]:
+        """What a saved state holds that a run without --partial-rollout would drop, or None."""
+        unfinished, finished = pending(state)
+        if not (unfinished or finished):
+            return None
+        return f"{unfinished} unfinished samples and {finished} finished prompt groups of --partial-rollout"
 
 
 __all__ = ["PartialRollouts", "PartialRolloutBudgetError", "pending"]

@@ -11,7 +11,7 @@ whole result.
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
@@ -68,11 +68,12 @@ def last_token_values(output: torch.Tensor, micro_batch: Dict[str, torch.Tensor]
 
 
 def policy_logprobs(model, exp: Experience, plan: MicroBatchPlan, temperature: float = 1.0,
-                    compare_routing: bool = False) -> torch.Tensor:
-    """Log-probs `[B, R]` of the response tokens. `compare_routing`: this is the forward of the policy that generated
-    `exp` (the stages' old-log-prob pass passes `exp.routing_recorded`; a reference never asks); for a mixture of
-    experts it also compares its routing with the rollout's: `exp.extras["routing_mismatch"]` (`models/routing.py`;
-    0 with --moe-routing-replay, which routes by the rollout's choice)."""
+                    compare_routing: bool = False) -> Tuple[torch.Tensor, Optional[float]]:
+    """Log-probs `[B, R]` of the response tokens, and the routing mismatch: `compare_routing` says this is the forward
+    of the policy that generated `exp` (the stages' old-log-prob pass passes `exp.routing_recorded`; a reference never
+    asks); for a mixture of experts it then compares its routing with the rollout's and returns the share of response
+    token x MoE layer pairs routed differently (`models/routing.py`; 0 with --moe-routing-replay, which routes by the
+    rollout's choice), else None. The caller logs it (`rollout.mismatch_metrics`)."""
     width = exp.responses.shape[1]
     # the same on every rank (the model's config): a pipeline stage without MoE layers adds zeros
     compare = compare_routing and routing.is_moe(model)
@@ -81,9 +82,7 @@ def policy_logprobs(model, exp: Experience, plan: MicroBatchPlan, temperature: f
             model, plan.micro_batches(exp),
             lambda out, mb: response_logprobs(out, mb, temperature) * mb["response_mask"], (width,),
         )
-    if compare:
-        exp.extras["routing_mismatch"] = routing.mismatch_fraction(counts, model)
-    return logp
+    return logp, (routing.mismatch_fraction(counts, model) if compare else None)
 
 
 def critic_values(model, exp: Experience, plan: MicroBatchPlan) -> torch.Tensor:

@@ -4,7 +4,7 @@ losses, and how far the sampler's log-probs are from the training forward's."""
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -13,7 +13,7 @@ from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.inference import SamplingConfig, generate
 from mindspeed_llm.models import routing
 from mindspeed_llm.rl import core_algos
-from mindspeed_llm.rl.experience import Experience
+from mindspeed_llm.rl.experience import Experience, SampleData
 from mindspeed_llm.rl.metrics import mean_min_max
 from mindspeed_llm.rl.settings import SamplingSettings
 
@@ -44,7 +44,7 @@ def sampling_config(sampling: SamplingSettings, tokenizer, greedy: Optional[bool
 def rollout(actor_module, rows: Sequence[dict], sampling: SamplingConfig, iteration: int, tokenizer,
             samples_per_prompt: int = 1) -> Experience:
     """Generate `samples_per_prompt` responses per row, a row's samples consecutive; the rows' labels and the
-    texts ride along in `Experience.extras`.
+    texts ride along in `Experience.sample_data`.
 
     Sample k of the prompt at position p of the global batch (`row["position"]`, set by the trainer) draws
     from the random stream p * n + k, so a sampled rollout is the same at any data-parallel size.
@@ -59,10 +59,8 @@ def rollout(actor_module, rows: Sequence[dict], sampling: SamplingConfig, iterat
                       vocab_size=len(tokenizer), record_routing=True)
     exp = Experience.from_rollout(result)
     exp.routing_recorded = routing.is_moe(actor_module)  # the old-log-prob pass compares routing with it
-    exp.extras["labels"] = [row.get("labels") for row in samples]
-    exp.extras["indices"] = [row.get("index") for row in samples]
-    exp.extras["finish_reasons"] = list(result.finish_reasons)  # "eos" | "stop" | "length"
-    exp.extras["texts"] = result.decode(tokenizer)
+    exp.sample_data = SampleData.of_prompts(samples, finish_reasons=list(result.finish_reasons),
+                                            texts=result.decode(tokenizer))
     return exp
 
 
@@ -71,12 +69,42 @@ def gather_context_parallel(exp: Experience) -> Experience:
     rollout, `distributed.rollout_parallel_info`), but every later forward splits each sequence over them: each
     then holds the whole DP rank's share, the CP ranks' rollouts one after another in CP rank order (their prompts'
     order in the global batch). The same Experience without context parallelism."""
-    from mindspeed_llm.rl.dynamic_sampling import concat_rows, rows_to_host
-
-    parts = distributed.gather_over_context_parallel(rows_to_host(exp, torch.arange(exp.batch_size)))
+    parts = distributed.gather_over_context_parallel(exp.select(torch.arange(exp.batch_size), device="cpu"))
     if len(parts) == 1:
         return exp
-    return concat_rows(parts, exp.tokens.device)
+    return Experience.concat(parts, exp.tokens.device)
+
+
+class SingleTurnRollouts:
+    """The `single_turn` rollout strategy (`rollout_strategies`): one generation of the iteration's prompt batch,
+    `samples_per_prompt` samples a prompt, the CP ranks' rollouts gathered (`gather_context_parallel`). Nothing
+    carries over between iterations."""
+
+    name = "single_turn"
+    flag = None  # the default
+
+    def __init__(self, actor_module, tokenizer, sampling: SamplingConfig, samples_per_prompt: int = 1):
+        self.actor_module, self.tokenizer, self.sampling = actor_module, tokenizer, sampling
+        self.samples_per_prompt = int(samples_per_prompt)
+
+    @classmethod
+    def from_settings(cls, settings, actor_module, tokenizer, sampling: SamplingConfig) -> "SingleTurnRollouts":
+        return cls(actor_module, tokenizer, sampling, settings.algorithm.n_samples_per_prompt)
+
+    def collect(self, iteration: int, prompts) -> Tuple[Experience, Dict[str, float]]:
+        exp = rollout(self.actor_module, prompts.first_batch, self.sampling, iteration, self.tokenizer,
+                      samples_per_prompt=self.samples_per_prompt)
+        return gather_context_parallel(exp), {}  # the CP ranks' rollouts: this DP rank's share, on each of them
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state: dict) -> Optional[str]:
+        return None
+
+    @classmethod
+    def saved_work(cls, state: dict) -> Optional[str]:
+        return None
 
 
 def rollout_metrics(exp: Experience) -> Dict[str, float]:
@@ -92,7 +120,7 @@ def rollout_metrics(exp: Experience) -> Dict[str, float]:
 def truncated(exp: Experience) -> torch.Tensor:
     """[B] bool: the responses cut by --max-new-tokens / --max-length (finish reason "length": neither EOS nor a stop
     token ended them)."""
-    return torch.tensor([r == "length" for r in exp.extras["finish_reasons"]], dtype=torch.bool,
+    return torch.tensor([r == "length" for r in exp.sample_data.finish_reasons], dtype=torch.bool,
                         device=exp.loss_mask.device)
 
 
@@ -104,14 +132,15 @@ def mask_truncated_completions(exp: Experience) -> Dict[str, float]:
     return {"truncated_masked_fraction": float(cut.float().mean())}
 
 
-def mismatch_metrics(exp: Experience) -> Dict[str, float]:
+def mismatch_metrics(exp: Experience, routing_mismatch: Optional[float] = None) -> Dict[str, float]:
     """`rollout_mismatch/*` (`core_algos.rollout_mismatch`) over the response tokens, when the old log-probs come from
     a training forward (not the sampler's own) and the sampler's exist; and `moe/routing_mismatch`, the share of
     response token x MoE layer pairs whose top-k expert set differs between the rollout and that forward
-    (`models/routing.py`), when that forward was a mixture of experts."""
+    (`models/routing.py`), when that forward was a mixture of experts (`routing_mismatch`, what
+    `passes.policy_logprobs` returned for it)."""
     metrics = {}
-    if exp.extras.get("routing_mismatch") is not None:  # set by the old-log-prob pass of a mixture of experts
-        metrics["moe/routing_mismatch"] = float(exp.extras["routing_mismatch"])
+    if routing_mismatch is not None:
+        metrics["moe/routing_mismatch"] = float(routing_mismatch)
     if exp.rollout_logp is None or exp.old_logp is None or exp.old_logp is exp.rollout_logp:
         return metrics
     stats = core_algos.rollout_mismatch(exp.old_logp, exp.rollout_logp, exp.response_mask)

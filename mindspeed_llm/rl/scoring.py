@@ -59,10 +59,10 @@ class Scorer:
         if self.verifier_names:
             with timers("rule_reward"):
                 try:
-                    per_verifier, failures = verifiers.score_batch(exp.extras["texts"], exp.extras["labels"],
+                    per_verifier, failures = verifiers.score_batch(exp.sample_data.texts, exp.sample_data.labels,
                                                                    self.verifier_names)
                 except verifiers.MissingLabelError as exc:
-                    index = exp.extras["indices"][exc.row_index]
+                    index = exp.sample_data.indices[exc.row_index]
                     raise ArgumentError(
                         f"prompt {index} of the dataset has no label, but --verifier-function {exc.verifier} needs "
                         "one; preprocess with a labels column (--map-keys '{\"labels\": \"answer\"}', "

@@ -1,6 +1,6 @@
 """The outer loop every stage shares: set up, resume, iterate, evaluate, log, save.
 
-A stage object (`TrlPPOStage`, `GRPOStage`) owns its models and implements `iteration(iteration, rows)`;
+A stage object (`TrlPPOStage`, `GRPOStage`) owns its models and implements `iteration(iteration, prompts)`;
 this loop owns everything around it, so the two stages have no copies of it.
 
 Checkpoints follow Megatron-LM (README, "Checkpoints"): `--save` writes every `--save-interval` and always at
@@ -30,7 +30,7 @@ from mindspeed_llm.checkpoint.megatron_layout import checkpoint_traces
 from mindspeed_llm.data import PromptDataset, PromptSampler
 from mindspeed_llm.data.prompt_dataset import PromptSubset, split_indices
 from mindspeed_llm.errors import ArgumentError
-from mindspeed_llm.rl import partial_rollout
+from mindspeed_llm.rl import rollout_strategies
 from mindspeed_llm.rl.metrics import MetricsLogger, reduce_metrics, throughput_metrics
 from mindspeed_llm.rl.settings import CheckpointSettings, DataSettings, RewardMixing, Settings, with_values
 from mindspeed_llm.rl.stages import STAGES
@@ -252,7 +252,7 @@ def _resume(checkpoint: CheckpointSettings, stage, sampler) -> int:
                   "data position start fresh", flush=True)
         return 0
     sampler.load_state_dict(loop_state["sampler"])
-    _resume_partial_rollouts(checkpoint, stage, loop_state.get("partial_rollout"), iteration)
+    _resume_rollouts(checkpoint, stage, loop_state, iteration)
     if distributed.is_rank_0():
         print(f"resumed from {checkpoint.load} at iteration {iteration}", flush=True)
         for line in fresh_on_resume(checkpoint):
@@ -273,19 +273,14 @@ def fresh_on_resume(checkpoint: CheckpointSettings) -> List[str]:
     return lines
 
 
-def _resume_partial_rollouts(checkpoint: CheckpointSettings, stage, saved: Optional[dict], iteration: int) -> None:
-    """--partial-rollout's carried and finished groups continue from the checkpoint; a checkpoint that holds some is
-    refused by a run without the flag, which would drop them."""
-    partial = getattr(stage, "partial_rollout", None)
-    if partial is None:
-        unfinished, finished = partial_rollout.pending(saved)
-        if unfinished or finished:
-            raise training_ckpt.CheckpointError(
-                f"--load {checkpoint.load} iteration {iteration} holds {unfinished} unfinished samples and {finished} "
-                "finished prompt groups of --partial-rollout, which this run would drop; resume with --partial-rollout "
-                "(or --finetune, which starts the data afresh)")
-        return
-    note = partial.load_state_dict(saved) if saved is not None else None
+def _resume_rollouts(checkpoint: CheckpointSettings, stage, loop_state: dict, iteration: int) -> None:
+    """The rollout strategy's state (--partial-rollout's carried and finished groups) continues from the checkpoint;
+    a checkpoint that holds another strategy's work is refused, as the run would drop it."""
+    try:
+        note = rollout_strategies.load_state(stage.rollouts, loop_state)
+    except rollout_strategies.UnresumableStateError as exc:
+        raise training_ckpt.CheckpointError(f"--load {checkpoint.load} iteration {iteration} holds {exc} (or "
+                                            "--finetune, which starts the data afresh)") from None
     if note and distributed.is_rank_0():
         print(note, flush=True)
 
@@ -394,18 +389,10 @@ def _loop(settings: Settings, stage, dataset, eval_dataset, sampler, logger, sta
     def save(iteration: int) -> None:
         nonlocal saved
         loop_state = {"sampler": sampler.state_dict()}
-        if getattr(stage, "partial_rollout", None) is not None:  # its buffers (a collective over DP)
-            loop_state["partial_rollout"] = stage.partial_rollout.state_dict()
+        rollout_strategies.save_state(stage.rollouts, loop_state)  # --partial-rollout's buffers (a collective over DP)
         training_ckpt.save(checkpoint.save, iteration, stage.roles(), loop_state,
                            save_optim=not checkpoint.no_save_optim)
         saved = iteration
-
-    def next_rows(generation_batch: int):
-        """This rank's prompts of the sampler's next global batch. `position` (the prompt's place in the global
-        batch; generation batches after the first of an iteration, `--dynamic-sampling`'s, continue the count)
-        keys its samples' random streams."""
-        first = generation_batch * loop.global_batch_size + rollout_rank * sampler.local_batch_size
-        return [dict(dataset[i], index=i, position=first + k) for k, i in enumerate(sampler.next_batch_indices())]
 
     entropy_guard = EntropyGuard(stage.roles()["actor"].module.model_spec.vocab_size)
     iteration = start
@@ -415,7 +402,9 @@ def _loop(settings: Settings, stage, dataset, eval_dataset, sampler, logger, sta
     for iteration in range(start + 1, loop.train_iters + 1):
         last = f"the last checkpoint is iteration {saved}" if saved else "no checkpoint was written"
         try:
-            metrics = stage.iteration(iteration, next_rows(0), next_rows)
+            prompts = rollout_strategies.PromptSource.from_sampler(dataset, sampler, loop.global_batch_size,
+                                                                   rollout_rank)
+            metrics = stage.iteration(iteration, prompts)
             if loop.check_for_divergence:
                 entropy_guard.check(metrics)
         except DivergenceError as exc:

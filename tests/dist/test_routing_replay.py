@@ -160,8 +160,8 @@ def _replay_body(rank, world_size, ep, dtype, pp=1, prefill="auto", dispatcher="
         for name, plan in (("rows", MicroBatchPlan.build(exp, 4)), ("packed", MicroBatchPlan.build(exp, 4, n))):
             for replay in (False, True):
                 model.config.moe_enable_routing_replay = replay
-                policy_logprobs([model], exp, plan, compare_routing=True)
-                out[f"{name}_{'replay' if replay else 'live'}_metric"] = exp.extras.pop("routing_mismatch")
+                _, out[f"{name}_{'replay' if replay else 'live'}_metric"] = policy_logprobs(
+                    [model], exp, plan, compare_routing=True)
         return out
     L, T = len(routing.moe_routers(model)), exp.tokens.shape[1]
     out["routing_shape"] = tuple(exp.routing.shape), (len(prompts), L, T, MOE_SPEC.moe_router_topk)
@@ -177,13 +177,11 @@ def _replay_body(rank, world_size, ep, dtype, pp=1, prefill="auto", dispatcher="
         live = _forward_routing(model, exp, plan)
         out[f"{name}_live_hand"] = _hand_mismatch(exp, plan, live)
         out[f"{name}_live_every_token"] = _hand_mismatch(exp, plan, live, every_token=True)
-        logp_live = policy_logprobs([model], exp, plan, compare_routing=True)
-        out[f"{name}_live_metric"] = exp.extras.pop("routing_mismatch")
+        logp_live, out[f"{name}_live_metric"] = policy_logprobs([model], exp, plan, compare_routing=True)
         core.config.moe_enable_routing_replay = True
         replayed = _forward_routing(model, exp, plan)
         out[f"{name}_replay_hand"] = _hand_mismatch(exp, plan, replayed)
-        logp_replay = policy_logprobs([model], exp, plan, compare_routing=True)
-        out[f"{name}_replay_metric"] = exp.extras.pop("routing_mismatch")
+        logp_replay, out[f"{name}_replay_metric"] = policy_logprobs([model], exp, plan, compare_routing=True)
         # the replayed routing is exactly the recorded one wherever it was recorded (prompts included)
         exact = True
         for mb, layers in replayed:
@@ -429,7 +427,7 @@ def test_allgather_dispatcher_refuses_uneven_expert_parallel_rollouts():
 def test_dynamic_sampling_concat_pads_routing_as_unknown():
     """grpo's refill joins rows of generation batches of other widths: the routing is padded with -1 (unknown)
     along the positions and cut to the joined sequence width, each row's recorded values kept."""
-    from mindspeed_llm.rl import dynamic_sampling
+    from mindspeed_llm.rl.experience import Experience
 
     short, wide = synthetic_experience([2, 2], [1, 2]), synthetic_experience([3, 3], [4, 1])
     for exp, fill in ((short, 5), (wide, 9)):
@@ -437,12 +435,11 @@ def test_dynamic_sampling_concat_pads_routing_as_unknown():
         exp.routing = torch.full((2, 2, T, 3), fill, dtype=torch.int16)
         exp.routing[:, :, T - 1] = -1
         exp.routing_recorded = True  # the generating policy's routing: the old-log-prob pass still compares
-    parts = [dynamic_sampling.rows_to_host(short, torch.tensor([1])),
-             dynamic_sampling.rows_to_host(wide, torch.tensor([0]))]
-    joined = dynamic_sampling.concat_rows(parts, "cpu")
+    parts = [short.select(torch.tensor([1]), device="cpu"), wide.select(torch.tensor([0]), device="cpu")]
+    joined = Experience.concat(parts, "cpu")
     assert joined.routing_recorded
-    single = dynamic_sampling.rows_to_host(synthetic_experience([2], [1]), torch.tensor([0]))
-    assert not dynamic_sampling.concat_rows([single], "cpu").routing_recorded
+    single = synthetic_experience([2], [1]).select(torch.tensor([0]), device="cpu")
+    assert not Experience.concat([single], "cpu").routing_recorded
     T = joined.tokens.shape[1]
     assert T == 7 and joined.routing.shape == (2, 2, T, 3)
     assert torch.equal(joined.routing[0, :, :3], short.routing[1, :, :3])

@@ -24,7 +24,7 @@ def _batch(j, rank, dp):
     is a different length and its token ids name (batch, global group, sample), to track rows."""
     per_rank = 4 // dp
     groups = range(rank * per_rank, (rank + 1) * per_rank)
-    from mindspeed_llm.rl.experience import Experience
+    from mindspeed_llm.rl.experience import Experience, SampleData
 
     rows = [(g, k) for g in groups for k in range(N)]
     prompt, resp = 3, [1 + (g + k + j) % 3 for g, k in rows]
@@ -41,8 +41,8 @@ def _batch(j, rank, dp):
                      prompt_lengths=torch.full((len(rows),), prompt), responses=responses, response_mask=mask,
                      ended_with_eos=torch.ones(len(rows), dtype=torch.bool))
     exp.scores = torch.tensor([float(SCORES[j][g][k]) for g, k in rows])
-    exp.extras = {"labels": [f"{j}/{g}/{k}" for g, k in rows], "indices": [10 * j + g for g, k in rows],
-                  "finish_reasons": ["eos"] * len(rows), "texts": [str(100 * j + 10 * g + k) for g, k in rows]}
+    exp.sample_data = SampleData(labels=[f"{j}/{g}/{k}" for g, k in rows], indices=[10 * j + g for g, k in rows],
+                                 finish_reasons=["eos"] * len(rows), texts=[str(100 * j + 10 * g + k) for g, k in rows])
     return exp
 
 
@@ -57,7 +57,7 @@ def _run(rank, world_size, max_batches):
                               max_batches)
     except GenerationBudgetError as exc:
         return str(exc)
-    return exp.extras["labels"], exp.responses.tolist(), exp.tokens.shape, exp.prompt_lengths.tolist(), metrics
+    return exp.sample_data.labels, exp.responses.tolist(), exp.tokens.shape, exp.prompt_lengths.tolist(), metrics
 
 
 # the global kept order: batch 0 group 1, batch 1 groups 1 and 2, batch 2 group 0

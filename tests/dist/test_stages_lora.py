@@ -216,9 +216,9 @@ def _inspect(built):
     lora.apply_lora(initial, adapter.config)
     load_adapter(initial, adapter)
     with roles.on_device(stage.reference, False, None) as view:
-        ref = policy_logprobs([view], exp, plan)
-    info["reference_diff"] = float((ref - policy_logprobs([initial.eval()], exp, plan)).abs().max())
-    info["actor_vs_base"] = float((policy_logprobs(stage.actor.chunks, exp, plan) - ref).abs().max())
+        ref, _ = policy_logprobs([view], exp, plan)
+    info["reference_diff"] = float((ref - policy_logprobs([initial.eval()], exp, plan)[0]).abs().max())
+    info["actor_vs_base"] = float((policy_logprobs(stage.actor.chunks, exp, plan)[0] - ref).abs().max())
     reward = stage.scorer.reward_model
     if reward is not None:
         info["reward_is_critic"] = isinstance(reward, SharedBase) and reward.module is stage.critic.module

@@ -16,6 +16,8 @@ import torch
 
 from mindspeed_llm.inference import Rollout, SamplingConfig
 from mindspeed_llm.rl.partial_rollout import PartialRollouts, pending
+from mindspeed_llm.rl.rollout_strategies import PromptSource
+from mindspeed_llm.rl.settings import AlgorithmSettings, BatchSettings
 
 
 MAX_NEW, SPLIT = 8, 2  # a round adds at most 4 tokens to a sample
@@ -45,20 +47,21 @@ def _weights_change_at_the_cut(rank, world_size, actor_root):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 256, (n,), generator=g).tolist() for n in (3, 5, 4, 6)]
     sampling = SamplingConfig(max_new_tokens=MAX_NEW, pad_token_id=0)  # greedy, no EOS: every sample takes 2 rounds
-    args = SimpleNamespace(n_samples_per_prompt=1, global_batch_size=2, partial_rollout_max_split=SPLIT,
-                           max_num_gen_batches=4)
-    buffers = PartialRollouts.from_args(args, model, _WordTokenizer(), sampling)
+    settings = SimpleNamespace(algorithm=AlgorithmSettings(n_samples_per_prompt=1, partial_rollout_max_split=SPLIT,
+                                                           max_num_gen_batches=4),
+                               batch=BatchSettings(global_batch_size=2))
+    buffers = PartialRollouts.from_settings(settings, model, _WordTokenizer(), sampling)
 
     def rows(j):
         return [dict(input_ids=prompts[2 * j + k], position=2 * j + k, index=2 * j + k) for k in range(2)]
 
     w0 = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
     # iteration 1: round 1 cuts prompts 0, 1; round 2 finishes them and cuts prompts 2, 3 (after 4 tokens of W0)
-    first, _ = buffers.collect(1, rows(0), lambda j: rows(j))
+    first, _ = buffers.collect(1, PromptSource(rows(0), rows))
     with torch.no_grad():  # "the update": W1 = W0 + noise
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.5 * p.detach().float().std().clamp(min=1e-3))
-    second, _ = buffers.collect(2, rows(0), lambda j: rows(j + 1))  # iteration 2: prompts 2, 3 finish under W1
+    second, _ = buffers.collect(2, PromptSource(rows(0), lambda j: rows(j + 1)))  # iteration 2: prompts 2, 3 finish under W1
     w1 = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
 
     k = MAX_NEW // SPLIT
@@ -81,7 +84,7 @@ def test_a_carried_sample_is_one_generation_whose_weights_changed_at_the_cut(tas
 
     out = run_distributed(_weights_change_at_the_cut, 1, task["mg_actor_tp1pp1"])[0]
     second, head, tail = out["second"], out["head"], out["tail"]
-    assert second.extras["started"] == [1, 1]
+    assert second.sample_data.started == [1, 1]
     k = MAX_NEW // SPLIT
     got = [second.responses[b, :MAX_NEW].tolist() for b in range(2)]
     expected = [h + t for h, t in zip(head.response_token_lists(), tail.response_token_lists())]

@@ -63,7 +63,7 @@ def _run_recorded(rank, world_size, runs):
         def recording(model, exp, *args, **kwargs):
             n = kwargs.get("group_size", 1)
             same = exp.scores.view(-1, n).std(dim=1, unbiased=False) == 0 if n > 1 else torch.zeros(len(exp.scores))
-            records.append({"truncated": [r == "length" for r in exp.extras["finish_reasons"]],
+            records.append({"truncated": [r == "length" for r in exp.sample_data.finish_reasons],
                             "out": (exp.loss_mask.sum(-1) == 0).tolist(),
                             "flat_group": same.bool().repeat_interleave(n).tolist()})
             return update(model, exp, *args, **kwargs)

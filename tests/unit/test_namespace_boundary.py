@@ -30,14 +30,7 @@ MODEL_BUILDING = frozenset({"roles.load_model", "roles.trainable", "roles.load_r
                             "STAGES[]"})
 # Reads that are known and owned elsewhere, by (module, function): what each of its reads says. They go when their
 # owner types them; each must still be found (a stale entry fails too), so the list only shrinks.
-PENDING = {
-    # the rollout seam's (rl/partial_rollout.py): `PartialRollouts.from_args` reads n_samples_per_prompt,
-    # global_batch_size, partial_rollout_max_split, max_num_gen_batches from the Namespace, and the stages hand it
-    # theirs, until it takes typed parts
-    ("rl/partial_rollout.py", "PartialRollouts.from_args"): "args.",
-    ("rl/stages/grpo.py", "GRPOStage.__init__"): "model_args passed to PartialRollouts.from_args",
-    ("rl/stages/trl_ppo.py", "TrlPPOStage.__init__"): "model_args passed to PartialRollouts.from_args",
-}
+PENDING = {}  # (module, function) -> what its reads say: known reads owned elsewhere, until typed (none left)
 
 
 def _callee(call: ast.Call) -> str:

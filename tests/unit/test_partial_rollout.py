@@ -19,6 +19,8 @@ import torch
 
 from mindspeed_llm.inference import Rollout, SamplingConfig
 from mindspeed_llm.rl.partial_rollout import PartialRolloutBudgetError, PartialRollouts, pending
+from mindspeed_llm.rl.rollout_strategies import PromptSource
+from mindspeed_llm.rl.settings import AlgorithmSettings, BatchSettings
 
 N = 2  # samples per prompt
 MAX_NEW, SPLIT = 8, 2  # a round adds at most 4 tokens to a sample
@@ -81,7 +83,7 @@ def _buffers(generator, local_groups=2, dp_rank=0, dp_size=1, gather=None, max_r
 
 
 def _rows(global_batch=2, dp_rank=0, dp_size=1):
-    """`trainer.next_rows`: this rank's prompts of generation batch j, `position` counting on over the batches."""
+    """`PromptSource.from_sampler`'s draw: this rank's prompts of generation batch j, `position` counting on."""
     local = global_batch // dp_size
 
     def rows(j):
@@ -94,7 +96,7 @@ def _rows(global_batch=2, dp_rank=0, dp_size=1):
 def _trained(exp):
     """(started, sample id, response) per row of a training batch."""
     return [(st, sid, exp.responses[b, :int(exp.response_mask[b].sum())].tolist())
-            for b, (st, sid) in enumerate(zip(exp.extras["started"], exp.extras["sample_ids"]))]
+            for b, (st, sid) in enumerate(zip(exp.sample_data.started, exp.sample_data.sample_ids))]
 
 
 def _expected(started, sid, lengths=LENGTHS):
@@ -106,7 +108,7 @@ def test_whole_groups_train_oldest_first_and_carried_samples_continue():
     buffers, rows = _buffers(gen), _rows()
     # iteration 1, round 1: positions 0 (lengths 2, 7: cut at 4) and 1 (3, 3: done); round 2: position 0 finishes,
     # positions 2 (8 cut, 1) and 3 (6 cut, 2) start; it trains positions 0 and 1
-    exp, metrics = buffers.collect(1, rows(0), rows)
+    exp, metrics = buffers.collect(1, PromptSource(rows(0), rows))
     assert _trained(exp) == [_expected(1, s) for s in (0, 1, 2, 3)]
     assert metrics == {"partial_rollout/rounds": 2.0, "partial_rollout/carried": 2.0,
                        "partial_rollout/max_staleness": 0.0, "partial_rollout/waiting": 0.0}
@@ -114,13 +116,13 @@ def test_whole_groups_train_oldest_first_and_carried_samples_continue():
                                 started=[1] * 5, tokens=[4, 0, 0, 0, 0])  # the carried sample first, its whole budget
     # the rollout log-probs of a carried sample: the first round's and the second's, as recorded
     assert exp.rollout_logp[1, :7].tolist() == [_logp(1, j) for j in range(7)]
-    assert exp.extras["finish_reasons"] == ["eos"] * 4
+    assert exp.sample_data.finish_reasons == ["eos"] * 4
     # the samples that finished in round 2 (ids 5 and 7) wait for their group's other sample
     assert pending(buffers.state_dict()) == (2, 0)
 
     # iteration 2: the carried positions 2 and 3 of iteration 1 finish first and train (staleness 1); of the fresh
     # ones, position 1 finishes and waits, position 0 is carried
-    exp, metrics = buffers.collect(2, rows(0), rows)
+    exp, metrics = buffers.collect(2, PromptSource(rows(0), rows))
     assert gen.calls[2]["started"] == [1, 1, 2, 2, 2, 2] and gen.calls[2]["tokens"] == [4, 4, 0, 0, 0, 0]
     assert _trained(exp) == [_expected(1, s) for s in (4, 5, 6, 7)]
     assert metrics == {"partial_rollout/rounds": 1.0, "partial_rollout/carried": 1.0,
@@ -136,15 +138,15 @@ def test_a_finished_global_batch_trains_without_a_round():
     gen = ScriptedGenerator(lengths)
     buffers, rows = _buffers(gen, routing_recorded=True), _rows()  # as for a mixture of experts
     # iteration 1: round 1 finishes position 1; round 2 finishes positions 0, 2 and 3: two groups wait
-    exp, metrics = buffers.collect(1, rows(0), rows)
+    exp, metrics = buffers.collect(1, PromptSource(rows(0), rows))
     assert metrics["partial_rollout/rounds"] == 2.0 and metrics["partial_rollout/waiting"] == 2.0
-    exp, metrics = buffers.collect(2, rows(0), rows)
+    exp, metrics = buffers.collect(2, PromptSource(rows(0), rows))
     assert len(gen.calls) == 2  # no round
     assert exp.routing_recorded  # the old-log-prob pass still compares routing, though nothing was generated
     assert _trained(exp) == [_expected(1, s, lengths) for s in (4, 5, 6, 7)]
     assert metrics == {"partial_rollout/rounds": 0.0, "partial_rollout/carried": 4.0,
                        "partial_rollout/max_staleness": 1.0, "partial_rollout/waiting": 0.0}
-    exp, metrics = buffers.collect(3, rows(0), rows)
+    exp, metrics = buffers.collect(3, PromptSource(rows(0), rows))
     assert gen.calls[2]["started"] == [2, 2, 2, 2, 3, 3, 3, 3] and set(gen.calls[2]["tokens"]) == {0}
     # position 1 of iteration 2 (its tokens drawn from iteration 2's stream), then position 1 of iteration 3
     assert _trained(exp) == [_expected(*key, lengths) for key in ((2, 2), (2, 3), (3, 2), (3, 3))]
@@ -154,8 +156,8 @@ def test_a_finished_global_batch_trains_without_a_round():
 def test_state_dict_round_trip_continues_exactly_and_pending_counts():
     gen_a, gen_b = ScriptedGenerator(), ScriptedGenerator()
     a, rows = _buffers(gen_a), _rows()
-    a.collect(1, rows(0), rows)
-    a.collect(2, rows(0), rows)
+    a.collect(1, PromptSource(rows(0), rows))
+    a.collect(2, PromptSource(rows(0), rows))
     blob = io.BytesIO()
     torch.save(a.state_dict(), blob)  # as the checkpoint holds it
     blob.seek(0)
@@ -164,8 +166,8 @@ def test_state_dict_round_trip_continues_exactly_and_pending_counts():
     b = _buffers(gen_b)
     assert b.load_state_dict(state) is None
     for iteration in (3, 4):
-        exp_a, metrics_a = a.collect(iteration, rows(0), rows)
-        exp_b, metrics_b = b.collect(iteration, rows(0), rows)
+        exp_a, metrics_a = a.collect(iteration, PromptSource(rows(0), rows))
+        exp_b, metrics_b = b.collect(iteration, PromptSource(rows(0), rows))
         assert _trained(exp_a) == _trained(exp_b) and metrics_a == metrics_b
         assert torch.equal(exp_a.tokens, exp_b.tokens) and torch.equal(exp_a.rollout_logp, exp_b.rollout_logp)
     assert gen_a.calls[-2:] == gen_b.calls
@@ -178,7 +180,7 @@ def test_too_few_rounds_is_named():
     buffers, rows = _buffers(ScriptedGenerator(), max_rounds=1), _rows()
     with pytest.raises(PartialRolloutBudgetError, match=r"^--max-num-gen-batches 1: iteration 1 generated 1 batches "
                                                         r"and finished 1 of the 2 prompt groups"):
-        buffers.collect(1, rows(0), rows)
+        buffers.collect(1, PromptSource(rows(0), rows))
 
 
 def _threads(fn, world):
@@ -208,12 +210,12 @@ def _threads(fn, world):
 def test_dp2_trains_the_dp1_groups_and_resumes_at_dp1():
     iterations = (1, 2, 3)
     one, rows = _buffers(ScriptedGenerator(), local_groups=2), _rows()
-    single = [one.collect(i, rows(0), rows) for i in iterations]
+    single = [one.collect(i, PromptSource(rows(0), rows)) for i in iterations]
 
     def dp2(rank, gather):
         buffers = _buffers(ScriptedGenerator(), local_groups=1, dp_rank=rank, dp_size=2, gather=gather)
         rank_rows = _rows(dp_rank=rank, dp_size=2)
-        out = [buffers.collect(i, rank_rows(0), rank_rows) for i in iterations[:2]]
+        out = [buffers.collect(i, PromptSource(rank_rows(0), rank_rows)) for i in iterations[:2]]
         return out, buffers.state_dict()
 
     ranks = _threads(dp2, 2)
@@ -224,7 +226,7 @@ def test_dp2_trains_the_dp1_groups_and_resumes_at_dp1():
     # the DP2 checkpoint of iteration 2 resumed on one rank: its carried groups are dealt over it in key order
     resumed = _buffers(ScriptedGenerator(), local_groups=2)
     assert "carried prompt groups of 2 DP ranks" in resumed.load_state_dict(ranks[0][1])
-    exp, metrics = resumed.collect(3, rows(0), rows)
+    exp, metrics = resumed.collect(3, PromptSource(rows(0), rows))
     assert _trained(exp) == _trained(single[2][0]) and metrics == single[2][1]
 
 
@@ -277,11 +279,12 @@ def test_an_actor_the_continuous_engine_cannot_run_is_refused(monkeypatch):
 
     # the reasons `generation._continuous_blockers` gives (sequence parallelism, a CUDA-graph decode, ...)
     monkeypatch.setattr(generation, "continuous_engine_blockers", lambda model: ["sequence parallelism splits ..."])
-    args = SimpleNamespace(n_samples_per_prompt=2, global_batch_size=2, partial_rollout_max_split=2,
-                           max_num_gen_batches=4)
+    settings = SimpleNamespace(algorithm=AlgorithmSettings(n_samples_per_prompt=2, partial_rollout_max_split=2,
+                                                           max_num_gen_batches=4),
+                               batch=BatchSettings(global_batch_size=2))
     with pytest.raises(ArgumentError, match=r"^--partial-rollout continues carried samples in the continuous "
                                             r"generation engine, which cannot run this actor: sequence parallelism"):
-        PartialRollouts.from_args(args, object(), _WordTokenizer(), SamplingConfig(max_new_tokens=8))
+        PartialRollouts.from_settings(settings, object(), _WordTokenizer(), SamplingConfig(max_new_tokens=8))
 
 
 def test_a_checkpoint_with_buffers_is_refused_by_a_run_without_the_flag():
@@ -289,14 +292,22 @@ def test_a_checkpoint_with_buffers_is_refused_by_a_run_without_the_flag():
 
     from mindspeed_llm.checkpoint.training import CheckpointError
     from mindspeed_llm.rl import trainer
+    from mindspeed_llm.rl.rollout import SingleTurnRollouts
+    from mindspeed_llm.rl.settings import CheckpointSettings
 
     buffers, rows = _buffers(ScriptedGenerator()), _rows()
-    buffers.collect(1, rows(0), rows)
-    args = SimpleNamespace(load="/ckpt")
+    buffers.collect(1, PromptSource(rows(0), rows))
+    args = CheckpointSettings(load="/ckpt")  # the run's checkpoint part
+    without_flag = SimpleNamespace(rollouts=SingleTurnRollouts(object(), _Tokenizer(), buffers.sampling))
+    loop_state = {"sampler": {}, "partial_rollout": buffers.state_dict()}  # the key the checkpoints have
     with pytest.raises(CheckpointError, match=r"^--load /ckpt iteration 1 holds 2 unfinished samples and 0 finished "
                                               r"prompt groups of --partial-rollout, which this run would drop"):
-        trainer._resume_partial_rollouts(args, SimpleNamespace(partial_rollout=None), buffers.state_dict(), 1)
-    trainer._resume_partial_rollouts(args, SimpleNamespace(partial_rollout=None), None, 1)  # nothing to drop
+        trainer._resume_rollouts(args, without_flag, loop_state, 1)
+    trainer._resume_rollouts(args, without_flag, {"sampler": {}}, 1)  # nothing to drop
+    # a run with the flag takes them back
+    resumed = _buffers(ScriptedGenerator())
+    trainer._resume_rollouts(args, SimpleNamespace(rollouts=resumed), loop_state, 1)
+    assert pending(resumed.state_dict()) == (2, 0)
 
 
 # ---------------------------------------------------------------------------------------------- a real model

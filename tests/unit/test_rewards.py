@@ -144,13 +144,13 @@ def test_registry():
 def _experience(texts, labels, ended_with_eos):
     import torch
 
-    from mindspeed_llm.rl.experience import Experience
+    from mindspeed_llm.rl.experience import Experience, SampleData
 
     n = len(texts)
     exp = Experience(tokens=torch.zeros(n, 3, dtype=torch.long), position_ids=torch.zeros(n, 3, dtype=torch.long),
                      prompt_lengths=torch.ones(n, dtype=torch.long), responses=torch.zeros(n, 2, dtype=torch.long),
                      response_mask=torch.ones(n, 2), ended_with_eos=torch.tensor(ended_with_eos))
-    exp.extras.update(texts=texts, labels=labels, indices=list(range(n)))
+    exp.sample_data = SampleData(texts=texts, labels=labels, indices=list(range(n)))
     return exp
 
 

@@ -155,7 +155,7 @@ def test_gspo_by_hand():
 # DAPO overlong penalty (scoring.py) and --mask-truncated-completions
 # --------------------------------------------------------------------------------------------------
 def _experience(lengths, reasons, width=10):
-    from mindspeed_llm.rl.experience import Experience
+    from mindspeed_llm.rl.experience import Experience, SampleData
 
     n = len(lengths)
     mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).float()
@@ -163,7 +163,8 @@ def _experience(lengths, reasons, width=10):
                      position_ids=torch.zeros(n, width + 1, dtype=torch.long), prompt_lengths=torch.ones(n, dtype=torch.long),
                      responses=torch.zeros(n, width, dtype=torch.long), response_mask=mask,
                      ended_with_eos=torch.tensor([r == "eos" for r in reasons]))
-    exp.extras.update(finish_reasons=list(reasons), texts=[""] * n, labels=[None] * n, indices=list(range(n)))
+    exp.sample_data = SampleData(finish_reasons=list(reasons), texts=[""] * n, labels=[None] * n,
+                                 indices=list(range(n)))
     return exp
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mindspeed_llm.errors import ArgumentError
+from mindspeed_llm.rl.experience import SampleData
 from mindspeed_llm.rl.scoring import Scorer
 from mindspeed_llm.rl.verifiers import register_verifier
 
@@ -25,7 +26,8 @@ def _timers(name):
 
 def _experience(texts, ended_with_eos, response_lengths):
     return SimpleNamespace(tokens=torch.zeros(len(texts), 1, dtype=torch.long), batch_size=len(texts),
-                           extras={"texts": texts, "labels": [None] * len(texts), "indices": list(range(len(texts)))},
+                           sample_data=SampleData(texts=texts, labels=[None] * len(texts),
+                                                  indices=list(range(len(texts)))),
                            ended_with_eos=torch.tensor(ended_with_eos), response_lengths=torch.tensor(response_lengths))
 
 

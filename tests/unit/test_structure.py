@@ -39,7 +39,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("leaf utilities", (
         "mindspeed_llm",  # the top package's empty face
         "mindspeed_llm.errors", "mindspeed_llm.files", "mindspeed_llm.forward_state", "mindspeed_llm.expert_layout",
-        "mindspeed_llm.compat_flags", "mindspeed_llm.kernels",
+        "mindspeed_llm.compat_flags", "mindspeed_llm.kernels", "mindspeed_llm.registry",
     )),
     ("megatron patches", ("mindspeed_llm.patches",)),
     ("device and process groups", ("mindspeed_llm.device", "mindspeed_llm.distributed")),
@@ -56,6 +56,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
         "mindspeed_llm.rl.passes", "mindspeed_llm.rl.rollout", "mindspeed_llm.rl.dynamic_sampling",
         "mindspeed_llm.rl.partial_rollout", "mindspeed_llm.rl.scoring", "mindspeed_llm.rl.loss_closures",
         "mindspeed_llm.rl.ppo_loop", "mindspeed_llm.rl.evaluation", "mindspeed_llm.rl.startup",
+        "mindspeed_llm.rl.rollout_strategies", "mindspeed_llm.rl.optimizer_state",
     )),
     ("rl stages", ("mindspeed_llm.rl.stages",)),
     ("outer loop", ("mindspeed_llm.rl.trainer",)),

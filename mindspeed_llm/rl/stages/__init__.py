@@ -4,9 +4,12 @@
 `--stage` choices from these keys, and `--help` or a refused flag should not wait for megatron-core's import (tens of
 seconds on a loaded 2-core machine), which the stage modules bring in."""
 
-import importlib
-from collections.abc import MutableMapping
-from typing import Callable, Dict, Iterator, List, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Dict, List, Protocol, Sequence
+
+from mindspeed_llm.registry import LazyRegistry
+
+if TYPE_CHECKING:
+    from mindspeed_llm.rl.rollout_strategies import PromptSource, RolloutStrategy
 
 
 class Stage(Protocol):
@@ -18,49 +21,22 @@ class Stage(Protocol):
 
     name: str
     log_lines: Dict[str, List[str]]  # stdout line groups (`MetricsLogger`)
-    # --partial-rollout's buffers (`rl/partial_rollout.PartialRollouts`, saved with the loop state), else None
-    partial_rollout: Optional[object]
+    # how it generates its experience (`rl/rollout_strategies.RolloutStrategy`; its state is saved with the loop state)
+    rollouts: "RolloutStrategy"
 
     def roles(self) -> Dict[str, object]:
         """The trained models by role name (`TrainableModel`s: "actor", "critic"): what checkpoints hold."""
 
-    def iteration(self, iteration: int, rows: Sequence[dict],
-                  more_rows: Callable[[int], Sequence[dict]]) -> Dict[str, float]:
-        """One iteration on this DP rank's prompts; returns its metrics (this rank's view). `more_rows(j)` gives
-        this rank's prompts of the next global batch (j: its generation batch in this iteration, from 1), for a
-        stage that generates more than one batch (`--dynamic-sampling`, `--partial-rollout`)."""
+    def iteration(self, iteration: int, prompts: "PromptSource") -> Dict[str, float]:
+        """One iteration on this DP rank's prompts (`rl/rollout_strategies.PromptSource`: the sampler's batch of the
+        iteration, and further ones for what generates more than one batch, `--dynamic-sampling`,
+        `--partial-rollout`); returns its metrics (this rank's view)."""
 
     def evaluate(self, rows: Sequence[dict]) -> Dict[str, float]:
         """Held-out metrics (`eval/*`) of the current policy on this DP rank's prompts."""
 
 
-class _LazyRegistry(MutableMapping):
-    """name -> class; a value given as "module:attribute" is imported when first read, then kept."""
-
-    def __init__(self, entries: Dict[str, object]):
-        self._entries = dict(entries)
-
-    def __getitem__(self, name: str):
-        value = self._entries[name]
-        if isinstance(value, str):
-            module, attribute = value.split(":")
-            value = self._entries[name] = getattr(importlib.import_module(module), attribute)
-        return value
-
-    def __setitem__(self, name: str, value) -> None:
-        self._entries[name] = value
-
-    def __delitem__(self, name: str) -> None:
-        del self._entries[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-STAGES = _LazyRegistry({
+STAGES = LazyRegistry({
     "trl_ppo": "mindspeed_llm.rl.stages.trl_ppo:TrlPPOStage",
     "grpo": "mindspeed_llm.rl.stages.grpo:GRPOStage",
 })

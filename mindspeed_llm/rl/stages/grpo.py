@@ -26,17 +26,10 @@ from mindspeed_llm.rl.dynamic_sampling import informative_groups, refill
 from mindspeed_llm.rl.evaluation import evaluate_policy
 from mindspeed_llm.rl.loss_closures import clipped_policy_loss
 from mindspeed_llm.rl.metrics import Timers, mean_min_max, prefixed
-from mindspeed_llm.rl.partial_rollout import PartialRollouts
 from mindspeed_llm.rl.passes import policy_logprobs
 from mindspeed_llm.rl.ppo_loop import old_logp_is_current, ppo_update
-from mindspeed_llm.rl.rollout import (
-    gather_context_parallel,
-    mask_truncated_completions,
-    mismatch_metrics,
-    rollout,
-    rollout_metrics,
-    sampling_config,
-)
+from mindspeed_llm.rl.rollout import mask_truncated_completions, mismatch_metrics, rollout_metrics, sampling_config
+from mindspeed_llm.rl.rollout_strategies import PromptSource, build_rollouts
 from mindspeed_llm.rl.scoring import Scorer
 from mindspeed_llm.rl.settings import AlgorithmSettings
 
@@ -77,8 +70,7 @@ class GRPOStage:
                           tokenizer)
         self.scorer = Scorer.from_settings(settings.reward, reward_model, settings.offload.offload_ref_reward)
         self.sampling = sampling_config(settings.sampling, tokenizer)
-        self.partial_rollout = PartialRollouts.from_args(model_args, self.actor.module, tokenizer, self.sampling) \
-            if self.algorithm.partial_rollout else None
+        self.rollouts = build_rollouts(settings, self.actor.module, tokenizer, self.sampling)
 
     def roles(self):
         return {"actor": self.actor}
@@ -88,15 +80,15 @@ class GRPOStage:
                                self.settings.offload.offload_ref_reward)
 
     # ------------------------------------------------------------------ one iteration
-    def iteration(self, iteration: int, rows: Sequence[dict], more_rows=None) -> Dict[str, float]:
+    def iteration(self, iteration: int, prompts: PromptSource) -> Dict[str, float]:
         algorithm, settings, n = self.algorithm, self.settings, self.algorithm.n_samples_per_prompt
         timers = Timers(sync=device.synchronize)
         with timers("all"):
             self.actor.offload(timers)  # --offload-train-*: the training state waits in host memory until the update
-            exp, plan, score_metrics = self._generate(iteration, rows, timers, more_rows)
+            exp, plan, score_metrics = self._generate(iteration, prompts, timers)
             if algorithm.dynamic_sampling:  # refill with more prompt groups until the batch's groups all carry signal
                 exp, sampling_stats = refill(  # the DP rank's groups (its CP ranks' rows together)
-                    exp, lambda j: self._generate(iteration, more_rows(j), timers)[0], n, exp.batch_size // n,
+                    exp, lambda j: self._generate(iteration, prompts.batch(j), timers)[0], n, exp.batch_size // n,
                     algorithm.max_num_gen_batches)
                 plan = MicroBatchPlan.for_run(exp, settings.batch, group_size=n)
                 score_metrics.update(sampling_stats)
@@ -104,17 +96,18 @@ class GRPOStage:
             if algorithm.mask_truncated_completions:
                 rollout_stats.update(mask_truncated_completions(exp))
 
+            routing_mismatch = None  # the old-log-prob pass's, for a mixture of experts
             with timers("old_log_p"):  # ~0 s when the update's own log-probs are the old ones
                 # a pass of its own when the update takes several steps, when the KL is a reward penalty (it is
                 # computed before the update), and with --recompute-old-logprobs / --rollout-is
                 if (algorithm.recompute_old_logprobs or self.estimator.kl_in_reward
                         or not old_logp_is_current(settings.update, exp)):
-                    exp.old_logp = policy_logprobs(self.actor.chunks, exp, plan, settings.loss.temperature,
-                                                   compare_routing=exp.routing_recorded)
+                    exp.old_logp, routing_mismatch = policy_logprobs(
+                        self.actor.chunks, exp, plan, settings.loss.temperature, compare_routing=exp.routing_recorded)
             if self.reference is not None:
                 with timers("reference_model"), roles.on_device(self.reference, settings.offload.offload_ref_reward,
                                                                 timers) as reference:
-                    exp.ref_logp = policy_logprobs([reference], exp, plan, settings.loss.temperature)
+                    exp.ref_logp, _ = policy_logprobs([reference], exp, plan, settings.loss.temperature)
 
             with timers("adv"):
                 rewards, advantages = self._advantages(exp)
@@ -138,7 +131,7 @@ class GRPOStage:
             **mean_min_max("grpo/advantages", advantages),
             **score_metrics,
             **rollout_stats,
-            **mismatch_metrics(exp),
+            **mismatch_metrics(exp, routing_mismatch),
             "n_samples_per_prompt": n,
         }
         if algorithm.filter_groups:
@@ -146,22 +139,16 @@ class GRPOStage:
         metrics.update(timers.pop())
         return metrics
 
-    def _generate(self, iteration: int, rows: Sequence[dict], timers, more_rows=None):
-        """`rows`' groups (a prompt's n samples are consecutive rows), scored: (experience, its micro-batch plan,
-        the scorer's metrics). Every pass and the update compute a prompt once per group, when micro-batches hold
-        whole groups. With --partial-rollout the groups are the oldest finished ones (`rl/partial_rollout.py`,
-        which takes further prompts from `more_rows`) and the metrics include `partial_rollout/*`."""
+    def _generate(self, iteration: int, prompts: PromptSource, timers):
+        """The rollout strategy's groups of `prompts` (a prompt's n samples are consecutive rows), scored:
+        (experience, its micro-batch plan, the strategy's and the scorer's metrics). Every pass and the update
+        compute a prompt once per group, when micro-batches hold whole groups."""
         n = self.algorithm.n_samples_per_prompt
-        partial_metrics = {}
         with timers("rollout"):
-            if self.partial_rollout is not None:
-                exp, partial_metrics = self.partial_rollout.collect(iteration, rows, more_rows)
-            else:
-                exp = rollout(self.actor.module, rows, self.sampling, iteration, self.tokenizer, samples_per_prompt=n)
-                exp = gather_context_parallel(exp)  # the CP ranks' rollouts: this DP rank's share, on each of them
+            exp, rollout_strategy_metrics = self.rollouts.collect(iteration, prompts)
         plan = MicroBatchPlan.for_run(exp, self.settings.batch, group_size=n)
         exp.scores, score_metrics = self.scorer(exp, plan, timers)
-        return exp, plan, {**partial_metrics, **score_metrics}
+        return exp, plan, {**rollout_strategy_metrics, **score_metrics}
 
     # ------------------------------------------------------------------ loss closure (per micro-batch)
     def _advantages(self, exp):

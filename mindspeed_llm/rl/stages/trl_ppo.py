@@ -22,17 +22,10 @@ from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.evaluation import evaluate_policy
 from mindspeed_llm.rl.loss_closures import clipped_policy_loss, clipped_value_loss
 from mindspeed_llm.rl.metrics import Timers, masked_mean_min_max, mean_min_max, prefixed
-from mindspeed_llm.rl.partial_rollout import PartialRollouts
 from mindspeed_llm.rl.passes import critic_values, policy_logprobs
 from mindspeed_llm.rl.ppo_loop import old_logp_is_current, ppo_update
-from mindspeed_llm.rl.rollout import (
-    gather_context_parallel,
-    mask_truncated_completions,
-    mismatch_metrics,
-    rollout,
-    rollout_metrics,
-    sampling_config,
-)
+from mindspeed_llm.rl.rollout import mask_truncated_completions, mismatch_metrics, rollout_metrics, sampling_config
+from mindspeed_llm.rl.rollout_strategies import PromptSource, build_rollouts
 from mindspeed_llm.rl.scoring import Scorer
 
 
@@ -71,8 +64,7 @@ class TrlPPOStage:
                            "critic": self.critic.module, "reward": reward_model}, tokenizer)
         self.scorer = Scorer.from_settings(settings.reward, reward_model, settings.offload.offload_ref_reward)
         self.sampling = sampling_config(settings.sampling, tokenizer)
-        self.partial_rollout = PartialRollouts.from_args(model_args, self.actor.module, tokenizer, self.sampling) \
-            if self.algorithm.partial_rollout else None
+        self.rollouts = build_rollouts(settings, self.actor.module, tokenizer, self.sampling)
 
     def roles(self):
         return {"actor": self.actor, "critic": self.critic}
@@ -82,34 +74,29 @@ class TrlPPOStage:
                                self.settings.offload.offload_ref_reward)
 
     # ------------------------------------------------------------------ one iteration
-    def iteration(self, iteration: int, rows: Sequence[dict], more_rows=None) -> Dict[str, float]:
+    def iteration(self, iteration: int, prompts: PromptSource) -> Dict[str, float]:
         algorithm, settings, n = self.algorithm, self.settings, self.algorithm.n_samples_per_prompt
         timers = Timers(sync=device.synchronize)
         with timers("all"):
             for trained in (self.actor, self.critic):  # --offload-train-*: training state in host memory until used
                 trained.offload(timers)
-            partial_metrics = {}
             with timers("rollout"):  # a prompt's n samples are consecutive rows, each with its own GAE
-                if self.partial_rollout is not None:  # the oldest finished groups (rl/partial_rollout.py)
-                    exp, partial_metrics = self.partial_rollout.collect(iteration, rows, more_rows)
-                else:
-                    exp = rollout(self.actor.module, rows, self.sampling, iteration, self.tokenizer,
-                                  samples_per_prompt=n)
-                    exp = gather_context_parallel(exp)  # the CP ranks' rollouts: this DP rank's share, on each
+                exp, rollout_strategy_metrics = self.rollouts.collect(iteration, prompts)
             plan = MicroBatchPlan.for_run(exp, settings.batch, group_size=n)
             rollout_stats = rollout_metrics(exp)
             if algorithm.mask_truncated_completions:  # they leave the actor's and the critic's losses
                 rollout_stats.update(mask_truncated_completions(exp))
+            routing_mismatch = None  # the old-log-prob pass's, for a mixture of experts
             with timers("old_log_p"):
                 on_policy = old_logp_is_current(settings.update, exp) and not algorithm.recompute_old_logprobs
                 if exp.rollout_logp is not None and on_policy:
                     exp.old_logp = exp.rollout_logp  # as TRL's PPO: the generation logits' log-probs, no pass
                 else:
-                    exp.old_logp = policy_logprobs(self.actor.chunks, exp, plan, settings.loss.temperature,
-                                                   compare_routing=exp.routing_recorded)
+                    exp.old_logp, routing_mismatch = policy_logprobs(
+                        self.actor.chunks, exp, plan, settings.loss.temperature, compare_routing=exp.routing_recorded)
             with timers("reference_model"), roles.on_device(self.reference, settings.offload.offload_ref_reward,
                                                             timers) as reference:
-                exp.ref_logp = policy_logprobs([reference], exp, plan, settings.loss.temperature)
+                exp.ref_logp, _ = policy_logprobs([reference], exp, plan, settings.loss.temperature)
             with timers("critic_model"):
                 self.critic.onload(timers, parts=("weights",))  # --offload-train-param: they left for the rollout
                 exp.values = critic_values(self.critic.chunks, exp, plan)
@@ -147,9 +134,9 @@ class TrlPPOStage:
             "kl/mean": float(kl_sum.mean()),
             "non_score_reward": float((-algorithm.kl_coef * kl_sum).mean()),
             **score_metrics,
-            **partial_metrics,
+            **rollout_strategy_metrics,
             **rollout_stats,
-            **mismatch_metrics(exp),
+            **mismatch_metrics(exp, routing_mismatch),
             "n_samples_per_prompt": n,
         }
         metrics.update(timers.pop())
