@@ -27,18 +27,7 @@ def checkpoint_kind(path: str) -> str:
 def resolve_checkpoints(reader, run, roles, stage, put, flags, given, rule_verifiers: bool, cli_argv) -> None:
     load, where_load = run.slot("load"), run.origin("load")
     finetune = bool(run.slot("finetune", False))
-    ref_paths = [(run.slot("ref_model_load_path"), run.origin("ref_model_load_path"))]
-    if "ref_config" in roles:
-        ref_role = roles["ref_config"][0]
-        ref_paths.append((ref_role.slot("load"), ref_role.origin("load")))
-        for name in ("save", "finetune", "no_load_optim", "no_load_rng"):
-            if name in ref_role.slots:
-                reader.ignored.append((ref_role.origin(name), "the reference model is frozen: weights only, never saved"))
-    ref_paths = [(p, w) for p, w in ref_paths if p is not None]
-    if len(ref_paths) == 2 and not same_path(ref_paths[0][0], ref_paths[1][0]):
-        raise reader.error(ref_paths[1][1], f"{ref_paths[1][0]!r} differs from {ref_paths[0][1]} "
-                                            f"{ref_paths[0][0]!r}: the reference has one checkpoint; make them equal")
-    ref, where_ref = ref_paths[0] if ref_paths else (None, None)
+    ref, where_ref = _reference(reader, run, roles)
 
     resumes = False
     if load is not None:
@@ -82,44 +71,8 @@ def resolve_checkpoints(reader, run, roles, stage, put, flags, given, rule_verif
     critic_init = critic_from_command_line = None
     root = cli_value(cli_argv, "--load") if "load" in given else (load if resumes else None)  # the resume root
     if critic is not None:
-        save = critic.slot("save")
-        if save is not None and "save" not in given:
-            if "save" in flags and not same_path(save, flags["save"].value):
-                raise reader.error(critic.origin("save"), f"{save!r} differs from {run.origin('save')} "
-                                                          f"{flags['save'].value!r}: this program saves actor and critic "
-                                                          "under one --save (DIR/actor, DIR/critic); set both to the same "
-                                                          "directory")
-            put("--save", save, critic.origin("save"))
-        c_load, where = critic.slot("load"), critic.origin("load")
-        if c_load is not None:
-            if same_path(c_load, root):  # the critic resumes with the actor
-                for name in ("finetune", "no_load_optim", "no_load_rng"):
-                    mine, actors = critic.slot(name), bool(run.slot(name, False))
-                    if resumes and mine is not None and mine != actors:
-                        raise reader.error(critic.origin(name), f"{mine} differs from the actor's {actors}: this "
-                                                                "program resumes actor and critic together from one "
-                                                                "--load, with one setting; make them equal")
-            elif checkpoint_kind(c_load) == "save":
-                actor_side = f"resumes from {root!r}" if root else "starts from its initial weights"
-                raise reader.error(where, f"{c_load!r} is a --save directory of this program, but the actor "
-                                          f"{actor_side}: this program saves and resumes actor and critic under one "
-                                          "directory (DIR/actor, DIR/critic); set actor_config.load and "
-                                          "critic_config.load to the same directory")
-            elif same_path(c_load, load) and "reward_model" in given:
-                reader.notes.append(f"{where} {c_load!r} is the policy's checkpoint; the critic starts from the "
-                                    "command line's --reward-model (a value-head checkpoint)")
-                critic_from_command_line = where
-            elif same_path(c_load, load):
-                raise reader.error(where, f"{c_load!r} is the policy's checkpoint, but the critic starts from a "
-                                          "value-head checkpoint here (--reward-model): convert one with "
-                                          "convert_ckpt.py --orm (e.g. the policy with a zero value head) and set "
-                                          "critic_config.load to it")
-            elif resumes and critic.slot("finetune") is True:
-                raise reader.error(critic.origin("finetune"), "the critic would start afresh while the actor "
-                                                              f"resumes from {load!r}: this program resumes both "
-                                                              "together; set critic_config.finetune: false")
-            else:
-                critic_init = (c_load, where)
+        critic_init, critic_from_command_line = _critic_start(reader, run, critic, load, root, resumes, put,
+                                                              flags, given)
     reward = roles.get("reward_config", (None, None))[0]
     reward_load = (reward.slot("load"), reward.origin("load")) if reward is not None and "load" in reward.slots else None
     if reward is not None:
@@ -149,3 +102,65 @@ def resolve_checkpoints(reader, run, roles, stage, put, flags, given, rule_verif
     if stage == "trl_ppo" and rule_verifiers and reward_load is None and "reward_model" in flags \
             and "reward_model_weight" not in flags:
         put("--reward-model-weight", 0.0, flags["reward_model"].origin)  # it only starts the critic
+
+
+def _reference(reader, run, roles):
+    """(the reference's checkpoint, where the file gives it) or (None, None): rl_config.integrated_mode_config.
+    ref_model_load_path and ref_config.load, which must agree."""
+    ref_paths = [(run.slot("ref_model_load_path"), run.origin("ref_model_load_path"))]
+    if "ref_config" in roles:
+        ref_role = roles["ref_config"][0]
+        ref_paths.append((ref_role.slot("load"), ref_role.origin("load")))
+        for name in ("save", "finetune", "no_load_optim", "no_load_rng"):
+            if name in ref_role.slots:
+                reader.ignored.append((ref_role.origin(name), "the reference model is frozen: weights only, never saved"))
+    ref_paths = [(p, w) for p, w in ref_paths if p is not None]
+    if len(ref_paths) == 2 and not same_path(ref_paths[0][0], ref_paths[1][0]):
+        raise reader.error(ref_paths[1][1], f"{ref_paths[1][0]!r} differs from {ref_paths[0][1]} "
+                                            f"{ref_paths[0][0]!r}: the reference has one checkpoint; make them equal")
+    return ref_paths[0] if ref_paths else (None, None)
+
+
+def _critic_start(reader, run, critic, load, root, resumes: bool, put, flags, given):
+    """The critic's `save` and `load` (trl_ppo): (its initial weights and where the file gives them, or None;
+    where the file's critic load gave way to the command line's --reward-model, or None)."""
+    critic_init = critic_from_command_line = None
+    save = critic.slot("save")
+    if save is not None and "save" not in given:
+        if "save" in flags and not same_path(save, flags["save"].value):
+            raise reader.error(critic.origin("save"), f"{save!r} differs from {run.origin('save')} "
+                                                      f"{flags['save'].value!r}: this program saves actor and critic "
+                                                      "under one --save (DIR/actor, DIR/critic); set both to the same "
+                                                      "directory")
+        put("--save", save, critic.origin("save"))
+    c_load, where = critic.slot("load"), critic.origin("load")
+    if c_load is not None:
+        if same_path(c_load, root):  # the critic resumes with the actor
+            for name in ("finetune", "no_load_optim", "no_load_rng"):
+                mine, actors = critic.slot(name), bool(run.slot(name, False))
+                if resumes and mine is not None and mine != actors:
+                    raise reader.error(critic.origin(name), f"{mine} differs from the actor's {actors}: this "
+                                                            "program resumes actor and critic together from one "
+                                                            "--load, with one setting; make them equal")
+        elif checkpoint_kind(c_load) == "save":
+            actor_side = f"resumes from {root!r}" if root else "starts from its initial weights"
+            raise reader.error(where, f"{c_load!r} is a --save directory of this program, but the actor "
+                                      f"{actor_side}: this program saves and resumes actor and critic under one "
+                                      "directory (DIR/actor, DIR/critic); set actor_config.load and "
+                                      "critic_config.load to the same directory")
+        elif same_path(c_load, load) and "reward_model" in given:
+            reader.notes.append(f"{where} {c_load!r} is the policy's checkpoint; the critic starts from the "
+                                "command line's --reward-model (a value-head checkpoint)")
+            critic_from_command_line = where
+        elif same_path(c_load, load):
+            raise reader.error(where, f"{c_load!r} is the policy's checkpoint, but the critic starts from a "
+                                      "value-head checkpoint here (--reward-model): convert one with "
+                                      "convert_ckpt.py --orm (e.g. the policy with a zero value head) and set "
+                                      "critic_config.load to it")
+        elif resumes and critic.slot("finetune") is True:
+            raise reader.error(critic.origin("finetune"), "the critic would start afresh while the actor "
+                                                          f"resumes from {load!r}: this program resumes both "
+                                                          "together; set critic_config.finetune: false")
+        else:
+            critic_init = (c_load, where)
+    return critic_init, critic_from_command_line
