@@ -123,7 +123,7 @@ def _model_forward(model, micro_batch: MicroBatch):
         return model(tokens, position_ids, mask, **extra)
 
 
-def _run_schedule(chunks, micro_batches: Sequence[MicroBatch], step_fn, forward_only: bool):
+def run_schedule(chunks, micro_batches: Sequence[MicroBatch], step_fn, forward_only: bool):
     """Run megatron's schedule; returns what the last stage's loss closures reported, one per micro-batch."""
     first = micro_batches[0]
     tokens = first["tokens"]
@@ -213,7 +213,7 @@ def forward_only(model, micro_batches: Sequence[MicroBatch], output_fn: OutputFn
     for c in chunks:
         c.eval()
     try:
-        results = _run_schedule(
+        results = run_schedule(
             chunks, micro_batches, lambda out, mb: (out.new_zeros(()), {"out": output_fn(out, mb).float()}), True
         )
     finally:
@@ -332,7 +332,7 @@ class TrainableModel:
             losses.append(loss.detach())
             return loss * scale, metrics
 
-        results = _run_schedule(self.chunks, micro_batches, scaled_loss_fn, forward_only=False)
+        results = run_schedule(self.chunks, micro_batches, scaled_loss_fn, forward_only=False)
         # every rank of a DP group sits at the same pipeline stage: all have results (the last stage), or none
         keys = list(results[0]) if results else []  # the loss closure's order, the same on every rank
         local = {k: sum(torch.as_tensor(r[k]).double() for r in results) for k in keys}  # this rank's shares
