@@ -34,6 +34,7 @@ from megatron.core.utils import get_model_config, unwrap_model
 
 from mindspeed_llm import device as _device
 from mindspeed_llm.inference import continuous, cuda_graph
+from mindspeed_llm.inference.continuous_plan import Sample
 from mindspeed_llm.inference.engine_inputs import expert_peers, place_prompts, response_uniforms, source_rank
 from mindspeed_llm.inference.kv_cache import KVCacheModel
 from mindspeed_llm.inference.results import Continuation, Rollout
@@ -234,7 +235,7 @@ def _generate_continuous(model, prompts, budgets, sampling, iteration, sample_id
         if carry is not None and carry.log_probs is not None and len(carry.log_probs) != len(carried):
             raise ValueError(f"generate: continuation {b} has {len(carry.log_probs)} log-probs for "
                              f"{len(carried)} tokens")
-        sample = continuous.Sample(prompt + carried, len(prompt), budget)
+        sample = Sample(prompt + carried, len(prompt), budget)
         if sample.response_length >= budget:
             sample.reason = "length"
         samples.append(sample)
