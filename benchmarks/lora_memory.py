@@ -47,7 +47,7 @@ for path in (ROOT, os.path.join(ROOT, "benchmarks")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-import memory  # noqa: E402  (benchmarks/memory.py)
+from benchmarks import step_memory as memory  # noqa: E402  (benchmarks/step_memory/, what benchmarks/memory.py runs)
 
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 R, ALPHA = 16, 32

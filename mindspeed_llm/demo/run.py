@@ -170,17 +170,7 @@ def main(argv=None) -> int:
           f"problems, e.g. {test_rows[0]['problem']!r} -> {test_rows[0]['answer']}", flush=True)
 
     # 3. preprocessing
-    data = {}
-    for split in ("train", "test"):
-        prefix = out / "data" / split
-        data[split] = prefix
-        if not Path(f"{prefix}_meta.json").is_file():
-            run_step(f"preprocess the {split} split", [
-                _python(), "preprocess_data.py", "--input", splits[split], "--tokenizer-type", "PretrainedFromHF",
-                "--tokenizer-name-or-path", hf_model, "--output-prefix", prefix,
-                "--handler-name", "R1AlpacaStyleInstructionHandler", "--prompt-type", "chatml",
-                "--map-keys", json.dumps({"prompt": "problem", "labels": "answer"}), "--log-interval", "0",
-            ], log)
+    data = preprocess_splits(out, splits, hf_model, log)
 
     # 4. conversion to Megatron
     mg_model = out / "mg_model"
@@ -234,23 +224,7 @@ def main(argv=None) -> int:
     ], log, env={"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.nproc))})
 
     # 6. back to Hugging Face
-    hf_trained = out / "hf_trained"
-    lora_summary = None
-    if args.lora:
-        run_step("convert the trained actor back to Hugging Face (the adapter merged into the base)", [
-            _python(), "convert_ckpt.py", "--load-model-type", "mg", "--save-model-type", "hf",
-            "--load-dir", mg_model, "--lora-load", save / "actor", "--save-dir", hf_trained,
-            "--tokenizer-dir", hf_model, "--no-progress"], log)
-        hf_adapter = out / "hf_adapter"
-        run_step("write the adapter alone as a PEFT folder", [
-            _python(), "convert_ckpt.py", "--load-model-type", "mg", "--save-model-type", "hf",
-            "--load-dir", mg_model, "--lora-load", save / "actor", "--save-lora-to-hf", "--save-dir", hf_adapter,
-            "--no-progress"], log)
-        lora_summary = adapter_summary(save / "actor", hf_adapter, mg_model, args)
-    else:
-        run_step("convert the trained actor back to Hugging Face", [
-            _python(), "convert_ckpt.py", "--load-model-type", "mg", "--save-model-type", "hf",
-            "--load-dir", save / "actor", "--save-dir", hf_trained, "--tokenizer-dir", hf_model, "--no-progress"], log)
+    hf_trained, lora_summary = export_trained_actor(args, out, save, mg_model, hf_model, log)
 
     # 7. held-out accuracy before / after, summary and plot
     print(f"\n==> held-out accuracy with transformers ({len(test_rows)} problems, greedy)", flush=True)
@@ -269,6 +243,46 @@ def main(argv=None) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"\nmetrics: {metrics}\nsummary: {out / 'summary.json'}\ntotal time: {time.time() - started:.0f} s")
     return 0
+
+
+def preprocess_splits(out: Path, splits: dict, hf_model, log: Path) -> dict:
+    """Step 3 of `main`: the task's train and test splits through preprocess_data.py (skipped where done);
+    {split: the output prefix}."""
+    data = {}
+    for split in ("train", "test"):
+        prefix = out / "data" / split
+        data[split] = prefix
+        if not Path(f"{prefix}_meta.json").is_file():
+            run_step(f"preprocess the {split} split", [
+                _python(), "preprocess_data.py", "--input", splits[split], "--tokenizer-type", "PretrainedFromHF",
+                "--tokenizer-name-or-path", hf_model, "--output-prefix", prefix,
+                "--handler-name", "R1AlpacaStyleInstructionHandler", "--prompt-type", "chatml",
+                "--map-keys", json.dumps({"prompt": "problem", "labels": "answer"}), "--log-interval", "0",
+            ], log)
+    return data
+
+
+def export_trained_actor(args, out: Path, save: Path, mg_model: Path, hf_model, log: Path):
+    """Step 6 of `main`: the trained actor back to Hugging Face (with LoRA: merged into the base, and the adapter
+    alone as a PEFT folder); (its folder, the adapter's summary or None)."""
+    hf_trained = out / "hf_trained"
+    lora_summary = None
+    if args.lora:
+        run_step("convert the trained actor back to Hugging Face (the adapter merged into the base)", [
+            _python(), "convert_ckpt.py", "--load-model-type", "mg", "--save-model-type", "hf",
+            "--load-dir", mg_model, "--lora-load", save / "actor", "--save-dir", hf_trained,
+            "--tokenizer-dir", hf_model, "--no-progress"], log)
+        hf_adapter = out / "hf_adapter"
+        run_step("write the adapter alone as a PEFT folder", [
+            _python(), "convert_ckpt.py", "--load-model-type", "mg", "--save-model-type", "hf",
+            "--load-dir", mg_model, "--lora-load", save / "actor", "--save-lora-to-hf", "--save-dir", hf_adapter,
+            "--no-progress"], log)
+        lora_summary = adapter_summary(save / "actor", hf_adapter, mg_model, args)
+    else:
+        run_step("convert the trained actor back to Hugging Face", [
+            _python(), "convert_ckpt.py", "--load-model-type", "mg", "--save-model-type", "hf",
+            "--load-dir", save / "actor", "--save-dir", hf_trained, "--tokenizer-dir", hf_model, "--no-progress"], log)
+    return hf_trained, lora_summary
 
 
 def adapter_summary(adapter_root: Path, peft_dir: Path, base: Path, args) -> dict:

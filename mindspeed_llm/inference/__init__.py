@@ -1,7 +1,7 @@
 """Rollout generation for RL on the training model: a continuous-batching engine with a bounded KV cache (the default)
 or Megatron-core's static KV cache, see `generate`.
 
-`generate` is imported lazily: `SamplingConfig` and `Rollout` do not import megatron.
+`generate` and `EngineOptions` are imported lazily: `SamplingConfig` and `Rollout` do not import megatron.
 """
 
 from mindspeed_llm.inference.results import Continuation, Rollout, SequenceBatch
@@ -9,14 +9,14 @@ from mindspeed_llm.inference.sampling import SamplingConfig, choose_tokens, filt
 
 
 def __getattr__(name):
-    if name == "generate":
-        from mindspeed_llm.inference.generation import generate
+    if name in ("generate", "EngineOptions"):
+        from mindspeed_llm.inference import generation
 
-        return generate
+        return getattr(generation, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
-    "generate", "Rollout", "SequenceBatch", "Continuation", "SamplingConfig", "sample_uniforms", "filter_logits",
-    "choose_tokens",
+    "generate", "EngineOptions", "Rollout", "SequenceBatch", "Continuation", "SamplingConfig", "sample_uniforms",
+    "filter_logits", "choose_tokens",
 ]

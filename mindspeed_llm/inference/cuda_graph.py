@@ -4,7 +4,7 @@ Megatron-core 0.16.1's static KV cache is indexed with a Python int at every dec
 the keys read ``[:sequence_end]``, the rotary rows of that slot), so every step launches different kernels
 with different shapes and a CUDA graph of one step is valid for that step only. Megatron's own graphed decode
 needs ``flash_decode`` (flash-attn's ``flash_attn_with_kvcache``), which this project does not use (its batched
-prefill needs attention that honours explicit masks; see ``mindspeed_llm.inference.generation``).
+prefill needs attention that honours explicit masks; see ``mindspeed_llm.inference.static_engine``).
 
 :class:`StaticDecodeKVCacheModel` (a subclass of ``kv_cache.KVCacheModel``) makes every decode step the
 same computation on the same buffers, with the slot as a *tensor*:
@@ -37,11 +37,12 @@ hooks collect per-forward Python lists), ``flash_decode``; and for the graph, Mo
 dispatchers read split sizes on the host).
 
 Switch: ``MINDSPEED_DECODE_CUDA_GRAPH=1`` (see :func:`decode_cuda_graph_requested`); off by default and never
-on for a non-CUDA device. ``generation.generate``'s static engine runs the ``static_engine`` it is given, by default
-the class :func:`engine_class` picks for the device (this module imports ``kv_cache``, never ``generation``), and
-``engine="auto"`` picks the static engine while the switch is on (the continuous-batching engine,
-``inference/continuous.py``, has no graphed step). Tests and benchmarks pass the engine class itself:
-``generate(..., static_engine=functools.partial(StaticDecodeKVCacheModel, graph=True))``.
+on for a non-CUDA device. ``generation.generate``'s static engine (``static_engine.py``) runs the
+``EngineOptions.static_kv_cache_model`` it is given, by default the class :func:`engine_class` picks for the device
+(this module imports ``kv_cache``, never ``generation`` or ``static_engine``), and ``engine="auto"`` picks the static
+engine while the switch is on (the continuous-batching engine, ``inference/continuous.py``, has no graphed step).
+Tests and benchmarks pass the engine class itself: ``generate(..., options=EngineOptions(static_kv_cache_model=
+functools.partial(StaticDecodeKVCacheModel, graph=True)))``.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ class StaticDecodeKVCacheModel(KVCacheModel):
 
     def decode_step(self, tokens: torch.Tensor, pos: int) -> Optional[torch.Tensor]:
         """Logits of slot `pos` (as the base class). With a graph they live in the graph's output buffer, which
-        the next step overwrites: read them before the next call (generation's loop does)."""
+        the next step overwrites: read them before the next call (the static engine's loop does)."""
         if self.static_reason is not None:
             return super().decode_step(tokens, pos)
         if pos >= self.plan.max_prompt:

@@ -2,7 +2,7 @@
 model that runs prefill and decode forwards over it (`KVCacheModel`: megatron's `GPTInferenceWrapper` with a
 `StaticInferenceContext` sized for the plan, optionally recording each slot's MoE routing).
 
-`inference/generation.py` plans a batch, drives a `KVCacheModel` with its decode loop and describes the two slot
+`inference/static_engine.py` plans a batch, drives a `KVCacheModel` with its decode loop and describes the two slot
 layouts (batched and stepwise prefill); `inference/cuda_graph.py` subclasses `KVCacheModel` with fixed-shape decode
 steps. Both import this module; it imports neither.
 """
@@ -26,7 +26,7 @@ from mindspeed_llm.models import routing
 @dataclass(frozen=True)
 class KVCachePlan:
     """The KV-cache slot layout of one batch: row b's prompt occupies slots [offsets[b], offsets[b] + L_b),
-    its j-th response token slot starts[b] + j (`inference/generation.py`'s module docstring
+    its j-th response token slot starts[b] + j (`inference/static_engine.py`'s module docstring
     describes the two prefill modes)."""
 
     batched: bool

@@ -3,7 +3,7 @@
 All are exact: they change *how* a step is computed, never what. Greedy rollouts stay token for token
 equal to `transformers` and to megatron's unpatched code (tests/dist/test_generate.py, TP1/TP2/PP2, batched and
 stepwise prefill), and a training forward (autograd on, no inference context) reaches none of the new code.
-Patch 1 serves megatron's static KV cache (the `engine="static"` path of `inference/generation.py`); 2-4 also
+Patch 1 serves megatron's static KV cache (the `engine="static"` path, `inference/static_engine.py`); 2-4 also
 serve the continuous-batching engine (`inference/continuous.py`), whose decode steps are plain eval forwards
 against its own cache (sq < sk, autograd off).
 

@@ -7,8 +7,8 @@ the stages pass in; this module only moves micro-batches through megatron, and g
 
 A TrainableModel also owns what its checkpoints need from the optimizer (with `--use-distributed-optimizer`, the
 sharded fp32 main weights and moments that megatron's `state_dict()` leaves out: `parameter_state` /
-`load_state_dict(parameter_state=...)`, checked after loading) and where its training state lives between
-updates (`offload` / `onload` / `on_device`, `rl/model_state.py`).
+`load_state_dict(parameter_state=...)`, checked after loading, by `rl/optimizer_state.py`) and where its training
+state lives between updates (`offload` / `onload` / `on_device`, `rl/model_state.py`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from mindspeed_llm.models.attention import layout_params, model_attention
 from mindspeed_llm.models.context_parallel import ContextParallelLayout, context_parallel_size, forward_width
 from mindspeed_llm.models.forward_layout import forward_layout
 from mindspeed_llm.models.routing import micro_batch_routing
-from mindspeed_llm.rl import moe
+from mindspeed_llm.rl import moe, optimizer_state
 from mindspeed_llm.rl.model_state import Offloader
 
 MicroBatch = Dict[str, torch.Tensor]
@@ -123,7 +123,7 @@ def _model_forward(model, micro_batch: MicroBatch):
         return model(tokens, position_ids, mask, **extra)
 
 
-def _run_schedule(chunks, micro_batches: Sequence[MicroBatch], step_fn, forward_only: bool):
+def run_schedule(chunks, micro_batches: Sequence[MicroBatch], step_fn, forward_only: bool):
     """Run megatron's schedule; returns what the last stage's loss closures reported, one per micro-batch."""
     first = micro_batches[0]
     tokens = first["tokens"]
@@ -213,7 +213,7 @@ def forward_only(model, micro_batches: Sequence[MicroBatch], output_fn: OutputFn
     for c in chunks:
         c.eval()
     try:
-        results = _run_schedule(
+        results = run_schedule(
             chunks, micro_batches, lambda out, mb: (out.new_zeros(()), {"out": output_fn(out, mb).float()}), True
         )
     finally:
@@ -332,7 +332,7 @@ class TrainableModel:
             losses.append(loss.detach())
             return loss * scale, metrics
 
-        results = _run_schedule(self.chunks, micro_batches, scaled_loss_fn, forward_only=False)
+        results = run_schedule(self.chunks, micro_batches, scaled_loss_fn, forward_only=False)
         # every rank of a DP group sits at the same pipeline stage: all have results (the last stage), or none
         keys = list(results[0]) if results else []  # the loss closure's order, the same on every rank
         local = {k: sum(torch.as_tensor(r[k]).double() for r in results) for k in keys}  # this rank's shares
@@ -459,10 +459,7 @@ class TrainableModel:
     def distributed_optimizers(self) -> list:
         """Megatron's DistributedOptimizer(s) of this model (dense and expert parameters have one each); [] without
         --use-distributed-optimizer."""
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-        subs = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
-        return [o for o in subs if isinstance(o, DistributedOptimizer)]
+        return optimizer_state.distributed_optimizers(self.optimizer)
 
     def state_dict(self) -> dict:
         """Weights, the optimizer's state dict and the LR schedule. With the distributed optimizer the optimizer's
@@ -482,66 +479,30 @@ class TrainableModel:
         self.module.load_state_dict(model_state, strict=True)
 
     def parameter_state(self):
-        """The distributed optimizer's fp32 main weights and Adam moments of the whole model shard, gathered from
-        the DP ranks (a collective: every rank calls it). Megatron-LM's `distrib_optim.pt` content: per optimizer
-        one `get_parameter_state_dp_zero()` dict (a list of them when dense and expert parameters have one each).
-        Returns it on the ranks that are DP rank 0 of some optimizer, else None; None without the distributed
-        optimizer."""
-        subs = self.distributed_optimizers
-        if not subs:
-            return None
-        states = [o.get_parameter_state_dp_zero() for o in subs]
-        if all(state is None for state in states):
-            return None
-        return states[0] if len(states) == 1 else states
+        """The distributed optimizer's fp32 main weights and Adam moments, gathered to DP rank 0 (a collective;
+        `optimizer_state.parameter_state`); None on the other ranks and without the distributed optimizer."""
+        return optimizer_state.parameter_state(self.distributed_optimizers)
 
     def reads_parameter_state(self) -> bool:
         """Whether this rank reads `distrib_optim.pt` on load (DP rank 0 of some distributed optimizer)."""
-        return any(o.data_parallel_group.rank() == 0 for o in self.distributed_optimizers)
+        return optimizer_state.reads_parameter_state(self.distributed_optimizers)
 
     def parameter_state_problem(self, parameter_state) -> Optional[str]:
-        """Why `parameter_state` (read by this rank) cannot be loaded into this model, or None.
-
-        Megatron's dp_zero format holds each grad buffer's values without the padding that depends on the DP size,
-        so it loads at any DP size; it must hold every buffer of this model with the same number of values."""
-        subs = self.distributed_optimizers
-        states = parameter_state if isinstance(parameter_state, list) else [parameter_state]
-        if len(states) != len(subs):
-            return (f"it holds the state of {len(states)} optimizer(s), this {self.name} has {len(subs)} (dense and "
-                    "expert parameters have one each)")
-        for index, (optimizer, state) in enumerate(zip(subs, states)):
-            if optimizer.data_parallel_group.rank() != 0:
-                continue
-            if state is None:
-                return f"it has no state for optimizer {index} of {len(subs)}"
-            for buffer_index, buffer in enumerate(optimizer.buffers):
-                key = (buffer.param_dtype, buffer.grad_dtype)
-                entry = state.get(buffer_index, {}).get(key) if isinstance(state, dict) else None
-                if entry is None:
-                    return (f"it has no state for grad buffer {buffer_index} ({key[0]} weights, {key[1]} grads) of "
-                            f"optimizer {index}")
-                if entry.get("numel_unpadded") != buffer.numel_unpadded:
-                    return (f"grad buffer {buffer_index} ({key[0]} weights) holds {entry.get('numel_unpadded')} "
-                            f"values there but {buffer.numel_unpadded} in this model (another model, or another "
-                            "precision)")
-        return None
+        """Why `parameter_state` (read by this rank) cannot be loaded into this model, or None
+        (`optimizer_state.parameter_state_problem`)."""
+        return optimizer_state.parameter_state_problem(self.distributed_optimizers, parameter_state, self.name)
 
     def load_state_dict(self, state: dict, load_optim: bool = True, parameter_state=None, source: str = "") -> None:
         """Weights, and with `load_optim` the optimizer and LR schedule; with the distributed optimizer
         `parameter_state` (see `parameter_state()`; None on the ranks that do not read it) is scattered to the DP
-        ranks (a collective). Afterwards the restored state is checked (`_check_restored`): a resume never runs on
-        stale fp32 main weights or uninitialised moments. `source` names the file in messages."""
+        ranks (a collective). Afterwards the restored state is checked (`optimizer_state.check_restored`): a resume
+        never runs on stale fp32 main weights or uninitialised moments. `source` names the file in messages."""
         self._load_module_state(state["model"])
         if load_optim:
             self.optimizer.load_state_dict(state["optimizer"])
             subs = self.distributed_optimizers
             if subs:
-                states = parameter_state if isinstance(parameter_state, list) else [parameter_state] * len(subs)
-                for optimizer, sub_state in zip(subs, states):
-                    _poison_moments(optimizer.optimizer)  # left NaN unless the load below sets them
-                    optimizer.load_parameter_state_from_dp_zero(sub_state)
-                    _own_steps(optimizer.optimizer)
-                self._check_restored(source)
+                optimizer_state.load_parameter_state(subs, parameter_state, self.name, source)
             self.scheduler.load_state_dict(state["opt_param_scheduler"])
             # Megatron's param groups carry their own max / min lr, which the scheduler reads before its own:
             # the loaded groups hold the saver's, so they follow the schedule the load settled on.
@@ -555,50 +516,6 @@ class TrainableModel:
             if reload is not None:
                 reload()
 
-    def _check_restored(self, source: str) -> None:
-        """After a distributed optimizer's load, on every rank: each fp32 main weight shard, rounded to the model's
-        precision, equals the weights just loaded (the step copied it there), and no moment is left NaN. Any
-        rank's failure stops every rank with `CheckpointError`."""
-        stale = unset = 0
-        with torch.no_grad():
-            for optimizer in self.distributed_optimizers:
-                for model_group, main_group in zip(optimizer.model_float16_groups,
-                                                   optimizer.shard_fp32_from_float16_groups):
-                    for model_param, main in zip(model_group, main_group):
-                        where = optimizer._get_model_param_range_map(model_param)["param"]
-                        weights = model_param.detach().view(-1)[where.start:where.end]
-                        stale += int(not torch.equal(main.detach().to(weights.dtype), weights))
-                for moments in optimizer.optimizer.state.values():
-                    unset += sum(int(not bool(torch.isfinite(v).all())) for k, v in moments.items()
-                                 if k != "step" and isinstance(v, torch.Tensor))
-        found = f"{stale} fp32 main weight shards differ from the loaded weights" if stale else ""
-        if unset:
-            found += ("; " if found else "") + f"{unset} optimizer moments were not restored"
-        if any_rank(bool(found)):
-            problems = gather_messages(found or None)
-            raise CheckpointError(
-                f"{self.name}: the distributed optimizer's state{' from ' + source if source else ''} was not "
-                f"restored ({'; '.join(problems)}); resuming would train from stale main weights. Pass "
-                "--no-load-optim to restart the optimizer from the checkpoint's weights")
-
 
 def _timed(timers, name: str):
     return timers(name) if timers is not None else contextlib.nullcontext()
-
-
-def _poison_moments(inner: torch.optim.Optimizer) -> None:
-    """NaN in every moment, so that one the load does not set shows (megatron allocates them with torch.empty)."""
-    for moments in inner.state.values():
-        for key, value in moments.items():
-            if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
-                value.fill_(float("nan"))
-
-
-def _own_steps(inner: torch.optim.Optimizer) -> None:
-    """Give every parameter its own Adam `step` tensor: megatron's DistributedOptimizer.load_state_dict puts one
-    tensor in every parameter's state, which torch's fused / foreach Adam then increments once per parameter
-    (measured: the resumed loss drifts, shared/MEGATRON_ON_CPU.md)."""
-    for moments in inner.state.values():
-        step = moments.get("step")
-        if isinstance(step, torch.Tensor):
-            moments["step"] = step.clone()

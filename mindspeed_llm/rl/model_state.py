@@ -36,7 +36,8 @@ def _inner_optimizers(optimizer) -> list:
     return [o.optimizer for o in subs if getattr(o, "optimizer", None) is not None]
 
 
-def _unique(tensors: Iterable[torch.Tensor]) -> List[torch.UntypedStorage]:
+def unique_storages(tensors: Iterable[torch.Tensor]) -> List[torch.UntypedStorage]:
+    """The storages of `tensors`, each once (views and tensors sharing a buffer count once)."""
     seen, out = set(), []
     for tensor in tensors:
         storage = tensor.untyped_storage()
@@ -49,17 +50,18 @@ def _unique(tensors: Iterable[torch.Tensor]) -> List[torch.UntypedStorage]:
 def storages(trainable, part: str) -> List[torch.UntypedStorage]:
     """The storages of `part` (one of PARTS) of a TrainableModel, each once."""
     if part == "weights":
-        return _unique(trainable.module.parameters())
+        return unique_storages(trainable.module.parameters())
     if part == "grads":
-        return _unique(buffer.grad_data for buffer in trainable.ddp.buffers + trainable.ddp.expert_parallel_buffers)
+        return unique_storages(buffer.grad_data
+                               for buffer in trainable.ddp.buffers + trainable.ddp.expert_parallel_buffers)
     inners = _inner_optimizers(trainable.optimizer)
     if part == "masters":
         weights = {s._cdata for s in storages(trainable, "weights")}
         params = (p for inner in inners for group in inner.param_groups for p in group["params"])
-        return [s for s in _unique(params) if s._cdata not in weights]
+        return [s for s in unique_storages(params) if s._cdata not in weights]
     if part == "moments":
-        return _unique(value for inner in inners for state in inner.state.values() for key, value in state.items()
-                       if key != "step" and isinstance(value, torch.Tensor))
+        return unique_storages(value for inner in inners for state in inner.state.values()
+                               for key, value in state.items() if key != "step" and isinstance(value, torch.Tensor))
     raise ValueError(f"unknown part {part!r}; one of {', '.join(PARTS)}")
 
 

@@ -254,7 +254,7 @@ def _model_outputs(model, exp, plan, value_head, grads=True):
     from megatron.core import parallel_state as ps
 
     from mindspeed_llm.rl import batch_plan, passes
-    from mindspeed_llm.rl.engine import _run_schedule
+    from mindspeed_llm.rl.engine import run_schedule
 
     width = exp.responses.shape[1]
     out = {}
@@ -282,7 +282,7 @@ def _model_outputs(model, exp, plan, value_head, grads=True):
         return out
     model.train()
     model.zero_grad(set_to_none=True)
-    _run_schedule([model], plan.micro_batches(exp), loss, forward_only=False)
+    run_schedule([model], plan.micro_batches(exp), loss, forward_only=False)
     out["grads"] = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     return out
 

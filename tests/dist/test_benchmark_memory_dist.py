@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from benchmarks import memory  # noqa: E402
+from benchmarks import step_memory as memory  # noqa: E402
 
 
 @pytest.mark.slow

@@ -66,7 +66,7 @@ def _cases(rank, world_size, tp, graph, replay=False):
 
     from mindspeed_llm import device as _device
     from mindspeed_llm import distributed
-    from mindspeed_llm.inference import SamplingConfig, generate
+    from mindspeed_llm.inference import EngineOptions, SamplingConfig, generate
     from mindspeed_llm.inference.cuda_graph import StaticDecodeKVCacheModel
     from mindspeed_llm.models import ArchitectureSpec, build_model
 
@@ -95,7 +95,7 @@ def _cases(rank, world_size, tp, graph, replay=False):
             return engines[-1]
 
         static = generate(model, prompts, sampling, iteration=2, prefill=prefill, engine="static",
-                          static_engine=static_engine)
+                          options=EngineOptions(static_kv_cache_model=static_engine))
         again = generate(model, prompts, sampling, iteration=2, prefill=prefill,
                          engine="static")  # the default engine again
         facts = [(e.static_reason, e.static_steps, e.graph) + ((len(e.outputs),) if replay else ()) for e in engines]

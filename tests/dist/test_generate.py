@@ -146,7 +146,7 @@ def _repeated_prompt_cases(model, prompts):
     """Repeated prompts (GRPO's n samples; here also non-adjacent, plus a prompt that shares only its first
     L_min tokens with another) with the shared prefill and with every row prefilled; prefill batch sizes (static
     engine: batched and stepwise prefill; continuous engine: its counters)."""
-    from mindspeed_llm.inference import generate
+    from mindspeed_llm.inference import EngineOptions, generate
 
     rows = [prompts[i] for i in (0, 0, 1, 3, 1, 1, 0, 5)] + [prompts[3][:6]]
     out = {"repeated_rows": rows}
@@ -158,9 +158,11 @@ def _repeated_prompt_cases(model, prompts):
                 out[f"dup_{name}_{mode}"] = generate(model, rows, sampling, prefill=mode, iteration=2, engine="static")
             out[f"dup_{name}_{mode}_prefill_shape"] = shapes[0]
             out[f"dup_{name}_{mode}_nodedup"] = generate(model, rows, sampling, prefill=mode, iteration=2,
-                                                         engine="static", _dedup_prefill=False)
+                                                         engine="static",
+                                                         options=EngineOptions(share_prefill=False))
         out[f"dup_{name}_continuous"] = generate(model, rows, sampling, iteration=2)
-        out[f"dup_{name}_continuous_nodedup"] = generate(model, rows, sampling, iteration=2, _dedup_prefill=False)
+        out[f"dup_{name}_continuous_nodedup"] = generate(model, rows, sampling, iteration=2,
+                                                         options=EngineOptions(share_prefill=False))
     return out
 
 
@@ -171,7 +173,7 @@ def _continuous_cases(model, prompts, eos):
     cache's size at two row counts; the engine's errors."""
     from dataclasses import replace
 
-    from mindspeed_llm.inference import generate
+    from mindspeed_llm.inference import EngineOptions, generate
 
     rows = [p for p in prompts for _ in range(3)]
     budgets = [(2, 12, 5)[b % 3] if b % 2 else (12, 3, 7)[b % 3] for b in range(len(rows))]
@@ -184,7 +186,8 @@ def _continuous_cases(model, prompts, eos):
         out[f"cb_{name}_static"] = generate(model, rows, sampling, engine="static", **common)
         bounded = replace(sampling, max_num_seqs=4, max_num_batched_tokens=8)
         out[f"cb_{name}_bounded"] = generate(model, rows, bounded, engine="continuous", **common)
-        out[f"cb_{name}_one_group"] = generate(model, rows, bounded, _pipeline_groups=1, **common)
+        out[f"cb_{name}_one_group"] = generate(model, rows, bounded, options=EngineOptions(pipeline_groups=1),
+                                               **common)
     sampling = replace(configs["sample"], max_num_seqs=4)
     common = dict(iteration=5, sample_ids=ids, response_budgets=budgets)
     whole = out["cb_partial_whole"] = generate(model, rows, sampling, **common)

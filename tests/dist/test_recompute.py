@@ -211,7 +211,7 @@ class _Calls:
 
 
 def _step(spec, state, fields, micro_batches, dtype="fp32", calls=(), seed=0):
-    """One forward-backward of `micro_batches` on megatron's schedule (`engine._run_schedule`, train mode) from
+    """One forward-backward of `micro_batches` on megatron's schedule (`engine.run_schedule`, train mode) from
     the weights `state`: ({param: grad}, the MoE update metrics, _Calls)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -225,7 +225,7 @@ def _step(spec, state, fields, micro_batches, dtype="fp32", calls=(), seed=0):
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)  # the same dropout masks in every run
     with moe.update_stats(model) as stats:
-        engine._run_schedule([model], micro_batches, lambda out, mb: (out.float().square().mean(), {}), False)
+        engine.run_schedule([model], micro_batches, lambda out, mb: (out.float().square().mean(), {}), False)
         stats.micro_batches(len(micro_batches))
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     metrics = stats.metrics() if spec.is_moe else {}

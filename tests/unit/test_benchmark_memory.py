@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import memory  # noqa: E402
+from benchmarks import step_memory as memory  # noqa: E402
 
 TINY = memory.Shape(hidden=8, ffn=16, layers=2, heads=2, kv_heads=1, head_dim=4, vocab=32, qkv_bias=False)
 PARAMS = 1704  # see test_projection_of_a_tiny_launch_equals_a_hand_computation

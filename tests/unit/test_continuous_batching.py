@@ -1,4 +1,4 @@
-"""The continuous-batching engine (`mindspeed_llm/inference/continuous.py`).
+"""The continuous-batching engine (`mindspeed_llm/inference/continuous.py`, its plan `continuous_plan.py`).
 
 * its scheduler alone (host-side, no model): admission in batch order into freed slots, rows kept packed (a tail row
   moves into a hole), prefill windows shared with a sample in flight, prefills packed and chunked under the token
@@ -12,7 +12,7 @@ tests/dist/test_generate.py, in its spawns.
 from __future__ import annotations
 
 
-from mindspeed_llm.inference.continuous import Sample, Scheduler, split_capacity
+from mindspeed_llm.inference.continuous_plan import Sample, Scheduler, split_capacity
 
 EOS = 2
 

@@ -4,9 +4,9 @@ run config maps to a slot (`run_config.Slot`) is read by the mapping code.
 
 A flag counts as read when the package (or `posttrain_gpt.py`) reads its destination outside the parser's
 construction (`arguments/parser.py`): `args.<dest>` / `self.args.<dest>` / `run.<dest>` (validation's view of the
-Namespace), `getattr(args, "<dest>")`, or the destination's name as a string
-literal (the tables that loop over names) anywhere but the two mapping tables (`run_config.py`, which maps YAML keys
-of the same names, and `compat_flags.py`). Flags that `validate_args` resolves into others (e.g.
+Namespace), `getattr(args, "<dest>")`, or the destination's name as a string literal (the tables that loop over
+names) anywhere but the two mapping tables (the `run_config` package, which maps YAML keys of the same names, and
+`compat_flags.py`). Flags that `validate_args` resolves into others (e.g.
 `--lr-warmup-fraction` -> `lr_warmup_iters`) are read there, which counts. A flag whose destination is a field of
 a typed settings part (`rl/settings.py`, which fills every field from the destination of its name) counts as read
 when a consumer reads that field: `<part>.<dest>` anywhere but `settings.py` itself.
@@ -29,7 +29,7 @@ from mindspeed_llm.rl import settings
 from mindspeed_llm.run_config import GENERATE, MEGATRON, RL, SAMPLING, Nested, Slot
 
 ROOT = Path(__file__).resolve().parents[2]
-TABLES = ("run_config.py", "compat_flags.py")
+TABLES = (ROOT / "mindspeed_llm" / "run_config", ROOT / "mindspeed_llm" / "compat_flags.py")
 SETTING_FIELDS = frozenset(f.name for part in settings.PARTS for f in fields(part))
 
 
@@ -44,6 +44,10 @@ def _sources():
     return texts
 
 
+def _in_tables(path: Path) -> bool:
+    return any(path == table or table in path.parents for table in TABLES)
+
+
 def unread_flags(parser: argparse.ArgumentParser, sources, setting_fields=SETTING_FIELDS) -> list:
     ignored = {compat_flags._dest(f) for f in (*compat_flags.IGNORED_SWITCHES, *compat_flags.IGNORED_VALUES,
                                                *compat_flags.IGNORED_LISTS)}
@@ -56,7 +60,7 @@ def unread_flags(parser: argparse.ArgumentParser, sources, setting_fields=SETTIN
         attribute = re.compile(rf"\b(?:args|run)\.{dest}\b|getattr\(\s*[\w.]*(?:args|run)\s*,\s*[\"']{dest}[\"']")
         literal = re.compile(rf"[\"']{dest}[\"']")
         field_read = re.compile(rf"\.{dest}\b") if action.dest in setting_fields else None
-        if not any(attribute.search(text) or (path.name not in TABLES and literal.search(text))
+        if not any(attribute.search(text) or (not _in_tables(path) and literal.search(text))
                    or (field_read is not None and path.name != "settings.py" and field_read.search(text))
                    for path, text in sources.items()):
             missing.append(action.option_strings[0])
@@ -91,9 +95,11 @@ def _slots(table):
 
 def test_every_yaml_slot_is_read_by_the_mapping():
     """A `Slot` is a key the mapping code resolves itself (checkpoints, stage-dependent keys): its name must be read
-    there (`slot("name")`, `origin("name")`, `"name" in ...slots`, or a tuple of names the code loops over)."""
-    text = (ROOT / "mindspeed_llm" / "run_config.py").read_text()
-    code = text[text.index("def _resolve("):]
+    there (`run_config/mapping.py`, `run_config/checkpoints.py`: `slot("name")`, `origin("name")`, `"name" in
+    ...slots`, or a tuple of names the code loops over)."""
+    package = ROOT / "mindspeed_llm" / "run_config"
+    mapping, checkpoints = (package / "mapping.py").read_text(), (package / "checkpoints.py").read_text()
+    code = mapping[mapping.index("def resolve("):] + checkpoints[checkpoints.index("def resolve_checkpoints("):]
     unread = [key for table in (MEGATRON, RL, GENERATE, SAMPLING) for key, name in _slots(table)
               if not re.search(rf"[\"']{re.escape(name)}[\"']", code)]
     assert unread == []

@@ -1,5 +1,5 @@
 """`posttrain_gpt.py --config FILE.yaml`: MindSpeed-RL run configs mapped onto this program's flags
-(`mindspeed_llm/run_config.py`).
+(`mindspeed_llm/run_config/`).
 
 * every section maps as the equivalent command line parses (grpo and PPO files in MindSpeed-RL's layout, a model
   from `model/NAME.yaml`, roles of different models), and the shipped configs/rl files equal their launchers;

@@ -1,4 +1,4 @@
-"""The --save writer lock (`checkpoint/training.py::WriterLock`): exactly one of any number of runs that take over a
+"""The --save writer lock (`checkpoint/writer_lock.py::WriterLock`): exactly one of any number of runs that take over a
 dead run's lock at the same instant wins, over many trials, with flock and with the O_EXCL fallback for filesystems
 without it; a live holder is refused by name; a released lock is gone. (Before: when two runs took over a dead
 process's lock at once, both held it in 1 of 6 trials, and the loser otherwise hit a FileNotFoundError.)"""
@@ -11,7 +11,7 @@ import socket
 import pytest
 
 from mindspeed_llm.checkpoint.errors import CheckpointError
-from mindspeed_llm.checkpoint.training import WriterLock
+from mindspeed_llm.checkpoint.writer_lock import WriterLock
 
 TAKERS, TRIALS = 4, 15
 

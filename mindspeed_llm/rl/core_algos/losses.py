@@ -266,26 +266,12 @@ def policy_loss(
     """
     if clip_high is None:
         clip_high = clip_low
-    if dual_clip is not None and not dual_clip > 1.0:
-        raise ValueError(f"dual_clip must be > 1.0 (got {dual_clip})")
-    surrogate = POLICY_LOSSES.get(loss_type)
-    if surrogate is None:
-        raise ValueError(f"unknown policy loss {loss_type!r}; valid names are: {', '.join(POLICY_LOSSES)}")
-    if rollout_is != "none" and rollout_logp is None:
-        raise ValueError(f"policy_loss: rollout_is={rollout_is!r} needs rollout_logp (the sampler's log-probs)")
-    if kl_coef != 0.0 and ref_logp is None:
-        raise ValueError("policy_loss: kl_coef != 0 needs ref_logp")
-    if entropy is None and entropy_coeff != 0.0:
-        raise ValueError("policy_loss: entropy_coeff != 0 needs entropy")
+    surrogate = _checked_surrogate(loss_type, dual_clip, rollout_is, rollout_logp, kl_coef, ref_logp, entropy,
+                                   entropy_coeff)
     if advantages.dim() == logp.dim() - 1:
         advantages = advantages.unsqueeze(-1)
-    builtin = {"vanilla": vanilla_policy_terms, "gspo": gspo_policy_terms}.get(loss_type)
-    if (surrogate is builtin and not (loss_type == "gspo" and dual_clip is not None)
-            and rollout_is in ROLLOUT_IS_MODES and (kl_coef == 0.0 or kl_kind in KL_KINDS)
-            and advantages.dim() == 2 and advantages.shape[-1] in (1, logp.shape[-1])
-            and advantages.shape[0] == logp.shape[0]
-            and _fused_kernel(logp.device, logp, old_logp, response_mask, ref_logp if kl_coef != 0.0 else None,
-                              entropy, rollout_logp if rollout_is != "none" else None)):
+    if _runs_fused(surrogate, loss_type, dual_clip, rollout_is, kl_coef, kl_kind, advantages, logp, old_logp,
+                   response_mask, ref_logp, entropy, rollout_logp):
         return _fused_policy_loss(logp, old_logp, advantages, response_mask, clip_low, clip_high, dual_clip, agg,
                                   loss_type, max_len, ref_logp, kl_coef, kl_kind, entropy, entropy_coeff, rollout_logp,
                                   rollout_is, rollout_is_threshold, total_tokens, total_sequences)
@@ -305,6 +291,66 @@ def policy_loss(
     pg_loss = (pg * loss_w).sum()
     loss = pg_loss
 
+    metrics = _surrogate_metrics(terms, pg_loss, log_ratio, mask, token_mean,
+                                 is_weights if rollout_is != "none" else None, old_logp, rollout_logp,
+                                 rollout_is_threshold)
+
+    loss = _with_kl_and_entropy(loss, metrics, logp, ref_logp, kl_coef, kl_kind, loss_w, token_mean, entropy,
+                                entropy_coeff)
+    metrics["loss"] = loss.detach()
+    return loss, metrics
+
+
+def _with_kl_and_entropy(loss, metrics, logp, ref_logp, kl_coef, kl_kind, loss_w, token_mean, entropy,
+                         entropy_coeff):
+    """`policy_loss`'s `loss` with its KL term (kl_coef != 0) and entropy bonus, their metrics added to `metrics`."""
+    if kl_coef != 0.0:
+        kl = kl_penalty(logp, ref_logp, kl_kind)
+        kl_loss = (kl * loss_w).sum()
+        loss = loss + kl_coef * kl_loss
+        metrics["kl_loss"] = kl_loss.detach()
+        metrics["kl"] = token_mean(kl.detach())
+
+    if entropy is not None:
+        entropy_mean = token_mean(entropy)
+        if entropy_coeff != 0.0:
+            loss = loss - entropy_coeff * entropy_mean
+        metrics["entropy"] = entropy_mean.detach()
+    return loss
+
+
+def _runs_fused(surrogate, loss_type, dual_clip, rollout_is, kl_coef, kl_kind, advantages, logp, old_logp,
+                response_mask, ref_logp, entropy, rollout_logp) -> bool:
+    """Whether `policy_loss` runs its fused kernel: a built-in surrogate (not gspo with a dual clip), a rollout_is
+    mode and KL estimator the kernel has, per-token or per-row advantages, and a kernel for these tensors."""
+    builtin = {"vanilla": vanilla_policy_terms, "gspo": gspo_policy_terms}.get(loss_type)
+    return bool(surrogate is builtin and not (loss_type == "gspo" and dual_clip is not None)
+                and rollout_is in ROLLOUT_IS_MODES and (kl_coef == 0.0 or kl_kind in KL_KINDS)
+                and advantages.dim() == 2 and advantages.shape[-1] in (1, logp.shape[-1])
+                and advantages.shape[0] == logp.shape[0]
+                and _fused_kernel(logp.device, logp, old_logp, response_mask, ref_logp if kl_coef != 0.0 else None,
+                                  entropy, rollout_logp if rollout_is != "none" else None))
+
+
+def _checked_surrogate(loss_type, dual_clip, rollout_is, rollout_logp, kl_coef, ref_logp, entropy, entropy_coeff):
+    """`policy_loss`'s argument checks; the surrogate named `loss_type` (`POLICY_LOSSES`)."""
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1.0 (got {dual_clip})")
+    surrogate = POLICY_LOSSES.get(loss_type)
+    if surrogate is None:
+        raise ValueError(f"unknown policy loss {loss_type!r}; valid names are: {', '.join(POLICY_LOSSES)}")
+    if rollout_is != "none" and rollout_logp is None:
+        raise ValueError(f"policy_loss: rollout_is={rollout_is!r} needs rollout_logp (the sampler's log-probs)")
+    if kl_coef != 0.0 and ref_logp is None:
+        raise ValueError("policy_loss: kl_coef != 0 needs ref_logp")
+    if entropy is None and entropy_coeff != 0.0:
+        raise ValueError("policy_loss: entropy_coeff != 0 needs entropy")
+    return surrogate
+
+
+def _surrogate_metrics(terms: PolicyTerms, pg_loss, log_ratio, mask, token_mean, is_weights, old_logp, rollout_logp,
+                       rollout_is_threshold) -> Dict[str, torch.Tensor]:
+    """`policy_loss`'s metrics of the surrogate (its docstring), detached; `is_weights` None without rollout_is."""
     with torch.no_grad():
         metrics = {
             "pg_loss": pg_loss.detach(),
@@ -320,26 +366,11 @@ def policy_loss(
             "ppo_ratio_clamped": token_mean(terms.ratio_clamped),
             "abs_pg_loss": token_mean(terms.abs_pg),
         }
-        if rollout_is != "none":
+        if is_weights is not None:
             metrics["rollout_is_weight"] = token_mean(is_weights)
             metrics["rollout_is_clipfrac"] = token_mean(
                 (torch.exp(old_logp - rollout_logp) > rollout_is_threshold).to(mask.dtype))
-
-    if kl_coef != 0.0:
-        kl = kl_penalty(logp, ref_logp, kl_kind)
-        kl_loss = (kl * loss_w).sum()
-        loss = loss + kl_coef * kl_loss
-        metrics["kl_loss"] = kl_loss.detach()
-        metrics["kl"] = token_mean(kl.detach())
-
-    if entropy is not None:
-        entropy_mean = token_mean(entropy)
-        if entropy_coeff != 0.0:
-            loss = loss - entropy_coeff * entropy_mean
-        metrics["entropy"] = entropy_mean.detach()
-
-    metrics["loss"] = loss.detach()
-    return loss, metrics
+    return metrics
 
 
 def _fused_policy_loss(logp, old_logp, advantages, response_mask, clip_low, clip_high, dual_clip, agg, loss_type,

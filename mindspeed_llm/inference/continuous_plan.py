@@ -1,0 +1,241 @@
+"""Continuous batching's host-side plan (`inference/continuous.py` runs it on the device): the samples (`Sample`), the
+units of work one pipeline group runs per tick (`Unit`: slot moves, `Prefill` forwards, KV copies, one `Decode` step)
+and the `Scheduler` that decides them (admission, slot layout, prefill sharing). Plain bookkeeping, identical on
+every rank of a model-parallel group: it sees only the prompts, the plan and the broadcast tokens."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+
+@dataclass
+class Sample:
+    """One sample's tokens and state (host side)."""
+
+    known: List[int]  # prompt + response so far
+    prompt_length: int
+    budget: int  # the most response tokens, carried ones included
+    reason: Optional[str] = None  # "eos" | "stop" | "length" once finished
+
+    @property
+    def response_length(self) -> int:
+        return len(self.known) - self.prompt_length
+
+    @property
+    def finished(self) -> bool:
+        return self.reason is not None
+
+    @property
+    def cached(self) -> int:
+        """Positions whose keys / values are in the cache while the sample is in flight: all known tokens but the
+        last, which the next decode step feeds."""
+        return len(self.known) - 1
+
+
+@dataclass
+class Prefill:
+    """One prefill forward: rows `slots` (samples `samples`) get positions [start, start + counts[r]) of their known
+    tokens, right-padded to `width`."""
+
+    slots: List[int]
+    samples: List[int]
+    start: int
+    width: int
+    counts: List[int]
+    tokens: List[List[int]]  # [rows][width]
+
+
+@dataclass
+class Decode:
+    """One decode step of a group: rows base .. base + n - 1 feed their last known token at their length."""
+
+    base: int
+    samples: List[int]
+    positions: List[int]
+    tokens: List[int]
+    steps: List[int]  # the response index j of the token each row produces
+
+
+@dataclass
+class Unit:
+    """What every stage does for one group at one step, in this order: moves (slot, slot, length), prefill forwards,
+    KV copies (src slot, dst slot, length, src sample, dst sample), `extra_prefills` dummy forwards (expert-parallel
+    padding), the decode step (or a dummy one)."""
+
+    index: int
+    group: int
+    moves: List[Tuple[int, int, int]] = field(default_factory=list)
+    prefills: List[Prefill] = field(default_factory=list)
+    copies: List[Tuple[int, int, int, int, int]] = field(default_factory=list)
+    decode: Optional[Decode] = None
+    extra_prefills: int = 0
+    dummy_decode: bool = False
+
+    def hidden_shapes(self, hidden_size: int) -> List[Tuple[int, int, int]]:
+        """[S, b, H] of each real forward, in order: what goes from stage to stage."""
+        shapes = [(p.width, len(p.slots), hidden_size) for p in self.prefills]
+        if self.decode is not None:
+            shapes.append((1, len(self.decode.samples), hidden_size))
+        return shapes
+
+
+@dataclass
+class _Group:
+    base: int  # first slot
+    capacity: int
+    rows: List[Optional[int]] = field(default_factory=list)  # slot - base -> sample (None: free)
+    steps: int = 0  # decode steps run
+    stopped: bool = False  # the decode budget is spent
+
+
+PREFILL_PADDING_BOUND = 2  # a prefill forward computes at most twice its windows' tokens
+
+
+class Scheduler:
+    """Admission, slot layout and prefill sharing; identical on every rank of a model-parallel group (it sees only
+    the prompts, the plan and the broadcast tokens)."""
+
+    def __init__(self, samples: List[Sample], capacities: Sequence[int], *, token_cap: Optional[int],
+                 share_prefill: bool, pad_id: int, eos_ids: Sequence[int], stop_ids: Sequence[int],
+                 max_decode_steps: Optional[int] = None):
+        self.samples = samples
+        self.pending = deque(b for b, s in enumerate(samples) if not s.finished)
+        self.groups, base = [], 0
+        for cap in capacities:
+            self.groups.append(_Group(base, cap, [None] * cap))
+            base += cap
+        self.token_cap, self.share_prefill, self.pad_id = token_cap, share_prefill, pad_id
+        self.eos_ids, self.stop_ids = set(eos_ids), set(stop_ids)
+        self.max_decode_steps = max_decode_steps
+        self.slot_of: Dict[int, int] = {}
+        self.sources: Dict[tuple, Dict[int, None]] = {}  # prefill window -> samples in flight holding it (ordered)
+        self.window_of: Dict[int, tuple] = {}
+        self.stats = dict(decode_forwards=0, decode_row_steps=0, finished_row_steps=0, prefill_forwards=0,
+                          prefill_tokens=0, prefill_shared_rows=0, kv_row_moves=0, max_rows_in_flight=0)
+
+    def busy(self) -> bool:
+        """Whether a group can still decode: rows in flight, or pending samples and room."""
+        for g in self.groups:
+            if g.stopped:
+                continue
+            if any(s is not None for s in g.rows) or (self.pending and g.capacity > 0):
+                return True
+        return False
+
+    def in_flight(self) -> int:
+        return sum(s is not None for g in self.groups for s in g.rows)
+
+    def decide(self, index: int, group: int) -> Unit:
+        """The next unit of `group`: admit pending samples into its free slots, pack its rows, plan their prefill."""
+        g = self.groups[group]
+        unit = Unit(index, group)
+        if g.stopped:
+            return unit
+        if self.max_decode_steps is not None and g.steps >= self.max_decode_steps:
+            g.stopped = True
+            return unit
+        survivors = [(off, s) for off, s in enumerate(g.rows) if s is not None]
+        new = [self.pending.popleft() for _ in range(min(g.capacity - len(survivors), len(self.pending)))]
+        n = len(survivors) + len(new)
+        kept = {off for off, _ in survivors if off < n}
+        free = [off for off in range(n) if off not in kept]
+        rows: List[Optional[int]] = [None] * g.capacity
+        for off, s in survivors:
+            if off >= n:  # pack the rows in flight at the front: a tail row moves into a hole
+                dst = free.pop(0)
+                unit.moves.append((g.base + off, g.base + dst, self.samples[s].cached))
+                off = dst
+            rows[off] = s
+            self.slot_of[s] = g.base + off
+        for s in new:
+            off = free.pop(0)
+            rows[off] = s
+            self.slot_of[s] = g.base + off
+        g.rows = rows
+        self.stats["kv_row_moves"] += len(unit.moves)
+        leaders = []
+        for s in new:
+            window = tuple(self.samples[s].known[:-1])
+            if not window:  # a one-token prompt: the decode step feeds it, nothing to prefill
+                continue
+            holders = self.sources.get(window) if self.share_prefill else None
+            if holders:
+                src = next(iter(holders))
+                unit.copies.append((self.slot_of[src], self.slot_of[s], len(window), src, s))
+                self.stats["prefill_shared_rows"] += 1
+            else:
+                leaders.append(s)
+            if self.share_prefill:
+                self.sources.setdefault(window, {})[s] = None
+                self.window_of[s] = window
+        unit.prefills = self._pack(leaders)
+        if n:
+            order = [rows[off] for off in range(n)]
+            unit.decode = Decode(g.base, order, [self.samples[s].cached for s in order],
+                                 [self.samples[s].known[-1] for s in order],
+                                 [self.samples[s].response_length for s in order])
+            g.steps += 1
+            self.stats["decode_forwards"] += 1
+            self.stats["decode_row_steps"] += n
+        self.stats["prefill_forwards"] += len(unit.prefills)
+        self.stats["prefill_tokens"] += sum(p.width * len(p.slots) for p in unit.prefills)
+        self.stats["max_rows_in_flight"] = max(self.stats["max_rows_in_flight"], self.in_flight())
+        return unit
+
+    def _pack(self, leaders: List[int]) -> List[Prefill]:
+        """Prefill forwards for `leaders`: by ascending window length, as many rows as keep rows x width within the
+        token cap and the padding within the real tokens (rows x width <= PREFILL_PADDING_BOUND x the windows'
+        tokens: one long continuation among short prompts gets its own forward instead of padding them all to its
+        length); a window longer than the cap alone, in chunks."""
+        order = sorted(leaders, key=lambda s: self.samples[s].cached)
+        cap = self.token_cap
+        out, batch, real = [], [], 0
+        for s in order:
+            length = self.samples[s].cached
+            if cap is not None and length > cap:
+                for start in range(0, length, cap):
+                    out.append(self._prefill([s], start, min(cap, length - start)))
+                continue
+            padded = (len(batch) + 1) * length  # the windows so far are no longer: `length` is the width
+            if batch and ((cap is not None and padded > cap) or padded > PREFILL_PADDING_BOUND * (real + length)):
+                out.append(self._prefill(batch, 0, self.samples[batch[-1]].cached))
+                batch, real = [], 0
+            batch.append(s)
+            real += length
+        if batch:
+            out.append(self._prefill(batch, 0, self.samples[batch[-1]].cached))
+        return out
+
+    def _prefill(self, samples: List[int], start: int, width: int) -> Prefill:
+        counts = [min(width, self.samples[s].cached - start) for s in samples]
+        tokens = [self.samples[s].known[start:start + c] + [self.pad_id] * (width - c) for s, c in zip(samples, counts)]
+        return Prefill([self.slot_of[s] for s in samples], list(samples), start, width, counts, tokens)
+
+    def apply(self, unit: Unit, tokens: List[int]) -> None:
+        """Appends the decode step's tokens; finished rows free their slots."""
+        g = self.groups[unit.group]
+        for s, token in zip(unit.decode.samples, tokens):
+            sample = self.samples[s]
+            sample.known.append(int(token))
+            if token in self.eos_ids:
+                sample.reason = "eos"
+            elif token in self.stop_ids:
+                sample.reason = "stop"
+            elif sample.response_length >= sample.budget:
+                sample.reason = "length"
+            if sample.finished:
+                g.rows[self.slot_of.pop(s) - g.base] = None
+                window = self.window_of.pop(s, None)
+                if window is not None:
+                    holders = self.sources[window]
+                    del holders[s]
+                    if not holders:
+                        del self.sources[window]
+
+
+def split_capacity(rows: int, groups: int, token_cap: Optional[int]) -> List[int]:
+    """`rows` slots over `groups` groups as evenly as possible, each at most `token_cap` (a decode step's tokens)."""
+    caps = [rows // groups + (g < rows % groups) for g in range(groups)]
+    return [min(c, token_cap) if token_cap is not None else c for c in caps]
