@@ -50,11 +50,11 @@ MEGATRON_DERIVED = (
 )
 # Resolved settings values still copied onto the Namespace for readers outside the typed boundary (their owners'):
 PUBLISHED = {
-    "n_samples_per_prompt": "benchmarks/memory.py",
-    "kl_coef": "benchmarks/memory.py (the launcher projection: a reference model when > 0)",
-    "max_length": "benchmarks/memory.py",
-    "max_prompt_length": "benchmarks/memory.py",
-    "ppo_mini_batch_size": "benchmarks/memory.py",
+    "n_samples_per_prompt": "benchmarks/step_memory/launch.py",
+    "kl_coef": "benchmarks/step_memory/launch.py (the launcher projection: a reference model when > 0)",
+    "max_length": "benchmarks/step_memory/launch.py",
+    "max_prompt_length": "benchmarks/step_memory/launch.py",
+    "ppo_mini_batch_size": "benchmarks/step_memory/launch.py",
 }
 
 

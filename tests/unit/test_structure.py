@@ -268,16 +268,9 @@ def long_functions() -> List[str]:
     return found
 
 
-# Reported, not yet enforced: other branches are splitting these files now (issue 36). They xpass once done.
-@pytest.mark.xfail(strict=False, reason=f"issue 36: library files over {MAX_FILE_LINES} lines are being split")
 def test_no_library_file_over_600_lines():
-    found = long_files()
-    print("\n".join(found))
-    assert found == []
+    assert long_files() == [], "split the file by what its parts do"
 
 
-@pytest.mark.xfail(strict=False, reason=f"issue 36: functions over {MAX_FUNCTION_LINES} lines are being split")
 def test_no_function_over_120_lines():
-    found = long_functions()
-    print("\n".join(found))
-    assert found == []
+    assert long_functions() == [], "split the function into named steps"
