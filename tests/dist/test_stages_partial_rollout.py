@@ -19,6 +19,8 @@ from mindspeed_llm.rl.partial_rollout import PartialRollouts, pending
 from mindspeed_llm.rl.rollout_strategies import PromptSource
 from mindspeed_llm.rl.settings import AlgorithmSettings, BatchSettings
 
+pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+
 
 MAX_NEW, SPLIT = 8, 2  # a round adds at most 4 tokens to a sample
 
@@ -105,8 +107,6 @@ def save(root, iteration, *args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
 training_ckpt.save = save
 import posttrain_gpt
-
-pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
 sys.exit(posttrain_gpt.main(sys.argv[1:]))
 """
 
