@@ -2,7 +2,8 @@
 # The test command (README, .ci/run): sets up .venv when needed, then runs the suite on CPU.
 #   bash scripts/test.sh                  everything (tests/unit and tests/dist; what .ci/run runs)
 #   bash scripts/test.sh --fast [ARGS]    the unit lane only (tests/unit: no process spawn, no model above a few MB)
-#   bash scripts/test.sh ARGS             pytest ARGS over the whole suite (e.g. -m "not slow", -k NAME)
+#   bash scripts/test.sh ARGS             pytest ARGS over the whole suite (e.g. -m "not slow", -k NAME), or over
+#                                         the test paths ARGS name (tests/unit/test_docs.py)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="$(bash "$root/scripts/setup_venv.sh" | tail -n 1)"
@@ -16,6 +17,10 @@ if [ "${1:-}" = "--fast" ]; then
   shift
   paths=(tests/unit)
 fi
+# test paths among the arguments replace the default ones (`bash scripts/test.sh tests/unit/test_docs.py`)
+for arg in "$@"; do
+  case "$arg" in tests|tests/*) paths=(); break ;; esac
+done
 set +e
 "$py" -m pytest -q -p no:cacheprovider "$@" "${paths[@]}"
 rc=$?
