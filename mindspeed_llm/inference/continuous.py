@@ -42,6 +42,11 @@ last row stops, and the cache is sized by the whole batch. Here:
 * **Expert parallelism**: the expert-parallel peers hold other rollouts but exchange tokens in every MoE layer of
   every forward, so after each decision they agree (one all-reduce) on the unit's number of prefill forwards and
   whether it decodes, and run 1-token dummy forwards (no cache) where they have fewer; they tick until all are done.
+* **Multi-turn** (`turns`, a `turns.TurnExchange`): a sample whose turn ends and whose handler wants an observation
+  (a tool's answer) is parked (`continuous_plan`), its slot and KV kept or freed; the others decode meanwhile. The
+  observation's ids are written into the sample's response as they are (never re-tokenized) and only they are
+  prefilled; they are fed, not sampled (`Result.observed`, zero log-probs). A decode step whose rows have parked ones
+  between them gathers its rows' keys instead of reading a view.
 * **Partial rollouts**: `max_decode_steps` bounds each group's decode steps; what is left is returned unfinished
   (`Rollout.continuations`), and a later call continues it from its prompt + response so far.
 
@@ -164,7 +169,8 @@ class ContinuousEngine:
 
     def __init__(self, model, samples: List[Sample], sampling: SamplingConfig, *, uniforms: Optional[torch.Tensor],
                  vocab_size: Optional[int], source: Optional[int], group, peers, record_routing: bool,
-                 share_prefill: bool, max_decode_steps: Optional[int], pipeline_groups: Optional[int], device):
+                 share_prefill: bool, max_decode_steps: Optional[int], pipeline_groups: Optional[int], device,
+                 turns=None, keep_parked_kv: bool = True):
         self.model, self.sampling, self.uniforms, self.vocab_size = model, sampling, uniforms, vocab_size
         self.source, self.group, self.peers, self.device = source, group, peers, device
         config = get_model_config(model)
@@ -181,7 +187,11 @@ class ContinuousEngine:
         self.slots = max(s.prompt_length + s.budget for s in samples)  # max_b L_b + R_b: every position used
         self.scheduler = Scheduler(samples, split_capacity(rows, self.groups, token_cap), token_cap=token_cap,
                                    share_prefill=share_prefill, pad_id=sampling.pad_id, eos_ids=sampling.eos_ids,
-                                   stop_ids=sampling.stop_ids, max_decode_steps=max_decode_steps)
+                                   stop_ids=sampling.stop_ids, max_decode_steps=max_decode_steps,
+                                   wants_observation=self._wants_observation if turns is not None else None,
+                                   turn_token_limit=getattr(turns.handler, "turn_token_limit", None) if turns else None,
+                                   keep_parked_kv=keep_parked_kv)
+        self.turns = turns
         self.cache = _KVCache(rows, self.slots)
         R = max([s.budget for s in samples] + [0])
         self.responses = torch.full((B, R), sampling.pad_id, dtype=torch.long, device=device)
@@ -248,10 +258,13 @@ class ContinuousEngine:
         positions = torch.tensor(d.positions, dtype=torch.long, device=dev)
         tokens = torch.tensor(d.tokens, dtype=torch.long, device=dev).view(n, 1)
         key_len = max(d.positions) + 1
-        layout = _Layout(write_positions=positions.view(1, n),
-                         write_rows=(d.base + torch.arange(n, device=dev)).view(1, n),
+        if d.slots is None:  # rows base .. base + n - 1: a view of the cache
+            rows, row_slice = d.base + torch.arange(n, device=dev), (d.base, d.base + n)
+        else:  # parked rows between them (multi-turn): gather
+            rows, row_slice = torch.tensor(d.slots, dtype=torch.long, device=dev), None
+        layout = _Layout(write_positions=positions.view(1, n), write_rows=rows.view(1, n),
                          mask=(torch.arange(key_len, device=dev)[None, :] > positions[:, None]).view(n, 1, 1, key_len),
-                         key_len=key_len, row_slice=(d.base, d.base + n))
+                         key_len=key_len, row_slice=row_slice, rows=None if row_slice else rows)
         out = self._forward(tokens, positions.view(n, 1), layout, True, hidden)
         if self.capture is not None:
             sample = torch.tensor(d.samples, dtype=torch.long, device=dev)
@@ -312,8 +325,21 @@ class ContinuousEngine:
         return tokens
 
     # ------------------------------------------------------------------ schedule
+    def _wants_observation(self, s: int, sample) -> bool:
+        return self.turns.handler.wants_observation(s, sample.known, sample.prompt_length, sample.turn_start)
+
+    def _take_observations(self) -> None:
+        """Multi-turn: the observations done now (waiting for one when nothing else can decode) go into their samples'
+        responses; the same on every rank of the group."""
+        for s, ids in self.turns.exchange(wait=self.scheduler.only_parked()):
+            start = self.scheduler.samples[s].response_length
+            if self.scheduler.resume(s, ids):
+                self.responses[s, start:start + len(ids)] = torch.tensor(ids, dtype=torch.long, device=self.device)
+
     def _decide(self, index: int) -> Unit:
         """The next unit of group index % G, padded to the expert-parallel peers' forwards; updates `busy`."""
+        if self.turns is not None:
+            self._take_observations()
         unit = self.scheduler.decide(index, index % self.groups)
         prefills, decode, busy = len(unit.prefills), int(unit.decode is not None), int(self.scheduler.busy())
         if self.peers is not None:
@@ -350,6 +376,8 @@ class ContinuousEngine:
                 self.capture.close()
         stats = dict(self.scheduler.stats, dummy_forwards=self.dummy_forwards, kv_cache_bytes=self.cache.nbytes,
                      kv_rows=self.cache.rows, kv_slots=self.cache.slots, pipeline_groups=self.groups)
+        if self.turns is not None:
+            stats["observation_wait_seconds"] = self.turns.wait_seconds
         return Result(self.responses, self.log_probs, self.routing, stats)
 
     def _run_ticks(self) -> None:
@@ -375,6 +403,8 @@ class ContinuousEngine:
                 unit = units.pop(done)
                 if unit.decode is not None:
                     tokens = self._pick(unit.decode, logits)
-                    self.scheduler.apply(unit, tokens.tolist())
+                    parked = self.scheduler.apply(unit, tokens.tolist())
+                    if parked:
+                        self.turns.begin(parked, self.scheduler)
                 units[done + self.groups] = self._decide(done + self.groups)
             tick += 1

@@ -1,13 +1,20 @@
 """Continuous batching's host-side plan (`inference/continuous.py` runs it on the device): the samples (`Sample`), the
 units of work one pipeline group runs per tick (`Unit`: slot moves, `Prefill` forwards, KV copies, one `Decode` step)
 and the `Scheduler` that decides them (admission, slot layout, prefill sharing). Plain bookkeeping, identical on
-every rank of a model-parallel group: it sees only the prompts, the plan and the broadcast tokens."""
+every rank of a model-parallel group: it sees only the prompts, the plan and the broadcast tokens.
+
+Multi-turn (`inference/turns.py`): a sample whose turn ends (EOS / stop) and whose handler wants an observation (a
+tool's answer) is *parked*: it leaves the decode steps and waits. With `keep_parked_kv` its slot and KV stay and,
+once the observation's token ids arrive (`resume`), only they are prefilled into its slot (a delta prefill); without,
+its slot is freed at once and, on resumption, it queues again to be prefilled from its whole prefix. Either way the
+other samples keep decoding meanwhile. The observation's tokens are recorded as spans of the response (`Sample.observed`):
+they are fed to the model, never sampled."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 
 @dataclass
@@ -18,6 +25,9 @@ class Sample:
     prompt_length: int
     budget: int  # the most response tokens, carried ones included
     reason: Optional[str] = None  # "eos" | "stop" | "length" once finished
+    turn_start: int = 0  # multi-turn: the response length when the current model turn began
+    observed: List[Tuple[int, int]] = field(default_factory=list)  # response spans [a, b) fed, not sampled
+    parked: bool = False  # multi-turn: waiting for an observation
 
     @property
     def response_length(self) -> int:
@@ -56,6 +66,7 @@ class Decode:
     positions: List[int]
     tokens: List[int]
     steps: List[int]  # the response index j of the token each row produces
+    slots: Optional[List[int]] = None  # the rows' slots when not base .. base + n - 1 (parked rows between them)
 
 
 @dataclass
@@ -99,7 +110,9 @@ class Scheduler:
 
     def __init__(self, samples: List[Sample], capacities: Sequence[int], *, token_cap: Optional[int],
                  share_prefill: bool, pad_id: int, eos_ids: Sequence[int], stop_ids: Sequence[int],
-                 max_decode_steps: Optional[int] = None):
+                 max_decode_steps: Optional[int] = None,
+                 wants_observation: Optional[Callable[[int, Sample], bool]] = None,
+                 turn_token_limit: Optional[int] = None, keep_parked_kv: bool = True):
         self.samples = samples
         self.pending = deque(b for b, s in enumerate(samples) if not s.finished)
         self.groups, base = [], 0
@@ -109,14 +122,21 @@ class Scheduler:
         self.token_cap, self.share_prefill, self.pad_id = token_cap, share_prefill, pad_id
         self.eos_ids, self.stop_ids = set(eos_ids), set(stop_ids)
         self.max_decode_steps = max_decode_steps
+        self.wants_observation, self.turn_token_limit = wants_observation, turn_token_limit
+        self.keep_parked_kv = keep_parked_kv
+        self.parked: Dict[int, None] = {}  # samples waiting for an observation (ordered)
+        self.delta_prefills: Dict[int, int] = {}  # resumed sample in its kept slot -> first position to prefill
         self.slot_of: Dict[int, int] = {}
         self.sources: Dict[tuple, Dict[int, None]] = {}  # prefill window -> samples in flight holding it (ordered)
         self.window_of: Dict[int, tuple] = {}
         self.stats = dict(decode_forwards=0, decode_row_steps=0, finished_row_steps=0, prefill_forwards=0,
-                          prefill_tokens=0, prefill_shared_rows=0, kv_row_moves=0, max_rows_in_flight=0)
+                          prefill_tokens=0, prefill_shared_rows=0, kv_row_moves=0, max_rows_in_flight=0,
+                          parked_turns=0, observation_tokens=0, delta_prefill_tokens=0)
 
     def busy(self) -> bool:
-        """Whether a group can still decode: rows in flight, or pending samples and room."""
+        """Whether a group can still decode: rows in flight, pending samples and room, or parked samples."""
+        if self.parked:
+            return True
         for g in self.groups:
             if g.stopped:
                 continue
@@ -126,6 +146,12 @@ class Scheduler:
 
     def in_flight(self) -> int:
         return sum(s is not None for g in self.groups for s in g.rows)
+
+    def only_parked(self) -> bool:
+        """Every unfinished sample waits for an observation: nothing can decode until one arrives."""
+        if not self.parked or self.pending:
+            return False
+        return all(s is None or s in self.parked for g in self.groups for s in g.rows)
 
     def decide(self, index: int, group: int) -> Unit:
         """The next unit of `group`: admit pending samples into its free slots, pack its rows, plan their prefill."""
@@ -170,15 +196,17 @@ class Scheduler:
             if self.share_prefill:
                 self.sources.setdefault(window, {})[s] = None
                 self.window_of[s] = window
-        unit.prefills = self._pack(leaders)
-        if n:
-            order = [rows[off] for off in range(n)]
+        unit.prefills = self._pack(leaders) + self._delta_prefills(rows[:n])
+        offsets = [off for off in range(n) if rows[off] not in self.parked]
+        if offsets:
+            order = [rows[off] for off in offsets]
+            slots = None if len(offsets) == n else [g.base + off for off in offsets]
             unit.decode = Decode(g.base, order, [self.samples[s].cached for s in order],
                                  [self.samples[s].known[-1] for s in order],
-                                 [self.samples[s].response_length for s in order])
+                                 [self.samples[s].response_length for s in order], slots)
             g.steps += 1
             self.stats["decode_forwards"] += 1
-            self.stats["decode_row_steps"] += n
+            self.stats["decode_row_steps"] += len(order)
         self.stats["prefill_forwards"] += len(unit.prefills)
         self.stats["prefill_tokens"] += sum(p.width * len(p.slots) for p in unit.prefills)
         self.stats["max_rows_in_flight"] = max(self.stats["max_rows_in_flight"], self.in_flight())
@@ -208,31 +236,90 @@ class Scheduler:
             out.append(self._prefill(batch, 0, self.samples[batch[-1]].cached))
         return out
 
+    def _delta_prefills(self, rows: List[int]) -> List[Prefill]:
+        """Prefill forwards of the resumed samples among `rows` (kept slots): their observation's positions only,
+        one row per forward (their starts differ), in chunks of the token cap."""
+        out = []
+        for s in rows:
+            start = self.delta_prefills.pop(s, None)
+            if start is None:
+                continue
+            length = self.samples[s].cached - start
+            step = self.token_cap or length
+            for a in range(start, start + length, step):
+                out.append(self._prefill([s], a, min(step, start + length - a)))
+            self.stats["delta_prefill_tokens"] += length
+        return out
+
     def _prefill(self, samples: List[int], start: int, width: int) -> Prefill:
         counts = [min(width, self.samples[s].cached - start) for s in samples]
         tokens = [self.samples[s].known[start:start + c] + [self.pad_id] * (width - c) for s, c in zip(samples, counts)]
         return Prefill([self.slot_of[s] for s in samples], list(samples), start, width, counts, tokens)
 
-    def apply(self, unit: Unit, tokens: List[int]) -> None:
-        """Appends the decode step's tokens; finished rows free their slots."""
-        g = self.groups[unit.group]
+    def apply(self, unit: Unit, tokens: List[int]) -> List[int]:
+        """Appends the decode step's tokens; finished rows free their slots. Returns the samples parked by this
+        step (their turn ended and the handler wants an observation)."""
+        parked = []
         for s, token in zip(unit.decode.samples, tokens):
             sample = self.samples[s]
             sample.known.append(int(token))
+            reason = None
             if token in self.eos_ids:
-                sample.reason = "eos"
+                reason = "eos"
             elif token in self.stop_ids:
-                sample.reason = "stop"
+                reason = "stop"
             elif sample.response_length >= sample.budget:
-                sample.reason = "length"
-            if sample.finished:
-                g.rows[self.slot_of.pop(s) - g.base] = None
-                window = self.window_of.pop(s, None)
-                if window is not None:
-                    holders = self.sources[window]
-                    del holders[s]
-                    if not holders:
-                        del self.sources[window]
+                reason = "length"
+            elif self.turn_token_limit is not None and sample.response_length - sample.turn_start >= \
+                    self.turn_token_limit:
+                reason = "length"  # the model's turn ran out of --max-new-tokens: the trajectory ends
+            if reason in ("eos", "stop") and self.wants_observation is not None and self.wants_observation(s, sample):
+                sample.parked = True
+                self.parked[s] = None
+                self.stats["parked_turns"] += 1
+                parked.append(s)
+                if not self.keep_parked_kv:
+                    self._release(s)
+            elif reason is not None:
+                sample.reason = reason
+                self._release(s)
+        return parked
+
+    def resume(self, s: int, observation: Sequence[int]) -> bool:
+        """Sample `s`'s observation arrived: its token ids follow its response, and it decodes again (from its
+        kept slot after a delta prefill, or queued for a whole prefill). When they would leave no room for one more
+        model token within its budget the trajectory ends instead ("length"). Returns whether it resumed."""
+        sample = self.samples[s]
+        del self.parked[s]
+        sample.parked = False
+        if not observation or len(observation) > sample.budget - sample.response_length - 1:
+            sample.reason = "length"
+            if s in self.slot_of:
+                self._release(s)
+            return False
+        first_uncached = sample.cached  # the turn's last token (EOS / stop) was never fed
+        a = sample.response_length
+        sample.known.extend(int(t) for t in observation)
+        sample.observed.append((a, sample.response_length))
+        sample.turn_start = sample.response_length
+        self.stats["observation_tokens"] += len(observation)
+        if s in self.slot_of:
+            self.delta_prefills[s] = first_uncached
+        else:
+            self.pending.append(s)
+        return True
+
+    def _release(self, s: int) -> None:
+        """Frees sample `s`'s slot (finished, or parked without its KV) and its prefill-sharing window."""
+        slot = self.slot_of.pop(s)
+        g = next(g for g in self.groups if g.base <= slot < g.base + g.capacity)
+        g.rows[slot - g.base] = None
+        window = self.window_of.pop(s, None)
+        if window is not None:
+            holders = self.sources[window]
+            del holders[s]
+            if not holders:
+                del self.sources[window]
 
 
 def split_capacity(rows: int, groups: int, token_cap: Optional[int]) -> List[int]:

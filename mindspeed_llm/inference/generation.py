@@ -40,6 +40,7 @@ from mindspeed_llm.inference.kv_cache import KVCacheModel
 from mindspeed_llm.inference.results import Continuation, Rollout
 from mindspeed_llm.inference.sampling import SamplingConfig
 from mindspeed_llm.inference.static_engine import generate_static
+from mindspeed_llm.inference.turns import TurnExchange, TurnHandler
 from mindspeed_llm.models.attention import model_attention
 from mindspeed_llm.models.sequence_parallel import sequence_parallel_off
 
@@ -80,11 +81,15 @@ class EngineOptions:
         step where MINDSPEED_DECODE_CUDA_GRAPH=1 on CUDA). Tests and benchmarks pass
         `cuda_graph.StaticDecodeKVCacheModel` (or a subclass). Given, it selects the static engine under
         `engine="auto"` (`engine="continuous"` refuses it).
+    keep_parked_kv: multi-turn (`generate(turns=...)`): a sample waiting for a tool keeps its slot and KV, and only the
+        tool's tokens are prefilled when they arrive; False frees the slot at once (another sample takes it) and
+        prefills the whole prefix on resumption. Same tokens either way.
     """
 
     share_prefill: bool = True
     pipeline_groups: Optional[int] = None
     static_kv_cache_model: Optional[Callable[..., KVCacheModel]] = None
+    keep_parked_kv: bool = True  # multi-turn: a parked sample keeps its slot and KV (False: freed, re-prefilled)
 
 
 def generate(
@@ -102,6 +107,7 @@ def generate(
     continuations: Optional[Sequence[Optional[Continuation]]] = None,
     response_budgets: Optional[Sequence[int]] = None,
     options: Optional[EngineOptions] = None,
+    turns: Optional[TurnHandler] = None,
 ) -> Rollout:
     """Generate one response per prompt; returns a `Rollout` (same on every rank of the model-parallel group).
 
@@ -140,6 +146,10 @@ def generate(
             lengths); a continuation's old tokens count.
         options: `EngineOptions`, how the engines run (the shared prefill of repeated prompts, the continuous engine's
             row groups, the static engine's KV-cache model); the defaults serve every run.
+        turns: continuous engine: a `turns.TurnHandler` that answers a model turn with an observation (a tool's
+            output as token ids) to continue from; the response then holds the turns and the observations
+            (`Rollout.tool_mask` marks the latter), within `response_budgets` (all of a trajectory's tokens), each
+            model turn within the handler's `turn_token_limit`.
     """
     sampling = sampling or SamplingConfig()
     options = options or EngineOptions()
@@ -150,14 +160,14 @@ def generate(
     peers = expert_peers(model)
     chosen = _choose_engine(model, engine, prefill, batched, sampling, dev, peers,
                             {"max_decode_steps": max_decode_steps, "continuations": continuations,
-                             "options.pipeline_groups": options.pipeline_groups},
+                             "options.pipeline_groups": options.pipeline_groups, "turns": turns},
                             options.static_kv_cache_model is not None)
     if chosen == "continuous":
         # --sequence-parallel: as in the static engine, the plain tensor-parallel model (models/sequence_parallel.py)
         with sequence_parallel_off(model):
             return _generate_continuous(model, prompts, budgets, sampling, iteration, sample_ids, vocab_size,
-                                        record_routing, max_decode_steps, continuations, options.share_prefill,
-                                        options.pipeline_groups, peers, dev)
+                                        record_routing, max_decode_steps, continuations, options, peers, dev,
+                                        turns)
     return generate_static(model, prompts, budgets, sampling, iteration, sample_ids, vocab_size, record_routing,
                            batched, options.share_prefill, options.static_kv_cache_model, peers, dev)
 
@@ -216,9 +226,13 @@ def _budgets(sampling: SamplingConfig, prompts: List[List[int]], response_budget
 
 
 def _generate_continuous(model, prompts, budgets, sampling, iteration, sample_ids, vocab_size, record_routing,
-                         max_decode_steps, continuations, share_prefill, pipeline_groups, peers, dev) -> Rollout:
+                         max_decode_steps, continuations, options, peers, dev, turns) -> Rollout:
     """`generate` on `inference/continuous.py`'s engine."""
     B = len(prompts)
+    pipeline_groups = options.pipeline_groups
+    if turns is not None and (max_decode_steps is not None or continuations is not None):
+        raise ValueError("generate: turns (multi-turn) with max_decode_steps / continuations (partial rollouts) is not "
+                         "supported")
     if max_decode_steps is not None and (isinstance(max_decode_steps, bool) or int(max_decode_steps) < 1):
         raise ValueError(f"generate: max_decode_steps={max_decode_steps!r} must be an integer >= 1")
     if pipeline_groups is not None and int(pipeline_groups) < 1:
@@ -245,8 +259,10 @@ def _generate_continuous(model, prompts, budgets, sampling, iteration, sample_id
     group, source = source_rank()
     runner = continuous.ContinuousEngine(
         model, samples, sampling, uniforms=uniforms, vocab_size=vocab_size, source=source, group=group, peers=peers,
-        record_routing=record_routing, share_prefill=share_prefill, max_decode_steps=max_decode_steps,
-        pipeline_groups=pipeline_groups, device=dev)
+        record_routing=record_routing, share_prefill=options.share_prefill, max_decode_steps=max_decode_steps,
+        pipeline_groups=pipeline_groups, device=dev,
+        turns=TurnExchange(turns, source, group, dev) if turns is not None else None,
+        keep_parked_kv=options.keep_parked_kv)
     for b, carry in enumerate(continuations):  # the old tokens keep their recorded (behaviour) log-probs
         if carry is not None and carry.log_probs is not None and runner.log_probs is not None and carry.response:
             runner.log_probs[b, :len(carry.response)] = torch.tensor(list(carry.log_probs), dtype=torch.float32,
@@ -279,11 +295,21 @@ def _generate_continuous(model, prompts, budgets, sampling, iteration, sample_id
         seed=sampling.seed if sampling.do_sample else None,
         continuations=carried_on,
         stats=out.stats,
+        tool_mask=_observed_mask(samples, R, dev) if turns is not None else None,
     )
     if out.routing is not None:
         width = max(int((result.prompt_lengths + lengths).max()), 1)
         result.routing = out.routing[:, :, :width].contiguous()
     return result
+
+
+def _observed_mask(samples, width: int, device) -> torch.Tensor:
+    """[B, width] long: 1 at the response positions that were fed as observations (tool output), not sampled."""
+    mask = torch.zeros((len(samples), width), dtype=torch.long)
+    for b, sample in enumerate(samples):
+        for a, e in sample.observed:
+            mask[b, a:e] = 1
+    return mask.to(device)
 
 
 # ---------------------------------------------------------------------------------------------- input checks

@@ -71,6 +71,9 @@ class Rollout:
     continuations: Optional[List[Optional[Continuation]]] = None
     # what the engine did (`generation.generate`: decode forwards and row-steps, rows that had finished, KV bytes)
     stats: Dict[str, int] = field(default_factory=dict)
+    # [B, R] long: 1 at response positions fed as observations (multi-turn: tool output), not sampled; their
+    # log-probs are 0. None for a single-turn rollout.
+    tool_mask: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ basic views
     @property

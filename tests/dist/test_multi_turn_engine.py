@@ -1,0 +1,139 @@
+"""Multi-turn generation in the continuous engine (`inference/turns.py`, `continuous_plan.Scheduler`'s parking) on a
+tiny random Llama, 2 gloo processes at DP2 (each rank its own prompts and tool delays, rank 1 with no tool calls at
+all next to rank 0 with many), TP2 and PP2.
+
+A scripted handler answers the first turn of every even sample with fixed observation ids after a per-sample delay
+(on the token-picking rank, in threads). The reference is the static engine, single-turn, greedy: turn 1 is
+`generate(prompt)` and turn 2 is `generate(prompt + turn 1 + observation)`, cut at the per-turn limit. The engine's
+response must be exactly turn 1 + observation + turn 2 (token-in / token-out), the observation marked in `tool_mask`
+with zero log-probs, the model tokens' log-probs within 2e-5 of the reference's; with the parked KV kept or freed
+the same tokens; keeping the KV prefills fewer tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from mindspeed_llm.models.architecture import ArchitectureSpec
+from tests.helpers.multiproc import run_distributed
+
+pytestmark = pytest.mark.usefixtures("warm_ranks")
+
+SPEC = ArchitectureSpec(family="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                        num_query_groups=2, kv_channels=16, vocab_size=128)
+STOPS = tuple(range(3, 40))  # ~30% of the ids end a turn: turns of a few tokens
+TURN_LIMIT = 6
+BUDGET = 24
+
+
+def observation_of(sample):
+    return [100 + sample % 7, 101, 102, 60 + sample]
+
+
+class ScriptedTools:
+    """Even samples (of rank 0 only, at DP2) call one tool after their first turn; its answer arrives after
+    a delay that differs per sample."""
+
+    turn_token_limit = TURN_LIMIT
+
+    def __init__(self, calls_tools):
+        self.calls_tools = calls_tools
+        self.done, self.lock, self.event = [], threading.Lock(), threading.Event()
+        self.begun = []
+
+    def wants_observation(self, sample, known, prompt_length, turn_start):
+        return self.calls_tools and turn_start == 0 and sample % 2 == 0
+
+    def begin(self, sample, known, prompt_length, turn_start):
+        self.begun.append(sample)
+
+        def answer():
+            time.sleep(0.02 * (sample % 3))
+            with self.lock:
+                self.done.append((sample, observation_of(sample)))
+            self.event.set()
+
+        threading.Thread(target=answer, daemon=True).start()
+
+    def ready(self, wait):
+        if wait:
+            self.event.wait(timeout=30)
+        with self.lock:
+            out, self.done = self.done, []
+            self.event.clear()
+        return out
+
+
+def _body(rank, world_size, tp, pp):
+    from dataclasses import replace
+
+    from mindspeed_llm import distributed
+    from mindspeed_llm.inference import EngineOptions, SamplingConfig, generate
+    from mindspeed_llm.models import build_model
+
+    distributed.initialize(tp, pp, seed=3)
+    model = build_model(SPEC, init_method_std=0.3)
+    dp_rank = rank if tp == pp == 1 else 0
+    g = torch.Generator().manual_seed(21 + dp_rank)
+    prompts = [torch.randint(40, 120, (n,), generator=g).tolist() for n in (5, 9, 3, 7, 4, 6)]
+    sampling = SamplingConfig(max_new_tokens=TURN_LIMIT, pad_token_id=0, stop_token_ids=STOPS, max_num_seqs=3)
+    out = {}
+    for keep in (True, False):
+        tools = ScriptedTools(calls_tools=dp_rank == 0)
+        out[keep] = generate(model, prompts, sampling, response_budgets=[BUDGET] * len(prompts), turns=tools,
+                             options=EngineOptions(keep_parked_kv=keep))
+        out[f"begun {keep}"] = sorted(tools.begun)
+    single = replace(sampling, max_num_seqs=None)
+    first = generate(model, prompts, single, engine="static")
+    seconds = {}
+    for b, turn in enumerate(first.response_token_lists()):
+        if dp_rank == 0 and b % 2 == 0 and first.finish_reasons[b] == "stop":
+            seconds[b] = generate(model, [prompts[b] + turn + observation_of(b)], single, engine="static")
+    picks = tp == pp == 1 or rank == (world_size - 1 if pp > 1 else 0)  # the last stage's TP rank 0 runs the tools
+    return dict(out, first=first, seconds=seconds, dp_rank=dp_rank, picks=picks)
+
+
+def _check(result):
+    first, seconds = result["first"], result["seconds"]
+    for keep in (True, False):
+        r = result[keep]
+        responses, mask = r.response_token_lists(), r.tool_mask
+        for b, turn1 in enumerate(first.response_token_lists()):
+            n = len(turn1)
+            if b not in seconds:  # no tool: the single-turn response, nothing marked
+                assert responses[b] == turn1, (keep, b)
+                assert r.finish_reasons[b] == first.finish_reasons[b]
+                assert int(mask[b].sum()) == 0
+                continue
+            obs = observation_of(b)
+            turn2 = seconds[b].response_token_lists()[0]
+            assert responses[b] == turn1 + obs + turn2, (keep, b)  # token-in / token-out
+            marked = mask[b, :len(responses[b])].tolist()
+            assert marked == [0] * n + [1] * len(obs) + [0] * len(turn2)
+            assert float(r.log_probs[b, n:n + len(obs)].abs().sum()) == 0.0
+            torch.testing.assert_close(r.log_probs[b, :n], first.log_probs[b, :n], atol=2e-5, rtol=0)
+            at = n + len(obs)
+            torch.testing.assert_close(r.log_probs[b, at:at + len(turn2)], seconds[b].log_probs[0, :len(turn2)],
+                                       atol=2e-5, rtol=0)
+        assert result[f"begun {keep}"] == (sorted(seconds) if result["picks"] else [])
+        assert r.stats["parked_turns"] == len(seconds)
+    assert result[True].response_token_lists() == result[False].response_token_lists()
+    if result["seconds"]:
+        assert result[True].stats["delta_prefill_tokens"] > 0
+        assert result[True].stats["prefill_tokens"] < result[False].stats["prefill_tokens"]
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["dp2", "tp2", "pp2"])
+def test_multi_turn_is_token_in_token_out_and_equals_single_turn_generations(tp, pp):
+    results = run_distributed(_body, 2, tp, pp)
+    assert any(r["seconds"] for r in results), "no sample ended its first turn on a stop token"
+    for result in results:
+        _check(result)
+    if tp == pp == 1:  # a DP rank without tool calls next to one with many finished (no hang)
+        assert not results[1]["seconds"]
+    else:  # the model-parallel ranks hold the same rollout
+        assert results[0][True].response_token_lists() == results[1][True].response_token_lists()
