@@ -110,6 +110,13 @@ RANGES: Dict[str, Bound] = {
     "--max-num-gen-batches": _at_least(1, "generation batches"),
     "--partial-rollout-max-split": _at_least(2, "MindSpeed-RL's partial_rollout_max_split: 1 cuts no sample (leave "
                                                 "--partial-rollout out)"),
+    "--max-assistant-turns": _at_least(1, "model turns"),
+    "--max-tool-calls": _at_least(0, "tool calls per trajectory; 0 offers the tools but runs none"),
+    "--max-parallel-calls": _at_least(1, "tool calls of one turn"),
+    "--max-tool-response-length": _at_least(1, "tokens"),
+    "--max-total-response-length": _at_least(1, "tokens"),
+    "--tool-timeout": _positive("seconds"),
+    "--tool-workers": _at_least(1, "threads"),
     "--save-interval": _at_least(1, "iterations"),
     "--log-interval": _at_least(1, "iterations"),
     "--eval-interval": _at_least(0, "iterations; 0 turns evaluation off"),

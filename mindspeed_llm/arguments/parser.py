@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_logging_args(p)
     _add_rl_models_args(p)
     _add_rollout_args(p)
+    _add_multi_turn_args(p)
     _add_algorithm_args(p)
     return p
 
@@ -328,6 +329,32 @@ def _add_rollout_args(p: argparse.ArgumentParser) -> None:
                         "weights the policy loss by min(w, C); mis by w where w <= C, and tokens with w > C leave it "
                         "(token level). Implies --recompute-old-logprobs")
     g.add_argument("--rollout-is-threshold", type=float, default=2.0, help="C of --rollout-is (default 2.0)")
+
+
+def _add_multi_turn_args(p: argparse.ArgumentParser) -> None:
+    """Multi-turn tool use (verl's `multi_turn.*`, MindSpeed-RL's `rl_config` keys of the same names)."""
+    g = p.add_argument_group("RL: multi-turn tool use (on with --tool-config; rl/multi_turn.py)")
+    g.add_argument("--tool-config", help="a tool config YAML in verl's / MindSpeed-RL's schema (`tools:` of "
+                                         "class_name, config, tool_schema): the rollouts call these tools between "
+                                         "turns")
+    g.add_argument("--multi-turn", action="store_true",
+                   help="MindSpeed-RL's multi_turn_enable: needs --tool-config (which alone turns it on)")
+    g.add_argument("--tool-parser-format", default="hermes", help="how tool calls are read from the model's turn")
+    g.add_argument("--max-assistant-turns", type=int, help="model turns per trajectory (default: the budgets only)")
+    g.add_argument("--max-tool-calls", type=int, help="tool calls per trajectory (default: no limit)")
+    g.add_argument("--max-parallel-calls", type=int, default=1, help="tool calls run from one turn (default 1)")
+    g.add_argument("--max-tool-response-length", type=int, default=256,
+                   help="tokens of one tool's answer; longer ones are cut (default 256)")
+    g.add_argument("--tool-response-truncate-side", choices=("left", "right", "middle"), default="middle",
+                   help="which part of a long tool answer goes: left keeps the end, right the start, middle both")
+    g.add_argument("--max-total-response-length", type=int,
+                   help="model + tool tokens of a trajectory (default: --max-length - --max-prompt-length); "
+                        "--max-new-tokens is then one model turn's limit")
+    g.add_argument("--tool-timeout", type=float, default=30.0, help="seconds one tool call may take (default 30)")
+    g.add_argument("--tool-workers", type=int, default=8, help="tool calls running at once per rollout rank")
+    g.add_argument("--parked-kv", choices=("keep", "free"), default="keep",
+                   help="a sample waiting on its tools keeps its KV cache rows (keep: only the tool's tokens are "
+                        "prefilled after) or frees them for other samples (free: its prefix is prefilled again)")
 
 
 def _add_algorithm_args(p: argparse.ArgumentParser) -> None:

@@ -13,6 +13,7 @@ the values that follow from several flags are resolved into them, not written ba
 from __future__ import annotations
 
 import math
+import os
 from typing import Tuple
 
 from mindspeed_llm import compat_flags
@@ -174,6 +175,7 @@ def validate_args(args, world_size: int) -> run_settings.Settings:
         raise ArgumentError("--dynamic-sampling keeps grpo groups whose rewards differ: it needs --stage grpo and "
                             "--n-samples-per-prompt >= 2")
     _check_partial_rollout(run)
+    _check_multi_turn(run)
     _check_roles(run)
     _check_checkpoint_flags(args)
     _check_evaluation(run)
@@ -330,6 +332,32 @@ def _check_partial_rollout(run) -> None:
     # the carried tokens' log-probs are an earlier policy's: the update's old log-probs come from a training forward
     # under the weights of the update (and --rollout-is weighs the carried tokens against the sampler's)
     run.recompute_old_logprobs = True
+
+
+def _check_multi_turn(run) -> None:
+    """--tool-config (multi-turn tool use, `rl/multi_turn.py`): the trajectory's budget, and what it does not combine
+    with, refused by name."""
+    if not run.tool_config:
+        if run.multi_turn:
+            raise ArgumentError("--multi-turn (multi_turn_enable) needs the tools: give --tool-config PATH "
+                                "(tool_config_path)")
+        return
+    if not os.path.isfile(run.tool_config):
+        raise ArgumentError(f"--tool-config {run.tool_config}: no such file; give a tool config YAML (`tools:` of "
+                            "class_name, config, tool_schema, as verl and MindSpeed-RL write it)")
+    room = run.max_length - run.max_prompt_length
+    if run.max_total_response_length is None:
+        run.max_total_response_length = room
+    if run.max_total_response_length > room:
+        raise ArgumentError(f"--max-total-response-length {run.max_total_response_length} does not fit in "
+                            f"--max-length {run.max_length} after --max-prompt-length {run.max_prompt_length}; raise "
+                            f"--max-length to {run.max_prompt_length + run.max_total_response_length} or lower it")
+    if run.max_new_tokens > run.max_total_response_length:
+        raise ArgumentError(f"--max-new-tokens {run.max_new_tokens} (one model turn) exceeds "
+                            f"--max-total-response-length {run.max_total_response_length} (the whole trajectory)")
+    for flag, other in (("--partial-rollout", run.partial_rollout), ("--dynamic-sampling", run.dynamic_sampling)):
+        if other:
+            raise ArgumentError(f"--tool-config (multi-turn rollouts) with {flag} is not supported yet; drop one")
 
 
 def _check_token_budgets(run) -> None:

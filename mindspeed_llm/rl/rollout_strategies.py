@@ -6,8 +6,9 @@ interface, so a new way of generating (multi-turn tool use, ...) is one module w
 shape and one entry in `ROLLOUT_STRATEGIES`, and neither the stages nor the trainer change.
 
 Strategies: `single_turn` (`rollout.SingleTurnRollouts`: one generation per prompt batch, the CP ranks' rollouts
-gathered) and `partial_rollout` (`partial_rollout.PartialRollouts`, `--partial-rollout`: long responses generated over
-several iterations, its carried and finished groups saved with the checkpoint).
+gathered), `partial_rollout` (`partial_rollout.PartialRollouts`, `--partial-rollout`: long responses generated over
+several iterations, its carried and finished groups saved with the checkpoint) and `multi_turn`
+(`multi_turn.MultiTurnRollouts`, `--tool-config`: the model calls tools between its turns).
 
 Prompts: the trainer hands a stage a `PromptSource` per iteration, this rank's prompts of the sampler's next global
 batch (`first_batch`) and, on request, of further ones (`more(j)`: --dynamic-sampling's refills, --partial-rollout's
@@ -89,18 +90,21 @@ class RolloutStrategy(Protocol):
 ROLLOUT_STRATEGIES = LazyRegistry({
     "single_turn": "mindspeed_llm.rl.rollout:SingleTurnRollouts",
     "partial_rollout": "mindspeed_llm.rl.partial_rollout:PartialRollouts",
+    "multi_turn": "mindspeed_llm.rl.multi_turn:MultiTurnRollouts",
 })
 
 
-def strategy_name(algorithm) -> str:
-    """The run's strategy (`AlgorithmSettings`): `partial_rollout` with --partial-rollout, else `single_turn`."""
-    return "partial_rollout" if algorithm.partial_rollout else "single_turn"
+def strategy_name(settings) -> str:
+    """The run's strategy (`Settings`): `multi_turn` with --tool-config, `partial_rollout` with --partial-rollout,
+    else `single_turn`."""
+    if settings.tools.tool_config:
+        return "multi_turn"
+    return "partial_rollout" if settings.algorithm.partial_rollout else "single_turn"
 
 
 def build_rollouts(settings, actor_module, tokenizer, sampling) -> RolloutStrategy:
     """The run's rollout strategy (`strategy_name`) on the actor's model, from the run's typed `Settings`."""
-    return ROLLOUT_STRATEGIES[strategy_name(settings.algorithm)].from_settings(settings, actor_module, tokenizer,
-                                                                             sampling)
+    return ROLLOUT_STRATEGIES[strategy_name(settings)].from_settings(settings, actor_module, tokenizer, sampling)
 
 
 class UnresumableStateError(ValueError):

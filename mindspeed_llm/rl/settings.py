@@ -119,6 +119,24 @@ class AlgorithmSettings:
 
 
 @dataclass(frozen=True)
+class ToolSettings:
+    """Multi-turn tool use (`rl/multi_turn.py`): the tools, how calls are read, and the trajectory's limits (verl's and
+    MindSpeed-RL's names)."""
+    tool_config: Optional[str] = None  # on: the run's rollouts are multi-turn
+    tool_parser_format: str = "hermes"
+    max_assistant_turns: Optional[int] = None  # None: bounded by the budgets only
+    max_tool_calls: Optional[int] = None  # per trajectory
+    max_parallel_calls: int = 1  # per turn
+    max_tool_response_length: int = 256  # tokens of one tool's answer
+    tool_response_truncate_side: str = "middle"
+    max_total_response_length: Optional[int] = None  # validate_args: --max-length - --max-prompt-length
+    max_new_tokens: int = 128  # one model turn's tokens
+    tool_timeout: float = 30.0  # seconds per call
+    tool_workers: int = 8
+    parked_kv: str = "keep"  # a sample waiting on a tool keeps its KV ("keep") or frees it ("free")
+
+
+@dataclass(frozen=True)
 class BatchSettings:
     global_batch_size: Optional[int] = None  # prompts per iteration (a required flag)
     micro_batch_size: int = 1
@@ -197,6 +215,7 @@ class Settings:
     reward: RewardMixing = field(default_factory=RewardMixing)
     offload: OffloadSettings = field(default_factory=OffloadSettings)
     algorithm: AlgorithmSettings = field(default_factory=AlgorithmSettings)
+    tools: ToolSettings = field(default_factory=ToolSettings)
     batch: BatchSettings = field(default_factory=BatchSettings)
     models: ModelSources = field(default_factory=ModelSources)
     parallel: ParallelSettings = field(default_factory=ParallelSettings)

@@ -55,11 +55,17 @@ def test_prompt_source_from_sampler_numbers_positions_over_the_global_batches():
 
 # ---------------------------------------------------------------------------------------------- the registry
 def test_the_registry_names_each_strategy_by_its_own_name_and_the_flag_picks_it():
-    for name in ("single_turn", "partial_rollout"):
+    from mindspeed_llm.rl.settings import Settings, ToolSettings
+
+    for name in ("single_turn", "partial_rollout", "multi_turn"):
         assert ROLLOUT_STRATEGIES[name].name == name  # also the key of its state in the loop state
-    assert rollout_strategies.strategy_name(AlgorithmSettings(partial_rollout=False)) == "single_turn"
-    assert rollout_strategies.strategy_name(AlgorithmSettings(partial_rollout=True)) == "partial_rollout"
+    assert rollout_strategies.strategy_name(Settings(algorithm=AlgorithmSettings(partial_rollout=False))) == \
+        "single_turn"
+    assert rollout_strategies.strategy_name(Settings(algorithm=AlgorithmSettings(partial_rollout=True))) == \
+        "partial_rollout"
+    assert rollout_strategies.strategy_name(Settings(tools=ToolSettings(tool_config="tools.yaml"))) == "multi_turn"
     assert ROLLOUT_STRATEGIES["partial_rollout"].flag == "--partial-rollout"
+    assert ROLLOUT_STRATEGIES["multi_turn"].flag == "--tool-config"
 
 
 def test_single_turn_generates_the_first_batch_and_carries_nothing(monkeypatch):
