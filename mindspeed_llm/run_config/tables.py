@@ -229,6 +229,16 @@ RL: Dict[str, Any] = {
     # true: the reference shares the actor's base (its adapters off), which a LoRA run always does (see mapping.resolve)
     "share_backbone": Slot("share_backbone", "bool"),
     "partial_rollout_max_split": Slot("partial_rollout_max_split", "number"),
+    # multi-turn tool use (rl/multi_turn.py)
+    "multi_turn_enable": Flag("--multi-turn"),
+    "tool_config_path": Flag("--tool-config"),
+    "max_tool_calls": Flag("--max-tool-calls"),
+    "max_parallel_calls": Flag("--max-parallel-calls"),
+    "max_total_response_length": Flag("--max-total-response-length"),
+    "max_tool_response_length": Flag("--max-tool-response-length"),
+    "tool_response_truncate_side": Flag("--tool-response-truncate-side"),
+    "tool_parser_format": Flag("--tool-parser-format"),
+    "async_engine": Ignored("generation runs in this process; tools run in a thread pool beside it (--tool-workers)"),
 }
 
 SAMPLING: Dict[str, Any] = {

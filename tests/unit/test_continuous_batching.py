@@ -131,3 +131,60 @@ def test_rollout_flags_reach_the_sampling_config():
         assert (config.max_num_seqs, config.max_num_batched_tokens) == (16, 512)
     config = sampling_config(parse_args(base), tokenizer)
     assert config.max_num_seqs is None and config.max_num_batched_tokens is None
+
+
+# ---------------------------------------------------------------------------------------------- multi-turn parking
+def _turns(prompts, budgets, capacity, keep, turn_limit=None, wants=lambda s, sample: sample.turn_start == 0):
+    samples = [Sample(list(p), len(p), n) for p, n in zip(prompts, budgets)]
+    return Scheduler(samples, [capacity], token_cap=None, share_prefill=False, pad_id=0, eos_ids=[EOS], stop_ids=[],
+                     wants_observation=wants, turn_token_limit=turn_limit, keep_parked_kv=keep)
+
+
+def test_a_parked_row_keeps_its_slot_leaves_the_decode_and_gets_a_delta_prefill():
+    s = _turns([[5, 6, 7], [8, 9], [10, 11]], [12, 12, 12], 3, keep=True)
+    u = s.decide(0, 0)
+    assert s.apply(u, [EOS, 20, 21]) == [0]  # sample 0's turn ends and its handler wants an observation
+    assert s.samples[0].parked and s.samples[0].reason is None and s.slot_of[0] == 0
+    u = s.decide(1, 0)
+    # rows 1 and 2 decode; slot 0 sits between nothing but is skipped: the decode gathers slots 1, 2
+    assert u.decode.samples == [1, 2] and u.decode.slots == [1, 2] and not u.prefills
+    s.apply(u, [22, 23])
+    assert not s.only_parked() and s.busy()
+    assert s.resume(0, [40, 41, 42])
+    assert s.samples[0].known == [5, 6, 7, EOS, 40, 41, 42] and s.samples[0].observed == [(1, 4)]
+    assert s.samples[0].turn_start == 4
+    u = s.decide(2, 0)
+    (p,) = u.prefills  # only the observation (and the turn's last token, never fed): positions 3 .. 5
+    assert p.samples == [0] and p.slots == [0] and p.start == 3 and p.counts == [3] and p.tokens == [[EOS, 40, 41]]
+    assert u.decode.samples == [0, 1, 2] and u.decode.slots is None  # all rows decode: a view again
+    assert u.decode.positions[0] == 6 and u.decode.tokens[0] == 42 and u.decode.steps[0] == 4
+    assert s.stats["delta_prefill_tokens"] == 3 and s.stats["observation_tokens"] == 3
+
+
+def test_a_parked_row_without_its_kv_frees_the_slot_and_is_prefilled_again():
+    s = _turns([[5, 6, 7], [8, 9], [10, 11]], [12, 12, 12], 2, keep=False)
+    u = s.decide(0, 0)
+    assert u.decode.samples == [0, 1]
+    assert s.apply(u, [EOS, 20]) == [0]
+    assert 0 not in s.slot_of
+    u = s.decide(1, 0)  # sample 2 takes the freed slot
+    assert sorted(u.decode.samples) == [1, 2]
+    s.apply(u, [EOS, EOS])  # samples 1 and 2 park too: nothing left to decode until an observation comes
+    assert s.only_parked() and s.busy() and not any(s.groups[0].rows)
+    s.resume(0, [40, 41])
+    u = s.decide(2, 0)
+    (p,) = u.prefills  # the whole prefix again: prompt, turn, observation (but the last token)
+    assert p.samples == [0] and p.start == 0 and p.tokens == [[5, 6, 7, EOS, 40]]
+
+
+def test_an_observation_past_the_budget_ends_the_trajectory_and_turns_have_their_own_limit():
+    s = _turns([[5, 6], [8, 9]], [6, 20], 2, keep=True, turn_limit=3)
+    u = s.decide(0, 0)
+    assert s.apply(u, [EOS, 30]) == [0]
+    assert not s.resume(0, [1, 2, 3, 4, 5])  # 1 token used, 5 more leave no room for a model token in 6
+    assert s.samples[0].reason == "length" and 0 not in s.slot_of
+    u = s.decide(1, 0)
+    s.apply(u, [31])
+    u = s.decide(2, 0)
+    s.apply(u, [32])  # the third token of sample 1's turn: the turn limit ends it
+    assert s.samples[1].reason == "length" and s.samples[1].response_length == 3 and not s.busy()
