@@ -104,20 +104,7 @@ class TrlPPOStage:
             exp.scores, score_metrics = self.scorer(exp, plan, timers)  # with --missing-eos-penalty
 
             with timers("adv"):
-                # on the model's own tokens (the action mask; the response mask without tool tokens): the KL penalty,
-                # the score one past the last action, the value mask; GAE steps over them only (core_algos/actions.py)
-                actions = exp.action_mask
-                rewards, kl = core_algos.compute_token_rewards(
-                    exp.scores, exp.old_logp, exp.ref_logp, actions, algorithm.kl_coef, settings.loss.kl_penalty
-                )
-                value_mask = core_algos.response_mask_p1(actions)
-                if algorithm.whiten_rewards:
-                    rewards = core_algos.masked_whiten(rewards, value_mask, shift_mean=False,
-                                                       sum_across=sum_over_data_parallel) * value_mask
-                exp.advantages, exp.returns = core_algos.gae_over_actions(
-                    rewards, exp.values, exp.response_mask, exp.tool_mask, algorithm.gamma, algorithm.lam,
-                    whiten=True, value_mask=value_mask, sum_across=sum_over_data_parallel, gae=self.gae,
-                )
+                rewards, kl = self._advantages(exp)
 
             with timers("update"), self.actor.on_device(timers):
                 actor_metrics = ppo_update(self.actor, exp, plan, settings.update, self._actor_loss, iteration,
@@ -144,6 +131,26 @@ class TrlPPOStage:
         }
         metrics.update(timers.pop())
         return metrics
+
+    def _advantages(self, exp):
+        """`exp.advantages` and `exp.returns` [B, R]: TRL's token rewards (-kl_coef * KL, the score one past the last
+        token; whitened with --whiten-rewards) and GAE, all on the model's own tokens (the action mask: the response
+        mask without tool tokens), GAE stepping over them only (`core_algos.gae_over_actions`). Returns (the token
+        rewards, the per-token KL)."""
+        algorithm = self.algorithm
+        actions = exp.action_mask
+        rewards, kl = core_algos.compute_token_rewards(
+            exp.scores, exp.old_logp, exp.ref_logp, actions, algorithm.kl_coef, self.settings.loss.kl_penalty
+        )
+        value_mask = core_algos.response_mask_p1(actions)
+        if algorithm.whiten_rewards:
+            rewards = core_algos.masked_whiten(rewards, value_mask, shift_mean=False,
+                                               sum_across=sum_over_data_parallel) * value_mask
+        exp.advantages, exp.returns = core_algos.gae_over_actions(
+            rewards, exp.values, exp.response_mask, exp.tool_mask, algorithm.gamma, algorithm.lam,
+            whiten=True, value_mask=value_mask, sum_across=sum_over_data_parallel, gae=self.gae,
+        )
+        return rewards, kl
 
     @staticmethod
     def _critic_batch_metrics(exp, rewards) -> Dict[str, float]:
