@@ -133,6 +133,10 @@ def test_gae_over_tool_spans_by_hand():
     adv, ret = ca.gae_over_actions(rewards, values, response, tool, 1.0, 0.95, whiten=False)
     assert torch.allclose(adv, torch.tensor([[0.1103875, 0.53725, 0, 0, 0.355, 0]]), atol=1e-6)
     assert torch.allclose(ret, torch.tensor([[0.6103875, 0.73725, 0, 0, 0.755, 1.0]]), atol=1e-6)
+    # whatever a registered estimator leaves off the actions, the advantages are 0 there (returns: off the value mask)
+    ones, ones_ret = ca.gae_over_actions(rewards, values, response, tool, 1.0, 0.95,
+                                         gae=lambda r, *a, **k: (torch.ones_like(r), torch.ones_like(r)))
+    assert ones.tolist() == actions.tolist() and ones_ret.tolist() == [[1.0, 1, 0, 0, 1, 1]]
     # the plain GAE over every fed token is another thing (the tool columns' values leak in)
     plain, _ = ca.compute_gae(rewards, values, actions, 1.0, 0.95, whiten=False, value_mask=response)
     assert not torch.allclose(plain, adv, atol=1e-3)
