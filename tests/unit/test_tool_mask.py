@@ -307,8 +307,10 @@ def test_discounted_returns_skip_the_tool_spans_by_hand():
 def test_select_concat_and_micro_batches_keep_the_tool_mask_aligned():
     exp = _experience(LAYOUTS, seed=6)
     exp.old_logp = exp.ref_logp = exp.values = None  # a join comes before the passes (dynamic sampling's refill)
+    exp.sample_data.trajectories = [{"num_turns": b} for b in range(3)]
     picked = exp.select(torch.tensor([2, 0]))
     assert torch.equal(picked.tool_mask, exp.tool_mask[[2, 0]])
+    assert picked.sample_data.trajectories == [{"num_turns": 2}, {"num_turns": 0}]
     single = _experience(["mmm"], width=3, seed=7, tool_mask=False)
     short = _experience(["mtm"], width=3, seed=8)
     for part in (single, short):
