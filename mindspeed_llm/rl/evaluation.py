@@ -28,5 +28,5 @@ reference waits in host memory (--offload-ref-reward)."""
         logp, _ = policy_logprobs(actor.chunks, exp, plan, compare_routing=exp.routing_recorded)
         with on_device(reference, offload, timers) as ref_model:
             ref, _ = policy_logprobs([ref_model], exp, plan)
-        out["eval/kl/mean"] = float(((logp - ref) * exp.response_mask).sum(-1).mean())
+        out["eval/kl/mean"] = float(((logp - ref) * exp.action_mask).sum(-1).mean())  # the model's tokens
     return out

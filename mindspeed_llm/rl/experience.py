@@ -4,6 +4,11 @@ Each sample is `prompt_i + response_i + padding` in `tokens` (right padded to T 
 position ids `arange(T)`. Per-token RL tensors (log-probs, values, rewards, advantages, masks) are
 response-aligned `[B, R]`: column j is response token j. How samples feed the model (rows or packed prompt
 groups, the read positions) is `rl/batch_plan.py`'s job.
+
+Multi-turn rollouts: the response holds the model's sampled tokens and, between its turns, the tool-response tokens
+(`tool_mask`). `response_mask` is every token fed after the prompt (lengths, read positions, packing and token
+budgets count what is really fed); `action_mask` is the model's own tokens, and the losses, the KL, the entropy, the
+advantages and the length metrics follow it (`core_algos/actions.py`).
 """
 
 from __future__ import annotations
@@ -13,13 +18,15 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from mindspeed_llm.rl.core_algos.actions import action_mask
+
 
 # The per-token fields, response-aligned `[B, R]` (column j is response token j): a micro-batch may cut them to its
 # own longest response (`rl/batch_plan.py`).
-RESPONSE_FIELDS = ("responses", "response_mask", "rollout_logp", "loss_mask", "old_logp", "ref_logp", "values",
-                   "advantages", "returns")
+RESPONSE_FIELDS = ("responses", "response_mask", "tool_mask", "rollout_logp", "loss_mask", "old_logp", "ref_logp",
+                   "values", "advantages", "returns")
 # The row-padded fields a join pads to its widest row ([B, T] or [B, R]); `routing` is padded along its T axis.
-_PADDED = ("tokens", "responses", "response_mask", "rollout_logp", "loss_mask")
+_PADDED = ("tokens", "responses", "response_mask", "tool_mask", "rollout_logp", "loss_mask")
 # Not joined: position ids are rebuilt for the joined width; the rest are not tensors.
 _NOT_JOINED = ("position_ids", "sample_data", "routing_recorded")
 
@@ -40,6 +47,8 @@ class SampleData:
     finish_reasons: Optional[List[str]] = None  # "eos" | "stop" | "length"
     sample_ids: Optional[List[int]] = None  # the sample's random stream (partial rollouts)
     started: Optional[List[int]] = None  # the iteration its generation started (partial rollouts)
+    # a multi-turn rollout's trajectory of each sample (its turns, tool calls and tool rewards; `rl/multi_turn.py`)
+    trajectories: Optional[List[dict]] = None
     # the dataset's further columns (--dataset-additional-keys) by name, for a verifier that reads them
     columns: Dict[str, list] = field(default_factory=dict)
 
@@ -75,13 +84,17 @@ class Experience:
     position_ids: torch.Tensor  # [B, T] long
     prompt_lengths: torch.Tensor  # [B] long
     responses: torch.Tensor  # [B, R] long, pad after the response
-    response_mask: torch.Tensor  # [B, R] float, 1 on response tokens (EOS included)
+    response_mask: torch.Tensor  # [B, R] float, 1 on the tokens fed after the prompt (EOS included; tool tokens too)
     ended_with_eos: torch.Tensor  # [B] bool
     rollout_logp: Optional[torch.Tensor] = None  # [B, R] the sampler's log-probs (generation logits / temperature)
-    # [B, R] the tokens that take part in the losses: the response mask, less what the stage leaves out (grpo's
-    # --filter-groups, --mask-truncated-completions). Lengths, read positions and packing always follow
-    # `response_mask`.
+    # [B, R] the tokens that take part in the losses: the action mask (the response mask less the tool tokens), less
+    # what the stage leaves out (grpo's --filter-groups, --mask-truncated-completions). Lengths, read positions and
+    # packing always follow `response_mask`.
     loss_mask: Optional[torch.Tensor] = None
+    # [B, R] float, 1 on the tool-response tokens of a multi-turn rollout (the chat template's tool-role deltas between
+    # the model's turns: context, not actions), within `response_mask`; None: a single-turn rollout (no tool token).
+    # Give it when the Experience is made: the default loss mask is built from it then.
+    tool_mask: Optional[torch.Tensor] = None
     # Filled in as the iteration goes.
     old_logp: Optional[torch.Tensor] = None  # [B, R]
     ref_logp: Optional[torch.Tensor] = None  # [B, R]
@@ -100,7 +113,7 @@ class Experience:
 
     def __post_init__(self):
         if self.loss_mask is None:
-            self.loss_mask = self.response_mask.clone()
+            self.loss_mask = self.action_mask.clone()
 
     @classmethod
     def from_rollout(cls, rollout) -> "Experience":
@@ -115,6 +128,7 @@ class Experience:
             ended_with_eos=rollout.ended_with_eos.bool(),
             rollout_logp=None if rollout.log_probs is None else rollout.log_probs.float(),
             routing=getattr(rollout, "routing", None),
+            tool_mask=None if getattr(rollout, "tool_mask", None) is None else rollout.tool_mask.float(),
         )
 
     # ------------------------------------------------------------------ shapes
@@ -124,7 +138,26 @@ class Experience:
 
     @property
     def response_lengths(self) -> torch.Tensor:
+        """[B] long: the tokens fed after each prompt (the model's and the tools')."""
         return self.response_mask.sum(-1).long()
+
+    @property
+    def action_mask(self) -> torch.Tensor:
+        """[B, R]: the model's own sampled tokens, `response_mask * (1 - tool_mask)`; `response_mask` itself (the same
+        tensor) without tool tokens (`core_algos.action_mask`)."""
+        return action_mask(self.response_mask, self.tool_mask)
+
+    @property
+    def action_lengths(self) -> torch.Tensor:
+        """[B] long: the model's own tokens of each response (`response_lengths` less the tool tokens)."""
+        return self.action_mask.sum(-1).long()
+
+    def leave_out_tool_tokens(self) -> None:
+        """Take the tool tokens out of `loss_mask` (a no-op without `tool_mask`, or when it was given at construction,
+        which builds the default loss mask from it): what the stages call on every rollout, so a strategy that set
+        `tool_mask` afterwards cannot put a tool token into a loss."""
+        if self.tool_mask is not None:
+            self.loss_mask = self.loss_mask * self.action_mask.to(self.loss_mask.dtype)
 
     def tensors(self) -> Dict[str, torch.Tensor]:
         """Every tensor field that is set, by name."""
@@ -143,10 +176,13 @@ class Experience:
     @classmethod
     def concat(cls, parts: Sequence["Experience"], device) -> "Experience":
         """One Experience of the rows of `parts` on `device`, right-padded to the longest sequence and response and no
-        wider (a tensor some part lacks is left out; routing is padded with -1, "unknown", `models/routing.py`)."""
+        wider (a tensor some part lacks is left out, but a part without `tool_mask` has no tool token: zeros; routing is
+        padded with -1, "unknown", `models/routing.py`)."""
         tensors = {}
         for f in fields(cls):
             values = [getattr(p, f.name) for p in parts]
+            if f.name == "tool_mask" and any(v is not None for v in values):  # a part without tool tokens: zeros
+                values = [torch.zeros_like(p.response_mask) if v is None else v for p, v in zip(parts, values)]
             if f.name in _NOT_JOINED or any(v is None for v in values):
                 continue
             if f.name in _PADDED:

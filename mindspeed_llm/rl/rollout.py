@@ -108,8 +108,13 @@ class SingleTurnRollouts:
 
 
 def rollout_metrics(exp: Experience) -> Dict[str, float]:
+    """`response_length/*`: the model's own tokens of each response (`Experience.action_lengths`; the tool-response
+    tokens of a multi-turn rollout left out), and with tool tokens `response_length_with_tools/*`, every token fed
+    after the prompt (what the token budgets count); `prompt_length/*`; `response_clip_ratio`."""
     metrics = {}
-    metrics.update(mean_min_max("response_length", exp.response_lengths))
+    metrics.update(mean_min_max("response_length", exp.action_lengths))
+    if exp.tool_mask is not None:
+        metrics.update(mean_min_max("response_length_with_tools", exp.response_lengths))
     metrics.update(mean_min_max("prompt_length", exp.prompt_lengths))
     # Share of responses cut by --max-new-tokens / --max-length rather than ended by EOS or a stop token.
     cut = truncated(exp)
@@ -133,7 +138,8 @@ def mask_truncated_completions(exp: Experience) -> Dict[str, float]:
 
 
 def mismatch_metrics(exp: Experience, routing_mismatch: Optional[float] = None) -> Dict[str, float]:
-    """`rollout_mismatch/*` (`core_algos.rollout_mismatch`) over the response tokens, when the old log-probs come from
+    """`rollout_mismatch/*` (`core_algos.rollout_mismatch`) over the model's own response tokens (the sampler has no
+    log-prob of a tool token), when the old log-probs come from
     a training forward (not the sampler's own) and the sampler's exist; and `moe/routing_mismatch`, the share of
     response token x MoE layer pairs whose top-k expert set differs between the rollout and that forward
     (`models/routing.py`), when that forward was a mixture of experts (`routing_mismatch`, what
@@ -143,6 +149,6 @@ def mismatch_metrics(exp: Experience, routing_mismatch: Optional[float] = None) 
         metrics["moe/routing_mismatch"] = float(routing_mismatch)
     if exp.rollout_logp is None or exp.old_logp is None or exp.old_logp is exp.rollout_logp:
         return metrics
-    stats = core_algos.rollout_mismatch(exp.old_logp, exp.rollout_logp, exp.response_mask)
+    stats = core_algos.rollout_mismatch(exp.old_logp, exp.rollout_logp, exp.action_mask)
     metrics.update({f"rollout_mismatch/{k}": float(v) for k, v in stats.items()})
     return metrics

@@ -53,6 +53,9 @@ What is where
   ``outcome`` / ``token`` / ``critic``), ``GROUP_SCALES``, ``group_advantages``, ``grpo_advantages``,
   ``rloo_advantages``, ``dr_grpo_advantages``, ``reinforce_plus_plus_advantages``,
   ``reinforce_plus_plus_baseline_advantages``.
+* :mod:`.actions`: trajectories with tool-response tokens: ``action_mask`` (``response_mask * (1 - tool_mask)``),
+  ``action_order`` / ``to_actions`` / ``from_actions`` (each row's actions first), ``gae_over_actions`` and
+  ``token_advantages_over_actions`` (the estimators stepping over the model's own tokens only).
 
 Registering a method is one decorator: ``@register_advantage(name, kind)`` adds a ``--adv-estimator`` choice,
 ``@register_policy_loss(name)`` a ``--policy-loss`` choice (``validate_args`` checks the flags against these
@@ -74,6 +77,14 @@ from mindspeed_llm.rl.core_algos.advantages import (
     reinforce_plus_plus_advantages,
     reinforce_plus_plus_baseline_advantages,
     rloo_advantages,
+)
+from mindspeed_llm.rl.core_algos.actions import (
+    action_mask,
+    action_order,
+    from_actions,
+    gae_over_actions,
+    to_actions,
+    token_advantages_over_actions,
 )
 from mindspeed_llm.rl.core_algos.kl import KL_KINDS, kl_penalty, rollout_mismatch
 from mindspeed_llm.rl.core_algos.losses import (
@@ -151,4 +162,10 @@ __all__ = [
     "dr_grpo_advantages",
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
+    "action_mask",
+    "action_order",
+    "to_actions",
+    "from_actions",
+    "gae_over_actions",
+    "token_advantages_over_actions",
 ]

@@ -87,3 +87,11 @@ def masked_mean_min_max(prefix: str, values, mask, sum_across: Optional[Callable
     if not picked.numel():
         return {f"{prefix}/mean": total / count, f"{prefix}/min": float("inf"), f"{prefix}/max": float("-inf")}
     return {f"{prefix}/mean": total / count, f"{prefix}/min": float(picked.min()), f"{prefix}/max": float(picked.max())}
+
+
+def tool_response_length(tool_mask) -> Dict[str, float]:
+    """``{tool/response_length/mean}``: the tool-response tokens per trajectory (``tool_mask`` ``[B, R]``, 1 on them;
+    the mean over the rows), for a multi-turn rollout's metrics; ``{}`` without rows."""
+    if tool_mask is None or tool_mask.shape[0] == 0:
+        return {}
+    return {"tool/response_length/mean": float(tool_mask.detach().double().sum(-1).mean())}

@@ -146,6 +146,7 @@ class GRPOStage:
         n = self.algorithm.n_samples_per_prompt
         with timers("rollout"):
             exp, rollout_strategy_metrics = self.rollouts.collect(iteration, prompts)
+        exp.leave_out_tool_tokens()  # tool-response tokens are context: in every forward, in no loss
         plan = MicroBatchPlan.for_run(exp, self.settings.batch, group_size=n)
         exp.scores, score_metrics = self.scorer(exp, plan, timers)
         return exp, plan, {**rollout_strategy_metrics, **score_metrics}
@@ -156,19 +157,21 @@ class GRPOStage:
         as logged: per sample -- for a token estimator its mean over the response, a statistic of whole samples like
         every logged one, which DP ranks average alike)."""
         n = self.algorithm.n_samples_per_prompt
+        actions = exp.action_mask  # the model's own tokens: tool tokens get no advantage (core_algos/actions.py)
         if self.estimator.kind == "outcome":
             advantages = self.advantages(exp.scores, n, sum_across=sum_over_data_parallel)
-            exp.advantages = advantages[:, None] * exp.response_mask
+            exp.advantages = advantages[:, None] * actions
             return exp.scores, advantages
-        # token estimators: the score on the last response token (verl's placement), less the KL penalty on every
-        # token when the estimator takes the KL in the reward (then it is no loss, `_loss`)
+        # token estimators: the score on the last action (verl's placement), less the KL penalty on every action when
+        # the estimator takes the KL in the reward (then it is no loss, `_loss`); discounted over actions only
         kl_coef = self.algorithm.kl_coef if self.estimator.kl_in_reward and self.reference is not None else 0.0
         zeros = torch.zeros_like(exp.response_mask)
         token_rewards, _ = core_algos.compute_token_rewards(
-            exp.scores, exp.old_logp if kl_coef else zeros, exp.ref_logp if kl_coef else zeros, exp.response_mask,
+            exp.scores, exp.old_logp if kl_coef else zeros, exp.ref_logp if kl_coef else zeros, actions,
             kl_coef, self.settings.loss.kl_penalty, score_at="last")
-        exp.advantages = self.advantages(token_rewards, exp.response_mask, n, sum_across=sum_over_data_parallel)
-        per_sample = (exp.advantages * exp.response_mask).sum(-1) / exp.response_mask.sum(-1).clamp(min=1)
+        exp.advantages = core_algos.token_advantages_over_actions(
+            self.advantages, token_rewards, exp.response_mask, exp.tool_mask, n, sum_across=sum_over_data_parallel)
+        per_sample = (exp.advantages * actions).sum(-1) / actions.sum(-1).clamp(min=1)
         return token_rewards.sum(-1), per_sample
 
     def _loss(self, logits, mb):

@@ -82,6 +82,7 @@ class TrlPPOStage:
                 trained.offload(timers)
             with timers("rollout"):  # a prompt's n samples are consecutive rows, each with its own GAE
                 exp, rollout_strategy_metrics = self.rollouts.collect(iteration, prompts)
+            exp.leave_out_tool_tokens()  # tool-response tokens are context: in every forward, in no loss
             plan = MicroBatchPlan.for_run(exp, settings.batch, group_size=n)
             rollout_stats = rollout_metrics(exp)
             if algorithm.mask_truncated_completions:  # they leave the actor's and the critic's losses
@@ -103,18 +104,7 @@ class TrlPPOStage:
             exp.scores, score_metrics = self.scorer(exp, plan, timers)  # with --missing-eos-penalty
 
             with timers("adv"):
-                rewards, kl = core_algos.compute_token_rewards(
-                    exp.scores, exp.old_logp, exp.ref_logp, exp.response_mask, algorithm.kl_coef,
-                    settings.loss.kl_penalty
-                )
-                value_mask = core_algos.response_mask_p1(exp.response_mask)
-                if algorithm.whiten_rewards:
-                    rewards = core_algos.masked_whiten(rewards, value_mask, shift_mean=False,
-                                                       sum_across=sum_over_data_parallel) * value_mask
-                exp.advantages, exp.returns = self.gae(
-                    rewards, exp.values, exp.response_mask, algorithm.gamma, algorithm.lam, whiten=True,
-                    value_mask=value_mask, sum_across=sum_over_data_parallel,
-                )
+                rewards, kl = self._advantages(exp)
 
             with timers("update"), self.actor.on_device(timers):
                 actor_metrics = ppo_update(self.actor, exp, plan, settings.update, self._actor_loss, iteration,
@@ -142,12 +132,32 @@ class TrlPPOStage:
         metrics.update(timers.pop())
         return metrics
 
+    def _advantages(self, exp):
+        """`exp.advantages` and `exp.returns` [B, R]: TRL's token rewards (-kl_coef * KL, the score one past the last
+        token; whitened with --whiten-rewards) and GAE, all on the model's own tokens (the action mask: the response
+        mask without tool tokens), GAE stepping over them only (`core_algos.gae_over_actions`). Returns (the token
+        rewards, the per-token KL)."""
+        algorithm = self.algorithm
+        actions = exp.action_mask
+        rewards, kl = core_algos.compute_token_rewards(
+            exp.scores, exp.old_logp, exp.ref_logp, actions, algorithm.kl_coef, self.settings.loss.kl_penalty
+        )
+        value_mask = core_algos.response_mask_p1(actions)
+        if algorithm.whiten_rewards:
+            rewards = core_algos.masked_whiten(rewards, value_mask, shift_mean=False,
+                                               sum_across=sum_over_data_parallel) * value_mask
+        exp.advantages, exp.returns = core_algos.gae_over_actions(
+            rewards, exp.values, exp.response_mask, exp.tool_mask, algorithm.gamma, algorithm.lam,
+            whiten=True, value_mask=value_mask, sum_across=sum_over_data_parallel, gae=self.gae,
+        )
+        return rewards, kl
+
     @staticmethod
     def _critic_batch_metrics(exp, rewards) -> Dict[str, float]:
         """MindSpeed-RL's PPO log: `critic/score` per sample, `critic/rewards` the per-sample sum of the token
         rewards (score plus the KL penalty, whitened with --whiten-rewards), `critic/{advantages,returns,values}`
-        over the response tokens (a mean over the whole batch's tokens)."""
-        mask = exp.response_mask
+        over the model's own response tokens (a mean over the whole batch's tokens; tool tokens have none)."""
+        mask = exp.action_mask
         return {
             **mean_min_max("critic/score", exp.scores),
             **mean_min_max("critic/rewards", rewards.sum(-1)),
