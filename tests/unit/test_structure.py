@@ -48,7 +48,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("rl core", (
         "mindspeed_llm.rl",  # the rl package's empty face
         "mindspeed_llm.rl.core_algos", "mindspeed_llm.rl.metrics", "mindspeed_llm.rl.settings",
-        "mindspeed_llm.rl.verifiers", "mindspeed_llm.rl.experience", "mindspeed_llm.rl.logprobs",
+        "mindspeed_llm.rl.verifiers", "mindspeed_llm.rl.experience", "mindspeed_llm.rl.logprobs", "mindspeed_llm.rl.tools",
     )),
     ("rl plumbing", (
         "mindspeed_llm.rl.batch_plan", "mindspeed_llm.rl.model_state", "mindspeed_llm.rl.moe",
@@ -56,7 +56,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
         "mindspeed_llm.rl.passes", "mindspeed_llm.rl.rollout", "mindspeed_llm.rl.dynamic_sampling",
         "mindspeed_llm.rl.partial_rollout", "mindspeed_llm.rl.scoring", "mindspeed_llm.rl.loss_closures",
         "mindspeed_llm.rl.ppo_loop", "mindspeed_llm.rl.evaluation", "mindspeed_llm.rl.startup",
-        "mindspeed_llm.rl.rollout_strategies", "mindspeed_llm.rl.optimizer_state",
+        "mindspeed_llm.rl.rollout_strategies", "mindspeed_llm.rl.optimizer_state", "mindspeed_llm.rl.multi_turn",
     )),
     ("rl stages", ("mindspeed_llm.rl.stages",)),
     ("outer loop", ("mindspeed_llm.rl.trainer",)),
