@@ -346,7 +346,8 @@ def _add_multi_turn_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tool-response-length", type=int, default=256,
                    help="tokens of one tool's answer; longer ones are cut (default 256)")
     g.add_argument("--tool-response-truncate-side", choices=("left", "right", "middle"), default="middle",
-                   help="which part of a long tool answer goes: left keeps the end, right the start, middle both")
+                   help="which part of a long tool answer is kept (verl's): left its start, right its end, middle "
+                        "both ends (default middle)")
     g.add_argument("--max-total-response-length", type=int,
                    help="model + tool tokens of a trajectory (default: --max-length - --max-prompt-length); "
                         "--max-new-tokens is then one model turn's limit")

@@ -71,31 +71,29 @@ class ToolTurns:
         if sample not in self.started:
             self.started[sample] = None
             self.executor.start(sample, self.rows[sample])
-        self.futures[sample] = self.executor.submit(sample, parsed.calls[:allowed],
-                                                    extra_messages=_refusals(parsed, allowed))
+        refusals = _refusals(parsed, allowed)
+        if allowed:
+            self.futures[sample] = (self.executor.submit(sample, parsed.calls[:allowed]), refusals)
+        else:  # nothing to run: the answers are the refusals alone
+            done = concurrent.futures.Future()
+            done.set_result(tool_lib.TurnResult(messages=[]))
+            self.futures[sample] = (done, refusals)
 
     def ready(self, wait: bool) -> List[Tuple[int, List[int]]]:
         if wait and self.futures:
-            concurrent.futures.wait(list(self.futures.values()), return_when=concurrent.futures.FIRST_COMPLETED)
+            concurrent.futures.wait([f for f, _ in self.futures.values()],
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
         out = []
-        for sample in [s for s, f in self.futures.items() if f.done()]:
-            result = self.futures.pop(sample).result()
+        for sample in [s for s, (f, _) in self.futures.items() if f.done()]:
+            future, refusals = self.futures.pop(sample)
+            result = future.result()
             self.tool_reward[sample] += float(result.reward or 0.0)
-            for key in ("failures", "timeouts"):
-                self.counts[key] += int(getattr(result, key))
-            self.counts["calls"] += len(result.messages)
+            self.counts["calls"] += len(result.messages) - result.refused
+            self.counts["failures"] += result.failures + len(refusals)
+            self.counts["timeouts"] += result.timeouts
             self.counts["seconds"] += float(result.seconds)
-            messages = [self._cut(m) for m in result.messages]
-            out.append((sample, list(self.delta.delta_ids(messages))))
+            out.append((sample, self.delta.delta_ids(list(result.messages) + refusals)))
         return out
-
-    def _cut(self, text: str) -> str:
-        """One tool answer within --max-tool-response-length tokens (--tool-response-truncate-side)."""
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        limit = self.settings.max_tool_response_length
-        if len(ids) <= limit:
-            return text
-        return self.tokenizer.decode(tool_lib.truncate(ids, limit, self.settings.tool_response_truncate_side))
 
     def close(self) -> None:
         for sample in self.started:
@@ -153,9 +151,11 @@ class MultiTurnRollouts:
                  samples_per_prompt: int, max_length: int):
         self.actor_module, self.tokenizer, self.sampling, self.settings = actor_module, tokenizer, sampling, settings
         self.samples_per_prompt, self.max_length = int(samples_per_prompt), int(max_length)
-        self.tools = tool_lib.load_tool_config(settings.tool_config)
-        self.parser = tool_lib.TOOL_PARSERS[settings.tool_parser_format]
-        self.delta = tool_lib.ToolDelta(tokenizer)  # checks once that the template extends its prefix
+        self.tools = tool_lib.load_tool_config(settings.tool_config)  # a user's module may register a parser
+        self.parser = tool_lib.get_parser(settings.tool_parser_format)
+        # checks once that the chat template extends its prefix unchanged (token-in / token-out)
+        self.delta = tool_lib.ToolDelta(tokenizer, max_tool_response_length=settings.max_tool_response_length,
+                                        truncate_side=settings.tool_response_truncate_side)
 
     @classmethod
     def from_settings(cls, settings, actor_module, tokenizer, sampling: SamplingConfig) -> "MultiTurnRollouts":
@@ -179,7 +179,7 @@ class MultiTurnRollouts:
                               options=EngineOptions(keep_parked_kv=self.settings.parked_kv == "keep"))
         finally:
             turns.close()
-            executor.shutdown()
+            executor.close()
         seconds = time.perf_counter() - start
         group, source = source_rank()
         told = _from_picking_rank(turns.summary(), group, source)
