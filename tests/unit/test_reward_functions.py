@@ -178,8 +178,8 @@ def test_the_keyword_style_gets_row_and_trajectory():
     ("tests/fixtures/data/README.md", "is not a Python source file (.py)"),
     ("tests/fixtures/user_rewards/my_rewards.py:nope", "defines no 'nope' (its functions: compute_score, needs_more, "
                                                        "tool_use, with_metrics)"),
-    ("tests/fixtures/user_rewards/my_rewards.py:not_a_function", "'not_a_function' in "
-                                                                 "tests/fixtures/user_rewards/my_rewards.py is a int"),
+    ("tests/fixtures/user_rewards/my_rewards.py:not_a_function",
+     "'not_a_function' in tests/fixtures/user_rewards/my_rewards.py is a int, not a function; name a function"),
     ("tests/fixtures/user_rewards/my_rewards.py:needs_more", "parameter 'tokenizer' has no default"),
     ("tests/fixtures/user_rewards/my_rewards.py:", "the function name after ':' is empty"),
 ])
