@@ -287,6 +287,12 @@ def _add_rl_models_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reward-model", help="value-head Megatron checkpoint (convert_ckpt.py --orm)")
     g.add_argument("--verifier-function", nargs="+", default=[], help="rule verifiers, e.g. math_acc format")
     g.add_argument("--verifier-weight", nargs="+", type=float, default=[])
+    g.add_argument("--custom-reward-function", metavar="PATH[:NAME]",
+                   help="a reward function of your own: function NAME (default compute_score) of the Python file "
+                        "PATH, verl's compute_score(data_source, solution_str, ground_truth, extra_info) or "
+                        "fn(text, label, *, row, trajectory); scored as the verifier 'custom'")
+    g.add_argument("--custom-reward-weight", type=float,
+                   help="the weight of --custom-reward-function's score in the reward (default 1.0)")
     g.add_argument("--reward-model-weight", type=float, default=1.0)
     g.add_argument("--missing-eos-penalty", type=float)
     g.add_argument("--offload-ref-reward", action="store_true",

@@ -176,6 +176,11 @@ def validate_args(args, world_size: int) -> run_settings.Settings:
                             "--n-samples-per-prompt >= 2")
     _check_partial_rollout(run)
     _check_multi_turn(run)
+    if run.custom_reward_function is not None or run.custom_reward_weight is not None:
+        from mindspeed_llm.rl.reward_functions import check_flags  # loads the user's file: errors before any model
+
+        run.custom_reward_weight = check_flags(run.custom_reward_function, run.custom_reward_weight,
+                                               run.verifier_function)
     _check_roles(run)
     _check_checkpoint_flags(args)
     _check_evaluation(run)
@@ -291,8 +296,9 @@ def _check_roles(run) -> None:
     else:
         if not run.ref_model and not run.load:
             raise ArgumentError("--stage grpo needs the initial actor: pass --ref-model (or --load to resume)")
-        if not run.verifier_function and not run.reward_model:
-            raise ArgumentError("--stage grpo needs a reward: --verifier-function NAME ... and/or --reward-model DIR")
+        if not run.verifier_function and not run.reward_model and not run.custom_reward_function:
+            raise ArgumentError("--stage grpo needs a reward: --verifier-function NAME ..., --custom-reward-function "
+                                "PATH:NAME and/or --reward-model DIR")
     if run.verifier_weight and len(run.verifier_weight) != len(run.verifier_function):
         raise ArgumentError(
             f"--verifier-weight has {len(run.verifier_weight)} values for {len(run.verifier_function)} "

@@ -47,8 +47,9 @@ class SampleData:
     finish_reasons: Optional[List[str]] = None  # "eos" | "stop" | "length"
     sample_ids: Optional[List[int]] = None  # the sample's random stream (partial rollouts)
     started: Optional[List[int]] = None  # the iteration its generation started (partial rollouts)
-    # a multi-turn rollout's trajectory of each sample (its turns, tool calls and tool rewards; `rl/multi_turn.py`)
-    trajectories: Optional[List[dict]] = None
+    # the multi-turn trajectory of each row, plain JSON-able dicts of the shape `verifiers.trajectory.Trajectory`
+    # documents ({"turns": [...], "num_turns", "tool_calls", "tool_reward"}); None: single-turn rollouts
+    trajectories: Optional[list] = None
     # the dataset's further columns (--dataset-additional-keys) by name, for a verifier that reads them
     columns: Dict[str, list] = field(default_factory=dict)
 

@@ -1,25 +1,64 @@
-"""The one place a response's score is made: rule verifiers, the reward model, and penalties (TRL's missing-EOS
-penalty, DAPO's overlong penalty), mixed by their weights, with their metrics."""
+"""The one place a response's score is made: rule verifiers, a user's reward function (`--custom-reward-function`),
+the tools' own rewards of a multi-turn trajectory, the reward model, and penalties (TRL's missing-EOS penalty,
+DAPO's overlong penalty), mixed by their weights, with their metrics. The verifiers and the reward function get what
+their signatures ask for (`verifiers/calling.py`): the response text and label, the sample's dataset row (`rows`)
+and its trajectory (`SampleData.trajectories`, `verifiers/trajectory.py`)."""
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+import logging
+import math
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from mindspeed_llm.errors import ArgumentError
-from mindspeed_llm.rl import core_algos, verifiers
+from mindspeed_llm.rl import core_algos, reward_functions, verifiers
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
-from mindspeed_llm.rl.experience import Experience
+from mindspeed_llm.rl.experience import Experience, SampleData
 from mindspeed_llm.rl.passes import reward_scores
 from mindspeed_llm.rl.roles import on_device
 from mindspeed_llm.rl.settings import RewardMixing
 
+logger = logging.getLogger(__name__)
+
+
+def sample_rows(sample_data: SampleData) -> List[dict]:
+    """Each sample's dataset row as the verifiers see it: every column (`SampleData.columns`), ``labels`` and
+    ``index``."""
+    n = len(sample_data.texts or [])
+    labels = sample_data.labels or [None] * n
+    indices = sample_data.indices or [None] * n
+    out = []
+    for i in range(n):
+        row = {key: values[i] for key, values in sample_data.columns.items()}
+        row.update(labels=labels[i], index=indices[i])
+        out.append(row)
+    return out
+
+
+def tool_rewards(trajectories: Sequence[Optional[dict]]) -> List[float]:
+    """Each trajectory's ``tool_reward`` (0 for a single-turn sample, or where it is missing or not a finite
+    number: logged)."""
+    out = []
+    for i, trajectory in enumerate(trajectories):
+        value = 0.0 if trajectory is None else trajectory.get("tool_reward", 0.0)
+        try:
+            value = float(value)
+            if not math.isfinite(value):
+                raise ValueError(value)
+        except (TypeError, ValueError):
+            logger.warning("row %d: the tools' reward %r is not a finite number; counted as 0", i, value)
+            value = 0.0
+        out.append(value)
+    return out
+
 
 class Scorer:
-    """Sequence scores: rule verifiers and/or a reward model (weighted sum), less TRL's `missing_eos_penalty`
-    for responses that did not end in EOS, plus DAPO's overlong penalty (`core_algos.overlong_penalty`, with
-    `--overlong-buffer-len`); with their metrics."""
+    """Sequence scores: rule verifiers, a user's reward function and/or a reward model (weighted sum), plus the
+    tools' own rewards of multi-turn trajectories (weight 1), less TRL's `missing_eos_penalty` for responses that
+    did not end in EOS, plus DAPO's overlong penalty (`core_algos.overlong_penalty`, with `--overlong-buffer-len`);
+    with their metrics."""
 
     @classmethod
     def from_settings(cls, reward: RewardMixing, reward_model=None, offload: bool = False) -> "Scorer":
@@ -27,18 +66,33 @@ class Scorer:
         uses when `offload` (--offload-ref-reward)."""
         return cls(reward.verifier_function, reward.verifier_weight, reward_model, reward.reward_model_weight,
                    offload, reward.missing_eos_penalty, overlong_buffer_len=reward.overlong_buffer_len,
-                   overlong_penalty_factor=reward.overlong_penalty_factor, max_new_tokens=reward.max_new_tokens)
+                   overlong_penalty_factor=reward.overlong_penalty_factor, max_new_tokens=reward.max_new_tokens,
+                   custom_reward_function=reward.custom_reward_function,
+                   custom_reward_weight=1.0 if reward.custom_reward_weight is None else reward.custom_reward_weight)
 
     def __init__(self, verifier_names: Sequence[str], verifier_weights: Sequence[float],
                  reward_model=None, reward_model_weight: float = 1.0, offload: bool = False,
                  missing_eos_penalty: Optional[float] = None, *, overlong_buffer_len: Optional[int] = None,
-                 overlong_penalty_factor: float = 1.0, max_new_tokens: Optional[int] = None):
+                 overlong_penalty_factor: float = 1.0, max_new_tokens: Optional[int] = None,
+                 custom_reward_function=None, custom_reward_weight: float = 1.0):
+        """`custom_reward_function`: ``PATH[:NAME]`` (loaded with `reward_functions.load_reward_function`), a
+        `verifiers.RewardFunction`, or None; scored as the verifier ``custom`` with `custom_reward_weight`."""
         try:
             verifiers.check_verifiers(verifier_names, verifier_weights)
         except ValueError as exc:  # the message lists the valid names
             raise ArgumentError(f"--verifier-function: {exc}") from exc
         self.verifier_names = list(verifier_names)
         self.verifier_weights = list(verifier_weights)
+        self.functions: Dict[str, verifiers.RewardFunction] = {}
+        self.function_weights: Dict[str, float] = {}
+        if custom_reward_function is not None:
+            if isinstance(custom_reward_function, str):
+                custom_reward_function = reward_functions.load_reward_function(custom_reward_function)
+            if reward_functions.CUSTOM in self.verifier_names:
+                raise ArgumentError(f"--verifier-function {reward_functions.CUSTOM} and --custom-reward-function "
+                                    f"would both score under the name '{reward_functions.CUSTOM}'")
+            self.functions[reward_functions.CUSTOM] = custom_reward_function
+            self.function_weights[reward_functions.CUSTOM] = float(custom_reward_weight)
         self.reward_model = reward_model
         self.reward_model_weight = reward_model_weight
         self.offload = offload
@@ -56,21 +110,27 @@ class Scorer:
                 rm = reward_scores([reward_model], exp, plan)
             total += self.reward_model_weight * rm
             metrics["reward_model/mean"] = float(rm.mean())
-        if self.verifier_names:
+        data = exp.sample_data
+        if self.verifier_names or self.functions:
             with timers("rule_reward"):
                 try:
-                    per_verifier, failures = verifiers.score_batch(exp.sample_data.texts, exp.sample_data.labels,
-                                                                   self.verifier_names)
+                    scores = verifiers.score_rows(data.texts, data.labels, self.verifier_names, rows=sample_rows(data),
+                                                  trajectories=data.trajectories, functions=self.functions)
                 except verifiers.MissingLabelError as exc:
-                    index = exp.sample_data.indices[exc.row_index]
+                    index = data.indices[exc.row_index]
                     raise ArgumentError(
                         f"prompt {index} of the dataset has no label, but --verifier-function {exc.verifier} needs "
                         "one; preprocess with a labels column (--map-keys '{\"labels\": \"answer\"}', "
                         "R1AlpacaStyleInstructionHandler)"
                     ) from exc
-            for name, weight in zip(self.verifier_names, self.verifier_weights):
-                total += weight * torch.as_tensor(per_verifier[name], dtype=torch.float32, device=on)
-            metrics.update(verifiers.reward_metrics(per_verifier, failures))
+            weights = {**dict(zip(self.verifier_names, self.verifier_weights)), **self.function_weights}
+            for name, weight in weights.items():
+                total += weight * torch.as_tensor(scores.per_verifier[name], dtype=torch.float32, device=on)
+            metrics.update(scores.metrics())
+        if data.trajectories is not None:
+            tool = torch.as_tensor(tool_rewards(data.trajectories), dtype=torch.float32, device=on)
+            total += tool
+            metrics["tool/reward/mean"] = float(tool.mean()) if len(tool) else 0.0
         if self.missing_eos_penalty is not None:
             total = total - self.missing_eos_penalty * (~exp.ended_with_eos).float()
         buffer_len, factor, max_new_tokens = self.overlong

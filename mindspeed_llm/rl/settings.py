@@ -81,6 +81,8 @@ class UpdateSchedule:
 class RewardMixing:
     verifier_function: Tuple[str, ...] = ()
     verifier_weight: Tuple[float, ...] = ()  # validate_args: 1.0 per verifier when not given
+    custom_reward_function: Optional[str] = None  # PATH[:NAME] of a user's reward function (`rl/reward_functions`)
+    custom_reward_weight: Optional[float] = None  # validate_args: 1.0 with --custom-reward-function
     reward_model_weight: float = 1.0
     missing_eos_penalty: Optional[float] = None
     overlong_buffer_len: Optional[int] = None  # None: no overlong penalty

@@ -59,7 +59,9 @@ the verifier lists; verifier names must be registered here (`rl/verifiers`); ``s
 ``max_prompt_length + max_tokens``); ``generate_config.max_num_seqs`` / ``max_num_batched_tokens`` ->
 ``--rollout-max-num-seqs`` / ``--rollout-max-num-batched-tokens`` (the generation engine's limits, vLLM's
 meaning); ``rl_config.partial_rollout_max_split`` N > 1 -> ``--partial-rollout --partial-rollout-max-split N``
-(1, MindSpeed-RL's default, leaves partial rollouts off); ``use_tensorboard`` -> ``--tensorboard-dir``
+(1, MindSpeed-RL's default, leaves partial rollouts off); verl's ``custom_reward_function: {path, name}`` (a
+top-level section, as verl writes it, or under ``rl_config``) -> ``--custom-reward-function PATH:NAME``, ``path:
+null`` sets nothing, a non-empty ``reward_kwargs`` is refused; ``use_tensorboard`` -> ``--tensorboard-dir``
 (``megatron_training.tensorboard_dir``, else ``SAVE/tensorboard``). ``infer_tensor_parallel_size`` / ``_pipeline_`` / ``_expert_`` other than the training
 layout are listed as ignored (generation runs on the training model in place, with its layout); ``dtype`` must be
 the training precision. ``sampling_config.seed`` must equal the run's seed (``--seed``: each sample's random stream

@@ -14,7 +14,7 @@ from mindspeed_llm.arguments import build_parser
 from mindspeed_llm.run_config.mapping import resolve
 from mindspeed_llm.run_config.reader import ConfigReader, RoleKeys
 from mindspeed_llm.run_config.tables import (
-    EXCLUSIVE, GENERATE, MEGATRON, RL, ROLE_SECTIONS, SECTIONS, ConfigError, Slot,
+    CUSTOM_REWARD, EXCLUSIVE, GENERATE, MEGATRON, RL, ROLE_SECTIONS, SECTIONS, ConfigError, Slot,
 )
 
 
@@ -120,6 +120,10 @@ def load_run_config(path: str, cli_argv: Sequence[str] = (), parser: Optional[ar
     reader.read(run, actor)
     reader.read(run, reader.entries("rl_config", sections["rl_config"], RL, "rl"))
     reader.read(run, reader.entries("generate_config", sections["generate_config"], GENERATE))
+    if sections["custom_reward_function"]:  # verl's place for it
+        if isinstance(sections["rl_config"], dict) and sections["rl_config"].get("custom_reward_function"):
+            raise reader.error("custom_reward_function", "is given twice, as a section and in rl_config; keep one")
+        reader.read(run, reader.entries("custom_reward_function", sections["custom_reward_function"], CUSTOM_REWARD))
 
     roles: Dict[str, Tuple[RoleKeys, List]] = {}
     for section in ROLE_SECTIONS:

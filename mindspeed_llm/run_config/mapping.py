@@ -66,6 +66,7 @@ def resolve(reader: ConfigReader, run: RoleKeys, roles: Dict[str, Tuple[RoleKeys
             put("--partial-rollout", True, where)
             put("--partial-rollout-max-split", int(split), where)
     rule_verifiers = _resolve_verifiers(reader, run, put, flags)
+    rule_verifiers = _resolve_custom_reward(run, put) or rule_verifiers  # scores like rule verifiers (checkpoints)
     resolve_checkpoints(reader, run, roles, stage, put, flags, given, rule_verifiers, cli_argv)
     _resolve_sampling(reader, run, put, flags, effective, given)
     _resolve_token_budgets(reader, run, put)
@@ -130,6 +131,16 @@ def _resolve_verifiers(reader, run, put, flags) -> bool:
     where = run.origin("verifier_function") if "verifier_function" in run.slots else run.origin("rule_reward")
     put("--verifier-function", names, where)
     return bool(names)
+
+
+def _resolve_custom_reward(run, put) -> bool:
+    """verl's ``custom_reward_function: {path, name}`` -> ``--custom-reward-function PATH:NAME`` (NAME: verl's
+    ``compute_score`` when not given); ``path: null`` (verl's default) sets nothing. Whether it sets a function."""
+    path, name = run.slot("custom_reward_path"), run.slot("custom_reward_name")
+    if path is None:
+        return False
+    put("--custom-reward-function", path if name is None else f"{path}:{name}", run.origin("custom_reward_path"))
+    return True
 
 
 def _resolve_token_budgets(reader, run, put) -> None:

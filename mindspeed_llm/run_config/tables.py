@@ -159,6 +159,16 @@ RECOMPUTE = {"recompute_granularity", "recompute_method", "recompute_num_layers"
 LORA = {"lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_load", "lora_fusion", "lora_ckpt_filter",
         "lora_filter", "lora_register_forward_hook"}
 
+# verl's custom_reward_function ({path, name, reward_kwargs}; MindSpeed-RL has no such key): under rl_config, or as
+# a top-level section of that name as verl writes it -> --custom-reward-function PATH:NAME (mapping.py). verl's
+# default, `path: null`, sets nothing.
+CUSTOM_REWARD: Dict[str, Any] = {
+    "path": Slot("custom_reward_path", "path"),
+    "name": Slot("custom_reward_name", "name"),
+    "reward_kwargs": Accept(lambda v: not v, "extra keyword arguments are not passed to the reward function here; "
+                                             "give its parameters defaults instead and drop reward_kwargs"),
+}
+
 # rl_config also takes this program's own RL flags by name (the parser's "RL: ..." groups), e.g.
 # missing_eos_penalty, loss_agg_mode, adv_scale, vf_coef.
 RL: Dict[str, Any] = {
@@ -239,6 +249,7 @@ RL: Dict[str, Any] = {
     "tool_response_truncate_side": Flag("--tool-response-truncate-side"),
     "tool_parser_format": Flag("--tool-parser-format"),
     "async_engine": Ignored("generation runs in this process; tools run in a thread pool beside it (--tool-workers)"),
+    "custom_reward_function": Nested(CUSTOM_REWARD),
 }
 
 SAMPLING: Dict[str, Any] = {
@@ -272,7 +283,8 @@ GENERATE: Dict[str, Any] = {
 }
 
 ROLE_SECTIONS = ("critic_config", "reward_config", "ref_config")
-SECTIONS = ("defaults", "model", "megatron_training", "actor_config", *ROLE_SECTIONS, "rl_config", "generate_config")
+SECTIONS = ("defaults", "model", "megatron_training", "actor_config", *ROLE_SECTIONS, "rl_config", "generate_config",
+            "custom_reward_function")
 # Exclusive flags: the command line's choice of one drops the file's other.
 EXCLUSIVE = (("bf16", "fp16"), ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"))
 DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",

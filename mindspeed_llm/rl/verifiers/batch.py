@@ -1,13 +1,16 @@
-"""Scoring a batch of responses with the selected verifiers: each verifier's scores and failure count (a
-verifier that raises or times out scores 0 there, logged a few times), and their logging metrics. Mixing the
-scores with their weights and a reward model is `rl/scoring.py`'s job."""
+"""Scoring a batch of responses with the selected verifiers (and a user's reward function): each one's scores and
+failure count (a verifier that raises, times out or returns no finite number scores 0 there, logged a few times),
+and their logging metrics. Each is given what its signature asks for: text and label, the dataset row, the
+trajectory (`verifiers/calling.py`). Mixing the scores with their weights and a reward model is
+`rl/scoring.py`'s job."""
 
 from __future__ import annotations
 
 import logging
-import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from mindspeed_llm.rl.verifiers.calling import CallPlan, as_score, call_plan
 from mindspeed_llm.rl.verifiers.registry import MissingLabelError, _spec, check_verifiers, label_missing
 
 logger = logging.getLogger(__name__)
@@ -25,48 +28,97 @@ def _warn_failure(name: str, row: int, exc: BaseException) -> None:
                        name, row, type(exc).__name__, str(exc)[:200], suffix)
 
 
+@dataclass(frozen=True)
+class RewardFunction:
+    """A function scored like a verifier but not in the registry (`--custom-reward-function`): its call plan is
+    read once (`calling.call_plan`)."""
+    fn: Callable
+    plan: CallPlan
+    requires_label: bool = False
+
+    @classmethod
+    def of(cls, fn: Callable, what: str = "the reward function") -> "RewardFunction":
+        return cls(fn, call_plan(fn, what))
+
+
+@dataclass
+class BatchScores:
+    """Each scorer's unweighted scores (`per_verifier`, by name), how many rows it crashed or timed out on
+    (`failures`, scored 0 there), and the numeric entries of mapping returns by key (`extra`, over the rows that
+    gave them)."""
+    per_verifier: Dict[str, List[float]] = field(default_factory=dict)
+    failures: Dict[str, int] = field(default_factory=dict)
+    extra: Dict[str, List[float]] = field(default_factory=dict)
+
+    def metrics(self) -> Dict[str, float]:
+        """`reward_metrics` plus ``reward/<key>/mean`` of each extra entry."""
+        out = reward_metrics(self.per_verifier, self.failures)
+        out.update({f"reward/{key}/mean": sum(v) / len(v) for key, v in self.extra.items() if v})
+        return out
+
+
 def score_batch(responses: Sequence[str], labels: Optional[Sequence[Optional[str]]],
                 verifier_names: Sequence[str]) -> Tuple[Dict[str, List[float]], Dict[str, int]]:
     """Score every response with each named verifier: ``(per_verifier, failures)``, each verifier's unweighted
-    scores and how many rows it crashed or timed out on (scored 0 there).
+    scores and how many rows it crashed or timed out on (scored 0 there). `score_rows` with no rows, trajectories
+    or further functions (a verifier that declares ``row`` gets ``{"labels": label}``)."""
+    scores = score_rows(responses, labels, verifier_names)
+    return scores.per_verifier, scores.failures
 
-    Raises ``ValueError`` for mismatched lengths or an unknown verifier name, and :class:`MissingLabelError`
-    (with ``row_index``) when a verifier that needs a label meets a row without one; both before any scoring.
+
+def score_rows(responses: Sequence[str], labels: Optional[Sequence[Optional[str]]],
+               verifier_names: Sequence[str] = (), *, rows: Optional[Sequence[Mapping]] = None,
+               trajectories: Optional[Sequence[Optional[Mapping]]] = None,
+               functions: Optional[Mapping[str, RewardFunction]] = None) -> BatchScores:
+    """Score every response with each named verifier and each of `functions` (by their names), giving each what
+    its signature asks for (`verifiers/calling.py`): the text and label, the row (`rows`: a dict per response,
+    every column of its dataset row; default ``{"labels": label}``) and the trajectory (`trajectories`: one per
+    response, None for single-turn ones; default None).
+
+    Raises ``ValueError`` for mismatched lengths, an unknown verifier name or a function named like a verifier,
+    and :class:`MissingLabelError` (with ``row_index``) when a verifier that needs a label meets a row without
+    one; all before any scoring.
     """
     names = list(verifier_names)
     check_verifiers(names, [1.0] * len(names))
-    specs = [_spec(name) for name in names]
+    functions = dict(functions or {})
+    clash = set(names) & set(functions)
+    if clash:
+        raise ValueError(f"{', '.join(sorted(clash))} is both a --verifier-function and a reward function's name")
+    specs = [(name, _spec(name)) for name in names] + list(functions.items())
     responses = list(responses)
     labels = [None] * len(responses) if labels is None else list(labels)
-    if len(labels) != len(responses):
-        raise ValueError(f"got {len(responses)} responses but {len(labels)} labels")
+    rows = [{"labels": lb} for lb in labels] if rows is None else list(rows)
+    trajectories = [None] * len(responses) if trajectories is None else list(trajectories)
+    for what, values in (("labels", labels), ("rows", rows), ("trajectories", trajectories)):
+        if len(values) != len(responses):
+            raise ValueError(f"got {len(responses)} responses but {len(values)} {what}")
     label_strs: List[Optional[str]] = [None if label_missing(lb) else str(lb) for lb in labels]
-    for name, spec in zip(names, specs):
+    for name, spec in specs:
         if spec.requires_label:
             for i, lb in enumerate(label_strs):
                 if lb is None:
                     raise MissingLabelError(name, i)
 
-    per_verifier: Dict[str, List[float]] = {}
-    failures: Dict[str, int] = {}
-    for name, spec in zip(names, specs):
+    out = BatchScores()
+    for name, spec in specs:
         scores: List[float] = []
         failed = 0
         for i, (resp, lb) in enumerate(zip(responses, label_strs)):
             try:
-                value = float(spec.fn(resp, lb))
-                if not math.isfinite(value):
-                    raise ValueError(f"verifier returned a non-finite score {value}")
+                value, extra = as_score(spec.plan.call(spec.fn, resp, lb, rows[i], trajectories[i]))
             except MissingLabelError as exc:
                 raise MissingLabelError(name, i) from exc
             except Exception as exc:  # noqa: BLE001 - a weird string must never end the run
                 _warn_failure(name, i, exc)
-                value = 0.0
+                value, extra = 0.0, {}
                 failed += 1
             scores.append(value)
-        per_verifier[name] = scores
-        failures[name] = failed
-    return per_verifier, failures
+            for key, item in extra.items():
+                out.extra.setdefault(key, []).append(item)
+        out.per_verifier[name] = scores
+        out.failures[name] = failed
+    return out
 
 
 def reward_metrics(per_verifier: Dict[str, Sequence[float]], failures: Optional[Dict[str, int]] = None) -> Dict[str, float]:

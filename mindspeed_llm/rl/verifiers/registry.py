@@ -1,6 +1,8 @@
 """The verifier registry: a verifier is a plain function ``fn(response_text: str, label: str | None) -> float``
 registered by name; the stages select them with ``--verifier-function NAME ...`` and weigh them with
-``--verifier-weight W ...``. Names and weights are validated here (`check_verifiers`), once."""
+``--verifier-weight W ...``. Names and weights are validated here (`check_verifiers`), once. A verifier that
+declares ``row`` / ``trajectory`` (or verl's parameter names) gets them: its signature is read once, when it is
+registered (`verifiers/calling.py`)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
+
+from mindspeed_llm.rl.verifiers.calling import CallPlan, call_plan
 
 class MissingLabelError(ValueError):
     """A verifier that needs a reference answer got a row without one.
@@ -40,13 +44,15 @@ Verifier = Callable[[str, Optional[str]], float]
 class _VerifierSpec:
     fn: Verifier
     requires_label: bool
+    plan: CallPlan = CallPlan("verifier")
 
 
 _REGISTRY: "OrderedDict[str, _VerifierSpec]" = OrderedDict()
 
 
 def register_verifier(name: str, *, requires_label: bool = False, override: bool = False):
-    """Decorator registering ``fn(response_text, label) -> float`` under ``name``.
+    """Decorator registering ``fn(response_text, label) -> float`` under ``name`` (or a function that takes
+    ``row`` / ``trajectory`` as well, `verifiers/calling.py`).
 
     ``requires_label=True`` makes :func:`score_batch` reject rows whose label is missing (with
     :class:`MissingLabelError` naming the row) before anything is scored. Registering a name twice
@@ -58,7 +64,8 @@ def register_verifier(name: str, *, requires_label: bool = False, override: bool
     def decorator(fn: Verifier) -> Verifier:
         if name in _REGISTRY and not override:
             raise ValueError(f"verifier '{name}' is already registered (pass override=True to replace it)")
-        _REGISTRY[name] = _VerifierSpec(fn=fn, requires_label=bool(requires_label))
+        plan = call_plan(fn, f"verifier '{name}'")  # a signature nothing can fill fails here, naming the parameter
+        _REGISTRY[name] = _VerifierSpec(fn=fn, requires_label=bool(requires_label), plan=plan)
         return fn
 
     return decorator
