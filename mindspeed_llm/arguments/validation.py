@@ -13,7 +13,6 @@ the values that follow from several flags are resolved into them, not written ba
 from __future__ import annotations
 
 import math
-import os
 from typing import Tuple
 
 from mindspeed_llm import compat_flags
@@ -25,6 +24,7 @@ from mindspeed_llm.arguments.parser import (
     REFUSED_RECOMPUTE_MODULES,
     build_parser,
 )
+from mindspeed_llm.arguments.rollouts import check_multi_turn, check_partial_rollout
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.expert_layout import (
     EP_NOT_MULTIPLE_OF_TP,
@@ -174,8 +174,8 @@ def validate_args(args, world_size: int) -> run_settings.Settings:
     if args.dynamic_sampling and (args.stage != "grpo" or run.n_samples_per_prompt < 2):
         raise ArgumentError("--dynamic-sampling keeps grpo groups whose rewards differ: it needs --stage grpo and "
                             "--n-samples-per-prompt >= 2")
-    _check_partial_rollout(run)
-    _check_multi_turn(run)
+    check_partial_rollout(run)
+    check_multi_turn(run)
     if run.custom_reward_function is not None or run.custom_reward_weight is not None:
         from mindspeed_llm.rl.reward_functions import check_flags  # loads the user's file: errors before any model
 
@@ -316,54 +316,6 @@ def _check_checkpoint_flags(args) -> None:
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each "
                             "other; pass one")
-
-
-def _check_partial_rollout(run) -> None:
-    """--partial-rollout and its budget (`rl/partial_rollout.py`): what does not combine with it is refused."""
-    if not run.partial_rollout:
-        if run.partial_rollout_max_split is not None:
-            raise ArgumentError(f"--partial-rollout-max-split {run.partial_rollout_max_split} has no effect without "
-                                "--partial-rollout; add it or drop the budget")
-        return
-    if run.partial_rollout_max_split is None:
-        run.partial_rollout_max_split = 2
-    if run.dynamic_sampling:
-        raise ArgumentError("--partial-rollout and --dynamic-sampling both draw further generation batches, by "
-                            "different rules (finished groups / groups whose rewards differ), and are not combined "
-                            "here; drop one of them")
-    if run.context_parallel_size > 1:  # the buffers are per DP rank; CP ranks share a DP rank's rollouts
-        raise ArgumentError(f"--partial-rollout with --context-parallel-size {run.context_parallel_size} is not "
-                            "supported (its buffers are kept per data-parallel rank, not checked under CP); use "
-                            "--context-parallel-size 1 or drop --partial-rollout")
-    # the carried tokens' log-probs are an earlier policy's: the update's old log-probs come from a training forward
-    # under the weights of the update (and --rollout-is weighs the carried tokens against the sampler's)
-    run.recompute_old_logprobs = True
-
-
-def _check_multi_turn(run) -> None:
-    """--tool-config (multi-turn tool use, `rl/multi_turn.py`): the trajectory's budget, and what it does not combine
-    with, refused by name."""
-    if not run.tool_config:
-        if run.multi_turn:
-            raise ArgumentError("--multi-turn (multi_turn_enable) needs the tools: give --tool-config PATH "
-                                "(tool_config_path)")
-        return
-    if not os.path.isfile(run.tool_config):
-        raise ArgumentError(f"--tool-config {run.tool_config}: no such file; give a tool config YAML (`tools:` of "
-                            "class_name, config, tool_schema, as verl and MindSpeed-RL write it)")
-    room = run.max_length - run.max_prompt_length
-    if run.max_total_response_length is None:
-        run.max_total_response_length = room
-    if run.max_total_response_length > room:
-        raise ArgumentError(f"--max-total-response-length {run.max_total_response_length} does not fit in "
-                            f"--max-length {run.max_length} after --max-prompt-length {run.max_prompt_length}; raise "
-                            f"--max-length to {run.max_prompt_length + run.max_total_response_length} or lower it")
-    if run.max_new_tokens > run.max_total_response_length:
-        raise ArgumentError(f"--max-new-tokens {run.max_new_tokens} (one model turn) exceeds "
-                            f"--max-total-response-length {run.max_total_response_length} (the whole trajectory)")
-    for flag, other in (("--partial-rollout", run.partial_rollout), ("--dynamic-sampling", run.dynamic_sampling)):
-        if other:
-            raise ArgumentError(f"--tool-config (multi-turn rollouts) with {flag} is not supported yet; drop one")
 
 
 def _check_token_budgets(run) -> None:
