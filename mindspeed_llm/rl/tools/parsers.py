@@ -43,9 +43,11 @@ def _arguments(payload: Mapping[str, Any], number: int):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError:
-            return None, f"error: tool call {number}: \"arguments\" is a string that is not JSON; give an object"
+            return None, f"error: tool call {number}: \"arguments\" is a string that is not JSON; " \
+                         f"write {_CALL_FORMAT}"
     if not isinstance(arguments, dict):
-        return None, f"error: tool call {number}: \"arguments\" must be an object, got {type(arguments).__name__}"
+        return None, f"error: tool call {number}: \"arguments\" must be an object, got " \
+                     f"{type(arguments).__name__}; write {_CALL_FORMAT}"
     return arguments, None
 
 
