@@ -78,6 +78,13 @@ def test_a_template_without_the_end_of_turn_token_is_refused(qwen_tok):
         ToolDelta(with_template(qwen_tok, EMPTY_TEMPLATE))
 
 
+def test_a_template_that_cannot_render_tool_messages_is_refused(qwen_tok):
+    raising = "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}{% endif %}" \
+              "{{ m['content'] + '<|im_end|>' }}{% endfor %}"
+    with pytest.raises(ValueError, match="cannot render a conversation of roles system/user/assistant/tool"):
+        ToolDelta(with_template(qwen_tok, raising))
+
+
 def test_chatml_style_templates_give_a_tool_turn(qwen_tok):
     for template in (CHATML_TEMPLATE, SMOLLM2_TEMPLATE):
         delta = ToolDelta(with_template(qwen_tok, template))

@@ -133,7 +133,8 @@ def test_a_hung_call_gives_its_worker_slot_back():
     try:
         assert executor.run(0, [ToolCall("hang", {"x": 1})]).timeouts == 1
         started = time.monotonic()
-        assert executor.run(0, [ToolCall("quick", {"x": 1})]).messages == ["quick"]  # the one slot is free again
+        quick_turn = executor.submit(0, [ToolCall("quick", {"x": 1})]).result(timeout=5)  # not forever if it hangs
+        assert quick_turn.messages == ["quick"]  # the one slot is free again
         assert time.monotonic() - started < 0.15
     finally:
         release.set()
@@ -191,3 +192,13 @@ def test_misuse_is_refused_by_name():
         ToolExecutor([SleepTool(), SleepTool()])
     assert executor.run(7, []).messages == []
     assert [s["function"]["name"] for s in executor.schemas] == ["sleep"]
+
+
+def test_an_async_tool_is_awaited_in_its_worker_thread():
+    async def add(a: int, b: int) -> int:
+        """Add two integers, asynchronously."""
+        return a + b
+
+    executor = ToolExecutor([function_tool(add)])
+    executor.start(0, {})
+    assert executor.run(0, [ToolCall("add", {"a": 2, "b": 3})]).messages == ["5"]

@@ -1,6 +1,7 @@
 """rl/tools: the tool result helper, function tools (schema from signature and docstring), the calculator and the
 hermes call parser. Pure Python, no subprocess."""
 
+import time
 from typing import Dict, List, Literal, Optional, Union
 
 import pytest
@@ -139,6 +140,13 @@ def test_calculator_refuses_hostile_and_huge_inputs_as_text(expression, message)
     with pytest.raises(CalculationError, match=message):
         calculate(expression)
     assert CalculatorTool().execute({"expression": expression}, {}).startswith("error: ")
+
+
+def test_calculator_refuses_a_huge_power_before_computing_it():
+    started = time.monotonic()
+    with pytest.raises(CalculationError, match="too large"):
+        calculate("(10 ** 1200) ** 9000")  # within the exponent bound, but 36 million bits
+    assert time.monotonic() - started < 0.5
 
 
 def test_calculator_argument_shapes():

@@ -80,9 +80,11 @@ def _render(tokenizer: Any, messages: List[Dict[str, Any]], generation_prompt: b
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
                                              **kwargs)
-    except Exception as exc:  # noqa: BLE001 - a template that cannot render a tool conversation: say so
-        raise ValueError(f"the chat template cannot render a conversation with tool messages "
-                         f"({type(exc).__name__}: {exc}); give the tokenizer a template with a tool role") from None
+    except Exception as exc:  # noqa: BLE001 - a template that cannot render the conversation: say which
+        roles = "/".join(dict.fromkeys(m.get("role", "?") for m in messages))
+        raise ValueError(f"the chat template cannot render a conversation of roles {roles} "
+                         f"({type(exc).__name__}: {exc}); give the tokenizer a chat template that has these roles "
+                         "(a tool role for multi-turn tool use)") from None
 
 
 def _first_difference(a: str, b: str) -> int:
