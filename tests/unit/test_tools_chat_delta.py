@@ -1,0 +1,136 @@
+"""rl/tools/chat_delta.py: the tool-role delta as token ids (token-in / token-out) on the offline Qwen2.5 tokenizer,
+the template check that refuses a template rewriting its prefix, truncation of a tool response, and the prompt
+that offers the tools (the template's own tools section, or the Hermes system block)."""
+
+import copy
+import json
+
+import pytest
+
+from mindspeed_llm.rl.tools import CalculatorTool, ToolDelta, hermes_tools_block, tools_prompt, truncate, truncate_text
+from tests.helpers.fixtures_data import (  # noqa: F401 - pytest fixtures
+    CHATML_TEMPLATE, EMPTY_TEMPLATE, SMOLLM2_TEMPLATE, qwen_tok, qwen_tok_dir,
+)
+
+SCHEMAS = [CalculatorTool().tool_schema]
+CALL_TEXT = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
+
+# moves every tool message into the system message at the top: the rendering with tool messages no longer
+# starts with the rendering without them
+SYSTEM_MOVING_TEMPLATE = (
+    "<|im_start|>system\n{% for m in messages %}{% if m['role'] == 'tool' %}{{ m['content'] }}\n{% endif %}"
+    "{% endfor %}<|im_end|>\n{% for m in messages %}{% if m['role'] != 'tool' and m['role'] != 'system' %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOL_DROPPING_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] != 'tool' %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+    "'<|im_end|>\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def with_template(tok, template):
+    """A copy of the shared tokenizer with another chat template (the cached one stays as it is)."""
+    other = copy.copy(tok)
+    other.chat_template = template
+    return other
+
+
+def encode(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_qwen25_delta_equals_the_hand_written_text(qwen_tok):
+    delta = ToolDelta(qwen_tok)
+    one = "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert delta.delta_text(["5"]) == one
+    assert delta.delta_ids(["5"]) == encode(qwen_tok, one)
+    assert delta.delta_ids(["5"])[:3] == [198, 151644, 872]  # "\n", <|im_start|>, "user": right after <|im_end|>
+    two = ("\n<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\nerror: x\n</tool_response>"
+           "<|im_end|>\n<|im_start|>assistant\n")  # consecutive tool messages share one user turn
+    assert delta.delta_ids(["5", "error: x"]) == encode(qwen_tok, two)
+
+
+def test_token_in_token_out_prompt_plus_sampled_plus_delta_is_the_full_rendering(qwen_tok):
+    user = [{"role": "user", "content": "What is 2 + 3?"}]
+    prompt = tools_prompt(qwen_tok, user, SCHEMAS)
+    assert "<tools>\n" + json.dumps(SCHEMAS[0]) in prompt  # Qwen2.5's own tools section
+    sampled_ids = encode(qwen_tok, CALL_TEXT + "<|im_end|>")  # what the model sampled, its stop token included
+    ids = encode(qwen_tok, prompt) + sampled_ids + ToolDelta(qwen_tok).delta_ids(["5"])
+    full = qwen_tok.apply_chat_template(
+        user + [{"role": "assistant", "content": CALL_TEXT}, {"role": "tool", "content": "5"}],
+        tools=SCHEMAS, add_generation_prompt=True, tokenize=False)
+    assert ids == encode(qwen_tok, full)
+
+
+def test_a_template_that_rewrites_its_prefix_is_refused_by_name(qwen_tok):
+    with pytest.raises(ValueError, match="does not extend the conversation's prefix unchanged.*token-in/token-out"):
+        ToolDelta(with_template(qwen_tok, SYSTEM_MOVING_TEMPLATE))
+
+
+def test_a_template_that_drops_tool_messages_is_refused(qwen_tok):
+    with pytest.raises(ValueError, match="drops or reorders tool messages"):
+        ToolDelta(with_template(qwen_tok, TOOL_DROPPING_TEMPLATE))
+
+
+def test_a_template_without_the_end_of_turn_token_is_refused(qwen_tok):
+    with pytest.raises(ValueError, match="does not end with the end-of-turn token '<\\|im_end\\|>'.*end_of_turn="):
+        ToolDelta(with_template(qwen_tok, EMPTY_TEMPLATE))
+
+
+def test_a_template_that_cannot_render_tool_messages_is_refused(qwen_tok):
+    raising = "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}{% endif %}" \
+              "{{ m['content'] + '<|im_end|>' }}{% endfor %}"
+    with pytest.raises(ValueError, match="cannot render a conversation of roles system/user/assistant/tool"):
+        ToolDelta(with_template(qwen_tok, raising))
+
+
+def test_chatml_style_templates_give_a_tool_turn(qwen_tok):
+    for template in (CHATML_TEMPLATE, SMOLLM2_TEMPLATE):
+        delta = ToolDelta(with_template(qwen_tok, template))
+        assert delta.delta_text(["5"]) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_template_without_tools_section_gets_the_hermes_block(qwen_tok):
+    smol = with_template(qwen_tok, SMOLLM2_TEMPLATE)
+    prompt = tools_prompt(smol, [{"role": "user", "content": "2 + 3?"}], SCHEMAS)
+    assert prompt == (f"<|im_start|>system\n{hermes_tools_block(SCHEMAS)}<|im_end|>\n"
+                      "<|im_start|>user\n2 + 3?<|im_end|>\n<|im_start|>assistant\n")
+    assert "<tools>\n" + json.dumps(SCHEMAS[0]) + "\n</tools>" in prompt
+    assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' in prompt
+    merged = tools_prompt(smol, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+                          SCHEMAS)
+    assert merged.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n") and merged.count("<|im_start|>system") == 1
+    assert tools_prompt(smol, [{"role": "user", "content": "hi"}], []) == \
+        smol.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+
+
+@pytest.mark.parametrize("side, expected", [
+    ("left", [0, 1, 2, 3]), ("right", [6, 7, 8, 9]), ("middle", [0, 1, 8, 9]),
+])
+def test_truncate_sides_keep_verls_parts(side, expected):
+    assert truncate(range(10), 4, side) == expected
+    assert truncate(range(3), 4, side) == [0, 1, 2]
+    assert truncate(range(10), 0, side) == []
+
+
+def test_truncate_odd_middle_and_bad_side():
+    assert truncate(range(10), 5, "middle") == [0, 1, 2, 8, 9]
+    with pytest.raises(ValueError, match="use one of left, right, middle"):
+        truncate([1], 1, "top")
+
+
+def test_truncation_cuts_the_tool_text_not_the_template(qwen_tok):
+    text = " ".join(f"w{i}" for i in range(200))
+    assert truncate_text(qwen_tok, "short", 50) == "short"
+    for side in ("left", "right", "middle"):
+        cut = truncate_text(qwen_tok, text, 10, side)
+        assert "...(truncated)" in cut and len(encode(qwen_tok, cut.replace("...(truncated)", ""))) <= 11
+    assert truncate_text(qwen_tok, text, 10, "left").startswith("w0 w1")
+    assert truncate_text(qwen_tok, text, 10, "right").endswith("w199")
+    delta = ToolDelta(qwen_tok, max_tool_response_length=10, truncate_side="middle")
+    rendered = delta.delta_text([text])
+    assert rendered.startswith("\n<|im_start|>user\n<tool_response>\nw0") and "w199\n</tool_response>" in rendered
+    assert rendered.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="--tool-response-truncate-side 'up'"):
+        ToolDelta(qwen_tok, truncate_side="up")

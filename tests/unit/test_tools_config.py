@@ -1,0 +1,163 @@
+"""rl/tools/config.py: the verl / MindSpeed-RL tool config file, with a user's tool module from outside the package
+(tests/fixtures/user_tools, put on sys.path here as a user's PYTHONPATH would be) and the built-ins; every error
+names the file, the entry and the fix."""
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from mindspeed_llm.errors import UserError
+from mindspeed_llm.rl.tools import (
+    CalculatorTool, FunctionTool, PythonTool, ToolConfigError, ToolExecutor, ToolCall, load_tool_config,
+)
+from mindspeed_llm.rl.tools.adapters import InstanceTool
+
+USER_TOOLS = Path(__file__).resolve().parents[1] / "fixtures" / "user_tools"
+
+VERL_STYLE = """
+tools:
+  - class_name: "my_tools.LookupTool"
+    config:
+      type: native
+      prefix: "got "
+    tool_schema:
+      type: "function"
+      function:
+        name: "lookup"
+        description: "Look up a key."
+        parameters:
+          type: "object"
+          properties:
+            key: {type: "string", description: "The key."}
+          required: ["key"]
+  - class_name: my_tools.multiply
+  - class_name: my_tools:ConfigOnlyTool
+    config: {suffix: "?"}
+  - class_name: my_tools.NoArgumentTool
+  - class_name: calculator
+  - class_name: python
+    config: {timeout: 2, memory_mb: 256}
+"""
+
+
+@pytest.fixture
+def user_tools(monkeypatch):
+    monkeypatch.syspath_prepend(str(USER_TOOLS))
+    yield
+    sys.modules.pop("my_tools", None)  # each test imports it afresh from its own sys.path
+
+
+def write(tmp_path, text, name="tools.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+def test_user_module_is_not_importable_without_its_folder_on_the_path():
+    with pytest.raises(ImportError):
+        __import__("my_tools")
+
+
+def test_loads_a_verl_style_config_with_user_tools_and_builtins(tmp_path, user_tools):
+    tools = load_tool_config(str(write(tmp_path, VERL_STYLE)))
+    assert [t.name for t in tools] == ["lookup", "multiply", "shout", "ping", "calculator", "python"]
+    lookup, multiply, shout, ping, calculator, python = tools
+    assert lookup.config == {"type": "native", "prefix": "got "}  # verl's cls(config=..., tool_schema=...)
+    assert lookup.tool_schema["function"]["parameters"]["required"] == ["key"]
+    assert isinstance(multiply, FunctionTool) and multiply.tool_schema["function"]["description"] == \
+        "Multiply two integers."
+    assert shout.suffix == "?" and shout.execute({"text": "hi"}, {}) == "HI?"
+    assert ping.execute({}, {}) == "pong"
+    assert isinstance(calculator, CalculatorTool) and isinstance(python, PythonTool)
+    assert python.config["timeout"] == 2 and python.config["memory_mb"] == 256
+
+    executor = ToolExecutor(tools, timeout=10)
+    executor.start("t", {"label": "42"})
+    turn = executor.run("t", [ToolCall("lookup", {"key": "k"}), ToolCall("multiply", {"a": 6, "b": 7})])
+    assert turn.messages == ["got k=42", "42"] and turn.reward == 0.5 and turn.metrics == {"lookups": 1.0}
+    executor.finish("t")
+
+
+def test_config_schema_wins_for_a_function(tmp_path, user_tools):
+    path = write(tmp_path, """
+        tools:
+          - class_name: my_tools.multiply
+            tool_schema: {type: function, function: {name: times, description: Product., parameters: {}}}
+    """)
+    (tool,) = load_tool_config(str(path))
+    assert tool.name == "times" and tool.tool_schema["function"]["description"] == "Product."
+    assert tool.execute({"a": 2, "b": 3}, {}) == 6
+
+
+def test_verl_async_instance_tool_gets_an_id_per_trajectory(tmp_path, user_tools):
+    path = write(tmp_path, """
+        tools:
+          - class_name: my_tools.AsyncInstanceTool
+            config: {type: native}
+            tool_schema: {type: function, function: {name: counter, description: Count calls., parameters: {}}}
+    """)
+    (tool,) = load_tool_config(str(path))
+    assert isinstance(tool, InstanceTool)
+    import my_tools
+
+    my_tools.EVENTS.clear()
+    executor = ToolExecutor([tool])
+    row = {"extra_info": {"tools_kwargs": {"counter": {"create_kwargs": {"start": 7}}}}}
+    executor.start("a", row)
+    executor.start("b", {})
+    first = executor.run("a", [ToolCall("counter", {})]).messages[0]
+    second = executor.run("a", [ToolCall("counter", {})]).messages[0]
+    other = executor.run("b", [ToolCall("counter", {})]).messages[0]
+    assert first.startswith("call 1 of") and first.endswith("start=7")
+    assert second.startswith("call 2 of") and other.startswith("call 1 of") and other.endswith("start=None")
+    executor.finish("a")
+    executor.finish("b")
+    created = [d for e, d in my_tools.EVENTS if e == "async_create"]
+    released = [d for e, d in my_tools.EVENTS if e == "async_release"]
+    assert len(set(created)) == 2 and sorted(created) == sorted(released)
+    assert tool.inner.instances == {}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("tools: [", "not YAML"),
+    ("other: 1\n", "expected a top-level `tools:` list"),
+    ("tools: []\n", "expected a top-level `tools:` list"),
+    ("tools:\n  - config: {}\n", r"tools\[0\]: missing class_name; write class_name: pkg.module.ClassName"),
+    ("tools:\n  - 3\n", r"tools\[0\]: an entry must be a mapping"),
+    ("tools:\n  - class_name: calculator\n  - class_name: not_a_module_here.Tool\n",
+     r"tools\[1\]: cannot import module 'not_a_module_here'.*put the folder that holds not_a_module_here on PYTHONPATH"),
+    ("tools:\n  - class_name: my_tools.Missing\n", r"tools\[0\]: module 'my_tools' .* has no attribute 'Missing'"),
+    ("tools:\n  - class_name: wordcount\n", "neither a built-in tool .calculator, python. nor a dotted path"),
+    ("tools:\n  - class_name: my_tools.LookupTool\n    tool_schema: {type: function, function: {description: x}}\n",
+     r"tools\[0\]: tool_schema has no function name; write tool_schema: \{type: function"),
+    ("tools:\n  - class_name: calculator\n  - class_name: my_tools.multiply\n"
+     "    tool_schema: {type: function, function: {name: calculator}}\n",
+     r"tools\[1\]: tool name 'calculator' is also the name of tools\[0\]"),
+    ("tools:\n  - class_name: my_tools.no_hints\n",
+     r"tools\[0\]: cannot make a tool of 'my_tools.no_hints'.*parameter 'a' has no type hint"),
+    ("tools:\n  - class_name: python\n    config: {timeout_s: 3}\n", r"unknown config key\(s\) timeout_s"),
+    ("tools:\n  - class_name: calculator\n    config: {type: mcp}\n", "config type 'mcp' is not supported"),
+])
+def test_each_error_names_the_file_the_entry_and_the_fix(tmp_path, user_tools, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(ToolConfigError, match=message) as caught:
+        load_tool_config(str(path))
+    assert str(path) in str(caught.value)
+    assert isinstance(caught.value, UserError)  # the entry points print it as one line, without a traceback
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ToolConfigError, match=r"no_such\.yaml: no such file \(--tool-config"):
+        load_tool_config(str(tmp_path / "no_such.yaml"))
+
+
+def test_error_inside_the_user_module_is_shown(tmp_path, monkeypatch):
+    (tmp_path / "broken_tools.py").write_text("import not_installed_dependency\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = write(tmp_path, "tools:\n  - class_name: broken_tools.Tool\n")
+    with pytest.raises(ToolConfigError, match="importing 'broken_tools' failed: No module named "
+                                              "'not_installed_dependency'"):
+        load_tool_config(str(path))
+    sys.modules.pop("broken_tools", None)
