@@ -94,7 +94,10 @@ def test_single_turn_generates_the_first_batch_and_carries_nothing(monkeypatch):
 
 def _settings(**algorithm):
     """The run's typed settings with these AlgorithmSettings fields (what build_rollouts reads)."""
-    return SimpleNamespace(algorithm=AlgorithmSettings(**algorithm), batch=BatchSettings(global_batch_size=2))
+    from mindspeed_llm.rl.settings import ToolSettings
+
+    return SimpleNamespace(algorithm=AlgorithmSettings(**algorithm), batch=BatchSettings(global_batch_size=2),
+                           tools=ToolSettings())
 
 
 def _no_draw(j):
