@@ -1,0 +1,169 @@
+"""Multi-turn tool use in the stages (`--tool-config`, `rl/multi_turn.py`) on the word task, with a user's tool, call
+parser and reward function from outside the package (tests/fixtures/word_tools/word_tools.py; the tokenizer gets a
+word-level chat template with a tool role).
+
+* grpo: a run of 3 iterations, and the same command SIGKILLed right after its save of iteration 2 and run again: the
+  same metrics rows and weights, bit for bit; the trajectories really have several turns and tool calls.
+* grpo at DP2 trains what DP1 trains (the same tool calls, turns, scores; the losses to float rounding).
+* trl_ppo runs with tools (GAE over the model's tokens, the critic beside them).
+The engine's parking against single-turn generations: tests/dist/test_multi_turn_engine.py; the masks and GAE over
+tool spans by hand: tests/unit/test_tool_mask.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.usefixtures("warm_ranks"), pytest.mark.slow]
+
+TOOLS_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "word_tools"
+# assistant turns end with </s>; a tool's answer is framed by w20 .. w21, the next assistant turn opens with w22
+TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}</s>"
+            "{% elif m['role'] == 'tool' %} w20 {{ m['content'] }} w21{% else %}{{ m['content'] }}{% endif %}"
+            "{% endfor %}{% if add_generation_prompt %} w22{% endif %}")
+TOOL_CONFIG = """tools:
+  - class_name: word_tools.EchoTool
+    config: {reward: 0.25}
+    tool_schema:
+      type: function
+      function:
+        name: echo
+        description: Says the words back, last first.
+        parameters: {type: object, properties: {words: {type: array}}, required: [words]}
+"""
+KILL_AFTER_SAVE = """
+import os, signal, sys
+import mindspeed_llm.checkpoint.training as training_ckpt
+original = training_ckpt.save
+def save(root, iteration, *args, **kwargs):
+    original(root, iteration, *args, **kwargs)
+    if iteration == int(os.environ["KILL_AT"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+training_ckpt.save = save
+import posttrain_gpt
+sys.exit(posttrain_gpt.main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from tests.helpers import word_task
+
+    root = tmp_path_factory.mktemp("multi_turn_task")
+    paths = word_task.build(root, reward=True)
+    tokenizer = AutoTokenizer.from_pretrained(paths["tokenizer"])
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(root / "chat_tokenizer")
+    (root / "tools.yaml").write_text(TOOL_CONFIG)
+    sys.path.insert(0, str(TOOLS_DIR))  # the warm ranks take the caller's sys.path (tests/helpers/multiproc.py)
+    yield dict(paths, chat_tokenizer=str(root / "chat_tokenizer"), tools=str(root / "tools.yaml"))
+    sys.path.remove(str(TOOLS_DIR))
+
+
+def _argv(task, out, stage, *extra):
+    # turns of up to 4 tokens, 40 stop ids (of 256) end some early; a trajectory of at most 3 turns in 14 tokens
+    base = ["--stage", stage, "--ref-model", task["mg_actor_tp1pp1"], "--tokenizer-name-or-path",
+            task["chat_tokenizer"], "--data-path", task["data"], "--global-batch-size", "2", "--micro-batch-size", "2",
+            "--train-iters", "3", "--max-length", "24", "--max-prompt-length", "8", "--max-new-tokens", "4",
+            "--do-sample", "--seed", "5", "--lr", "1e-2", "--stop-token-ids", ",".join(map(str, range(100, 140))),
+            "--tool-config", task["tools"], "--tool-parser-format", "first_word_even", "--max-assistant-turns", "3",
+            "--max-total-response-length", "14", "--max-tool-response-length", "3", "--save", str(out), "--load",
+            str(out), "--save-interval", "1", "--metrics-jsonl", str(out / "metrics.jsonl"),
+            "--no-check-for-divergence"]
+    if stage == "grpo":
+        base += ["--n-samples-per-prompt", "2", "--custom-reward-function",
+                 f"{TOOLS_DIR / 'word_tools.py'}:turns_reward", "--kl-coef", "0.01"]
+    else:
+        base += ["--reward-model", task["mg_reward_tp1pp1"]]
+    return base + list(extra)
+
+
+def _rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _compared(row):
+    return {k: v for k, v in row.items() if not k.startswith("timing/") and not k.endswith(("_tps", "seconds"))
+            and k != "tool/wait_share"}
+
+
+def _env():
+    from tests.helpers.multiproc import single_rank_env
+    from tests.helpers.stage_assets import ROOT
+
+    return dict(single_rank_env(), PYTHONPATH=os.pathsep.join([str(ROOT), str(TOOLS_DIR)]))
+
+
+def test_grpo_with_tools_resumes_after_sigkill_bit_for_bit(task, tmp_path):
+    from tests.helpers.stage_assets import ROOT
+    from tests.helpers.stage_layouts import full_weights
+
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    driver = tmp_path / "kill_after_save.py"
+    driver.write_text(KILL_AFTER_SAVE)
+
+    def run(script, out, **env):
+        return subprocess.run([sys.executable, str(script), *_argv(task, out, "grpo")], cwd=ROOT, capture_output=True,
+                              text=True, env=dict(_env(), **env), timeout=300)
+
+    done = run(Path(ROOT) / "posttrain_gpt.py", whole)
+    assert done.returncode == 0, done.stderr[-3000:]
+    killed = run(driver, split, KILL_AT="2")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    again = run(Path(ROOT) / "posttrain_gpt.py", split)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {split} at iteration 2" in again.stdout
+
+    rows = {"whole": _rows(whole), "split": _rows(split)}
+    assert [r["iteration"] for r in rows["split"]] == [1, 2, 3]
+    assert [_compared(r) for r in rows["whole"]] == [_compared(r) for r in rows["split"]]
+    assert max(r["num_turns/max"] for r in rows["whole"]) >= 2 and sum(r["tool/calls"] for r in rows["whole"]) > 0
+    assert all(r["tool/failures"] == 0 and r["tool/timeouts"] == 0 for r in rows["whole"])
+    # the tool's own reward (0.25 a call) reaches the score; the user's reward sees the turns
+    assert any(r["tool/reward/mean"] > 0 for r in rows["whole"]) and any(r["custom_rewards/mean"] > 0
+                                                                         for r in rows["whole"])
+    a, b = full_weights(whole, "actor"), full_weights(split, "actor")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_grpo_with_tools_at_dp2_trains_what_dp1_trains(task, tmp_path):
+    from tests.helpers.multiproc import run_distributed
+    from tests.helpers.stage_layouts import run_stages
+
+    def argv(out):
+        return _argv(task, out, "grpo", "--global-batch-size", "4", "--train-iters", "2")
+
+    run_distributed(run_stages, 2, [argv(tmp_path / "dp2")])
+    run_distributed(run_stages, 1, [argv(tmp_path / "dp1")])
+    one, two = _rows(tmp_path / "dp1"), _rows(tmp_path / "dp2")
+    assert sum(r["tool/calls"] for r in one) > 0
+    for a, b in zip(one, two):
+        exact = [k for k in a if k.startswith(("num_turns/", "grpo/score/", "response_length", "custom_rewards/",
+                                               "tool/reward/"))]
+        assert {k: a[k] for k in exact} == {k: b[k] for k in exact}
+        # tool/calls etc. are this rank's counts (a DP rank's own tools); their sum over ranks is DP1's
+        for key in ("actor/pg_loss", "grad_norm", "actor/kl_loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
+def test_trl_ppo_with_tools_runs_gae_over_the_model_tokens(task, tmp_path):
+    from tests.helpers.multiproc import run_distributed
+    from tests.helpers.stage_layouts import run_stages
+
+    out = tmp_path / "ppo"
+    run_distributed(run_stages, 1, [_argv(task, out, "trl_ppo", "--train-iters", "2")])
+    rows = _rows(out)
+    assert len(rows) == 2 and sum(r["tool/calls"] for r in rows) > 0
+    for r in rows:
+        assert all(torch.isfinite(torch.tensor(v)) for k, v in r.items() if isinstance(v, float))
+        assert r["response_length_with_tools/mean"] > r["response_length/mean"] or r["tool/calls"] == 0
