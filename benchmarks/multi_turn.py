@@ -5,8 +5,9 @@ with the continuous engine and a scripted tool loop (`inference/turns.py`): a tu
 the vocabulary; greedy, so every mode produces the same tokens), each ended turn before the `--turns`-th calls the
 tool, which answers `--answer-tokens` ids after `--tool-seconds` (a thread pool of `--workers`). Modes:
 
-* `parked, KV kept` (the default): a sample waiting on its tool keeps its slot and KV; the others decode meanwhile;
-  only the answer is prefilled;
+* `parked, auto` (the default, `--parked-kv auto`): a sample waiting on its tool keeps its slot and KV until a
+  waiting sample needs the slot; the others decode meanwhile;
+* `parked, KV kept` (`--parked-kv keep`): it keeps them; only the answer is prefilled;
 * `parked, KV freed` (`--parked-kv free`): its slot goes to another sample at once, its prefix is prefilled again;
 * `blocking`: the tool runs inside the engine's step (every sample waits for each call: no parking);
 * `single turn`: no tools (the decode work alone).
@@ -104,6 +105,9 @@ def build_model(args):
     return build(spec, init_method_std=0.3).eval()
 
 
+PARKED_KV = {"parked, auto": "auto", "parked, KV kept": "keep", "parked, KV freed": "free"}
+
+
 def run_mode(model, args, prompts, mode):
     from mindspeed_llm.inference import EngineOptions, SamplingConfig, generate
 
@@ -114,7 +118,7 @@ def run_mode(model, args, prompts, mode):
     tool = None if mode == "single turn" else SlowTool(args, blocking=mode == "blocking")
     start = time.perf_counter()
     out = generate(model, prompts, sampling, response_budgets=[budget] * len(prompts), turns=tool,
-                   options=EngineOptions(keep_parked_kv=mode != "parked, KV freed"))
+                   options=EngineOptions(parked_kv=PARKED_KV.get(mode, "auto")))
     seconds = time.perf_counter() - start
     if tool is not None:
         tool.pool.shutdown()
@@ -127,7 +131,7 @@ def main(argv=None):
     model = build_model(args)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, args.vocab, (args.prompt_length,), generator=g).tolist() for _ in range(args.batch)]
-    modes = ("parked, KV kept", "parked, KV freed", "blocking", "single turn")
+    modes = ("parked, auto", "parked, KV kept", "parked, KV freed", "blocking", "single turn")
     best, outs = {}, {}
     for _ in range(args.repeats):
         for mode in modes:

@@ -359,9 +359,10 @@ def _add_multi_turn_args(p: argparse.ArgumentParser) -> None:
                         "--max-new-tokens is then one model turn's limit")
     g.add_argument("--tool-timeout", type=float, default=30.0, help="seconds one tool call may take (default 30)")
     g.add_argument("--tool-workers", type=int, default=8, help="tool calls running at once per rollout rank")
-    g.add_argument("--parked-kv", choices=("keep", "free"), default="keep",
+    g.add_argument("--parked-kv", choices=("auto", "keep", "free"), default="auto",
                    help="a sample waiting on its tools keeps its KV cache rows (keep: only the tool's tokens are "
-                        "prefilled after) or frees them for other samples (free: its prefix is prefilled again)")
+                        "prefilled after), frees them for other samples (free: its prefix is prefilled again), or "
+                        "keeps them until a waiting sample needs the slot (auto, the default)")
 
 
 def _add_algorithm_args(p: argparse.ArgumentParser) -> None:

@@ -170,7 +170,7 @@ class ContinuousEngine:
     def __init__(self, model, samples: List[Sample], sampling: SamplingConfig, *, uniforms: Optional[torch.Tensor],
                  vocab_size: Optional[int], source: Optional[int], group, peers, record_routing: bool,
                  share_prefill: bool, max_decode_steps: Optional[int], pipeline_groups: Optional[int], device,
-                 turns=None, keep_parked_kv: bool = True):
+                 turns=None, parked_kv: str = "auto"):
         self.model, self.sampling, self.uniforms, self.vocab_size = model, sampling, uniforms, vocab_size
         self.source, self.group, self.peers, self.device = source, group, peers, device
         config = get_model_config(model)
@@ -190,7 +190,7 @@ class ContinuousEngine:
                                    stop_ids=sampling.stop_ids, max_decode_steps=max_decode_steps,
                                    wants_observation=self._wants_observation if turns is not None else None,
                                    turn_token_limit=getattr(turns.handler, "turn_token_limit", None) if turns else None,
-                                   keep_parked_kv=keep_parked_kv)
+                                   parked_kv=parked_kv)
         self.turns = turns
         self.cache = _KVCache(rows, self.slots)
         R = max([s.budget for s in samples] + [0])

@@ -4,9 +4,11 @@ and the `Scheduler` that decides them (admission, slot layout, prefill sharing).
 every rank of a model-parallel group: it sees only the prompts, the plan and the broadcast tokens.
 
 Multi-turn (`inference/turns.py`): a sample whose turn ends (EOS / stop) and whose handler wants an observation (a
-tool's answer) is *parked*: it leaves the decode steps and waits. With `keep_parked_kv` its slot and KV stay and,
-once the observation's token ids arrive (`resume`), only they are prefilled into its slot (a delta prefill); without,
-its slot is freed at once and, on resumption, it queues again to be prefilled from its whole prefix. Either way the
+tool's answer) is *parked*: it leaves the decode steps and waits. `parked_kv="keep"`: its slot and KV stay and,
+once the observation's token ids arrive (`resume`), only they are prefilled into its slot (a delta prefill);
+`"free"`: its slot is freed at once and, on resumption, it queues again to be prefilled from its whole prefix;
+`"auto"`: kept, until a pending sample finds no free slot in its group, which then takes a parked sample's (the
+longest parked first). Either way the
 other samples keep decoding meanwhile. The observation's tokens are recorded as spans of the response (`Sample.observed`):
 they are fed to the model, never sampled."""
 
@@ -101,6 +103,7 @@ class _Group:
     stopped: bool = False  # the decode budget is spent
 
 
+PARKED_KV = ("auto", "keep", "free")  # what a parked sample's slot and KV do (module docstring)
 PREFILL_PADDING_BOUND = 2  # a prefill forward computes at most twice its windows' tokens
 
 
@@ -112,7 +115,7 @@ class Scheduler:
                  share_prefill: bool, pad_id: int, eos_ids: Sequence[int], stop_ids: Sequence[int],
                  max_decode_steps: Optional[int] = None,
                  wants_observation: Optional[Callable[[int, Sample], bool]] = None,
-                 turn_token_limit: Optional[int] = None, keep_parked_kv: bool = True):
+                 turn_token_limit: Optional[int] = None, parked_kv: str = "keep"):
         self.samples = samples
         self.pending = deque(b for b, s in enumerate(samples) if not s.finished)
         self.groups, base = [], 0
@@ -123,7 +126,9 @@ class Scheduler:
         self.eos_ids, self.stop_ids = set(eos_ids), set(stop_ids)
         self.max_decode_steps = max_decode_steps
         self.wants_observation, self.turn_token_limit = wants_observation, turn_token_limit
-        self.keep_parked_kv = keep_parked_kv
+        if parked_kv not in PARKED_KV:
+            raise ValueError(f"parked_kv={parked_kv!r}: use one of {', '.join(PARKED_KV)}")
+        self.parked_kv = parked_kv
         self.parked: Dict[int, None] = {}  # samples waiting for an observation (ordered)
         self.delta_prefills: Dict[int, int] = {}  # resumed sample in its kept slot -> first position to prefill
         self.slot_of: Dict[int, int] = {}
@@ -131,7 +136,7 @@ class Scheduler:
         self.window_of: Dict[int, tuple] = {}
         self.stats = dict(decode_forwards=0, decode_row_steps=0, finished_row_steps=0, prefill_forwards=0,
                           prefill_tokens=0, prefill_shared_rows=0, kv_row_moves=0, max_rows_in_flight=0,
-                          parked_turns=0, observation_tokens=0, delta_prefill_tokens=0)
+                          parked_turns=0, observation_tokens=0, delta_prefill_tokens=0, parked_evictions=0)
 
     def busy(self) -> bool:
         """Whether a group can still decode: rows in flight, pending samples and room, or parked samples."""
@@ -162,6 +167,8 @@ class Scheduler:
         if self.max_decode_steps is not None and g.steps >= self.max_decode_steps:
             g.stopped = True
             return unit
+        if self.parked_kv == "auto" and self.pending:
+            self._evict_parked(g)
         survivors = [(off, s) for off, s in enumerate(g.rows) if s is not None]
         new = [self.pending.popleft() for _ in range(min(g.capacity - len(survivors), len(self.pending)))]
         n = len(survivors) + len(new)
@@ -278,7 +285,7 @@ class Scheduler:
                 self.parked[s] = None
                 self.stats["parked_turns"] += 1
                 parked.append(s)
-                if not self.keep_parked_kv:
+                if self.parked_kv == "free":
                     self._release(s)
             elif reason is not None:
                 sample.reason = reason
@@ -308,6 +315,15 @@ class Scheduler:
         else:
             self.pending.append(s)
         return True
+
+    def _evict_parked(self, g: _Group) -> None:
+        """`parked_kv="auto"`: as many of the group's parked samples as pending samples lack free slots give theirs
+        up (the longest parked first); they are prefilled again when they resume."""
+        free = sum(s is None for s in g.rows)
+        in_group = [s for s in self.parked if s in self.slot_of and g.base <= self.slot_of[s] < g.base + g.capacity]
+        for s in in_group[:max(0, len(self.pending) - free)]:
+            self._release(s)
+            self.stats["parked_evictions"] += 1
 
     def _release(self, s: int) -> None:
         """Frees sample `s`'s slot (finished, or parked without its KV) and its prefill-sharing window."""

@@ -81,15 +81,16 @@ class EngineOptions:
         step where MINDSPEED_DECODE_CUDA_GRAPH=1 on CUDA). Tests and benchmarks pass
         `cuda_graph.StaticDecodeKVCacheModel` (or a subclass). Given, it selects the static engine under
         `engine="auto"` (`engine="continuous"` refuses it).
-    keep_parked_kv: multi-turn (`generate(turns=...)`): a sample waiting for a tool keeps its slot and KV, and only the
-        tool's tokens are prefilled when they arrive; False frees the slot at once (another sample takes it) and
-        prefills the whole prefix on resumption. Same tokens either way.
+    parked_kv: multi-turn (`generate(turns=...)`): "keep": a sample waiting for a tool keeps its slot and KV, and only
+        the tool's tokens are prefilled when they arrive; "free": its slot is freed at once (another sample takes it)
+        and its whole prefix is prefilled on resumption; "auto" (default): kept until a pending sample needs the slot.
+        Same tokens in every mode (`continuous_plan`).
     """
 
     share_prefill: bool = True
     pipeline_groups: Optional[int] = None
     static_kv_cache_model: Optional[Callable[..., KVCacheModel]] = None
-    keep_parked_kv: bool = True  # multi-turn: a parked sample keeps its slot and KV (False: freed, re-prefilled)
+    parked_kv: str = "auto"  # multi-turn: a parked sample's slot and KV: "auto" | "keep" | "free"
 
 
 def generate(
@@ -262,7 +263,7 @@ def _generate_continuous(model, prompts, budgets, sampling, iteration, sample_id
         record_routing=record_routing, share_prefill=options.share_prefill, max_decode_steps=max_decode_steps,
         pipeline_groups=pipeline_groups, device=dev,
         turns=TurnExchange(turns, source, group, dev) if turns is not None else None,
-        keep_parked_kv=options.keep_parked_kv)
+        parked_kv=options.parked_kv)
     for b, carry in enumerate(continuations):  # the old tokens keep their recorded (behaviour) log-probs
         if carry is not None and carry.log_probs is not None and runner.log_probs is not None and carry.response:
             runner.log_probs[b, :len(carry.response)] = torch.tensor(list(carry.log_probs), dtype=torch.float32,

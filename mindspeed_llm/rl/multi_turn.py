@@ -176,7 +176,7 @@ class MultiTurnRollouts:
         try:
             result = generate(self.actor_module, ids, self.sampling, iteration=iteration, sample_ids=sample_ids,
                               vocab_size=len(self.tokenizer), response_budgets=budgets, turns=turns,
-                              options=EngineOptions(keep_parked_kv=self.settings.parked_kv == "keep"))
+                              options=EngineOptions(parked_kv=self.settings.parked_kv))
         finally:
             turns.close()
             executor.close()

@@ -135,7 +135,8 @@ class ToolSettings:
     max_new_tokens: int = 128  # one model turn's tokens
     tool_timeout: float = 30.0  # seconds per call
     tool_workers: int = 8
-    parked_kv: str = "keep"  # a sample waiting on a tool keeps its KV ("keep") or frees it ("free")
+    parked_kv: str = "auto"  # a sample waiting on a tool keeps its KV ("keep"), frees it ("free"), or keeps it until
+    # a pending sample needs its slot ("auto")
 
 
 @dataclass(frozen=True)

@@ -137,11 +137,12 @@ def test_rollout_flags_reach_the_sampling_config():
 def _turns(prompts, budgets, capacity, keep, turn_limit=None, wants=lambda s, sample: sample.turn_start == 0):
     samples = [Sample(list(p), len(p), n) for p, n in zip(prompts, budgets)]
     return Scheduler(samples, [capacity], token_cap=None, share_prefill=False, pad_id=0, eos_ids=[EOS], stop_ids=[],
-                     wants_observation=wants, turn_token_limit=turn_limit, keep_parked_kv=keep)
+                     wants_observation=wants, turn_token_limit=turn_limit,
+                     parked_kv=keep)
 
 
 def test_a_parked_row_keeps_its_slot_leaves_the_decode_and_gets_a_delta_prefill():
-    s = _turns([[5, 6, 7], [8, 9], [10, 11]], [12, 12, 12], 3, keep=True)
+    s = _turns([[5, 6, 7], [8, 9], [10, 11]], [12, 12, 12], 3, keep="keep")
     u = s.decide(0, 0)
     assert s.apply(u, [EOS, 20, 21]) == [0]  # sample 0's turn ends and its handler wants an observation
     assert s.samples[0].parked and s.samples[0].reason is None and s.slot_of[0] == 0
@@ -162,7 +163,7 @@ def test_a_parked_row_keeps_its_slot_leaves_the_decode_and_gets_a_delta_prefill(
 
 
 def test_a_parked_row_without_its_kv_frees_the_slot_and_is_prefilled_again():
-    s = _turns([[5, 6, 7], [8, 9], [10, 11]], [12, 12, 12], 2, keep=False)
+    s = _turns([[5, 6, 7], [8, 9], [10, 11]], [12, 12, 12], 2, keep="free")
     u = s.decide(0, 0)
     assert u.decode.samples == [0, 1]
     assert s.apply(u, [EOS, 20]) == [0]
@@ -178,7 +179,7 @@ def test_a_parked_row_without_its_kv_frees_the_slot_and_is_prefilled_again():
 
 
 def test_an_observation_past_the_budget_ends_the_trajectory_and_turns_have_their_own_limit():
-    s = _turns([[5, 6], [8, 9]], [6, 20], 2, keep=True, turn_limit=3)
+    s = _turns([[5, 6], [8, 9]], [6, 20], 2, keep="keep", turn_limit=3)
     u = s.decide(0, 0)
     assert s.apply(u, [EOS, 30]) == [0]
     assert not s.resume(0, [1, 2, 3, 4, 5])  # 1 token used, 5 more leave no room for a model token in 6
@@ -188,3 +189,19 @@ def test_an_observation_past_the_budget_ends_the_trajectory_and_turns_have_their
     u = s.decide(2, 0)
     s.apply(u, [32])  # the third token of sample 1's turn: the turn limit ends it
     assert s.samples[1].reason == "length" and s.samples[1].response_length == 3 and not s.busy()
+
+
+def test_auto_keeps_a_parked_rows_kv_until_a_pending_sample_needs_its_slot():
+    s = _turns([[5, 6, 7], [8, 9], [10, 11]], [12, 12, 12], 2, keep="auto")
+    u = s.decide(0, 0)  # samples 0, 1 in flight; sample 2 waits
+    assert s.apply(u, [EOS, 20]) == [0]
+    assert s.slot_of[0] == 0  # kept for now
+    u = s.decide(1, 0)  # sample 2 is pending and there is no free slot: the parked sample 0 gives its slot up
+    assert 0 not in s.slot_of and sorted(u.decode.samples) == [1, 2] and s.stats["parked_evictions"] == 1
+    s.resume(0, [40])
+    assert list(s.pending) == [0]  # resumed without its KV: queued for a whole prefill
+    s2 = _turns([[5, 6, 7], [8, 9]], [12, 12], 2, keep="auto")
+    u = s2.decide(0, 0)
+    s2.apply(u, [EOS, 20])
+    s2.decide(1, 0)
+    assert s2.slot_of[0] == 0 and s2.stats["parked_evictions"] == 0  # nobody waits: the KV stays
