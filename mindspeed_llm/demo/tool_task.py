@@ -10,7 +10,30 @@ The tool config the demo writes (:func:`write_tool_config`) is verl's / MindSpee
 calculator; the reward is :func:`final_answer` (the first line of the *last* assistant turn is the number), passed
 to the stage as ``--custom-reward-function mindspeed_llm/demo/tool_task.py:final_answer``.
 
-Measurements: see ``MEASUREMENTS`` below (filled from ``python -m mindspeed_llm.demo.tool_eval --measure``).
+Measurements (SmolLM2-135M-Instruct dequantized from Q4_1, fp32, transformers on 1 CPU thread, the first held-out
+problems of ``mul3x2`` at seed 1234; the conversation loop of :mod:`mindspeed_llm.demo.tool_eval`: turns of at most
+40 tokens, 3 model turns, the calculator executed and its answer appended as the template's tool delta; "calls" =
+turns whose ``<tool_call>`` block parses (any tool name), "right" = the last turn's first line is the product)
+
+    prompt (system = the Hermes tools block, then)      greedy (n)       T=0.7, 8 x 4      T=1.0, 8 x 4
+                                                         right / calls    right / calls     right / calls
+    ---------------------------------------------------  ---------------  ----------------  ----------------
+    no tools offered (plain question, 24 tokens)         0/8              -                 -
+    block only (mul3x2_0shot)                            0/8 / 0          -                 -
+    block + "use the calculator" + a call in the system  0/8 / 0          0/32 / 0          0/32 / 0
+    SmolLM2's function-calling system text + block       0/8 / 0          -                 -
+    instruction in the user turn                         0/8 / 0          -                 -
+    1 worked example as chat turns, 12 * 34              0/8 / 0          0/32 / 1 (bad)    0/32 / 0
+    1 worked example, 506 * 93 (mul3x2, the default)     0/16 / 2 (bad)   -                 0/32 / 0
+    2 worked examples (mul3x2_2shot)                     8/8 / 8          -                 3/32 / 10
+    3 worked examples                                    8/8 / 8          -                 10/32 / 14
+
+Without a worked example the model never writes a well-formed calculator call (it answers in the head, wrongly, or
+rambles); with one it sometimes opens ``<tool_call>`` but names an invented tool ("addition", "calculate") with
+invented arguments; with two or more it copies the format, greedy is then right every time (the calculator's
+answer is copied into the reply) and sampled at T=1.0 about a third of the turns call. So the greedy accuracy
+jumps from 0 to 100% between one and two examples: no prompt measured gives both a base below 20% and sampled groups
+with mixed rewards (GRPO's signal). About 4-5 s per conversation on one thread (prompts of 310-470 tokens).
 """
 
 from __future__ import annotations
