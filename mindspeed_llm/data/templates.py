@@ -6,6 +6,8 @@ A template is a JSON object selected by its ``name``. Fields (all strings unless
 ``system``             format of a system turn, ``{{content}}`` marks the message text
 ``user``               format of a user turn
 ``assistant``          format of a finished assistant turn
+``tool``               format of a tool-response turn (``null``: the template has none; a few-shot
+                       prompt that shows a tool call needs it)
 ``generation_prompt``  text that opens the assistant turn the model is asked to write
 ``default_system``     system text used when a sample has no system message (``null``: none)
 ``user_instruction``   text put before the first user message (the R1 "think, then answer
@@ -29,9 +31,9 @@ from typing import Iterable, Mapping, Optional, Sequence
 from mindspeed_llm.data.errors import DataError, InputFormatError, UnknownNameError
 
 CONTENT = "{{content}}"
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 _FIELDS = {
-    "name", "description", "prefix", "system", "user", "assistant", "generation_prompt",
+    "name", "tool", "description", "prefix", "system", "user", "assistant", "generation_prompt",
     "default_system", "user_instruction", "strip_content", "stop_words",
 }
 TEMPLATES_ENV = "MINDSPEED_LLM_TEMPLATES"
@@ -51,6 +53,7 @@ class ChatTemplate:
     user: str = CONTENT
     assistant: str = CONTENT
     system: Optional[str] = None
+    tool: Optional[str] = None
     generation_prompt: str = ""
     prefix: str = ""
     default_system: Optional[str] = None
@@ -92,7 +95,7 @@ class ChatTemplate:
         return self._fill(fmt, content)
 
     def to_dict(self) -> dict:
-        out = {k: getattr(self, k) for k in sorted(_FIELDS)}
+        out = {k: getattr(self, k) for k in sorted(_FIELDS) if k != "tool" or self.tool is not None}
         out["stop_words"] = list(self.stop_words)
         return out
 

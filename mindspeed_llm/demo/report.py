@@ -1,4 +1,5 @@
-"""Summary table and plot of a GRPO run: reward over iterations, accuracy before / after.
+"""Summary table and plot of a GRPO run: reward over iterations, accuracy before / after (and, for a multi-turn run,
+model turns and tool calls per iteration).
 
 Input: the metrics JSONL that ``--metrics-jsonl`` (``MetricsLogger``) writes, one object per iteration
 (``{"iteration": i, "grpo/score/mean": ..., "response_length/mean": ..., "actor/kl_loss": ...,
@@ -39,6 +40,10 @@ TABLE_KEYS = (
     ("actor/entropy", "entropy"),
     ("actor/pg_clipfrac", "clip fraction"),
     ("grad_norm", "grad norm"),
+    ("num_turns/mean", "model turns per trajectory"),
+    ("tool/calls", "tool calls per iteration"),
+    ("tool/failures", "failed tool calls per iteration"),
+    ("tool/response_length/mean", "tool tokens per trajectory"),
     ("e2e_tps", "e2e tokens/s"),
     ("timing/all", "seconds / iteration"),
 )
@@ -189,10 +194,14 @@ def plot_report(records: Sequence[Mapping], png_path: Union[str, Path], before=N
 
     b, a = _accuracy(before), _accuracy(after)
     has_acc = b is not None or a is not None
-    ncols = 3 if has_acc else 2
+    has_tools = bool(series(records, "tool/calls")[1] or series(records, "num_turns/mean")[1])
+    ratios = [2.2, 1.6] + ([1.6] if has_tools else []) + ([1.0] if has_acc else [])
+    ncols = len(ratios)
     fig = Figure(figsize=(4.6 * ncols, 3.8), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(1, ncols, width_ratios=[2.2, 1.6, 1.0][:ncols])
+    axes = list(fig.subplots(1, ncols, width_ratios=ratios))
+    if has_tools:
+        _plot_tools(axes.pop(2), records)
 
     ax = axes[0]
     xs, ys = series(records, REWARD_KEY)
@@ -261,6 +270,28 @@ def plot_report(records: Sequence[Mapping], png_path: Union[str, Path], before=N
     png_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(str(png_path))
     return png_path
+
+
+def _plot_tools(ax, records: Sequence[Mapping]) -> None:
+    """Turns per trajectory and tool calls per iteration (the multi-turn rollouts' metrics)."""
+    xs, ys = series(records, "num_turns/mean")
+    if ys:
+        ax.plot(xs, ys, color="tab:green", linewidth=1.8, marker="o", markersize=3, label="model turns (mean)")
+        ax.set_ylabel("model turns per trajectory", color="tab:green")
+        ax.set_ylim(bottom=0)
+    cx, cy = series(records, "tool/calls")
+    if cy:
+        ax2 = ax.twinx()
+        ax2.plot(cx, cy, color="tab:red", linewidth=1.2, linestyle="--", label="tool calls")
+        fx, fy = series(records, "tool/failures")
+        if fy:
+            ax2.plot(fx, fy, color="tab:gray", linewidth=1.0, linestyle=":", label="failed calls")
+        ax2.set_ylabel("tool calls per iteration", color="tab:red")
+        ax2.set_ylim(bottom=0)
+        ax2.legend(loc="lower right", fontsize=8)
+    ax.set_xlabel("iteration")
+    ax.set_title("Turns and tool calls")
+    ax.grid(alpha=0.3)
 
 
 def write_report(metrics_jsonl: Union[str, Path], png_path: Union[str, Path, None] = None, before=None,

@@ -4,6 +4,7 @@
     python -m mindspeed_llm.demo.run --stage trl_ppo  # the same task with PPO (critic from the policy)
     python -m mindspeed_llm.demo.run --tiny           # the CI-sized pipeline: a tiny random model, 2 iterations
     python -m mindspeed_llm.demo.run --lora           # LoRA adapters on every linear (r 16, alpha 32, lr 1e-4)
+    python -m mindspeed_llm.demo.run --tools          # multi-turn: the model calls a calculator tool (demo/tool_demo.py)
 
 Every step goes through the project's real entry points, as a user would run them (each command is
 printed before it runs):
@@ -110,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", action="store_true",
                    help="train LoRA adapters on linear_qkv, linear_proj, linear_fc1, linear_fc2 (frozen base); the "
                         "default lr becomes 10x the full one")
+    p.add_argument("--tools", action="store_true",
+                   help="multi-turn tool use: 3-digit x 2-digit products with a calculator tool offered "
+                        "(mindspeed_llm/demo/tool_demo.py)")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=32.0)
     return p
@@ -139,12 +143,17 @@ DEFAULTS = {
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     lr_given = args.lr is not None
+    from mindspeed_llm.demo import tool_demo
+
+    for name, (real, tiny) in (tool_demo.DEFAULTS if args.tools else {}).items():
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else real)
     for name, (real, tiny) in DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else real)
     if args.lora and not lr_given:
         args.lr *= LORA_LR_FACTOR
-    suffix = ("_lora" if args.lora else "") + ("_tiny" if args.tiny else "")
+    suffix = ("_tools" if args.tools else "") + ("_lora" if args.lora else "") + ("_tiny" if args.tiny else "")
     out = Path(args.out or ROOT / "runs" / f"demo_{args.stage}{suffix}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     log = out / "pipeline.log"
@@ -162,15 +171,20 @@ def main(argv=None) -> int:
         hf_model = model.prepare_smollm2()
     print(f"    {hf_model}", flush=True)
 
-    # 2. the task
-    variant = args.variant or task.DEFAULT_VARIANT
-    splits = task.write_splits(out / "task", variant, n_test=args.eval_problems, seed=args.seed)
+    # 2. the task (with --tools: and the tool config)
+    tool_config = tool_demo.write_tool_config(out / "tools.yaml") if args.tools else None
+    if args.tools:
+        variant = args.variant or tool_demo.DEFAULT_TOOL_VARIANT
+        splits = tool_demo.write_tool_splits(out / "task", variant, n_test=args.eval_problems, seed=args.seed)
+    else:
+        variant = args.variant or task.DEFAULT_VARIANT
+        splits = task.write_splits(out / "task", variant, n_test=args.eval_problems, seed=args.seed)
     test_rows = task.load_problems(splits["test"])
     print(f"==> task '{variant}': {len(task.load_problems(splits['train']))} training and {len(test_rows)} held-out "
           f"problems, e.g. {test_rows[0]['problem']!r} -> {test_rows[0]['answer']}", flush=True)
 
     # 3. preprocessing
-    data = preprocess_splits(out, splits, hf_model, log)
+    data = preprocess_splits(out, splits, hf_model, log, tool_config)
 
     # 4. conversion to Megatron
     mg_model = out / "mg_model"
@@ -209,45 +223,77 @@ def main(argv=None) -> int:
     metrics = out / "metrics.jsonl"
     if metrics.exists():
         metrics.unlink()
-    sequences = args.prompts_per_iteration * (args.samples_per_prompt if args.stage == "grpo" else 1)
-    run_step(f"posttrain_gpt.py --stage {args.stage}", [
-        _python(), "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}", "posttrain_gpt.py", "--stage", args.stage,
-        "--ref-model", mg_model, "--data-path", data["train"], "--tokenizer-name-or-path", hf_model,
-        "--micro-batch-size", _micro_batch(sequences // args.nproc),
-        "--global-batch-size", args.prompts_per_iteration, "--train-iters", args.iterations,
-        "--lr", args.lr, "--lr-decay-style", "constant", "--clip-grad", "1.0", "--adam-beta2", "0.99",
-        "--seed", args.seed, "--do-sample", "--temperature", args.temperature, "--kl-coef", args.kl_coef,
-        "--max-new-tokens", args.max_new_tokens, "--max-length", 192, "--stop-token-ids", ",".join(map(str, NEWLINE_IDS)),
-        "--verifier-function", VERIFIER_NAME, "--log-interval", "1", "--metrics-jsonl", metrics,
-        "--save", save, "--save-interval", args.iterations, *stage_extra, *lora_flags,
-    ], log, env={"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.nproc))})
+    run_step(f"posttrain_gpt.py --stage {args.stage}", stage_command(args, data["train"], mg_model, hf_model, metrics,
+                                                                    save, [*stage_extra, *lora_flags], tool_config),
+             log, env={"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.nproc))})
 
     # 6. back to Hugging Face
     hf_trained, lora_summary = export_trained_actor(args, out, save, mg_model, hf_model, log)
 
     # 7. held-out accuracy before / after, summary and plot
-    print(f"\n==> held-out accuracy with transformers ({len(test_rows)} problems, greedy)", flush=True)
-    eval_kwargs = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=NEWLINE_IDS, verifier=VERIFIER_NAME)
-    before = evaluate.evaluate_hf(hf_model, test_rows, **eval_kwargs)
-    after = evaluate.evaluate_hf(hf_trained, test_rows, **eval_kwargs)
+    print(f"\n==> held-out accuracy with transformers ({len(test_rows)} problems, greedy"
+          f"{', the conversations with the calculator' if args.tools else ''})", flush=True)
+    if args.tools:
+        before, after = (tool_demo.evaluate(m, test_rows, tool_config, args) for m in (hf_model, hf_trained))
+    else:
+        eval_kwargs = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=NEWLINE_IDS, verifier=VERIFIER_NAME)
+        before = evaluate.evaluate_hf(hf_model, test_rows, **eval_kwargs)
+        after = evaluate.evaluate_hf(hf_trained, test_rows, **eval_kwargs)
     for name, result in (("before", before), ("after", after)):
         (out / f"eval_{name}.json").write_text(json.dumps(result, indent=1))
     print(f"    before: {before['accuracy']:.1%}   after: {after['accuracy']:.1%}", flush=True)
-    title = f"{args.stage}{' with LoRA' if args.lora else ''} on " \
+    if args.tools:
+        print(f"    tool-call rate: before {before['tool_call_rate']:.1%}   after {after['tool_call_rate']:.1%}",
+              flush=True)
+    title = f"{args.stage}{' with LoRA' if args.lora else ''}{' with a calculator tool' if args.tools else ''} on " \
             f"{'a tiny random model' if args.tiny else 'SmolLM2-135M'}"
     summary = report.write_report(metrics, out / "report.png", before["accuracy"], after["accuracy"],
                                   title=title, lora=lora_summary)
     summary.update(stage=args.stage, tiny=args.tiny, wall_seconds=time.time() - started,
                    accuracy_before=before["accuracy"], accuracy_after=after["accuracy"], lr=args.lr)
+    if args.tools:
+        summary.update(tools=True, variant=variant, **{f"{k}_{when}": r[k] for when, r in (("before", before),
+                       ("after", after)) for k in ("tool_call_rate", "calls", "num_turns")})
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"\nmetrics: {metrics}\nsummary: {out / 'summary.json'}\ntotal time: {time.time() - started:.0f} s")
     return 0
 
 
-def preprocess_splits(out: Path, splits: dict, hf_model, log: Path) -> dict:
+def stage_command(args, train_data, mg_model, hf_model, metrics: Path, save: Path, extra, tool_config=None) -> list:
+    """Step 5 of `main`: the torchrun command line of the stage (with --tools: the multi-turn flags of
+    `tool_demo.stage_flags` instead of the newline stop ids and the first-line verifier)."""
+    sequences = args.prompts_per_iteration * (args.samples_per_prompt if args.stage == "grpo" else 1)
+    if tool_config is not None:
+        from mindspeed_llm.demo import tool_demo
+
+        task_flags = tool_demo.stage_flags(args, tool_config)
+    else:
+        from mindspeed_llm.demo.evaluate import DEFAULT_VERIFIER
+
+        task_flags = ["--max-length", 192, "--stop-token-ids", ",".join(map(str, NEWLINE_IDS)),
+                      "--verifier-function", DEFAULT_VERIFIER]
+    return [
+        _python(), "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}", "posttrain_gpt.py", "--stage", args.stage,
+        "--ref-model", mg_model, "--data-path", train_data, "--tokenizer-name-or-path", hf_model,
+        "--micro-batch-size", _micro_batch(sequences // args.nproc),
+        "--global-batch-size", args.prompts_per_iteration, "--train-iters", args.iterations,
+        "--lr", args.lr, "--lr-decay-style", "constant", "--clip-grad", "1.0", "--adam-beta2", "0.99",
+        "--seed", args.seed, "--do-sample", "--temperature", args.temperature, "--kl-coef", args.kl_coef,
+        "--max-new-tokens", args.max_new_tokens, *task_flags, "--log-interval", "1", "--metrics-jsonl", metrics,
+        "--save", save, "--save-interval", args.iterations, *extra,
+    ]
+
+
+def preprocess_splits(out: Path, splits: dict, hf_model, log: Path, tool_config=None) -> dict:
     """Step 3 of `main`: the task's train and test splits through preprocess_data.py (skipped where done);
-    {split: the output prefix}."""
+    {split: the output prefix}. With a tool config: the rows' chat messages (worked examples, then the question)
+    with the tools' block in the system message (``--tool-config``)."""
+    if tool_config is not None:
+        keys = {"prompt": "messages", "system": "system", "labels": "answer"}
+        tool_flags = ["--tool-config", tool_config]
+    else:
+        keys, tool_flags = {"prompt": "problem", "labels": "answer"}, []
     data = {}
     for split in ("train", "test"):
         prefix = out / "data" / split
@@ -257,7 +303,7 @@ def preprocess_splits(out: Path, splits: dict, hf_model, log: Path) -> dict:
                 _python(), "preprocess_data.py", "--input", splits[split], "--tokenizer-type", "PretrainedFromHF",
                 "--tokenizer-name-or-path", hf_model, "--output-prefix", prefix,
                 "--handler-name", "R1AlpacaStyleInstructionHandler", "--prompt-type", "chatml",
-                "--map-keys", json.dumps({"prompt": "problem", "labels": "answer"}), "--log-interval", "0",
+                "--map-keys", json.dumps(keys), *tool_flags, "--log-interval", "0",
             ], log)
     return data
 

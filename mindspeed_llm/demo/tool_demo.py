@@ -1,0 +1,70 @@
+"""``python -m mindspeed_llm.demo.run --tools``: the demo with a calculator tool (multi-turn rollouts).
+
+What ``--tools`` changes in the pipeline of :mod:`mindspeed_llm.demo.run`:
+
+1. the task is :mod:`mindspeed_llm.demo.tool_task`'s (default ``mul3x2``: 3-digit x 2-digit products, one worked
+   example as chat turns) and the demo writes ``tools.yaml`` (verl's / MindSpeed-RL's schema, the built-in
+   calculator);
+2. ``preprocess_data.py --tool-config tools.yaml --prompt-type chatml --map-keys '{"prompt": "messages", ...}'``
+   puts the calculator's schema (the Hermes ``<tools>`` block: SmolLM2's template has no tools section) in the
+   system message, and records it in ``_meta.json`` (``tools``);
+3. the stage runs multi-turn rollouts (`stage_flags`): ``--tool-config``, ``--max-assistant-turns 2`` (a call, then
+   the answer), ``--max-tool-calls 1``, ``--max-new-tokens`` per model turn, ``--max-total-response-length``, and
+   the reward ``--custom-reward-function mindspeed_llm/demo/tool_task.py:final_answer`` (the last assistant turn's
+   first line is the number);
+4. the held-out accuracy before / after is measured with the conversations of
+   :mod:`mindspeed_llm.demo.tool_eval` (transformers, greedy, the calculator executed), with the tool-call rate;
+5. the report adds turns and tool calls per iteration (``num_turns/mean``, ``tool/calls``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List
+
+from mindspeed_llm.demo.tool_task import DEFAULT_TOOL_VARIANT, write_tool_config, write_tool_splits
+
+__all__ = ["DEFAULTS", "DEFAULT_TOOL_VARIANT", "TURNS", "loop_settings", "stage_flags", "evaluate",
+           "write_tool_config", "write_tool_splits"]
+
+ROOT = Path(__file__).resolve().parents[2]
+REWARD = ROOT / "mindspeed_llm" / "demo" / "tool_task.py"
+
+# (real model, tiny); the others come from run.DEFAULTS. A call is about 28 tokens
+# (<tool_call>\n{"name": "calculator", "arguments": {"expression": "896 * 66"}}\n</tool_call><|im_end|>), the answer
+# about 4; the prompt (the tools' block and one worked example) about 310.
+DEFAULTS = {
+    "max_new_tokens": (48, 16),
+    "temperature": (1.0, 1.0),
+}
+TURNS = dict(max_assistant_turns=2, max_tool_calls=1, max_tool_response_length=32, max_total_response_length=128)
+MAX_LENGTH = 512  # prompt + trajectory
+
+
+def loop_settings(args):
+    """The conversation limits of the stage's flags, for the transformers evaluation."""
+    from mindspeed_llm.demo.tool_eval import ToolLoopSettings
+
+    return ToolLoopSettings(max_new_tokens=args.max_new_tokens, **TURNS)
+
+
+def stage_flags(args, tool_config) -> List:
+    """The stage's task flags with tools (instead of the newline stop ids and the first-line verifier)."""
+    return ["--max-length", MAX_LENGTH, "--tool-config", tool_config,
+            "--max-assistant-turns", TURNS["max_assistant_turns"], "--max-tool-calls", TURNS["max_tool_calls"],
+            "--max-tool-response-length", TURNS["max_tool_response_length"],
+            "--max-total-response-length", TURNS["max_total_response_length"],
+            "--custom-reward-function", f"{REWARD}:final_answer"]
+
+
+def evaluate(model_dir, rows, tool_config, args) -> dict:
+    """Greedy held-out accuracy and tool use of the model with the calculator (`tool_eval.evaluate_tools_hf`)."""
+    import torch
+
+    from mindspeed_llm.demo.tool_eval import evaluate_tools_hf
+
+    threads = torch.get_num_threads()
+    try:
+        return evaluate_tools_hf(model_dir, rows, str(tool_config), loop_settings(args))
+    finally:
+        torch.set_num_threads(threads)
