@@ -55,3 +55,44 @@ def check_multi_turn(run) -> None:
     for flag, other in (("--partial-rollout", run.partial_rollout), ("--dynamic-sampling", run.dynamic_sampling)):
         if other:
             raise ArgumentError(f"--tool-config (multi-turn rollouts) with {flag} is not supported yet; drop one")
+    run.startup_notes.append(_offered_tools_note(run.tool_config, run.data_path))
+
+
+def _schema_names(path: str) -> list:
+    """The tool names a tool config's schemas give (without importing its classes)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            entries = (yaml.safe_load(f) or {}).get("tools") or []
+        return [((e.get("tool_schema") or {}).get("function") or {}).get("name") or e.get("class_name")
+                for e in entries if isinstance(e, dict)]
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError) as exc:
+        raise ArgumentError(f"--tool-config {path}: cannot be read as a tool config YAML ({exc}); give a YAML with "
+                            "a `tools:` list") from None
+
+
+def _offered_tools_note(tool_config: str, data_path: str) -> str:
+    """Where the model learns of the tools: the prompts' tools as preprocessing recorded them (`_meta.json`), checked
+    against the run's tool config; refused when the prompts offer a tool the run does not have."""
+    import json
+
+    names = _schema_names(tool_config)
+    meta_path = f"{data_path}_meta.json"
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            offered = (json.load(f).get("tools") or {}).get("names")
+    except (OSError, ValueError):
+        offered = None
+    if not offered:
+        return (f"multi-turn: the prompts of --data-path {data_path} offer no tools (preprocessed without "
+                f"--tool-config), so only what they say tells the model of the tools {', '.join(map(str, names))}; "
+                "preprocess_data.py --tool-config puts their schemas into the prompts")
+    missing = [n for n in offered if n not in names]
+    if missing:
+        raise ArgumentError(f"the prompts of --data-path {data_path} offer the tools {', '.join(offered)} "
+                            f"(preprocess_data.py --tool-config, {meta_path}), but --tool-config {tool_config} has no "
+                            f"{', '.join(missing)}: the model would call tools that are not there; give the tool "
+                            "config the prompts were made with")
+    return (f"multi-turn: the prompts offer the tools {', '.join(offered)} (rendered at preprocessing, {meta_path}); "
+            f"--tool-config {tool_config} runs {', '.join(map(str, names))}")
