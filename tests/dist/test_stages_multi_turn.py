@@ -4,7 +4,8 @@ word-level chat template with a tool role).
 
 * grpo: a run of 3 iterations, and the same command SIGKILLed right after its save of iteration 2 and run again: the
   same metrics rows and weights, bit for bit; the trajectories really have several turns and tool calls.
-* grpo at DP2 trains what DP1 trains (the same tool calls, turns, scores; the losses to float rounding).
+* grpo at DP2, TP2 and with token-budget micro-batches trains what DP1 trains (the same turns, tool rewards, scores;
+  the losses to float rounding).
 * trl_ppo runs with tools (GAE over the model's tokens, the critic beside them).
 The engine's parking against single-turn generations: tests/dist/test_multi_turn_engine.py; the masks and GAE over
 tool spans by hand: tests/unit/test_tool_mask.py.
@@ -60,7 +61,7 @@ def task(tmp_path_factory):
     from tests.helpers import word_task
 
     root = tmp_path_factory.mktemp("multi_turn_task")
-    paths = word_task.build(root, reward=True)
+    paths = word_task.build(root, layouts=((1, 1), (2, 1)), reward=True)
     tokenizer = AutoTokenizer.from_pretrained(paths["tokenizer"])
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(root / "chat_tokenizer")
@@ -136,24 +137,29 @@ def test_grpo_with_tools_resumes_after_sigkill_bit_for_bit(task, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_grpo_with_tools_at_dp2_trains_what_dp1_trains(task, tmp_path):
+def test_grpo_with_tools_is_layout_invariant(task, tmp_path):
+    """DP2, TP2 and token-budget micro-batches train what DP1 trains: the same trajectories (turns, tool rewards,
+    scores, lengths), the losses to float rounding (another reduction order)."""
     from tests.helpers.multiproc import run_distributed
     from tests.helpers.stage_layouts import run_stages
 
-    def argv(out):
-        return _argv(task, out, "grpo", "--global-batch-size", "4", "--train-iters", "2")
+    def argv(out, *extra):
+        return _argv(task, out, "grpo", "--global-batch-size", "4", "--train-iters", "2", *extra)
 
-    run_distributed(run_stages, 2, [argv(tmp_path / "dp2")])
-    run_distributed(run_stages, 1, [argv(tmp_path / "dp1")])
-    one, two = _rows(tmp_path / "dp1"), _rows(tmp_path / "dp2")
+    tp2 = ["--tensor-model-parallel-size", "2", "--ref-model", task["mg_actor_tp2pp1"]]
+    run_distributed(run_stages, 2, [argv(tmp_path / "dp2"), argv(tmp_path / "tp2", *tp2)])
+    run_distributed(run_stages, 1, [argv(tmp_path / "dp1"),
+                                    argv(tmp_path / "budget", "--max-tokens-per-micro-batch", "40")])
+    one = _rows(tmp_path / "dp1")
     assert sum(r["tool/calls"] for r in one) > 0
-    for a, b in zip(one, two):
-        exact = [k for k in a if k.startswith(("num_turns/", "grpo/score/", "response_length", "custom_rewards/",
-                                               "tool/reward/"))]
-        assert {k: a[k] for k in exact} == {k: b[k] for k in exact}
-        # tool/calls etc. are this rank's counts (a DP rank's own tools); their sum over ranks is DP1's
-        for key in ("actor/pg_loss", "grad_norm", "actor/kl_loss"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    for layout in ("dp2", "tp2", "budget"):
+        for a, b in zip(one, _rows(tmp_path / layout)):
+            exact = [k for k in a if k.startswith(("num_turns/", "grpo/score/", "response_length", "custom_rewards/",
+                                                   "tool/reward/"))]
+            assert {k: a[k] for k in exact} == {k: b[k] for k in exact}, layout
+            # tool/calls etc. count a rank's own rollouts' calls
+            for key in ("actor/pg_loss", "grad_norm", "actor/kl_loss"):
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (layout, key)
 
 
 def test_trl_ppo_with_tools_runs_gae_over_the_model_tokens(task, tmp_path):
