@@ -184,7 +184,7 @@ class ContinuousEngine:
         self.groups = int(pipeline_groups or self.pp)
         token_cap = sampling.max_num_batched_tokens
         rows = min(sampling.max_num_seqs or B, B, (token_cap or B) * self.groups)
-        self.slots = max(s.prompt_length + s.budget for s in samples)  # max_b L_b + R_b: every position used
+        self.slots = max(s.prompt_length + s.whole_budget for s in samples)  # max_b L_b + R_b: every position used
         self.scheduler = Scheduler(samples, split_capacity(rows, self.groups, token_cap), token_cap=token_cap,
                                    share_prefill=share_prefill, pad_id=sampling.pad_id, eos_ids=sampling.eos_ids,
                                    stop_ids=sampling.stop_ids, max_decode_steps=max_decode_steps,
@@ -193,7 +193,7 @@ class ContinuousEngine:
                                    parked_kv=parked_kv)
         self.turns = turns
         self.cache = _KVCache(rows, self.slots)
-        R = max([s.budget for s in samples] + [0])
+        R = max([s.whole_budget for s in samples] + [0])
         self.responses = torch.full((B, R), sampling.pad_id, dtype=torch.long, device=device)
         self.log_probs = torch.zeros((B, R), dtype=torch.float32, device=device) if sampling.return_log_probs else None
         for b, s in enumerate(samples):  # a continuation's response so far

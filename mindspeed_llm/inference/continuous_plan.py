@@ -30,6 +30,14 @@ class Sample:
     turn_start: int = 0  # multi-turn: the response length when the current model turn began
     observed: List[Tuple[int, int]] = field(default_factory=list)  # response spans [a, b) fed, not sampled
     parked: bool = False  # multi-turn: waiting for an observation
+    # multi-turn under partial rollouts: the trajectory's whole budget when `budget` is this call's share of it; a
+    # sample that reaches `budget` first is cut (`cut`: no reason, to be continued by a later call)
+    total_budget: Optional[int] = None
+    cut: bool = False
+
+    @property
+    def whole_budget(self) -> int:
+        return self.budget if self.total_budget is None else self.total_budget
 
     @property
     def response_length(self) -> int:
@@ -117,7 +125,7 @@ class Scheduler:
                  wants_observation: Optional[Callable[[int, Sample], bool]] = None,
                  turn_token_limit: Optional[int] = None, parked_kv: str = "keep"):
         self.samples = samples
-        self.pending = deque(b for b, s in enumerate(samples) if not s.finished)
+        self.pending = deque(b for b, s in enumerate(samples) if not s.finished and not s.cut)
         self.groups, base = [], 0
         for cap in capacities:
             self.groups.append(_Group(base, cap, [None] * cap))
@@ -276,7 +284,7 @@ class Scheduler:
             elif token in self.stop_ids:
                 reason = "stop"
             elif sample.response_length >= sample.budget:
-                reason = "length"
+                reason = "length" if sample.response_length >= sample.whole_budget else "cut"
             elif self.turn_token_limit is not None and sample.response_length - sample.turn_start >= \
                     self.turn_token_limit:
                 reason = "length"  # the model's turn ran out of --max-new-tokens: the trajectory ends
@@ -287,6 +295,9 @@ class Scheduler:
                 parked.append(s)
                 if self.parked_kv == "free":
                     self._release(s)
+            elif reason == "cut":  # this call's share of a longer trajectory is spent: a later call continues it
+                sample.cut = True
+                self._release(s)
             elif reason is not None:
                 sample.reason = reason
                 self._release(s)
@@ -299,7 +310,7 @@ class Scheduler:
         sample = self.samples[s]
         del self.parked[s]
         sample.parked = False
-        if not observation or len(observation) > sample.budget - sample.response_length - 1:
+        if not observation or len(observation) > sample.whole_budget - sample.response_length - 1:
             sample.reason = "length"
             if s in self.slot_of:
                 self._release(s)
@@ -310,7 +321,11 @@ class Scheduler:
         sample.observed.append((a, sample.response_length))
         sample.turn_start = sample.response_length
         self.stats["observation_tokens"] += len(observation)
-        if s in self.slot_of:
+        if sample.response_length >= sample.budget:  # past this call's share: a later call prefills and continues
+            sample.cut = True
+            if s in self.slot_of:
+                self._release(s)
+        elif s in self.slot_of:
             self.delta_prefills[s] = first_uncached
         else:
             self.pending.append(s)

@@ -231,9 +231,9 @@ def _generate_continuous(model, prompts, budgets, sampling, iteration, sample_id
     """`generate` on `inference/continuous.py`'s engine."""
     B = len(prompts)
     pipeline_groups = options.pipeline_groups
-    if turns is not None and (max_decode_steps is not None or continuations is not None):
-        raise ValueError("generate: turns (multi-turn) with max_decode_steps / continuations (partial rollouts) is not "
-                         "supported")
+    if turns is not None and max_decode_steps is not None:
+        raise ValueError("generate: turns (multi-turn) with max_decode_steps is not supported; give per-sample "
+                         "response_budgets (a sample that reaches its budget before its trajectory's is continued)")
     if max_decode_steps is not None and (isinstance(max_decode_steps, bool) or int(max_decode_steps) < 1):
         raise ValueError(f"generate: max_decode_steps={max_decode_steps!r} must be an integer >= 1")
     if pipeline_groups is not None and int(pipeline_groups) < 1:
@@ -251,11 +251,17 @@ def _generate_continuous(model, prompts, budgets, sampling, iteration, sample_id
             raise ValueError(f"generate: continuation {b} has {len(carry.log_probs)} log-probs for "
                              f"{len(carried)} tokens")
         sample = Sample(prompt + carried, len(prompt), budget)
-        if sample.response_length >= budget:
+        if carry is not None:
+            sample.observed, sample.turn_start = [tuple(span) for span in carry.observed], int(carry.turn_start)
+        if turns is not None and hasattr(turns, "trajectory_budget"):
+            sample.total_budget = int(turns.trajectory_budget(b))
+        if sample.response_length >= sample.whole_budget:
             sample.reason = "length"
+        elif sample.response_length >= budget:
+            sample.cut = True
         samples.append(sample)
         iterations.append(carry.iteration if carry is not None else iteration)
-    R = max(budgets + [0])
+    R = max([s.whole_budget for s in samples] + [0])  # a trajectory may pass this call's budget with a tool answer
     uniforms = response_uniforms(sampling, iterations, sample_ids, B, R, dev)
     group, source = source_rank()
     runner = continuous.ContinuousEngine(
@@ -281,7 +287,8 @@ def _generate_continuous(model, prompts, budgets, sampling, iteration, sample_id
         carried_on = [
             Continuation(response=s.known[s.prompt_length:],
                          log_probs=log_probs[b, :s.response_length].tolist() if log_probs is not None else None,
-                         iteration=iterations[b]) if reason == "unfinished" else None
+                         iteration=iterations[b], observed=tuple(s.observed), turn_start=s.turn_start)
+            if reason == "unfinished" else None
             for b, (s, reason) in enumerate(zip(samples, reasons))]
     result = Rollout(
         prompts=place_prompts(prompts, [0] * B, max(len(p) for p in prompts), sampling.pad_id, dev),

@@ -26,7 +26,7 @@ log-probs, the iteration whose random stream it draws from). Passing those back 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -49,6 +49,10 @@ class Continuation:
     response: Sequence[int]
     log_probs: Optional[Sequence[float]]  # None: generated without log-probs
     iteration: int
+    # multi-turn: the response spans [a, b) that were observations (tool output, fed, not sampled), and where the
+    # current model turn began
+    observed: Sequence[Tuple[int, int]] = ()
+    turn_start: int = 0
 
 
 @dataclass

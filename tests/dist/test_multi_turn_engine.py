@@ -7,7 +7,9 @@ A scripted handler answers the first turn of every even sample with fixed observ
 `generate(prompt)` and turn 2 is `generate(prompt + turn 1 + observation)`, cut at the per-turn limit. The engine's
 response must be exactly turn 1 + observation + turn 2 (token-in / token-out), the observation marked in `tool_mask`
 with zero log-probs, the model tokens' log-probs within 2e-5 of the reference's; with the parked KV kept, freed or
-kept until a waiting sample needs the slot (auto) the same tokens; keeping the KV prefills fewer tokens.
+kept until a waiting sample needs the slot (auto) the same tokens; keeping the KV prefills fewer tokens; generated in
+rounds of 5 tokens per sample that continue the cut samples (partial rollouts' way, a cut falling inside turns, on
+parked samples and on tool answers), the same trajectories, tool masks and log-probs.
 """
 
 from __future__ import annotations
@@ -69,6 +71,55 @@ class ScriptedTools:
         return out
 
 
+class RoundTools(ScriptedTools):
+    """ScriptedTools for one round of a partial rollout: row r of the call is sample `ids[r]`; every trajectory's
+    whole budget is BUDGET (this call's budgets are shares of it)."""
+
+    def __init__(self, calls_tools, ids):
+        super().__init__(calls_tools)
+        self.ids = ids
+
+    def trajectory_budget(self, row):
+        return BUDGET
+
+    def wants_observation(self, row, known, prompt_length, turn_start):
+        return super().wants_observation(self.ids[row], known, prompt_length, turn_start)
+
+    def begin(self, row, known, prompt_length, turn_start):
+        super().begin(self.ids[row], known, prompt_length, turn_start)
+
+    def ready(self, wait):
+        back = {s: r for r, s in enumerate(self.ids)}
+        return [(back[s], ids) for s, ids in super().ready(wait)]
+
+
+def _in_rounds(model, prompts, sampling, calls_tools, share):
+    """The multi-turn generation of `prompts` in rounds of `share` more tokens per sample (partial rollouts' way),
+    each round continuing the unfinished samples: (responses, tool masks, log-probs, finish reasons, rounds)."""
+    from mindspeed_llm.inference import Continuation, generate
+
+    n = len(prompts)
+    carried = {b: Continuation([], [], 0) for b in range(n)}
+    done, rounds = {}, 0
+    while carried:
+        ids = sorted(carried)
+        conts = [carried[b] for b in ids]
+        budgets = [min(BUDGET, len(c.response) + share) for c in conts]
+        r = generate(model, [prompts[b] for b in ids], sampling, response_budgets=budgets, continuations=conts,
+                     turns=RoundTools(calls_tools, ids))
+        rounds += 1
+        carried = {}
+        for row, b in enumerate(ids):
+            length = int(r.response_lengths[row])
+            entry = (r.responses[row, :length].tolist(), r.tool_mask[row, :length].tolist(),
+                     r.log_probs[row, :length], r.finish_reasons[row])
+            if r.finish_reasons[row] == "unfinished":
+                carried[b] = r.continuations[row]
+            else:
+                done[b] = entry
+    return [done[b] for b in range(n)], rounds
+
+
 def _body(rank, world_size, tp, pp):
     from dataclasses import replace
 
@@ -94,6 +145,7 @@ def _body(rank, world_size, tp, pp):
     for b, turn in enumerate(first.response_token_lists()):
         if dp_rank == 0 and b % 2 == 0 and first.finish_reasons[b] == "stop":
             seconds[b] = generate(model, [prompts[b] + turn + observation_of(b)], single, engine="static")
+    out["rounds"] = _in_rounds(model, prompts, sampling, dp_rank == 0, share=5)
     picks = tp == pp == 1 or rank == (world_size - 1 if pp > 1 else 0)  # the last stage's TP rank 0 runs the tools
     return dict(out, first=first, seconds=seconds, dp_rank=dp_rank, picks=picks)
 
@@ -124,6 +176,15 @@ def _check(result):
         assert r.stats["parked_turns"] == len(seconds)
     for mode in MODES[1:]:
         assert result[mode].response_token_lists() == result["keep"].response_token_lists(), mode
+    # in rounds of 5 tokens (partial rollouts), each continuing the cut samples: the same trajectories
+    whole = result["auto"]
+    per_sample, rounds = result["rounds"]
+    assert rounds >= 2
+    for b, (tokens, tool_mask, log_probs, reason) in enumerate(per_sample):
+        length = int(whole.response_lengths[b])
+        assert tokens == whole.responses[b, :length].tolist() and reason == whole.finish_reasons[b], b
+        assert tool_mask == whole.tool_mask[b, :length].tolist()
+        torch.testing.assert_close(log_probs, whole.log_probs[b, :length], atol=2e-5, rtol=0)
     if result["seconds"]:
         assert result["keep"].stats["delta_prefill_tokens"] > 0
         assert result["keep"].stats["prefill_tokens"] < result["free"].stats["prefill_tokens"]
