@@ -52,9 +52,9 @@ def check_multi_turn(run) -> None:
     if run.max_new_tokens > run.max_total_response_length:
         raise ArgumentError(f"--max-new-tokens {run.max_new_tokens} (one model turn) exceeds "
                             f"--max-total-response-length {run.max_total_response_length} (the whole trajectory)")
-    for flag, other in (("--partial-rollout", run.partial_rollout), ("--dynamic-sampling", run.dynamic_sampling)):
-        if other:
-            raise ArgumentError(f"--tool-config (multi-turn rollouts) with {flag} is not supported yet; drop one")
+    if run.dynamic_sampling:
+        raise ArgumentError("--tool-config (multi-turn rollouts) with --dynamic-sampling is not supported yet; drop "
+                            "one")
     run.startup_notes.append(_offered_tools_note(run.tool_config, run.data_path))
 
 

@@ -17,6 +17,7 @@ The Experience holds the whole trajectory after the prompt; `tool_mask` marks th
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -36,17 +37,24 @@ class ToolTurns:
     """The `inference.turns.TurnHandler` of one generation: reads each ended turn's calls (every rank, from the tokens
     alone) and, on the token-picking rank, runs them and turns the answers into token ids."""
 
-    def __init__(self, rows: Sequence[dict], tokenizer, settings: ToolSettings, executor, parser, delta):
+    def __init__(self, rows: Sequence[dict], tokenizer, settings: ToolSettings, executor, parser, delta,
+                 budgets: Sequence[int], states: Optional[Sequence[dict]] = None):
         self.rows, self.tokenizer, self.settings = list(rows), tokenizer, settings
         self.executor, self.parser, self.delta = executor, parser, delta
         self.turn_token_limit = settings.max_new_tokens
-        n = len(self.rows)
-        self.turns, self.calls = [0] * n, [0] * n  # model turns ended, tool calls made (every rank)
+        self.budgets = list(budgets)  # each trajectory's whole budget (a partial rollout's call gets a share of it)
+        states = states or [{}] * len(self.rows)  # a continued trajectory's counts so far (partial rollouts)
+        # model turns ended and tool calls made (every rank), the tools' rewards (the token-picking rank)
+        self.turns = [int(st.get("turns", 0)) for st in states]
+        self.calls = [int(st.get("calls", 0)) for st in states]
+        self.tool_reward = [float(st.get("tool_reward", 0.0)) for st in states]
         self.parsed: Dict[int, object] = {}
         self.futures: Dict[int, concurrent.futures.Future] = {}
         self.started: Dict[int, None] = {}
-        self.tool_reward = [0.0] * n
         self.counts = dict(calls=0, failures=0, timeouts=0, seconds=0.0)
+
+    def trajectory_budget(self, sample: int) -> int:
+        return self.budgets[sample]
 
     def wants_observation(self, sample: int, known: Sequence[int], prompt_length: int, turn_start: int) -> bool:
         self.turns[sample] += 1
@@ -141,64 +149,91 @@ def trajectories(exp: Experience, tokenizer, parser, tool_reward: Sequence[float
     return out
 
 
-class MultiTurnRollouts:
-    """The `multi_turn` rollout strategy (`rollout_strategies`; module docstring)."""
+class ToolBox:
+    """The run's tools, call parser and chat-template delta (loaded once, on every rank), and one generation's tool
+    loop around them (`session`); shared by the `multi_turn` strategy and partial rollouts with tools."""
 
-    name = "multi_turn"
-    flag = "--tool-config"
-
-    def __init__(self, actor_module, tokenizer, sampling: SamplingConfig, settings: ToolSettings,
-                 samples_per_prompt: int, max_length: int):
-        self.actor_module, self.tokenizer, self.sampling, self.settings = actor_module, tokenizer, sampling, settings
-        self.samples_per_prompt, self.max_length = int(samples_per_prompt), int(max_length)
+    def __init__(self, settings: ToolSettings, tokenizer, max_length: int):
+        self.settings, self.tokenizer, self.max_length = settings, tokenizer, int(max_length)
         self.tools = tool_lib.load_tool_config(settings.tool_config)  # a user's module may register a parser
         self.parser = tool_lib.get_parser(settings.tool_parser_format)
         # checks once that the chat template extends its prefix unchanged (token-in / token-out)
         self.delta = tool_lib.ToolDelta(tokenizer, max_tool_response_length=settings.max_tool_response_length,
                                         truncate_side=settings.tool_response_truncate_side)
 
+    def trajectory_budget(self, prompt_length: int) -> int:
+        """A trajectory's tokens after its prompt: --max-total-response-length, within --max-length."""
+        return min(self.settings.max_total_response_length, self.max_length - prompt_length)
+
+    @contextlib.contextmanager
+    def session(self, rows: Sequence[dict], budgets: Sequence[int], states: Optional[Sequence[dict]] = None):
+        """A `ToolTurns` for one generation over `rows` (a sample each), its worker pool closed afterwards."""
+        settings = self.settings
+        executor = tool_lib.ToolExecutor(self.tools, max_workers=settings.tool_workers, timeout=settings.tool_timeout,
+                                         max_parallel_calls=settings.max_parallel_calls)
+        turns = ToolTurns(rows, self.tokenizer, settings, executor, self.parser, self.delta, budgets, states)
+        try:
+            yield turns
+        finally:
+            turns.close()
+            executor.close()
+
+    @staticmethod
+    def shared(turns: ToolTurns) -> dict:
+        """What only the token-picking rank knows (the tools' rewards and counts), on every rank of the group."""
+        group, source = source_rank()
+        return _from_picking_rank(turns.summary(), group, source)
+
+    def trajectories(self, exp: Experience, tool_reward: Sequence[float]) -> List[dict]:
+        return trajectories(exp, self.tokenizer, self.parser, tool_reward)
+
+
+def tool_metrics(exp: Experience, counts: dict, wait_seconds: float, seconds: float) -> Dict[str, float]:
+    """`num_turns/*` of the trained trajectories; `tool/*` of the calls made (`counts`); the share of the rollout
+    the engine waited on tools with nothing else to decode."""
+    turns = torch.tensor([t["num_turns"] for t in exp.sample_data.trajectories], dtype=torch.float32)
+    metrics = mean_min_max("num_turns", turns)
+    metrics.update({"tool/calls": float(counts["calls"]), "tool/failures": float(counts["failures"]),
+                    "tool/timeouts": float(counts["timeouts"]), "tool/seconds": float(counts["seconds"]),
+                    "tool/response_length/mean": float(exp.tool_mask.sum(-1).float().mean()),
+                    "tool/wait_share": wait_seconds / seconds if seconds > 0 else 0.0})
+    return metrics
+
+
+class MultiTurnRollouts:
+    """The `multi_turn` rollout strategy (`rollout_strategies`; module docstring)."""
+
+    name = "multi_turn"
+    flag = "--tool-config"
+
+    def __init__(self, actor_module, tokenizer, sampling: SamplingConfig, toolbox: ToolBox, samples_per_prompt: int):
+        self.actor_module, self.tokenizer, self.sampling, self.toolbox = actor_module, tokenizer, sampling, toolbox
+        self.samples_per_prompt = int(samples_per_prompt)
+
     @classmethod
     def from_settings(cls, settings, actor_module, tokenizer, sampling: SamplingConfig) -> "MultiTurnRollouts":
-        return cls(actor_module, tokenizer, sampling, settings.tools, settings.algorithm.n_samples_per_prompt,
-                   settings.sampling.max_length)
+        toolbox = ToolBox(settings.tools, tokenizer, settings.sampling.max_length)
+        return cls(actor_module, tokenizer, sampling, toolbox, settings.algorithm.n_samples_per_prompt)
 
     def collect(self, iteration: int, prompts) -> Tuple[Experience, Dict[str, float]]:
         n, rows = self.samples_per_prompt, prompts.first_batch
         samples = [row for row in rows for _ in range(n)]
         ids = [list(row["input_ids"]) for row in samples]
         sample_ids = [row.get("position", i) * n + k for i, row in enumerate(rows) for k in range(n)]
-        budgets = [min(self.settings.max_total_response_length, self.max_length - len(p)) for p in ids]
-        executor = tool_lib.ToolExecutor(self.tools, max_workers=self.settings.tool_workers,
-                                         timeout=self.settings.tool_timeout,
-                                         max_parallel_calls=self.settings.max_parallel_calls)
-        turns = ToolTurns(samples, self.tokenizer, self.settings, executor, self.parser, self.delta)
+        budgets = [self.toolbox.trajectory_budget(len(p)) for p in ids]
         start = time.perf_counter()
-        try:
+        with self.toolbox.session(samples, budgets) as turns:
             result = generate(self.actor_module, ids, self.sampling, iteration=iteration, sample_ids=sample_ids,
                               vocab_size=len(self.tokenizer), response_budgets=budgets, turns=turns,
-                              options=EngineOptions(parked_kv=self.settings.parked_kv))
-        finally:
-            turns.close()
-            executor.close()
+                              options=EngineOptions(parked_kv=self.toolbox.settings.parked_kv))
         seconds = time.perf_counter() - start
-        group, source = source_rank()
-        told = _from_picking_rank(turns.summary(), group, source)
+        told = self.toolbox.shared(turns)
         exp = Experience.from_rollout(result)
         exp.sample_data = SampleData.of_prompts(samples, finish_reasons=list(result.finish_reasons),
                                                 texts=result.decode(self.tokenizer))
-        exp.sample_data.trajectories = trajectories(exp, self.tokenizer, self.parser, told["tool_reward"])
-        metrics = self._metrics(exp, told["counts"], result.stats.get("observation_wait_seconds", 0.0), seconds)
+        exp.sample_data.trajectories = self.toolbox.trajectories(exp, told["tool_reward"])
+        metrics = tool_metrics(exp, told["counts"], result.stats.get("observation_wait_seconds", 0.0), seconds)
         return gather_context_parallel(exp), metrics
-
-    @staticmethod
-    def _metrics(exp: Experience, counts: dict, wait_seconds: float, seconds: float) -> Dict[str, float]:
-        turns = torch.tensor([t["num_turns"] for t in exp.sample_data.trajectories], dtype=torch.float32)
-        metrics = mean_min_max("num_turns", turns)
-        metrics.update({"tool/calls": float(counts["calls"]), "tool/failures": float(counts["failures"]),
-                        "tool/timeouts": float(counts["timeouts"]), "tool/seconds": float(counts["seconds"]),
-                        "tool/response_length/mean": float(exp.tool_mask.sum(-1).float().mean()),
-                        "tool/wait_share": wait_seconds / seconds if seconds > 0 else 0.0})
-        return metrics
 
     def state_dict(self) -> None:
         return None

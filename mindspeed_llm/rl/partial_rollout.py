@@ -52,6 +52,12 @@ rank's carried groups, with the sampler's position in the trainer's loop state; 
 own, or, at another DP size, deals the carried groups over the ranks in key order (a carried sample may continue on
 any rank: its tokens follow from its own tokens and stream, to float rounding).
 
+Tools (`--tool-config`, `rl/multi_turn.py`): a sample is a trajectory, its budget --max-total-response-length and a
+round's share ceil(that / N); a cut may fall inside a model turn, while a tool runs (its answer is appended first) or
+after a tool answer. A carried sample keeps its tool spans, where its current turn began and its turn, call and tool
+reward counts (in the checkpoint too), so that it continues as one uninterrupted trajectory. A tool's per-trajectory
+state (`create` / `release`) lasts one round.
+
 Metrics: `partial_rollout/rounds` (0 when a global batch had finished already), `partial_rollout/carried`
 (unfinished samples carried out of the iteration, not started ones included, all ranks), `partial_rollout/max_staleness`
 (max over the trained samples of the iteration minus the iteration their group started), `partial_rollout/waiting`
@@ -61,6 +67,7 @@ Metrics: `partial_rollout/rounds` (0 when a global batch had finished already), 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -68,7 +75,7 @@ import torch
 
 from mindspeed_llm import device, distributed
 from mindspeed_llm.errors import ArgumentError, UserError
-from mindspeed_llm.inference import Continuation, Rollout, generate
+from mindspeed_llm.inference import Continuation, EngineOptions, Rollout, generate
 from mindspeed_llm.rl.experience import Experience, SampleData
 
 # generate_round(iteration, prompts, sample_ids, continuations, response_budgets) -> Rollout
@@ -86,6 +93,10 @@ class _Sample:
     log_probs: Optional[List[float]] = None  # the behaviour log-probs of `response`
     reason: Optional[str] = None  # "eos" | "stop" | "length" once finished; None: unfinished
     routing: Optional[torch.Tensor] = None  # host [MoE layers of this rank, prompt + response, topk], when finished
+    # tools: the response spans [a, b) of tool answers, where its current turn began, its turns, calls, tool reward
+    observed: List[Tuple[int, int]] = field(default_factory=list)
+    turn_start: int = 0
+    tool_state: Dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -107,13 +118,15 @@ class _Group:
 def _group_state(g: _Group) -> dict:
     return {"started": g.started, "position": g.position, "row": g.row,
             "samples": [{"sample_id": s.sample_id, "response": list(s.response), "log_probs": s.log_probs,
-                         "reason": s.reason, "routing": s.routing} for s in g.samples]}
+                         "reason": s.reason, "routing": s.routing, "observed": [list(a) for a in s.observed],
+                         "turn_start": s.turn_start, "tool_state": dict(s.tool_state)} for s in g.samples]}
 
 
 def _group_from_state(state: dict) -> _Group:
     return _Group(int(state["started"]), int(state["position"]), dict(state["row"]),
-                  [_Sample(int(s["sample_id"]), list(s["response"]), s["log_probs"], s["reason"], s["routing"])
-                   for s in state["samples"]])
+                  [_Sample(int(s["sample_id"]), list(s["response"]), s["log_probs"], s["reason"], s["routing"],
+                           [tuple(a) for a in s.get("observed", [])], int(s.get("turn_start", 0)),
+                           dict(s.get("tool_state", {}))) for s in state["samples"]])
 
 
 def pending(state: Optional[dict]) -> Tuple[int, int]:
@@ -137,11 +150,14 @@ class PartialRollouts:
     def __init__(self, generate_round: GenerateRound, tokenizer, sampling, *, group_size: int, local_groups: int,
                  max_split: int, max_rounds: int, dp_rank: int = 0, dp_size: int = 1,
                  gather: Callable[[object], list] = distributed.gather_over_data_parallel,
-                 routing_recorded: bool = False):
+                 routing_recorded: bool = False, toolbox=None):
         self.generate_round, self.tokenizer, self.sampling = generate_round, tokenizer, sampling
         self.group_size, self.local_groups = int(group_size), int(local_groups)
         self.max_split, self.max_rounds = int(max_split), int(max_rounds)
-        self.step_tokens = math.ceil(sampling.max_new_tokens / self.max_split)  # k, a round's tokens per sample
+        self.toolbox = toolbox  # `multi_turn.ToolBox` with --tool-config: the samples are trajectories
+        whole = toolbox.settings.max_total_response_length if toolbox is not None else sampling.max_new_tokens
+        self.step_tokens = math.ceil(whole / self.max_split)  # k, a round's tokens per sample
+        self.tool_counts = _no_tool_counts()  # the calls of this iteration's rounds
         self.dp_rank, self.dp_size, self.gather = int(dp_rank), int(dp_size), gather
         self.routing_recorded = bool(routing_recorded)  # the rounds record MoE routing: `Experience.routing_recorded`
         self.carried: List[_Group] = []  # this rank's unfinished groups, in key order
@@ -159,12 +175,19 @@ class PartialRollouts:
                                 f"which cannot run this actor: {'; '.join(blockers)}; drop --partial-rollout or "
                                 "remove the cause")
 
-        def generate_round(iteration, prompts, sample_ids, continuations, budgets) -> Rollout:
+        toolbox = None
+        if settings.tools.tool_config:
+            from mindspeed_llm.rl.multi_turn import ToolBox
+
+            toolbox = ToolBox(settings.tools, tokenizer, settings.sampling.max_length)
+
+        def generate_round(iteration, prompts, sample_ids, continuations, budgets, turns=None) -> Rollout:
             # ids past the tokenizer (Megatron's padded vocabulary) are never sampled; a mixture of experts records
             # each token's experts (--moe-routing-replay, moe/routing_mismatch)
+            options = EngineOptions(parked_kv=settings.tools.parked_kv)
             result = generate(actor_module, prompts, sampling, iteration=iteration, sample_ids=sample_ids,
                               vocab_size=len(tokenizer), record_routing=True, continuations=continuations,
-                              response_budgets=budgets)
+                              response_budgets=budgets, turns=turns, options=options)
             return result
 
         dp_rank, dp_size = distributed.data_parallel_info()
@@ -173,7 +196,7 @@ class PartialRollouts:
                    local_groups=settings.batch.global_batch_size // dp_size,
                    max_split=algorithm.partial_rollout_max_split, max_rounds=algorithm.max_num_gen_batches,
                    dp_rank=dp_rank, dp_size=dp_size,
-                   routing_recorded=routing.is_moe(actor_module))
+                   routing_recorded=routing.is_moe(actor_module), toolbox=toolbox)
 
     # ------------------------------------------------------------------ one iteration
     def collect(self, iteration: int, prompts) -> Tuple[Experience, Dict[str, float]]:
@@ -184,6 +207,7 @@ class PartialRollouts:
         rows = prompts.first_batch
         rounds = 0
         wanted = self.local_groups * self.dp_size
+        self.tool_counts, started_at = _no_tool_counts(), time.perf_counter()
         while len(self.ready) < wanted:  # the same list on every rank: every rank decides alike
             if rounds >= self.max_rounds:
                 raise PartialRolloutBudgetError(
@@ -209,7 +233,13 @@ class PartialRollouts:
             "partial_rollout/max_staleness": float(max(iteration - g.started for g in batch)),
             "partial_rollout/waiting": float(len(self.ready)),
         }
-        return self._experience(mine), metrics
+        exp = self._experience(mine)
+        if self.toolbox is not None:
+            from mindspeed_llm.rl.multi_turn import tool_metrics
+
+            counts = self.tool_counts
+            metrics.update(tool_metrics(exp, counts, counts["wait_seconds"], time.perf_counter() - started_at))
+        return exp, metrics
 
     def _new_group(self, iteration: int, row: dict) -> _Group:
         position = int(row["position"])  # sample k draws from stream position * n + k, as `rollout.rollout`
@@ -221,19 +251,42 @@ class PartialRollouts:
         from the stream of the iteration its group started in (`Continuation.iteration`), tokens or none yet."""
         todo = [(g, s) for g in groups for s in g.samples if s.reason is None]
         prompts = [[int(t) for t in g.row["input_ids"]] for g, _ in todo]
-        whole = self.sampling.response_budgets([len(p) for p in prompts])
+        if self.toolbox is not None:
+            whole = [self.toolbox.trajectory_budget(len(p)) for p in prompts]
+        else:
+            whole = self.sampling.response_budgets([len(p) for p in prompts])
         budgets = [min(w, len(s.response) + self.step_tokens) for w, (_, s) in zip(whole, todo)]
-        continuations = [Continuation(list(s.response), s.log_probs if s.response else [], g.started)
-                         for g, s in todo]
-        result = self.generate_round(iteration, prompts, [s.sample_id for _, s in todo], continuations, budgets)
+        continuations = [Continuation(list(s.response), s.log_probs if s.response else [], g.started,
+                                      observed=tuple(s.observed), turn_start=s.turn_start) for g, s in todo]
+        sample_ids = [s.sample_id for _, s in todo]
+        if self.toolbox is None:
+            result = self.generate_round(iteration, prompts, sample_ids, continuations, budgets)
+        else:
+            result = self._generate_with_tools(iteration, todo, prompts, sample_ids, continuations, budgets, whole)
         lengths = result.response_lengths.tolist()
         for b, ((g, s), length, reason) in enumerate(zip(todo, lengths, result.finish_reasons)):
             s.response = result.responses[b, :length].tolist()
             s.log_probs = result.log_probs[b, :length].tolist() if result.log_probs is not None else None
-            cut = reason == "unfinished" or (reason == "length" and length < whole[b])
+            cut = reason == "unfinished" or (reason == "length" and length < whole[b] and self.toolbox is None)
             s.reason = None if cut else reason
+            if self.toolbox is not None:
+                s.observed = _spans(result.tool_mask[b, :length].tolist())
+                s.turn_start = result.continuations[b].turn_start if reason == "unfinished" else 0
             if not cut and result.routing is not None:
                 s.routing = result.routing[b, :, :len(prompts[b]) + length].cpu()
+
+    def _generate_with_tools(self, iteration, todo, prompts, sample_ids, continuations, budgets, whole) -> Rollout:
+        """One round of trajectories: each continues with its counts so far, which it keeps (every rank alike)."""
+        states = [s.tool_state for _, s in todo]
+        with self.toolbox.session([g.row for g, _ in todo], whole, states) as turns:
+            result = self.generate_round(iteration, prompts, sample_ids, continuations, budgets, turns)
+        told = self.toolbox.shared(turns)
+        for b, (_, s) in enumerate(todo):
+            s.tool_state = {"turns": turns.turns[b], "calls": turns.calls[b], "tool_reward": told["tool_reward"][b]}
+        for key, value in told["counts"].items():
+            self.tool_counts[key] += value
+        self.tool_counts["wait_seconds"] += float(result.stats.get("observation_wait_seconds", 0.0))
+        return result
 
     def _experience(self, groups: List[_Group]) -> Experience:
         """The finished `groups` as an Experience (the layout of `Rollout.sequences()`), with `rollout.rollout`'s
@@ -267,12 +320,16 @@ class PartialRollouts:
             ended_with_eos=torch.tensor([r == "eos" for r in reasons], dtype=torch.bool).to(dev),
             finish_reasons=reasons, log_probs=None if log_probs is None else log_probs.to(dev), pad_token_id=pad,
             seed=self.sampling.seed if self.sampling.do_sample else None, routing=routing,
+            tool_mask=None if self.toolbox is None else _tool_mask([s for _, s in pairs], R).to(dev),
         )
         exp = Experience.from_rollout(result)
         exp.routing_recorded = self.routing_recorded
         exp.sample_data = SampleData.of_prompts(
             [g.row for g, _ in pairs], finish_reasons=reasons, texts=result.decode(self.tokenizer),
             sample_ids=[s.sample_id for _, s in pairs], started=[g.started for g, _ in pairs])
+        if self.toolbox is not None:
+            exp.sample_data.trajectories = self.toolbox.trajectories(
+                exp, [float(s.tool_state.get("tool_reward", 0.0)) for _, s in pairs])
         return exp
 
     # ------------------------------------------------------------------ checkpoint
@@ -306,6 +363,30 @@ class PartialRollouts:
         if not (unfinished or finished):
             return None
         return f"{unfinished} unfinished samples and {finished} finished prompt groups of --partial-rollout"
+
+
+def _no_tool_counts() -> Dict[str, float]:
+    return dict(calls=0, failures=0, timeouts=0, seconds=0.0, wait_seconds=0.0)
+
+
+def _spans(mask: List[int]) -> List[Tuple[int, int]]:
+    """The runs [a, b) of 1s in a 0/1 list (a response's tool answers)."""
+    spans, start = [], None
+    for j, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = j
+        elif not m and start is not None:
+            spans.append((start, j))
+            start = None
+    return spans
+
+
+def _tool_mask(samples: List[_Sample], width: int) -> torch.Tensor:
+    mask = torch.zeros((len(samples), width), dtype=torch.long)
+    for b, s in enumerate(samples):
+        for a, e in s.observed:
+            mask[b, a:e] = 1
+    return mask
 
 
 __all__ = ["PartialRollouts", "PartialRolloutBudgetError", "pending"]

@@ -95,11 +95,11 @@ ROLLOUT_STRATEGIES = LazyRegistry({
 
 
 def strategy_name(settings) -> str:
-    """The run's strategy (`Settings`): `multi_turn` with --tool-config, `partial_rollout` with --partial-rollout,
-    else `single_turn`."""
-    if settings.tools.tool_config:
-        return "multi_turn"
-    return "partial_rollout" if settings.algorithm.partial_rollout else "single_turn"
+    """The run's strategy (`Settings`): `partial_rollout` with --partial-rollout (with or without tools),
+    `multi_turn` with --tool-config, else `single_turn`."""
+    if settings.algorithm.partial_rollout:  # with --tool-config too: its trajectories are generated in rounds
+        return "partial_rollout"
+    return "multi_turn" if settings.tools.tool_config else "single_turn"
 
 
 def build_rollouts(settings, actor_module, tokenizer, sampling) -> RolloutStrategy:

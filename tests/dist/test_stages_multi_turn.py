@@ -105,7 +105,10 @@ def _env():
     return dict(single_rank_env(), PYTHONPATH=os.pathsep.join([str(ROOT), str(TOOLS_DIR)]))
 
 
-def test_grpo_with_tools_resumes_after_sigkill_bit_for_bit(task, tmp_path):
+@pytest.mark.parametrize("rollouts", ["whole", "partial"])
+def test_grpo_with_tools_resumes_after_sigkill_bit_for_bit(task, tmp_path, rollouts):
+    """Also with --partial-rollout: trajectories cut in rounds of 5 tokens (inside turns, while tools run, after
+    tool answers) and carried across iterations and across the kill."""
     from tests.helpers.stage_assets import ROOT
     from tests.helpers.stage_layouts import full_weights
 
@@ -113,14 +116,23 @@ def test_grpo_with_tools_resumes_after_sigkill_bit_for_bit(task, tmp_path):
     driver = tmp_path / "kill_after_save.py"
     driver.write_text(KILL_AFTER_SAVE)
 
+    extra = ["--partial-rollout", "--partial-rollout-max-split", "3"] if rollouts == "partial" else []
+
     def run(script, out, **env):
-        return subprocess.run([sys.executable, str(script), *_argv(task, out, "grpo")], cwd=ROOT, capture_output=True,
-                              text=True, env=dict(_env(), **env), timeout=300)
+        return subprocess.run([sys.executable, str(script), *_argv(task, out, "grpo", *extra)], cwd=ROOT,
+                              capture_output=True, text=True, env=dict(_env(), **env), timeout=300)
 
     done = run(Path(ROOT) / "posttrain_gpt.py", whole)
     assert done.returncode == 0, done.stderr[-3000:]
     killed = run(driver, split, KILL_AT="2")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    if rollouts == "partial":
+        from mindspeed_llm.checkpoint import load_shard
+        from mindspeed_llm.rl.partial_rollout import pending
+
+        saved = load_shard(str(split / "actor"), 0, 0, 2, weights_only=False)["data_position"]["partial_rollout"]
+        assert pending(saved)[0] > 0  # cut trajectories cross the kill
+        assert any(s["observed"] for rank in saved["carried"] for g in rank for s in g["samples"])
     again = run(Path(ROOT) / "posttrain_gpt.py", split)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {split} at iteration 2" in again.stdout

@@ -44,7 +44,7 @@ def test_the_trajectory_budget_defaults_to_what_max_length_leaves(tmp_path, tool
       "--max-total-response-length", "40"], "raise --max-length to 72"),
     (["--tool-config", "{tools}", "--max-length", "256", "--max-prompt-length", "32", "--max-new-tokens", "64",
       "--max-total-response-length", "40"], "--max-new-tokens 64 (one model turn) exceeds --max-total-response-length"),
-    (["--tool-config", "{tools}", "--partial-rollout"], "with --partial-rollout is not supported yet"),
+    (["--tool-config", "{tools}", "--dynamic-sampling"], "with --dynamic-sampling is not supported yet"),
     (["--tool-config", "{tools}", "--max-tool-calls", "-1"], "--max-tool-calls -1 must be >= 0"),
     (["--tool-config", "{tools}", "--tool-timeout", "0"], "--tool-timeout 0.0 must be > 0"),
 ])

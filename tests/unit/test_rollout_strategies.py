@@ -64,6 +64,8 @@ def test_the_registry_names_each_strategy_by_its_own_name_and_the_flag_picks_it(
     assert rollout_strategies.strategy_name(Settings(algorithm=AlgorithmSettings(partial_rollout=True))) == \
         "partial_rollout"
     assert rollout_strategies.strategy_name(Settings(tools=ToolSettings(tool_config="tools.yaml"))) == "multi_turn"
+    assert rollout_strategies.strategy_name(Settings(tools=ToolSettings(tool_config="tools.yaml"), algorithm=
+                                                     AlgorithmSettings(partial_rollout=True))) == "partial_rollout"
     assert ROLLOUT_STRATEGIES["partial_rollout"].flag == "--partial-rollout"
     assert ROLLOUT_STRATEGIES["multi_turn"].flag == "--tool-config"
 
