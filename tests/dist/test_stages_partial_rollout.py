@@ -17,7 +17,7 @@ import torch
 from mindspeed_llm.inference import Rollout, SamplingConfig
 from mindspeed_llm.rl.partial_rollout import PartialRollouts, pending
 from mindspeed_llm.rl.rollout_strategies import PromptSource
-from mindspeed_llm.rl.settings import AlgorithmSettings, BatchSettings
+from mindspeed_llm.rl.settings import AlgorithmSettings, BatchSettings, ToolSettings
 
 pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
 
@@ -51,7 +51,7 @@ def _weights_change_at_the_cut(rank, world_size, actor_root):
     sampling = SamplingConfig(max_new_tokens=MAX_NEW, pad_token_id=0)  # greedy, no EOS: every sample takes 2 rounds
     settings = SimpleNamespace(algorithm=AlgorithmSettings(n_samples_per_prompt=1, partial_rollout_max_split=SPLIT,
                                                            max_num_gen_batches=4),
-                               batch=BatchSettings(global_batch_size=2))
+                               batch=BatchSettings(global_batch_size=2), tools=ToolSettings())
     buffers = PartialRollouts.from_settings(settings, model, _WordTokenizer(), sampling)
 
     def rows(j):
