@@ -4,7 +4,7 @@ word-level chat template with a tool role).
 
 * grpo: a run of 3 iterations, and the same command SIGKILLed right after its save of iteration 2 and run again: the
   same metrics rows and weights, bit for bit; the trajectories really have several turns and tool calls.
-* grpo at DP2, TP2 and with token-budget micro-batches trains what DP1 trains (the same turns, tool rewards, scores;
+* grpo at DP2, TP2, PP2, CP2 and with token-budget micro-batches trains what DP1 trains (the same turns, tool rewards, scores;
   the losses to float rounding).
 * trl_ppo runs with tools (GAE over the model's tokens, the critic beside them).
 The engine's parking against single-turn generations: tests/dist/test_multi_turn_engine.py; the masks and GAE over
@@ -61,7 +61,7 @@ def task(tmp_path_factory):
     from tests.helpers import word_task
 
     root = tmp_path_factory.mktemp("multi_turn_task")
-    paths = word_task.build(root, layouts=((1, 1), (2, 1)), reward=True)
+    paths = word_task.build(root, layouts=((1, 1), (2, 1), (1, 2)), reward=True)
     tokenizer = AutoTokenizer.from_pretrained(paths["tokenizer"])
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(root / "chat_tokenizer")
@@ -150,8 +150,8 @@ def test_grpo_with_tools_resumes_after_sigkill_bit_for_bit(task, tmp_path, rollo
 
 
 def test_grpo_with_tools_is_layout_invariant(task, tmp_path):
-    """DP2, TP2 and token-budget micro-batches train what DP1 trains: the same trajectories (turns, tool rewards,
-    scores, lengths), the losses to float rounding (another reduction order)."""
+    """DP2, TP2, PP2, CP2 and token-budget micro-batches train what DP1 trains: the same trajectories (turns, tool
+    rewards, scores, lengths), the losses to float rounding (another reduction order)."""
     from tests.helpers.multiproc import run_distributed
     from tests.helpers.stage_layouts import run_stages
 
@@ -159,12 +159,15 @@ def test_grpo_with_tools_is_layout_invariant(task, tmp_path):
         return _argv(task, out, "grpo", "--global-batch-size", "4", "--train-iters", "2", *extra)
 
     tp2 = ["--tensor-model-parallel-size", "2", "--ref-model", task["mg_actor_tp2pp1"]]
-    run_distributed(run_stages, 2, [argv(tmp_path / "dp2"), argv(tmp_path / "tp2", *tp2)])
+    pp2 = ["--pipeline-model-parallel-size", "2", "--ref-model", task["mg_actor_tp1pp2"]]
+    run_distributed(run_stages, 2, [argv(tmp_path / "dp2"), argv(tmp_path / "tp2", *tp2),
+                                    argv(tmp_path / "pp2", *pp2),
+                                    argv(tmp_path / "cp2", "--context-parallel-size", "2")])
     run_distributed(run_stages, 1, [argv(tmp_path / "dp1"),
                                     argv(tmp_path / "budget", "--max-tokens-per-micro-batch", "40")])
     one = _rows(tmp_path / "dp1")
     assert sum(r["tool/calls"] for r in one) > 0
-    for layout in ("dp2", "tp2", "budget"):
+    for layout in ("dp2", "tp2", "pp2", "cp2", "budget"):
         for a, b in zip(one, _rows(tmp_path / layout)):
             exact = [k for k in a if k.startswith(("num_turns/", "grpo/score/", "response_length", "custom_rewards/",
                                                    "tool/reward/"))]
