@@ -1,5 +1,5 @@
-"""Held-out evaluation of a policy: greedy rollouts of held-out prompts, their scores, lengths and KL to the
-reference (the stages' `evaluate`)."""
+"""Held-out evaluation of a policy: greedy rollouts of held-out prompts (trajectories with the run's tools under
+--tool-config), their scores, lengths and KL to the reference (the stages' `evaluate`)."""
 
 from __future__ import annotations
 
@@ -14,16 +14,26 @@ from mindspeed_llm.rl.settings import SamplingSettings
 
 
 def evaluate_policy(actor, reference, scorer, tokenizer, rows: Sequence[dict], sampling: SamplingSettings,
-                    offload: bool = False) -> Dict[str, float]:
+                    offload: bool = False, toolbox=None) -> Dict[str, float]:
     """`eval/score/mean`, `eval/response_length/mean` and, with a reference, `eval/kl/mean` (the summed k1 KL of
     a response) of greedy responses to `rows` (this DP rank's share), `sampling`'s lengths and stop ids; `offload`: the
-reference waits in host memory (--offload-ref-reward)."""
+    reference waits in host memory (--offload-ref-reward). With the run's `toolbox` (`multi_turn.ToolBox`,
+    --tool-config) the responses are trajectories, and `eval/num_turns/mean`, `eval/tool/calls` say how they used
+    the tools."""
     timers = Timers()
-    exp = rollout(actor.module, rows, sampling_config(sampling, tokenizer, greedy=True), 0, tokenizer)
+    greedy = sampling_config(sampling, tokenizer, greedy=True)
+    tool_use = {}
+    if toolbox is None:
+        exp = rollout(actor.module, rows, greedy, 0, tokenizer)
+    else:
+        from mindspeed_llm.rl.multi_turn import tool_rollout
+
+        exp, metrics = tool_rollout(actor.module, rows, greedy, tokenizer, toolbox)
+        tool_use = {"eval/num_turns/mean": metrics["num_turns/mean"], "eval/tool/calls": metrics["tool/calls"]}
     plan = MicroBatchPlan.build(exp, micro_batch_size=1)
     scores, _ = scorer(exp, plan, timers)
     out = {"eval/score/mean": float(scores.mean()),
-           "eval/response_length/mean": float(exp.response_lengths.float().mean())}
+           "eval/response_length/mean": float(exp.action_lengths.float().mean()), **tool_use}
     if reference is not None:
         logp, _ = policy_logprobs(actor.chunks, exp, plan, compare_routing=exp.routing_recorded)
         with on_device(reference, offload, timers) as ref_model:

@@ -200,6 +200,29 @@ def tool_metrics(exp: Experience, counts: dict, wait_seconds: float, seconds: fl
     return metrics
 
 
+def tool_rollout(actor_module, rows: Sequence[dict], sampling: SamplingConfig, tokenizer, toolbox: ToolBox,
+                 iteration: int = 0, samples_per_prompt: int = 1) -> Tuple[Experience, Dict[str, float]]:
+    """`samples_per_prompt` trajectories per row (a row's consecutive; sample k of the prompt at position p draws
+    from stream p * n + k, as `rollout.rollout`), with their `SampleData.trajectories`, and their `tool_metrics`."""
+    n = samples_per_prompt
+    samples = [row for row in rows for _ in range(n)]
+    ids = [list(row["input_ids"]) for row in samples]
+    sample_ids = [row.get("position", i) * n + k for i, row in enumerate(rows) for k in range(n)]
+    budgets = [toolbox.trajectory_budget(len(p)) for p in ids]
+    start = time.perf_counter()
+    with toolbox.session(samples, budgets) as turns:
+        result = generate(actor_module, ids, sampling, iteration=iteration, sample_ids=sample_ids,
+                          vocab_size=len(tokenizer), response_budgets=budgets, turns=turns,
+                          options=EngineOptions(parked_kv=toolbox.settings.parked_kv))
+    seconds = time.perf_counter() - start
+    told = toolbox.shared(turns)
+    exp = Experience.from_rollout(result)
+    exp.sample_data = SampleData.of_prompts(samples, finish_reasons=list(result.finish_reasons),
+                                            texts=result.decode(tokenizer))
+    exp.sample_data.trajectories = toolbox.trajectories(exp, told["tool_reward"])
+    return exp, tool_metrics(exp, told["counts"], result.stats.get("observation_wait_seconds", 0.0), seconds)
+
+
 class MultiTurnRollouts:
     """The `multi_turn` rollout strategy (`rollout_strategies`; module docstring)."""
 
@@ -216,23 +239,8 @@ class MultiTurnRollouts:
         return cls(actor_module, tokenizer, sampling, toolbox, settings.algorithm.n_samples_per_prompt)
 
     def collect(self, iteration: int, prompts) -> Tuple[Experience, Dict[str, float]]:
-        n, rows = self.samples_per_prompt, prompts.first_batch
-        samples = [row for row in rows for _ in range(n)]
-        ids = [list(row["input_ids"]) for row in samples]
-        sample_ids = [row.get("position", i) * n + k for i, row in enumerate(rows) for k in range(n)]
-        budgets = [self.toolbox.trajectory_budget(len(p)) for p in ids]
-        start = time.perf_counter()
-        with self.toolbox.session(samples, budgets) as turns:
-            result = generate(self.actor_module, ids, self.sampling, iteration=iteration, sample_ids=sample_ids,
-                              vocab_size=len(self.tokenizer), response_budgets=budgets, turns=turns,
-                              options=EngineOptions(parked_kv=self.toolbox.settings.parked_kv))
-        seconds = time.perf_counter() - start
-        told = self.toolbox.shared(turns)
-        exp = Experience.from_rollout(result)
-        exp.sample_data = SampleData.of_prompts(samples, finish_reasons=list(result.finish_reasons),
-                                                texts=result.decode(self.tokenizer))
-        exp.sample_data.trajectories = self.toolbox.trajectories(exp, told["tool_reward"])
-        metrics = tool_metrics(exp, told["counts"], result.stats.get("observation_wait_seconds", 0.0), seconds)
+        exp, metrics = tool_rollout(self.actor_module, prompts.first_batch, self.sampling, self.tokenizer,
+                                    self.toolbox, iteration, self.samples_per_prompt)
         return gather_context_parallel(exp), metrics
 
     def state_dict(self) -> None:

@@ -6,7 +6,8 @@ word-level chat template with a tool role).
   same metrics rows and weights, bit for bit; the trajectories really have several turns and tool calls.
 * grpo at DP2, TP2, PP2, CP2 and with token-budget micro-batches trains what DP1 trains (the same turns, tool rewards, scores;
   the losses to float rounding).
-* trl_ppo runs with tools (GAE over the model's tokens, the critic beside them).
+* trl_ppo runs with tools (GAE over the model's tokens, the critic beside them); its held-out evaluation generates
+  trajectories with the tools too.
 The engine's parking against single-turn generations: tests/dist/test_multi_turn_engine.py; the masks and GAE over
 tool spans by hand: tests/unit/test_tool_mask.py.
 """
@@ -182,9 +183,12 @@ def test_trl_ppo_with_tools_runs_gae_over_the_model_tokens(task, tmp_path):
     from tests.helpers.stage_layouts import run_stages
 
     out = tmp_path / "ppo"
-    run_distributed(run_stages, 1, [_argv(task, out, "trl_ppo", "--train-iters", "2")])
-    rows = _rows(out)
+    run_distributed(run_stages, 1, [_argv(task, out, "trl_ppo", "--train-iters", "2", "--eval-data-path",
+                                          task["data"], "--eval-interval", "2", "--eval-samples", "4")])
+    rows = [r for r in _rows(out) if "tool/calls" in r]
     assert len(rows) == 2 and sum(r["tool/calls"] for r in rows) > 0
+    evaluated = [r for r in _rows(out) if "eval/score/mean" in r]  # the held-out prompts as trajectories too
+    assert evaluated and all("eval/num_turns/mean" in r and "eval/tool/calls" in r for r in evaluated)
     for r in rows:
         assert all(torch.isfinite(torch.tensor(v)) for k, v in r.items() if isinstance(v, float))
         assert r["response_length_with_tools/mean"] > r["response_length/mean"] or r["tool/calls"] == 0

@@ -71,7 +71,7 @@ class TrlPPOStage:
 
     def evaluate(self, rows: Sequence[dict]) -> Dict[str, float]:
         return evaluate_policy(self.actor, self.reference, self.scorer, self.tokenizer, rows, self.settings.sampling,
-                               self.settings.offload.offload_ref_reward)
+                               self.settings.offload.offload_ref_reward, getattr(self.rollouts, "toolbox", None))
 
     # ------------------------------------------------------------------ one iteration
     def iteration(self, iteration: int, prompts: PromptSource) -> Dict[str, float]:
