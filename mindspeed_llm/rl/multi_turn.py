@@ -30,6 +30,7 @@ from mindspeed_llm.rl import tools as tool_lib
 from mindspeed_llm.rl.experience import Experience, SampleData
 from mindspeed_llm.rl.metrics import mean_min_max
 from mindspeed_llm.rl.rollout import gather_context_parallel
+from mindspeed_llm.rl.rollout_strategies import CarriesNothing
 from mindspeed_llm.rl.settings import ToolSettings
 
 
@@ -223,7 +224,7 @@ def tool_rollout(actor_module, rows: Sequence[dict], sampling: SamplingConfig, t
     return exp, tool_metrics(exp, told["counts"], result.stats.get("observation_wait_seconds", 0.0), seconds)
 
 
-class MultiTurnRollouts:
+class MultiTurnRollouts(CarriesNothing):
     """The `multi_turn` rollout strategy (`rollout_strategies`; module docstring)."""
 
     name = "multi_turn"
@@ -242,13 +243,3 @@ class MultiTurnRollouts:
         exp, metrics = tool_rollout(self.actor_module, prompts.first_batch, self.sampling, self.tokenizer,
                                     self.toolbox, iteration, self.samples_per_prompt)
         return gather_context_parallel(exp), metrics
-
-    def state_dict(self) -> None:
-        return None
-
-    def load_state_dict(self, state: dict) -> Optional[str]:
-        return None
-
-    @classmethod
-    def saved_work(cls, state: dict) -> Optional[str]:
-        return None

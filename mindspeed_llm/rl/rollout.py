@@ -15,6 +15,7 @@ from mindspeed_llm.models import routing
 from mindspeed_llm.rl import core_algos
 from mindspeed_llm.rl.experience import Experience, SampleData
 from mindspeed_llm.rl.metrics import mean_min_max
+from mindspeed_llm.rl.rollout_strategies import CarriesNothing
 from mindspeed_llm.rl.settings import SamplingSettings
 
 
@@ -75,7 +76,7 @@ def gather_context_parallel(exp: Experience) -> Experience:
     return Experience.concat(parts, exp.tokens.device)
 
 
-class SingleTurnRollouts:
+class SingleTurnRollouts(CarriesNothing):
     """The `single_turn` rollout strategy (`rollout_strategies`): one generation of the iteration's prompt batch,
     `samples_per_prompt` samples a prompt, the CP ranks' rollouts gathered (`gather_context_parallel`). Nothing
     carries over between iterations."""
@@ -95,16 +96,6 @@ class SingleTurnRollouts:
         exp = rollout(self.actor_module, prompts.first_batch, self.sampling, iteration, self.tokenizer,
                       samples_per_prompt=self.samples_per_prompt)
         return gather_context_parallel(exp), {}  # the CP ranks' rollouts: this DP rank's share, on each of them
-
-    def state_dict(self) -> None:
-        return None
-
-    def load_state_dict(self, state: dict) -> Optional[str]:
-        return None
-
-    @classmethod
-    def saved_work(cls, state: dict) -> Optional[str]:
-        return None
 
 
 def rollout_metrics(exp: Experience) -> Dict[str, float]:

@@ -87,6 +87,20 @@ class RolloutStrategy(Protocol):
         """What a saved state holds that a run with another strategy would drop ("... of --flag"), or None."""
 
 
+class CarriesNothing:
+    """The checkpoint side of a strategy that keeps nothing between iterations (`single_turn`, `multi_turn`)."""
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state: dict) -> Optional[str]:
+        return None
+
+    @classmethod
+    def saved_work(cls, state: dict) -> Optional[str]:
+        return None
+
+
 ROLLOUT_STRATEGIES = LazyRegistry({
     "single_turn": "mindspeed_llm.rl.rollout:SingleTurnRollouts",
     "partial_rollout": "mindspeed_llm.rl.partial_rollout:PartialRollouts",
@@ -134,5 +148,5 @@ def load_state(strategy: RolloutStrategy, loop_state: dict) -> Optional[str]:
     return strategy.load_state_dict(saved) if saved is not None else None
 
 
-__all__ = ["PromptSource", "RolloutStrategy", "ROLLOUT_STRATEGIES", "UnresumableStateError", "build_rollouts",
+__all__ = ["CarriesNothing", "PromptSource", "RolloutStrategy", "ROLLOUT_STRATEGIES", "UnresumableStateError", "build_rollouts",
            "load_state", "save_state", "strategy_name"]

@@ -41,20 +41,6 @@ TOOL_CONFIG = """tools:
         description: Says the words back, last first.
         parameters: {type: object, properties: {words: {type: array}}, required: [words]}
 """
-KILL_AFTER_SAVE = """
-import os, signal, sys
-import mindspeed_llm.checkpoint.training as training_ckpt
-original = training_ckpt.save
-def save(root, iteration, *args, **kwargs):
-    original(root, iteration, *args, **kwargs)
-    if iteration == int(os.environ["KILL_AT"]):
-        os.kill(os.getpid(), signal.SIGKILL)
-training_ckpt.save = save
-import posttrain_gpt
-sys.exit(posttrain_gpt.main(sys.argv[1:]))
-"""
-
-
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
     from transformers import AutoTokenizer
@@ -111,11 +97,11 @@ def test_grpo_with_tools_resumes_after_sigkill_bit_for_bit(task, tmp_path, rollo
     """Also with --partial-rollout: trajectories cut in rounds of 5 tokens (inside turns, while tools run, after
     tool answers) and carried across iterations and across the kill."""
     from tests.helpers.stage_assets import ROOT
+    from tests.helpers.kill_driver import write_kill_after_save
     from tests.helpers.stage_layouts import full_weights
 
     whole, split = tmp_path / "whole", tmp_path / "split"
-    driver = tmp_path / "kill_after_save.py"
-    driver.write_text(KILL_AFTER_SAVE)
+    driver = write_kill_after_save(tmp_path / "kill_after_save.py")
 
     extra = ["--partial-rollout", "--partial-rollout-max-split", "3"] if rollouts == "partial" else []
 

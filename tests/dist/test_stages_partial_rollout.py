@@ -96,21 +96,6 @@ def test_a_carried_sample_is_one_generation_whose_weights_changed_at_the_cut(tas
     torch.testing.assert_close(second.rollout_logp[:, k:MAX_NEW], tail.log_probs[:, :MAX_NEW - k], atol=1e-5, rtol=0)
 
 
-KILL_AFTER_SAVE = """
-# posttrain_gpt.py, SIGKILLed as soon as its save of iteration KILL_AT is complete (published).
-import os, signal, sys
-import mindspeed_llm.checkpoint.training as training_ckpt
-original = training_ckpt.save
-def save(root, iteration, *args, **kwargs):
-    original(root, iteration, *args, **kwargs)
-    if iteration == int(os.environ["KILL_AT"]):
-        os.kill(os.getpid(), signal.SIGKILL)
-training_ckpt.save = save
-import posttrain_gpt
-sys.exit(posttrain_gpt.main(sys.argv[1:]))
-"""
-
-
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
     from tests.helpers import word_task
@@ -151,12 +136,12 @@ def test_kill_and_resume_gives_the_same_metrics_and_weights(task, tmp_path, stag
     from pathlib import Path
 
     from tests.helpers.multiproc import single_rank_env
+    from tests.helpers.kill_driver import write_kill_after_save
     from tests.helpers.stage_layouts import full_weights
     from tests.helpers.stage_assets import ROOT
 
     whole, split = tmp_path / "whole", tmp_path / "split"
-    driver = tmp_path / "kill_after_save.py"
-    driver.write_text(KILL_AFTER_SAVE)
+    driver = write_kill_after_save(tmp_path / "kill_after_save.py")
 
     def run(script, out, **env):
         return subprocess.run([sys.executable, str(script), *_stage_argv(task, out, stage)], cwd=ROOT,
