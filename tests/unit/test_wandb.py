@@ -1,13 +1,11 @@
 """Weights & Biases (`rl/metrics/wandb_writer.py`, `arguments/wandb_flags.py`): an offline wandb run holds the same
 metric values as the metrics JSONL of the same run, read back from wandb's own files with wandb's own reader
-(`wandb leet inspect --json` on the run's .wandb transaction log); rank 0 alone logs; a missing install is an
+(`tests/helpers/wandb_files.py`: `wandb leet inspect --json` on the run's .wandb transaction log); rank 0 alone logs; a missing install is an
 `ArgumentError` naming the flag and the pinned install; the mode (WANDB_MODE, API key); MindSpeed-RL's keys.
 (A stage run end to end: tests/dist/test_stages_wandb.py.)
 """
 
 import json
-import math
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -19,6 +17,7 @@ from mindspeed_llm.arguments import ArgumentError, parse_args
 from mindspeed_llm.arguments import wandb_flags
 from mindspeed_llm.rl.metrics import MetricsLogger
 from mindspeed_llm.run_config import load_run_config
+from tests.helpers import wandb_files
 from tests.helpers.mindspeed_rl_configs import config_error, grpo_file, parsed, write
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,28 +31,6 @@ def _metrics(iteration: int) -> dict:
             "response_length/mean": 12.0 + iteration, "world_size": 1, "global_batch_size": 4,
             "eval/score/mean": torch.tensor(0.5 + iteration / 8, dtype=torch.float64), "dynamic/ok": iteration > 1,
             "critic/vf_loss": float("nan") if iteration == 2 else 0.0625 * iteration}
-
-
-def _inspect(save_dir: Path, *options) -> str:
-    """wandb's own reading of the offline run under `save_dir`: `wandb leet inspect --json [--summary]`."""
-    runs = sorted((save_dir / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1, runs
-    return subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", *options, str(runs[0])],
-                          check=True, capture_output=True, text=True, timeout=120).stdout
-
-
-def _records(save_dir: Path) -> list:
-    """The records of the run's .wandb log, one JSON object a line (run, history, summary, exit, ...)."""
-    return [json.loads(line) for line in _inspect(save_dir).splitlines() if line.strip()]
-
-
-def _same(jsonl_value, wandb_value) -> bool:
-    if jsonl_value is None:  # the JSONL writes a non-finite float as null; wandb keeps it
-        return wandb_value in ("NaN", "Infinity", "-Infinity") or (
-            isinstance(wandb_value, float) and not math.isfinite(wandb_value))
-    if isinstance(jsonl_value, bool) or isinstance(wandb_value, bool):
-        return jsonl_value is wandb_value
-    return jsonl_value == wandb_value  # (the reader prints a whole float as 13, the JSONL as 13.0: the same value)
 
 
 def _offline_run(tmp_path, monkeypatch, failed=False, iterations=3):
@@ -72,30 +49,20 @@ def _offline_run(tmp_path, monkeypatch, failed=False, iterations=3):
 
 def test_offline_run_holds_the_jsonl_values(tmp_path, monkeypatch):
     save_dir, jsonl, config = _offline_run(tmp_path, monkeypatch)
-    records = _records(save_dir)
-    history = {r["history"]["step"]["num"]: r["history"]["item"] for r in records if r["type"] == "history"}
+    records = wandb_files.records(save_dir)
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    history = wandb_files.history(records)
     assert [row["iteration"] for row in rows] == sorted(history) == [1, 2, 3]
-    for row in rows:
-        logged = {key: value for key, value in history[row["iteration"]].items() if not key.startswith("_")}
-        expected = {key: value for key, value in row.items() if key != "iteration"}
-        assert sorted(logged) == sorted(expected), row["iteration"]
-        wrong = {key: (value, logged[key]) for key, value in expected.items() if not _same(value, logged[key])}
-        assert wrong == {}, f"iteration {row['iteration']}: JSONL vs wandb {wrong}"
+    assert wandb_files.differences(rows, history) == {}, "JSONL vs wandb"
     run = next(r["run"] for r in records if r["type"] == "run")
     assert (run["project"], run["display_name"]) == ("mindspeed-test", "tiny")
     assert {k: v for k, v in run["config"]["update"].items() if not k.startswith("_")} == config
-    assert _state(save_dir) == ("finished", 0)
-
-
-def _state(save_dir: Path):
-    summary = json.loads(_inspect(save_dir, "--summary"))
-    return summary["state"], summary["exit_code"]
+    assert wandb_files.state(save_dir) == ("finished", 0)
 
 
 def test_a_failed_run_finishes_with_exit_code_1(tmp_path, monkeypatch):
     save_dir, _, _ = _offline_run(tmp_path, monkeypatch, failed=True, iterations=1)
-    assert _state(save_dir) == ("failed", 1)
+    assert wandb_files.state(save_dir) == ("failed", 1)
 
 
 def test_the_compare_sees_a_changed_value(tmp_path, monkeypatch):
@@ -105,7 +72,7 @@ def test_the_compare_sees_a_changed_value(tmp_path, monkeypatch):
     real_log = wandb_writer.WandbWriter.log
     monkeypatch.setattr(wandb_writer.WandbWriter, "log", lambda self, i, m: real_log(
         self, i, {**m, "grpo/score/mean": m["grpo/score/mean"] + 1e-9}))
-    with pytest.raises(AssertionError, match="grpo/score/mean"):
+    with pytest.raises(AssertionError, match="'grpo/score/mean'"):
         test_offline_run_holds_the_jsonl_values(tmp_path, monkeypatch)
 
 
