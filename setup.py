@@ -19,5 +19,9 @@ setup(
     packages=find_packages(include=["mindspeed_llm", "mindspeed_llm.*"]),
     py_modules=["posttrain_gpt", "preprocess_data", "convert_ckpt"],
     install_requires=_requirements("requirements.txt"),
-    extras_require={"test": _requirements("requirements-test.txt")},
+    extras_require={
+        "test": _requirements("requirements-test.txt"),
+        # pip install mindspeed_llm[wandb]: --wandb-project (the pin the tests ran, from requirements-test.txt)
+        "wandb": [r for r in _requirements("requirements-test.txt") if r.startswith("wandb==")],
+    },
 )

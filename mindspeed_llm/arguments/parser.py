@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_checkpointing_args(p)
     _add_data_args(p)
     _add_logging_args(p)
+    _add_wandb_args(p)
     _add_rl_models_args(p)
     _add_rollout_args(p)
     _add_multi_turn_args(p)
@@ -278,6 +279,17 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
                    help="held-out prompts per evaluation = this x --global-batch-size (Megatron-LM's); 0 = off")
     g.add_argument("--eval-samples", type=int, default=0,
                    help="held-out prompts per evaluation (0 = all, or --eval-iters x --global-batch-size)")
+
+
+def _add_wandb_args(p: argparse.ArgumentParser) -> None:
+    """Weights & Biases (Megatron-LM's flags): rank 0 logs every metric of the other writers, step = iteration."""
+    g = p.add_argument_group("Weights & Biases (on with --wandb-project; needs `pip install wandb`)")
+    g.add_argument("--wandb-project", help="log the run's metrics to this wandb project (offline when "
+                                           "WANDB_MODE=offline or no API key is configured: `wandb sync` uploads "
+                                           "it later)")
+    g.add_argument("--wandb-exp-name", help="the wandb run's name (default: wandb's)")
+    g.add_argument("--wandb-save-dir", help="where wandb writes its files (default: --save/wandb, else ./wandb)")
+    g.add_argument("--wandb-entity", help="the wandb team or user (default: the API key's)")
 
 
 def _add_rl_models_args(p: argparse.ArgumentParser) -> None:

@@ -25,6 +25,7 @@ from mindspeed_llm.arguments.parser import (
     build_parser,
 )
 from mindspeed_llm.arguments.rollouts import check_multi_turn, check_partial_rollout
+from mindspeed_llm.arguments.wandb_flags import check_wandb
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.expert_layout import (
     EP_NOT_MULTIPLE_OF_TP,
@@ -186,6 +187,7 @@ def validate_args(args, world_size: int) -> run_settings.Settings:
     _check_evaluation(run)
     _check_algorithm(run)
     _check_lora(args)
+    check_wandb(run)
     if args.lr_warmup_fraction is not None:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.train_iters)
     if args.lr_decay_iters is None:

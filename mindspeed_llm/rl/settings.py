@@ -13,6 +13,7 @@
     DataSettings       prompts, held-out prompts, tokenizer                    (`trainer._prompt_sets`, ...)
     CheckpointSettings save / load / resume                                    (`trainer._resume`, `_loop`)
     LoopSettings       iterations, evaluation and logging                      (`trainer._loop`)
+    WandbSettings      Weights & Biases: project, run name, directory, mode   (`metrics.MetricsLogger`)
 
 A field is named after the flag's destination it holds (`--clip-ratio-high` -> `clip_ratio_high`), and its default
 is the parser's, so a part can be read like the Namespace it comes from (tests/test_settings.py checks every
@@ -211,6 +212,16 @@ class LoopSettings:
 
 
 @dataclass(frozen=True)
+class WandbSettings:
+    """Weights & Biases (`rl/metrics/wandb_writer.py`), Megatron-LM's flags: on with --wandb-project."""
+    wandb_project: Optional[str] = None  # None: no wandb run
+    wandb_exp_name: Optional[str] = None  # None: wandb names the run
+    wandb_save_dir: Optional[str] = None  # validate_args: --save/wandb when not given (Megatron-LM's), else wandb's
+    wandb_entity: Optional[str] = None  # None: the API key's default entity
+    wandb_mode: Optional[str] = derived()  # WANDB_MODE, else offline without an API key; None without a project
+
+
+@dataclass(frozen=True)
 class Settings:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     loss: LossSettings = field(default_factory=LossSettings)
@@ -225,6 +236,7 @@ class Settings:
     data: DataSettings = field(default_factory=DataSettings)
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     loop: LoopSettings = field(default_factory=LoopSettings)
+    wandb: WandbSettings = field(default_factory=WandbSettings)
 
 
 # Settings' fields and their part classes, in order

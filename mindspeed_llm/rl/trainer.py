@@ -32,6 +32,7 @@ from mindspeed_llm.data.prompt_dataset import PromptSubset, split_indices
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.rl import rollout_strategies
 from mindspeed_llm.rl.metrics import MetricsLogger, reduce_metrics, throughput_metrics
+from mindspeed_llm.rl.metrics.wandb_writer import wandb_options
 from mindspeed_llm.rl.settings import CheckpointSettings, DataSettings, RewardMixing, Settings, with_values
 from mindspeed_llm.rl.stages import STAGES
 from mindspeed_llm.rl.startup import startup_lines
@@ -126,13 +127,14 @@ def prompt_sampler(data: DataSettings, dataset_len: int, rank: int, size: int) -
 
 
 def _output_path_problem(settings: Settings) -> Optional[str]:
-    """Why an output of the run cannot be written where asked, found before any model is built: a --metrics-jsonl
-    or --tensorboard-dir under a file (or a directory given as the JSONL file), a --save that is a file, or a --save
-    holding checkpoints this run would write over (it starts at iteration 1 there: without --load of that directory,
-    or with a --finetune that finetune_on_own_save did not turn into a resume)."""
+    """Why an output of the run cannot be written where asked, found before any model is built: a --metrics-jsonl,
+    --tensorboard-dir or --wandb-save-dir under a file (or a directory given as the JSONL file), a --save that is a
+    file, or a --save holding checkpoints this run would write over (it starts at iteration 1 there: without --load
+    of that directory, or with a --finetune that finetune_on_own_save did not turn into a resume)."""
     loop, checkpoint = settings.loop, settings.checkpoint
     for flag, path, is_dir in (("--metrics-jsonl", loop.metrics_jsonl, False),
-                               ("--tensorboard-dir", loop.tensorboard_dir, True), ("--save", checkpoint.save, True)):
+                               ("--tensorboard-dir", loop.tensorboard_dir, True), ("--save", checkpoint.save, True),
+                               ("--wandb-save-dir", settings.wandb.wandb_save_dir, True)):
         if not path:
             continue
         if os.path.exists(path) and os.path.isdir(path) != is_dir:
@@ -334,6 +336,7 @@ def run(args) -> None:
     exit_signal = _ExitSignal(checkpoint.exit_signal_handler)
     logger = None
     loop = settings.loop
+    failed = True  # until the loop returns: the wandb run then finishes with exit code 1
     try:
         stage = STAGES[checkpoint.stage](args, tokenizer)
         if checkpoint.save:
@@ -343,12 +346,14 @@ def run(args) -> None:
             loop.log_interval, jsonl_path=loop.metrics_jsonl, tensorboard_dir=loop.tensorboard_dir,
             rank=torch.distributed.get_rank(), total_iterations=loop.train_iters, lines=stage.log_lines,
             resumed_at=start if _resumes_from_load(checkpoint) else None,  # rows of re-run iterations are replaced
+            wandb=wandb_options(settings),
         )
         _loop(settings, stage, dataset, eval_dataset, sampler, logger, start, exit_signal)
+        failed = False
     finally:
         exit_signal.restore()
         if logger is not None:
-            logger.close()
+            logger.close(failed=failed)
         if lock is not None:
             lock.release()
 

@@ -1,6 +1,6 @@
 """The run config's mappings that depend on more than one key (the package docstring's "Other mappings"): the
 other roles against the actor, the stage, partial rollouts, verifiers, sampling, token budgets, the KL's
-placement, TensorBoard, LoRA's shared backbone and the advantage estimator; the checkpoints are
+placement, TensorBoard, wandb, LoRA's shared backbone and the advantage estimator; the checkpoints are
 `checkpoints.py`'s."""
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ def resolve(reader: ConfigReader, run: RoleKeys, roles: Dict[str, Tuple[RoleKeys
                                                               "megatron_training.tensorboard_dir or actor_config.save")
         put("--tensorboard-dir", os.path.join(save, "tensorboard"), run.origin("use_tensorboard"))
 
+    _resolve_wandb(reader, run, flags, cli_argv)
     share = run.slot("share_backbone")
     if share is not None:
         lora = "lora_target_modules" in flags or "lora_load" in flags or any(
@@ -104,6 +105,20 @@ def resolve(reader: ConfigReader, run: RoleKeys, roles: Dict[str, Tuple[RoleKeys
         else:  # this program's own estimator names: the parser / stage checks them
             put("--adv-estimator", estimator, where)
     return flags
+
+
+def _resolve_wandb(reader, run, flags, cli_argv) -> None:
+    """MindSpeed-RL logs to wandb with use_wandb: true only, to wandb_project (required then); without it the
+    wandb_* keys mean nothing and are listed as ignored (a --wandb-project on the command line still logs)."""
+    use = run.slot("use_wandb")
+    keys = [dest for dest in ("wandb_project", "wandb_exp_name", "wandb_save_dir") if dest in flags]
+    if use:
+        if "wandb_project" not in flags and cli_value(cli_argv, "--wandb-project") is None:
+            raise reader.error(run.origin("use_wandb"), "true needs a project: set rl_config.wandb_project (or "
+                                                        "pass --wandb-project)")
+        return
+    for dest in keys:
+        reader.ignored.append((flags.pop(dest).origin, "use_wandb is not true"))
 
 
 def _resolve_verifiers(reader, run, put, flags) -> bool:

@@ -228,13 +228,13 @@ RL: Dict[str, Any] = {
     "verifier_function": Slot("verifier_function", "names"),
     "verifier_weight": Flag("--verifier-weight"),
     "use_tensorboard": Slot("use_tensorboard", "bool"),
-    "use_wandb": Accept(_is(False), "wandb is not supported; use use_tensorboard or --metrics-jsonl"),
+    "use_wandb": Slot("use_wandb", "bool"),  # with wandb_project: see mapping.resolve
     "log_max_throughput": Accept(_is(False), "the throughputs are logged per device (README, Metrics); set "
                                              "log_max_throughput: false"),
     "use_kl_in_reward": Slot("use_kl_in_reward", "bool"),
-    "wandb_project": Ignored("wandb is not supported"),
-    "wandb_exp_name": Ignored("wandb is not supported"),
-    "wandb_save_dir": Ignored("wandb is not supported"),
+    "wandb_project": Flag("--wandb-project"),
+    "wandb_exp_name": Flag("--wandb-exp-name"),
+    "wandb_save_dir": Flag("--wandb-save-dir"),
     "integrated_mode_config": Nested({"ref_model_load_path": Slot("ref_model_load_path", "path")}),
     # true: the reference shares the actor's base (its adapters off), which a LoRA run always does (see mapping.resolve)
     "share_backbone": Slot("share_backbone", "bool"),

@@ -1,5 +1,5 @@
 """Per-iteration metrics written on rank 0: Megatron-like stdout lines, a JSONL file (continued on resume),
-TensorBoard scalars."""
+TensorBoard scalars, Weights & Biases (`wandb_writer.py`)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def _drop_rows_after(path: str, iteration: int) -> None:
 
 
 class MetricsLogger:
-    """Writes per-iteration metrics to stdout, a JSONL file and TensorBoard (rank 0 only).
+    """Writes per-iteration metrics to stdout, a JSONL file, TensorBoard and Weights & Biases (rank 0 only).
 
     * stdout: every ``log_interval`` iterations (and at ``total_iterations``), Megatron-like lines
       `` iteration  3/ 10 | actor/pg_loss: 1.234E-01 | ...``. With line groups (``lines``), the keys
@@ -75,6 +75,8 @@ class MetricsLogger:
       resumes from) the rows of later iterations, which the resumed run logs again, are dropped first, so
       every iteration has one row. Non-finite floats are written as null.
     * TensorBoard: ``add_scalar(key, value, iteration)`` for every numeric metric, every call.
+    * Weights & Biases (``wandb``: `wandb_writer.WandbWriter`'s arguments): ``run.log(metrics, step=iteration)``,
+      every call, every metric; ``close(failed=True)`` finishes the wandb run with exit code 1.
 
     ``lines`` maps a line name to the keys it takes: an entry ending in "/" is a prefix, any other
     entry matches that exact key and the keys under it ("actor" takes "actor" and "actor/..."), e.g.
@@ -86,7 +88,8 @@ class MetricsLogger:
                  tensorboard_dir: Optional[str] = None, rank: int = 0,
                  total_iterations: Optional[int] = None,
                  lines: Optional[Mapping[str, Sequence[str]]] = None,
-                 print_fn: Callable[[str], None] = None, resumed_at: Optional[int] = None):
+                 print_fn: Callable[[str], None] = None, resumed_at: Optional[int] = None,
+                 wandb: Optional[Mapping[str, object]] = None):
         if int(log_interval) < 1:
             raise ValueError(f"log_interval must be >= 1, got {log_interval}")
         self.log_interval = int(log_interval)
@@ -96,6 +99,7 @@ class MetricsLogger:
         self._print = print_fn or (lambda s: print(s, flush=True, file=sys.stdout))
         self._jsonl = None
         self._tb = None
+        self._wandb = None
         self._closed = False
         if self.rank == 0 and jsonl_path:
             parent = os.path.dirname(os.path.abspath(jsonl_path))
@@ -107,6 +111,10 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=tensorboard_dir)
+        if self.rank == 0 and wandb:
+            from mindspeed_llm.rl.metrics.wandb_writer import WandbWriter  # imports wandb: only when asked for
+
+            self._wandb = WandbWriter(**wandb)
 
     @staticmethod
     def _group(metrics: Mapping[str, object], lines: Optional[Mapping[str, Sequence[str]]]):
@@ -151,8 +159,10 @@ class MetricsLogger:
                     value = value.item()
                 if isinstance(value, (int, float)):  # bool is an int; NaN is kept (a diverged loss shows)
                     self._tb.add_scalar(key, float(value), iteration)
+        if self._wandb is not None:
+            self._wandb.log(iteration, metrics)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self._closed:
             return
         self._closed = True
@@ -163,3 +173,6 @@ class MetricsLogger:
             self._tb.flush()
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish(exit_code=1 if failed else 0)
+            self._wandb = None
