@@ -1,7 +1,7 @@
 """Sampled held-out evaluation in real grpo runs on the tiny word task (`word_task.py`, the coin-flip verifier
 `odd_first_word` of `stage_layouts`): `--eval-n-samples 4 --eval-temperature 1.0` on a named held-out set whose rows
-carry a `data_source` column gives the same `eval/*` numbers at DP1 and DP2 (5 held-out prompts: the DP2 ranks
-evaluate 3 and 2), with the baseline at iteration 0 (`--eval-before-train`) and `eval.csv`; and a run of 2
+carry a `data_source` column gives the same `eval/*` numbers at DP1, DP2 (5 held-out prompts: the DP2 ranks
+evaluate 3 and 2) and PP2, with the baseline at iteration 0 (`--eval-before-train`) and `eval.csv`; and a run of 2
 iterations resumed to 4 evaluates each due iteration once (none repeated, none skipped)."""
 
 import csv
@@ -46,16 +46,17 @@ def runs(tmp_path_factory):
     from tests.helpers import word_task
 
     root = tmp_path_factory.mktemp("eval_task")
-    task = word_task.build(root)
+    task = word_task.build(root, layouts=((1, 1), (1, 2)))
     held = _held_out(root / "held", task["tokenizer"])
-    out = {name: root / name for name in ("dp1", "dp2", "resume")}
+    out = {name: root / name for name in ("dp1", "dp2", "pp2", "resume")}
     sampled = ["--train-iters", "2", "--eval-interval", "1", *SAMPLED]
     save = str(out["resume"] / "save")
     resume = ["--eval-interval", "3", "--eval-before-train", "--load", save, "--save-interval", "2"]
     run_distributed(run_stages, 1, [_argv(task, held, out["dp1"], "mbs1", *sampled),
                                     _argv(task, held, out["resume"], "mbs1", "--train-iters", "2", *resume),
                                     _argv(task, held, out["resume"], "mbs1", "--train-iters", "4", *resume)])
-    run_distributed(run_stages, 2, [_argv(task, held, out["dp2"], "dp2", *sampled)])
+    run_distributed(run_stages, 2, [_argv(task, held, out["dp2"], "dp2", *sampled),
+                                    _argv(task, held, out["pp2"], "pp2", *sampled)])
     return out
 
 
@@ -68,13 +69,14 @@ def _evals(out: Path):
             if any(k.startswith("eval/") for k in r)}
 
 
-def test_sampled_evaluation_is_the_same_at_dp1_and_dp2(runs):
-    dp1, dp2 = _evals(runs["dp1"]), _evals(runs["dp2"])
-    assert sorted(dp1) == [0, 1, 2] and sorted(dp2) == [0, 1, 2]  # the baseline, then every iteration
+@pytest.mark.parametrize("layout", ["dp2", "pp2"])
+def test_sampled_evaluation_is_the_same_at_dp1_dp2_and_pp2(runs, layout):
+    dp1, other = _evals(runs["dp1"]), _evals(runs[layout])
+    assert sorted(dp1) == [0, 1, 2] and sorted(other) == [0, 1, 2]  # the baseline, then every iteration
     for it in dp1:
-        assert set(dp1[it]) == set(dp2[it])
+        assert set(dp1[it]) == set(other[it])
         for key, value in dp1[it].items():
-            assert dp2[it][key] == pytest.approx(value, rel=1e-5, abs=1e-5), (it, key)
+            assert other[it][key] == pytest.approx(value, rel=1e-5, abs=1e-5), (layout, it, key)
     first = dp1[0]
     for key in ("pass@1", "pass@2", "pass@4", "mean@4", "best@4", "score/mean", "response_length/mean", "kl/mean"):
         assert f"eval/held/{key}" in first
