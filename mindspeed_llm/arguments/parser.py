@@ -259,7 +259,9 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     """Prompts, held-out prompts, the tokenizer."""
     g = p.add_argument_group("data")
     g.add_argument("--data-path", required=True, help="output prefix written by preprocess_data.py")
-    g.add_argument("--eval-data-path", help="held-out prompts (preprocessed prefix) for --eval-interval")
+    g.add_argument("--eval-data-path", nargs="+", metavar="[NAME=]PREFIX",
+                   help="held-out prompts (preprocessed prefixes) for --eval-interval: one PREFIX, or several named "
+                        "sets NAME=PREFIX, each reported as eval/NAME/...")
     g.add_argument("--split", help="train,valid,test weights of --data-path, e.g. 98,2,0 (Megatron-LM's): "
                                    "--eval-interval evaluates on the valid part (default: all prompts train)")
     g.add_argument("--tokenizer-type", default="PretrainedFromHF")
@@ -279,6 +281,16 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
                    help="held-out prompts per evaluation = this x --global-batch-size (Megatron-LM's); 0 = off")
     g.add_argument("--eval-samples", type=int, default=0,
                    help="held-out prompts per evaluation (0 = all, or --eval-iters x --global-batch-size)")
+    g.add_argument("--eval-n-samples", type=int, default=1,
+                   help="responses per held-out prompt: mean@N, best@N, pass@k, maj@N (1: greedy, eval/score/mean)")
+    g.add_argument("--eval-temperature", type=float,
+                   help="the held-out samples' temperature (default 1.0 with --eval-n-samples > 1; given with 1 "
+                        "sample, that sample is drawn instead of greedy)")
+    g.add_argument("--eval-top-p", type=float, default=1.0, help="the held-out samples' nucleus (1.0: none)")
+    g.add_argument("--eval-pass-threshold", type=float, default=1.0,
+                   help="a held-out sample is correct (pass@k, maj@N) when its score is >= this")
+    g.add_argument("--eval-before-train", action="store_true",
+                   help="evaluate at iteration 0, before the first update (the baseline)")
 
 
 def _add_wandb_args(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,6 @@ the values that follow from several flags are resolved into them, not written ba
 from __future__ import annotations
 
 import math
-from typing import Tuple
 
 from mindspeed_llm import compat_flags
 from mindspeed_llm.argument_ranges import check_ranges
@@ -24,6 +23,7 @@ from mindspeed_llm.arguments.parser import (
     REFUSED_RECOMPUTE_MODULES,
     build_parser,
 )
+from mindspeed_llm.arguments.evaluation import check_evaluation
 from mindspeed_llm.arguments.rollouts import check_multi_turn, check_partial_rollout
 from mindspeed_llm.arguments.wandb_flags import check_wandb
 from mindspeed_llm.errors import ArgumentError
@@ -184,7 +184,7 @@ def validate_args(args, world_size: int) -> run_settings.Settings:
                                                run.verifier_function)
     _check_roles(run)
     _check_checkpoint_flags(args)
-    _check_evaluation(run)
+    check_evaluation(run)
     _check_algorithm(run)
     _check_lora(args)
     check_wandb(run)
@@ -465,50 +465,6 @@ def _check_lora(args) -> None:
                 else "nothing is offloaded")
         args.startup_notes.append(f"--offload-ref-reward: with LoRA {shared} the trained models' bases with their "
                                   f"adapters off, not models of their own: {rest}")
-
-
-def _split_weights(text: str) -> Tuple[float, float, float]:
-    """Megatron-LM's --split: up to three train,valid,test weights ("98,2,0", "98 2 0", "969/30/1"), missing
-    ones 0, normalised by their sum."""
-    try:
-        weights = [float(x) for x in text.replace("/", ",").replace(",", " ").split()]
-    except ValueError:
-        weights = []
-    if not 1 <= len(weights) <= 3 or any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-        raise ArgumentError(f"--split {text!r}: expected up to three weights >= 0 for train,valid,test with a "
-                            "positive sum, e.g. --split 98,2,0")
-    weights += [0.0] * (3 - len(weights))
-    total = sum(weights)
-    return tuple(w / total for w in weights)
-
-
-def _check_evaluation(run) -> None:
-    """--split's weights (`split_weights`), whether there are held-out prompts to evaluate (`eval_interval`, None
-    when not) and how many an evaluation takes (`eval_prompts`, 0 = all)."""
-    run.split_weights = _split_weights(run.split) if run.split is not None else None
-    if run.split_weights is not None and run.split_weights[0] == 0:
-        raise ArgumentError(f"--split {run.split} leaves nothing to train on; give the train part a weight")
-    valid = run.split_weights is not None and run.split_weights[1] > 0
-    if run.eval_data_path and valid:
-        raise ArgumentError(f"--eval-data-path and --split {run.split} both give held-out prompts; pick one "
-                            "(drop --eval-data-path, or give --split a valid weight of 0)")
-    eval_source = "eval-data-path" if run.eval_data_path else ("split" if valid else None)
-    run.eval_prompts = run.eval_samples or (run.eval_iters or 0) * run.global_batch_size
-    if not run.eval_interval:
-        if valid:
-            run.startup_notes.append(f"--split {run.split} holds out a valid part, but no --eval-interval is "
-                                      "given: it is never evaluated")
-        return
-    if eval_source is None:
-        if run.split_weights is None:
-            raise ArgumentError("--eval-interval needs held-out prompts: --eval-data-path (a preprocessed prompt "
-                                "set) or --split with a valid part (e.g. --split 98,2,0)")
-        run.startup_notes.append(f"evaluation is off: --split {run.split} has no valid part (--eval-interval "
-                                  f"{run.eval_interval} is ignored; e.g. --split 98,2,0 evaluates)")
-        run.eval_interval = None
-    elif run.eval_iters == 0 and not run.eval_samples:
-        run.startup_notes.append("evaluation is off: --eval-iters 0 (Megatron-LM's way to skip it)")
-        run.eval_interval = None
 
 
 def _check_algorithm(run) -> None:

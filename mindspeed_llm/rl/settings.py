@@ -170,7 +170,9 @@ class ParallelSettings:
 @dataclass(frozen=True)
 class DataSettings:
     data_path: Optional[str] = None
-    eval_data_path: Optional[str] = None
+    eval_data_path: Optional[Tuple[str, ...]] = None
+    # --eval-data-path's sets as (name, prefix); name None: the one unnamed set (metrics `eval/...`)
+    eval_sets: Tuple[Tuple[Optional[str], str], ...] = derived(())
     split: Optional[str] = None
     split_weights: Optional[Tuple[float, float, float]] = derived()  # --split's, normalised; None: no --split
     eval_interval: Optional[int] = None  # validate_args: None when there is nothing to evaluate
@@ -208,6 +210,11 @@ class LoopSettings:
     tensorboard_dir: Optional[str] = None
     eval_interval: Optional[int] = None  # validate_args: None when there is nothing to evaluate
     eval_prompts: int = derived(0)  # held-out prompts per evaluation: --eval-samples, else --eval-iters x batch; 0 all
+    eval_n_samples: int = 1  # responses per held-out prompt (`evaluation.evaluate_policy`)
+    eval_temperature: Optional[float] = None  # None: greedy at 1 sample, 1.0 at more
+    eval_top_p: float = 1.0
+    eval_pass_threshold: float = 1.0  # a sample is correct when its score >= this (pass@k, maj@N)
+    eval_before_train: bool = False  # an evaluation at iteration 0
     check_for_divergence: bool = True
 
 

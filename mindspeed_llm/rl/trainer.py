@@ -31,6 +31,7 @@ from mindspeed_llm.data import PromptDataset, PromptSampler
 from mindspeed_llm.data.prompt_dataset import PromptSubset, split_indices
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.rl import rollout_strategies
+from mindspeed_llm.rl.evaluation import Evaluator
 from mindspeed_llm.rl.metrics import MetricsLogger, reduce_metrics, throughput_metrics
 from mindspeed_llm.rl.metrics.wandb_writer import wandb_options
 from mindspeed_llm.rl.settings import CheckpointSettings, DataSettings, RewardMixing, Settings, with_values
@@ -96,14 +97,19 @@ def _gather_to_logger(metrics: Dict[str, float]) -> Dict[str, float]:
     return metrics
 
 
+def _eval_sets(data: DataSettings):
+    """--eval-data-path's held-out sets as (name, dataset) pairs (name None: the unnamed set); None without
+    --eval-interval."""
+    return [(name, PromptDataset(prefix)) for name, prefix in data.eval_sets] if data.eval_interval else None
+
+
 def _prompt_sets(data: DataSettings):
-    """The training prompts and the held-out ones (None: no evaluation): --eval-data-path, or --split's parts of
-    --data-path (the training sampler then sees only the train part)."""
+    """The training prompts and the held-out sets, (name, dataset) pairs (None: no evaluation): --eval-data-path's,
+    or --split's valid part of --data-path, unnamed (the training sampler then sees only the train part)."""
     dataset = PromptDataset(data.data_path)
     weights = data.split_weights
     if weights is None:
-        eval_dataset = PromptDataset(data.eval_data_path) if data.eval_data_path else None
-        return dataset, (eval_dataset if data.eval_interval else None)
+        return dataset, (_eval_sets(data) if data.eval_data_path else None)
     parts = split_indices(len(dataset), weights, data.seed)
     sizes = f"--split {data.split} of --data-path {data.data_path} ({len(dataset)} prompts: " \
             f"{len(parts[0])} train, {len(parts[1])} valid, {len(parts[2])} test)"
@@ -116,8 +122,8 @@ def _prompt_sets(data: DataSettings):
         print(sizes + (" (the test part is not used)" if len(parts[2]) else ""), flush=True)
     train = PromptSubset(dataset, parts[0], "train")
     if data.eval_data_path:
-        return train, (PromptDataset(data.eval_data_path) if data.eval_interval else None)
-    return train, (PromptSubset(dataset, parts[1], "valid") if data.eval_interval and len(parts[1]) else None)
+        return train, _eval_sets(data)
+    return train, ([(None, PromptSubset(dataset, parts[1], "valid"))] if data.eval_interval and len(parts[1]) else None)
 
 
 def prompt_sampler(data: DataSettings, dataset_len: int, rank: int, size: int) -> PromptSampler:
@@ -190,20 +196,6 @@ def check_shared_save(save: str, lock_file: str, wait_s: float = 10.0) -> None:
             f"--save {save} is not one folder shared by every node: rank 0 wrote its writer lock there, but "
             f"{'; '.join(messages)}. Put --save (and --load) on a filesystem every node mounts at the same path"
         )
-
-
-def _evaluate(stage, dataset, eval_prompts: int) -> Dict[str, float]:
-    """The stage's held-out metrics over the first `eval_prompts` held-out prompts (--eval-samples, else
-    --eval-iters x --global-batch-size; 0 = all), dealt over the DP ranks: each rank's means weighted by its
-    prompt count, so every DP rank returns the mean over all of them, even when some rank holds none."""
-    dp_rank, dp_size = distributed.data_parallel_info()
-    count = len(dataset) if not eval_prompts else min(eval_prompts, len(dataset))
-    if not count:
-        return {}
-    indices = list(range(dp_rank, count, dp_size))
-    local = stage.evaluate([dataset[i] for i in indices]) if indices else {}
-    shares = [(n, m) for n, m in distributed.gather_over_data_parallel((len(indices), local)) if n]
-    return {key: sum(n * m[key] for n, m in shares) / count for key in shares[0][1]}
 
 
 class _ExitSignal:
@@ -307,8 +299,8 @@ def run(args) -> None:
     sampler = prompt_sampler(data, len(dataset), rollout_rank, rollout_size)
     check_labels(dataset, settings.reward, data.data_path)
     check_prompt_lengths(dataset, data.max_prompt_length, "--data-path")
-    if eval_dataset is not None:
-        check_prompt_lengths(eval_dataset, data.max_prompt_length,
+    for _, held_out in eval_dataset or ():
+        check_prompt_lengths(held_out, data.max_prompt_length,
                              "--eval-data-path" if data.eval_data_path else "--split (valid)")
 
     override = distributed.broadcast_object(finetune_on_own_save(checkpoint) if distributed.is_rank_0() else None)
@@ -334,7 +326,7 @@ def run(args) -> None:
             raise training_ckpt.CheckpointError(problem)
         check_shared_save(checkpoint.save, lock.path)
     exit_signal = _ExitSignal(checkpoint.exit_signal_handler)
-    logger = None
+    logger = evaluator = None
     loop = settings.loop
     failed = True  # until the loop returns: the wandb run then finishes with exit code 1
     try:
@@ -348,10 +340,13 @@ def run(args) -> None:
             resumed_at=start if _resumes_from_load(checkpoint) else None,  # rows of re-run iterations are replaced
             wandb=wandb_options(settings),
         )
-        _loop(settings, stage, dataset, eval_dataset, sampler, logger, start, exit_signal)
+        evaluator = Evaluator(stage, eval_dataset or (), loop, start, rank=torch.distributed.get_rank())
+        _loop(settings, stage, dataset, evaluator, sampler, logger, start, exit_signal)
         failed = False
     finally:
         exit_signal.restore()
+        if evaluator is not None:
+            evaluator.close()
         if logger is not None:
             logger.close(failed=failed)
         if lock is not None:
@@ -383,7 +378,7 @@ class EntropyGuard:
             raise DivergenceError(distributed.gather_messages(found)[0])  # the same on every rank that has it
 
 
-def _loop(settings: Settings, stage, dataset, eval_dataset, sampler, logger, start: int, exit_signal) -> None:
+def _loop(settings: Settings, stage, dataset, evaluator: Evaluator, sampler, logger, start: int, exit_signal) -> None:
     loop, checkpoint, n = settings.loop, settings.checkpoint, settings.algorithm.n_samples_per_prompt
     world_size = settings.parallel.world_size
     _, dp_size = distributed.data_parallel_info()
@@ -401,6 +396,10 @@ def _loop(settings: Settings, stage, dataset, eval_dataset, sampler, logger, sta
 
     entropy_guard = EntropyGuard(stage.roles()["actor"].module.model_spec.vocab_size)
     iteration = start
+    if evaluator.before_train():  # --eval-before-train: the baseline, at iteration 0
+        metrics = _gather_to_logger(evaluator.evaluate())
+        logger.log(0, metrics)
+        evaluator.record(0, metrics)
     if start >= loop.train_iters and distributed.is_rank_0():
         print(f"posttrain_gpt.py: the checkpoint is at iteration {start}, --train-iters is {loop.train_iters}: nothing "
               f"left to train; raise --train-iters to continue", flush=True)
@@ -426,11 +425,12 @@ def _loop(settings: Settings, stage, dataset, eval_dataset, sampler, logger, sta
             metrics["response_length/mean"] * prompts_per_dp_rank * n,
             world_size // dp_size, metrics,
         ))
-        if eval_dataset is not None and loop.eval_interval and iteration % loop.eval_interval == 0:
-            metrics.update(_evaluate(stage, eval_dataset, loop.eval_prompts))
+        if evaluator.due(iteration):  # every --eval-interval, and the last iteration
+            metrics.update(evaluator.evaluate())
         metrics = _gather_to_logger(metrics)
         metrics.update(global_batch_size=loop.global_batch_size, world_size=world_size)
         logger.log(iteration, metrics)
+        evaluator.record(iteration, metrics)
         if checkpoint.save and checkpoint.save_interval and iteration % checkpoint.save_interval == 0:
             save(iteration)
         if exit_signal.any_rank():

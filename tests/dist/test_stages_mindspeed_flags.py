@@ -36,7 +36,8 @@ def _prompt_sets(paths, *extra):
     from mindspeed_llm.rl.trainer import _prompt_sets
 
     args = parse_args(posttrain_argv(paths, "grpo", iters=1, extra=list(extra)), world_size=1)
-    return _prompt_sets(args.settings.data)
+    train, held_out = _prompt_sets(args.settings.data)  # held-out sets: (name, dataset) pairs, one here
+    return train, (None if held_out is None else held_out[0][1])
 
 
 def test_split_parts_of_data_path(stage_paths):

@@ -32,8 +32,9 @@ class Stage(Protocol):
         iteration, and further ones for what generates more than one batch, `--dynamic-sampling`,
         `--partial-rollout`); returns its metrics (this rank's view)."""
 
-    def evaluate(self, rows: Sequence[dict]) -> Dict[str, float]:
-        """Held-out metrics (`eval/*`) of the current policy on this DP rank's prompts."""
+    def evaluate(self, rows: Sequence[dict]) -> list:
+        """One `metrics.pass_at_k.PromptResult` per held-out row of this DP rank (`evaluation.evaluate_policy`): the
+        current policy's --eval-n-samples responses to it, scored."""
 
 
 STAGES = LazyRegistry({

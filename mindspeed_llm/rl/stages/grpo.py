@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Dict, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 
@@ -24,6 +24,7 @@ from mindspeed_llm.rl import core_algos, lora, roles
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.dynamic_sampling import informative_groups, refill
 from mindspeed_llm.rl.evaluation import evaluate_policy
+from mindspeed_llm.rl.metrics.pass_at_k import PromptResult
 from mindspeed_llm.rl.loss_closures import clipped_policy_loss
 from mindspeed_llm.rl.metrics import Timers, mean_min_max, prefixed
 from mindspeed_llm.rl.passes import policy_logprobs
@@ -75,9 +76,10 @@ class GRPOStage:
     def roles(self):
         return {"actor": self.actor}
 
-    def evaluate(self, rows: Sequence[dict]) -> Dict[str, float]:
+    def evaluate(self, rows: Sequence[dict]) -> List[PromptResult]:
         return evaluate_policy(self.actor, self.reference, self.scorer, self.tokenizer, rows, self.settings.sampling,
-                               self.settings.offload.offload_ref_reward, getattr(self.rollouts, "toolbox", None))
+                               self.settings.offload.offload_ref_reward, getattr(self.rollouts, "toolbox", None),
+                               self.settings.loop)
 
     # ------------------------------------------------------------------ one iteration
     def iteration(self, iteration: int, prompts: PromptSource) -> Dict[str, float]:

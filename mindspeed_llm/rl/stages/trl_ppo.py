@@ -13,13 +13,14 @@ head (`rl/lora.py`).
 
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Dict, List, Sequence
 
 from mindspeed_llm import device
 from mindspeed_llm.distributed import sum_over_data_parallel
 from mindspeed_llm.rl import core_algos, lora, roles
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.evaluation import evaluate_policy
+from mindspeed_llm.rl.metrics.pass_at_k import PromptResult
 from mindspeed_llm.rl.loss_closures import clipped_policy_loss, clipped_value_loss
 from mindspeed_llm.rl.metrics import Timers, masked_mean_min_max, mean_min_max, prefixed
 from mindspeed_llm.rl.passes import critic_values, policy_logprobs
@@ -69,9 +70,10 @@ class TrlPPOStage:
     def roles(self):
         return {"actor": self.actor, "critic": self.critic}
 
-    def evaluate(self, rows: Sequence[dict]) -> Dict[str, float]:
+    def evaluate(self, rows: Sequence[dict]) -> List[PromptResult]:
         return evaluate_policy(self.actor, self.reference, self.scorer, self.tokenizer, rows, self.settings.sampling,
-                               self.settings.offload.offload_ref_reward, getattr(self.rollouts, "toolbox", None))
+                               self.settings.offload.offload_ref_reward, getattr(self.rollouts, "toolbox", None),
+                               self.settings.loop)
 
     # ------------------------------------------------------------------ one iteration
     def iteration(self, iteration: int, prompts: PromptSource) -> Dict[str, float]:

@@ -1,0 +1,106 @@
+"""Sampled held-out evaluation in real grpo runs on the tiny word task (`word_task.py`, the coin-flip verifier
+`odd_first_word` of `stage_layouts`): `--eval-n-samples 4 --eval-temperature 1.0` on a named held-out set whose rows
+carry a `data_source` column gives the same `eval/*` numbers at DP1, DP2 (5 held-out prompts: the DP2 ranks
+evaluate 3 and 2) and PP2, with the baseline at iteration 0 (`--eval-before-train`) and `eval.csv`; and a run of 2
+iterations resumed to 4 evaluates each due iteration once (none repeated, none skipped)."""
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from tests.helpers.multiproc import run_distributed
+from tests.helpers.stage_layouts import layout_argv, run_stages
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_ranks")]  # see pytest.ini
+
+SAMPLED = ["--eval-n-samples", "4", "--eval-temperature", "1.0", "--eval-before-train"]
+GRPO = ["--global-batch-size", "4", "--n-samples-per-prompt", "2", "--ppo-mini-batch-size", "8",
+        "--verifier-function", "odd_first_word", "--kl-coef", "0.05", "--lr", "0.5"]
+
+
+def _held_out(root: Path, tokenizer: str) -> str:
+    """5 prompts of 3..5 words with a `data_source` column ("left" / "right"), preprocessed like the word task's."""
+    import random
+
+    from mindspeed_llm.data.preprocess import preprocess
+
+    rng = random.Random(1)
+    rows = [{"problem": " ".join(f"w{rng.randint(68, 255)}" for _ in range(rng.randint(3, 5))), "answer": "-",
+             "data_source": "left" if i % 2 else "right"} for i in range(5)]
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "held.json").write_text(json.dumps(rows))
+    preprocess(["--input", str(root / "held.json"), "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path",
+                tokenizer, "--output-prefix", str(root / "held"), "--handler-name", "R1AlpacaStyleInstructionHandler",
+                "--prompt-type", "empty", "--map-keys", json.dumps({"prompt": "problem", "labels": "answer"}),
+                "--dataset-additional-keys", "data_source", "--log-interval", "0"])
+    return str(root / "held")
+
+
+def _argv(task, held, out: Path, layout: str, *extra):
+    return layout_argv(task, "grpo", layout, GRPO + ["--eval-data-path", f"held={held}", *extra], out)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from tests.helpers import word_task
+
+    root = tmp_path_factory.mktemp("eval_task")
+    task = word_task.build(root, layouts=((1, 1), (1, 2)))
+    held = _held_out(root / "held", task["tokenizer"])
+    out = {name: root / name for name in ("dp1", "dp2", "pp2", "resume")}
+    sampled = ["--train-iters", "2", "--eval-interval", "1", *SAMPLED]
+    save = str(out["resume"] / "save")
+    resume = ["--eval-interval", "3", "--eval-before-train", "--load", save, "--save-interval", "2"]
+    run_distributed(run_stages, 1, [_argv(task, held, out["dp1"], "mbs1", *sampled),
+                                    _argv(task, held, out["resume"], "mbs1", "--train-iters", "2", *resume),
+                                    _argv(task, held, out["resume"], "mbs1", "--train-iters", "4", *resume)])
+    run_distributed(run_stages, 2, [_argv(task, held, out["dp2"], "dp2", *sampled),
+                                    _argv(task, held, out["pp2"], "pp2", *sampled)])
+    return out
+
+
+def _rows(out: Path):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _evals(out: Path):
+    return {r["iteration"]: {k: v for k, v in r.items() if k.startswith("eval/")} for r in _rows(out)
+            if any(k.startswith("eval/") for k in r)}
+
+
+@pytest.mark.parametrize("layout", ["dp2", "pp2"])
+def test_sampled_evaluation_is_the_same_at_dp1_dp2_and_pp2(runs, layout):
+    dp1, other = _evals(runs["dp1"]), _evals(runs[layout])
+    assert sorted(dp1) == [0, 1, 2] and sorted(other) == [0, 1, 2]  # the baseline, then every iteration
+    for it in dp1:
+        assert set(dp1[it]) == set(other[it])
+        for key, value in dp1[it].items():
+            assert other[it][key] == pytest.approx(value, rel=1e-5, abs=1e-5), (layout, it, key)
+    first = dp1[0]
+    for key in ("pass@1", "pass@2", "pass@4", "mean@4", "best@4", "score/mean", "response_length/mean", "kl/mean"):
+        assert f"eval/held/{key}" in first
+        if key != "kl/mean":
+            assert f"eval/held/left/{key}" in first and f"eval/held/right/{key}" in first
+    assert "eval/held/maj@4" not in first  # odd_first_word extracts no answer
+    assert first["eval/held/pass@1"] <= first["eval/held/pass@2"] <= first["eval/held/pass@4"]
+    assert first["eval/held/mean@4"] == pytest.approx(first["eval/held/pass@1"])  # scores are 0 / 1
+    # the evaluation samples: some prompts pass and some fail (the numbers are not trivially 0 or 1)
+    assert any(0 < v < 1 for e in dp1.values() for k, v in e.items() if k.endswith("pass@1"))
+    with open(runs["dp1"] / "eval.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    assert {(int(r["iteration"]), r["set"], r["metric"]) for r in table} >= {(0, "held", "pass@4"),
+                                                                            (2, "held", "left/best@4")}
+    value = next(float(r["value"]) for r in table if (r["iteration"], r["metric"]) == ("1", "pass@2"))
+    assert value == dp1[1]["eval/held/pass@2"]
+
+
+def test_a_resumed_run_neither_repeats_nor_skips_an_evaluation(runs):
+    rows = _rows(runs["resume"])
+    assert [r["iteration"] for r in rows] == [0, 1, 2, 3, 4]  # one row per iteration (the baseline's: 0)
+    # --eval-interval 3 with --train-iters 2, then 4: the baseline, the first run's last iteration, iteration 3
+    # (the interval) and the resumed run's last; the resumed run does not evaluate iteration 0 again
+    assert sorted(_evals(runs["resume"])) == [0, 2, 3, 4]
+    with open(runs["resume"] / "eval.csv", newline="") as f:
+        table = [(int(r["iteration"]), r["metric"]) for r in csv.DictReader(f)]
+    assert sorted({it for it, _ in table}) == [0, 2, 3, 4] and len(table) == len(set(table))
