@@ -24,6 +24,7 @@ from mindspeed_llm.arguments.parser import (
     REFUSED_RECOMPUTE_MODULES,
     build_parser,
 )
+from mindspeed_llm.arguments.observability import check_profiling
 from mindspeed_llm.arguments.rollouts import check_multi_turn, check_partial_rollout
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.expert_layout import (
@@ -184,6 +185,7 @@ def validate_args(args, world_size: int) -> run_settings.Settings:
     _check_roles(run)
     _check_checkpoint_flags(args)
     _check_evaluation(run)
+    check_profiling(run)
     _check_algorithm(run)
     _check_lora(args)
     if args.lr_warmup_fraction is not None:
