@@ -74,7 +74,7 @@ class Profiler:
         self.rank = rank
         self.kind = kind or device.accelerator().kind
         self.last_iteration = last_iteration
-        self.start, self.end = max(settings.profile_step_start, 1), settings.profile_step_end
+        self.window_start, self.window_end = max(settings.profile_step_start, 1), settings.profile_step_end
         self.mode = None  # "torch" | "nsys" | None: nothing to do on this rank
         if settings.profile and rank in settings.profile_ranks:
             if settings.use_pytorch_profiler:
@@ -95,8 +95,8 @@ class Profiler:
 
     def begin(self, iteration: int) -> None:
         """Before `iteration`: opens the window at its first iteration (a torch profiler one earlier, to warm up)."""
-        first = self.start - 1 if self.mode == "torch" else self.start
-        if self.mode is None or self._open or not (first <= iteration < self.end) or self.profiled:
+        first = self.window_start - 1 if self.mode == "torch" else self.window_start
+        if self.mode is None or self._open or not (first <= iteration < self.window_end) or self.profiled:
             return
         if self.mode == "torch":
             self._start_torch(iteration)
@@ -110,10 +110,10 @@ class Profiler:
 
     def _start_torch(self, iteration: int) -> None:
         api, activities = device.profiler_api()
-        first = max(self.start, iteration)
+        first = max(self.window_start, iteration)
         with warnings.catch_warnings():  # a window that starts at the run's first iteration has no warmup
             warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
-            schedule = api.schedule(wait=0, warmup=first - iteration, active=self.end - first, repeat=1)
+            schedule = api.schedule(wait=0, warmup=first - iteration, active=self.window_end - first, repeat=1)
         handler = api.tensorboard_trace_handler(self.settings.trace_dir, worker_name=f"rank{self.rank}")
 
         def ready(prof):
@@ -130,11 +130,11 @@ class Profiler:
         """After `iteration`: closes the window after its last iteration (or the run's); dumps the memory snapshot
         every --log-interval."""
         if self._open:
-            if iteration >= self.start:
+            if iteration >= self.window_start:
                 self.profiled.append(iteration)
             if self._prof is not None:
                 self._prof.step()
-            if iteration >= min(self.end - 1, self.last_iteration):
+            if iteration >= min(self.window_end - 1, self.last_iteration):
                 self._stop()
         if self.snapshot_path and (iteration % self.settings.log_interval == 0 or iteration >= self.last_iteration):
             device.dump_memory_snapshot(self.snapshot_path)
