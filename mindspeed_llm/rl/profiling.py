@@ -65,15 +65,13 @@ def _nvtx_range(name: str):
 
 
 class Profiler:
-    """The profiler of one rank over a run whose last iteration is `last_iteration` (module doc). `kind`: the
-    device (default: this process's)."""
+    """The profiler of one rank (module doc); `close` ends a window the run cut short. `kind`: the device (default:
+    this process's)."""
 
-    def __init__(self, settings: ProfileSettings, rank: int, world_size: int, last_iteration: int,
-                 kind: Optional[str] = None):
+    def __init__(self, settings: ProfileSettings, rank: int, world_size: int, kind: Optional[str] = None):
         self.settings = settings
         self.rank = rank
         self.kind = kind or device.accelerator().kind
-        self.last_iteration = last_iteration
         self.window_start, self.window_end = max(settings.profile_step_start, 1), settings.profile_step_end
         self.mode = None  # "torch" | "nsys" | None: nothing to do on this rank
         if settings.profile and rank in settings.profile_ranks:
@@ -127,16 +125,16 @@ class Profiler:
         self._prof.start()
 
     def end(self, iteration: int) -> None:
-        """After `iteration`: closes the window after its last iteration (or the run's); dumps the memory snapshot
-        every --log-interval."""
+        """After `iteration`: closes the window after its last iteration; dumps the memory snapshot every
+        --log-interval."""
         if self._open:
             if iteration >= self.window_start:
                 self.profiled.append(iteration)
             if self._prof is not None:
                 self._prof.step()
-            if iteration >= min(self.window_end - 1, self.last_iteration):
+            if iteration >= self.window_end - 1:
                 self._stop()
-        if self.snapshot_path and (iteration % self.settings.log_interval == 0 or iteration >= self.last_iteration):
+        if self.snapshot_path and iteration % self.settings.log_interval == 0:
             device.dump_memory_snapshot(self.snapshot_path)
 
     def _stop(self) -> None:

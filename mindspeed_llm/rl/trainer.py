@@ -346,8 +346,7 @@ def run(args) -> None:
             resumed_at=start if _resumes_from_load(checkpoint) else None,  # rows of re-run iterations are replaced
             progress=progress, on_stdout=timers.on_stdout(settings.profile.timing_log_level),
         )
-        profiler = profiling.Profiler(settings.profile, torch.distributed.get_rank(), parallel.world_size,
-                                      loop.train_iters)
+        profiler = profiling.Profiler(settings.profile, torch.distributed.get_rank(), parallel.world_size)
         saved = _loop(settings, stage, dataset, eval_dataset, sampler, logger, start, exit_signal, profiler)
         profiler.close()  # the traces of a window the run cut short are written before the summary names them
         if distributed.is_rank_0():

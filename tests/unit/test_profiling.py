@@ -103,7 +103,7 @@ def _trace_names(path):
     (1, 2, [2]),  # the run ends inside it: written at the end
 ])
 def test_the_trace_holds_exactly_the_windows_iterations_with_the_phases(tmp_path, first, last, recorded):
-    profiler = profiling.Profiler(_settings(tmp_path), rank=0, world_size=1, last_iteration=last, kind="cpu")
+    profiler = profiling.Profiler(_settings(tmp_path), rank=0, world_size=1, kind="cpu")
     _fake_loop(profiler, first, last)
     files = glob.glob(str(tmp_path / "profile" / "rank0.*.pt.trace.json"))
     assert len(files) == 1 and profiler.traces == files and profiler.profiled == recorded
@@ -115,7 +115,7 @@ def test_the_trace_holds_exactly_the_windows_iterations_with_the_phases(tmp_path
 
 
 def test_a_rank_not_chosen_writes_nothing(tmp_path):
-    profiler = profiling.Profiler(_settings(tmp_path, ranks=(1,)), rank=0, world_size=2, last_iteration=5, kind="cpu")
+    profiler = profiling.Profiler(_settings(tmp_path, ranks=(1,)), rank=0, world_size=2, kind="cpu")
     _fake_loop(profiler, 1, 5)
     assert not (tmp_path / "profile").exists() and profiler.profiled == []
 
@@ -144,7 +144,7 @@ def test_nsys_range_and_memory_snapshot_on_cuda(tmp_path, monkeypatch):
     monkeypatch.setattr(profiling, "_nvtx_range", Range)
     settings = ProfileSettings(profile=True, profile_step_start=2, profile_step_end=4, record_memory_history=True,
                                memory_snapshot_path=str(tmp_path / "m.pickle"), log_interval=2)
-    profiler = profiling.Profiler(settings, rank=0, world_size=1, last_iteration=5, kind="cuda")
+    profiler = profiling.Profiler(settings, rank=0, world_size=1, kind="cuda")
     for iteration in range(1, 6):
         calls.append(("begin", iteration))
         profiler.begin(iteration)
@@ -155,7 +155,7 @@ def test_nsys_range_and_memory_snapshot_on_cuda(tmp_path, monkeypatch):
     profiler.close()  # idempotent (the trainer's finally)
     dump = ("dump", str(tmp_path / "m.pickle"))
     assert calls == [("history", True), ("begin", 1), ("begin", 2), ("range", True), dump, ("begin", 3),
-                     ("range", False), ("begin", 4), dump, ("begin", 5), dump, dump, ("history", False)]
+                     ("range", False), ("begin", 4), dump, ("begin", 5), dump, ("history", False)]
     assert ranges == ["timing/rollout", "timing/rollout"] and profiler.profiled == [2, 3]
 
 
@@ -165,8 +165,8 @@ def test_the_progress_line_and_the_summary():
     lines = []
     logger = MetricsLogger(log_interval=2, total_iterations=10, print_fn=lines.append, progress=progress,
                            on_stdout=timers.on_stdout(0))
-    for iteration, score in ((3, None), (4, 0.5), (5, None), (6, 0.25)):
-        now[0] += 2.5
+    for iteration, score, seconds in ((3, None, 2.5), (4, 0.5, 2.5), (5, None, 4.0), (6, 0.25, 4.0)):
+        now[0] += seconds
         metrics = {"timing/all": 2.5, "timing/rollout": 1.0, "e2e_tps": 3.0}
         if score is not None:
             metrics["eval/score/mean"] = score
@@ -176,8 +176,11 @@ def test_the_progress_line_and_the_summary():
     assert lines[0].startswith(" iteration   4/ 10 | elapsed time per iteration (ms): 2500.0 | elapsed: 0:00:05 | "
                                "time left: 0:00:15 | timing/all:")
     assert "timing/rollout" not in lines[0] and "e2e_tps" in lines[0]  # --timing-log-level 0
+    # 5 and 6 took 8 s: the mean since the previous line; 13 s for 4 iterations, 4 left: 0:00:13
+    assert lines[1].startswith(" iteration   6/ 10 | elapsed time per iteration (ms): 4000.0 | elapsed: 0:00:13 | "
+                               "time left: 0:00:13 |")
     summary = "\n".join(progress.summary_lines([("checkpoints", "/ck (last: iteration 6)"), ("TensorBoard", None)]))
-    assert summary == ("run summary: iterations 3 .. 6 of 10 done in 0:00:10 (2.50 s per iteration)\n"
+    assert summary == ("run summary: iterations 3 .. 6 of 10 done in 0:00:13 (3.25 s per iteration)\n"
                        "  eval/score/mean: best 0.5000 (iteration 4), last 0.2500 (iteration 6)\n"
                        "  checkpoints: /ck (last: iteration 6)")
     every = MetricsLogger(total_iterations=1, print_fn=lines.append, on_stdout=timers.on_stdout(1))
