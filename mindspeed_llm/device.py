@@ -113,6 +113,45 @@ def set_rng_state(state) -> None:
     (torch.cuda if acc.kind == "cuda" else torch.npu).set_rng_state(state)
 
 
+def profiler_api():
+    """(module, activities) of this device's profiler: `torch.profiler` with CPU (+ CUDA) activities, or
+    `torch_npu.profiler` with CPU + NPU (written from its documented API, unverified until run on an NPU). Both
+    have `profile`, `schedule` and `tensorboard_trace_handler`."""
+    acc = accelerator()
+    if acc.kind == "npu":
+        import torch_npu
+
+        api = torch_npu.profiler
+        return api, [api.ProfilerActivity.CPU, api.ProfilerActivity.NPU]
+    api = torch.profiler
+    return api, [api.ProfilerActivity.CPU] + ([api.ProfilerActivity.CUDA] if acc.kind == "cuda" else [])
+
+
+def cuda_profiler_range(start: bool) -> bool:
+    """nsys's capture range (`--capture-range=cudaProfilerApi`): cudaProfilerStart / Stop. False where there is
+    none (not CUDA)."""
+    if accelerator().kind != "cuda":
+        return False
+    (torch.cuda.cudart().cudaProfilerStart if start else torch.cuda.cudart().cudaProfilerStop)()
+    return True
+
+
+def record_memory_history(enabled: bool) -> bool:
+    """Start (or stop) recording the CUDA allocator's history for a memory snapshot; False where there is none."""
+    if accelerator().kind != "cuda":
+        return False
+    torch.cuda.memory._record_memory_history("all" if enabled else None, max_entries=100000)
+    return True
+
+
+def dump_memory_snapshot(path: str) -> bool:
+    """Write the recorded allocator history to `path` (a pickle for pytorch.org/memory_viz); False off CUDA."""
+    if accelerator().kind != "cuda":
+        return False
+    torch.cuda.memory._dump_snapshot(path)
+    return True
+
+
 _SETUP_DONE = False
 
 

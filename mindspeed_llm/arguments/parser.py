@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_args(p)
     _add_logging_args(p)
     _add_wandb_args(p)
+    _add_profiling_args(p)
     _add_rl_models_args(p)
     _add_rollout_args(p)
     _add_multi_turn_args(p)
@@ -302,6 +303,32 @@ def _add_wandb_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-exp-name", help="the wandb run's name (default: wandb's)")
     g.add_argument("--wandb-save-dir", help="where wandb writes its files (default: --save/wandb, else ./wandb)")
     g.add_argument("--wandb-entity", help="the wandb team or user (default: the API key's)")
+
+
+def _add_profiling_args(p: argparse.ArgumentParser) -> None:
+    """Profiling and the timing / throughput lines (Megatron-LM's flags; rl/profiling.py, docs/monitoring.md)."""
+    g = p.add_argument_group("profiling (Megatron-LM's flags; docs/monitoring.md)")
+    g.add_argument("--profile", action="store_true",
+                   help="profile iterations --profile-step-start .. --profile-step-end - 1 on --profile-ranks: with "
+                        "--use-pytorch-profiler torch.profiler traces (TensorBoard / Perfetto), else nsys's capture "
+                        "range (cudaProfilerStart / Stop; CUDA only; on NPU torch_npu.profiler)")
+    g.add_argument("--profile-step-start", type=int, default=10, help="first profiled iteration (10)")
+    g.add_argument("--profile-step-end", type=int, default=12, help="the iteration after the last profiled (12)")
+    g.add_argument("--profile-ranks", nargs="+", type=int, default=[0], help="global ranks profiled (0)")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="with --profile: torch.profiler, traces written to <--tensorboard-dir, else --save>/profile")
+    g.add_argument("--record-memory-history", action="store_true",
+                   help="CUDA: record the allocator's history on the last rank and dump it to "
+                        "--memory-snapshot-path every --log-interval (torch.cuda.memory._dump_snapshot)")
+    g.add_argument("--memory-snapshot-path", default="snapshot.pickle",
+                   help="where --record-memory-history dumps the snapshot (snapshot.pickle)")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="accepted: the throughputs (e2e_tps, update_tps, vllm_tps / rollout_tps) are always logged")
+    g.add_argument("--timing-log-level", type=int, choices=(0, 1, 2),
+                   help="0: the stdout line shows timing/all alone; 1, 2 (or not given): every phase timing/*. The "
+                        "JSONL and TensorBoard always get every phase")
+    g.add_argument("--timing-log-option", choices=("flatten", "max", "minmax", "all"),
+                   help="accepted: timing/* are the mean over the data-parallel ranks here")
 
 
 def _add_rl_models_args(p: argparse.ArgumentParser) -> None:

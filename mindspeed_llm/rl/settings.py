@@ -14,6 +14,7 @@
     CheckpointSettings save / load / resume                                    (`trainer._resume`, `_loop`)
     LoopSettings       iterations, evaluation and logging                      (`trainer._loop`)
     WandbSettings      Weights & Biases: project, run name, directory, mode   (`metrics.MetricsLogger`)
+    ProfileSettings    profiler window and ranks, memory history, timing lines (`profiling.Profiler`)
 
 A field is named after the flag's destination it holds (`--clip-ratio-high` -> `clip_ratio_high`), and its default
 is the parser's, so a part can be read like the Namespace it comes from (tests/test_settings.py checks every
@@ -229,6 +230,22 @@ class WandbSettings:
 
 
 @dataclass(frozen=True)
+class ProfileSettings:
+    """Megatron-LM's profiling flags (`rl/profiling.py`): iterations profile_step_start .. profile_step_end - 1 (as
+    logged, from 1) on the ranks `profile_ranks`."""
+    profile: bool = False
+    use_pytorch_profiler: bool = False  # with --profile: torch.profiler traces; without: nsys's range (CUDA)
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: Tuple[int, ...] = (0,)
+    record_memory_history: bool = False  # CUDA: torch's allocator history, dumped on the last rank
+    memory_snapshot_path: str = "snapshot.pickle"
+    timing_log_level: Optional[int] = None  # 0: timing/all alone on the stdout line; None, 1, 2: every phase
+    log_interval: int = 1  # the memory snapshot is dumped every log interval (Megatron-LM's)
+    trace_dir: Optional[str] = derived()  # where the traces go: <--tensorboard-dir or --save>/profile
+
+
+@dataclass(frozen=True)
 class Settings:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     loss: LossSettings = field(default_factory=LossSettings)
@@ -244,6 +261,7 @@ class Settings:
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     loop: LoopSettings = field(default_factory=LoopSettings)
     wandb: WandbSettings = field(default_factory=WandbSettings)
+    profile: ProfileSettings = field(default_factory=ProfileSettings)
 
 
 # Settings' fields and their part classes, in order

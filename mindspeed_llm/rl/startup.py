@@ -1,7 +1,7 @@
 """What rank 0 prints once before training (`trainer.run`), composed here from the layers below the trainer:
 the parser's lines (`compat_flags.startup_lines`: ignored flags, an overridden --distributed-backend, the notes
-`validate_args` left), the MoE notes (`rl.moe.startup_notes`: --moe-grouped-gemm without a kernel) and the
-environment switches with their values.
+`validate_args` left), the MoE notes (`rl.moe.startup_notes`: --moe-grouped-gemm without a kernel), what the
+profiling flags do on this device (`rl.profiling.startup_notes`) and the environment switches with their values.
 
 The switches stay environment variables, not flags: each picks an implementation, never the math (the Triton
 kernels of `mindspeed_llm.kernels`, the decode step's CUDA graph of `inference/cuda_graph.py`), and each is read
@@ -16,9 +16,11 @@ from typing import List
 from mindspeed_llm import compat_flags
 from mindspeed_llm.inference.cuda_graph import DECODE_CUDA_GRAPH_ENV
 from mindspeed_llm.kernels import KERNEL_ENVS
-from mindspeed_llm.rl import moe
+from mindspeed_llm.rl import moe, profiling
 
 # environment variable -> the value it has when unset
+# the collectives backend -> the device kind it runs on
+BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
 ENVIRONMENT_SWITCHES = {**{env: "auto" for env in KERNEL_ENVS.values()}, DECODE_CUDA_GRAPH_ENV: "0"}
 
 
@@ -31,4 +33,6 @@ def environment_line() -> str:
 
 def startup_lines(args, backend: str) -> List[str]:
     """The lines rank 0 prints once before training, in order; `backend` is the device's collectives backend."""
-    return compat_flags.startup_lines(args, backend) + moe.startup_notes(args) + [environment_line()]
+    settings = getattr(args, "settings", None)
+    notes = profiling.startup_notes(settings.profile, BACKEND_DEVICE.get(backend, backend)) if settings else []
+    return compat_flags.startup_lines(args, backend) + moe.startup_notes(args) + notes + [environment_line()]

@@ -30,9 +30,9 @@ from mindspeed_llm.checkpoint.megatron_layout import checkpoint_traces
 from mindspeed_llm.data import PromptDataset, PromptSampler
 from mindspeed_llm.data.prompt_dataset import PromptSubset, split_indices
 from mindspeed_llm.errors import ArgumentError
-from mindspeed_llm.rl import rollout_strategies
+from mindspeed_llm.rl import profiling, rollout_strategies
 from mindspeed_llm.rl.evaluation import Evaluator
-from mindspeed_llm.rl.metrics import MetricsLogger, reduce_metrics, throughput_metrics
+from mindspeed_llm.rl.metrics import MetricsLogger, Progress, reduce_metrics, throughput_metrics, timers
 from mindspeed_llm.rl.metrics.wandb_writer import wandb_options
 from mindspeed_llm.rl.settings import CheckpointSettings, DataSettings, RewardMixing, Settings, with_values
 from mindspeed_llm.rl.stages import STAGES
@@ -326,7 +326,7 @@ def run(args) -> None:
             raise training_ckpt.CheckpointError(problem)
         check_shared_save(checkpoint.save, lock.path)
     exit_signal = _ExitSignal(checkpoint.exit_signal_handler)
-    logger = evaluator = None
+    logger = evaluator = profiler = None
     loop = settings.loop
     failed = True  # until the loop returns: the wandb run then finishes with exit code 1
     try:
@@ -334,19 +334,30 @@ def run(args) -> None:
         if checkpoint.save:
             training_ckpt.check_save_dir(checkpoint.save, stage.roles())
         start = _resume(checkpoint, stage, sampler)
+        progress = Progress(loop.train_iters, start)  # the stdout line's elapsed / time left, the end summary
         logger = MetricsLogger(
             loop.log_interval, jsonl_path=loop.metrics_jsonl, tensorboard_dir=loop.tensorboard_dir,
             rank=torch.distributed.get_rank(), total_iterations=loop.train_iters, lines=stage.log_lines,
             resumed_at=start if _resumes_from_load(checkpoint) else None,  # rows of re-run iterations are replaced
             wandb=wandb_options(settings),
+            progress=progress, on_stdout=timers.on_stdout(settings.profile.timing_log_level),
         )
         evaluator = Evaluator(stage, eval_dataset or (), loop, start, rank=torch.distributed.get_rank())
-        _loop(settings, stage, dataset, evaluator, sampler, logger, start, exit_signal)
+        profiler = profiling.Profiler(settings.profile, torch.distributed.get_rank(), parallel.world_size)
+        saved = _loop(settings, stage, dataset, evaluator, sampler, logger, start, exit_signal, profiler)
+        profiler.close()  # the traces of a window the run cut short are written before the summary names them
+        if distributed.is_rank_0():
+            outputs = [("checkpoints", f"{checkpoint.save} (last: iteration {saved})" if saved else None),
+                       ("metrics", loop.metrics_jsonl), ("TensorBoard", loop.tensorboard_dir)]
+            for line in progress.summary_lines(outputs) + [f"  {x}" for x in profiler.summary_lines()]:
+                print(f"posttrain_gpt.py: {line}", flush=True)
         failed = False
     finally:
         exit_signal.restore()
         if evaluator is not None:
             evaluator.close()
+        if profiler is not None:
+            profiler.close()
         if logger is not None:
             logger.close(failed=failed)
         if lock is not None:
@@ -378,7 +389,9 @@ class EntropyGuard:
             raise DivergenceError(distributed.gather_messages(found)[0])  # the same on every rank that has it
 
 
-def _loop(settings: Settings, stage, dataset, evaluator: Evaluator, sampler, logger, start: int, exit_signal) -> None:
+def _loop(settings: Settings, stage, dataset, evaluator: Evaluator, sampler, logger, start: int, exit_signal,
+          profiler: profiling.Profiler) -> Optional[int]:
+    """The iterations after `start`; returns the last saved iteration (None: none)."""
     loop, checkpoint, n = settings.loop, settings.checkpoint, settings.algorithm.n_samples_per_prompt
     world_size = settings.parallel.world_size
     _, dp_size = distributed.data_parallel_info()
@@ -405,6 +418,7 @@ def _loop(settings: Settings, stage, dataset, evaluator: Evaluator, sampler, log
               f"left to train; raise --train-iters to continue", flush=True)
     for iteration in range(start + 1, loop.train_iters + 1):
         last = f"the last checkpoint is iteration {saved}" if saved else "no checkpoint was written"
+        profiler.begin(iteration)
         try:
             prompts = rollout_strategies.PromptSource.from_sampler(dataset, sampler, loop.global_batch_size,
                                                                    rollout_rank)
@@ -431,6 +445,7 @@ def _loop(settings: Settings, stage, dataset, evaluator: Evaluator, sampler, log
         metrics.update(global_batch_size=loop.global_batch_size, world_size=world_size)
         logger.log(iteration, metrics)
         evaluator.record(iteration, metrics)
+        profiler.end(iteration)
         if checkpoint.save and checkpoint.save_interval and iteration % checkpoint.save_interval == 0:
             save(iteration)
         if exit_signal.any_rank():
@@ -440,6 +455,7 @@ def _loop(settings: Settings, stage, dataset, evaluator: Evaluator, sampler, log
                 where = f"saved iteration {iteration} to {checkpoint.save}" if checkpoint.save else \
                     "no --save: nothing saved"
                 print(f"SIGTERM received: {where}; exiting (--exit-signal-handler)", flush=True)
-            return
+            return saved
     if checkpoint.save and saved != iteration:  # Megatron-LM saves at the end of training
         save(iteration)
+    return saved

@@ -1,12 +1,32 @@
-"""Named wall-clock timers of one iteration, logged as ``timing/<stage>``."""
+"""Named wall-clock timers of one iteration, logged as ``timing/<stage>``; while a profiler records
+(`rl/profiling.py`), each timed phase is also a named range of the trace (`set_phase_ranges`), so the phases have
+one set of names."""
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Callable, Dict, Optional
+from typing import Callable, ContextManager, Dict, Optional
 
 TIMING_PREFIX = "timing/"
+# name -> a context manager around the phase (torch.profiler.record_function, an NVTX range); None: no ranges
+_PHASE_RANGES: Optional[Callable[[str], ContextManager]] = None
+
+
+def set_phase_ranges(factory: Optional[Callable[[str], ContextManager]]):
+    """Every timer started from now on also opens `factory("timing/<name>")` until it stops (None: stop opening
+    them); returns the previous factory. A range opened stays until its timer stops."""
+    global _PHASE_RANGES
+    previous, _PHASE_RANGES = _PHASE_RANGES, factory
+    return previous
+
+
+def on_stdout(timing_log_level):
+    """The stdout line's key filter of --timing-log-level (None: every key): 0 keeps timing/all alone of the timers
+    (Megatron-LM's level 0: the iteration time); 1 and 2 every phase."""
+    if timing_log_level != 0:
+        return None
+    return lambda key: not key.startswith(TIMING_PREFIX) or key == TIMING_PREFIX + "all"
 
 
 class Timers:
@@ -32,6 +52,7 @@ class Timers:
         self._clock = clock
         self._elapsed: Dict[str, float] = {}
         self._started: Dict[str, float] = {}
+        self._ranges: Dict[str, ContextManager] = {}
 
     def _now(self) -> float:
         if self._sync is not None:
@@ -43,6 +64,9 @@ class Timers:
             raise RuntimeError(f"timer '{name}' is already running")
         self._elapsed.setdefault(name, 0.0)
         self._started[name] = self._now()
+        if _PHASE_RANGES is not None:
+            self._ranges[name] = _PHASE_RANGES(TIMING_PREFIX + name)
+            self._ranges[name].__enter__()
 
     def stop(self, name: str) -> float:
         """Stops ``name``; returns the seconds of this interval."""
@@ -50,6 +74,9 @@ class Timers:
             raise RuntimeError(f"timer '{name}' is not running")
         interval = self._now() - self._started.pop(name)
         self._elapsed[name] += interval
+        phase_range = self._ranges.pop(name, None)
+        if phase_range is not None:
+            phase_range.__exit__(None, None, None)
         return interval
 
     @contextmanager

@@ -82,6 +82,10 @@ class MetricsLogger:
     entry matches that exact key and the keys under it ("actor" takes "actor" and "actor/..."), e.g.
     ``{"actor": ["actor/", "grad_norm"], "critic": ["critic/"]}``; the first matching line wins.
     Ranks other than 0 write nothing.
+
+    ``progress`` (`progress.Progress`) sees every iteration and puts its items (elapsed time per iteration, elapsed,
+    time left) first on the ungrouped stdout line; ``on_stdout(key)`` False leaves a key off the stdout lines
+    (not the JSONL nor TensorBoard): --timing-log-level 0.
     """
 
     def __init__(self, log_interval: int = 1, jsonl_path: Optional[str] = None,
@@ -89,7 +93,8 @@ class MetricsLogger:
                  total_iterations: Optional[int] = None,
                  lines: Optional[Mapping[str, Sequence[str]]] = None,
                  print_fn: Callable[[str], None] = None, resumed_at: Optional[int] = None,
-                 wandb: Optional[Mapping[str, object]] = None):
+                 wandb: Optional[Mapping[str, object]] = None,
+                 progress=None, on_stdout: Optional[Callable[[str], bool]] = None):
         if int(log_interval) < 1:
             raise ValueError(f"log_interval must be >= 1, got {log_interval}")
         self.log_interval = int(log_interval)
@@ -97,6 +102,8 @@ class MetricsLogger:
         self.total_iterations = total_iterations
         self.lines = dict(lines) if lines else None
         self._print = print_fn or (lambda s: print(s, flush=True, file=sys.stdout))
+        self.progress = progress
+        self._on_stdout = on_stdout
         self._jsonl = None
         self._tb = None
         self._wandb = None
@@ -131,9 +138,10 @@ class MetricsLogger:
                 main.append((key, value))
         return main, [(name, items) for name, items in grouped.items() if items]
 
-    def format_lines(self, iteration: int, metrics: Mapping[str, object]) -> List[str]:
+    def format_lines(self, iteration: int, metrics: Mapping[str, object], head: Sequence = ()) -> List[str]:
         # the named lines in their order (actor, then critic, as MindSpeed-LLM prints them), then the rest
         main, groups = self._group(metrics, self.lines)
+        main = list(head) + main
         out = [format_log_line(iteration, items, self.total_iterations, tag=name) for name, items in groups]
         if main or not groups:
             out.append(format_log_line(iteration, main, self.total_iterations))
@@ -144,9 +152,13 @@ class MetricsLogger:
             raise RuntimeError("MetricsLogger is closed")
         if self.rank != 0:
             return
+        if self.progress is not None:
+            self.progress.observe(iteration, metrics)
         if iteration % self.log_interval == 0 or (self.total_iterations is not None
                                                   and iteration == self.total_iterations):
-            for line in self.format_lines(iteration, metrics):
+            head = self.progress.line_items(iteration) if self.progress is not None else ()
+            shown = metrics if self._on_stdout is None else {k: v for k, v in metrics.items() if self._on_stdout(k)}
+            for line in self.format_lines(iteration, shown, head):
                 self._print(line)
         if self._jsonl is not None:
             record = {"iteration": int(iteration)}

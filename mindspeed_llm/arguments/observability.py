@@ -1,0 +1,51 @@
+"""Megatron-LM's profiling and observability flags, checked and resolved (`validate_args` calls `check_profiling`):
+the profiled window and ranks, where the traces go (`trace_dir`), and the startup notes for the flags that are
+accepted with a counterpart here (--log-throughput, --timing-log-option, --timing-log-level 2). The device-dependent
+notes (nsys and the memory history need CUDA) are `rl/profiling.startup_notes`'."""
+
+from __future__ import annotations
+
+import os
+
+from mindspeed_llm.errors import ArgumentError
+
+THROUGHPUTS = "e2e_tps, update_tps, vllm_tps / rollout_tps"
+
+
+def check_profiling(run) -> None:
+    """`run`: validation's view of the Namespace (`validation._Resolving`); sets `trace_dir`, adds startup notes."""
+    run.trace_dir = None
+    if run.log_throughput:
+        run.startup_notes.append(f"--log-throughput: the throughputs are always logged here ({THROUGHPUTS}: tokens "
+                                 "per second per device, docs/metrics.md); there is no TFLOP/s figure")
+    if run.timing_log_option is not None:
+        run.startup_notes.append(f"--timing-log-option {run.timing_log_option}: timing/* are the mean over the "
+                                 "data-parallel ranks here (no per-rank max / min)")
+    if run.timing_log_level == 2:
+        run.startup_notes.append("--timing-log-level 2: the timers here are the phases of an iteration (level 1's); "
+                                 "none is finer, so it logs what 1 does")
+    if run.use_pytorch_profiler and not run.profile:
+        run.startup_notes.append("--use-pytorch-profiler without --profile profiles nothing (Megatron-LM's rule); "
+                                 "add --profile")
+    if not run.profile:
+        return
+    start, end = run.profile_step_start, run.profile_step_end
+    if end <= max(start, 1):
+        raise ArgumentError(f"--profile-step-end {end} must be after --profile-step-start {start}: the profiled "
+                            f"iterations are {start} .. {end} - 1")
+    if max(start, 1) > run.train_iters:
+        raise ArgumentError(f"--profile-step-start {start} is after --train-iters {run.train_iters}: nothing would be "
+                            f"profiled; e.g. --profile-step-start 2 --profile-step-end 4")
+    outside = [rank for rank in run.profile_ranks if not 0 <= rank < run.world_size]
+    if outside:
+        raise ArgumentError(f"--profile-ranks {' '.join(map(str, outside))}: not a rank of this run (0 .. "
+                            f"{run.world_size - 1})")
+    if run.use_pytorch_profiler:
+        base = run.tensorboard_dir or run.save
+        if not base:
+            raise ArgumentError("--profile --use-pytorch-profiler writes its traces under --tensorboard-dir (or "
+                                "--save): give one of them")
+        run.trace_dir = os.path.join(base, "profile")
+    if end - 1 > run.train_iters:
+        run.startup_notes.append(f"--profile-step-end {end}: the run ends at --train-iters {run.train_iters}, so "
+                                 f"iterations {max(start, 1)} .. {run.train_iters} are profiled")
