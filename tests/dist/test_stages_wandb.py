@@ -35,7 +35,7 @@ def _run(rank, world_size, argv, failing_argv):
     from mindspeed_llm.rl import trainer
     from tests.helpers.stage_layouts import run_stages
 
-    def failing_loop(settings, stage, dataset, eval_dataset, sampler, logger, start, exit_signal):
+    def failing_loop(settings, stage, dataset, evaluator, sampler, logger, start, exit_signal, *rest):
         logger.log(1, {"x": 1.0})
         raise RuntimeError("stopped by the test")
 
