@@ -38,7 +38,8 @@ DEFAULTS = {
     "temperature": (1.0, 1.0),
 }
 TURNS = dict(max_assistant_turns=2, max_tool_calls=1, max_tool_response_length=32, max_total_response_length=128)
-MAX_LENGTH = 512  # prompt + trajectory
+MAX_PROMPT_LENGTH = 512  # the prompts: 311 tokens with one worked example, 393 with two, 475 with three
+MAX_LENGTH = MAX_PROMPT_LENGTH + TURNS["max_total_response_length"]  # prompt + trajectory
 
 
 def loop_settings(args):
@@ -50,7 +51,7 @@ def loop_settings(args):
 
 def stage_flags(args, tool_config) -> List:
     """The stage's task flags with tools (instead of the newline stop ids and the first-line verifier)."""
-    return ["--max-length", MAX_LENGTH, "--tool-config", tool_config,
+    return ["--max-prompt-length", MAX_PROMPT_LENGTH, "--max-length", MAX_LENGTH, "--tool-config", tool_config,
             "--max-assistant-turns", TURNS["max_assistant_turns"], "--max-tool-calls", TURNS["max_tool_calls"],
             "--max-tool-response-length", TURNS["max_tool_response_length"],
             "--max-total-response-length", TURNS["max_total_response_length"],
