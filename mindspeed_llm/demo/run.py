@@ -231,8 +231,12 @@ def main(argv=None) -> int:
     hf_trained, lora_summary = export_trained_actor(args, out, save, mg_model, hf_model, log)
 
     # 7. held-out accuracy before / after, summary and plot
-    print(f"\n==> held-out accuracy with transformers ({len(test_rows)} problems, greedy"
-          f"{', the conversations with the calculator' if args.tools else ''})", flush=True)
+    if args.tools:
+        how = (f"{tool_demo.EVAL_SAMPLES[1 if args.tiny else 0]} samples each at temperature {args.temperature:g}, "
+               f"the conversations with the calculator")
+    else:
+        how = "greedy"
+    print(f"\n==> held-out accuracy with transformers ({len(test_rows)} problems, {how})", flush=True)
     if args.tools:
         before, after = (tool_demo.evaluate(m, test_rows, tool_config, args) for m in (hf_model, hf_trained))
     else:

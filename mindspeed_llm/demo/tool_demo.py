@@ -36,7 +36,11 @@ REWARD = ROOT / "mindspeed_llm" / "demo" / "tool_task.py"
 DEFAULTS = {
     "max_new_tokens": (48, 16),
     "temperature": (1.0, 1.0),
+    "eval_problems": (16, 4),
 }
+# the held-out evaluation samples each problem this many times at the stage's temperature (greedy would be 100%
+# right from the start with two worked examples: see tool_task's measurements)
+EVAL_SAMPLES = (4, 2)
 TURNS = dict(max_assistant_turns=2, max_tool_calls=1, max_tool_response_length=32, max_total_response_length=128)
 MAX_PROMPT_LENGTH = 512  # the prompts: 311 tokens with one worked example, 393 with two, 475 with three
 MAX_LENGTH = MAX_PROMPT_LENGTH + TURNS["max_total_response_length"]  # prompt + trajectory
@@ -59,13 +63,17 @@ def stage_flags(args, tool_config) -> List:
 
 
 def evaluate(model_dir, rows, tool_config, args) -> dict:
-    """Greedy held-out accuracy and tool use of the model with the calculator (`tool_eval.evaluate_tools_hf`)."""
+    """Held-out accuracy and tool use of the model with the calculator (`tool_eval.evaluate_tools_hf`): each problem
+    sampled `EVAL_SAMPLES` times at the stage's ``--temperature`` (pure sampling, top-k 0, top-p 1, as in the
+    rollouts), the same random seed before and after."""
     import torch
 
     from mindspeed_llm.demo.tool_eval import evaluate_tools_hf
 
     threads = torch.get_num_threads()
     try:
-        return evaluate_tools_hf(model_dir, rows, str(tool_config), loop_settings(args))
+        return evaluate_tools_hf(model_dir, rows, str(tool_config), loop_settings(args), do_sample=True,
+                                 temperature=args.temperature, n_samples=EVAL_SAMPLES[1 if args.tiny else 0],
+                                 batch_size=32, seed=args.seed)
     finally:
         torch.set_num_threads(threads)

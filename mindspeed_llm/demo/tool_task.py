@@ -98,7 +98,7 @@ TOOL_VARIANTS: Dict[str, ToolTaskVariant] = {
 }
 # the worked examples, last first (one shot is the last of them), outside every variant's test split by their form
 SHOTS = (("506 * 93", "47058"), ("250 * 17", "4250"), ("12 * 34", "408"))
-DEFAULT_TOOL_VARIANT = "mul3x2"
+DEFAULT_TOOL_VARIANT = "mul3x2_2shot"
 
 _NUM_OP = re.compile(r"\s*(\d+)\s*([+*])?")
 
