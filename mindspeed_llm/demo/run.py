@@ -247,7 +247,8 @@ def main(argv=None) -> int:
         (out / f"eval_{name}.json").write_text(json.dumps(result, indent=1))
     print(f"    before: {before['accuracy']:.1%}   after: {after['accuracy']:.1%}", flush=True)
     if args.tools:
-        print(f"    tool-call rate: before {before['tool_call_rate']:.1%}   after {after['tool_call_rate']:.1%}",
+        print(f"    tool-call rate: before {before['tool_call_rate']:.1%}   after {after['tool_call_rate']:.1%}   "
+              f"(without a failed call: before {before['clean_call_rate']:.1%}   after {after['clean_call_rate']:.1%})",
               flush=True)
     title = f"{args.stage}{' with LoRA' if args.lora else ''}{' with a calculator tool' if args.tools else ''} on " \
             f"{'a tiny random model' if args.tiny else 'SmolLM2-135M'}"
@@ -257,7 +258,8 @@ def main(argv=None) -> int:
                    accuracy_before=before["accuracy"], accuracy_after=after["accuracy"], lr=args.lr)
     if args.tools:
         summary.update(tools=True, variant=variant, **{f"{k}_{when}": r[k] for when, r in (("before", before),
-                       ("after", after)) for k in ("tool_call_rate", "calls", "num_turns")})
+                       ("after", after)) for k in ("tool_call_rate", "clean_call_rate", "calls", "num_turns")},
+                       eval_samples_per_problem=tool_demo.EVAL_SAMPLES[1 if args.tiny else 0])
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"\nmetrics: {metrics}\nsummary: {out / 'summary.json'}\ntotal time: {time.time() - started:.0f} s")
     return 0

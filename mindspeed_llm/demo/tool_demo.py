@@ -2,8 +2,8 @@
 
 What ``--tools`` changes in the pipeline of :mod:`mindspeed_llm.demo.run`:
 
-1. the task is :mod:`mindspeed_llm.demo.tool_task`'s (default ``mul3x2``: 3-digit x 2-digit products, one worked
-   example as chat turns) and the demo writes ``tools.yaml`` (verl's / MindSpeed-RL's schema, the built-in
+1. the task is :mod:`mindspeed_llm.demo.tool_task`'s (default ``mul3x2_2shot``: 3-digit x 2-digit products, two
+   worked examples as chat turns) and the demo writes ``tools.yaml`` (verl's / MindSpeed-RL's schema, the built-in
    calculator);
 2. ``preprocess_data.py --tool-config tools.yaml --prompt-type chatml --map-keys '{"prompt": "messages", ...}'``
    puts the calculator's schema (the Hermes ``<tools>`` block: SmolLM2's template has no tools section) in the
@@ -13,7 +13,9 @@ What ``--tools`` changes in the pipeline of :mod:`mindspeed_llm.demo.run`:
    the reward ``--custom-reward-function mindspeed_llm/demo/tool_task.py:final_answer`` (the last assistant turn's
    first line is the number);
 4. the held-out accuracy before / after is measured with the conversations of
-   :mod:`mindspeed_llm.demo.tool_eval` (transformers, greedy, the calculator executed), with the tool-call rate;
+   :mod:`mindspeed_llm.demo.tool_eval` (transformers, the calculator executed), each of 16 held-out problems sampled
+   4 times at the stage's temperature (1.0; greedy is right every time from the start with two worked examples),
+   with the tool-call rate (the share of conversations whose first turn is a well-formed call);
 5. the report adds turns and tool calls per iteration (``num_turns/mean``, ``tool/calls``).
 """
 

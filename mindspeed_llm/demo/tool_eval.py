@@ -10,7 +10,8 @@ generation is a function ``generate(inputs, max_new_tokens) -> new ids`` (:func:
 model; the tests script one), so the loop itself needs no model.
 
 :func:`evaluate_tools_hf` scores the conversations of held-out rows with :func:`~mindspeed_llm.demo.tool_task.final_answer`
-and counts the tool use: ``tool_call_rate`` (share of conversations whose first turn holds a well-formed call),
+and counts the tool use: ``tool_call_rate`` (share of conversations whose first turn holds a well-formed call, to any tool name),
+``clean_call_rate`` (such a call and no failed call: a known tool with good arguments),
 ``calls`` / ``failures`` per conversation, ``num_turns``.
 
     python -m mindspeed_llm.demo.tool_eval MODEL_DIR --problems test.json --tool-config tools.yaml
@@ -165,12 +166,17 @@ def hf_generator(model, pad_id: int, eos_ids: Sequence[int], *, do_sample: bool 
     else:
         gen.update(do_sample=False, temperature=None, top_k=None, top_p=None)
 
+    import inspect
+
+    # transformers 5.x names the KV cache argument `cache` (`past_key_values` before, deprecated since)
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
     def shared_cache(prefix: List[int], rows: int):
         from transformers import DynamicCache
 
         cache = DynamicCache()
         with torch.no_grad():
-            model(input_ids=torch.tensor([prefix]), past_key_values=cache, use_cache=True)
+            model(input_ids=torch.tensor([prefix]), use_cache=True, **{cache_arg: cache})
         cache.batch_repeat_interleave(rows)
         return cache
 
@@ -194,7 +200,7 @@ def hf_generator(model, pad_id: int, eos_ids: Sequence[int], *, do_sample: bool 
                 own = inputs[i][shared:]
                 ids[r, shared + width - len(own):] = torch.tensor(own)
                 mask[r, shared + width - len(own):] = 1
-            extra = {"past_key_values": shared_cache(inputs[chunk[0]][:shared], len(chunk))} if shared else {}
+            extra = {cache_arg: shared_cache(inputs[chunk[0]][:shared], len(chunk))} if shared else {}
             with torch.no_grad():
                 res = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=int(max_new_tokens), **gen,
                                      **extra)
@@ -230,6 +236,8 @@ def tool_metrics(convs: Sequence[dict], scores: Sequence[float]) -> dict:
     return {
         "accuracy": sum(scores) / n,
         "tool_call_rate": sum(first_call) / n,
+        # a first-turn call and no failed call in the conversation (a known tool, good arguments)
+        "clean_call_rate": sum(f and not c["trajectory"]["failures"] for f, c in zip(first_call, convs)) / n,
         "accuracy_with_call": (sum(s for s, f in zip(scores, first_call) if f) / max(1, sum(first_call))),
         "calls": sum(c["trajectory"]["tool_calls"] for c in convs) / n,
         "failures": sum(c["trajectory"]["failures"] for c in convs) / n,
