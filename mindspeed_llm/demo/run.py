@@ -253,7 +253,9 @@ def main(argv=None) -> int:
     title = f"{args.stage}{' with LoRA' if args.lora else ''}{' with a calculator tool' if args.tools else ''} on " \
             f"{'a tiny random model' if args.tiny else 'SmolLM2-135M'}"
     summary = report.write_report(metrics, out / "report.png", before["accuracy"], after["accuracy"],
-                                  title=title, lora=lora_summary)
+                                  title=title, lora=lora_summary,
+                                  accuracy_label=f"accuracy (sampled, T={args.temperature:g})" if args.tools
+                                  else "accuracy (greedy)")
     summary.update(stage=args.stage, tiny=args.tiny, wall_seconds=time.time() - started,
                    accuracy_before=before["accuracy"], accuracy_after=after["accuracy"], lr=args.lr)
     if args.tools:
