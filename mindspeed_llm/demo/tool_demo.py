@@ -32,12 +32,12 @@ __all__ = ["DEFAULTS", "DEFAULT_TOOL_VARIANT", "TURNS", "loop_settings", "stage_
 ROOT = Path(__file__).resolve().parents[2]
 REWARD = ROOT / "mindspeed_llm" / "demo" / "tool_task.py"
 
-# (real model, tiny); the others come from run.DEFAULTS. A call is about 28 tokens
-# (<tool_call>\n{"name": "calculator", "arguments": {"expression": "896 * 66"}}\n</tool_call><|im_end|>), the answer
-# about 4; the prompt (the tools' block and one worked example) about 310.
+# (real model, tiny); the others come from run.DEFAULTS. A call is 36 tokens with SmolLM2's tokenizer
+# (<tool_call>\n{"name": "calculator", "arguments": {"expression": "896 * 66"}}\n</tool_call><|im_end|>), the tool's
+# delta 14, the answer about 4; the prompt (the tools' block and two worked examples) 393.
 # The real run's settings are the measured ones of tool_task's docstring (8 iterations of 4 prompts x 4 samples at
-# lr 3e-5: the prompts are ~390 tokens, so an iteration costs about 4x the plain demo's with 8 x 4; the training
-# reward is at 0.8-1.0 from the second iteration on).
+# lr 3e-5; the training reward is 0.8-1.0 from the second iteration on). The plain demo's 8 x 4 at lr 1e-5 took 328 s
+# for its first iteration here (load average 8-11), about 80 minutes for 15.
 DEFAULTS = {
     "iterations": (8, 2),
     "prompts_per_iteration": (4, 2),
