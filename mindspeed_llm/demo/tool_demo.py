@@ -33,8 +33,9 @@ ROOT = Path(__file__).resolve().parents[2]
 REWARD = ROOT / "mindspeed_llm" / "demo" / "tool_task.py"
 
 # (real model, tiny); the others come from run.DEFAULTS. A call is 36 tokens with SmolLM2's tokenizer
-# (<tool_call>\n{"name": "calculator", "arguments": {"expression": "896 * 66"}}\n</tool_call><|im_end|>), the tool's
-# delta about 15 (tool/response_length/mean), the answer about 4; the prompt (the tools' block and two worked examples) 393.
+# (<tool_call>\n{"name": "calculator", "arguments": {"expression": "896 * 66"}}\n</tool_call><|im_end|>), the
+# tool's delta about 15 (tool/response_length/mean), the answer about 4; the prompt (the tools' block and two worked
+# examples) 393.
 # The real run's settings are the measured ones of tool_task's docstring (8 iterations of 4 prompts x 4 samples at
 # lr 3e-5; the training reward is 0.8-1.0 from the second iteration on). The plain demo's 8 x 4 at lr 1e-5 took 328 s
 # for its first iteration here (load average 8-11), about 80 minutes for 15.
