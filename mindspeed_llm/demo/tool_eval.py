@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
-__all__ = ["ToolLoopSettings", "run_conversations", "hf_generator", "common_prefix_length", "render_tool_prompts", "evaluate_tools_hf",
-           "tool_metrics"]
+__all__ = ["ToolLoopSettings", "run_conversations", "hf_generator", "common_prefix_length", "render_tool_prompts",
+           "evaluate_tools_hf", "tool_metrics"]
 
 Generate = Callable[[List[List[int]], int], List[List[int]]]
 
