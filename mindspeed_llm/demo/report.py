@@ -186,7 +186,8 @@ def _moving_average(ys: List[float], k: int) -> List[float]:
 
 
 def plot_report(records: Sequence[Mapping], png_path: Union[str, Path], before=None, after=None,
-                title: str = "GRPO on SmolLM2-135M-Instruct", smooth: int = 5) -> Path:
+                title: str = "GRPO on SmolLM2-135M-Instruct", smooth: int = 5,
+                accuracy_label: str = "accuracy (greedy)") -> Path:
     """Write the PNG: reward per iteration (+ moving average over ``smooth``), response length, and
     held-out accuracy before / after (bars; left out when neither is given). Returns the path."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -260,7 +261,7 @@ def plot_report(records: Sequence[Mapping], png_path: Union[str, Path], before=N
             ax.text(bar.get_x() + bar.get_width() / 2, v + 0.02, f"{v:.0%}", ha="center", va="bottom",
                     fontsize=11, fontweight="bold")
         ax.set_ylim(0, 1.12)
-        ax.set_ylabel("accuracy (greedy)")
+        ax.set_ylabel(accuracy_label)
         ax.set_title("Held-out accuracy")
         ax.grid(axis="y", alpha=0.3)
 
@@ -296,7 +297,7 @@ def _plot_tools(ax, records: Sequence[Mapping]) -> None:
 
 def write_report(metrics_jsonl: Union[str, Path], png_path: Union[str, Path, None] = None, before=None,
                  after=None, *, title: str = "GRPO on SmolLM2-135M-Instruct", window: int = 5,
-                 print_fn=print, lora: Optional[dict] = None) -> dict:
+                 print_fn=print, lora: Optional[dict] = None, accuracy_label: str = "accuracy (greedy)") -> dict:
     """Load the metrics, print the summary table, write the PNG (when ``png_path`` is given); returns
     the summary (with ``"png"``; ``lora``, a LoRA run's adapter summary, is printed and kept as ``"lora"``)."""
     records = load_metrics(metrics_jsonl)
@@ -306,7 +307,8 @@ def write_report(metrics_jsonl: Union[str, Path], png_path: Union[str, Path, Non
     if print_fn is not None:
         print_fn(format_summary(summary))
     if png_path is not None:
-        summary["png"] = str(plot_report(records, png_path, before, after, title=title))
+        summary["png"] = str(plot_report(records, png_path, before, after, title=title,
+                                         accuracy_label=accuracy_label))
         if print_fn is not None:
             print_fn(f"plot: {summary['png']}")
     return summary

@@ -231,8 +231,12 @@ def main(argv=None) -> int:
     hf_trained, lora_summary = export_trained_actor(args, out, save, mg_model, hf_model, log)
 
     # 7. held-out accuracy before / after, summary and plot
-    print(f"\n==> held-out accuracy with transformers ({len(test_rows)} problems, greedy"
-          f"{', the conversations with the calculator' if args.tools else ''})", flush=True)
+    if args.tools:
+        how = (f"{tool_demo.EVAL_SAMPLES[1 if args.tiny else 0]} samples each at temperature {args.temperature:g}, "
+               f"the conversations with the calculator")
+    else:
+        how = "greedy"
+    print(f"\n==> held-out accuracy with transformers ({len(test_rows)} problems, {how})", flush=True)
     if args.tools:
         before, after = (tool_demo.evaluate(m, test_rows, tool_config, args) for m in (hf_model, hf_trained))
     else:
@@ -243,17 +247,21 @@ def main(argv=None) -> int:
         (out / f"eval_{name}.json").write_text(json.dumps(result, indent=1))
     print(f"    before: {before['accuracy']:.1%}   after: {after['accuracy']:.1%}", flush=True)
     if args.tools:
-        print(f"    tool-call rate: before {before['tool_call_rate']:.1%}   after {after['tool_call_rate']:.1%}",
+        print(f"    tool-call rate: before {before['tool_call_rate']:.1%}   after {after['tool_call_rate']:.1%}   "
+              f"(without a failed call: before {before['clean_call_rate']:.1%}   after {after['clean_call_rate']:.1%})",
               flush=True)
     title = f"{args.stage}{' with LoRA' if args.lora else ''}{' with a calculator tool' if args.tools else ''} on " \
             f"{'a tiny random model' if args.tiny else 'SmolLM2-135M'}"
     summary = report.write_report(metrics, out / "report.png", before["accuracy"], after["accuracy"],
-                                  title=title, lora=lora_summary)
+                                  title=title, lora=lora_summary,
+                                  accuracy_label=f"accuracy (sampled, T={args.temperature:g})" if args.tools
+                                  else "accuracy (greedy)")
     summary.update(stage=args.stage, tiny=args.tiny, wall_seconds=time.time() - started,
                    accuracy_before=before["accuracy"], accuracy_after=after["accuracy"], lr=args.lr)
     if args.tools:
         summary.update(tools=True, variant=variant, **{f"{k}_{when}": r[k] for when, r in (("before", before),
-                       ("after", after)) for k in ("tool_call_rate", "calls", "num_turns")})
+                       ("after", after)) for k in ("tool_call_rate", "clean_call_rate", "calls", "num_turns")},
+                       eval_samples_per_problem=tool_demo.EVAL_SAMPLES[1 if args.tiny else 0])
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"\nmetrics: {metrics}\nsummary: {out / 'summary.json'}\ntotal time: {time.time() - started:.0f} s")
     return 0

