@@ -159,8 +159,7 @@ def main(argv=None) -> int:
     log = out / "pipeline.log"
     started = time.time()
 
-    from mindspeed_llm.demo import evaluate, model, report, task
-    VERIFIER_NAME = evaluate.DEFAULT_VERIFIER
+    from mindspeed_llm.demo import model, task
 
     # 1. the model
     print(f"==> model ({'tiny random Llama, SmolLM2 tokenizer' if args.tiny else 'SmolLM2-135M-Instruct'})",
@@ -231,6 +230,19 @@ def main(argv=None) -> int:
     hf_trained, lora_summary = export_trained_actor(args, out, save, mg_model, hf_model, log)
 
     # 7. held-out accuracy before / after, summary and plot
+    summary = evaluate_and_report(args, out, hf_model, hf_trained, test_rows, tool_config, metrics, lora_summary)
+    summary.update(wall_seconds=time.time() - started, **({"variant": variant} if args.tools else {}))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"\nmetrics: {metrics}\nsummary: {out / 'summary.json'}\ntotal time: {time.time() - started:.0f} s")
+    return 0
+
+
+def evaluate_and_report(args, out: Path, hf_model, hf_trained, test_rows, tool_config, metrics: Path,
+                        lora_summary) -> dict:
+    """Held-out accuracy of the model before and after training with `transformers` (greedy; with --tools sampled,
+    the conversations with the calculator), `eval_before.json` / `eval_after.json`, the report's PNG; the summary."""
+    from mindspeed_llm.demo import evaluate, report, tool_demo
+
     if args.tools:
         how = (f"{tool_demo.EVAL_SAMPLES[1 if args.tiny else 0]} samples each at temperature {args.temperature:g}, "
                f"the conversations with the calculator")
@@ -240,7 +252,8 @@ def main(argv=None) -> int:
     if args.tools:
         before, after = (tool_demo.evaluate(m, test_rows, tool_config, args) for m in (hf_model, hf_trained))
     else:
-        eval_kwargs = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=NEWLINE_IDS, verifier=VERIFIER_NAME)
+        eval_kwargs = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=NEWLINE_IDS,
+                           verifier=evaluate.DEFAULT_VERIFIER)
         before = evaluate.evaluate_hf(hf_model, test_rows, **eval_kwargs)
         after = evaluate.evaluate_hf(hf_trained, test_rows, **eval_kwargs)
     for name, result in (("before", before), ("after", after)):
@@ -256,15 +269,13 @@ def main(argv=None) -> int:
                                   title=title, lora=lora_summary,
                                   accuracy_label=f"accuracy (sampled, T={args.temperature:g})" if args.tools
                                   else "accuracy (greedy)")
-    summary.update(stage=args.stage, tiny=args.tiny, wall_seconds=time.time() - started,
+    summary.update(stage=args.stage, tiny=args.tiny,
                    accuracy_before=before["accuracy"], accuracy_after=after["accuracy"], lr=args.lr)
     if args.tools:
-        summary.update(tools=True, variant=variant, **{f"{k}_{when}": r[k] for when, r in (("before", before),
+        summary.update(tools=True, **{f"{k}_{when}": r[k] for when, r in (("before", before),
                        ("after", after)) for k in ("tool_call_rate", "clean_call_rate", "calls", "num_turns")},
                        eval_samples_per_problem=tool_demo.EVAL_SAMPLES[1 if args.tiny else 0])
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"\nmetrics: {metrics}\nsummary: {out / 'summary.json'}\ntotal time: {time.time() - started:.0f} s")
-    return 0
+    return summary
 
 
 def stage_command(args, train_data, mg_model, hf_model, metrics: Path, save: Path, extra, tool_config=None) -> list:
