@@ -216,11 +216,17 @@ def write_splits(out_dir: Union[str, Path], variant: Union[str, TaskVariant] = D
     Returns ``{"train": path, "test": path}``. The files are written to a temporary name and renamed,
     so a reader never sees half a file.
     """
+    train, test = make_splits(variant, n_train=n_train, n_test=n_test, seed=seed)
+    return write_json_splits(out_dir, train=train, test=test)
+
+
+def write_json_splits(out_dir: Union[str, Path], **splits: List[dict]) -> Dict[str, Path]:
+    """Each split's rows as ``<name>.json`` (a JSON list) in ``out_dir``, written to a temporary name and renamed so
+    that a reader never sees half a file; ``{name: path}``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    train, test = make_splits(variant, n_train=n_train, n_test=n_test, seed=seed)
     paths = {}
-    for name, rows in (("train", train), ("test", test)):
+    for name, rows in splits.items():
         path = out / f"{name}.json"
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(rows, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")

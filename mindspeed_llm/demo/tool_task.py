@@ -72,7 +72,6 @@ for 15; its first iteration's reward was 0.16 with 12 calls in 32 samples.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from dataclasses import dataclass
@@ -201,17 +200,10 @@ def make_tool_splits(variant: Union[str, ToolTaskVariant] = DEFAULT_TOOL_VARIANT
 def write_tool_splits(out_dir: Union[str, Path], variant: Union[str, ToolTaskVariant] = DEFAULT_TOOL_VARIANT, *,
                       n_train: int = 2000, n_test: int = 100, seed: int = 1234) -> Dict[str, Path]:
     """``train.json`` and ``test.json`` (JSON lists) in ``out_dir``; ``{"train": path, "test": path}``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    from mindspeed_llm.demo.task import write_json_splits
+
     train, test = make_tool_splits(variant, n_train=n_train, n_test=n_test, seed=seed)
-    paths = {}
-    for name, rows in (("train", train), ("test", test)):
-        path = out / f"{name}.json"
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(rows, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-        tmp.replace(path)
-        paths[name] = path
-    return paths
+    return write_json_splits(out_dir, train=train, test=test)
 
 
 TOOL_CONFIG_YAML = """\
