@@ -1,5 +1,6 @@
-"""Summary table and plot of a GRPO run: reward over iterations, accuracy before / after (and, for a multi-turn run,
-model turns and tool calls per iteration).
+"""Summary table and plot of a demo run, grpo or trl_ppo: reward over iterations (each stage's own metric: grpo's
+`grpo/score/*`, trl_ppo's `critic/score/*`), KL (grpo's KL loss, trl_ppo's KL in the reward), trl_ppo's value loss,
+accuracy before / after (and, for a multi-turn run, model turns and tool calls per iteration).
 
 Input: the metrics JSONL that ``--metrics-jsonl`` (``MetricsLogger``) writes, one object per iteration
 (``{"iteration": i, "grpo/score/mean": ..., "response_length/mean": ..., "actor/kl_loss": ...,
@@ -29,14 +30,22 @@ import warnings
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Union
 
-__all__ = ["REWARD_KEY", "load_metrics", "series", "summarize", "format_summary", "plot_report", "write_report"]
+__all__ = ["REWARD_KEY", "REWARD_KEYS", "KL_KEYS", "load_metrics", "series", "panel_keys", "summarize",
+           "format_summary", "plot_report", "write_report"]
 
 REWARD_KEY = "grpo/score/mean"
+# each stage's reward and KL (the first one a run has; trl_ppo logs actor/kl_loss as 0: its KL is in the reward)
+REWARD_KEYS = (REWARD_KEY, "critic/score/mean")
+KL_KEYS = ("kl/mean", "actor/kl_loss")
+VALUE_LOSS_KEY = "critic/vf_loss"
 # (key, label) of the rows of the summary table, in order; missing keys are skipped
 TABLE_KEYS = (
     (REWARD_KEY, "reward (grpo/score/mean)"),
+    ("critic/score/mean", "reward (critic/score/mean)"),
     ("response_length/mean", "response length (tokens)"),
+    ("kl/mean", "KL to reference (in the reward)"),
     ("actor/kl_loss", "KL to reference"),
+    (VALUE_LOSS_KEY, "value loss (critic)"),
     ("actor/entropy", "entropy"),
     ("actor/pg_clipfrac", "clip fraction"),
     ("grad_norm", "grad norm"),
@@ -95,6 +104,22 @@ def series(records: Sequence[Mapping], key: str):
             xs.append(rec["iteration"])
             ys.append(float(v))
     return xs, ys
+
+
+def _first_present(records: Sequence[Mapping], keys: Sequence[str]) -> Optional[str]:
+    for key in keys:
+        if series(records, key)[1]:
+            return key
+    return None
+
+
+def panel_keys(records: Sequence[Mapping]) -> Dict[str, Optional[str]]:
+    """The metric each panel plots for this run (None: the run has none): `reward` (the stage's own), `kl` (grpo's
+    KL loss, or trl_ppo's KL in the reward), `value_loss` (trl_ppo's critic), `length`, `turns` (multi-turn)."""
+    return {"reward": _first_present(records, REWARD_KEYS), "kl": _first_present(records, KL_KEYS),
+            "value_loss": _first_present(records, (VALUE_LOSS_KEY,)),
+            "length": _first_present(records, ("response_length/mean",)),
+            "turns": _first_present(records, ("num_turns/mean", "tool/calls"))}
 
 
 def _accuracy(value) -> Optional[float]:
@@ -204,11 +229,11 @@ def plot_report(records: Sequence[Mapping], png_path: Union[str, Path], before=N
     if has_tools:
         _plot_tools(axes.pop(2), records)
 
+    keys = panel_keys(records)
+    reward = keys["reward"] or REWARD_KEY
     ax = axes[0]
-    xs, ys = series(records, REWARD_KEY)
+    xs, ys = series(records, reward)
     if ys:
-        _, lo = series(records, "grpo/score/min")
-        _, hi = series(records, "grpo/score/max")
         ax.plot(xs, ys, marker="o", markersize=3, linewidth=1, color="tab:blue", alpha=0.55,
                 label="mean reward per iteration")
         if len(ys) > 2:
@@ -216,10 +241,16 @@ def plot_report(records: Sequence[Mapping], png_path: Union[str, Path], before=N
             ax.plot(xs, _moving_average(ys, k), linewidth=2.4, color="tab:blue",
                     label=f"moving average ({k} it.)")
     else:
-        ax.text(0.5, 0.5, f"no '{REWARD_KEY}' in the metrics", ha="center", va="center", transform=ax.transAxes)
+        ax.text(0.5, 0.5, f"no {' / '.join(REWARD_KEYS)} in the metrics", ha="center", va="center",
+                transform=ax.transAxes)
     ax.set_xlabel("iteration")
     ax.set_ylabel("reward (share of correct samples)")
-    ax.set_title("Training reward")
+    ax.set_title(f"Training reward ({reward})")
+    vx, vy = series(records, VALUE_LOSS_KEY)
+    if vy:  # trl_ppo: the critic's value loss beside its reward
+        ax3 = ax.twinx()
+        ax3.plot(vx, vy, color="tab:brown", linewidth=1.0, linestyle=":", label="value loss (critic)")
+        ax3.set_ylabel("value loss (critic)", color="tab:brown")
     if ys and min(ys) >= 0 and max(ys) <= 1:
         ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
@@ -232,7 +263,7 @@ def plot_report(records: Sequence[Mapping], png_path: Union[str, Path], before=N
         ax.plot(xs, ys, color="tab:orange", linewidth=1.8, label="response length")
         ax.set_ylabel("tokens per response (mean)", color="tab:orange")
         ax.set_ylim(bottom=0)
-    kx, ky = series(records, "actor/kl_loss")
+    kx, ky = series(records, keys["kl"]) if keys["kl"] else ([], [])
     if ky:
         ax2 = ax.twinx()
         ax2.plot(kx, ky, color="tab:purple", linewidth=1.2, linestyle="--", label="KL to reference")

