@@ -156,6 +156,38 @@ def write_tokenizer(path, vocab_size: int = 256) -> None:
     fast.save_pretrained(os.fspath(path))
 
 
+# SmolLM2's ChatML shape with a default system turn (the character tokenizer's template)
+CHAR_CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a tiny test model<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def write_char_tokenizer(path, *, split: str = r"[\s\S]", mark_specials: bool = True) -> str:
+    """A character-level fast tokenizer with SmolLM2's ids 0/1/2 = <|endoftext|>/<|im_start|>/<|im_end|> and
+    `CHAR_CHATML` as its chat template, saved to `path` (returned as str). `split`: the regex of one token (the
+    default takes newlines as tokens too; "." leaves them out); `mark_specials`: the three are special tokens."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
+    tk = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + chars)}, unk_token="<|endoftext|>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(split), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|im_end|>", unk_token="<|endoftext|>")
+    if mark_specials:
+        fast.add_special_tokens({"additional_special_tokens": specials})
+    fast.chat_template = CHAR_CHATML
+    fast.save_pretrained(os.fspath(path))
+    return os.fspath(path)
+
+
 def save_tiny(family: str, path, *, tie: bool = False, seq_cls: bool = False, seed: int = 0,
               tokenizer: bool = False, **overrides) -> str:
     """Save a tiny random model (safetensors, fp32) to `path`; returns the path as str."""

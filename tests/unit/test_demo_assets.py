@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import string
 from pathlib import Path
 
 import pytest
@@ -113,32 +112,13 @@ def test_default_variant_is_defined():
 # evaluate.py on tiny models
 # ----------------------------------------------------------------------------------------------
 
-CHATML_WITH_DEFAULT = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a tiny test model<|im_end|>\n' }}{% endif %}"
-    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
 @pytest.fixture(scope="module")
 def char_tokenizer_dir(tmp_path_factory):
-    """A character-level ChatML tokenizer (ids 0/1/2 = <|endoftext|>/<|im_start|>/<|im_end|>, as SmolLM2)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """A character-level ChatML tokenizer (ids 0/1/2 = <|endoftext|>/<|im_start|>/<|im_end|>, as SmolLM2; newlines are
+    not tokens of their own here)."""
+    from tests.helpers.hf_tiny import write_char_tokenizer
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
-    vocab = {t: i for i, t in enumerate(specials + chars)}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                   pad_token="<|im_end|>", unk_token="<|endoftext|>")
-    fast.chat_template = CHATML_WITH_DEFAULT
-    out = tmp_path_factory.mktemp("char_tokenizer")
-    fast.save_pretrained(str(out))
-    return out
+    return Path(write_char_tokenizer(tmp_path_factory.mktemp("char_tokenizer"), split=".", mark_specials=False))
 
 
 @pytest.fixture(scope="module")

@@ -8,38 +8,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import string
+from pathlib import Path
 
 import pytest
 
 from mindspeed_llm.demo import tool_task
 
-CHATML = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a tiny test model<|im_end|>\n' }}{% endif %}"
-    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
 @pytest.fixture(scope="module")
 def char_tok_dir(tmp_path_factory):
-    """Characters as tokens; ids 0/1/2 = <|endoftext|>/<|im_start|>/<|im_end|> as SmolLM2; SmolLM2's template shape."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """Characters (newlines too) as tokens; ids 0/1/2 = <|endoftext|>/<|im_start|>/<|im_end|> as SmolLM2, special;
+    SmolLM2's template shape."""
+    from tests.helpers.hf_tiny import write_char_tokenizer
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
-    tk = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + chars)}, unk_token="<|endoftext|>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                   pad_token="<|im_end|>", unk_token="<|endoftext|>")
-    fast.add_special_tokens({"additional_special_tokens": specials})
-    fast.chat_template = CHATML
-    out = tmp_path_factory.mktemp("char_tok")
-    fast.save_pretrained(str(out))
-    return out
+    return Path(write_char_tokenizer(tmp_path_factory.mktemp("char_tok")))
 
 
 @pytest.fixture(scope="module")
