@@ -37,7 +37,7 @@ from mindspeed_llm.inference import continuous, cuda_graph
 from mindspeed_llm.inference.continuous_plan import Sample
 from mindspeed_llm.inference.engine_inputs import expert_peers, place_prompts, response_uniforms, source_rank
 from mindspeed_llm.inference.kv_cache import KVCacheModel
-from mindspeed_llm.inference.results import Continuation, Rollout
+from mindspeed_llm.inference.results import Continuation, Rollout, observation_mask
 from mindspeed_llm.inference.sampling import SamplingConfig
 from mindspeed_llm.inference.static_engine import generate_static
 from mindspeed_llm.inference.turns import TurnExchange, TurnHandler
@@ -303,21 +303,12 @@ def _generate_continuous(model, prompts, budgets, sampling, iteration, sample_id
         seed=sampling.seed if sampling.do_sample else None,
         continuations=carried_on,
         stats=out.stats,
-        tool_mask=_observed_mask(samples, R, dev) if turns is not None else None,
+        tool_mask=observation_mask([s.observed for s in samples], R).to(dev) if turns is not None else None,
     )
     if out.routing is not None:
         width = max(int((result.prompt_lengths + lengths).max()), 1)
         result.routing = out.routing[:, :, :width].contiguous()
     return result
-
-
-def _observed_mask(samples, width: int, device) -> torch.Tensor:
-    """[B, width] long: 1 at the response positions that were fed as observations (tool output), not sampled."""
-    mask = torch.zeros((len(samples), width), dtype=torch.long)
-    for b, sample in enumerate(samples):
-        for a, e in sample.observed:
-            mask[b, a:e] = 1
-    return mask.to(device)
 
 
 # ---------------------------------------------------------------------------------------------- input checks

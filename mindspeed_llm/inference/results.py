@@ -130,4 +130,13 @@ class Rollout:
         return SequenceBatch(tokens, position_ids, attention_mask)
 
 
-__all__ = ["Rollout", "SequenceBatch", "Continuation"]
+def observation_mask(spans: Sequence[Sequence[Tuple[int, int]]], width: int) -> torch.Tensor:
+    """[len(spans), width] long (host): 1 in each row's response spans [a, b) of observations (`Rollout.tool_mask`)."""
+    mask = torch.zeros((len(spans), width), dtype=torch.long)
+    for b, row in enumerate(spans):
+        for start, end in row:
+            mask[b, start:end] = 1
+    return mask
+
+
+__all__ = ["Rollout", "SequenceBatch", "Continuation", "observation_mask"]

@@ -76,6 +76,7 @@ import torch
 from mindspeed_llm import device, distributed
 from mindspeed_llm.errors import ArgumentError, UserError
 from mindspeed_llm.inference import Continuation, EngineOptions, Rollout, generate
+from mindspeed_llm.inference.results import observation_mask
 from mindspeed_llm.rl.experience import Experience, SampleData
 
 # generate_round(iteration, prompts, sample_ids, continuations, response_budgets) -> Rollout
@@ -320,7 +321,7 @@ class PartialRollouts:
             ended_with_eos=torch.tensor([r == "eos" for r in reasons], dtype=torch.bool).to(dev),
             finish_reasons=reasons, log_probs=None if log_probs is None else log_probs.to(dev), pad_token_id=pad,
             seed=self.sampling.seed if self.sampling.do_sample else None, routing=routing,
-            tool_mask=None if self.toolbox is None else _tool_mask([s for _, s in pairs], R).to(dev),
+            tool_mask=None if self.toolbox is None else observation_mask([s.observed for _, s in pairs], R).to(dev),
         )
         exp = Experience.from_rollout(result)
         exp.routing_recorded = self.routing_recorded
@@ -379,14 +380,6 @@ def _spans(mask: List[int]) -> List[Tuple[int, int]]:
             spans.append((start, j))
             start = None
     return spans
-
-
-def _tool_mask(samples: List[_Sample], width: int) -> torch.Tensor:
-    mask = torch.zeros((len(samples), width), dtype=torch.long)
-    for b, s in enumerate(samples):
-        for a, e in s.observed:
-            mask[b, a:e] = 1
-    return mask
 
 
 __all__ = ["PartialRollouts", "PartialRolloutBudgetError", "pending"]
