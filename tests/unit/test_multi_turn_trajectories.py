@@ -1,0 +1,46 @@
+"""`rl/multi_turn.trajectories`: a rollout's responses and tool masks as the trajectories the rewards read, of the
+shape `verifiers.trajectory` documents (its `check_trajectory`), on a hand-built batch (characters as token ids)."""
+
+import torch
+
+from mindspeed_llm.rl.experience import Experience
+from mindspeed_llm.rl.multi_turn import trajectories
+from mindspeed_llm.rl.tools import get_parser
+from mindspeed_llm.rl.verifiers import check_trajectory
+
+
+class _Chars:
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(map(chr, ids))
+
+
+def _batch(parts):
+    """One row per list of (text, is_tool) parts, right-padded."""
+    rows = [[(ord(c), int(tool)) for text, tool in row for c in text] for row in parts]
+    width = max(len(r) for r in rows)
+    responses = torch.zeros(len(rows), width, dtype=torch.long)
+    tool = torch.zeros(len(rows), width)
+    mask = torch.zeros(len(rows), width)
+    for b, row in enumerate(rows):
+        responses[b, :len(row)] = torch.tensor([t for t, _ in row])
+        tool[b, :len(row)] = torch.tensor([float(m) for _, m in row])
+        mask[b, :len(row)] = 1
+    tokens = torch.cat([torch.ones(len(rows), 2, dtype=torch.long), responses], 1)
+    return Experience(tokens=tokens, position_ids=torch.arange(tokens.shape[1]).expand_as(tokens),
+                      prompt_lengths=torch.full((len(rows),), 2), responses=responses, response_mask=mask,
+                      ended_with_eos=torch.ones(len(rows), dtype=torch.bool), tool_mask=tool)
+
+
+def test_turns_calls_and_rewards_of_each_trajectory():
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>'
+    exp = _batch([[(call, False), (" 6 ", True), ("It is 6.", False)],
+                  [("7", False)]])
+    got = trajectories(exp, _Chars(), get_parser("hermes"), [0.5, 0.0])
+    for trajectory in got:
+        check_trajectory(trajectory)
+    assert [t["role"] for t in got[0]["turns"]] == ["assistant", "tool", "assistant"]
+    assert got[0]["turns"][0]["tool_calls"] == [{"name": "calculator", "arguments": {"expression": "2*3"}}]
+    assert got[0]["turns"][1]["text"] == " 6 " and got[0]["turns"][2]["text"] == "It is 6."
+    assert (got[0]["num_turns"], got[0]["tool_calls"], got[0]["tool_reward"]) == (2, 1, 0.5)
+    assert got[1] == {"turns": [{"role": "assistant", "text": "7", "tool_calls": []}], "num_turns": 1,
+                      "tool_calls": 0, "tool_reward": 0.0}
