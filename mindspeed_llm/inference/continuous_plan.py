@@ -8,9 +8,8 @@ tool's answer) is *parked*: it leaves the decode steps and waits. `parked_kv="ke
 once the observation's token ids arrive (`resume`), only they are prefilled into its slot (a delta prefill);
 `"free"`: its slot is freed at once and, on resumption, it queues again to be prefilled from its whole prefix;
 `"auto"`: kept, until a pending sample finds no free slot in its group, which then takes a parked sample's (the
-longest parked first). Either way the
-other samples keep decoding meanwhile. The observation's tokens are recorded as spans of the response (`Sample.observed`):
-they are fed to the model, never sampled."""
+longest parked first). Either way the other samples keep decoding meanwhile. The observation's tokens are recorded
+as spans of the response (`Sample.observed`): they are fed to the model, never sampled."""
 
 from __future__ import annotations
 
@@ -29,7 +28,6 @@ class Sample:
     reason: Optional[str] = None  # "eos" | "stop" | "length" once finished
     turn_start: int = 0  # multi-turn: the response length when the current model turn began
     observed: List[Tuple[int, int]] = field(default_factory=list)  # response spans [a, b) fed, not sampled
-    parked: bool = False  # multi-turn: waiting for an observation
     # multi-turn under partial rollouts: the trajectory's whole budget when `budget` is this call's share of it; a
     # sample that reaches `budget` first is cut (`cut`: no reason, to be continued by a later call)
     total_budget: Optional[int] = None
@@ -289,7 +287,6 @@ class Scheduler:
                     self.turn_token_limit:
                 reason = "length"  # the model's turn ran out of --max-new-tokens: the trajectory ends
             if reason in ("eos", "stop") and self.wants_observation is not None and self.wants_observation(s, sample):
-                sample.parked = True
                 self.parked[s] = None
                 self.stats["parked_turns"] += 1
                 parked.append(s)
@@ -309,7 +306,6 @@ class Scheduler:
         model token within its budget the trajectory ends instead ("length"). Returns whether it resumed."""
         sample = self.samples[s]
         del self.parked[s]
-        sample.parked = False
         if not observation or len(observation) > sample.whole_budget - sample.response_length - 1:
             sample.reason = "length"
             if s in self.slot_of:

@@ -145,7 +145,7 @@ def test_a_parked_row_keeps_its_slot_leaves_the_decode_and_gets_a_delta_prefill(
     s = _turns([[5, 6, 7], [8, 9], [10, 11]], [12, 12, 12], 3, keep="keep")
     u = s.decide(0, 0)
     assert s.apply(u, [EOS, 20, 21]) == [0]  # sample 0's turn ends and its handler wants an observation
-    assert s.samples[0].parked and s.samples[0].reason is None and s.slot_of[0] == 0
+    assert 0 in s.parked and s.samples[0].reason is None and s.slot_of[0] == 0
     u = s.decide(1, 0)
     # rows 1 and 2 decode; slot 0 sits between nothing but is skipped: the decode gathers slots 1, 2
     assert u.decode.samples == [1, 2] and u.decode.slots == [1, 2] and not u.prefills
