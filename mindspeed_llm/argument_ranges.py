@@ -123,6 +123,8 @@ RANGES: Dict[str, Bound] = {
     "--eval-iters": _at_least(0, f"{_MEGATRON}: 0 skips evaluation"),
     "--eval-samples": _at_least(0, "prompts; 0 takes all"),
     "--eval-n-samples": _at_least(1, "responses per held-out prompt"),
+    "--log-samples": _at_least(0, "rows per sample table (0: off)"),
+    "--log-samples-interval": _at_least(1, "iterations"),
     "--eval-temperature": _positive("logits are divided by it; greedy evaluation is --eval-n-samples 1 without it"),
     "--eval-top-p": Bound(low=0, high=1, low_open=True, source="nucleus sampling's mass (Holtzman et al. 2020)"),
     "--tensor-model-parallel-size": _at_least(1, "ranks"),

@@ -143,6 +143,18 @@ def max_over_data_parallel(value: int) -> int:
     return int(out.item())
 
 
+def first_rank_of_data_parallel_rank() -> bool:
+    """True on one rank of each data-parallel rank (TP, PP and CP rank 0): the one that writes what the DP rank's
+    ranks all hold alike (a dumped rollout). True without a process group."""
+    if not dist.is_initialized():
+        return True
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_pipeline_model_parallel_rank() == 0
+            and parallel_state.get_context_parallel_rank() == 0)
+
+
 def gather_over_data_parallel(obj) -> list:
     """Every rank of this rank's data-parallel group's picklable `obj`, in DP rank order (`[obj]` without DP)."""
     from megatron.core import parallel_state

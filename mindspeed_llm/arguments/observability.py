@@ -1,7 +1,8 @@
 """Megatron-LM's profiling and observability flags, checked and resolved (`validate_args` calls `check_profiling`):
 the profiled window and ranks, where the traces go (`trace_dir`), and the startup notes for the flags that are
 accepted with a counterpart here (--log-throughput, --timing-log-option, --timing-log-level 2). The device-dependent
-notes (nsys and the memory history need CUDA) are `rl/profiling.startup_notes`'."""
+notes (nsys and the memory history need CUDA) are `rl/profiling.startup_notes`'. Also the sample tables
+(--log-samples) and the rollout dump and replay (--rollout-dump-dir, --rollout-replay-dir): `check_rollout_records`."""
 
 from __future__ import annotations
 
@@ -49,3 +50,30 @@ def check_profiling(run) -> None:
     if end - 1 > run.train_iters:
         run.startup_notes.append(f"--profile-step-end {end}: the run ends at --train-iters {run.train_iters}, so "
                                  f"iterations {max(start, 1)} .. {run.train_iters} are profiled")
+
+
+def check_rollout_records(run) -> None:
+    """--log-samples needs somewhere to write (--metrics-jsonl's folder, --tensorboard-dir or wandb) and its interval
+    defaults to --log-interval; --rollout-dump-dir and --rollout-replay-dir are two different folders, and a replay
+    folder must hold a dump (`rl/rollout_dump.read_manifest`, which checks the run against it when the stage starts)."""
+    if run.log_samples_interval is not None and not run.log_samples:
+        raise ArgumentError(f"--log-samples-interval {run.log_samples_interval} without --log-samples N logs no "
+                            "sample; add --log-samples N (rows per table)")
+    run.log_samples_interval = run.log_samples_interval or run.log_interval
+    if run.log_samples and not (run.metrics_jsonl or run.tensorboard_dir or run.wandb_project):
+        raise ArgumentError(f"--log-samples {run.log_samples} writes samples.jsonl beside --metrics-jsonl and a "
+                            "TensorBoard / wandb table: give --metrics-jsonl FILE (or --tensorboard-dir, "
+                            "--wandb-project)")
+    dump, replay = run.rollout_dump_dir, run.rollout_replay_dir
+    if dump and replay and os.path.abspath(dump) == os.path.abspath(replay):
+        raise ArgumentError(f"--rollout-dump-dir and --rollout-replay-dir are both {dump}: the replay would write over "
+                            "the rollouts it reads; give the dump another folder (or drop it: a replay's rollouts "
+                            "are the dump's)")
+    if dump and os.path.exists(dump) and not os.path.isdir(dump):
+        raise ArgumentError(f"--rollout-dump-dir {dump} is a file; pass a directory")
+    if replay:
+        from mindspeed_llm.rl.rollout_dump import MANIFEST
+
+        if not os.path.isfile(os.path.join(replay, MANIFEST)):
+            raise ArgumentError(f"--rollout-replay-dir {replay} holds no rollout dump ({MANIFEST} is missing): pass "
+                                "the --rollout-dump-dir of the run to replay")

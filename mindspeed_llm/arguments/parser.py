@@ -292,6 +292,19 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
                    help="a held-out sample is correct (pass@k, maj@N) when its score is >= this")
     g.add_argument("--eval-before-train", action="store_true",
                    help="evaluate at iteration 0, before the first update (the baseline)")
+    g.add_argument("--log-samples", type=int, default=0, metavar="N",
+                   help="write N rollout samples (prompt, response, scores, label, length, finish reason, turns) to "
+                        "samples.jsonl beside --metrics-jsonl and as a TensorBoard text table every "
+                        "--log-samples-interval, and N held-out samples of each evaluation to eval_samples.jsonl "
+                        "(0: off)")
+    g.add_argument("--log-samples-interval", type=int,
+                   help="iterations between sample tables (default: --log-interval)")
+    g.add_argument("--rollout-dump-dir", metavar="DIR",
+                   help="write each iteration's scored rollout (token ids, masks, rollout log-probs, scores, sample "
+                        "data) under DIR (docs/monitoring.md, \"Rollout dump and replay\")")
+    g.add_argument("--rollout-replay-dir", metavar="DIR",
+                   help="train on the rollouts a --rollout-dump-dir run wrote to DIR instead of generating and "
+                        "scoring them: the same updates, bit for bit")
 
 
 def _add_wandb_args(p: argparse.ArgumentParser) -> None:

@@ -24,7 +24,7 @@ from mindspeed_llm.arguments.parser import (
     build_parser,
 )
 from mindspeed_llm.arguments.evaluation import check_evaluation
-from mindspeed_llm.arguments.observability import check_profiling
+from mindspeed_llm.arguments.observability import check_profiling, check_rollout_records
 from mindspeed_llm.arguments.rollouts import check_multi_turn, check_partial_rollout
 from mindspeed_llm.arguments.wandb_flags import check_wandb
 from mindspeed_llm.errors import ArgumentError
@@ -187,6 +187,7 @@ def validate_args(args, world_size: int) -> run_settings.Settings:
     _check_checkpoint_flags(args)
     check_evaluation(run)
     check_profiling(run)
+    check_rollout_records(run)
     _check_algorithm(run)
     _check_lora(args)
     check_wandb(run)

@@ -20,6 +20,7 @@ from mindspeed_llm import distributed
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.metrics import Timers
 from mindspeed_llm.rl.metrics.pass_at_k import PromptResult, summarize
+from mindspeed_llm.rl.metrics.samples import eval_rows
 from mindspeed_llm.rl.passes import policy_logprobs
 from mindspeed_llm.rl.roles import on_device
 from mindspeed_llm.rl.rollout import rollout, sampling_config
@@ -91,15 +92,18 @@ def evaluate_policy(actor, reference, scorer, tokenizer, rows: Sequence[dict], s
         per_sample["kl/mean"] = ((logp - ref) * exp.action_mask).sum(-1).tolist()  # the model's tokens
     extract = answer_extractor(getattr(scorer, "verifier_names", ()))
     texts, scores = exp.sample_data.texts, scores.float().tolist()
+    answers = [extract(text) if extract else None for text in texts]
+    table = eval_rows(exp, scores, answers, evaluation.eval_pass_threshold, [int(r["position"]) for r in rows], n,
+                      tokenizer, evaluation.log_samples) if evaluation.log_samples else []
     out = []
     for i, row in enumerate(rows):
         own = range(i * n, (i + 1) * n)
         source = row.get("data_source")
         out.append(PromptResult(
             position=int(row["position"]), source=None if source is None else str(source),
-            scores=tuple(scores[j] for j in own),
-            answers=tuple(extract(texts[j]) if extract else None for j in own),
-            sums=tuple((name, float(sum(values[j] for j in own))) for name, values in per_sample.items())))
+            scores=tuple(scores[j] for j in own), answers=tuple(answers[j] for j in own),
+            sums=tuple((name, float(sum(values[j] for j in own))) for name, values in per_sample.items()),
+            samples=tuple(r for r in table if r["position"] == int(row["position"]))))
     return out
 
 
@@ -138,6 +142,7 @@ class Evaluator:
         """`sets`: (name, dataset) pairs (name None: the unnamed set, metrics `eval/...`); empty: no evaluation."""
         self.stage, self.sets, self.loop, self.start = stage, list(sets), loop, start
         self.columns: Dict[str, tuple] = {}  # metric key -> (set, metric) of the CSV
+        self.samples: List[dict] = []  # the last evaluation's sample-table rows (--log-samples)
         self.csv = None
         if self.sets and rank == 0 and loop.metrics_jsonl:
             self.csv = EvalTable(os.path.join(os.path.dirname(os.path.abspath(loop.metrics_jsonl)), "eval.csv"),
@@ -151,14 +156,23 @@ class Evaluator:
         return bool(self.sets and self.loop.eval_interval and self.loop.eval_before_train) and self.start == 0
 
     def evaluate(self) -> Dict[str, float]:
+        """The metrics of every set; with --log-samples, its first held-out samples wait in `samples` for
+        `pop_samples`."""
         out = {}
         for name, dataset in self.sets:
             prefix = "eval" if name is None else f"eval/{name}"
-            metrics = set_metrics(prefix, _set_results(self.stage, dataset, self.loop.eval_prompts),
-                                  self.loop.eval_pass_threshold)
+            results = _set_results(self.stage, dataset, self.loop.eval_prompts)
+            self.samples += [dict(row, set=name or "eval") for r in sorted(results, key=lambda r: r.position)
+                             for row in r.samples]
+            metrics = set_metrics(prefix, results, self.loop.eval_pass_threshold)
             self.columns.update({key: (name or "eval", key[len(prefix) + 1:]) for key in metrics})
             out.update(metrics)
         return out
+
+    def pop_samples(self) -> List[dict]:
+        """The sample-table rows of the evaluations since the last call (each set's first --log-samples samples)."""
+        rows, self.samples = self.samples, []
+        return rows
 
     def record(self, iteration: int, metrics: Dict[str, float]) -> None:
         if self.csv is not None:

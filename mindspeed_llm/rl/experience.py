@@ -50,6 +50,9 @@ class SampleData:
     # the multi-turn trajectory of each row, plain JSON-able dicts of the shape `verifiers.trajectory.Trajectory`
     # documents ({"turns": [...], "num_turns", "tool_calls", "tool_reward"}); None: single-turn rollouts
     trajectories: Optional[list] = None
+    # each row's score by part, {verifier name: score, "reward_model": ..., "tool": ...}, as the scorer mixed them
+    # (`scoring.Scorer`; the sample tables show them)
+    score_parts: Optional[List[dict]] = None
     # the dataset's further columns (--dataset-additional-keys) by name, for a verifier that reads them
     columns: Dict[str, list] = field(default_factory=dict)
 

@@ -7,8 +7,9 @@ shape and one entry in `ROLLOUT_STRATEGIES`, and neither the stages nor the trai
 
 Strategies: `single_turn` (`rollout.SingleTurnRollouts`: one generation per prompt batch, the CP ranks' rollouts
 gathered), `partial_rollout` (`partial_rollout.PartialRollouts`, `--partial-rollout`: long responses generated over
-several iterations, its carried and finished groups saved with the checkpoint) and `multi_turn`
-(`multi_turn.MultiTurnRollouts`, `--tool-config`: the model calls tools between its turns).
+several iterations, its carried and finished groups saved with the checkpoint), `multi_turn`
+(`multi_turn.MultiTurnRollouts`, `--tool-config`: the model calls tools between its turns) and `replay`
+(`rollout_dump.ReplayRollouts`, `--rollout-replay-dir`: the scored rollouts a `--rollout-dump-dir` run wrote).
 
 Prompts: the trainer hands a stage a `PromptSource` per iteration, this rank's prompts of the sampler's next global
 batch (`first_batch`) and, on request, of further ones (`more(j)`: --dynamic-sampling's refills, --partial-rollout's
@@ -105,12 +106,16 @@ ROLLOUT_STRATEGIES = LazyRegistry({
     "single_turn": "mindspeed_llm.rl.rollout:SingleTurnRollouts",
     "partial_rollout": "mindspeed_llm.rl.partial_rollout:PartialRollouts",
     "multi_turn": "mindspeed_llm.rl.multi_turn:MultiTurnRollouts",
+    "replay": "mindspeed_llm.rl.rollout_dump:ReplayRollouts",
 })
 
 
 def strategy_name(settings) -> str:
-    """The run's strategy (`Settings`): `partial_rollout` with --partial-rollout (with or without tools),
-    `multi_turn` with --tool-config, else `single_turn`."""
+    """The run's strategy (`Settings`): `replay` with --rollout-replay-dir (a dump of any strategy's rollouts),
+    `partial_rollout` with --partial-rollout (with or without tools), `multi_turn` with --tool-config, else
+    `single_turn`."""
+    if settings.loop.rollout_replay_dir:
+        return "replay"
     if settings.algorithm.partial_rollout:  # with --tool-config too: its trajectories are generated in rounds
         return "partial_rollout"
     return "multi_turn" if settings.tools.tool_config else "single_turn"

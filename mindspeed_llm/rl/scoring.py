@@ -102,14 +102,22 @@ class Scorer:
         self.overlong = (overlong_buffer_len, overlong_penalty_factor, max_new_tokens)
 
     def __call__(self, exp: Experience, plan: MicroBatchPlan, timers) -> tuple:
+        """(the scores [B], their metrics); each row's parts go to `exp.sample_data.score_parts`. An experience that
+        arrives scored (a replayed rollout, `rollout_dump.ReplayRollouts`) keeps its scores, and its strategy's
+        metrics carry the dumped score metrics: nothing is scored again."""
+        if exp.scores is not None:
+            return exp.scores, {}
         on = exp.tokens.device
         total = torch.zeros(exp.batch_size, device=on)
         metrics: Dict[str, float] = {}
+        parts: List[dict] = [{} for _ in range(exp.batch_size)]
         if self.reward_model is not None:
             with timers("reward_model"), on_device(self.reward_model, self.offload, timers) as reward_model:
                 rm = reward_scores([reward_model], exp, plan)
             total += self.reward_model_weight * rm
             metrics["reward_model/mean"] = float(rm.mean())
+            for part, value in zip(parts, rm.tolist()):
+                part["reward_model"] = value
         data = exp.sample_data
         if self.verifier_names or self.functions:
             with timers("rule_reward"):
@@ -126,18 +134,28 @@ class Scorer:
             weights = {**dict(zip(self.verifier_names, self.verifier_weights)), **self.function_weights}
             for name, weight in weights.items():
                 total += weight * torch.as_tensor(scores.per_verifier[name], dtype=torch.float32, device=on)
+                for part, value in zip(parts, scores.per_verifier[name]):
+                    part[name] = float(value)
             metrics.update(scores.metrics())
         if data.trajectories is not None:
             tool = torch.as_tensor(tool_rewards(data.trajectories), dtype=torch.float32, device=on)
             total += tool
+            for part, value in zip(parts, tool.tolist()):
+                part["tool"] = value
             metrics["tool/reward/mean"] = float(tool.mean()) if len(tool) else 0.0
         if self.missing_eos_penalty is not None:
-            total = total - self.missing_eos_penalty * (~exp.ended_with_eos).float()
+            penalty = -self.missing_eos_penalty * (~exp.ended_with_eos).float()
+            total = total + penalty.to(total.device)
+            for part, value in zip(parts, penalty.tolist()):
+                part["missing_eos_penalty"] = value
         buffer_len, factor, max_new_tokens = self.overlong
         if buffer_len is not None:
             penalty = core_algos.overlong_penalty(exp.response_lengths, max_new_tokens, buffer_len, factor)
             total = total + penalty.to(total.device)
+            for part, value in zip(parts, penalty.tolist()):
+                part["overlong_penalty"] = value
             metrics["overlong/penalty_mean"] = float(penalty.mean())
             metrics["overlong/penalised_fraction"] = float(
                 (exp.response_lengths > max_new_tokens - buffer_len).float().mean())
+        data.score_parts = parts
         return total, metrics

@@ -216,6 +216,10 @@ class LoopSettings:
     eval_top_p: float = 1.0
     eval_pass_threshold: float = 1.0  # a sample is correct when its score >= this (pass@k, maj@N)
     eval_before_train: bool = False  # an evaluation at iteration 0
+    log_samples: int = 0  # rollout / held-out samples per table (`rollout_records`, `metrics/samples.py`); 0 off
+    log_samples_interval: Optional[int] = None  # validate_args: --log-interval when not given
+    rollout_dump_dir: Optional[str] = None  # each iteration's scored rollout written there (`rollout_dump.py`)
+    rollout_replay_dir: Optional[str] = None  # a dump replayed instead of generating (the `replay` strategy)
     check_for_divergence: bool = True
 
 

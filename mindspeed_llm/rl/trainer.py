@@ -86,6 +86,14 @@ def _resumes_from_load(checkpoint: CheckpointSettings) -> bool:
     return bool(checkpoint.load) and not (checkpoint.stage == "grpo" and not checkpoint.ref_model)
 
 
+def samples_path(loop) -> Optional[str]:
+    """Where --log-samples' rows go (`MetricsLogger.log_samples`): samples.jsonl and eval_samples.jsonl beside
+    --metrics-jsonl; None without either."""
+    if not (loop.log_samples and loop.metrics_jsonl):
+        return None
+    return os.path.join(os.path.dirname(os.path.abspath(loop.metrics_jsonl)), "samples.jsonl (and eval_samples.jsonl)")
+
+
 def _gather_to_logger(metrics: Dict[str, float]) -> Dict[str, float]:
     """Mean over DP ranks, then the last pipeline stage's view (it alone has the losses) to every rank."""
     metrics = reduce_metrics(metrics, group=parallel_state.get_data_parallel_group(), device=device.current_device())
@@ -348,7 +356,8 @@ def run(args) -> None:
         profiler.close()  # the traces of a window the run cut short are written before the summary names them
         if distributed.is_rank_0():
             outputs = [("checkpoints", f"{checkpoint.save} (last: iteration {saved})" if saved else None),
-                       ("metrics", loop.metrics_jsonl), ("TensorBoard", loop.tensorboard_dir)]
+                       ("metrics", loop.metrics_jsonl), ("TensorBoard", loop.tensorboard_dir),
+                       ("samples", samples_path(loop)), ("rollout dump", loop.rollout_dump_dir)]
             for line in progress.summary_lines(outputs) + [f"  {x}" for x in profiler.summary_lines()]:
                 print(f"posttrain_gpt.py: {line}", flush=True)
         failed = False
@@ -413,6 +422,7 @@ def _loop(settings: Settings, stage, dataset, evaluator: Evaluator, sampler, log
         metrics = _gather_to_logger(evaluator.evaluate())
         logger.log(0, metrics)
         evaluator.record(0, metrics)
+        logger.log_samples(0, evaluator.pop_samples(), "eval_samples")
     if start >= loop.train_iters and distributed.is_rank_0():
         print(f"posttrain_gpt.py: the checkpoint is at iteration {start}, --train-iters is {loop.train_iters}: nothing "
               f"left to train; raise --train-iters to continue", flush=True)
@@ -423,6 +433,7 @@ def _loop(settings: Settings, stage, dataset, evaluator: Evaluator, sampler, log
             prompts = rollout_strategies.PromptSource.from_sampler(dataset, sampler, loop.global_batch_size,
                                                                    rollout_rank)
             metrics = stage.iteration(iteration, prompts)
+            samples = stage.records.finish(iteration, prompts)  # --log-samples' rows, --rollout-dump-dir's files
             if loop.check_for_divergence:
                 entropy_guard.check(metrics)
         except DivergenceError as exc:
@@ -444,7 +455,9 @@ def _loop(settings: Settings, stage, dataset, evaluator: Evaluator, sampler, log
         metrics = _gather_to_logger(metrics)
         metrics.update(global_batch_size=loop.global_batch_size, world_size=world_size)
         logger.log(iteration, metrics)
+        logger.log_samples(iteration, samples, "samples")
         evaluator.record(iteration, metrics)
+        logger.log_samples(iteration, evaluator.pop_samples(), "eval_samples")
         profiler.end(iteration)
         if checkpoint.save and checkpoint.save_interval and iteration % checkpoint.save_interval == 0:
             save(iteration)

@@ -2,7 +2,12 @@
 `odd_first_word` of `stage_layouts`): `--eval-n-samples 4 --eval-temperature 1.0` on a named held-out set whose rows
 carry a `data_source` column gives the same `eval/*` numbers at DP1, DP2 (5 held-out prompts: the DP2 ranks
 evaluate 3 and 2) and PP2, with the baseline at iteration 0 (`--eval-before-train`) and `eval.csv`; and a run of 2
-iterations resumed to 4 evaluates each due iteration once (none repeated, none skipped)."""
+iterations resumed to 4 evaluates each due iteration once (none repeated, none skipped).
+
+The same runs write sample tables (`--log-samples`: samples.jsonl, eval_samples.jsonl, TensorBoard's text tab), the
+same rows at every layout and none repeated after a resume, and dump their rollouts (`--rollout-dump-dir`): grpo at
+DP1 and DP2 and a trl_ppo run replayed (`--rollout-replay-dir`) give the dumping runs' weights bit for bit and their
+metrics."""
 
 import csv
 import json
@@ -46,16 +51,31 @@ def runs(tmp_path_factory):
     from tests.helpers import word_task
 
     root = tmp_path_factory.mktemp("eval_task")
-    task = word_task.build(root, layouts=((1, 1), (1, 2)))
+    task = word_task.build(root, layouts=((1, 1), (1, 2)), reward=True)
     held = _held_out(root / "held", task["tokenizer"])
-    out = {name: root / name for name in ("dp1", "dp2", "pp2", "resume")}
-    sampled = ["--train-iters", "2", "--eval-interval", "1", *SAMPLED]
+    out = {name: root / name for name in ("dp1", "dp2", "pp2", "resume", "replay_dp1", "replay_dp2", "ppo",
+                                          "replay_ppo")}
+    sampled = ["--train-iters", "2", "--eval-interval", "1", *SAMPLED, "--log-samples", "3"]
     save = str(out["resume"] / "save")
-    resume = ["--eval-interval", "3", "--eval-before-train", "--load", save, "--save-interval", "2"]
-    run_distributed(run_stages, 1, [_argv(task, held, out["dp1"], "mbs1", *sampled),
-                                    _argv(task, held, out["resume"], "mbs1", "--train-iters", "2", *resume),
-                                    _argv(task, held, out["resume"], "mbs1", "--train-iters", "4", *resume)])
-    run_distributed(run_stages, 2, [_argv(task, held, out["dp2"], "dp2", *sampled),
+    resume = ["--eval-interval", "3", "--eval-before-train", "--load", save, "--save-interval", "2",
+              "--log-samples", "2"]
+    # another top-k: a replay that generated instead of reading the dump would train on other rollouts
+    replay = ["--train-iters", "2", "--top-k", "3", "--rollout-replay-dir"]
+    ppo = layout_argv(task, "trl_ppo", "mbs1", ["--global-batch-size", "4", "--ppo-mini-batch-size", "4",
+                                                "--kl-coef", "0.05", "--lr", "0.2", "--train-iters", "2"], out["ppo"])
+    run_distributed(run_stages, 1, [
+        _argv(task, held, out["dp1"], "mbs1", *sampled, "--tensorboard-dir", str(out["dp1"] / "tb"),
+              "--rollout-dump-dir", str(out["dp1"] / "dump")),
+        _argv(task, held, out["replay_dp1"], "mbs1", *replay, str(out["dp1"] / "dump")),
+        ppo + ["--rollout-dump-dir", str(out["ppo"] / "dump")],
+        [str(out["replay_ppo"] / "metrics.jsonl") if a == str(out["ppo"] / "metrics.jsonl") else
+         str(out["replay_ppo"] / "save") if a == str(out["ppo"] / "save") else a for a in ppo]
+        + ["--top-k", "3", "--rollout-replay-dir", str(out["ppo"] / "dump")],
+        _argv(task, held, out["resume"], "mbs1", "--train-iters", "2", *resume),
+        _argv(task, held, out["resume"], "mbs1", "--train-iters", "4", *resume)])
+    run_distributed(run_stages, 2, [_argv(task, held, out["dp2"], "dp2", *sampled,
+                                          "--rollout-dump-dir", str(out["dp2"] / "dump")),
+                                    _argv(task, held, out["replay_dp2"], "dp2", *replay, str(out["dp2"] / "dump")),
                                     _argv(task, held, out["pp2"], "pp2", *sampled)])
     return out
 
@@ -104,3 +124,74 @@ def test_a_resumed_run_neither_repeats_nor_skips_an_evaluation(runs):
     with open(runs["resume"] / "eval.csv", newline="") as f:
         table = [(int(r["iteration"]), r["metric"]) for r in csv.DictReader(f)]
     assert sorted({it for it, _ in table}) == [0, 2, 3, 4] and len(table) == len(set(table))
+
+
+def _samples(out: Path, kind: str = "samples"):
+    return [json.loads(line) for line in (out / f"{kind}.jsonl").read_text().splitlines()]
+
+
+def _shown(row):
+    """A sample row without what differs between layouts by rounding alone."""
+    return {k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()}
+
+
+@pytest.mark.parametrize("layout", ["dp2", "pp2"])
+def test_sample_tables_hold_the_same_rows_at_every_layout(runs, layout):
+    train, evaluation = _samples(runs["dp1"]), _samples(runs["dp1"], "eval_samples")
+    # 3 rollout samples at iterations 1 and 2; 3 held-out samples (the first prompt's 4 samples cut to 3) at 0, 1, 2
+    assert [(r["iteration"], r["sample"]) for r in train] == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
+    assert [(r["iteration"], r["position"], r["sample"]) for r in evaluation] == [
+        (it, 0, k) for it in (0, 1, 2) for k in range(3)]
+    first = train[0]
+    assert first["prompt"].strip() and first["response"] and first["finish_reason"] in ("eos", "stop", "length")
+    assert first["score_parts"] == {"odd_first_word": first["score"]}  # the one verifier, weight 1
+    assert first["score"] == float(first["response"].split()[0][1:].isdigit() and
+                                   int(first["response"].split()[0][1:]) % 2 == 1)  # the verifier, by hand
+    assert 0 < first["response_length"] <= 8 and first["label"] is not None
+    assert {r["set"] for r in evaluation} == {"held"}
+    assert all(r["passed"] == (r["score"] >= 1.0) for r in evaluation)
+    assert [_shown(r) for r in _samples(runs[layout])] == [_shown(r) for r in train]
+    assert [_shown(r) for r in _samples(runs[layout], "eval_samples")] == [_shown(r) for r in evaluation]
+
+
+def test_sample_tables_go_to_tensorboard_and_continue_on_resume(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(runs["dp1"] / "tb"), size_guidance={"tensors": 0})
+    events.Reload()
+    texts = {tag: [e.step for e in events.Tensors(tag)] for tag in events.Tags()["tensors"]}
+    assert texts["samples/text_summary"] == [1, 2] and texts["eval_samples/text_summary"] == [0, 1, 2]
+    table = events.Tensors("samples/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert table.startswith("| sample | prompt_index | score |") and table.count("\n") == 1 + 3  # header, rule, 3 rows
+    # the resumed run: each iteration's rows once (1, 2 from the first run, 3, 4 from the resumed one)
+    rows = _samples(runs["resume"])
+    assert [(r["iteration"], r["sample"]) for r in rows] == [(it, k) for it in (1, 2, 3, 4) for k in (0, 1)]
+    assert sorted({r["iteration"] for r in _samples(runs["resume"], "eval_samples")}) == [0, 2, 3, 4]
+
+
+@pytest.mark.parametrize("dumped,replayed,roles", [("dp1", "replay_dp1", ("actor",)),
+                                                   ("dp2", "replay_dp2", ("actor",)),
+                                                   ("ppo", "replay_ppo", ("actor", "critic"))])
+def test_a_replayed_rollout_dump_gives_the_dumping_runs_update_bit_for_bit(runs, dumped, replayed, roles):
+    import torch
+
+    from tests.helpers.stage_layouts import full_weights
+
+    dump = runs[dumped] / "dump"
+    assert sorted(p.name for p in dump.iterdir()) == ["iteration_0000001", "iteration_0000002", "manifest.json"]
+    files = sorted(p.name for p in (dump / "iteration_0000001").iterdir())
+    ranks = 2 if dumped == "dp2" else 1
+    assert files == sorted([f"batch_0_dp_rank_{r:02d}.{ext}" for r in range(ranks) for ext in ("json", "pt")]
+                           + ["done.json"])
+    tensors = torch.load(dump / "iteration_0000001" / "batch_0_dp_rank_00.pt", weights_only=True)
+    assert {"tokens", "responses", "response_mask", "scores", "rollout_logp"} <= set(tensors)
+    for role in roles:
+        original, replay = full_weights(runs[dumped] / "save", role), full_weights(runs[replayed] / "save", role)
+        assert original.keys() == replay.keys()
+        assert all(torch.equal(original[k], replay[k]) for k in original), role
+    skipped = ("timing/", "e2e_tps", "update_tps", "vllm_tps", "rollout_tps", "eval")
+    original, replay = ([r for r in _rows(runs[name]) if r["iteration"] >= 1] for name in (dumped, replayed))
+    assert [r["iteration"] for r in original] == [r["iteration"] for r in replay] == [1, 2]
+    for a, b in zip(original, replay):
+        a = {k: v for k, v in a.items() if not k.startswith(skipped)}
+        assert a == {k: v for k, v in b.items() if not k.startswith(skipped)}

@@ -54,7 +54,7 @@ def _experience(trajectories=TRAJECTORIES):
     data = SampleData(texts=list(TEXTS), labels=list(LABELS), indices=[10, 11, 12],
                       columns={k: list(v) for k, v in COLUMNS.items()}, trajectories=trajectories)
     n = len(TEXTS)
-    return SimpleNamespace(tokens=torch.zeros(n, 1, dtype=torch.long), batch_size=n, sample_data=data,
+    return SimpleNamespace(tokens=torch.zeros(n, 1, dtype=torch.long), batch_size=n, sample_data=data, scores=None,
                            ended_with_eos=torch.ones(n, dtype=torch.bool), response_lengths=torch.full((n,), 4))
 
 

@@ -96,10 +96,10 @@ def test_single_turn_generates_the_first_batch_and_carries_nothing(monkeypatch):
 
 def _settings(**algorithm):
     """The run's typed settings with these AlgorithmSettings fields (what build_rollouts reads)."""
-    from mindspeed_llm.rl.settings import ToolSettings
+    from mindspeed_llm.rl.settings import LoopSettings, ToolSettings
 
     return SimpleNamespace(algorithm=AlgorithmSettings(**algorithm), batch=BatchSettings(global_batch_size=2),
-                           tools=ToolSettings())
+                           tools=ToolSettings(), loop=LoopSettings())
 
 
 def _no_draw(j):

@@ -25,7 +25,7 @@ def _timers(name):
 
 
 def _experience(texts, ended_with_eos, response_lengths):
-    return SimpleNamespace(tokens=torch.zeros(len(texts), 1, dtype=torch.long), batch_size=len(texts),
+    return SimpleNamespace(tokens=torch.zeros(len(texts), 1, dtype=torch.long), batch_size=len(texts), scores=None,
                            sample_data=SampleData(texts=texts, labels=[None] * len(texts),
                                                   indices=list(range(len(texts)))),
                            ended_with_eos=torch.tensor(ended_with_eos), response_lengths=torch.tensor(response_lengths))

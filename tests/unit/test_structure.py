@@ -60,7 +60,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
         "mindspeed_llm.rl.partial_rollout", "mindspeed_llm.rl.scoring", "mindspeed_llm.rl.loss_closures",
         "mindspeed_llm.rl.ppo_loop", "mindspeed_llm.rl.evaluation", "mindspeed_llm.rl.startup",
         "mindspeed_llm.rl.rollout_strategies", "mindspeed_llm.rl.optimizer_state", "mindspeed_llm.rl.multi_turn",
-        "mindspeed_llm.rl.profiling",
+        "mindspeed_llm.rl.profiling", "mindspeed_llm.rl.rollout_dump", "mindspeed_llm.rl.rollout_records",
     )),
     ("rl stages", ("mindspeed_llm.rl.stages",)),
     ("outer loop", ("mindspeed_llm.rl.trainer",)),

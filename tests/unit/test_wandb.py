@@ -196,3 +196,24 @@ def test_mindspeed_rl_keys(tmp_path, monkeypatch):
     assert not any(token.startswith("--wandb") for token in config.argv)
     assert ("rl_config.wandb_project", "use_wandb is not true") in config.ignored
     assert parsed(["--config", write(tmp_path, data)], 16)["wandb_project"] is None
+
+
+def test_a_sample_table_is_a_wandb_table_at_its_iteration(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb_data"))  # where wandb stages a table's artifact
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    save_dir = tmp_path / "wandb_files"
+    logger = MetricsLogger(1, print_fn=lambda s: None,
+                           wandb=dict(project="mindspeed-test", save_dir=str(save_dir), mode="offline"))
+    logger.log(1, {"x": 1.0})
+    logger.log_samples(1, [{"sample": 0, "score": 1.0, "score_parts": {"acc": 1.0}, "prompt": "2+2", "response": "4"},
+                           {"sample": 1, "score": 0.0, "score_parts": {"acc": 0.0}, "prompt": "2+3", "response": "6"}])
+    logger.close()
+    history = wandb_files.history(wandb_files.records(save_dir))
+    assert history[1]["x"] == 1.0  # the table joins the iteration's step
+    assert (history[1]["samples._type"], history[1]["samples.nrows"], history[1]["samples.ncols"]) == (
+        "table-file", 2, 5)
+    files = list((save_dir / "wandb").glob("offline-run-*/files/media/table/samples_1_*.table.json"))
+    (content,) = [json.loads(f.read_text()) for f in files]
+    assert content["columns"] == ["sample", "score", "score_parts", "prompt", "response"]
+    assert content["data"][1] == [1, 0.0, '{"acc": 0.0}', "2+3", "6"]

@@ -65,6 +65,7 @@ class PromptResult:
     scores: tuple
     answers: tuple
     sums: tuple  # ((name, sum over the samples), ...)
+    samples: tuple = ()  # the sample-table rows of its samples among its set's first --log-samples (`samples.py`)
 
 
 def summarize(results: Sequence[PromptResult], threshold: float) -> Dict[str, float]:

@@ -32,6 +32,15 @@ def _plain(value):
     return value
 
 
+def _cell(value):
+    """A table cell wandb takes: numbers and text as they are, anything else (score parts, turns) as JSON text."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    import json
+
+    return json.dumps(value)
+
+
 class WandbWriter:
     """`wandb.init(project, name, dir, entity, config, mode)`; a run that starts online but cannot reach the server
     continues offline (and says so)."""
@@ -59,6 +68,13 @@ class WandbWriter:
 
     def log(self, iteration: int, metrics: Mapping[str, object]) -> None:
         self.run.log({key: _plain(value) for key, value in metrics.items()}, step=int(iteration))
+
+    def log_table(self, iteration: int, key: str, columns, rows) -> None:
+        """A sample table (--log-samples) as a wandb Table under `key`, at the iteration's step."""
+        import wandb
+
+        table = wandb.Table(columns=list(columns), data=[[_cell(r.get(c)) for c in columns] for r in rows])
+        self.run.log({key: table}, step=int(iteration))
 
     def finish(self, exit_code: int = 0) -> None:
         if not self._finished:

@@ -108,6 +108,8 @@ class MetricsLogger:
         self._tb = None
         self._wandb = None
         self._closed = False
+        self._jsonl_path, self._resumed_at = jsonl_path, resumed_at
+        self._sample_files = {}  # kind -> the open <kind>.jsonl (`log_samples`)
         if self.rank == 0 and jsonl_path:
             parent = os.path.dirname(os.path.abspath(jsonl_path))
             os.makedirs(parent, exist_ok=True)
@@ -174,6 +176,33 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(iteration, metrics)
 
+    def log_samples(self, iteration: int, rows: Sequence[Mapping[str, object]], kind: str = "samples") -> None:
+        """A sample table (--log-samples, `samples.py`): `kind` "samples" (rollouts) or "eval_samples" (held-out),
+        each row a JSON object with its iteration in `<kind>.jsonl` beside the JSONL of metrics (continued on resume
+        like it), a TensorBoard text table under `kind`, and a wandb table. Rank 0 only; nothing for no rows."""
+        if self._closed:
+            raise RuntimeError("MetricsLogger is closed")
+        if self.rank != 0 or not rows:
+            return
+        from mindspeed_llm.rl.metrics.samples import EVAL_COLUMNS, TRAIN_COLUMNS, markdown_table
+
+        columns = EVAL_COLUMNS if kind == "eval_samples" else TRAIN_COLUMNS
+        if self._jsonl_path is not None:
+            if kind not in self._sample_files:
+                path = os.path.join(os.path.dirname(os.path.abspath(self._jsonl_path)), f"{kind}.jsonl")
+                if self._resumed_at is not None and os.path.exists(path):
+                    _drop_rows_after(path, self._resumed_at)
+                self._sample_files[kind] = open(path, "a", encoding="utf-8")
+            f = self._sample_files[kind]
+            for row in rows:
+                f.write(json.dumps({"iteration": int(iteration), **{k: _json_value(v) for k, v in row.items()}})
+                        + "\n")
+            f.flush()
+        if self._tb is not None:
+            self._tb.add_text(kind, markdown_table(rows, columns), iteration)
+        if self._wandb is not None:
+            self._wandb.log_table(iteration, kind, [c for c in columns if any(c in r for r in rows)], rows)
+
     def close(self, failed: bool = False) -> None:
         if self._closed:
             return
@@ -181,6 +210,9 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+        for f in self._sample_files.values():
+            f.close()
+        self._sample_files = {}
         if self._tb is not None:
             self._tb.flush()
             self._tb.close()

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Dict, List, Protocol, Sequence
 from mindspeed_llm.registry import LazyRegistry
 
 if TYPE_CHECKING:
+    from mindspeed_llm.rl.rollout_records import RolloutRecords
     from mindspeed_llm.rl.rollout_strategies import PromptSource, RolloutStrategy
 
 
@@ -23,6 +24,8 @@ class Stage(Protocol):
     log_lines: Dict[str, List[str]]  # stdout line groups (`MetricsLogger`)
     # how it generates its experience (`rl/rollout_strategies.RolloutStrategy`; its state is saved with the loop state)
     rollouts: "RolloutStrategy"
+    # what the run keeps of its scored rollouts (`rl/rollout_records.RolloutRecords`: --log-samples, --rollout-dump-dir)
+    records: "RolloutRecords"
 
     def roles(self) -> Dict[str, object]:
         """The trained models by role name (`TrainableModel`s: "actor", "critic"): what checkpoints hold."""

@@ -30,6 +30,7 @@ from mindspeed_llm.rl.metrics import Timers, mean_min_max, prefixed
 from mindspeed_llm.rl.passes import policy_logprobs
 from mindspeed_llm.rl.ppo_loop import old_logp_is_current, ppo_update
 from mindspeed_llm.rl.rollout import mask_truncated_completions, mismatch_metrics, rollout_metrics, sampling_config
+from mindspeed_llm.rl.rollout_records import RolloutRecords
 from mindspeed_llm.rl.rollout_strategies import PromptSource, build_rollouts
 from mindspeed_llm.rl.scoring import Scorer
 from mindspeed_llm.rl.settings import AlgorithmSettings
@@ -72,6 +73,7 @@ class GRPOStage:
         self.scorer = Scorer.from_settings(settings.reward, reward_model, settings.offload.offload_ref_reward)
         self.sampling = sampling_config(settings.sampling, tokenizer)
         self.rollouts = build_rollouts(settings, self.actor.module, tokenizer, self.sampling)
+        self.records = RolloutRecords.from_settings(settings, tokenizer, self.rollouts)
 
     def roles(self):
         return {"actor": self.actor}
@@ -151,7 +153,9 @@ class GRPOStage:
         exp.leave_out_tool_tokens()  # tool-response tokens are context: in every forward, in no loss
         plan = MicroBatchPlan.for_run(exp, self.settings.batch, group_size=n)
         exp.scores, score_metrics = self.scorer(exp, plan, timers)
-        return exp, plan, {**rollout_strategy_metrics, **score_metrics}
+        metrics = {**rollout_strategy_metrics, **score_metrics}
+        self.records.add(exp, metrics)  # --log-samples' table, --rollout-dump-dir
+        return exp, plan, metrics
 
     # ------------------------------------------------------------------ loss closure (per micro-batch)
     def _advantages(self, exp):

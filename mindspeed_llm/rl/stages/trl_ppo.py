@@ -26,6 +26,7 @@ from mindspeed_llm.rl.metrics import Timers, masked_mean_min_max, mean_min_max, 
 from mindspeed_llm.rl.passes import critic_values, policy_logprobs
 from mindspeed_llm.rl.ppo_loop import old_logp_is_current, ppo_update
 from mindspeed_llm.rl.rollout import mask_truncated_completions, mismatch_metrics, rollout_metrics, sampling_config
+from mindspeed_llm.rl.rollout_records import RolloutRecords
 from mindspeed_llm.rl.rollout_strategies import PromptSource, build_rollouts
 from mindspeed_llm.rl.scoring import Scorer
 
@@ -66,6 +67,7 @@ class TrlPPOStage:
         self.scorer = Scorer.from_settings(settings.reward, reward_model, settings.offload.offload_ref_reward)
         self.sampling = sampling_config(settings.sampling, tokenizer)
         self.rollouts = build_rollouts(settings, self.actor.module, tokenizer, self.sampling)
+        self.records = RolloutRecords.from_settings(settings, tokenizer, self.rollouts)
 
     def roles(self):
         return {"actor": self.actor, "critic": self.critic}
@@ -104,6 +106,7 @@ class TrlPPOStage:
                 self.critic.onload(timers, parts=("weights",))  # --offload-train-param: they left for the rollout
                 exp.values = critic_values(self.critic.chunks, exp, plan)
             exp.scores, score_metrics = self.scorer(exp, plan, timers)  # with --missing-eos-penalty
+            self.records.add(exp, {**rollout_strategy_metrics, **score_metrics})  # --log-samples, --rollout-dump-dir
 
             with timers("adv"):
                 rewards, kl = self._advantages(exp)

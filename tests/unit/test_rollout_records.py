@@ -1,0 +1,182 @@
+"""The sample tables (`metrics/samples.py`, `MetricsLogger.log_samples`), the rollout dump's files and their reading
+back (`rollout_dump.py`), the replay's refusals, and the flags' checks (`arguments/observability.check_rollout_records`),
+in one process. The end-to-end runs (the same rows at every layout, a replay bit for bit) are
+tests/dist/test_evaluation_dist.py's."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mindspeed_llm import distributed
+from mindspeed_llm.errors import ArgumentError
+from mindspeed_llm.rl import rollout_dump
+from mindspeed_llm.rl.experience import Experience, SampleData
+from mindspeed_llm.rl.metrics import MetricsLogger
+from mindspeed_llm.rl.metrics.samples import TRAIN_COLUMNS, eval_rows, first_rows, markdown_table, rollout_rows
+from mindspeed_llm.rl.rollout_strategies import PromptSource
+
+
+class _CharTokenizer:
+    """ids are character codes (what `decode` is asked for is all a table needs)."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids)
+
+
+def _experience():
+    """Two samples of one prompt "ab" (ids 97, 98): responses "xyz" (EOS) and "q|\\n" (cut at the length)."""
+    tokens = torch.tensor([[97, 98, 120, 121, 122], [97, 98, 113, 124, 10]])
+    exp = Experience(tokens=tokens, position_ids=torch.arange(5).expand(2, 5), prompt_lengths=torch.tensor([2, 2]),
+                     responses=tokens[:, 2:], response_mask=torch.tensor([[1.0, 1, 1], [1, 1, 0]]),
+                     ended_with_eos=torch.tensor([True, False]), rollout_logp=torch.tensor([[-1.0, -2, -3]] * 2))
+    exp.scores = torch.tensor([1.0, -0.5])
+    exp.sample_data = SampleData(labels=["7", "7"], indices=[11, 11], texts=["xyz", "q|\n"],
+                                 finish_reasons=["eos", "length"], sample_ids=[0, 1],
+                                 score_parts=[{"acc": 1.0}, {"acc": 0.0, "missing_eos_penalty": -0.5}])
+    return exp
+
+
+def test_rollout_rows_are_the_samples_as_a_person_reads_them():
+    rows = rollout_rows(_experience(), _CharTokenizer(), limit=5, first_sample=4)
+    assert rows == [
+        {"sample": 4, "prompt_index": 11, "score": 1.0, "score_parts": {"acc": 1.0}, "prompt": "ab", "response": "xyz",
+         "label": "7", "response_length": 3, "finish_reason": "eos"},
+        {"sample": 5, "prompt_index": 11, "score": -0.5, "score_parts": {"acc": 0.0, "missing_eos_penalty": -0.5},
+         "prompt": "ab", "response": "q|\n", "label": "7", "response_length": 2, "finish_reason": "length"}]
+    assert len(rollout_rows(_experience(), _CharTokenizer(), limit=1)) == 1
+
+
+def test_a_multi_turn_row_has_its_turns_and_the_models_own_length():
+    exp = _experience()
+    exp.tool_mask = torch.tensor([[0.0, 1, 0], [0, 0, 0]])  # the middle token of row 0 is a tool's answer
+    exp.sample_data.trajectories = [{"num_turns": 2, "tool_calls": 1, "turns": [{"role": "assistant"}]}, None]
+    first, second = rollout_rows(exp, _CharTokenizer(), limit=2)
+    assert (first["num_turns"], first["tool_calls"], first["turns"]) == (2, 1, [{"role": "assistant"}])
+    assert first["response_length"] == 2 and "num_turns" not in second
+
+
+def test_eval_rows_take_the_sets_first_samples_by_position_then_sample():
+    exp = _experience()  # one prompt's 2 samples, at position 1 of its set
+    rows = eval_rows(exp, [1.0, 0.0], ["7", None], 1.0, positions=[1], samples_per_prompt=2, tokenizer=_CharTokenizer(),
+                     limit=3)  # position 1 x 2 samples: samples 2 and 3 of the set; the first 3 hold sample 2 only
+    assert [(r["position"], r["sample"], r["passed"], r["answer"]) for r in rows] == [(1, 0, True, "7")]
+    parts = [[{"position": 2, "sample": 0}], [{"position": 0, "sample": 1}, {"position": 0, "sample": 0}]]
+    assert first_rows(parts, 2, key="position") == [{"position": 0, "sample": 0}, {"position": 0, "sample": 1}]
+
+
+def test_the_tensorboard_table_keeps_one_line_a_sample():
+    rows = rollout_rows(_experience(), _CharTokenizer(), limit=2)
+    table = markdown_table(rows, TRAIN_COLUMNS).splitlines()
+    assert table[0] == ("| sample | prompt_index | score | score_parts | label | response_length | finish_reason | "
+                        "prompt | response |")  # num_turns: no row has it
+    assert len(table) == 4 and table[3].endswith("| ab | q\\|<br> |")  # the pipe escaped, the newline a <br>
+    assert "acc: 0, missing_eos_penalty: -0.5" in table[3]
+
+
+def test_samples_jsonl_sits_beside_the_metrics_and_a_resume_replaces_the_rows_it_logs_again(tmp_path):
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    rows = rollout_rows(_experience(), _CharTokenizer(), limit=2)
+    logger = MetricsLogger(jsonl_path=str(metrics), print_fn=lambda s: None)
+    for it in (1, 2, 3):
+        logger.log(it, {"x": 1.0})
+        logger.log_samples(it, rows)
+    logger.log_samples(3, [], "eval_samples")  # no rows: no file
+    logger.close()
+    written = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert [(r["iteration"], r["sample"]) for r in written] == [(it, k) for it in (1, 2, 3) for k in (0, 1)]
+    assert written[1]["response"] == "q|\n" and not (tmp_path / "run" / "eval_samples.jsonl").exists()
+    resumed = MetricsLogger(jsonl_path=str(metrics), print_fn=lambda s: None, resumed_at=1)
+    resumed.log_samples(2, rows[:1])
+    resumed.close()
+    written = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert [(r["iteration"], r["sample"]) for r in written] == [(1, 0), (1, 1), (2, 0)]
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    monkeypatch.setattr(distributed, "data_parallel_info", lambda: (0, 1))
+
+
+def _settings(**loop):
+    from mindspeed_llm.rl.settings import (AlgorithmSettings, CheckpointSettings, DataSettings, LoopSettings,
+                                           LossSettings)
+
+    return SimpleNamespace(checkpoint=CheckpointSettings(stage="grpo"),
+                           algorithm=AlgorithmSettings(n_samples_per_prompt=2),
+                           loop=LoopSettings(global_batch_size=1, **loop), data=DataSettings(seed=3, data_path="d"),
+                           loss=LossSettings())
+
+
+def _dump(root, iterations=(1,)):
+    dumper = rollout_dump.RolloutDumper(str(root), rollout_dump.run_description(_settings(), "single_turn"))
+    for it in iterations:
+        dumper.add(_experience(), {"grpo/acc": 0.5})
+        dumper.finish(it, prompts_drawn=1)
+
+
+def test_a_dump_reads_back_as_the_experience_it_wrote(tmp_path, one_rank):
+    _dump(tmp_path / "dump", iterations=(1, 2))
+    assert rollout_dump.dumped_iterations(str(tmp_path / "dump")) == [1, 2]
+    saved = torch.load(tmp_path / "dump" / "iteration_0000001" / "batch_0_dp_rank_00.pt", weights_only=True)
+    assert set(saved) == {"tokens", "prompt_lengths", "responses", "response_mask", "ended_with_eos", "scores",
+                          "rollout_logp"}
+    exp, metrics = rollout_dump.load_batch(str(tmp_path / "dump"), 2, 0, 0)
+    original = _experience()
+    for name, tensor in original.tensors().items():
+        assert torch.equal(getattr(exp, name), tensor) and getattr(exp, name).dtype == tensor.dtype, name
+    assert exp.sample_data == original.sample_data and metrics == {"grpo/acc": 0.5}
+    assert not exp.routing_recorded
+
+
+def test_a_replay_is_refused_for_another_kind_of_run_and_past_the_dump(tmp_path, one_rank):
+    _dump(tmp_path / "dump")
+    replay = str(tmp_path / "dump")
+    other = _settings(rollout_replay_dir=replay)
+    other = SimpleNamespace(**{**vars(other), "algorithm": type(other.algorithm)(n_samples_per_prompt=4)})
+    with pytest.raises(ArgumentError, match=r"n_samples_per_prompt 2 there, 4 here.*--n-samples-per-prompt"):
+        rollout_dump.ReplayRollouts.from_settings(other, None, None, None)
+    strategy = rollout_dump.ReplayRollouts.from_settings(_settings(rollout_replay_dir=replay), None, None, None)
+    exp, _ = strategy.collect(1, PromptSource([{"index": 11}], None))
+    assert exp.scores.tolist() == [1.0, -0.5]  # the dump's: the scorer keeps them
+    with pytest.raises(ArgumentError, match=r"no rollout for iteration 1 \(generation batch 1\): it has iterations 1"):
+        strategy.collect(1, PromptSource([{"index": 11}], None))
+    with pytest.raises(ArgumentError, match="no rollout for iteration 2: it has iterations 1 .. 1"):
+        strategy.collect(2, PromptSource([{"index": 11}], None))
+    fresh = rollout_dump.ReplayRollouts.from_settings(_settings(rollout_replay_dir=replay), None, None, None)
+    with pytest.raises(ArgumentError, match=r"prompts \(11, 11\) are not the ones the sampler drew \(5, 5\).*--seed 3"):
+        fresh.collect(1, PromptSource([{"index": 5}], None))
+
+
+def test_the_scorer_keeps_a_replayed_experiences_scores():
+    from mindspeed_llm.rl.scoring import Scorer
+
+    exp = _experience()
+    scores, metrics = Scorer(["math_acc"], [1.0])(exp, None, None)
+    assert scores is exp.scores and metrics == {}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--log-samples-interval", "2"], "without --log-samples N logs no sample"),
+    (["--log-samples", "2"], "--log-samples 2 writes samples.jsonl beside --metrics-jsonl"),
+    (["--rollout-replay-dir", "{tmp}", "--rollout-dump-dir", "{tmp}"], "would write over the rollouts it reads"),
+    (["--rollout-replay-dir", "{tmp}/none"], "holds no rollout dump"),
+])
+def test_the_flags_are_refused_where_they_cannot_work(tmp_path, argv, message):
+    from mindspeed_llm.arguments import parse_args
+
+    base = ["--stage", "grpo", "--data-path", "d", "--ref-model", "m", "--train-iters", "1", "--global-batch-size",
+            "2", "--micro-batch-size", "1", "--verifier-function", "math_acc"]
+    with pytest.raises(ArgumentError, match=message):
+        parse_args(base + [a.format(tmp=tmp_path) for a in argv], 1)
+
+
+def test_log_samples_interval_defaults_to_the_log_interval(tmp_path):
+    from mindspeed_llm.arguments import parse_args
+
+    args = parse_args(["--stage", "grpo", "--data-path", "d", "--ref-model", "m", "--train-iters", "1",
+                       "--global-batch-size", "2", "--micro-batch-size", "1", "--log-interval", "5",
+                       "--verifier-function", "math_acc",
+                       "--log-samples", "4", "--metrics-jsonl", str(tmp_path / "m.jsonl")], 1)
+    assert (args.settings.loop.log_samples, args.settings.loop.log_samples_interval) == (4, 5)
