@@ -54,23 +54,31 @@ def runs(tmp_path_factory):
     task = word_task.build(root, layouts=((1, 1), (1, 2)), reward=True)
     held = _held_out(root / "held", task["tokenizer"])
     out = {name: root / name for name in ("dp1", "dp2", "pp2", "resume", "replay_dp1", "replay_dp2", "ppo",
-                                          "replay_ppo")}
+                                          "replay_ppo", "partial", "replay_partial", "dynamic", "replay_dynamic")}
     sampled = ["--train-iters", "2", "--eval-interval", "1", *SAMPLED, "--log-samples", "3"]
     save = str(out["resume"] / "save")
     resume = ["--eval-interval", "3", "--eval-before-train", "--load", save, "--save-interval", "2",
               "--log-samples", "2"]
     # another top-k: a replay that generated instead of reading the dump would train on other rollouts
     replay = ["--train-iters", "2", "--top-k", "3", "--rollout-replay-dir"]
-    ppo = layout_argv(task, "trl_ppo", "mbs1", ["--global-batch-size", "4", "--ppo-mini-batch-size", "4",
-                                                "--kl-coef", "0.05", "--lr", "0.2", "--train-iters", "2"], out["ppo"])
+    # trl_ppo; grpo with partial rollouts (8 tokens in rounds of 3, 40 stop ids: groups finish in other iterations
+    # than they started, and the sampler draws ahead) and with dynamic sampling (refills: several generation batches)
+    dumped = {"ppo": layout_argv(task, "trl_ppo", "mbs1", ["--global-batch-size", "4", "--ppo-mini-batch-size", "4",
+                                                           "--kl-coef", "0.05", "--lr", "0.2"], out["ppo"]),
+              "partial": _argv(task, held, out["partial"], "mbs1", "--partial-rollout", "--partial-rollout-max-split",
+                               "3", "--stop-token-ids", ",".join(map(str, range(100, 140)))),
+              "dynamic": _argv(task, held, out["dynamic"], "mbs1", "--dynamic-sampling", "--max-num-gen-batches", "8")}
+    replays = []
+    for name, argv in dumped.items():
+        replays += [argv + ["--train-iters", "2", "--rollout-dump-dir", str(out[name] / "dump")],
+                    [str(out[f"replay_{name}"] / "metrics.jsonl") if a == str(out[name] / "metrics.jsonl") else
+                     str(out[f"replay_{name}"] / "save") if a == str(out[name] / "save") else a for a in argv]
+                    + replay + [str(out[name] / "dump")]]
     run_distributed(run_stages, 1, [
         _argv(task, held, out["dp1"], "mbs1", *sampled, "--tensorboard-dir", str(out["dp1"] / "tb"),
               "--rollout-dump-dir", str(out["dp1"] / "dump")),
         _argv(task, held, out["replay_dp1"], "mbs1", *replay, str(out["dp1"] / "dump")),
-        ppo + ["--rollout-dump-dir", str(out["ppo"] / "dump")],
-        [str(out["replay_ppo"] / "metrics.jsonl") if a == str(out["ppo"] / "metrics.jsonl") else
-         str(out["replay_ppo"] / "save") if a == str(out["ppo"] / "save") else a for a in ppo]
-        + ["--top-k", "3", "--rollout-replay-dir", str(out["ppo"] / "dump")],
+        *replays,
         _argv(task, held, out["resume"], "mbs1", "--train-iters", "2", *resume),
         _argv(task, held, out["resume"], "mbs1", "--train-iters", "4", *resume)])
     run_distributed(run_stages, 2, [_argv(task, held, out["dp2"], "dp2", *sampled,
@@ -171,7 +179,9 @@ def test_sample_tables_go_to_tensorboard_and_continue_on_resume(runs):
 
 @pytest.mark.parametrize("dumped,replayed,roles", [("dp1", "replay_dp1", ("actor",)),
                                                    ("dp2", "replay_dp2", ("actor",)),
-                                                   ("ppo", "replay_ppo", ("actor", "critic"))])
+                                                   ("ppo", "replay_ppo", ("actor", "critic")),
+                                                   ("partial", "replay_partial", ("actor",)),
+                                                   ("dynamic", "replay_dynamic", ("actor",))])
 def test_a_replayed_rollout_dump_gives_the_dumping_runs_update_bit_for_bit(runs, dumped, replayed, roles):
     import torch
 
@@ -180,9 +190,13 @@ def test_a_replayed_rollout_dump_gives_the_dumping_runs_update_bit_for_bit(runs,
     dump = runs[dumped] / "dump"
     assert sorted(p.name for p in dump.iterdir()) == ["iteration_0000001", "iteration_0000002", "manifest.json"]
     files = sorted(p.name for p in (dump / "iteration_0000001").iterdir())
-    ranks = 2 if dumped == "dp2" else 1
-    assert files == sorted([f"batch_0_dp_rank_{r:02d}.{ext}" for r in range(ranks) for ext in ("json", "pt")]
-                           + ["done.json"])
+    ranks, batches = 2 if dumped == "dp2" else 1, json.loads((dump / "iteration_0000001" / "done.json").read_text())
+    assert files == sorted([f"batch_{b}_dp_rank_{r:02d}.{ext}" for b in range(batches["generation_batches"])
+                            for r in range(ranks) for ext in ("json", "pt")] + ["done.json"])
+    if dumped == "dynamic":  # refills: more than one generation batch
+        assert batches["generation_batches"] == batches["prompts_drawn"] > 1
+    if dumped == "partial":  # rounds ahead of the first batch, and groups carried into the next iteration
+        assert batches["prompts_drawn"] > 1 and _rows(runs[dumped])[0]["partial_rollout/carried"] > 0
     tensors = torch.load(dump / "iteration_0000001" / "batch_0_dp_rank_00.pt", weights_only=True)
     assert {"tokens", "responses", "response_mask", "scores", "rollout_logp"} <= set(tensors)
     for role in roles:
