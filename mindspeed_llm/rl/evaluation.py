@@ -162,7 +162,7 @@ class Evaluator:
         for name, dataset in self.sets:
             prefix = "eval" if name is None else f"eval/{name}"
             results = _set_results(self.stage, dataset, self.loop.eval_prompts)
-            self.samples += [dict(row, set=name or "eval") for r in sorted(results, key=lambda r: r.position)
+            self.samples += [{"set": name or "eval", **row} for r in sorted(results, key=lambda r: r.position)
                              for row in r.samples]
             metrics = set_metrics(prefix, results, self.loop.eval_pass_threshold)
             self.columns.update({key: (name or "eval", key[len(prefix) + 1:]) for key in metrics})

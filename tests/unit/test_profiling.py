@@ -168,8 +168,9 @@ def test_the_progress_line_and_the_summary():
     for iteration, score, seconds in ((3, None, 2.5), (4, 0.5, 2.5), (5, None, 4.0), (6, 0.25, 4.0)):
         now[0] += seconds
         metrics = {"timing/all": 2.5, "timing/rollout": 1.0, "e2e_tps": 3.0}
-        if score is not None:
-            metrics["eval/score/mean"] = score
+        if score is not None:  # the unnamed set and a named one (not its data source's)
+            metrics.update({"eval/score/mean": score, "eval/gsm8k/score/mean": 1 - score,
+                            "eval/gsm8k/left/score/mean": 0.0})
         logger.log(iteration, metrics)
     assert len(lines) == 2
     # iterations 3 and 4 took 5 s: 2500 ms each; 6 of 10 iterations left at that pace: 0:00:15
@@ -182,6 +183,7 @@ def test_the_progress_line_and_the_summary():
     summary = "\n".join(progress.summary_lines([("checkpoints", "/ck (last: iteration 6)"), ("TensorBoard", None)]))
     assert summary == ("run summary: iterations 3 .. 6 of 10 done in 0:00:13 (3.25 s per iteration)\n"
                        "  eval/score/mean: best 0.5000 (iteration 4), last 0.2500 (iteration 6)\n"
+                       "  eval/gsm8k/score/mean: best 0.7500 (iteration 6), last 0.7500 (iteration 6)\n"
                        "  checkpoints: /ck (last: iteration 6)")
     every = MetricsLogger(total_iterations=1, print_fn=lines.append, on_stdout=timers.on_stdout(1))
     every.log(1, {"timing/rollout": 1.0})

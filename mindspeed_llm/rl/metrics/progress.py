@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-EVAL_SCORE = "eval/score/mean"
+import re
+
+# a held-out set's mean score: `eval/score/mean` (the unnamed set) or `eval/NAME/score/mean` (--eval-data-path
+# NAME=PREFIX; not its data sources' `eval/NAME/SOURCE/score/mean`)
+EVAL_SCORE = re.compile(r"^eval/(?:[^/]+/)?score/mean$")
 
 
 def clock_text(seconds: float) -> str:
@@ -19,8 +23,8 @@ def clock_text(seconds: float) -> str:
 
 
 class Progress:
-    """Times the iterations a run logs (`observe`, every iteration) and keeps the held-out score
-    (`eval/score/mean`: the best and the last, with their iterations). `start_iteration`: the iteration the run
+    """Times the iterations a run logs (`observe`, every iteration) and keeps each held-out set's score
+    (`eval/score/mean`, `eval/NAME/score/mean`: the best and the last, with their iterations). `start_iteration`: the iteration the run
     continues from (0, or the resumed checkpoint's); `clock`: seconds (monotonic)."""
 
     def __init__(self, total_iterations: int, start_iteration: int = 0,
@@ -31,18 +35,18 @@ class Progress:
         self.began = clock()
         self._line_time, self._line_iteration = self.began, self.start_iteration
         self.last_iteration: Optional[int] = None
-        self.best_eval: Optional[Tuple[int, float]] = None
-        self.last_eval: Optional[Tuple[int, float]] = None
+        self.best_eval: Dict[str, Tuple[int, float]] = {}  # metric -> (iteration, score)
+        self.last_eval: Dict[str, Tuple[int, float]] = {}
         self._now = self.began
 
     def observe(self, iteration: int, metrics: Mapping[str, object]) -> None:
         self._now = self._clock()
         self.last_iteration = int(iteration)
-        score = metrics.get(EVAL_SCORE)
-        if score is not None and math.isfinite(float(score)):
-            self.last_eval = (int(iteration), float(score))
-            if self.best_eval is None or float(score) > self.best_eval[1]:
-                self.best_eval = self.last_eval
+        for key, score in metrics.items():
+            if EVAL_SCORE.match(key) and score is not None and math.isfinite(float(score)):
+                self.last_eval[key] = (int(iteration), float(score))
+                if key not in self.best_eval or float(score) > self.best_eval[key][1]:
+                    self.best_eval[key] = self.last_eval[key]
 
     def line_items(self, iteration: int) -> List[Tuple[str, str]]:
         """The items of the stdout line of `iteration` (after `observe`): the mean time of the iterations since the
@@ -57,7 +61,7 @@ class Progress:
                 ("elapsed", clock_text(elapsed)), ("time left", clock_text(left))]
 
     def summary_lines(self, outputs: Sequence[Tuple[str, Optional[str]]] = ()) -> List[str]:
-        """The end-of-run summary: iterations done and how long they took, the best and last `eval/score/mean`
+        """The end-of-run summary: iterations done and how long they took, each held-out set's best and last score
         (when evaluated), and each `(what, where)` of `outputs` that is set."""
         if self.last_iteration is None:
             lines = [f"run summary: no iteration ran (the run was at iteration {self.start_iteration} of {self.total})"]
@@ -66,10 +70,8 @@ class Progress:
             elapsed = self._now - self.began
             lines = [f"run summary: iterations {self.start_iteration + 1} .. {self.last_iteration} of {self.total} "
                      f"done in {clock_text(elapsed)} ({elapsed / max(done, 1):.2f} s per iteration)"]
-        if self.best_eval is not None:
-            best_at, best = self.best_eval
-            last_at, last = self.last_eval
-            lines.append(f"  {EVAL_SCORE}: best {best:.4f} (iteration {best_at}), last {last:.4f} "
-                         f"(iteration {last_at})")
+        for key, (best_at, best) in self.best_eval.items():
+            last_at, last = self.last_eval[key]
+            lines.append(f"  {key}: best {best:.4f} (iteration {best_at}), last {last:.4f} (iteration {last_at})")
         lines.extend(f"  {what}: {where}" for what, where in outputs if where)
         return lines
