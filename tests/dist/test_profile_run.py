@@ -39,3 +39,32 @@ def test_a_profiled_run(tmp_path):
     assert "run summary: iterations 1 .. 4 of 4 done in" in stdout
     assert f"checkpoints: {out / 'ckpt'} (last: iteration 4)" in stdout
     assert f"profiler traces: {out / 'tb' / 'profile'}" in stdout
+    # TensorBoard's profiler tab (torch-tb-profiler) reads it: its own loader finds rank 0's profile with its views,
+    # the operators and the two profiled iterations as steps
+    assert _tensorboard_profile(out / "tb" / "profile") == {
+        "workers": ["rank0"], "views": ["Overview", "Operator", "Trace", "Module"], "steps": 2, "has_operators": True}
+
+
+_TB_PROFILE = """
+import json, sys
+from torch_tb_profiler import io
+from torch_tb_profiler.profiler.loader import RunLoader
+
+if __name__ == "__main__":  # the loader parses each worker's file in a spawned process
+    run = RunLoader("profile", sys.argv[1], io.Cache()).load()
+    (worker, profile), = [(k[0], p) for k, p in run.profiles.items() if k[0] != "All"]
+    print(json.dumps({"workers": [worker], "views": [v.display_name for v in profile.views],
+                      "steps": len(profile.overview["steps"]["rows"]),
+                      "has_operators": bool(profile.operation_table_by_name["data"])}))
+"""
+
+
+def _tensorboard_profile(trace_dir):
+    """What torch-tb-profiler's loader (TensorBoard's PYTORCH_PROFILER tab) makes of the traces in `trace_dir`."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _TB_PROFILE, str(trace_dir)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
