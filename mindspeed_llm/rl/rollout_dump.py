@@ -36,6 +36,7 @@ import torch
 from mindspeed_llm import device, distributed
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.rl.experience import Experience, SampleData
+from mindspeed_llm.rl.metrics.samples import json_ready
 from mindspeed_llm.rl.rollout_strategies import CarriesNothing
 
 VERSION = 1
@@ -99,16 +100,6 @@ def read_manifest(root: str) -> dict:
     return manifest
 
 
-def _plain(value):
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
 class RolloutDumper:
     """--rollout-dump-dir: `add` each scored generation batch of an iteration, `finish` writes them (the first rank of
     each DP rank) and marks the iteration complete (rank 0, after every rank wrote)."""
@@ -139,7 +130,7 @@ class RolloutDumper:
                 tensors = {name: getattr(exp, name).detach().cpu() for name in TENSORS
                            if getattr(exp, name) is not None}
                 _write_atomic(base + ".pt", lambda tmp: torch.save(tensors, tmp))
-                data = {f.name: _plain(getattr(exp.sample_data, f.name)) for f in fields(SampleData)}
+                data = {f.name: json_ready(getattr(exp.sample_data, f.name)) for f in fields(SampleData)}
                 _write_json(base + ".json", {"sample_data": data, "metrics": metrics,
                                              "routing_recorded": bool(exp.routing_recorded)})
         distributed.barrier()

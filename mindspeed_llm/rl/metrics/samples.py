@@ -34,16 +34,17 @@ def _prompt_texts(exp, rows: Sequence[int], tokenizer) -> List[str]:
     return out
 
 
-def _plain(value):
-    """`value` as JSON takes it (labels may be numpy scalars or tensors)."""
+def json_ready(value):
+    """`value` as JSON takes it: tensors and numpy values as lists / numbers, containers walked, anything else as its
+    text (labels may be numpy scalars or tensors; a dataset column may hold any object)."""
     if hasattr(value, "tolist"):
         return value.tolist()
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): json_ready(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [json_ready(v) for v in value]
     return str(value)
 
 
@@ -53,14 +54,14 @@ def _sample_columns(exp, i: int, prompt: str) -> dict:
     row = {
         "prompt": prompt,
         "response": data.texts[i] if data.texts is not None else None,
-        "label": _plain(data.labels[i]) if data.labels is not None else None,
+        "label": json_ready(data.labels[i]) if data.labels is not None else None,
         "response_length": int(exp.action_lengths[i]),
         "finish_reason": data.finish_reasons[i] if data.finish_reasons is not None else None,
     }
     if data.trajectories is not None and data.trajectories[i] is not None:
         trajectory = data.trajectories[i]
         row.update(num_turns=trajectory.get("num_turns"), tool_calls=trajectory.get("tool_calls"),
-                   turns=_plain(trajectory.get("turns")))
+                   turns=json_ready(trajectory.get("turns")))
     return row
 
 
