@@ -143,7 +143,7 @@ def test_grpo_with_tools_is_layout_invariant(task, tmp_path):
     from tests.helpers.stage_layouts import run_stages
 
     def argv(out, *extra):
-        return _argv(task, out, "grpo", "--global-batch-size", "4", "--train-iters", "2", *extra)
+        return _argv(task, out, "grpo", "--global-batch-size", "4", "--train-iters", "2", "--log-samples", "8", *extra)
 
     tp2 = ["--tensor-model-parallel-size", "2", "--ref-model", task["mg_actor_tp2pp1"]]
     pp2 = ["--pipeline-model-parallel-size", "2", "--ref-model", task["mg_actor_tp1pp2"]]
@@ -162,6 +162,16 @@ def test_grpo_with_tools_is_layout_invariant(task, tmp_path):
             # tool/calls etc. count a rank's own rollouts' calls
             for key in ("actor/pg_loss", "grad_norm", "actor/kl_loss"):
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (layout, key)
+    # the sample tables: the whole batch's trajectories, their turns and tool calls, the same at every layout
+    samples = [json.loads(line) for line in (tmp_path / "dp1" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 * 8 and any(r["tool_calls"] > 0 for r in samples)
+    called = next(r for r in samples if r["tool_calls"] > 0)
+    assert called["num_turns"] == len([t for t in called["turns"] if t["role"] == "assistant"]) > 1
+    assert called["score_parts"]["custom"] == called["score"] - called["score_parts"].get("tool", 0.0)
+    for layout in ("dp2", "tp2", "pp2", "cp2", "budget"):
+        other = [json.loads(line) for line in (tmp_path / layout / "samples.jsonl").read_text().splitlines()]
+        assert [(r["prompt"], r["response"], r["turns"]) for r in other] == \
+            [(r["prompt"], r["response"], r["turns"]) for r in samples], layout
 
 
 def test_trl_ppo_with_tools_runs_gae_over_the_model_tokens(task, tmp_path):
