@@ -13,7 +13,8 @@ the two raises `DeviceMixError` (or, with `on_mix="record"`, is collected in `.m
 The model
 ---------
 * "The accelerator" is a marker device, `MARKER = torch.device("meta")`. Inside the guard
-  `mindspeed_llm.device.current_device()` and `torch.cuda.current_device()` return it. Wherever it reaches torch
+  `mindspeed_llm.device.current_device()` and `torch.cuda.current_device()` return it (not the latter under
+  the `torch_npu` stand-in, `npu_stand_in.py`: its `transfer_to_npu` answers with an int, an accelerator too). Wherever it reaches torch
   (a factory's `device=`, `Tensor.to(...)`, `.cuda()`, `Module.to(...)`), the guard computes on the real CPU and
   marks the result "device". "cuda", "cuda:N", an int N and any other non-CPU device count as the marker too.
 * Locations belong to *storage*, like real memory: views, `.data`, `.detach()`, `nn.Parameter(t)` and a
@@ -495,9 +496,13 @@ class _Overrides:
             project_device = sys.modules.get("mindspeed_llm.device")
             if project_device is not None:
                 stack.enter_context(_patched(project_device, "current_device", _marker_device()))
-            # its own function object: one object under two names upsets torch.compile (see patches/cpu.py)
-            stack.enter_context(_patched(torch.cuda, "current_device", _marker_device()))
-            stack.enter_context(_patched(torch.Tensor, "cuda", _guarded_cuda))
+            if "torch_npu" not in sys.modules:
+                # its own function object: one object under two names upsets torch.compile (see patches/cpu.py)
+                stack.enter_context(_patched(torch.cuda, "current_device", _marker_device()))
+                stack.enter_context(_patched(torch.Tensor, "cuda", _guarded_cuda))
+            # else (torch_npu, the stand-in of tests/helpers/npu_stand_in.py): its transfer_to_npu answers
+            # torch.cuda.current_device() with an int and moves `.cuda()` to "npu:N", both read as the accelerator
+            # already; patching them here would undo its redirection whenever apply_patches steps the guard aside
             stack.enter_context(_patched(torch.optim.Optimizer, "_process_value_according_to_param_policy",
                                          staticmethod(self._optimizer_state_cast())))
             self._adapt_cpu_patches(stack)
