@@ -63,6 +63,9 @@ def ensure_npu_device_name() -> None:
     if name not in ("privateuse1", "privateuseone"):  # torch's default name
         raise RuntimeError(f"the PrivateUse1 backend is already named {name!r}; the NPU stand-in needs it as 'npu'")
     torch.utils.rename_privateuse1_backend("npu")
+    # `Tensor.is_npu` / `Tensor.npu` as torch_npu has them (torch.overrides lists `is_<backend>` once renamed)
+    torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=False, for_storage=False,
+                                                         for_packed_sequence=False)
 
 
 # ============================================================================================ npu_fusion_attention
@@ -149,7 +152,7 @@ class FusionAttention:
                                  f"{tuple(query.shape)}")
         q, k, v = (self._to_bnsd(t, input_layout, head_dim) for t in (query, key, value))
         out, row_max, row_sum = self._attend(q, k, v, scale, self._mask(atten_mask, sparse_mode, q.size(2),
-                                                                         k.size(2)))
+                                                                         k.size(2), query.device))
         out = self._from_bnsd(out.to(query.dtype), input_layout)
         return out, row_max, row_sum, query.new_empty(0), 0, 0, 0
 
@@ -178,7 +181,7 @@ class FusionAttention:
 
     # -- the computation (fp32, a materialised softmax: the reference, not a kernel)
     @staticmethod
-    def _mask(atten_mask, sparse_mode, sq, sk):
+    def _mask(atten_mask, sparse_mode, sq, sk, device):
         if sparse_mode == 0:
             if atten_mask is None:
                 return None
@@ -187,7 +190,6 @@ class FusionAttention:
                                  f"{sk} keys")
             return atten_mask
         shift = 0 if sparse_mode == 2 else sk - sq
-        device = atten_mask.device
         return torch.arange(sk, device=device)[None, :] > torch.arange(sq, device=device)[:, None] + shift
 
     @staticmethod
@@ -225,7 +227,7 @@ class FusionAttention:
         outs, maxes, sums = [], [], []
         for (q0, q1), (k0, k1) in zip(zip([0] + q_ends, q_ends), zip([0] + k_ends, k_ends)):
             q, k, v = (t.transpose(0, 1)[None] for t in (query[q0:q1], key[k0:k1], value[k0:k1]))
-            masked = None if sparse_mode == 0 else self._mask(atten_mask, sparse_mode, q1 - q0, k1 - k0)
+            masked = None if sparse_mode == 0 else self._mask(atten_mask, sparse_mode, q1 - q0, k1 - k0, query.device)
             out, row_max, row_sum = self._attend(q, k, v, scale, masked)
             outs.append(out[0].transpose(0, 1))
             maxes.append(row_max[0].transpose(0, 1))
