@@ -277,14 +277,14 @@ def _npu_attention(query, key, value, scale, masked, causal, dropout_p, fusion_a
 
 
 # ------------------------------------------------------------------- fused ops of the --use-fused-* flags
-# MindSpeed-LLM's --use-fused-rmsnorm / --use-fused-swiglu / --use-fused-rotary-pos-emb (`FUSED_OPS` names them
-# here): the models built with one call these instead of megatron's composite torch ops (`patches/fused_ops.py`,
-# `models/fused_ops.py`). NPU: torch_npu's fused kernels, which save only their input (and the norm's rstd) for
-# backward (written from torch_npu's documented API; checked on CPU against plain-torch references of those ops,
-# tests/helpers/npu_fused_reference.py; unverified until run on an NPU). CUDA: torch's own (`F.rms_norm`, fused
-# there since torch 2.8; SwiGLU and RoPE as the CPU). CPU: the same math as megatron's composite path with a
-# hand-written backward that saves what the fused kernels save (no kernel: a memory switch, measured in
-# benchmarks/README.md).
+# MindSpeed-LLM's --use-fused-rmsnorm / --use-fused-swiglu / --use-fused-rotary-pos-emb (`FUSED_OPS` names them):
+# models built with one run the device's fused op instead of megatron's composite torch ops. The norm is
+# `rms_norm` below (the built model's RMSNorms call it, `models/fused_ops.py`); SwiGLU and RoPE are megatron's own
+# fusion switches, whose kernels `patches/fused_ops.py` provides per device. NPU: torch_npu's fused kernels
+# (written from torch_npu's documented API; checked on CPU against plain-torch references of those ops,
+# tests/helpers/npu_fused_reference.py; unverified until run on an NPU). CUDA: torch's fused `rms_norm` (torch >=
+# 2.8), SwiGLU and RoPE as on the CPU. CPU: megatron's math with a hand-written backward that saves what the fused
+# kernels save (`kernels/fused_ops.py`): a memory switch there (measured: benchmarks/README.md).
 FUSED_OPS = {"rmsnorm": "--use-fused-rmsnorm", "swiglu": "--use-fused-swiglu", "rope": "--use-fused-rotary-pos-emb"}
 
 
@@ -297,96 +297,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch_npu.npu_rms_norm(x, weight, epsilon=eps)[0]
     if kind == "cuda":
         return torch.nn.functional.rms_norm(x, (x.size(-1),), weight, eps)
-    return _LeanRMSNorm.apply(x, weight, eps)
+    from mindspeed_llm.kernels.fused_ops import lean_rms_norm
+
+    return lean_rms_norm(x, weight, eps)
 
 
-def swiglu(x: torch.Tensor) -> torch.Tensor:
-    """`silu(first half) * second half` of `x`'s last dimension on this device's fused SwiGLU (see above)."""
-    if accelerator().kind == "npu":
-        import torch_npu
-
-        return torch_npu.npu_swiglu(x, dim=-1)
-    return _LeanSwiGLU.apply(x)
-
-
-def rotary_embedding(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """`t * cos + rotate(t) * sin` of `t` `[s, b, heads, d]` (cos / sin `[s, 1 or b, 1, d]`, `t`'s dtype);
-    `rotate` pairs the two halves of `d` (`interleaved`: neighbours), as megatron's `_rotate_half`. On this
-    device's fused RoPE (see above): `torch_npu.npu_rotary_position_embedding` in the SBND layout, mode 1 when
-    `interleaved` else 0."""
-    if accelerator().kind == "npu":
-        import torch_npu
-
-        return torch_npu.npu_rotary_position_embedding(t.contiguous(), cos, sin, 1 if interleaved else 0)
-    return _LeanRotary.apply(t, cos, sin, interleaved)
-
-
-class _LeanRMSNorm(torch.autograd.Function):
-    """torch's composite RMSNorm (float32 math, normalised value cast to `x`'s dtype, then times the weight), saving
-    `x` and the float32 rstd per row instead of float32 copies of `x` and of the normalised value."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        x32 = x.float()
-        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, weight, rstd)
-        return (x32 * rstd).to(x.dtype) * weight
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, rstd = ctx.saved_tensors
-        normed = x.float() * rstd
-        grad32 = grad.float()
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = (grad32 * normed.to(x.dtype).float()).reshape(-1, x.size(-1)).sum(0).to(weight.dtype)
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            g = grad32 * weight.float()
-            grad_x = (rstd * (g - normed * (g * normed).mean(-1, keepdim=True))).to(x.dtype)
-        return grad_x, grad_weight, None
-
-
-class _LeanSwiGLU(torch.autograd.Function):
-    """megatron's `silu(x[0]) * x[1]` (`torch.chunk(x, 2, -1)`), saving `x` only (the unfused path also keeps the
-    activation `silu(x[0])`, half of `x` again); the backward computes in float32."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        gate, up = torch.chunk(x, 2, dim=-1)
-        return torch.nn.functional.silu(gate) * up
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        gate, up = (part.float() for part in torch.chunk(x, 2, dim=-1))
-        sig = torch.sigmoid(gate)
-        grad32 = grad.float()
-        grad_gate = grad32 * up * sig * (1.0 + gate * (1.0 - sig))
-        grad_up = grad32 * gate * sig
-        return torch.cat((grad_gate, grad_up), dim=-1).to(x.dtype)
-
-
-def _rotate(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """megatron's `_rotate_half`: `[-x2, x1]` of the halves, or of each neighbouring pair."""
-    if not interleaved:
-        first, second = torch.chunk(t, 2, dim=-1)
-        return torch.cat((-second, first), dim=-1)
-    return torch.stack((-t[..., 1::2], t[..., 0::2]), dim=-1).flatten(-2)
-
-
-class _LeanRotary(torch.autograd.Function):
-    """megatron's `t * cos + rotate(t) * sin`, saving cos / sin (`[s, 1 or b, 1, d]`) instead of `t` (all heads):
-    the rotation is linear in `t`, and its transpose is minus itself (a quarter turn per pair)."""
-
-    @staticmethod
-    def forward(ctx, t, cos, sin, interleaved):
-        ctx.save_for_backward(cos, sin)
-        ctx.interleaved = interleaved
-        return (t * cos) + (_rotate(t, interleaved) * sin)
-
-    @staticmethod
-    def backward(ctx, grad):
-        cos, sin = ctx.saved_tensors
-        return (grad * cos) - _rotate(grad * sin, ctx.interleaved), None, None, None
+def fused_ops_line(ops) -> str:
+    """What runs the fused ops `ops` (`FUSED_OPS` names) on this device, for the startup notes."""
+    kind = accelerator().kind
+    lean = {"rmsnorm": "an RMSNorm that saves its input and rstd only", "swiglu": "a SwiGLU that saves its input only",
+            "rope": "a RoPE that saves cos / sin only"}
+    kernels = {"npu": {"rmsnorm": "torch_npu.npu_rms_norm", "swiglu": "torch_npu.npu_swiglu",
+                       "rope": "torch_npu.npu_rotary_position_embedding"},
+               "cuda": dict(lean, rmsnorm="torch's fused rms_norm"), "cpu": lean}[kind]
+    line = f"on {kind}: " + ", ".join(kernels[op] for op in ops)
+    if "rope" in ops:
+        line += " (multi-latent attention keeps megatron's unfused RoPE)"
+    return line
