@@ -283,8 +283,9 @@ def _npu_attention(query, key, value, scale, masked, causal, dropout_p, fusion_a
 # fusion switches, whose kernels `patches/fused_ops.py` provides per device. NPU: torch_npu's fused kernels
 # (written from torch_npu's documented API; checked on CPU against plain-torch references of those ops,
 # tests/helpers/npu_fused_reference.py; unverified until run on an NPU). CUDA: torch's fused `rms_norm` (torch >=
-# 2.8), SwiGLU and RoPE as on the CPU. CPU: megatron's math with a hand-written backward that saves what the fused
-# kernels save (`kernels/fused_ops.py`): a memory switch there (measured: benchmarks/README.md).
+# 2.8), SwiGLU as on the CPU. CPU: megatron's math with a hand-written backward that saves what the fused kernels
+# save (`kernels/fused_ops.py`): a memory switch there (measured: benchmarks/README.md). RoPE: NPU only
+# (`fused_ops_here`).
 FUSED_OPS = {"rmsnorm": "--use-fused-rmsnorm", "swiglu": "--use-fused-swiglu", "rope": "--use-fused-rotary-pos-emb"}
 
 
@@ -302,11 +303,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return lean_rms_norm(x, weight, eps)
 
 
+def fused_ops_here() -> tuple:
+    """The `FUSED_OPS` this device runs: all three on NPU; no RoPE elsewhere (torch has no fused RoPE, and megatron's
+    unfused one already saves only cos / sin for backward: its flag is listed as ignored there)."""
+    return tuple(FUSED_OPS) if accelerator().kind == "npu" else ("rmsnorm", "swiglu")
+
+
+NO_FUSED_ROPE = ("no fused RoPE off the NPU (torch has none; megatron's unfused RoPE already saves only cos / sin "
+                 "for backward)")
+
+
 def fused_ops_line(ops) -> str:
     """What runs the fused ops `ops` (`FUSED_OPS` names) on this device, for the startup notes."""
     kind = accelerator().kind
-    lean = {"rmsnorm": "an RMSNorm that saves its input and rstd only", "swiglu": "a SwiGLU that saves its input only",
-            "rope": "a RoPE that saves cos / sin only"}
+    lean = {"rmsnorm": "an RMSNorm that saves its input and rstd only", "swiglu": "a SwiGLU that saves its input only"}
     kernels = {"npu": {"rmsnorm": "torch_npu.npu_rms_norm", "swiglu": "torch_npu.npu_swiglu",
                        "rope": "torch_npu.npu_rotary_position_embedding"},
                "cuda": dict(lean, rmsnorm="torch's fused rms_norm"), "cpu": lean}[kind]

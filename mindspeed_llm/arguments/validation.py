@@ -117,12 +117,15 @@ def _check_attention_backend(args) -> None:
 
 def _check_fused_ops(args) -> None:
     """`args.fused_ops`, the `device.FUSED_OPS` every model is built with (`build_model(fused_ops=...)`): those whose
-    --use-fused-* flag is given, said at startup with what runs them on this device."""
+    --use-fused-* flag is given and that this device runs, said at startup with what runs them; a flag this device
+    has no fused op for (RoPE off the NPU) is listed with the ignored flags."""
     from mindspeed_llm import device
 
     given = {"rmsnorm": args.use_fused_rmsnorm, "swiglu": args.use_fused_swiglu,
              "rope": args.use_fused_rotary_pos_emb}
-    args.fused_ops = tuple(op for op in device.FUSED_OPS if given[op])
+    args.fused_ops = tuple(op for op in device.fused_ops_here() if given[op])
+    if given["rope"] and "rope" not in args.fused_ops:
+        args.ignored_flags[device.FUSED_OPS["rope"]] = device.NO_FUSED_ROPE
     if args.fused_ops:
         flags = ", ".join(device.FUSED_OPS[op] for op in args.fused_ops)
         args.startup_notes.append(f"{flags}: {device.fused_ops_line(args.fused_ops)}")

@@ -1,7 +1,8 @@
-"""Plain-torch SwiGLU, RoPE and RMSNorm with hand-written backwards that save what fused kernels save: the ops of
-MindSpeed-LLM's --use-fused-* flags on CPU and (SwiGLU, RoPE) CUDA (`mindspeed_llm.device.FUSED_OPS`). The forward
-is megatron's composite math, op for op (the same values); the backward recomputes what the composite path kept
-(tests/unit/test_fused_ops.py checks values and gradients against it)."""
+"""Plain-torch RMSNorm and SwiGLU with hand-written backwards that save what fused kernels save: the ops of
+MindSpeed-LLM's --use-fused-rmsnorm (CPU) and --use-fused-swiglu (CPU, CUDA) off the NPU (`device.FUSED_OPS`).
+The forward is torch's / megatron's composite math (the same values); the backward recomputes what the composite
+path kept (tests/unit/test_fused_ops.py checks values and gradients against it). No RoPE here: megatron's unfused
+RoPE already saves only cos / sin (`t * cos` keeps `cos`, not `t`)."""
 
 from __future__ import annotations
 
@@ -18,21 +19,16 @@ def lean_swiglu(x: torch.Tensor) -> torch.Tensor:
     return _LeanSwiGLU.apply(x)
 
 
-def lean_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """megatron's `t * cos + _rotate_half(t) * sin` (`_LeanRotary`); cos / sin do not get gradients."""
-    return _LeanRotary.apply(t, cos, sin, interleaved)
-
-
 class _LeanRMSNorm(torch.autograd.Function):
-    """torch's composite RMSNorm (float32 math, normalised value cast to `x`'s dtype, then times the weight), saving
-    `x` and the float32 rstd per row instead of float32 copies of `x` and of the normalised value."""
+    """torch's composite RMSNorm (float32 math, the weight included, cast to `x`'s dtype at the end), saving `x` and
+    the float32 rstd per row instead of float32 copies of `x` and of the normalised value."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
         x32 = x.float()
         rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
-        return (x32 * rstd).to(x.dtype) * weight
+        return (x32 * rstd * weight.float()).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -41,7 +37,7 @@ class _LeanRMSNorm(torch.autograd.Function):
         grad32 = grad.float()
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = (grad32 * normed.to(x.dtype).float()).reshape(-1, x.size(-1)).sum(0).to(weight.dtype)
+            grad_weight = (grad32 * normed).reshape(-1, x.size(-1)).sum(0).to(weight.dtype)
         grad_x = None
         if ctx.needs_input_grad[0]:
             g = grad32 * weight.float()
@@ -68,27 +64,3 @@ class _LeanSwiGLU(torch.autograd.Function):
         grad_gate = grad32 * up * sig * (1.0 + gate * (1.0 - sig))
         grad_up = grad32 * gate * sig
         return torch.cat((grad_gate, grad_up), dim=-1).to(x.dtype)
-
-
-def _rotate(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """megatron's `_rotate_half`: `[-x2, x1]` of the halves, or of each neighbouring pair."""
-    if not interleaved:
-        first, second = torch.chunk(t, 2, dim=-1)
-        return torch.cat((-second, first), dim=-1)
-    return torch.stack((-t[..., 1::2], t[..., 0::2]), dim=-1).flatten(-2)
-
-
-class _LeanRotary(torch.autograd.Function):
-    """megatron's `t * cos + rotate(t) * sin`, saving cos / sin (`[s, 1 or b, 1, d]`) instead of `t` (all heads):
-    the rotation is linear in `t`, and its transpose is minus itself (a quarter turn per pair)."""
-
-    @staticmethod
-    def forward(ctx, t, cos, sin, interleaved):
-        ctx.save_for_backward(cos, sin)
-        ctx.interleaved = interleaved
-        return (t * cos) + (_rotate(t, interleaved) * sin)
-
-    @staticmethod
-    def backward(ctx, grad):
-        cos, sin = ctx.saved_tensors
-        return (grad * cos) - _rotate(grad * sin, ctx.interleaved), None, None, None

@@ -20,7 +20,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 
-from mindspeed_llm.device import FUSED_OPS
+from mindspeed_llm.device import fused_ops_here
 from mindspeed_llm.models.attention import ATTENTIONS, use_core_attention
 from mindspeed_llm.models.fused_ops import use_fused_norms
 from mindspeed_llm.models.forward_layout import install_layout_hooks
@@ -105,11 +105,13 @@ def mla_config(spec: ArchitectureSpec) -> dict:
 
 
 def check_fused_ops(fused_ops) -> frozenset:
-    """`fused_ops` as a set of `device.FUSED_OPS` names; an unknown name is an error naming the choices."""
+    """`fused_ops` as a set of `device.FUSED_OPS` names this device runs (`device.fused_ops_here`); another name is an
+    error naming the choices."""
     fused_ops = frozenset(fused_ops)
-    unknown = sorted(fused_ops - set(FUSED_OPS))
+    unknown = sorted(fused_ops - set(fused_ops_here()))
     if unknown:
-        raise ValueError(f"fused_ops: unknown {unknown}; use any of {sorted(FUSED_OPS)}")
+        raise ValueError(f"fused_ops: {unknown} not among this device's fused ops {sorted(fused_ops_here())} "
+                         f"(--use-fused-rotary-pos-emb acts on NPU only)")
     return fused_ops
 
 

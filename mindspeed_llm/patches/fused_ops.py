@@ -4,8 +4,10 @@ Megatron has a switch for each (`bias_activation_fusion`, `apply_rope_fusion` in
 `models.builder` sets only when the flag is given; the kernels behind them are a `torch.compile`d CUDA fusion and
 Transformer Engine's RoPE (absent here: the config refuses `apply_rope_fusion` without it). These patches put each
 device's fused op in their place: torch_npu's `npu_swiglu` / `npu_rotary_position_embedding` on NPU (written from
-their documented API, unverified until run on an NPU), and on CPU and CUDA the plain-torch ops of
-`kernels/fused_ops.py`, whose backward saves less than megatron's unfused path (no torch kernel fuses them). Without
+their documented API, unverified until run on an NPU); on CPU and CUDA the SwiGLU of `kernels/fused_ops.py`, whose
+backward saves less than megatron's unfused path (no torch kernel fuses it), and no RoPE: there
+--use-fused-rotary-pos-emb is listed as ignored (megatron's unfused RoPE saves only cos / sin already, and torch
+has no fused one). Without
 the flags megatron never calls these names: the default path stays megatron's unfused one.
 (--use-fused-rmsnorm is not a patch: `models.fused_ops.use_fused_norms` runs the built model's torch RMSNorms on
 `device.rms_norm`.)
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from mindspeed_llm.kernels.fused_ops import lean_rotary, lean_swiglu
+from mindspeed_llm.kernels.fused_ops import lean_swiglu
 from mindspeed_llm.patches import register
 
 SWIGLU = "megatron.core.transformer.mlp.bias_swiglu_impl"
@@ -84,5 +86,3 @@ register(WEIGHTED_SWIGLU, _WEIGHTED_REASON.format(op="a plain-torch SwiGLU"), de
     lambda _original: _weighted_swiglu_impl(lean_swiglu))
 register(ROTARY, _ROTARY_REASON.format(op="torch_npu.npu_rotary_position_embedding"), devices=("npu",))(
     lambda _original: _rotary_impl(_npu_rotary))
-register(ROTARY, _ROTARY_REASON.format(op="a plain-torch RoPE") + TORCH_REASON.format(
-    saves="cos / sin instead of the query / key"), devices=("cpu", "cuda"))(lambda _original: _rotary_impl(lean_rotary))
