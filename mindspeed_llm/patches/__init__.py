@@ -68,7 +68,7 @@ def registry() -> List[Patch]:
 
 def _load_patch_modules():
     from mindspeed_llm.patches import (  # noqa: F401  (registration happens at import)
-        cpu, inference, initialization, mla, moe, optimizer, recompute, rotary, sequence_parallel)
+        cpu, fused_ops, inference, initialization, mla, moe, optimizer, recompute, rotary, sequence_parallel)
 
 
 def apply_patches(device_kind: str) -> List[str]:
