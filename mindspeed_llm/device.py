@@ -207,7 +207,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, sc
     `sparse_mode=0`, `upper_left` / `lower_right` as `sparse_mode` 2 / 3 with the compressed 2048 x 2048 causal
     mask, key/value heads fewer than query heads read natively, `keep_prob = 1 - dropout_p`. The NPU translation
     is written from torch_npu's documented signature and checked against SDPA on CPU with a stand-in
-    (tests/dist/test_attention.py); it is unverified until run on an NPU.
+    (tests/dist/test_attention.py, and in both stages by the NPU lane, tests/dist/test_npu_lane.py); it is
+    unverified until run on an NPU (scripts/npu_check.sh).
     """
     if causal is not None and causal not in CAUSAL_VARIANTS:
         raise ValueError(f"attention: causal={causal!r}; use one of {CAUSAL_VARIANTS} or None")
