@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -140,6 +141,10 @@ def _npu_run(argv, patch):
                 set_device=[c["args"] for c in npu.of("set_device")], backends=probe.backends, kernels=selected,
                 triton_asked=sorted(set(asked)),
                 fused={op: npu.count(op) for op in FUSED_OP_FLAGS.values()},
+                fused_args={"rms_norm_epsilon": sorted({c["options"].get("epsilon") for c in npu.of("npu_rms_norm")}),
+                            "swiglu_dim": sorted({c["options"].get("dim") for c in npu.of("npu_swiglu")}),
+                            "rope_mode": sorted({tuple(c["positional"]) for c in
+                                                 npu.of("npu_rotary_position_embedding")})},
                 profiler=[name for name, _ in npu.calls if name.startswith("profiler.")])
 
 
@@ -187,8 +192,9 @@ def _wired(flag):
     return flag not in compat_flags.IGNORED_SWITCHES
 
 
-def test_npu_branches_reached_and_results_equal_the_cpu_run(lane):
+def test_npu_branches_reached_and_results_equal_the_cpu_run(lane, task):
     results, specs = lane
+    config = json.loads((Path(task["tokenizer"]).parent / "hf_actor" / "config.json").read_text())
     for rank, by_case in enumerate(results):
         for name, r in by_case.items():
             stage, tp, pp, extra = specs[name]
@@ -226,6 +232,12 @@ def test_npu_branches_reached_and_results_equal_the_cpu_run(lane):
                     assert r["fused"][op] > 0, (where, flag, r["fused"])
                 elif flag not in extra:
                     assert r["fused"][op] == 0, (where, flag, r["fused"])
+            if "--use-fused-rmsnorm" in extra and _wired("--use-fused-rmsnorm"):  # the model's epsilon, as documented
+                assert r["fused_args"]["rms_norm_epsilon"] == [config["rms_norm_eps"]], (where, r["fused_args"])
+            if "--use-fused-swiglu" in extra and _wired("--use-fused-swiglu"):  # halves along the last dimension
+                assert r["fused_args"]["swiglu_dim"] == [-1], (where, r["fused_args"])
+            if "--use-fused-rotary-pos-emb" in extra and _wired("--use-fused-rotary-pos-emb"):  # Qwen2: rotate_half
+                assert r["fused_args"]["rope_mode"] == [(0,)], (where, r["fused_args"])
             # Triton: auto keeps the torch path on an NPU without Triton-Ascend
             assert r["kernels"] == {"logprobs": "torch", "scans": "torch", "losses": "torch"}, (where, r["kernels"])
             assert r["triton_asked"] == ["npu"], (where, r["triton_asked"])  # the run's own choices, for "npu"
