@@ -189,7 +189,8 @@ def check_ops(json_path: str) -> int:
         angles = torch.randn(s, dh // 2, generator=g)
         for mode in (0, 1):
             freqs = torch.cat([angles, angles], -1) if mode == 0 else angles.repeat_interleave(2, -1)
-            for layout, shape, rshape in (("BNSD", (2, n, s, dh), (1, 1, s, dh)), ("BSND", (2, s, n, dh), (1, s, 1, dh)),
+            for layout, shape, rshape in (("BNSD", (2, n, s, dh), (1, 1, s, dh)),
+                                          ("BSND", (2, s, n, dh), (1, s, 1, dh)),
                                           ("SBND", (s, 2, n, dh), (s, 1, 1, dh))):
                 t = torch.randn(*shape, generator=g).to(dt)
                 cos, sin = freqs.cos().reshape(rshape).to(dt), freqs.sin().reshape(rshape).to(dt)
