@@ -17,7 +17,8 @@ The model
   the `torch_npu` stand-in, `npu_stand_in.py`: its `transfer_to_npu` answers with an int, an accelerator too).
   Wherever it reaches torch (a factory's `device=`, `Tensor.to(...)`, `.cuda()`, `Module.to(...)`), the guard
   computes on the real CPU and marks the result "device". `virtual_device(marker=...)` picks another marker
-  (the NPU lane: "npu:N", so that code branching on `x.device.type` sees "npu"). "cuda", "cuda:N", an int N and any other non-CPU device count as the marker too.
+  (the NPU lane: "npu:N", so that code branching on `x.device.type` sees "npu"). "cuda", "cuda:N", an int N and
+  any other non-CPU device count as the marker too.
 * Locations belong to *storage*, like real memory: views, `.data`, `.detach()`, `nn.Parameter(t)` and a
   `param.data = t` swap (what `Module.to` does) share or take a storage, and so its location. New storage gets:
     - a factory (`torch.zeros/empty/tensor/arange/...`): "device" with the marker, "host" without a device or
