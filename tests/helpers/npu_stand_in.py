@@ -20,8 +20,8 @@ What it provides while installed (and takes back on exit; a process sees `torch_
   megatron-core use: the names of `torch.npu` (and `torch.npu.random`) are copied onto `torch.cuda` (and
   `torch.cuda.random`), as torch_npu's `_apply_patches` does with a patch module's `__all__`; `Tensor.cuda` /
   `Module.cuda` move to the NPU, `init_process_group`'s "nccl" becomes "hccl", `torch.utils._triton.has_triton()`
-  answers False. Not modelled: its rewriting of `device="cuda"` in torch's factories (the guard treats every non-CPU device as the
-  accelerator anyway) and its switching off of `torch.jit.script`.
+  answers False. Not modelled: its rewriting of `device="cuda"` in torch's factories (the guard treats every
+  non-CPU device as the accelerator anyway) and its switching off of `torch.jit.script`.
 * `torch_npu.profiler`: `profile` (the documented keywords; `ProfilerActivity.NPU` dropped, the rest on
   `torch.profiler`), `schedule`, `tensorboard_trace_handler`, `ProfilerActivity`, `ProfilerAction`.
 * The fused ops: `npu_fusion_attention` (`FusionAttention`, below), and `npu_rms_norm`, `npu_swiglu`,
