@@ -32,10 +32,19 @@ def _npu_swiglu(x):
     return torch_npu.npu_swiglu(x, dim=-1)
 
 
+NPU_ROTARY_MAX_DIM = 896  # torch_npu's documented bound: D < 896
+
+
 def _npu_rotary(t, cos, sin, interleaved):
+    """`t` SBND (`[s, b, heads, d]`), cos / sin `[s, 1 or b, 1, d]`: torch_npu's op in its documented layouts (mode 0
+    takes S11D and SB1D tables, mode 1 only S11D; D < 896), megatron's own math otherwise (the per-row tables of
+    packed positions in mode 1, wide heads)."""
+    if t.size(-1) >= NPU_ROTARY_MAX_DIM or (interleaved and cos.size(1) != 1):
+        from megatron.core.models.common.embeddings.rope_utils import _rotate_half
+
+        return (t * cos) + (_rotate_half(t, interleaved) * sin)
     import torch_npu
 
-    # SBND ([s, b, heads, d]) with cos / sin [s, 1 or b, 1, d]; mode 1 = interleaved pairs, 0 = halves
     return torch_npu.npu_rotary_position_embedding(t.contiguous(), cos, sin, 1 if interleaved else 0)
 
 

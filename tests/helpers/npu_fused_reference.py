@@ -12,12 +12,17 @@ calls of these ops in its fused RMSNorm / SwiGLU / RoPE); not checked against an
 * `npu_swiglu(x, dim=-1)`: `x` split into two equal halves `a, b` along `dim` (`a` the first), `silu(a) * b`; the
   size of `dim` must be even. This is megatron's `swiglu` (`torch.chunk(x, 2, dim=-1)`, `silu(x[0]) * x[1]`).
 * `npu_rotary_position_embedding(x, r1, r2, mode=0)`: `out = x * r1 + rotate(x) * r2` (`r1` = cos, `r2` = sin,
-  already laid out per element of the last dimension by the caller), `x` four-dimensional in one of the layouts
-  BNSD / BSND / SBND (the op does not need to be told which: `r1` / `r2` are four-dimensional, of `x`'s dtype,
-  with `x`'s size in the last (D) dimension and in the sequence dimension and 1 in the batch and head dimensions:
-  `[1, 1, S, D]`, `[1, S, 1, D]`, `[S, 1, 1, D]`), i.e. they broadcast to `x`. `mode` 0 = "rotate_half" (GPT-NeoX
-  / Llama: `rotate(x) = cat(-x[..., D/2:], x[..., :D/2])`), 1 = "interleave" (GPT-J: the pairs `(x[2i], x[2i+1])`
-  become `(-x[2i+1], x[2i])`). D is even (and at most 896 on the NPU: not enforced here).
+  already laid out per element of the last dimension by the caller), all three four-dimensional, `x` in one of the
+  layouts BNSD / BSND / SBND (the op is not told which). `mode` 0 = "rotate_half" (GPT-NeoX / Llama:
+  `rotate(x) = cat(-x[..., D/2:], x[..., :D/2])`), 1 = "interleave" (GPT-J: the pairs `(x[2i], x[2i+1])` become
+  `(-x[2i+1], x[2i])`). D even and below 896. The tables: mode 0 takes 11SD / B1SD / BNSD for BNSD (1S1D / BS1D /
+  BSND for BSND, S11D / SB1D / SBND for SBND); mode 1 only 11SD (1S1D, S11D): one table for the whole batch.
+  Sources: MindSpeed's operator page (docs/zh/ops/npu_rotary_position_embedding.md: the equivalent computation, the
+  backward's inputs dy, cos, sin and optionally x) and torch_npu's npu_rotary_mul page (the same layout table, and:
+  the forward's input is kept for the backward, so with tables that need no gradient the fused op holds more memory
+  than the unfused ops). The reference enforces what it can without knowing the layout: the parity of D, D < 896,
+  tables that broadcast to `x` with its D, and in mode 1 tables of one row per position (at most one of the first
+  three dimensions other than 1).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch.nn.functional as F
 
 RMS_NORM_DEFAULT_EPSILON = 1e-6
 ROTARY_MODES = {0: "rotate_half", 1: "interleave"}
+ROTARY_MAX_DIM = 896  # D < 896
 
 
 def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = RMS_NORM_DEFAULT_EPSILON):
@@ -64,10 +70,14 @@ def npu_rotary_position_embedding(x: torch.Tensor, r1: torch.Tensor, r2: torch.T
     if x.dim() != 4 or r1.dim() != 4 or r2.dim() != 4:
         raise ValueError(f"npu_rotary_position_embedding: x, r1, r2 must be 4-D (BNSD / BSND / SBND); got "
                          f"{tuple(x.shape)}, {tuple(r1.shape)}, {tuple(r2.shape)}")
-    if x.size(-1) % 2:
-        raise ValueError(f"npu_rotary_position_embedding: the last dimension of x {tuple(x.shape)} must be even")
+    if x.size(-1) % 2 or x.size(-1) >= ROTARY_MAX_DIM:
+        raise ValueError(f"npu_rotary_position_embedding: the last dimension of x {tuple(x.shape)} must be even and "
+                         f"below {ROTARY_MAX_DIM}")
     for name, r in (("r1", r1), ("r2", r2)):
         if r.size(-1) != x.size(-1) or torch.broadcast_shapes(r.shape, x.shape) != x.shape:
             raise ValueError(f"npu_rotary_position_embedding: {name} {tuple(r.shape)} must broadcast to x "
                              f"{tuple(x.shape)} with x's last dimension")
+        if mode == 1 and sum(size != 1 for size in r.shape[:3]) > 1:
+            raise ValueError(f"npu_rotary_position_embedding: mode 1 takes one table row per position (11SD / 1S1D / "
+                             f"S11D); {name} is {tuple(r.shape)}")
     return x * r1 + _rotate(x, mode) * r2

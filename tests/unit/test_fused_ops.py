@@ -108,6 +108,13 @@ def test_npu_rotary_position_embedding_reference_refuses_what_the_op_refuses():
         ref.npu_rotary_position_embedding(x[0], table, table, 0)
     with pytest.raises(ValueError, match="broadcast"):
         ref.npu_rotary_position_embedding(x, table[..., :2], table[..., :2], 0)
+    per_row = torch.randn(1, 2, 3, 4)  # B1SD-like: a table per batch row, which mode 1 does not take
+    ref.npu_rotary_position_embedding(torch.randn(1, 2, 3, 4), per_row, per_row, 0)
+    with pytest.raises(ValueError, match="one table row per position"):
+        ref.npu_rotary_position_embedding(torch.randn(1, 2, 3, 4), per_row, per_row, 1)
+    with pytest.raises(ValueError, match="below 896"):
+        wide = torch.randn(1, 1, 2, 896)
+        ref.npu_rotary_position_embedding(wide, wide, wide, 0)
 
 
 # ------------------------------------------------------------- the ops the flags run, against megatron's path
@@ -263,7 +270,8 @@ def test_npu_ops_are_called_with_the_documented_arguments(npu_stand_in):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", [dict(), dict(interleaved=True), dict(rot_dim=8), dict(per_row=True)])
+@pytest.mark.parametrize("case", [dict(), dict(interleaved=True), dict(rot_dim=8), dict(per_row=True),
+                                  dict(per_row=True, interleaved=True)])
 def test_npu_rotary_equals_megatrons_unfused_rotary(npu_stand_in, dtype, case):
     from mindspeed_llm.patches.fused_ops import _npu_rotary, _rotary_impl
 
@@ -278,6 +286,9 @@ def test_npu_rotary_equals_megatrons_unfused_rotary(npu_stand_in, dtype, case):
     got, (got_g,) = _value_and_grads(lambda x: _rotary_impl(_npu_rotary)(x, freqs, interleaved=interleaved), t)
     assert torch.equal(got, want)
     assert _close(got_g, want_g, dtype)
+    if interleaved and case.get("per_row"):  # mode 1 takes no per-row tables (documented): megatron's math instead
+        assert not npu_stand_in
+        return
     name, (x_arg, cos_arg, sin_arg, mode_arg), _ = npu_stand_in[-1]
     # SBND: the rotated part (partial rotary: the first rot_dim features), cos / sin [S, 1 or B, 1, rot_dim]
     assert name == "npu_rotary_position_embedding" and mode_arg == (1 if interleaved else 0)
