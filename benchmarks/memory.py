@@ -1,7 +1,8 @@
 """Activation and model-state memory of one RL training step, measured on CPU at a scaled-down shape, fitted per
 layer, and projected to every shipped launcher's devices.
 
-What is measured (``--device cpu``; ``--device cuda`` runs the same code with CUDA's allocator statistics), for
+What is measured (``--device cpu``; ``--device cuda`` / ``npu`` runs the same code with the device allocator's
+statistics, ``npu`` through torch_npu and unverified until run on an NPU), for
 each core attention (``--attentions``: every case names its own, `build_model(..., attention=...)`):
 
 * one training forward + backward of the policy on the real path: `MicroBatchPlan` rows or packed prompt groups ->
@@ -106,7 +107,7 @@ from benchmarks.step_memory.shapes import (  # noqa: E402
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu")
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192], help="model row lengths (tokens)")
     p.add_argument("--hidden", type=int, default=DEFAULT_SHAPE.hidden)
     p.add_argument("--ffn", type=int, default=DEFAULT_SHAPE.ffn)
@@ -156,6 +157,12 @@ def main(argv=None) -> int:
     if opts.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device here", file=sys.stderr)
         return 1
+    if opts.device == "npu":
+        from mindspeed_llm import device
+
+        if not device._npu_available():
+            print("--device npu: no NPU here (torch_npu missing or it sees no device)", file=sys.stderr)
+            return 1
     if opts.toy:
         shape, lengths, grid = TOY_SHAPE, [64, 128], FIT_GRIDS["toy"]
     else:

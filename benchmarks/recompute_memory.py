@@ -16,6 +16,7 @@ Usage::
 
     python benchmarks/recompute_memory.py                          # H 256 512 1024 x s 512 1024 2048, bf16
     python benchmarks/recompute_memory.py --hidden 256 --seq 512 --dtype fp32 --json runs/recompute_memory.json
+    python benchmarks/recompute_memory.py --fused      # no recompute, without / with the fused RMSNorm and SwiGLU
 """
 
 from __future__ import annotations
@@ -36,20 +37,23 @@ SETTINGS = {
 MIB = 2 ** 20
 
 
-def saved_bytes(hidden: int, seq: int, dtype: str, setting: str) -> int:
+def saved_bytes(hidden: int, seq: int, dtype: str, setting: str, fused_ops=()) -> int:
     import torch
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from mindspeed_llm.models.builder import _layer_spec, parse_dtype, transformer_config
     from mindspeed_llm.models.architecture import ArchitectureSpec
+    from mindspeed_llm.models.fused_ops import use_fused_norms
 
     heads = max(1, hidden // 64)
     spec = ArchitectureSpec(family="qwen2", num_layers=1, hidden_size=hidden, ffn_hidden_size=4 * hidden,
                             num_attention_heads=heads, num_query_groups=heads, kv_channels=hidden // heads,
                             vocab_size=256)
-    config = transformer_config(spec, dtype, **SETTINGS[setting])
+    config = transformer_config(spec, dtype, fused_ops=fused_ops, **SETTINGS[setting])
     block = TransformerBlock(config, _layer_spec(spec, config), post_layer_norm=False).to(parse_dtype(dtype))
+    if "rmsnorm" in fused_ops:
+        use_fused_norms(block)
     block.train()
     rotary = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0)(seq)
     x = torch.randn(seq, 1, hidden, dtype=parse_dtype(dtype), requires_grad=True)
@@ -74,6 +78,8 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, nargs="+", default=[256, 512, 1024])
     p.add_argument("--seq", type=int, nargs="+", default=[512, 1024, 2048])
     p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16")
+    p.add_argument("--fused", action="store_true",
+                   help="instead: no recompute, without and with --use-fused-rmsnorm / --use-fused-swiglu")
     p.add_argument("--json", help="also write the rows here")
     opts = p.parse_args(argv)
 
@@ -83,6 +89,8 @@ def main(argv=None) -> int:
     from mindspeed_llm import distributed
 
     distributed.initialize(1, 1, seed=1, rank=0, world_size=1)
+    if opts.fused:
+        return _fused_table(opts)
     rows = []
     print(f"{'H':>6} {'F':>6} {'s':>6}  " + "  ".join(f"{name + ' MiB':>14}" for name in SETTINGS) +
           "  selective/none  full/none")
@@ -95,6 +103,31 @@ def main(argv=None) -> int:
             print(f"{hidden:>6} {4 * hidden:>6} {seq:>6}  " +
                   "  ".join(f"{row[name] / MIB:>14.2f}" for name in SETTINGS) +
                   f"  {row['selective'] / row['none']:>14.3f}  {row['full'] / row['none']:>9.4f}", flush=True)
+    if opts.json:
+        os.makedirs(os.path.dirname(os.path.abspath(opts.json)), exist_ok=True)
+        with open(opts.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+FUSED = {"unfused": (), "rmsnorm": ("rmsnorm",), "swiglu": ("swiglu",), "both": ("rmsnorm", "swiglu")}
+
+
+def _fused_table(opts) -> int:
+    """Saved bytes per layer without recompute, for each set of fused ops (`device.FUSED_OPS` on this device)."""
+    rows = []
+    print(f"{'H':>6} {'F':>6} {'s':>6}  " + "  ".join(f"{name + ' MiB':>12}" for name in FUSED) +
+          "  " + "  ".join(f"{name + '/unfused':>16}" for name in FUSED if name != "unfused"))
+    for hidden in opts.hidden:
+        for seq in opts.seq:
+            row = {"hidden": hidden, "ffn": 4 * hidden, "seq": seq, "heads": max(1, hidden // 64),
+                   "dtype": opts.dtype}
+            row.update({name: saved_bytes(hidden, seq, opts.dtype, "none", ops) for name, ops in FUSED.items()})
+            rows.append(row)
+            print(f"{hidden:>6} {4 * hidden:>6} {seq:>6}  " +
+                  "  ".join(f"{row[name] / MIB:>12.2f}" for name in FUSED) + "  " +
+                  "  ".join(f"{row[name] / row['unfused']:>16.3f}" for name in FUSED if name != "unfused"),
+                  flush=True)
     if opts.json:
         os.makedirs(os.path.dirname(os.path.abspath(opts.json)), exist_ok=True)
         with open(opts.json, "w") as f:

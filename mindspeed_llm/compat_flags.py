@@ -29,9 +29,6 @@ LORA_HOOK = ("MindSpeed-LLM's fix of the gradient chain with a frozen base (reco
 
 # Switches (no value): flag -> why it has no effect.
 IGNORED_SWITCHES: Dict[str, str] = {
-    "--use-fused-swiglu": PERFORMANCE,
-    "--use-fused-rmsnorm": PERFORMANCE,
-    "--use-fused-rotary-pos-emb": PERFORMANCE,
     "--no-masked-softmax-fusion": PERFORMANCE,
     "--no-gradient-accumulation-fusion": PERFORMANCE,
     "--no-bias-swiglu-fusion": PERFORMANCE,

@@ -207,7 +207,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, sc
     `sparse_mode=0`, `upper_left` / `lower_right` as `sparse_mode` 2 / 3 with the compressed 2048 x 2048 causal
     mask, key/value heads fewer than query heads read natively, `keep_prob = 1 - dropout_p`. The NPU translation
     is written from torch_npu's documented signature and checked against SDPA on CPU with a stand-in
-    (tests/dist/test_attention.py); it is unverified until run on an NPU.
+    (tests/dist/test_attention.py, and in both stages by the NPU lane, tests/dist/test_npu_lane.py); it is
+    unverified until run on an NPU (scripts/npu_check.sh).
     """
     if causal is not None and causal not in CAUSAL_VARIANTS:
         raise ValueError(f"attention: causal={causal!r}; use one of {CAUSAL_VARIANTS} or None")
@@ -274,3 +275,53 @@ def _npu_attention(query, key, value, scale, masked, causal, dropout_p, fusion_a
     out = fusion_attention(query.contiguous(), key.contiguous(), value.contiguous(), query.size(1), "BNSD",
                            **kwargs)
     return out[0]
+
+
+# ------------------------------------------------------------------- fused ops of the --use-fused-* flags
+# MindSpeed-LLM's --use-fused-rmsnorm / --use-fused-swiglu / --use-fused-rotary-pos-emb (`FUSED_OPS` names them):
+# models built with one run the device's fused op instead of megatron's composite torch ops. The norm is
+# `rms_norm` below (the built model's RMSNorms call it, `models/fused_ops.py`); SwiGLU and RoPE are megatron's own
+# fusion switches, whose kernels `patches/fused_ops.py` provides per device. NPU: torch_npu's fused kernels
+# (written from torch_npu's documented API; checked on CPU against plain-torch references of those ops,
+# tests/helpers/npu_fused_reference.py; unverified until run on an NPU). CUDA: torch's fused `rms_norm` (torch >=
+# 2.8), SwiGLU as on the CPU. CPU: megatron's math with a hand-written backward that saves what the fused kernels
+# save (`kernels/fused_ops.py`): a memory switch there (measured: benchmarks/README.md). RoPE: NPU only
+# (`fused_ops_here`).
+FUSED_OPS = {"rmsnorm": "--use-fused-rmsnorm", "swiglu": "--use-fused-swiglu", "rope": "--use-fused-rotary-pos-emb"}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x / sqrt(mean(x**2, -1) + eps) * weight` on this device's fused RMSNorm (see above)."""
+    kind = accelerator().kind
+    if kind == "npu":
+        import torch_npu
+
+        return torch_npu.npu_rms_norm(x, weight, epsilon=eps)[0]
+    if kind == "cuda":
+        return torch.nn.functional.rms_norm(x, (x.size(-1),), weight, eps)
+    from mindspeed_llm.kernels.fused_ops import lean_rms_norm
+
+    return lean_rms_norm(x, weight, eps)
+
+
+def fused_ops_here() -> tuple:
+    """The `FUSED_OPS` this device runs: all three on NPU; no RoPE elsewhere (torch has no fused RoPE, and megatron's
+    unfused one already saves only cos / sin for backward: its flag is listed as ignored there)."""
+    return tuple(FUSED_OPS) if accelerator().kind == "npu" else ("rmsnorm", "swiglu")
+
+
+NO_FUSED_ROPE = ("no fused RoPE off the NPU (torch has none; megatron's unfused RoPE already saves only cos / sin "
+                 "for backward)")
+
+
+def fused_ops_line(ops) -> str:
+    """What runs the fused ops `ops` (`FUSED_OPS` names) on this device, for the startup notes."""
+    kind = accelerator().kind
+    lean = {"rmsnorm": "an RMSNorm that saves its input and rstd only", "swiglu": "a SwiGLU that saves its input only"}
+    kernels = {"npu": {"rmsnorm": "torch_npu.npu_rms_norm", "swiglu": "torch_npu.npu_swiglu",
+                       "rope": "torch_npu.npu_rotary_position_embedding"},
+               "cuda": dict(lean, rmsnorm="torch's fused rms_norm"), "cpu": lean}[kind]
+    line = f"on {kind}: " + ", ".join(kernels[op] for op in ops)
+    if "rope" in ops:
+        line += " (multi-latent attention keeps megatron's unfused RoPE)"
+    return line

@@ -257,6 +257,14 @@ def _sync():
     device.synchronize()
 
 
+def _allocator(device_type: str):
+    """`torch.cuda` / `torch.npu` (torch_npu's, with the same allocator statistics), whose peak the step's is; None on
+    the CPU (the profiler's timeline)."""
+    import torch
+
+    return getattr(torch, device_type) if device_type in ("cuda", "npu") else None
+
+
 def profile_memory(fn, device_type: str):
     """Runs `fn()` under the profiler; returns (result, timeline dict: peak, end, phases)."""
     import torch
@@ -389,16 +397,17 @@ def measure(case: Case, device_type: str = "cpu", timing: bool = True) -> dict:
         regions.close()
         regions = Regions(model, markers=True)
     # 3: peak and phases
-    if device_type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
+    allocator = _allocator(device_type)
+    if allocator is not None:
+        allocator.reset_peak_memory_stats()
+        before = allocator.memory_allocated()
     _, timeline = profile_memory(step, device_type)
     regions.close()
     result["global_buffer"] = _global_buffer_bytes()
     result["profiler_peak"] = timeline["peak"]
-    if device_type == "cuda":
-        result["cuda_peak"] = torch.cuda.max_memory_allocated() - before
-    result["peak"] = result.get("cuda_peak", timeline["peak"]) + result["global_buffer"]
+    if allocator is not None:  # "cuda_peak" / "npu_peak"
+        result[f"{device_type}_peak"] = allocator.max_memory_allocated() - before
+    result["peak"] = result.get(f"{device_type}_peak", timeline["peak"]) + result["global_buffer"]
     result["phases"] = summarize_phases(timeline["phases"])
     result["per_layer"] = per_layer_saved(result["saved"], case.shape.layers, rows * seq)
     del tm, model, exp, plan, mb
@@ -481,15 +490,16 @@ def measure_generate(shape: Shape, batch: int, prompt: int, new_tokens: int, att
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, shape.vocab, (batch, prompt), generator=gen).tolist()
     sampling = SamplingConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
-    if device_type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
+    allocator = _allocator(device_type)
+    if allocator is not None:
+        allocator.reset_peak_memory_stats()
+        before = allocator.memory_allocated()
     start = time.perf_counter()
     _, timeline = profile_memory(lambda: generate(model, prompts, sampling), device_type)
     elapsed = time.perf_counter() - start
     slots = prompt + new_tokens
     kv_cache = 2 * shape.layers * slots * batch * shape.kv * 2
-    peak = torch.cuda.max_memory_allocated() - before if device_type == "cuda" else timeline["peak"]
+    peak = allocator.max_memory_allocated() - before if allocator is not None else timeline["peak"]
     del model
     gc.collect()
     return dict(shape=asdict(shape), attention=attention, batch=batch, prompt=prompt, new_tokens=new_tokens,

@@ -101,6 +101,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-flash-attn", action="store_true",
                    help="the fused attention kernel (the default here); refused with --attention-backend local / "
                         "unfused")
+    # MindSpeed-LLM's fused-op switches (device.FUSED_OPS; validation._check_fused_ops -> args.fused_ops)
+    g.add_argument("--use-fused-rmsnorm", action="store_true",
+                   help="every RMSNorm on the device's fused norm (npu_rms_norm on NPU, torch's rms_norm on CUDA, a "
+                        "backward that saves the input and rstd only on CPU): fewer saved activations")
+    g.add_argument("--use-fused-swiglu", action="store_true",
+                   help="the MLPs' SwiGLU on the device's fused op (npu_swiglu on NPU; elsewhere a backward that "
+                        "saves the input only)")
+    g.add_argument("--use-fused-rotary-pos-emb", action="store_true",
+                   help="rotary embedding on the device's fused op (npu_rotary_position_embedding on NPU; elsewhere "
+                        "a backward that saves cos / sin instead of the query / key); not multi-latent attention")
     compat_flags.add_ignored_arguments(g)
 
 

@@ -45,7 +45,7 @@ STAGE_DEFAULTS = {
 MEGATRON_DERIVED = (
     "world_size", "data_parallel_size",  # checkpoints record the DP size; benchmarks read it
     "expert_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type",  # rl/moe.model_options
-    "params_dtype", "attention", "sequence_parallel",  # rl/roles.load_model -> models.build_model
+    "params_dtype", "attention", "sequence_parallel", "fused_ops",  # rl/roles.load_model -> models.build_model
     "recompute_granularity", "recompute_modules",  # rl/recompute.model_options
     "critic_lr", "lr_warmup_iters", "lr_decay_iters",  # rl/roles.trainable -> OptimizerSettings
     "lora", "lora_target_modules",  # rl/roles.trainable, rl/lora.py
@@ -115,6 +115,22 @@ def _check_attention_backend(args) -> None:
                                   "reference; its memory grows with the square of the sequence length)")
 
 
+def _check_fused_ops(args) -> None:
+    """`args.fused_ops`, the `device.FUSED_OPS` every model is built with (`build_model(fused_ops=...)`): those whose
+    --use-fused-* flag is given and that this device runs, said at startup with what runs them; a flag this device
+    has no fused op for (RoPE off the NPU) is listed with the ignored flags."""
+    from mindspeed_llm import device
+
+    given = {"rmsnorm": args.use_fused_rmsnorm, "swiglu": args.use_fused_swiglu,
+             "rope": args.use_fused_rotary_pos_emb}
+    args.fused_ops = tuple(op for op in device.fused_ops_here() if given[op])
+    if given["rope"] and "rope" not in args.fused_ops:
+        args.ignored_flags[device.FUSED_OPS["rope"]] = device.NO_FUSED_ROPE
+    if args.fused_ops:
+        flags = ", ".join(device.FUSED_OPS[op] for op in args.fused_ops)
+        args.startup_notes.append(f"{flags}: {device.fused_ops_line(args.fused_ops)}")
+
+
 def _check_sequence_and_context_parallel(args) -> None:
     """--sequence-parallel needs TP > 1 (Megatron-LM turns it off at TP 1, and so does this, saying so);
     --context-parallel-size > 1 needs the fused core attention, whose CP path gathers the keys and values over the
@@ -158,6 +174,7 @@ def validate_args(args, world_size: int) -> run_settings.Settings:
     args.ignored_flags = compat_flags.ignored_flags(args)  # printed once at startup (compat_flags.startup_lines)
     args.startup_notes = []
     _check_attention_backend(args)
+    _check_fused_ops(args)
     _check_sequence_and_context_parallel(args)
 
     run = _Resolving(args)  # the settings' values: the stage defaults and what follows from several flags

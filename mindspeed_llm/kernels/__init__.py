@@ -11,7 +11,10 @@ Three families, each with its environment variable (``auto`` | ``torch`` | ``tri
 
 ``auto`` picks the Triton kernel on CUDA when Triton imports, and (scans and losses) on Ascend NPUs when the Triton
 package there is Triton-Ascend (its ``triton.backends.ascend`` backend is installed); the torch path elsewhere (CPU;
-NPU without Triton-Ascend). The kernels have never run on an NPU: that choice is unverified until they do.
+NPU without Triton-Ascend). On an NPU the scan and loss kernels launch as Triton-Ascend's porting rules ask
+(:mod:`.launch`: a 1-D grid of the vector-core count, 32-byte tiles that fit the unified buffer); they have never run
+on an NPU: that choice is unverified until they do. :mod:`.fused_ops` holds the plain-torch RMSNorm and SwiGLU of
+the --use-fused-* flags off the NPU.
 ``torch`` always takes the torch path; ``triton`` always the kernel (an error where it cannot run; on CPU it runs
 only under ``TRITON_INTERPRET=1``, for tests).
 

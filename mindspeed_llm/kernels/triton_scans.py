@@ -2,7 +2,8 @@
 discounted returns, in ONE launch per call with fp32 accumulation.
 
 Same contract and math as :func:`mindspeed_llm.rl.core_algos.scans.gae_scan` / ``discounted_returns`` (see that
-module's docstring: ``x_t = a_t + c_t x_{t+1}``, ``x_T = 0``). One program per row walks it from its end in blocks
+module's docstring: ``x_t = a_t + c_t x_{t+1}``, ``x_T = 0``). The programs loop over the rows (one row each on CUDA,
+a vector core's share on an NPU: ``kernels/launch.py``); a row is walked from its end in blocks
 of ``BLOCK_T`` positions, loaded in reversed order so that a forward ``tl.associative_scan`` runs backwards in
 time. The scan's elements are the pairs ``(c_t, a_t)`` (a step ``y -> a + c y``); the combine of an element with
 the one before it in scan order is ``(c' c, a + c a')``. The carry, the value at the block's earliest position,
@@ -27,9 +28,14 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["triton_gae", "triton_discounted_returns", "BLOCK_T"]
+from mindspeed_llm.kernels.launch import launch, vector_cores
+
+__all__ = ["triton_gae", "triton_discounted_returns", "BLOCK_T", "LIVE_TILES"]
 
 BLOCK_T = 1024  # positions per step of a row's program (a power of two; capped by the row's length rounded up)
+# float32-sized tiles a step keeps live (loads, the scan's pairs and result, positions, masks): sizes the tile to the
+# NPU's unified buffer (kernels/launch.py; an estimate, unverified until compiled by Triton-Ascend)
+LIVE_TILES = 16
 
 
 @triton.jit
@@ -41,11 +47,22 @@ def _step_combine(c_before, x_before, c, x):
 @triton.jit
 def _reverse_scan_kernel(
     rewards_ptr, values_ptr, mask_ptr, out_ptr, returns_ptr,
-    stride_r, stride_v, stride_m, stride_o, stride_ret, length, gamma, coef,
+    stride_r, stride_v, stride_m, stride_o, stride_ret, length, rows, gamma, coef,
     GAE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK_T)
+    # each program walks rows pid, pid + programs, ... (kernels/launch.py: one row each on CUDA, a core's share on NPU)
+    for task in range(tl.program_id(0), rows, tl.num_programs(0)):
+        _scan_row(rewards_ptr, values_ptr, mask_ptr, out_ptr, returns_ptr, stride_r, stride_v, stride_m, stride_o,
+                  stride_ret, length, gamma, coef, tl.cast(task, tl.int64), lanes, GAE, BLOCK_T)
+
+
+@triton.jit
+def _scan_row(
+    rewards_ptr, values_ptr, mask_ptr, out_ptr, returns_ptr,
+    stride_r, stride_v, stride_m, stride_o, stride_ret, length, gamma, coef, row, lanes,
+    GAE: tl.constexpr, BLOCK_T: tl.constexpr,
+):
     carry = tl.full((), 0.0, tl.float32)
     for start in range(0, length, BLOCK_T):
         t = length - 1 - start - lanes  # descending positions: lane 0 is the block's latest
@@ -77,8 +94,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8) if x.dtype == torch.bool else x
 
 
-def _block(length: int, block_t) -> int:
-    return max(16, min(int(block_t or BLOCK_T), triton.next_power_of_2(max(1, int(length)))))
+def _launch_for(device, batch: int, length: int, block_t, programs):
+    """Grid and tile (kernels/launch.py); `block_t` / `programs` override them (tests: the carry between blocks on
+    short rows, and programs that loop over several rows, as on an NPU)."""
+    plan = launch(batch, length, block_t or BLOCK_T, LIVE_TILES, device.type, vector_cores(device))
+    return (min(int(programs), batch) if programs else plan.programs), plan.block
 
 
 def _check(name, *tensors):
@@ -87,9 +107,9 @@ def _check(name, *tensors):
         raise ValueError(f"{name} expects [B, T] tensors of one shape; got {[tuple(t.shape) for t in tensors]}")
 
 
-def triton_gae(rewards, values, value_mask, gamma, lam, block_t=None):
-    """``core_algos.scans.gae_scan`` in one launch: ``(advantages, returns)``, ``[B, T]`` each. ``block_t``
-    overrides ``BLOCK_T`` (tests use small blocks to run the carry between blocks on short rows)."""
+def triton_gae(rewards, values, value_mask, gamma, lam, block_t=None, programs=None):
+    """``core_algos.scans.gae_scan`` in one launch: ``(advantages, returns)``, ``[B, T]`` each. ``block_t`` /
+    ``programs`` override the tile and the grid (`_launch`)."""
     _check("triton_gae", rewards, values, value_mask)
     dtype = torch.result_type(rewards, values)
     batch, length = rewards.shape
@@ -97,25 +117,25 @@ def triton_gae(rewards, values, value_mask, gamma, lam, block_t=None):
     returns = torch.empty_like(advantages)
     if batch and length:
         r, v, m = _rows(rewards), _rows(values), _rows(value_mask)
-        block = _block(length, block_t)
-        _reverse_scan_kernel[(batch,)](
+        grid, block = _launch_for(rewards.device, batch, length, block_t, programs)
+        _reverse_scan_kernel[(grid,)](
             r, v, m, advantages, returns, r.stride(0), v.stride(0), m.stride(0), advantages.stride(0),
-            returns.stride(0), length, float(gamma), float(gamma) * float(lam),
+            returns.stride(0), length, batch, float(gamma), float(gamma) * float(lam),
             GAE=True, BLOCK_T=block, num_warps=4,
         )
     return advantages, returns
 
 
-def triton_discounted_returns(rewards, mask, gamma, block_t=None):
+def triton_discounted_returns(rewards, mask, gamma, block_t=None, programs=None):
     """``core_algos.scans.discounted_returns`` in one launch: ``G`` ``[B, T]``."""
     _check("triton_discounted_returns", rewards, mask)
     batch, length = rewards.shape
     out = torch.empty((batch, length), dtype=rewards.dtype, device=rewards.device)
     if batch and length:
         r, m = _rows(rewards), _rows(mask)
-        block = _block(length, block_t)
-        _reverse_scan_kernel[(batch,)](
-            r, r, m, out, out, r.stride(0), 0, m.stride(0), out.stride(0), 0, length, float(gamma), 0.0,
+        grid, block = _launch_for(rewards.device, batch, length, block_t, programs)
+        _reverse_scan_kernel[(grid,)](
+            r, r, m, out, out, r.stride(0), 0, m.stride(0), out.stride(0), 0, length, batch, float(gamma), 0.0,
             GAE=False, BLOCK_T=block, num_warps=4,
         )
     return out

@@ -20,7 +20,9 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 
+from mindspeed_llm.device import fused_ops_here
 from mindspeed_llm.models.attention import ATTENTIONS, use_core_attention
+from mindspeed_llm.models.fused_ops import use_fused_norms
 from mindspeed_llm.models.forward_layout import install_layout_hooks
 from mindspeed_llm.models.architecture import ArchitectureSpec
 
@@ -102,8 +104,30 @@ def mla_config(spec: ArchitectureSpec) -> dict:
     return fields
 
 
-def transformer_config(spec: ArchitectureSpec, params_dtype=torch.float32, **overrides) -> TransformerConfig:
-    """The TransformerConfig of `spec` under the current parallel state."""
+def check_fused_ops(fused_ops) -> frozenset:
+    """`fused_ops` as a set of `device.FUSED_OPS` names this device runs (`device.fused_ops_here`); another name is an
+    error naming the choices."""
+    fused_ops = frozenset(fused_ops)
+    unknown = sorted(fused_ops - set(fused_ops_here()))
+    if unknown:
+        raise ValueError(f"fused_ops: {unknown} not among this device's fused ops {sorted(fused_ops_here())} "
+                         f"(--use-fused-rotary-pos-emb acts on NPU only)")
+    return fused_ops
+
+
+def fused_config(spec: ArchitectureSpec, fused_ops) -> dict:
+    """TransformerConfig switches of the fused ops `fused_ops` (`device.FUSED_OPS` names) that megatron routes:
+    SwiGLU through `bias_activation_fusion`, RoPE through `apply_rope_fusion` (their kernels:
+    `patches/fused_ops.py`). Multi-latent attention keeps megatron's unfused RoPE (its fused path is Transformer
+    Engine's training-only MLA RoPE; said at startup). The norm is not a config switch (`use_fused_norms`)."""
+    fused_ops = check_fused_ops(fused_ops)
+    return dict(bias_activation_fusion="swiglu" in fused_ops,
+                apply_rope_fusion="rope" in fused_ops and not spec.is_mla)
+
+
+def transformer_config(spec: ArchitectureSpec, params_dtype=torch.float32, fused_ops=(), **overrides
+                       ) -> TransformerConfig:
+    """The TransformerConfig of `spec` under the current parallel state (`fused_ops`: `fused_config`)."""
     params_dtype = parse_dtype(params_dtype)
     kwargs = dict(
         num_layers=spec.num_layers,
@@ -137,6 +161,7 @@ def transformer_config(spec: ArchitectureSpec, params_dtype=torch.float32, **ove
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
     )
+    kwargs.update(fused_config(spec, fused_ops))
     kwargs.update(moe_config(spec))
     kwargs.update(mla_config(spec))
     kwargs.update(overrides)
@@ -186,10 +211,13 @@ def build_model(
     pre_process: Optional[bool] = None,
     post_process: Optional[bool] = None,
     attention: str = "sdpa",
+    fused_ops=(),
     **config_overrides,
 ) -> GPTModel:
     """A GPTModel for this rank's pipeline stage. `value_head=True` gives the critic/reward model. `attention`:
-    "sdpa" (the device's fused kernel, `models/attention.py`) or "local" (megatron's DotProductAttention)."""
+    "sdpa" (the device's fused kernel, `models/attention.py`) or "local" (megatron's DotProductAttention).
+    `fused_ops`: names of `device.FUSED_OPS` (MindSpeed-LLM's --use-fused-* flags) run on the device's fused ops
+    (`fused_config`, `models/fused_ops.py`); none by default (megatron's unfused torch path)."""
     if attention not in ATTENTIONS:
         raise ValueError(f"build_model: attention={attention!r}; use one of {ATTENTIONS}")
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -199,7 +227,8 @@ def build_model(
                             parallel_state.get_expert_tensor_parallel_world_size())
     else:  # a dense model (e.g. the critic next to an MoE actor) ignores the expert groups
         spec.check_parallel(tp, pp)
-    config = transformer_config(spec, params_dtype, **config_overrides)
+    fused_ops = check_fused_ops(fused_ops)
+    config = transformer_config(spec, params_dtype, fused_ops=fused_ops, **config_overrides)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
@@ -230,5 +259,8 @@ def build_model(
             param.data = param.data.to(dtype)
     if value_head and post_process:
         model.output_layer = ValueHead(spec.hidden_size)
+    if "rmsnorm" in fused_ops:
+        use_fused_norms(model)
+    model.fused_ops = fused_ops
     install_layout_hooks(model)  # RoPE by position ids and an output window (models/forward_layout.py)
     return model

@@ -9,9 +9,9 @@ answer megatron-core 0.16.1's hard-coded `torch.cuda` calls. On every device: `i
 patches of the decode step; `mla.py` lets multi-latent attention (DeepSeek-V3) build on the local spec; `moe.py`
 mends two spots of megatron's MoE code that assume Transformer Engine or CUDA tensors (one of them CPU only);
 `recompute.py` gives a recomputed region its micro-batch's per-forward settings and block recompute its padding
-mask; `optimizer.py` lets the distributed optimizer take CPU and NPU tensors and mends two of its checkpoint paths
-(a param group mixing fp32 and bf16 parameters; loading with torch Adam's `step`), those two on every device, CUDA
-included; `initialization.py` marks the tensor-parallel weights of models built without random initialisation as
+mask; `optimizer.py` lets the distributed optimizer, gradient clipping and bf16 / fp16 training take CPU and NPU
+tensors and mends two of the distributed optimizer's checkpoint paths (a param group mixing fp32 and bf16
+parameters; loading with torch Adam's `step`), those two on every device, CUDA included; `initialization.py` marks the tensor-parallel weights of models built without random initialisation as
 megatron marks those it draws; `sequence_parallel.py` lets the local spec's torch norms run under
 `--sequence-parallel`. `rotary.py` (CPU) takes the rotary table's cos / sin once per forward instead of once per
 query / key call and drops a copy (same results). `static_decode.py` holds the patches the CUDA-graph decode engine
@@ -68,7 +68,7 @@ def registry() -> List[Patch]:
 
 def _load_patch_modules():
     from mindspeed_llm.patches import (  # noqa: F401  (registration happens at import)
-        cpu, inference, initialization, mla, moe, optimizer, recompute, rotary, sequence_parallel)
+        cpu, fused_ops, inference, initialization, mla, moe, optimizer, recompute, rotary, sequence_parallel)
 
 
 def apply_patches(device_kind: str) -> List[str]:

@@ -20,7 +20,6 @@ import types
 import torch
 
 from mindspeed_llm.patches import register
-from mindspeed_llm.patches.optimizer import cuda_type_names
 
 CPU = torch.device("cpu")
 
@@ -282,24 +281,6 @@ for _module in (
     )
 
 
-@register(
-    "megatron.core.optimizer.optimizer.clip_grad_by_total_norm_fp32",
-    "the original asserts grad.type() == 'torch.cuda.FloatTensor' and needs apex's multi_tensor_scale",
-)
-def _clip_grads(_original):
-    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
-        if isinstance(parameters, torch.Tensor):
-            parameters = [parameters]
-        clip_coeff = max_norm / (total_norm + 1.0e-6)
-        if clip_coeff >= 1.0:
-            return
-        for param in parameters:
-            grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
-            if grad is not None:
-                grad.detach().mul_(clip_coeff)
-    return clip_grad_by_total_norm_fp32
-
-
 def _causal_mask_on_cpu(_original):
     @functools.lru_cache(maxsize=32)
     def get_default_causal_mask(sq: int) -> torch.Tensor:
@@ -345,17 +326,3 @@ def _gather_along_first_dim(original):
         torch.distributed.all_gather_into_tensor(gathered, padded, group=group)
         return torch.cat([gathered[r * largest:r * largest + n] for r, n in enumerate(sizes)])
     return gather_along_first_dim
-
-
-# ---------------------------------------------------------------- bf16 / fp16 training on CPU
-
-@register(
-    "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__",
-    "it sorts parameters by `param.type()` ('torch.cuda.BFloat16Tensor' gets an fp32 main copy) and refuses "
-    "any other name, so CPU tensors ('torch.BFloat16Tensor') could not train in bf16 / fp16",
-)
-def _float16_optimizer_init(_original):
-    def __init__(self, *args, **kwargs):
-        with cuda_type_names():
-            _original(self, *args, **kwargs)
-    return __init__

@@ -1,4 +1,4 @@
-"""megatron-core 0.16.1's distributed optimizer on devices whose tensors are not `torch.cuda.*` (cpu, npu).
+"""megatron-core 0.16.1's optimizers on devices whose tensors are not `torch.cuda.*` (cpu, npu).
 
 `DistributedOptimizer.__init__` (and `_build_model_and_main_param_groups`, which it calls) sorts the model's
 parameters by `param.type()`: 'torch.cuda.BFloat16Tensor' / 'torch.cuda.HalfTensor' get an fp32 main shard,
@@ -13,6 +13,11 @@ functions would move state between parameters; `_group_order` numbers them as th
 devices: the bug is megatron's, not a device's). Loading a checkpoint's main weights and moments
 (`_set_main_param_and_optimizer_states`) expects Apex / TE's Adam, whose state has no `step`: `_set_states` copies
 the checkpoint's keys only, under no_grad (an fp32 main param is a view of a parameter).
+
+The same `param.type()` test stops two more places off CUDA (cpu, npu; moved here from `cpu.py` when the NPU lane,
+tests/dist/test_npu_lane.py, ran into the first on the `torch_npu` stand-in): gradient clipping
+(`clip_grad_by_total_norm_fp32` asserts 'torch.cuda.FloatTensor' grads; the replacement scales them in place) and
+bf16 / fp16 training without the distributed optimizer (`Float16OptimizerWithFloat16Params.__init__`).
 
 Nothing else is needed for gloo: the optimizer's reduce-scatter / all-gather (DDP) and the checkpoint's gather /
 scatter (`get_parameter_state_dp_zero`, `load_parameter_state_from_dp_zero`, over megatron's gloo DP group) are
@@ -107,3 +112,39 @@ def _set_states(original):
             for key, value in tensors.items():
                 targets[key].copy_(value)
     return set_main_param_and_optimizer_states
+
+
+# ---------------------------------------------------------------- gradient clipping and bf16 / fp16 off CUDA
+
+@register(
+    "megatron.core.optimizer.optimizer.clip_grad_by_total_norm_fp32",
+    "the original asserts grad.type() == 'torch.cuda.FloatTensor' ('torch.FloatTensor' on CPU, "
+    "'torch.npu.FloatTensor' on NPU) and needs apex's multi_tensor_scale",
+    devices=("cpu", "npu"),
+)
+def _clip_grads(_original):
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if clip_coeff >= 1.0:
+            return
+        for param in parameters:
+            grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+            if grad is not None:
+                grad.detach().mul_(clip_coeff)
+    return clip_grad_by_total_norm_fp32
+
+
+@register(
+    "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__",
+    "it sorts parameters by `param.type()` ('torch.cuda.BFloat16Tensor' gets an fp32 main copy) and refuses "
+    "any other name, so CPU ('torch.BFloat16Tensor') and NPU ('torch.npu.BFloat16Tensor') tensors could not train "
+    "in bf16 / fp16",
+    devices=("cpu", "npu"),
+)
+def _float16_optimizer_init(_original):
+    def __init__(self, *args, **kwargs):
+        with cuda_type_names():
+            _original(self, *args, **kwargs)
+    return __init__

@@ -118,7 +118,8 @@ def load_model(root: str, flag: str, args, value_head: bool = False, trained: bo
     --attention-dropout / --hidden-dropout; the dropouts act only in train mode, i.e. in the
     trained models' (actor, critic) update forwards: frozen models, rollouts and the log-prob / value passes run
     in eval mode. Activation recompute (--recompute-*) is built into the `trained` ones only (`rl/recompute.py`).
-    Every role gets the core attention of --attention-backend (`args.attention`, validate_args).
+    Every role gets the core attention of --attention-backend (`args.attention`, validate_args) and the fused ops
+    of --use-fused-rmsnorm / --use-fused-swiglu / --use-fused-rotary-pos-emb (`args.fused_ops`).
     """
     dropout = dict(attention_dropout=getattr(args, "attention_dropout", 0.0),
                    hidden_dropout=getattr(args, "hidden_dropout", 0.0),
@@ -130,7 +131,8 @@ def load_model(root: str, flag: str, args, value_head: bool = False, trained: bo
         options = moe.model_options(spec, args, flag, root, policy=not value_head)
         options.update(recompute.model_options(spec, args, trained=trained, policy=not value_head))
         model = build_model(spec, params_dtype=args.params_dtype, value_head=value_head,
-                            attention=getattr(args, "attention", "sdpa"), **dropout, **options,
+                            attention=getattr(args, "attention", "sdpa"), fused_ops=getattr(args, "fused_ops", ()),
+                            **dropout, **options,
                             **from_checkpoint(on_host))
         load_megatron_weights(model, root)
     except (ValueError, FileNotFoundError) as exc:

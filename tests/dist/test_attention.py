@@ -15,9 +15,10 @@
   critic values, reward scores and every parameter gradient, in the row layout and the packed prompt-group layout
   (two groups per micro-batch, and one), at TP1, TP2 and PP2 (TP2 and PP2 in one 2-process spawn); the MoE
   model's gradients at TP1 and PP2 only (megatron trains MoE layers under TP only with sequence parallelism).
-* The NPU translation (`device._npu_attention`) with a stand-in for `torch_npu.npu_fusion_attention` that
-  implements its documented semantics (BNSD, `atten_mask` True = masked with `sparse_mode=0`, the compressed
-  2048 x 2048 causal mask with `sparse_mode` 2 / 3, fewer key/value heads than query heads), against SDPA.
+* The NPU translation (`device._npu_attention`) with the stand-in's `torch_npu.npu_fusion_attention`
+  (`tests/helpers/npu_stand_in.FusionAttention`), which implements its documented semantics (BNSD, `atten_mask`
+  True = masked with `sparse_mode=0`, the compressed 2048 x 2048 causal mask with `sparse_mode` 2 / 3, fewer
+  key/value heads than query heads), against SDPA. The whole NPU path: tests/dist/test_npu_lane.py.
 
 Tolerances. fp32: the kernels add in different orders (a blocked online softmax against a materialised one), so
 single results differ by a few ulps: measured up to 1.2e-6 on the module's O(1) outputs and q/k/v gradients (held
@@ -414,41 +415,6 @@ def test_models_equal_local_attention_tp2_pp2(tp2_pp2, layout):
 
 # ============================================================================================ the NPU translation
 
-class FakeFusionAttention:
-    """`torch_npu.npu_fusion_attention` as documented, in plain torch (records its calls): layout BNSD, head_num =
-    query heads, key/value heads dividing them; sparse_mode 0 with `atten_mask` (bool, True = masked, shapes B1SS /
-    11SS / SS) or none; sparse_mode 2 (left-up causal) / 3 (right-down causal) with the compressed 2048 x 2048
-    mask (True above the diagonal); value of the key's shape; returns (out, softmax_max, softmax_sum, ...)."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, query, key, value, head_num, input_layout, *, pse=None, padding_mask=None, atten_mask=None,
-                 scale=1.0, keep_prob=1.0, pre_tockens=2147483647, next_tockens=2147483647, inner_precise=0,
-                 prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
-                 sync=False):
-        self.calls.append(dict(layout=input_layout, head_num=head_num, sparse_mode=sparse_mode, scale=scale,
-                               keep_prob=keep_prob, mask_shape=None if atten_mask is None else tuple(atten_mask.shape)))
-        assert input_layout == "BNSD" and head_num == query.size(1) and query.size(1) % key.size(1) == 0
-        assert value.shape == key.shape and query.is_contiguous() and key.is_contiguous() and value.is_contiguous()
-        assert keep_prob == 1.0 and pse is None and padding_mask is None
-        sq, sk = query.size(2), key.size(2)
-        if sparse_mode == 0:
-            masked = torch.zeros(sq, sk, dtype=torch.bool) if atten_mask is None else atten_mask
-            assert masked.dtype == torch.bool
-        else:
-            assert sparse_mode in (2, 3) and atten_mask.shape == (2048, 2048)
-            assert torch.equal(atten_mask, torch.ones(2048, 2048, dtype=torch.bool).triu(1))
-            shift = 0 if sparse_mode == 2 else sk - sq
-            masked = torch.arange(sk)[None, :] > torch.arange(sq)[:, None] + shift
-        per_group = query.size(1) // key.size(1)
-        k, v = key.repeat_interleave(per_group, dim=1), value.repeat_interleave(per_group, dim=1)
-        scores = (query.float() @ k.float().transpose(-1, -2)) * scale
-        probs = scores.masked_fill(masked, float("-inf")).softmax(-1)
-        out = (probs @ v.float()).to(query.dtype)
-        return out, None, None, None, 0, 0, 0
-
-
 @pytest.mark.parametrize("case", ["causal", "lower_right", "mask", "decode_mask", "mla_causal"])
 def test_npu_translation_matches_sdpa(case):
     from mindspeed_llm import device
@@ -471,7 +437,9 @@ def test_npu_translation_matches_sdpa(case):
         if case == "mask":
             masked |= torch.ones(sq, sk, dtype=torch.bool).triu(1)
         kwargs["masked"] = masked
-    fake = FakeFusionAttention()
+    from tests.helpers.npu_stand_in import FusionAttention
+
+    fake = FusionAttention()
     npu = device.attention(q, k, v, scale=0.3, fusion_attention=fake, **kwargs)
     sdpa = device.attention(q, k, v, scale=0.3, **kwargs)
     assert npu.shape == sdpa.shape == (b, heads, sq, dv)

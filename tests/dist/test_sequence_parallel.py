@@ -7,7 +7,9 @@
   marking removed (megatron then leaves their gradients partial): the weights differ, so the marking is needed;
 * sampled generation on both engines (it runs without sequence parallelism): the same tokens and log-probs as the
   plain model's static engine (the continuous one with 2 rows in flight for 3 prompts, so a slot is reused);
-* megatron's torch norm refuses sequence parallelism without `patches/sequence_parallel.py`.
+* megatron's torch norm refuses sequence parallelism without `patches/sequence_parallel.py`;
+* the models built with --use-fused-rmsnorm / --use-fused-swiglu (`build_model(fused_ops=...)`, the CPU's ops) at
+  TP2 + SP: the same reads, step and generation as megatron's unfused path (the fused norms keep the marking).
 
 Both stages' whole iterations at TP2 + SP (and CP2 x TP2 + SP) are in tests/dist/test_stages_layout_invariance.py.
 """
@@ -54,8 +56,8 @@ def _worker(rank, world_size, task):
     experiences = {"policy": _experience(4, 5, 8, 200), "value": _experience(4, 1, 12, 200)}
     out = {}
 
-    def model(root, sp, value_head=False):
-        m = build_model(load_spec(root), sequence_parallel=sp, value_head=value_head)
+    def model(root, sp, value_head=False, fused_ops=()):
+        m = build_model(load_spec(root), sequence_parallel=sp, value_head=value_head, fused_ops=fused_ops)
         load_megatron_weights(m, root)
         return m
 
@@ -68,12 +70,14 @@ def _worker(rank, world_size, task):
         loss = ((response_values(output, mb) - mb["returns"]) ** 2).sum() / 48
         return loss, {"loss": loss.detach()}
 
-    for sp in (False, True, "unmarked"):
+    # "fused": --use-fused-rmsnorm / --use-fused-swiglu (the CPU's ops) under SP, against megatron's unfused path
+    for sp in (False, True, "unmarked", "fused"):
         use_sp = sp is not False
+        fused_ops = ("rmsnorm", "swiglu") if sp == "fused" else ()
         results = {}
         for kind, root, loss_fn in (("policy", task["mg_actor_tp2pp1"], policy_loss),
                                     ("value", task["mg_reward_tp2pp1"], value_loss)):
-            m = model(root, use_sp, value_head=kind == "value")
+            m = model(root, use_sp, value_head=kind == "value", fused_ops=fused_ops)
             if sp == "unmarked":
                 for p in m.parameters():
                     if hasattr(p, "sequence_parallel"):
@@ -88,7 +92,7 @@ def _worker(rank, world_size, task):
                 reads = forward_only(trained.chunks, plan.micro_batches(exp), lambda o, mb: last_token_values(o, mb))
             metrics = trained.train_step(plan.micro_batches(exp, update=True), loss_fn)
             results[kind] = (reads, metrics["grad_norm"], {n: p.detach().clone() for n, p in m.named_parameters()})
-        actor = model(task["mg_actor_tp2pp1"], use_sp)
+        actor = model(task["mg_actor_tp2pp1"], use_sp, fused_ops=fused_ops)
         for engine, max_num_seqs in (("static", None), ("continuous", 2)):  # continuous: a freed slot is reused
             rollout = generate(actor, [[5, 70, 80, 90], [5, 100, 110], [7, 8, 9, 10, 11]],
                                SamplingConfig(do_sample=True, max_new_tokens=6, max_length=32, seed=3,
@@ -97,7 +101,7 @@ def _worker(rank, world_size, task):
             results[f"generate_{engine}"] = (rollout.responses, rollout.log_probs)
         out[sp] = results
     plain = out[False]
-    for sp in (True, "unmarked"):
+    for sp in (True, "unmarked", "fused"):
         got = out[sp]
         report = {}
         for kind in ("policy", "value"):
@@ -117,7 +121,7 @@ def _worker(rank, world_size, task):
         refused = None
     except AssertionError as exc:
         refused = str(exc)
-    return out["report_True"], out["report_unmarked"], refused
+    return out["report_True"], out["report_unmarked"], refused, out["report_fused"]
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +133,7 @@ def sp_runs(tmp_path_factory):
 
 
 def test_sequence_parallel_equals_tensor_parallel(sp_runs):
-    for rank, (report, _, _) in enumerate(sp_runs):
+    for rank, (report, _, _, _) in enumerate(sp_runs):
         for kind in ("policy", "value"):
             r = report[kind]
             assert r["reads"] <= TOL and r["grad_norm"] <= TOL and r["weights"] <= TOL, (rank, kind, r)
@@ -139,12 +143,24 @@ def test_sequence_parallel_equals_tensor_parallel(sp_runs):
 
 
 def test_the_norms_sequence_parallel_marking_is_needed(sp_runs):
-    for rank, (_, unmarked, _) in enumerate(sp_runs):
+    for rank, (_, unmarked, _, _) in enumerate(sp_runs):
         # forward reads do not depend on it; the step does (the norms' gradients stay partial sums)
         assert unmarked["policy"]["reads"] <= TOL
         assert unmarked["policy"]["weights"] > 1e-4 and unmarked["value"]["weights"] > 1e-4, (rank, unmarked)
 
 
 def test_megatron_torch_norm_refuses_sequence_parallel_without_the_patch(sp_runs):
-    for _, _, refused in sp_runs:
+    for _, _, refused, _ in sp_runs:
         assert refused is not None and "sequence parallel not supported by torch LayerNorm" in refused
+
+
+def test_fused_rmsnorm_and_swiglu_equal_megatrons_unfused_path(sp_runs):
+    """--use-fused-rmsnorm / --use-fused-swiglu (fp32, the CPU's ops: the same forward, a backward of its own) at TP2
+    with SP: reads, grad norm and weights after a step as the plain TP2 model (the fused norms keep the marking)."""
+    for rank, (_, _, _, fused) in enumerate(sp_runs):
+        for kind in ("policy", "value"):
+            r = fused[kind]
+            assert r["reads"] <= TOL and r["grad_norm"] <= 1e-5 and r["weights"] <= 1e-5, (rank, kind, r)
+        for engine in ("static", "continuous"):
+            tokens_equal, log_probs = fused[f"generate_{engine}"]
+            assert tokens_equal and log_probs <= TOL, (rank, engine, fused)

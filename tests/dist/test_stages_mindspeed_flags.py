@@ -97,7 +97,7 @@ def test_split_evaluates_on_the_valid_part_and_trains_on_the_rest(stage_paths, t
     jsonl = tmp_path / "metrics.jsonl"
     argv = posttrain_argv(stage_paths, "grpo", iters=2, extra=[
         "--split", "75,25,0", "--eval-interval", "2", "--eval-iters", "1", "--metrics-jsonl", str(jsonl),
-        "--use-fused-swiglu", "--use-mcore-models"])
+        "--use-fused-swiglu", "--use-fused-rmsnorm", "--use-fused-rotary-pos-emb", "--use-mcore-models"])
     code, seen, stdout = run_distributed(_split_run, 1, argv)[0]
     assert code == 0, stdout
     train_part, valid_part, _ = split_indices(32, (0.75, 0.25, 0.0), seed=7)
@@ -106,7 +106,9 @@ def test_split_evaluates_on_the_valid_part_and_trains_on_the_rest(stage_paths, t
     assert seen["eval"] == [list(valid_part[:4])]
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert "eval/score/mean" in records[1] and "eval/score/mean" not in records[0]
-    assert stdout.count("ignored flags:") == 1 and "--use-fused-swiglu (performance switches" in stdout
+    # the fused-op flags act (said once at startup), but RoPE, which has no fused op on CPU, is listed as ignored
+    assert stdout.count("ignored flags:") == 1 and "--use-fused-rotary-pos-emb (no fused RoPE off the NPU" in stdout
+    assert stdout.count("--use-fused-rmsnorm, --use-fused-swiglu: on cpu: an RMSNorm that saves its input") == 1
     assert "24 train, 8 valid, 0 test" in stdout
 
 

@@ -109,6 +109,14 @@ def check_scans():
     adv, _ = ts.triton_gae(wide_r[:, :40], wide_v[:, :40], wide_m[:, :40], 1.0, 0.9, block_t=16)
     torch.testing.assert_close(adv, scans.gae_scan_loop(wide_r[:, :40], wide_v[:, :40], wide_m[:, :40], 1.0, 0.9)[0],
                                rtol=1e-5, atol=1e-5)
+    # Fewer programs than rows, each looping over its share (the NPU's launch, kernels/launch.py): the same results.
+    rewards, values, mask = _scan_case(5, 37, 7)
+    for programs in (1, 2):
+        adv, ret = ts.triton_gae(rewards, values, mask, 0.99, 0.95, block_t=16, programs=programs)
+        ref_adv, ref_ret = ts.triton_gae(rewards, values, mask, 0.99, 0.95, block_t=16)
+        assert torch.equal(adv, ref_adv) and torch.equal(ret, ref_ret), programs
+        assert torch.equal(ts.triton_discounted_returns(rewards, mask, 0.97, block_t=16, programs=programs),
+                           ts.triton_discounted_returns(rewards, mask, 0.97, block_t=16)), programs
     assert ts.triton_gae(*_scan_case(0, 5, 1), 1.0, 1.0)[0].shape == (0, 5)
     assert ts.triton_discounted_returns(torch.zeros(2, 0), torch.zeros(2, 0, dtype=torch.bool), 1.0).shape == (2, 0)
 
@@ -279,6 +287,24 @@ def _check_losses(calls):
                                            msg=lambda m: f"{case}: grad {m}")
                 torch.testing.assert_close(got[0].float(), results["torch in dtype"][0].float(), rtol=0.05, atol=0.02)
                 n += 1
+    # Fewer programs than (row, block) tasks, each looping over its share (the NPU's launch, kernels/launch.py): the
+    # same sums and gradients, bit for bit (each task computes alike, whichever program runs it).
+    import mindspeed_llm.kernels.triton_rl_losses as fused
+
+    logp, old, adv, mask, ref, entropy, rollout = _loss_inputs(3, 1030, 4)  # two blocks per row: six tasks
+    den = mask.sum().float()
+    runs = []
+    for programs in (None, 4, 1):
+        x = logp.clone().requires_grad_()
+        loss, metrics = fused.fused_policy_loss(x, old, adv, mask, den, den, clip_low=0.2, clip_high=0.2,
+                                                ref_logp=ref, kl_coef=0.1, kl_kind="k1", programs=programs)
+        loss.backward()
+        v = logp.clone().requires_grad_()
+        vloss, vmetrics = fused.fused_value_loss(v, old, ref, mask, 0.2, den, programs=programs)
+        vloss.backward()
+        runs.append((loss.detach(), metrics["pg_clipfrac"], x.grad, vloss.detach(), vmetrics["vf_clipfrac"], v.grad))
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(run, runs[0])), "programs looping over tasks differ"
     # An exact tie of the max with different sides: v = 0.5 clipped to 0.25, returns 0.375 midway, so
     # vf1 == vf2 == 1/64 while only vf1 depends on v: torch sends half the gradient to each side.
     tie = {}
@@ -314,7 +340,8 @@ def check_compiles_for_cuda():
     for dtype, mask_dtype in (("fp32", "u8"), ("bf16", "fp32")):
         sig = {"rewards_ptr": f"*{dtype}", "values_ptr": f"*{dtype}", "mask_ptr": f"*{mask_dtype}",
                "out_ptr": f"*{dtype}", "returns_ptr": f"*{dtype}", "stride_r": "i32", "stride_v": "i32",
-               "stride_m": "i32", "stride_o": "i32", "stride_ret": "i32", "length": "i32", "gamma": "fp32",
+               "stride_m": "i32", "stride_o": "i32", "stride_ret": "i32", "length": "i32", "rows": "i32",
+               "gamma": "fp32",
                "coef": "fp32", "GAE": "constexpr", "BLOCK_T": "constexpr"}
         for gae in (True, False):
             build(scans._reverse_scan_kernel, sig, {"GAE": gae, "BLOCK_T": scans.BLOCK_T})
@@ -324,7 +351,8 @@ def check_compiles_for_cuda():
                                              "grad_ent_ptr", "partial_ptr")}
     policy_sig["mask_ptr"] = "*u8"
     policy_sig.update({name: "i32" for name in ("s_logp", "s_old", "s_adv_row", "s_adv_col", "s_mask", "s_ref",
-                                                "s_ent", "s_rollout", "s_grad", "s_grad_ent", "length")})
+                                                "s_ent", "s_rollout", "s_grad", "s_grad_ent", "length", "n_blocks",
+                                                "n_tasks")})
     policy_sig.update({name: "fp32" for name in ("lo", "hi", "dual_clip", "kl_coef", "entropy_coeff",
                                                  "is_threshold")})
     flags = ("SEQUENCE_RATIO", "DUAL", "KL", "ENTROPY", "ENTROPY_GRAD", "IS", "LOGP_GRAD", "N_METRICS", "BLOCK_T",
@@ -333,7 +361,7 @@ def check_compiles_for_cuda():
     order = ["logp_ptr", "old_ptr", "adv_ptr", "mask_ptr", "ref_ptr", "ent_ptr", "rollout_ptr", "seq_ptr",
              "loss_den_ptr", "tok_den_ptr", "grad_logp_ptr", "grad_ent_ptr", "partial_ptr", "s_logp", "s_old",
              "s_adv_row", "s_adv_col", "s_mask", "s_ref", "s_ent", "s_rollout", "s_grad", "s_grad_ent", "length",
-             "lo", "hi", "dual_clip", "kl_coef", "entropy_coeff", "is_threshold", *flags]
+             "n_blocks", "n_tasks", "lo", "hi", "dual_clip", "kl_coef", "entropy_coeff", "is_threshold", *flags]
     policy_sig = {k: policy_sig[k] for k in order}
     # (SEQUENCE_RATIO, DUAL, KL, ENTROPY, ENTROPY_GRAD, IS, LOGP_GRAD): every branch at least once.
     combos = [(False, False, 0, False, False, 0, True), (False, True, 1, True, True, 1, True),
@@ -349,7 +377,8 @@ def check_compiles_for_cuda():
     for dtype in ("fp32", "bf16"):
         sig = {"values_ptr": f"*{dtype}", "old_ptr": f"*{dtype}", "returns_ptr": f"*{dtype}", "mask_ptr": "*fp32",
                "tok_den_ptr": "*fp32", "grad_ptr": "*fp32", "partial_ptr": "*fp32", "s_values": "i32", "s_old": "i32",
-               "s_returns": "i32", "s_mask": "i32", "s_grad": "i32", "length": "i32", "cliprange": "fp32",
+               "s_returns": "i32", "s_mask": "i32", "s_grad": "i32", "length": "i32", "n_blocks": "i32",
+               "n_tasks": "i32", "cliprange": "fp32",
                "VALUE_GRAD": "constexpr", "N_METRICS": "constexpr", "BLOCK_T": "constexpr"}
         for grad in (True, False):
             build(losses._value_loss_kernel, sig, {"VALUE_GRAD": grad, "N_METRICS": len(losses.VALUE_METRICS),

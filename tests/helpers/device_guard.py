@@ -13,9 +13,12 @@ the two raises `DeviceMixError` (or, with `on_mix="record"`, is collected in `.m
 The model
 ---------
 * "The accelerator" is a marker device, `MARKER = torch.device("meta")`. Inside the guard
-  `mindspeed_llm.device.current_device()` and `torch.cuda.current_device()` return it. Wherever it reaches torch
-  (a factory's `device=`, `Tensor.to(...)`, `.cuda()`, `Module.to(...)`), the guard computes on the real CPU and
-  marks the result "device". "cuda", "cuda:N", an int N and any other non-CPU device count as the marker too.
+  `mindspeed_llm.device.current_device()` and `torch.cuda.current_device()` return it (not the latter under
+  the `torch_npu` stand-in, `npu_stand_in.py`: its `transfer_to_npu` answers with an int, an accelerator too).
+  Wherever it reaches torch (a factory's `device=`, `Tensor.to(...)`, `.cuda()`, `Module.to(...)`), the guard
+  computes on the real CPU and marks the result "device". `virtual_device(marker=...)` picks another marker
+  (the NPU lane: "npu:N", so that code branching on `x.device.type` sees "npu"). "cuda", "cuda:N", an int N and
+  any other non-CPU device count as the marker too.
 * Locations belong to *storage*, like real memory: views, `.data`, `.detach()`, `nn.Parameter(t)` and a
   `param.data = t` swap (what `Module.to` does) share or take a storage, and so its location. New storage gets:
     - a factory (`torch.zeros/empty/tensor/arange/...`): "device" with the marker, "host" without a device or
@@ -66,6 +69,9 @@ What raises
   only. Exempt: `barrier` (torch makes its own buffer) and the buffers the `*_object` collectives
   (`all_gather_object`, `broadcast_object_list`, ...) build themselves: torch puts them on the backend's device.
 * `x.numpy()` / `np.asarray(x)` of a "device" tensor (a GPU refuses it; `numpy(force=True)` copies).
+
+`pin_memory=True` in a factory call is dropped (a CPU-only torch cannot pin without an accelerator's runtime) and
+counted in `.pinned`: the tensor is host memory, as a pinned one is.
 
 Adapters while the guard is active
 ----------------------------------
@@ -197,13 +203,16 @@ def _op_name(func) -> str:
 class VirtualDevice:
     """The state of one `virtual_device()` block: locations by storage, the call context, recorded mixes."""
 
-    def __init__(self, on_mix: str = "raise"):
+    def __init__(self, on_mix: str = "raise", marker: torch.device = MARKER):
         if on_mix not in ("raise", "record"):
             raise ValueError("on_mix must be 'raise' or 'record'")
+        if marker.type == "cpu":
+            raise ValueError("the accelerator's marker cannot be a CPU device")
         self.on_mix = on_mix
-        self.marker = MARKER
+        self.marker = marker
         self.mixes: List[Dict[str, Any]] = []  # on_mix="record": one entry per distinct (op, user frame)
         self.ops_seen = 0  # aten ops dispatched under the guard
+        self.pinned = 0  # factory calls with pin_memory=True (made as plain host memory: nothing to pin for)
         self._tags: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
         # Python-level calls in progress: (func, args, kwargs, explicit location or None).
         self._calls: List[tuple] = []
@@ -296,6 +305,9 @@ class _FunctionMode(TorchFunctionMode):
         if special is not None:
             return special(func, args, kwargs)
         vd = self.vd
+        if kwargs.get("pin_memory"):  # page-locked host memory needs an accelerator's runtime: host memory here
+            kwargs = dict(kwargs, pin_memory=False)
+            vd.pinned += 1
         explicit = None
         device = kwargs.get("device")
         if device is not None and _is_device_arg(device):
@@ -374,7 +386,7 @@ class _FunctionMode(TorchFunctionMode):
         if device.type == "cpu" and self.vd.location(args[0]) == DEVICE:
             # frame 1 is __torch_function__, frame 2 the code that read `.device`
             if not sys._getframe(2).f_code.co_filename.startswith(_TORCH_DIR):
-                return MARKER
+                return self.vd.marker
         return device
 
     def _backward(self, func, args, kwargs):
@@ -494,10 +506,14 @@ class _Overrides:
         try:
             project_device = sys.modules.get("mindspeed_llm.device")
             if project_device is not None:
-                stack.enter_context(_patched(project_device, "current_device", _marker_device()))
-            # its own function object: one object under two names upsets torch.compile (see patches/cpu.py)
-            stack.enter_context(_patched(torch.cuda, "current_device", _marker_device()))
-            stack.enter_context(_patched(torch.Tensor, "cuda", _guarded_cuda))
+                stack.enter_context(_patched(project_device, "current_device", _marker_device(self.vd.marker)))
+            if "torch_npu" not in sys.modules:
+                # its own function object: one object under two names upsets torch.compile (see patches/cpu.py)
+                stack.enter_context(_patched(torch.cuda, "current_device", _marker_device(MARKER)))
+                stack.enter_context(_patched(torch.Tensor, "cuda", _guarded_cuda))
+            # else (torch_npu, the stand-in of tests/helpers/npu_stand_in.py): its transfer_to_npu answers
+            # torch.cuda.current_device() with an int and moves `.cuda()` to "npu:N", both read as the accelerator
+            # already; patching them here would undo its redirection whenever apply_patches steps the guard aside
             stack.enter_context(_patched(torch.optim.Optimizer, "_process_value_according_to_param_policy",
                                          staticmethod(self._optimizer_state_cast())))
             self._adapt_cpu_patches(stack)
@@ -572,9 +588,9 @@ class _Overrides:
         return call
 
 
-def _marker_device():
+def _marker_device(marker: torch.device):
     def current_device() -> torch.device:
-        return MARKER
+        return marker
     return current_device
 
 
@@ -587,13 +603,15 @@ def _deactivate() -> None:
 
 
 @contextlib.contextmanager
-def virtual_device(on_mix: str = "raise"):
+def virtual_device(on_mix: str = "raise", marker: torch.device = MARKER):
     """Run a block with virtual host/device locations; yields the `VirtualDevice` (`.location(t)`,
-    `.mixes`). `on_mix="record"` collects every distinct mix in `.mixes` instead of raising at the first."""
+    `.mixes`). `on_mix="record"` collects every distinct mix in `.mixes` instead of raising at the first.
+    `marker`: what a device tensor's `.device` and `current_device()` read as (the NPU lane: "npu:N", with the
+    `torch_npu` stand-in, so that code branching on `x.device.type` sees "npu" as on an NPU)."""
     global _ACTIVE
     if _ACTIVE:
         raise RuntimeError("virtual_device() blocks do not nest")
-    vd = VirtualDevice(on_mix)
+    vd = VirtualDevice(on_mix, marker)
     overrides = _Overrides(vd)
     with contextlib.ExitStack() as stack:
         _ACTIVE = True

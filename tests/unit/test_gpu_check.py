@@ -96,3 +96,24 @@ def test_cuda_refused_in_one_line_without_gpu(vs_trl):
             run()
         message = exc.value.code
         assert isinstance(message, str) and "\n" not in message and "sees no CUDA device" in message, message
+
+
+def test_npu_check_command_lines_parse():
+    """scripts/npu_check.py's stage and memory command lines pass posttrain_gpt.py's and memory.py's parsers."""
+    from mindspeed_llm.arguments import parse_args
+
+    npu_check = load_script("npu_check_script", ROOT / "scripts" / "npu_check.py")
+    memory = load_script("bench_memory", ROOT / "benchmarks" / "memory.py")
+    opts = npu_check.build_parser().parse_args(["run"])
+    opts.size, opts.json = "tiny", "unused.json"
+    steps = {s.name: s for s in npu_check.NpuCheck(opts).steps}
+    assert list(steps) == npu_check.ORDER
+    for stage in ("grpo", "trl_ppo"):
+        (argv,) = steps[f"qwen_{stage}"].commands
+        argv = [str(a) for a in argv]
+        args = parse_args(argv[argv.index("posttrain_gpt.py") + 1:], world_size=1)
+        assert args.stage == stage and args.bf16 and args.train_iters == 3
+    (argv,) = steps["memory"].commands
+    argv = [str(a) for a in argv]
+    args = memory.parse(argv[argv.index("benchmarks/memory.py") + 1:])
+    assert args.device == "npu" and args.toy

@@ -41,7 +41,7 @@ PUBLISHED_TRL_PPO = (
 
 # The published line's flags that are accepted and change nothing here, by reason.
 PUBLISHED_IGNORED = {
-    compat_flags.PERFORMANCE: ["--use-fused-swiglu", "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion"],
+    compat_flags.PERFORMANCE: ["--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion"],
     compat_flags.ALWAYS: ["--use-mcore-models", "--swiglu", "--use-rotary-position-embeddings",
                           "--attention-softmax-in-fp32", "--is-instruction-dataset", "--variable-seq-lengths"],
     compat_flags.CHECKPOINT: ["--make-vocab-size-divisible-by", "--init-method-std"],
@@ -81,6 +81,9 @@ def test_ignored_flags_are_named_once_with_their_reason():
         assert f"{', '.join(flags)} ({reason})" in ignored[0]
     assert "--distributed-backend nccl: this device's collectives use gloo" in "\n".join(lines)
     assert not [line for line in compat_flags.startup_lines(args, backend="nccl") if "--distributed-backend" in line]
+    # --use-fused-swiglu is applied (device.FUSED_OPS), and said so at startup with what runs it
+    assert args.fused_ops == ("swiglu",)
+    assert [line for line in lines if line.startswith("--use-fused-swiglu: on ")]
     # no flags of that kind, nothing to report; --fp16 honours the loss-scale flags
     assert _parse().ignored_flags == {}
     assert "--initial-loss-scale" not in _parse("--fp16", "--initial-loss-scale", "4096").ignored_flags

@@ -72,7 +72,8 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
 # The one loop that function-local imports close (see the module docstring).
 EXPECTED_FUNCTION_LOCAL_LOOPS = [{"mindspeed_llm.patches"} | {
     f"mindspeed_llm.patches.{name}" for name in
-    ("cpu", "inference", "initialization", "mla", "moe", "optimizer", "recompute", "rotary", "sequence_parallel")
+    ("cpu", "fused_ops", "inference", "initialization", "mla", "moe", "optimizer", "recompute", "rotary",
+     "sequence_parallel")
 }]
 
 MAX_FILE_LINES = 600
