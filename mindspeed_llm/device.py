@@ -4,8 +4,9 @@ Picks Ascend NPU (when `torch_npu` imports and a device is present), else CUDA, 
 collective backend (hccl / nccl / gloo); applies, once, the Megatron patches that device needs
 (see `mindspeed_llm.patches`); and runs the fused attention kernel of that device (`attention`: torch's
 `scaled_dot_product_attention` on CPU / CUDA, `torch_npu.npu_fusion_attention` on NPU), which the core attention
-of `mindspeed_llm.models.attention` calls. Everything else asks this module for `current_device()` and never
-branches on the accelerator itself.
+of `mindspeed_llm.models.attention` calls; and names the fused ops of MindSpeed-LLM's --use-fused-* flags that this
+device runs (`FUSED_OPS`, `fused_ops_here`; the RMSNorm: `rms_norm`). Everything else asks this module for
+`current_device()` and never branches on the accelerator itself.
 """
 
 from __future__ import annotations
@@ -283,9 +284,10 @@ def _npu_attention(query, key, value, scale, masked, causal, dropout_p, fusion_a
 # `rms_norm` below (the built model's RMSNorms call it, `models/fused_ops.py`); SwiGLU and RoPE are megatron's own
 # fusion switches, whose kernels `patches/fused_ops.py` provides per device. NPU: torch_npu's fused kernels
 # (written from torch_npu's documented API; checked on CPU against plain-torch references of those ops,
-# tests/helpers/npu_fused_reference.py; unverified until run on an NPU). CUDA: torch's fused `rms_norm` (torch >=
-# 2.8), SwiGLU as on the CPU. CPU: megatron's math with a hand-written backward that saves what the fused kernels
-# save (`kernels/fused_ops.py`): a memory switch there (measured: benchmarks/README.md). RoPE: NPU only
+# tests/helpers/npu_fused_reference.py; unverified until run on an NPU). CUDA: torch's `rms_norm` (the call torch's
+# RMSNorm module already makes, fused there by recent torch: no change expected; unverified, no GPU run), SwiGLU as on
+# the CPU. CPU: megatron's math with a hand-written backward that saves what the fused kernels save
+# (`kernels/fused_ops.py`): a memory switch there (measured: benchmarks/README.md). RoPE: NPU only
 # (`fused_ops_here`).
 FUSED_OPS = {"rmsnorm": "--use-fused-rmsnorm", "swiglu": "--use-fused-swiglu", "rope": "--use-fused-rotary-pos-emb"}
 
@@ -320,7 +322,7 @@ def fused_ops_line(ops) -> str:
     lean = {"rmsnorm": "an RMSNorm that saves its input and rstd only", "swiglu": "a SwiGLU that saves its input only"}
     kernels = {"npu": {"rmsnorm": "torch_npu.npu_rms_norm", "swiglu": "torch_npu.npu_swiglu",
                        "rope": "torch_npu.npu_rotary_position_embedding"},
-               "cuda": dict(lean, rmsnorm="torch's fused rms_norm"), "cpu": lean}[kind]
+               "cuda": dict(lean, rmsnorm="torch's rms_norm"), "cpu": lean}[kind]
     line = f"on {kind}: " + ", ".join(kernels[op] for op in ops)
     if "rope" in ops:
         line += " (multi-latent attention keeps megatron's unfused RoPE)"

@@ -7,8 +7,8 @@ device's fused op in their place: torch_npu's `npu_swiglu` / `npu_rotary_positio
 their documented API, unverified until run on an NPU); on CPU and CUDA the SwiGLU of `kernels/fused_ops.py`, whose
 backward saves less than megatron's unfused path (no torch kernel fuses it), and no RoPE: there
 --use-fused-rotary-pos-emb is listed as ignored (megatron's unfused RoPE saves only cos / sin already, and torch
-has no fused one). Without
-the flags megatron never calls these names: the default path stays megatron's unfused one.
+has no fused one). Without the flags megatron never calls these names: the default path stays megatron's unfused
+one.
 (--use-fused-rmsnorm is not a patch: `models.fused_ops.use_fused_norms` runs the built model's torch RMSNorms on
 `device.rms_norm`.)
 """
