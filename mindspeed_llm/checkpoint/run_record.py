@@ -130,7 +130,9 @@ def resume_lines(load: str, iteration: int, ours: dict, allow_reference_change: 
     same_layout = list(saved.get("layout") or ()) == list(ours["layout"])
     lines = []
     theirs, mine = saved.get("reference"), ours.get("reference")
-    if theirs and mine and same_layout:
+    # a LoRA run's reference is the actor's base, which its adapters cannot leave (`check_checkpoint` names it)
+    lora_base = bool(((ours.get("bases") or {}).get("actor") or {}).get("lora"))
+    if theirs and mine and same_layout and not lora_base:
         if theirs["fingerprint"] != mine["fingerprint"]:
             what = (f"the reference model (the KL term's) of iteration {iteration} was {theirs['path']}; this run's "
                     f"{mine['path']} holds other weights")

@@ -117,6 +117,9 @@ def test_another_reference_model_is_refused_unless_allowed(tmp_path):
     moved = record("grpo", reference={"path": "/copies/ref", "fingerprint": "a" * 64})
     assert run_record.resume_lines(str(root), 3, moved) == [
         "the reference model moved from /models/ref to /copies/ref (the same weights)"]
+    # a LoRA run's reference is the actor's base: its adapters' own check refuses another one, with its message
+    lora = dict(other, bases={"actor": {**other["bases"]["actor"], "lora": {"r": 8}}})
+    assert run_record.resume_lines(str(root), 3, lora) == []
     # another layout: fingerprints are not comparable (training.load refuses the layout by name)
     assert run_record.resume_lines(str(root), 3, record("grpo", reference=other["reference"], layout_=(2, 1, 1))) == []
 
