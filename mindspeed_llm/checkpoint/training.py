@@ -3,6 +3,7 @@
 Layout (Megatron-LM's, one tree per role)::
 
     <save>/<role>/iter_0000010/mp_rank_TT[_PPP]/model_optim_rng.pt
+    <save>/<role>/iter_0000010/run_record.json         <- stage, roles, bases, reference (`run_record.py`)
     <save>/<role>/latest_checkpointed_iteration.txt
     <save>/latest_checkpointed_iteration.txt          <- written last of all: the resume point
     <save>/.writer.lock                               <- host and pid of the run writing here
