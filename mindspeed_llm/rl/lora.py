@@ -117,7 +117,8 @@ def base_fingerprint(model, frozen_only: bool = True) -> str:
         if frozen_only and param.requires_grad:
             continue
         flat = param.detach().reshape(-1)
-        sample = flat[::max(1, flat.numel() // 4096)][:4096].float().cpu()
+        # a copy: `.numpy()` of a view would mark the weight's own storage non-resizable (offload resizes it)
+        sample = flat[::max(1, flat.numel() // 4096)][:4096].float().cpu().clone()
         digest.update(f"{name}:{tuple(param.shape)}:".encode())
         digest.update(sample.numpy().tobytes())
     return digest.hexdigest()

@@ -186,3 +186,22 @@ def test_the_record_is_json_beside_the_shards(tmp_path):
     assert written["roles"] == ["actor", "critic"] and written["reference"] == REF
     torch.manual_seed(0)
     assert run_record.combined_fingerprint("x") == hashlib.sha256(b"x").hexdigest()  # one process: its own shard
+
+
+def test_a_full_weight_fingerprint_sees_every_weight_and_leaves_them_offloadable():
+    """`base_fingerprint(frozen_only=False)` (a full-weight role's base) covers the trained weights, which the LoRA
+    fingerprint skips, and changes with any of them; afterwards --offload-train-param can still free each weight's
+    storage (a `.numpy()` of a view of it made the storage non-resizable: the offload then failed)."""
+    from mindspeed_llm.rl.lora import base_fingerprint
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    empty = hashlib.sha256().hexdigest()
+    assert base_fingerprint(model) == empty  # every weight trains: the frozen-only fingerprint sees none
+    before = base_fingerprint(model, frozen_only=False)
+    assert before != empty and base_fingerprint(model, frozen_only=False) == before
+    with torch.no_grad():
+        model[1].bias[0] += 1
+    assert base_fingerprint(model, frozen_only=False) != before
+    for param in model.parameters():
+        param.data.untyped_storage().resize_(0)  # what rl/model_state.offload does
