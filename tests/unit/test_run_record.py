@@ -14,6 +14,7 @@ test_stages_checkpoint_safety.py resumes a real trl_ppo save as grpo.)
 
 import argparse
 import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -65,7 +66,8 @@ def test_grpo_never_resumes_a_trl_ppo_checkpoint(tmp_path, recorded):
         message = str(e.value)
         assert f"is a checkpoint of --stage trl_ppo (actor and critic" in message, message
         assert "--stage grpo does not resume another stage's checkpoint" in message
-        assert "to resume it run --stage trl_ppo" in message and f"--finetune --load {root} with a new --save" in message
+        assert "to resume it run --stage trl_ppo" in message
+        assert f"--finetune --load {root} with a new --save" in message
     assert snapshot(root) == before
     # a new grpo run from its actor (--finetune, its own --save) is allowed
     assert training.resume_iteration(str(root), ["actor"], "grpo", save=str(tmp_path / "new"), finetune=True) == 3
@@ -146,8 +148,8 @@ def test_missing_or_empty_shard_folders_name_the_last_intact_iteration(tmp_path)
     shutil.rmtree(Path(layout.checkpoint_dir(str(actor), 4)) / "mp_rank_01")  # the last shard folder lost
     for shard in (Path(layout.checkpoint_dir(str(actor), 3)) / "mp_rank_00").iterdir():
         shard.unlink()  # an empty shard folder
-    for name in (Path(layout.checkpoint_dir(str(actor), 2)) / "mp_rank_00", Path(layout.checkpoint_dir(str(actor), 2)) / "mp_rank_01"):
-        shutil.rmtree(name)  # no shard folder at all
+    for folder in ("mp_rank_00", "mp_rank_01"):
+        shutil.rmtree(Path(layout.checkpoint_dir(str(actor), 2)) / folder)  # no shard folder at all
     for iteration, hint in ((4, "--ckpt-step 1"), (3, "--ckpt-step 1"), (2, "--ckpt-step 1")):
         with pytest.raises(CheckpointError) as e:
             training._check_saved_layout("actor", str(actor), iteration, (2, 1, 1), ["actor"])
@@ -180,11 +182,8 @@ def test_the_record_is_json_beside_the_shards(tmp_path):
     written = record("trl_ppo")
     run_record.write(str(folder), written)
     assert sorted(p.name for p in folder.iterdir()) == [run_record.RECORD_FILE]  # no temp file left
-    import json
-
     assert json.loads((folder / run_record.RECORD_FILE).read_text()) == written
     assert written["roles"] == ["actor", "critic"] and written["reference"] == REF
-    torch.manual_seed(0)
     assert run_record.combined_fingerprint("x") == hashlib.sha256(b"x").hexdigest()  # one process: its own shard
 
 
