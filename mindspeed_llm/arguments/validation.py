@@ -335,6 +335,8 @@ def _check_checkpoint_flags(args) -> None:
         raise ArgumentError("--save-interval needs --save DIR")
     if args.ckpt_step is not None and (not args.load or args.ckpt_step < 1):
         raise ArgumentError(f"--ckpt-step {args.ckpt_step} needs --load DIR and an iteration >= 1")
+    if getattr(args, "allow_reference_change", False) and not args.load:
+        raise ArgumentError("--allow-reference-change applies to a resume: it needs --load DIR")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each "
                             "other; pass one")

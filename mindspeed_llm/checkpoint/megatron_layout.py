@@ -291,6 +291,10 @@ def read_layout(ckpt_dir: str) -> ShardLayout:
             ep = max(r[1] for r in ranks) + 1
         else:
             pp = max(r[1] for r in ranks) + 1
+    # the shard's own TP / PP: a lost last folder (mp_rank_01 of a TP2 checkpoint) is a missing shard, not TP1
+    tp = max(tp, int(args("tensor_model_parallel_size", tp) or tp))
+    if width > 1 and ep == 1:
+        pp = max(pp, int(args("pipeline_model_parallel_size", pp) or pp))
     etp = int(args("expert_tensor_parallel_size", tp) or tp) if ep > 1 else tp
     try:
         shards = expected_shards(tp, pp, ep, etp)

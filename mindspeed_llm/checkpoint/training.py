@@ -3,6 +3,7 @@
 Layout (Megatron-LM's, one tree per role)::
 
     <save>/<role>/iter_0000010/mp_rank_TT[_PPP]/model_optim_rng.pt
+    <save>/<role>/iter_0000010/run_record.json         <- stage, roles, bases, reference (`run_record.py`)
     <save>/<role>/latest_checkpointed_iteration.txt
     <save>/latest_checkpointed_iteration.txt          <- written last of all: the resume point
     <save>/.writer.lock                               <- host and pid of the run writing here
@@ -45,6 +46,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mindspeed_llm.checkpoint import megatron_layout as layout
+from mindspeed_llm.checkpoint import run_record
 from mindspeed_llm.checkpoint.errors import CheckpointError, NonFiniteError
 from mindspeed_llm.checkpoint.writer_lock import WriterLock  # noqa: F401  (re-exported: rl/trainer.py takes it from here)
 from mindspeed_llm import device
@@ -152,20 +154,23 @@ def _on_device(roles: Dict[str, object]):
         yield
 
 
-def save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict, save_optim: bool = True) -> None:
+def save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict, save_optim: bool = True,
+         record: Optional[dict] = None) -> None:
     """Write `roles` ({name: TrainableModel}) and `loop_state` (sampler position etc.) for `iteration`; without
     `save_optim` (--no-save-optim, Megatron-LM's) the weights, RNG and data position only: no optimizer state, no
-    LR schedule (a resume then needs --no-load-optim).
+    LR schedule (a resume then needs --no-load-optim). `record` (`run_record.make_record`: stage, roles, bases,
+    reference) goes into every role's folder of the iteration, published with its shards.
 
     Refuses non-finite weights (`NonFiniteError`, nothing written); a write error on any rank removes the
     staging files and raises `CheckpointError` naming it. Either way the previous checkpoint stays the
     resume point.
     """
     with _on_device(roles):
-        _save(root, iteration, roles, loop_state, save_optim)
+        _save(root, iteration, roles, loop_state, save_optim, record)
 
 
-def _save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict, save_optim: bool) -> None:
+def _save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict, save_optim: bool,
+          record: Optional[dict]) -> None:
     problems = gather_messages(non_finite_weights(roles))
     if problems:
         raise NonFiniteError(
@@ -213,6 +218,13 @@ def _save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict,
                 break
         if error:
             break
+    if error is None and record is not None and is_rank_0():
+        for name in roles:
+            try:
+                run_record.write(staging[name], record)
+            except OSError as exc:  # a CheckpointWriteError naming the file and the cause
+                error = str(exc)
+                break
     errors = gather_messages(error)
     if errors:
         if is_rank_0():
@@ -267,7 +279,7 @@ def complete_iterations(root: str, role_names) -> List[int]:
 
 
 def resume_iteration(load: str, role_names, stage_name: str, save: Optional[str] = None,
-                     ckpt_step: Optional[int] = None) -> Optional[int]:
+                     ckpt_step: Optional[int] = None, finetune: bool = False) -> Optional[int]:
     """The iteration to resume from `load` (None: start fresh), with Megatron-LM's semantics:
 
     * `--ckpt-step N`: iteration N, which every role must have;
@@ -275,28 +287,40 @@ def resume_iteration(load: str, role_names, stage_name: str, save: Optional[str]
     * `load` equal to `save` and no checkpoint of any kind there (no tracker, no `iter_*`, no `release`; the
       staging leftovers of a killed first save are none): start fresh (the auto-resume pattern of restart loops:
       the same command line for the first run and every restart);
+    * another stage's checkpoint (by its record, `run_record.stage_problem`) is refused by name unless `finetune`
+      (a new run from its weights), and so is a checkpoint whose recorded role directory is gone;
     * anything else is an error naming what is wrong and, where one exists, the `--ckpt-step` that would work: a
       missing, unreadable or `release` tracker over saved iterations, a tracker iteration some role lacks, a typo'd
-      path, another stage's checkpoint, a converted model. Nothing under `load` is touched before it returns, so a
-      run never starts over a checkpoint it could not read.
+      path, a converted model. Nothing under `load` is touched before it returns, so a run never starts over (or
+      moves the tracker of) a checkpoint it could not read.
     """
     roles = list(role_names)
     complete = complete_iterations(load, roles)
+
+    def checked(iteration: int) -> int:
+        problem = None if finetune else run_record.stage_problem(load, iteration, stage_name, roles)
+        if problem:
+            raise CheckpointError(f"--load {load}: {problem}")
+        return iteration
+
     if ckpt_step is not None:
         if ckpt_step not in complete:
+            problem = run_record.stage_problem(load, ckpt_step, stage_name, roles)
             listed = ", ".join(map(str, complete)) or "none"
-            raise CheckpointError(f"--ckpt-step {ckpt_step}: --load {load} has no complete checkpoint of iteration "
+            raise CheckpointError(f"--load {load}: {problem}" if problem else
+                                  f"--ckpt-step {ckpt_step}: --load {load} has no complete checkpoint of iteration "
                                   f"{ckpt_step} for {', '.join(roles)} (complete iterations: {listed})")
-        return ckpt_step
+        return checked(ckpt_step)
     tracker, problem = _tracker(load)
     if isinstance(tracker, int) and tracker in complete:
-        return tracker
+        return checked(tracker)
     traces = layout.checkpoint_traces(load, roles)
     if not traces:
         if save is not None and os.path.abspath(load) == os.path.abspath(save):
             return None
         raise CheckpointError(f"--load {load}: {_why_not_a_checkpoint(load, roles, stage_name)}")
-    other_stage = _written_by_another_stage(load, roles, stage_name)
+    other_stage = (run_record.stage_problem(load, tracker, stage_name, roles) if isinstance(tracker, int) else
+                   None) or _written_by_another_stage(load, roles, stage_name)
     if other_stage or (tracker == layout.RELEASE and not complete and not any(
             os.path.isdir(os.path.join(load, r)) for r in roles)):
         raise CheckpointError(f"--load {load}: {other_stage or _why_not_a_checkpoint(load, roles, stage_name)}")
@@ -331,7 +355,9 @@ def _written_by_another_stage(load: str, roles: List[str], stage_name: str) -> O
     if present and missing:
         return (f"it holds a checkpoint of {', '.join(present)} but --stage {stage_name} trains "
                 f"{' and '.join(roles)} ({', '.join(os.path.join(load, r) for r in missing)} missing): it was "
-                "written by another stage")
+                f"written by another stage (to start {stage_name} from its actor pass --ref-model "
+                f"{os.path.join(load, 'actor')} and a new --save), or {' and '.join(missing)} was moved or deleted "
+                "(put it back)")
     return None
 
 
@@ -367,7 +393,7 @@ def _load(root: str, roles: Dict[str, object], iteration: int, load_optim: bool,
     for name, trainable in roles.items():
         role_root = os.path.join(root, name)
         ep, _, ep_rank = layout.model_expert_layout(trainable.module)
-        _check_saved_layout(name, role_root, iteration, (tp, pp, ep))
+        _check_saved_layout(name, role_root, iteration, (tp, pp, ep), list(roles))
         state, error = None, None
         try:
             state = layout.load_shard(role_root, tp_rank, pp_rank, iteration, ep_rank, weights_only=False)
@@ -407,14 +433,17 @@ def _rng_state_of_rank(states: list):
     return states[rank] if len(states) == dp else states[0]
 
 
-def _check_saved_layout(name: str, role_root: str, iteration: int, ours) -> None:
+def _check_saved_layout(name: str, role_root: str, iteration: int, ours, role_names) -> None:
     """The same error on every rank when `iteration` of a role was saved at another TP / PP / EP than this run's (each
-    rank would otherwise fail its own way: a size mismatch on one, a missing shard on another)."""
+    rank would otherwise fail its own way: a size mismatch on one, a missing shard on another), or lacks shard
+    folders or files (with the `--ckpt-step` of the last intact iteration)."""
     error = None
     try:
         saved = layout.read_layout(layout.checkpoint_dir(role_root, iteration))
     except (OSError, ValueError) as exc:
-        error = f"{name}: iteration {iteration} under {role_root} cannot be read ({exc})"
+        root = os.path.dirname(os.path.abspath(role_root))
+        error = (f"{name}: iteration {iteration} under {role_root} is incomplete ({exc}); "
+                 f"{_fallback(root, role_names, iteration)}")
     else:
         if (saved.tp, saved.pp, saved.ep) != tuple(ours):
             tp, pp, ep = ours
@@ -482,11 +511,20 @@ def _damaged(role_root: str, iteration: int, tp_rank: int, pp_rank: int, exc: Ba
                                          ep_rank, found.ep)
     except layout.CheckpointNotFoundError as missing:
         path = path or str(missing)
-    earlier = [i for i in complete_iterations(root, role_names) if i < iteration]
-    hint = f"resume from the previous complete one with --ckpt-step {earlier[-1]}" if earlier else \
-        "there is no earlier complete checkpoint to fall back on"
     return f"{path} cannot be read ({type(exc).__name__}: {str(exc)[:200]}): the checkpoint of iteration " \
-           f"{iteration} is damaged; {hint}"
+           f"{iteration} is damaged; {_fallback(root, role_names, iteration)}"
+
+
+def _fallback(root: str, role_names, iteration: int) -> str:
+    """The `--ckpt-step` of the newest iteration before `iteration` whose every role has all its shards."""
+    for earlier in reversed([i for i in complete_iterations(root, role_names) if i < iteration]):
+        try:
+            for name in role_names:
+                layout.read_layout(layout.checkpoint_dir(os.path.join(root, name), earlier))
+        except (OSError, ValueError):
+            continue
+        return f"resume from the previous complete one with --ckpt-step {earlier}"
+    return "there is no earlier complete checkpoint to fall back on"
 
 
 # ---------------------------------------------------------------------------------------------- the --save dir

@@ -47,6 +47,9 @@ def _open_indexed(prefix: str, mmap: bool, hint: str):
     parse, or a .bin shorter than the index says (a truncated copy would fail at the first prompt past its end)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+    if os.path.isfile(f"{prefix}.bin") and os.path.getsize(f"{prefix}.bin") == 0:  # megatron cannot mmap it
+        raise DataError(f"{prefix}.bin is empty: the dataset holds no prompts (written from an input with no rows, "
+                        f"or emptied since); preprocess an input that has prompts: {hint}")
     dataset = IndexedDataset.__new__(IndexedDataset)
     try:
         dataset.__init__(prefix, mmap=mmap)

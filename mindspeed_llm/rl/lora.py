@@ -108,15 +108,17 @@ def load_adapter(model, adapter) -> None:
         raise ArgumentError(f"--lora-load {adapter.source} does not fit the model: {'; '.join(problems[:4])}{more}")
 
 
-def base_fingerprint(model) -> str:
-    """A fingerprint of this rank's frozen weights: sha256 over each tensor's name, shape and a strided sample of
+def base_fingerprint(model, frozen_only: bool = True) -> str:
+    """A fingerprint of this rank's frozen weights (all of them without `frozen_only`: a full-weight role's
+    initial weights, `checkpoint/run_record.py`): sha256 over each tensor's name, shape and a strided sample of
     at most 4096 of its values as float32 (exact, device- and order-independent, cheap for any size)."""
     digest = hashlib.sha256()
     for name, param in sorted(lora._core(model).named_parameters()):
-        if param.requires_grad:
+        if frozen_only and param.requires_grad:
             continue
         flat = param.detach().reshape(-1)
-        sample = flat[::max(1, flat.numel() // 4096)][:4096].float().cpu()
+        # a copy: `.numpy()` of a view would mark the weight's own storage non-resizable (offload resizes it)
+        sample = flat[::max(1, flat.numel() // 4096)][:4096].float().cpu().clone()
         digest.update(f"{name}:{tuple(param.shape)}:".encode())
         digest.update(sample.numpy().tobytes())
     return digest.hexdigest()

@@ -200,6 +200,7 @@ class CheckpointSettings:
     no_save_optim: bool = False
     ckpt_step: Optional[int] = None
     exit_signal_handler: bool = False
+    allow_reference_change: bool = False  # a resume with another --ref-model (checkpoint/run_record.py)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import torch
 from megatron.core import parallel_state
 
 from mindspeed_llm import device, distributed
+from mindspeed_llm.checkpoint import run_record
 from mindspeed_llm.checkpoint import training as training_ckpt
 from mindspeed_llm.checkpoint.errors import DivergenceError
 from mindspeed_llm.checkpoint.megatron_layout import checkpoint_traces
@@ -224,19 +225,50 @@ class _ExitSignal:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def _resume(checkpoint: CheckpointSettings, stage, sampler) -> int:
-    """Load what --load / --finetune / --ckpt-step say; returns the iteration the run continues from."""
+def run_description(stage_name: str, stage) -> dict:
+    """What this run's checkpoints record (`checkpoint/run_record.py`): the stage, its roles, each role's base (the
+    checkpoint it started from and a fingerprint of its weights, taken before any resume loads over them) and the
+    reference model. A collective (every rank's fingerprints)."""
+    from mindspeed_llm.rl.lora import base_fingerprint
+
+    def base_of(trainable):
+        if getattr(trainable, "is_lora", False):
+            return {"path": trainable.base, "fingerprint": run_record.combined_fingerprint(trainable.fingerprint),
+                    "lora": {**trainable.config.to_dict(), "initial_adapter": trainable.initial_adapter}}
+        module = trainable.module
+        return {"path": getattr(module, "loaded_from", None), "lora": None,
+                "fingerprint": run_record.combined_fingerprint(base_fingerprint(module, frozen_only=False))}
+
+    roles = stage.roles()
+    bases = {name: base_of(trainable) for name, trainable in roles.items()}
+    reference = getattr(stage, "reference", None)
+    if reference is not None:  # a LoRA run's is the actor's base (rl/lora.SharedBase)
+        shared = getattr(reference, "trainable", None)
+        reference = {key: bases["actor"][key] for key in ("path", "fingerprint")} if shared is not None else {
+            "path": getattr(reference, "loaded_from", None),
+            "fingerprint": run_record.combined_fingerprint(base_fingerprint(reference))}
+    sizes = (parallel_state.get_tensor_model_parallel_world_size(),
+             parallel_state.get_pipeline_model_parallel_world_size(),
+             parallel_state.get_expert_model_parallel_world_size())
+    return run_record.make_record(stage_name, list(roles), sizes, bases, reference)
+
+
+def _resume(checkpoint: CheckpointSettings, stage, sampler, record: dict) -> int:
+    """Load what --load / --finetune / --ckpt-step say; returns the iteration the run continues from. Every check
+    against the checkpoint's record (`run_record`) comes before anything is loaded or written."""
     if not _resumes_from_load(checkpoint):
         return 0
     roles = stage.roles()
+    finetune = checkpoint.finetune
     iteration = training_ckpt.resume_iteration(checkpoint.load, roles, checkpoint.stage, save=checkpoint.save,
-                                               ckpt_step=checkpoint.ckpt_step)
+                                               ckpt_step=checkpoint.ckpt_step, finetune=finetune)
     if iteration is None:
         if distributed.is_rank_0():
             print(f"--load {checkpoint.load} holds no checkpoint yet; starting from scratch (it is also --save: the "
                   "next run with this command line resumes from what this one saves)", flush=True)
         return 0
-    finetune = checkpoint.finetune
+    notes = [] if finetune else run_record.resume_lines(checkpoint.load, iteration, record,
+                                                        checkpoint.allow_reference_change, list(roles))
     messages = []
 
     def reconcile(name, trainable, state):
@@ -257,7 +289,7 @@ def _resume(checkpoint: CheckpointSettings, stage, sampler) -> int:
     _resume_rollouts(checkpoint, stage, loop_state, iteration)
     if distributed.is_rank_0():
         print(f"resumed from {checkpoint.load} at iteration {iteration}", flush=True)
-        for line in fresh_on_resume(checkpoint):
+        for line in notes + fresh_on_resume(checkpoint):
             print(line, flush=True)
     return iteration
 
@@ -341,7 +373,8 @@ def run(args) -> None:
         stage = STAGES[checkpoint.stage](args, tokenizer)
         if checkpoint.save:
             training_ckpt.check_save_dir(checkpoint.save, stage.roles())
-        start = _resume(checkpoint, stage, sampler)
+        record = run_description(checkpoint.stage, stage)
+        start = _resume(checkpoint, stage, sampler, record)
         progress = Progress(loop.train_iters, start)  # the stdout line's elapsed / time left, the end summary
         logger = MetricsLogger(
             loop.log_interval, jsonl_path=loop.metrics_jsonl, tensorboard_dir=loop.tensorboard_dir,
@@ -352,7 +385,7 @@ def run(args) -> None:
         )
         evaluator = Evaluator(stage, eval_dataset or (), loop, start, rank=torch.distributed.get_rank())
         profiler = profiling.Profiler(settings.profile, torch.distributed.get_rank(), parallel.world_size)
-        saved = _loop(settings, stage, dataset, evaluator, sampler, logger, start, exit_signal, profiler)
+        saved = _loop(settings, stage, dataset, evaluator, sampler, logger, start, exit_signal, profiler, record)
         profiler.close()  # the traces of a window the run cut short are written before the summary names them
         if distributed.is_rank_0():
             outputs = [("checkpoints", f"{checkpoint.save} (last: iteration {saved})" if saved else None),
@@ -399,7 +432,7 @@ class EntropyGuard:
 
 
 def _loop(settings: Settings, stage, dataset, evaluator: Evaluator, sampler, logger, start: int, exit_signal,
-          profiler: profiling.Profiler) -> Optional[int]:
+          profiler: profiling.Profiler, record: Optional[dict] = None) -> Optional[int]:
     """The iterations after `start`; returns the last saved iteration (None: none)."""
     loop, checkpoint, n = settings.loop, settings.checkpoint, settings.algorithm.n_samples_per_prompt
     world_size = settings.parallel.world_size
@@ -413,7 +446,7 @@ def _loop(settings: Settings, stage, dataset, evaluator: Evaluator, sampler, log
         loop_state = {"sampler": sampler.state_dict()}
         rollout_strategies.save_state(stage.rollouts, loop_state)  # --partial-rollout's buffers (a collective over DP)
         training_ckpt.save(checkpoint.save, iteration, stage.roles(), loop_state,
-                           save_optim=not checkpoint.no_save_optim)
+                           save_optim=not checkpoint.no_save_optim, record=record)
         saved = iteration
 
     entropy_guard = EntropyGuard(stage.roles()["actor"].module.model_spec.vocab_size)

@@ -105,8 +105,8 @@ def _runs_body(rank, world_size, runs):
         for name, argv in runs:
             current = {}
 
-            def recording_resume(args, stage, sampler):
-                iteration = resume(args, stage, sampler)
+            def recording_resume(checkpoint, stage, *rest):
+                iteration = resume(checkpoint, stage, *rest)
                 current["start"] = _state_after_resume(stage)
                 return iteration
 

@@ -34,6 +34,8 @@ BASE = ["--data-path", "d", "--train-iters", "1", "--global-batch-size", "4", "-
     (["--stage", "grpo", "--verifier-function", "math_acc", "--lr=-1e-3"], 1, "--lr -0.001 must be > 0"),
     (["--stage", "trl_ppo", "--reward-model", "x", "--critic-lr", "inf"], 1, "--critic-lr inf must be a finite"),
     (["--stage", "grpo", "--verifier-function", "math_acc", "--ckpt-step", "3"], 1, "--ckpt-step 3 needs --load DIR"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--allow-reference-change"], 1,
+     "--allow-reference-change applies to a resume: it needs --load DIR"),
     (["--stage", "grpo", "--verifier-function", "math_acc", "--override-opt_param-scheduler",
       "--use-checkpoint-opt_param-scheduler"], 1, "contradict each other"),
     (["--stage", "grpo", "--verifier-function", "math_acc", "--n-samples-per-prompt", "4", "--ppo-mini-batch-size",

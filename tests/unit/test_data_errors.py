@@ -180,6 +180,20 @@ def test_missing_or_incomplete_dataset_names_prefix_and_command(qwen_tok_dir, tm
         PromptDataset(str(prefix))
 
 
+def test_an_empty_dataset_is_named_empty_not_damaged(tmp_path):
+    """A dataset with no rows (a writer committed without samples, as another tool may): megatron cannot mmap its
+    empty .bin, which used to be reported as a damaged index."""
+    from mindspeed_llm.data.writer import DatasetWriter
+
+    prefix = tmp_path / "d"
+    with DatasetWriter(str(prefix), ["input_ids"], ["labels"]) as writer:
+        writer.commit({})
+    with pytest.raises(DataError) as e:
+        PromptDataset(str(prefix))
+    assert "is empty: the dataset holds no prompts" in str(e.value) and "damaged" not in str(e.value)
+    assert "preprocess_data.py" in str(e.value)
+
+
 def test_chat_message_prompt_must_be_role_content_objects(qwen_tok_dir, tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": [{"text": "hi"}], "answer": "1"}])
     with pytest.raises(InputFormatError, match="in.jsonl:1.*role"):
