@@ -112,8 +112,9 @@ def _tp_set_rng_state(_original):
 
 # ---------------------------------------------------------------- streams, events, memory statistics
 
-class _NullStream:
-    """Stand-in for torch.cuda.Stream: work on CPU is synchronous, so waits and syncs are no-ops."""
+class NullStream:
+    """Stand-in for torch.cuda.Stream: work on CPU is synchronous, so waits and syncs are no-ops (also the tests'
+    torch_npu stand-in's streams, tests/helpers/npu_stand_in.py)."""
 
     def __init__(self, *args, **kwargs):
         pass
@@ -125,7 +126,7 @@ class _NullStream:
         return None
 
     def record_event(self, event=None):
-        return event if event is not None else _NullEvent()
+        return event if event is not None else NullEvent()
 
     def synchronize(self):
         return None
@@ -134,7 +135,7 @@ class _NullStream:
         return True
 
 
-class _NullEvent:
+class NullEvent:
     """Stand-in for torch.cuda.Event; elapsed_time uses wall clock so inference timing logs stay sane."""
 
     def __init__(self, *args, **kwargs):
@@ -162,25 +163,25 @@ class _NullEvent:
 
 @register("torch.cuda.Stream", "pipeline/DDP overlap code creates side streams")
 def _stream_cls(_original):
-    return type("Stream", (_NullStream,), {})
+    return type("Stream", (NullStream,), {})
 
 
 @register("torch.cuda.Event", "the inference controller and timers record CUDA events")
 def _event_cls(_original):
-    return type("Event", (_NullEvent,), {})
+    return type("Event", (NullEvent,), {})
 
 
 @register("torch.cuda.current_stream", "overlap code waits on the current stream")
 def _current_stream(_original):
     def current_stream(_device=None):
-        return _NullStream()
+        return NullStream()
     return current_stream
 
 
 @register("torch.cuda.default_stream", "overlap code waits on the default stream")
 def _default_stream(_original):
     def default_stream(_device=None):
-        return _NullStream()
+        return NullStream()
     return default_stream
 
 

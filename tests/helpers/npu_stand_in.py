@@ -39,12 +39,13 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 import types
 from collections import Counter
 from typing import Any, Dict, List, Optional
 
 import torch
+
+from mindspeed_llm.patches.cpu import NullEvent, NullStream
 
 from tests.helpers import npu_fused_reference
 
@@ -238,44 +239,8 @@ class FusionAttention:
 
 # ============================================================================================ torch.npu
 
-class _Stream:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, _other):
-        return None
-
-    def wait_event(self, _event):
-        return None
-
-    def record_event(self, event=None):
-        return event if event is not None else _Event()
-
-    def synchronize(self):
-        return None
-
-    def query(self):
-        return True
-
-
-class _Event:
-    def __init__(self, *args, **kwargs):
-        self._t = None
-
-    def record(self, _stream=None):
-        self._t = time.perf_counter()
-
-    def synchronize(self):
-        return None
-
-    def wait(self, _stream=None):
-        return None
-
-    def query(self):
-        return True
-
-    def elapsed_time(self, end):
-        return 0.0 if self._t is None or end._t is None else (end._t - self._t) * 1000.0
+# streams and events: the CPU's no-op ones (work here is synchronous)
+_Stream, _Event = NullStream, NullEvent
 
 
 class _RecordingModule(types.ModuleType):
