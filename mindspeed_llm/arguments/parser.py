@@ -257,8 +257,9 @@ def _add_checkpointing_args(p: argparse.ArgumentParser) -> None:
                         "resume such a checkpoint with --no-load-optim")
     g.add_argument("--ckpt-step", type=int, help="resume from this iteration of --load instead of its latest")
     g.add_argument("--allow-reference-change", action="store_true",
-                   help="resume with another --ref-model than the checkpoint was trained against (the KL term "
-                        "changes from the resumed iteration on); without it such a resume is refused")
+                   help="resume with another --ref-model or --reward-model than the checkpoint was trained with "
+                        "(the KL term or the scores change from the resumed iteration on); without it such a resume "
+                        "is refused")
     g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
                    dest="override_opt_param_scheduler",
                    help="on resume, take the LR schedule (lr, min-lr, warmup, decay) from the command line")

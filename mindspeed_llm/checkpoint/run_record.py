@@ -5,17 +5,19 @@ shards and published with them (`training.save`)::
 
     {"version": 1, "stage": "trl_ppo", "roles": ["actor", "critic"], "layout": [TP, PP, EP],
      "bases": {"actor": {"path": ..., "fingerprint": ..., "lora": {...} | null}, "critic": {...}},
-     "reference": {"path": ..., "fingerprint": ...} | null}
+     "reference": {"path": ..., "fingerprint": ...} | null,
+     "reward_model": {"path": ..., "fingerprint": ...} | null}
 
 `bases`: the checkpoint each trained role was started from (--ref-model / --load / --reward-model) and a fingerprint
 of its weights (`rl/lora.base_fingerprint`'s strided sample, over every rank's shard); `lora`: the adapters' config
 (their own check is `LoRATrainableModel.check_checkpoint`). `reference`: the frozen model the KL term is computed
-against (None: no reference, --kl-coef 0). A fingerprint depends on the layout, so it is compared only at the layout
+against (None: no reference, --kl-coef 0); `reward_model`: the frozen model that scores the responses (None: rule
+rewards alone; a checkpoint written before it was recorded has no key: unchecked). A fingerprint depends on the layout, so it is compared only at the layout
 it was taken at (another layout is refused by `training.load` anyway).
 
 The readers: `training.resume_iteration` (a run never resumes into, or moves the tracker of, another stage's
-checkpoint; a lost role directory is named as such) and `resume_lines` (another reference model is refused unless
---allow-reference-change). A checkpoint written before records existed has none: its stage, bases and reference
+checkpoint; a lost role directory is named as such) and `resume_lines` (another reference model or reward model is
+refused unless --allow-reference-change). A checkpoint written before records existed has none: its stage, bases and reference
 are unknown, and the resume says so.
 """
 
@@ -34,10 +36,15 @@ RECORD_VERSION = 1
 STAGE_ROLES = {"grpo": ("actor",), "trl_ppo": ("actor", "critic")}  # what each stage trains (and saves)
 
 
+# the frozen models a run is judged against: (record key, what it is, its flag, what another one changes)
+FROZEN_MODELS = (("reference", "the reference model (the KL term's)", "--ref-model", "the KL term"),
+                 ("reward_model", "the reward model (the score's)", "--reward-model", "the scores"))
+
+
 def make_record(stage: str, roles: Sequence[str], layout_: Sequence[int], bases: Dict[str, dict],
-                reference: Optional[dict]) -> dict:
+                reference: Optional[dict], reward_model: Optional[dict] = None) -> dict:
     return {"version": RECORD_VERSION, "stage": stage, "roles": list(roles), "layout": [int(v) for v in layout_],
-            "bases": bases, "reference": reference}
+            "bases": bases, "reference": reference, "reward_model": reward_model}
 
 
 def combined_fingerprint(local: str) -> str:
@@ -129,22 +136,27 @@ def resume_lines(load: str, iteration: int, ours: dict, allow_reference_change: 
                 "with; the next save records them)"]
     same_layout = list(saved.get("layout") or ()) == list(ours["layout"])
     lines = []
-    theirs, mine = saved.get("reference"), ours.get("reference")
-    # a LoRA run's reference is the actor's base, which its adapters cannot leave (`check_checkpoint` names it)
-    lora_base = bool(((ours.get("bases") or {}).get("actor") or {}).get("lora"))
-    if theirs and mine and same_layout and not lora_base:
+    bases = ours.get("bases") or {}
+    for key, what_it_is, flag, changes in FROZEN_MODELS:
+        theirs, mine = saved.get(key), ours.get(key)
+        # a LoRA run's reference is the actor's base and its reward model the critic's, which their adapters cannot
+        # leave (`check_checkpoint` names it)
+        lora_base = bool((bases.get("actor" if key == "reference" else "critic") or {}).get("lora"))
+        if not (theirs and mine and same_layout) or lora_base:
+            continue
         if theirs["fingerprint"] != mine["fingerprint"]:
-            what = (f"the reference model (the KL term's) of iteration {iteration} was {theirs['path']}; this run's "
-                    f"{mine['path']} holds other weights")
+            what = (f"{what_it_is} of iteration {iteration} was {theirs['path']}; this run's {mine['path']} holds "
+                    "other weights")
             if not allow_reference_change:
                 raise CheckpointError(
-                    f"--load {load}: {what} ({where}), and a resume with another reference changes the KL term "
-                    f"mid-run: pass the --ref-model it was trained with, or --allow-reference-change to continue "
-                    "against this one")
-            lines.append(f"--allow-reference-change: {what}; the KL term is computed against it from iteration "
-                         f"{iteration + 1} on")
+                    f"--load {load}: {what} ({where}), and a resume with another one changes {changes} mid-run: "
+                    f"pass the {flag} it was trained with, or --allow-reference-change to continue with this one")
+            lines.append(f"--allow-reference-change: {what}; {changes} {'is' if key == 'reference' else 'are'} "
+                         f"computed with it from iteration {iteration + 1} on")
         elif theirs["path"] != mine["path"]:
-            lines.append(f"the reference model moved from {theirs['path']} to {mine['path']} (the same weights)")
+            lines.append(f"{what_it_is.split(' (')[0]} moved from {theirs['path']} to {mine['path']} (the same "
+                         "weights)")
+    theirs = saved.get("reference")
     for name, base in (ours.get("bases") or {}).items():
         before = (saved.get("bases") or {}).get(name)
         if not before or not same_layout or base.get("lora") or before.get("lora"):

@@ -76,7 +76,7 @@ def _write_json(path: str, obj) -> None:
     _write_atomic(path, write)
 
 
-def run_description(settings, strategy: str) -> dict:
+def dump_manifest(settings, strategy: str) -> dict:
     """The manifest of a dump made by the run of `settings` with rollout strategy `strategy`."""
     _, dp_size = distributed.data_parallel_info()
     return {"format": "mindspeed_llm rollout dump", "version": VERSION, "stage": settings.checkpoint.stage,
@@ -195,7 +195,7 @@ class ReplayRollouts(CarriesNothing):
     def from_settings(cls, settings, actor_module, tokenizer, sampling) -> "ReplayRollouts":
         root = settings.loop.rollout_replay_dir
         dumped = read_manifest(root)
-        mine = run_description(settings, dumped.get("strategy"))
+        mine = dump_manifest(settings, dumped.get("strategy"))
         differ = [f"{key} {dumped.get(key)!r} there, {mine[key]!r} here" for key in MUST_MATCH
                   if dumped.get(key) != mine[key]]
         if differ:

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 from mindspeed_llm import distributed
 from mindspeed_llm.rl.experience import Experience
 from mindspeed_llm.rl.metrics.samples import first_rows, rollout_rows
-from mindspeed_llm.rl.rollout_dump import ReplayRollouts, RolloutDumper, run_description
+from mindspeed_llm.rl.rollout_dump import ReplayRollouts, RolloutDumper, dump_manifest
 
 
 class RolloutRecords:
@@ -29,7 +29,7 @@ class RolloutRecords:
         """The run's records (`settings.loop`'s --log-samples, --rollout-dump-dir) of the stage's rollout strategy
         `rollouts`."""
         loop = settings.loop
-        dumper = RolloutDumper(loop.rollout_dump_dir, run_description(settings, rollouts.name)) \
+        dumper = RolloutDumper(loop.rollout_dump_dir, dump_manifest(settings, rollouts.name)) \
             if loop.rollout_dump_dir else None
         return cls(tokenizer, loop.log_samples, loop.log_samples_interval or 1, dumper,
                    rollouts if isinstance(rollouts, ReplayRollouts) else None)

@@ -227,8 +227,8 @@ class _ExitSignal:
 
 def run_description(stage_name: str, stage) -> dict:
     """What this run's checkpoints record (`checkpoint/run_record.py`): the stage, its roles, each role's base (the
-    checkpoint it started from and a fingerprint of its weights, taken before any resume loads over them) and the
-    reference model. A collective (every rank's fingerprints)."""
+    checkpoint it started from and a fingerprint of its weights, taken before any resume loads over them), the
+    reference model and the reward model. A collective (every rank's fingerprints)."""
     from mindspeed_llm.rl.lora import base_fingerprint
 
     def base_of(trainable):
@@ -247,10 +247,16 @@ def run_description(stage_name: str, stage) -> dict:
         reference = {key: bases["actor"][key] for key in ("path", "fingerprint")} if shared is not None else {
             "path": getattr(reference, "loaded_from", None),
             "fingerprint": run_record.combined_fingerprint(base_fingerprint(reference))}
+    reward_model = getattr(getattr(stage, "scorer", None), "reward_model", None)
+    if reward_model is not None:  # a LoRA run's is the critic's base (rl/lora.SharedBase)
+        reward_model = {key: bases["critic"][key] for key in ("path", "fingerprint")} \
+            if getattr(reward_model, "trainable", None) is not None else {
+                "path": getattr(reward_model, "loaded_from", None),
+                "fingerprint": run_record.combined_fingerprint(base_fingerprint(reward_model, frozen_only=False))}
     sizes = (parallel_state.get_tensor_model_parallel_world_size(),
              parallel_state.get_pipeline_model_parallel_world_size(),
              parallel_state.get_expert_model_parallel_world_size())
-    return run_record.make_record(stage_name, list(roles), sizes, bases, reference)
+    return run_record.make_record(stage_name, list(roles), sizes, bases, reference, reward_model)
 
 
 def _resume(checkpoint: CheckpointSettings, stage, sampler, record: dict) -> int:

@@ -17,7 +17,8 @@ old ones (checked by running this file against the previous `training.resume_ite
   between write and rename left behind;
 * the checkpoint's record (`checkpoint/run_record.py`, written by the real save): `--stage grpo` over this trl_ppo
   root is refused by name (it used to resume the actor and move the tracker to iterations without the critic), and
-  so is a resume with another `--ref-model` (the trained actor), unless `--allow-reference-change`, which says so;
+  so is a resume with another `--ref-model` (the trained actor), unless `--allow-reference-change`, which says so,
+  and one with another `--reward-model` (the trained critic);
 * a TP1 checkpoint resumed at TP2 gives the same named error on both ranks (before: a size mismatch on rank 0 and
   "damaged, use --ckpt-step" on rank 1).
 """
@@ -107,7 +108,7 @@ def test_a_damaged_save_root_is_never_started_over(task, saved, tmp_path):
     file.write_text("x")
     cases = [argv(task, tmp_path / "logs" / d.__name__, "--load", str(c), "--save", str(c), "--save-interval", "1",
                   iters=4) for d, c in copies.items()]
-    stages = {name: tmp_path / name for name in ("as_grpo", "other_ref", "other_ref_allowed")}
+    stages = {name: tmp_path / name for name in ("as_grpo", "other_ref", "other_ref_allowed", "other_rm")}
     for copy in stages.values():
         shutil.copytree(saved, copy)
     before_stages = {name: snapshot(copy) for name, copy in stages.items()}
@@ -120,7 +121,10 @@ def test_a_damaged_save_root_is_never_started_over(task, saved, tmp_path):
                      *extra, iters=3)  # at --train-iters already: the allowed one resumes and trains nothing
         other[other.index("--ref-model") + 1] = str(saved / "actor")  # the trained actor: other weights
         other_refs.append(other)
-    cases += [as_grpo, *other_refs]
+    other_rm = argv(task, tmp_path / "logs_other_rm", "--load", str(stages["other_rm"]), "--save",
+                    str(stages["other_rm"]), iters=3)
+    other_rm[other_rm.index("--reward-model") + 1] = str(saved / "critic")  # the trained critic: other weights
+    cases += [as_grpo, *other_refs, other_rm]
     cases += [
         argv(task, tmp_path / "logs_fresh", "--save", str(fresh_into_saved)),  # no --load of it
         argv(task, tmp_path / "logs_finetune", "--load", str(fresh_into_saved), "--save", str(fresh_into_saved),
@@ -135,7 +139,10 @@ def test_a_damaged_save_root_is_never_started_over(task, saved, tmp_path):
         for needle in needles:
             assert needle in err, f"{damage.__name__}: {needle!r} not in {err!r}"
         assert snapshot(copies[damage]) == before[damage], f"{damage.__name__}: files under --load changed"
-    (code_grpo, out_grpo, err_grpo), (code_ref, _, err_ref), (code_allowed, out_allowed, err_allowed) = results[4:7]
+    (code_grpo, out_grpo, err_grpo), (code_ref, _, err_ref), (code_allowed, out_allowed, err_allowed), \
+        (code_rm, _, err_rm) = results[4:8]
+    assert code_rm == 2 and "the reward model (the score's) of iteration 3 was" in err_rm, err_rm[-3000:]
+    assert "changes the scores mid-run" in err_rm and "pass the --reward-model it was trained with" in err_rm
     # grpo over a trl_ppo save used to resume its actor and move the tracker to iterations without the critic
     assert code_grpo == 2 and "is a checkpoint of --stage trl_ppo (actor and critic" in err_grpo, err_grpo[-3000:]
     assert "run_record.json says so" in err_grpo and "--finetune --load" in err_grpo and "resumed" not in out_grpo
@@ -145,7 +152,7 @@ def test_a_damaged_save_root_is_never_started_over(task, saved, tmp_path):
     for name, copy in stages.items():
         assert snapshot(copy) == before_stages[name], f"{name}: files under --load changed"
     (code_fresh, _, err_fresh), (code_ft, out_ft, err_ft), (code_jsonl, _, err_jsonl), (code_tb, _, err_tb) = \
-        results[7:]
+        results[8:]
     assert code_fresh == 2 and "already holds checkpoints" in err_fresh and "this run does not resume from it" \
         in err_fresh and f"pass --load {fresh_into_saved}" in err_fresh, err_fresh[-3000:]
     # --finetune with --load = --save (a MindSpeed-LLM script resumed by adding --load): it resumes the run's own

@@ -110,7 +110,7 @@ def _settings(**loop):
 
 
 def _dump(root, iterations=(1,)):
-    dumper = rollout_dump.RolloutDumper(str(root), rollout_dump.run_description(_settings(), "single_turn"))
+    dumper = rollout_dump.RolloutDumper(str(root), rollout_dump.dump_manifest(_settings(), "single_turn"))
     for it in iterations:
         dumper.add(_experience(), {"grpo/acc": 0.5})
         dumper.finish(it, prompts_drawn=1)

@@ -28,11 +28,15 @@ from mindspeed_llm.checkpoint.errors import CheckpointError
 REF = {"path": "/models/ref", "fingerprint": "a" * 64}
 
 
-def record(stage, reference=REF, layout_=(1, 1, 1), **bases):
+RM = {"path": "/models/rm", "fingerprint": "d" * 64}
+
+
+def record(stage, reference=REF, layout_=(1, 1, 1), reward_model=None, **bases):
     roles = run_record.STAGE_ROLES[stage]
     initial = {"actor": {"path": "/models/ref", "fingerprint": "a" * 64, "lora": None},  # the reference's weights
                "critic": {"path": "/models/rm", "fingerprint": "d" * 64, "lora": None}}
-    return run_record.make_record(stage, roles, layout_, {r: bases.get(r, initial[r]) for r in roles}, reference)
+    return run_record.make_record(stage, roles, layout_, {r: bases.get(r, initial[r]) for r in roles}, reference,
+                                  reward_model)
 
 
 def save_tree(root: Path, stage: str, iterations=(1, 2, 3), recorded=True, tp=1) -> Path:
@@ -114,7 +118,7 @@ def test_another_reference_model_is_refused_unless_allowed(tmp_path):
     assert snapshot(root) == before
     lines = run_record.resume_lines(str(root), 3, other, allow_reference_change=True)
     assert lines == ["--allow-reference-change: the reference model (the KL term's) of iteration 3 was /models/ref; "
-                     "this run's /models/other holds other weights; the KL term is computed against it from "
+                     "this run's /models/other holds other weights; the KL term is computed with it from "
                      "iteration 4 on"]
     moved = record("grpo", reference={"path": "/copies/ref", "fingerprint": "a" * 64})
     assert run_record.resume_lines(str(root), 3, moved) == [
@@ -204,3 +208,21 @@ def test_a_full_weight_fingerprint_sees_every_weight_and_leaves_them_offloadable
     assert base_fingerprint(model, frozen_only=False) != before
     for param in model.parameters():
         param.data.untyped_storage().resize_(0)  # what rl/model_state.offload does
+
+
+def test_another_reward_model_is_refused_unless_allowed(tmp_path):
+    """trl_ppo's reward model scores every response: another one mid-run changes the scores, as another reference
+    changes the KL term (a checkpoint that recorded none, written before reward models were recorded, is unchecked)."""
+    root = save_tree(tmp_path / "ppo", "trl_ppo")
+    for folder in root.glob("*/iter_*"):  # the tree's records, now with the reward model
+        run_record.write(str(folder), record("trl_ppo", reward_model=RM))
+    assert run_record.resume_lines(str(root), 3, record("trl_ppo", reward_model=RM)) == []
+    other = record("trl_ppo", reward_model={"path": "/models/rm2", "fingerprint": "e" * 64})
+    with pytest.raises(CheckpointError, match=r"the reward model \(the score's\) of iteration 3 was /models/rm; this "
+                                              r"run's /models/rm2 holds other weights .* changes the scores mid-run: "
+                                              r"pass the --reward-model it was trained with"):
+        run_record.resume_lines(str(root), 3, other)
+    assert run_record.resume_lines(str(root), 3, other, allow_reference_change=True)[0].startswith(
+        "--allow-reference-change: the reward model (the score's) of iteration 3 was /models/rm")
+    old = save_tree(tmp_path / "old", "trl_ppo")  # records without a reward model: not compared
+    assert run_record.resume_lines(str(old), 3, other) == []
