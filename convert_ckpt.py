@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-lora-to-hf", action="store_true",
                    help="with --lora-load and --save-model-type hf: write the adapter alone as a PEFT folder "
                         "(adapter_config.json + adapter_model.safetensors, Hugging Face module names)")
+    p.add_argument("--allow-base-mismatch", action="store_true",
+                   help="with --lora-load: apply the adapter even though --load-dir is not the base it was trained "
+                        "on (its recorded base fingerprint, or a PEFT folder's base_model_name_or_path); without it "
+                        "such an adapter is refused")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     published_flags.add_arguments(p)  # MindSpeed-LLM's other conversion flags: checked, ignored or refused
     return p
@@ -157,23 +161,47 @@ def _lora(args, iteration):
     from mindspeed_llm.models.architecture import ArchitectureSpec
 
     if not args.lora_load:
+        if args.allow_base_mismatch:
+            raise ConversionError("--allow-base-mismatch applies to the adapter of --lora-load: add it or drop the "
+                                  "flag")
         return None
+    info = None
     if args.load_model_type == "mg":
         info = _checkpoint_info(args.load_dir, iteration)
         spec, value_head = info["spec"], info["value_head"]
+        names = lora_files.base_names(args.load_dir, info)
     else:
-        spec, value_head = ArchitectureSpec.from_hf_config(read_hf_config(args.load_dir)), bool(args.orm)
+        config = read_hf_config(args.load_dir)
+        spec, value_head = ArchitectureSpec.from_hf_config(config), bool(args.orm)
+        names = lora_files.base_names(args.load_dir, hf_config=config)
     if args.orm is not None and bool(args.orm) != value_head:
         raise ConversionError(f"--orm: --load-dir {args.load_dir} {'is' if value_head else 'is not'} a value model")
     adapter = lora_files.adapter_for_base(args.lora_load, spec, value_head)
     published_flags.check_adapter(args, adapter)
+    base = f"--load-dir {args.load_dir}"
+    check = lora_files.BaseCheck(adapter) if adapter.shard_bases else None
+    merger = lora_files.Merger(adapter, check, base, allow=args.allow_base_mismatch)
+    if check is None:  # a PEFT folder: its base's name (the shapes are checked as it merges)
+        problem = lora_files.peft_base_problem(adapter, names, base)
+        if problem and not args.allow_base_mismatch:
+            raise ConversionError(problem)
+        if problem:
+            print(f"convert_ckpt.py: warning: --allow-base-mismatch: {problem.split('; pass')[0]}", file=sys.stderr)
     if args.save_lora_to_hf:
         _no_target_layout(args)
         if os.path.abspath(args.save_dir) in (os.path.abspath(args.load_dir), os.path.abspath(args.lora_load)):
             raise ConversionError(f"--save-dir {args.save_dir}: write the PEFT adapter to a folder of its own")
-        lora_files.write_peft(adapter, spec, args.save_dir, base_name=os.path.abspath(args.load_dir))
+        if check is not None:
+            from mindspeed_llm.checkpoint.convert import base_stages
+
+            for full in base_stages(args.load_dir, args.load_model_type == "hf", spec, value_head, iteration):
+                check.add(full)
+            merger.check_base()
+        # the Hugging Face model peft loads the adapter onto: the folder a Megatron base was converted from
+        lora_files.write_peft(adapter, spec, args.save_dir,
+                              base_name=(info or {}).get("hf_source") or os.path.abspath(args.load_dir))
         return "written"
-    return lora_files.Merger(adapter)
+    return merger
 
 
 def _check_tokenizer_fits(tokenizer_dir: str, args) -> None:

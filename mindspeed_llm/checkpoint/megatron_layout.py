@@ -482,7 +482,7 @@ def make_payload(model_state: Dict[str, Any], spec, tp: int, pp: int, tp_rank: i
 def checkpoint_info(root: str, iteration: Optional[Iteration] = None) -> Dict[str, Any]:
     """What a checkpoint is, read from its first shard without loading tensors (mmap):
     {'dir', 'iteration', 'tp', 'pp', 'ep', 'etp', 'spec' (ArchitectureSpec), 'params_dtype', 'value_head', 'hf_config',
-    'lora' (whether it holds LoRA adapters only)}."""
+    'hf_source', 'lora' (whether it holds LoRA adapters only)}."""
     from mindspeed_llm.models.architecture import ArchitectureSpec
 
     path, iteration = resolve_dir(root, iteration)
@@ -513,6 +513,7 @@ def checkpoint_info(root: str, iteration: Optional[Iteration] = None) -> Dict[st
         "params_dtype": dtype if isinstance(dtype, torch.dtype) else torch.float32,
         "value_head": bool(get("value_head", False)),
         "hf_config": payload.get("hf_config"),
+        "hf_source": payload.get("hf_source"),  # the Hugging Face folder convert_ckpt.py read (checkpoint/lora.py)
         "lora": payload.get("lora") is not None,  # a LoRA run's checkpoint: adapters only (checkpoint/lora.py)
     }
 
