@@ -240,15 +240,17 @@ def _name_tail(name: str) -> str:
 
 
 def peft_base_problem(adapter: "Adapter", names: List[str], base: str) -> Optional[str]:
-    """A PEFT folder's `base_model_name_or_path` against the base's `names` (`base_names`): the same folder, or the
-    same last component (a Hub id `org/Model` for a local `.../Model`); None when it matches or names nothing."""
+    """A PEFT folder's `base_model_name_or_path` against the base's `names` (`base_names`): the same folder when it
+    names one on this machine, else the same last component (a Hub id `org/Model` for a local `.../Model`); None
+    when it matches or names nothing."""
     wanted = (adapter.base or {}).get("name")
     if not wanted:
         return None
+    local = os.path.exists(wanted)  # a folder on this machine is that folder; a Hub id matches by its last part
     for name in names:
-        if os.path.exists(wanted) and os.path.exists(name) and os.path.samefile(wanted, name):
+        if local and os.path.exists(name) and os.path.samefile(wanted, name):
             return None
-        if _name_tail(wanted) == _name_tail(name):
+        if not local and _name_tail(wanted) == _name_tail(name):
             return None
     return (f"--lora-load {adapter.source}: its adapter_config.json names the base {wanted!r}, not {base} "
             f"({', '.join(repr(n) for n in names[1:]) or 'no other name'} known for it); pass the base it was "

@@ -36,17 +36,18 @@ class RunConfig:
 
 
 def _load_yaml(path: str):
-    import yaml
+    """The file's mapping, read strictly (`files.read_yaml`: not UTF-8, not YAML, a key given twice, a key without
+    a value are refused with the line); a section left empty is an empty section."""
+    from mindspeed_llm.files import YamlFileError, read_yaml
 
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        data = read_yaml(path, f"--config {path}", allow_null=lambda keys: len(keys) == 1)
     except FileNotFoundError:
         raise ConfigError(f"--config {path} does not exist") from None
     except IsADirectoryError:
         raise ConfigError(f"--config {path} is a directory; pass a YAML file") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--config {path} is not valid YAML: {exc}") from None
+    except YamlFileError as exc:
+        raise ConfigError(str(exc)) from None
     return {} if data is None else data
 
 

@@ -186,6 +186,20 @@ def test_dataset_yaml_configs_hold_valid_flags(name):
     parse_map_keys(cfg.get("map_keys"))
 
 
+@pytest.mark.parametrize("text,expected", [
+    ("handler_name: R1AlpacaStyleInstructionHandler\nprompt_type:\n", "line 2: 'prompt_type' has no value"),
+    ("prompt_type: qwen\nseq_length: 512\nprompt_type: empty\n", "'prompt_type' is given twice (lines 1 and 3)"),
+])
+def test_a_dataset_yaml_config_without_a_value_or_with_a_key_twice_is_refused(tmp_path, text, expected):
+    from mindspeed_llm.data.errors import DataError
+
+    path = tmp_path / "dataset.yaml"
+    path.write_text(text)
+    with pytest.raises(DataError) as caught:
+        _config_defaults(build_parser(), str(path))
+    assert f"--config {path}: " in str(caught.value) and expected in str(caught.value), str(caught.value)
+
+
 def test_math_17k_yaml_config_with_overrides(qwen_tok_dir, tmp_path):
     from mindspeed_llm.data.preprocess import preprocess
 
