@@ -154,7 +154,7 @@ def _lora(args, iteration):
     import os
 
     from mindspeed_llm.checkpoint import lora as lora_files
-    from mindspeed_llm.checkpoint import published_flags
+    from mindspeed_llm.checkpoint import lora_base, published_flags
     from mindspeed_llm.checkpoint.convert import _checkpoint_info
     from mindspeed_llm.checkpoint.errors import ConversionError
     from mindspeed_llm.checkpoint.hf_files import read_hf_config
@@ -169,20 +169,20 @@ def _lora(args, iteration):
     if args.load_model_type == "mg":
         info = _checkpoint_info(args.load_dir, iteration)
         spec, value_head = info["spec"], info["value_head"]
-        names = lora_files.base_names(args.load_dir, info)
+        names = lora_base.base_names(args.load_dir, info)
     else:
         config = read_hf_config(args.load_dir)
         spec, value_head = ArchitectureSpec.from_hf_config(config), bool(args.orm)
-        names = lora_files.base_names(args.load_dir, hf_config=config)
+        names = lora_base.base_names(args.load_dir, hf_config=config)
     if args.orm is not None and bool(args.orm) != value_head:
         raise ConversionError(f"--orm: --load-dir {args.load_dir} {'is' if value_head else 'is not'} a value model")
     adapter = lora_files.adapter_for_base(args.lora_load, spec, value_head)
     published_flags.check_adapter(args, adapter)
     base = f"--load-dir {args.load_dir}"
-    check = lora_files.BaseCheck(adapter) if adapter.shard_bases else None
+    check = lora_base.BaseCheck(adapter) if adapter.shard_bases else None
     merger = lora_files.Merger(adapter, check, base, allow=args.allow_base_mismatch)
     if check is None:  # a PEFT folder: its base's name (the shapes are checked as it merges)
-        problem = lora_files.peft_base_problem(adapter, names, base)
+        problem = lora_base.peft_base_problem(adapter, names, base)
         if problem and not args.allow_base_mismatch:
             raise ConversionError(problem)
         if problem:
@@ -192,9 +192,8 @@ def _lora(args, iteration):
         if os.path.abspath(args.save_dir) in (os.path.abspath(args.load_dir), os.path.abspath(args.lora_load)):
             raise ConversionError(f"--save-dir {args.save_dir}: write the PEFT adapter to a folder of its own")
         if check is not None:
-            from mindspeed_llm.checkpoint.convert import base_stages
-
-            for full in base_stages(args.load_dir, args.load_model_type == "hf", spec, value_head, iteration):
+            hf_base = args.load_model_type == "hf"
+            for full in lora_base.base_stages(args.load_dir, hf_base, spec, value_head, iteration):
                 check.add(full)
             merger.check_base()
         # the Hugging Face model peft loads the adapter onto: the folder a Megatron base was converted from
@@ -288,8 +287,11 @@ def run(args) -> None:
         convert_mg_to_hf(args.load_dir, args.save_dir, params_dtype=args.params_dtype, value_head=args.orm,
                          tokenizer_dir=tokenizer_dir, iteration=iteration, progress=progress,
                          allow_non_finite=args.allow_non_finite, lora=lora)
-        with open(os.path.join(args.save_dir, HF_OUTPUT_MARK), "w") as mark:
-            mark.write("a Hugging Face model written by convert_ckpt.py (it may convert into this folder again)\n")
+        from mindspeed_llm.files import write_text_atomically
+
+        write_text_atomically(os.path.join(args.save_dir, HF_OUTPUT_MARK),
+                              "a Hugging Face model written by convert_ckpt.py (it may convert into this folder "
+                              "again)\n")
     elif args.load_model_type == "mg" and args.save_model_type == "mg":
         convert_mg_to_mg(args.load_dir, args.save_dir, tp=tp, pp=pp, params_dtype=args.params_dtype,
                          iteration=iteration, value_head=args.orm, progress=progress,
@@ -302,9 +304,9 @@ def _os_error(err: OSError, args) -> str:
     """One line for a failed read or write: a full disk and a permission problem named as such, with the fix."""
     import errno
 
-    from mindspeed_llm.checkpoint.megatron_layout import CheckpointWriteError
+    from mindspeed_llm.files import WriteError
 
-    if isinstance(err, CheckpointWriteError) or not err.strerror:  # already a sentence naming the file
+    if isinstance(err, WriteError) or not err.strerror:  # already a sentence naming the file
         text = str(err)
     else:
         text = f"{err.filename or args.save_dir}: {err.strerror}"

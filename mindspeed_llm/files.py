@@ -28,7 +28,11 @@ def fsync_dir(path: str) -> None:
 # ------------------------------------------------------------------------------------------- named writes
 class WriteError(UserError, OSError):
     """A file could not be written; the message names the file and the cause (a full disk by name). What was
-    being written is gone (a temp file removed, a half line cut off); what was there before stays."""
+    being written is gone (a temp file removed, a half line cut off); what was there before stays. `errno` is the
+    cause's (ENOSPC for a full disk), `filename` the file; `str` is the one-line message."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
 
 
 def write_error_message(path: str, exc: BaseException) -> str:
@@ -56,7 +60,14 @@ def write_atomically(path: str, write: Callable[[str], None], error=WriteError) 
             os.remove(tmp)
         if isinstance(exc, WriteError):
             raise
-        raise error(getattr(exc, "errno", None) or errno.EIO, write_error_message(path, exc)) from exc
+        raise _named(error, path, exc) from exc
+
+
+def _named(error, path: str, exc: BaseException) -> "WriteError":
+    named = error(write_error_message(path, exc))  # str() is the message alone
+    named.errno = getattr(exc, "errno", None) or (errno.ENOSPC if "No space left" in str(named) else errno.EIO)
+    named.filename = path
+    return named
 
 
 def write_text_atomically(path: str, text: str) -> None:
@@ -81,12 +92,7 @@ def append_line(handle, line: str) -> None:
         with contextlib.suppress(OSError, ValueError):
             handle.seek(start)
             handle.truncate(start)
-        raise WriteError(getattr(exc, "errno", None) or errno.EIO, write_error_message(handle.name, exc)) from exc
-
-
-def message(exc: OSError) -> str:
-    """The one-line text of a WriteError (`str` of an OSError built with an errno prefixes it)."""
-    return exc.strerror if isinstance(exc, WriteError) and exc.strerror else str(exc)
+        raise _named(WriteError, handle.name, exc) from exc
 
 
 # ------------------------------------------------------------------------------------------- YAML

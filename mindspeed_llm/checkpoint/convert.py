@@ -354,23 +354,6 @@ def _load_stage(info, stage: int) -> Dict[str, torch.Tensor]:
     return sharding.merge_stage_experts(shards, info["spec"], tp, ep, etp, info["value_head"])
 
 
-def base_stages(load_dir: str, hf: bool, spec, value_head: bool, iteration=None):
-    """The full tensors (global Megatron names) of a base model, one pipeline stage (Megatron) or layer (Hugging
-    Face) at a time: what an adapter's base check reads when nothing is converted (`--save-lora-to-hf`, a
-    `--lora-load` at another layout)."""
-    if not hf:
-        info = _checkpoint_info(load_dir, iteration)
-        for stage in range(info["pp"]):
-            yield sharding.stage_to_full(_load_stage(info, stage), spec, info["pp"], stage, info["value_head"])
-        return
-    weights = hf_files.HFWeights(load_dir)
-    weights.expose_fused_experts(spec)
-    yield hfm.hf_nonlayer_to_mg(weights, spec, value_head, first=True, last=True)
-    for index in range(spec.num_layers):
-        yield {megatron_names.layer_key(index, rel): tensor
-               for rel, tensor in hfm.hf_layer_to_mg(weights.get, spec, index).items()}
-
-
 def _read_shard(path: str) -> Dict[str, torch.Tensor]:
     return layout.load_file(path)["model"]  # an unreadable shard: layout.CheckpointReadError names it
 

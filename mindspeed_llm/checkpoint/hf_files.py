@@ -15,7 +15,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 
 from mindspeed_llm.checkpoint.errors import ConversionError
-from mindspeed_llm.checkpoint.megatron_layout import write_atomically
+from mindspeed_llm.files import write_atomically
 
 HF_EMBED = "embed_tokens.weight"
 HF_FINAL_NORM = "norm.weight"
@@ -318,13 +318,10 @@ def remove_hf_weights(out_dir: str) -> List[str]:
 
 
 def write_json_atomic(path: str, data) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """`data` as JSON in `path` (`files.write_atomically`: a failed write names the file, leaves no temp file)."""
+    from mindspeed_llm.files import write_text_atomically
+
+    write_text_atomically(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 def copy_tokenizer_files(src: str, dst: str) -> List[str]:
@@ -336,8 +333,7 @@ def copy_tokenizer_files(src: str, dst: str) -> List[str]:
         return copied
     for name in sorted(os.listdir(src)):
         if name in TOKENIZER_FILES or name.endswith(".tiktoken"):
-            tmp = os.path.join(dst, f".{name}.tmp")
-            shutil.copyfile(os.path.join(src, name), tmp)
-            os.replace(tmp, os.path.join(dst, name))
+            source = os.path.join(src, name)
+            write_atomically(os.path.join(dst, name), lambda tmp, source=source: shutil.copyfile(source, tmp))
             copied.append(name)
     return copied

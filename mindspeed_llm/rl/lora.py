@@ -111,9 +111,9 @@ def base_fingerprint(model) -> str:
     """A fingerprint of this rank's frozen weights: sha256 over each tensor's name, shape and a strided sample of
     at most 4096 of its values as float32 (exact, device- and order-independent, cheap for any size;
     `checkpoint.lora.fingerprint`, which a conversion recomputes from the full base)."""
-    from mindspeed_llm.checkpoint import lora as lora_files
+    from mindspeed_llm.checkpoint.lora_base import fingerprint
 
-    return lora_files.fingerprint((name, param) for name, param in lora._core(model).named_parameters()
+    return fingerprint((name, param) for name, param in lora._core(model).named_parameters()
                                   if not param.requires_grad)
 
 
@@ -133,8 +133,8 @@ def base_problem(trained: "LoRATrainableModel", adapter, args) -> Optional[str]:
     """Whether the actor's model is the base `adapter` (--lora-load) was trained on: an adapter checkpoint's
     recorded fingerprints (this rank's own at the adapter's layout and precision, else rank 0 recomputes them from
     the base checkpoint, `checkpoint.lora.BaseCheck`), a PEFT folder's base name. The same answer on every rank."""
-    from mindspeed_llm.checkpoint import lora as lora_files
-    from mindspeed_llm.checkpoint.convert import _checkpoint_info, base_stages
+    from mindspeed_llm.checkpoint import lora_base as lora_files
+    from mindspeed_llm.checkpoint.convert import _checkpoint_info
     from mindspeed_llm.distributed import broadcast_object, gather_messages, is_rank_0
 
     base = f"the actor's model {trained.base}"
@@ -151,7 +151,7 @@ def base_problem(trained: "LoRATrainableModel", adapter, args) -> Optional[str]:
     if is_rank_0():
         check = lora_files.BaseCheck(adapter)
         info = _checkpoint_info(trained.base, None)
-        for full in base_stages(trained.base, False, info["spec"], info["value_head"]):
+        for full in lora_files.base_stages(trained.base, False, info["spec"], info["value_head"]):
             check.add(full)
         problem = check.problem(base)
     return broadcast_object(problem)
