@@ -203,6 +203,22 @@ def _lora(args, iteration):
     return merger
 
 
+def _check_tokenizer_present(tokenizer_dir: str, args) -> None:
+    """A tokenizer folder given by flag must hold a tokenizer: otherwise nothing would be copied, without a word."""
+    from mindspeed_llm.checkpoint.errors import ConversionError
+    from mindspeed_llm.checkpoint.hf_files import TOKENIZER_FILES
+
+    flag = (f"--tokenizer-model {args.tokenizer_model} (its folder {tokenizer_dir})" if args.tokenizer_model
+            else f"--tokenizer-dir {tokenizer_dir}")
+    if not os.path.isdir(tokenizer_dir):
+        raise ConversionError(f"{flag} is not a folder; pass the folder of the model's tokenizer")
+    tokenizer = [n for n in os.listdir(tokenizer_dir) if n.endswith(".tiktoken") or (
+        n in TOKENIZER_FILES and n not in ("generation_config.json", "chat_template.jinja", "chat_template.json"))]
+    if not tokenizer:
+        raise ConversionError(f"{flag} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:6])}, ...), so "
+                              "nothing would be copied; pass the folder of the model's tokenizer, or drop the flag")
+
+
 def _check_tokenizer_fits(tokenizer_dir: str, args) -> None:
     """A tokenizer given with --tokenizer-dir / --tokenizer-model travels with the weights: it must not produce ids
     the model's vocabulary lacks (they would index past the embedding at the first such token)."""
@@ -263,6 +279,7 @@ def run(args) -> None:
     if problem:
         raise ConversionError(problem)
     if tokenizer_dir is not None:
+        _check_tokenizer_present(tokenizer_dir, args)
         _check_tokenizer_fits(tokenizer_dir, args)
     progress = not args.no_progress
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size

@@ -491,6 +491,23 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, capsys):
     assert convert_ckpt.main([*argv, "--save-dir", str(tmp_path / "mg"), "--tokenizer-dir", str(fits)]) == 0
 
 
+def test_a_tokenizer_flag_without_a_tokenizer_is_refused(tmp_path, capsys):
+    """--tokenizer-dir (or --tokenizer-model's folder) without tokenizer files would copy nothing, without a word."""
+    src = save_tiny("llama", tmp_path / "hf", seed=12)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "generation_config.json").write_text("{}")  # copied with a tokenizer, but not one
+    argv = ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(src), "--no-progress",
+            "--save-dir", str(tmp_path / "mg")]
+    for flag, named in (("--tokenizer-dir", f"--tokenizer-dir {empty}"),
+                        ("--tokenizer-model", f"--tokenizer-model {empty} (its folder {empty})")):
+        value = empty
+        assert convert_ckpt.main([*argv, flag, str(value)]) == 1
+        err = capsys.readouterr().err
+        assert f"{named} holds no tokenizer" in err and "nothing would be copied" in err, err
+        assert not (tmp_path / "mg").exists()
+
+
 # ------------------------------------------------------------------------------------------- an adapter's own base
 
 def _convert(*argv):
