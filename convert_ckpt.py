@@ -22,6 +22,10 @@ LoRA adapters (a LoRA run's `<save>/actor` or `<save>/critic`, or a PEFT folder)
     python convert_ckpt.py --load-model-type mg --save-model-type hf --load-dir mg/base --lora-load ckpt/actor \
         --save-lora-to-hf --save-dir hf/adapter             # the adapter alone, as PEFT loads it
 
+An adapter meets only the base it was trained on: an adapter checkpoint's recorded base fingerprints are recomputed
+from --load-dir, a PEFT folder's base_model_name_or_path must name it; another base is refused unless
+--allow-base-mismatch.
+
 MindSpeed-LLM's published commands run as published: --model-type-hf llama2 --add-qkv-bias on a Qwen2.5 folder,
 --lora-r / --lora-alpha / --lora-target-modules beside --lora-load (checked against the adapter), --hf-cfg-dir,
 --tokenizer-model PATH (its folder's tokenizer files are copied, as --tokenizer-dir); flags that change nothing

@@ -110,7 +110,7 @@ def load_adapter(model, adapter) -> None:
 def base_fingerprint(model) -> str:
     """A fingerprint of this rank's frozen weights: sha256 over each tensor's name, shape and a strided sample of
     at most 4096 of its values as float32 (exact, device- and order-independent, cheap for any size;
-    `checkpoint.lora.fingerprint`, which a conversion recomputes from the full base)."""
+    `checkpoint.lora_base.fingerprint`, which a conversion recomputes from the full base)."""
     from mindspeed_llm.checkpoint.lora_base import fingerprint
 
     return fingerprint((name, param) for name, param in lora._core(model).named_parameters()
@@ -129,12 +129,14 @@ def _run_layout(model) -> tuple:
              ep_rank))
 
 
-def base_problem(trained: "LoRATrainableModel", adapter, args) -> Optional[str]:
+def base_problem(trained: "LoRATrainableModel", adapter) -> Optional[str]:
     """Whether the actor's model is the base `adapter` (--lora-load) was trained on: an adapter checkpoint's
     recorded fingerprints (this rank's own at the adapter's layout and precision, else rank 0 recomputes them from
-    the base checkpoint, `checkpoint.lora.BaseCheck`), a PEFT folder's base name. The same answer on every rank."""
+    the base checkpoint, `checkpoint.lora_base.BaseCheck`), a PEFT folder's base name. The same answer on every
+    rank."""
     from mindspeed_llm.checkpoint import lora_base as lora_files
     from mindspeed_llm.checkpoint.convert import _checkpoint_info
+    from mindspeed_llm.checkpoint.errors import ConversionError
     from mindspeed_llm.distributed import broadcast_object, gather_messages, is_rank_0
 
     base = f"the actor's model {trained.base}"
@@ -149,11 +151,14 @@ def base_problem(trained: "LoRATrainableModel", adapter, args) -> Optional[str]:
         return lora_files.base_mismatch(adapter, base) if gather_messages(mine) else None
     problem = None
     if is_rank_0():
-        check = lora_files.BaseCheck(adapter)
-        info = _checkpoint_info(trained.base, None)
-        for full in lora_files.base_stages(trained.base, False, info["spec"], info["value_head"]):
-            check.add(full)
-        problem = check.problem(base)
+        try:
+            check = lora_files.BaseCheck(adapter)
+            info = _checkpoint_info(trained.base, None)
+            for full in lora_files.base_stages(trained.base, False, info["spec"], info["value_head"]):
+                check.add(full)
+            problem = check.problem(base)
+        except (ConversionError, ValueError, OSError) as exc:  # said on every rank, not raised on rank 0 alone
+            problem = f"--lora-load {adapter.source}: {base} cannot be read to check the adapter's base ({exc})"
     return broadcast_object(problem)
 
 
@@ -272,8 +277,8 @@ def trainable(model, args, settings, name: str, **options) -> LoRATrainableModel
         print(f"{name}: {note}", flush=True)
     trained = LoRATrainableModel(model, settings, name=name, **options, base=getattr(model, "loaded_from", ""),
                                  initial_adapter=args.lora_load if adapter is not None else None)
-    problem = base_problem(trained, adapter, args) if adapter is not None else None
-    if problem and not args.allow_base_mismatch:
+    problem = base_problem(trained, adapter) if adapter is not None else None
+    if problem and not getattr(args, "allow_base_mismatch", False):
         raise ArgumentError(problem)
     if problem and is_rank_0():
         print(f"{name}: warning: --allow-base-mismatch: {problem.split('; pass')[0]}", flush=True)
