@@ -7,6 +7,7 @@ It needs torch and safetensors, not megatron.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -286,16 +287,22 @@ def save_hf_weights(state: Dict[str, torch.Tensor], out_dir: str, max_shard_byte
         files = ["model.safetensors"]
     else:
         files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for file, shard in zip(files, shards):
-        write_atomically(os.path.join(out_dir, file), lambda tmp: save_file(shard, tmp, metadata={"format": "pt"}))
-        written.append(file)
-    if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-            "weight_map": {name: file for file, shard in zip(files, shards) for name in shard},
-        }
-        write_json_atomic(os.path.join(out_dir, "model.safetensors.index.json"), index)
-        written.append("model.safetensors.index.json")
+    try:
+        for file, shard in zip(files, shards):
+            write_atomically(os.path.join(out_dir, file), lambda tmp: save_file(shard, tmp, metadata={"format": "pt"}))
+            written.append(file)
+        if len(shards) > 1:
+            index = {
+                "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                "weight_map": {name: file for file, shard in zip(files, shards) for name in shard},
+            }
+            write_json_atomic(os.path.join(out_dir, "model.safetensors.index.json"), index)
+            written.append("model.safetensors.index.json")
+    except OSError:  # a WriteError naming the file: the shards written before it go too (nothing partial stays)
+        for file in written:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(out_dir, file))
+        raise
     return written
 
 

@@ -202,8 +202,9 @@ def _full_disk_safetensors(monkeypatch, after=0):
 
 def test_full_disk_exporting_hugging_face_and_peft_is_one_named_line(tmp_path, monkeypatch, capsys):
     """A full disk while convert_ckpt.py writes Hugging Face weights, or a PEFT adapter (--save-lora-to-hf),
-    is one line naming the file, and leaves no temp file and no config that would make the folder look loadable."""
-    from tests.helpers.convert_checks import write_adapter_checkpoint
+    is one line naming the file, and leaves no temp file, no shard written before it and no config that would make
+    the folder look loadable."""
+    from tests.helpers.convert_checks import hf_tensors, write_adapter_checkpoint
     from tests.helpers.hf_tiny import save_tiny
 
     hf = save_tiny("llama", tmp_path / "hf", seed=5)
@@ -223,6 +224,15 @@ def test_full_disk_exporting_hugging_face_and_peft_is_one_named_line(tmp_path, m
         assert lines == [f"convert_ckpt.py: error: No space left on device writing {out / file}; free space there "
                          "or pass another --save-dir"], err
         assert sorted(p.name for p in out.iterdir()) == [], sorted(p.name for p in out.iterdir())
+    # a sharded export whose second shard hits the full disk: the first shard goes too
+    from mindspeed_llm.checkpoint import hf_files
+
+    monkeypatch.undo()
+    _full_disk_safetensors(monkeypatch, after=1)
+    with pytest.raises(OSError, match=f"No space left on device writing {tmp_path / 'sharded'}/model-00002-of-"):
+        (tmp_path / "sharded").mkdir()
+        hf_files.save_hf_weights(hf_tensors(hf), str(tmp_path / "sharded"), max_shard_bytes=4096)
+    assert list((tmp_path / "sharded").iterdir()) == []
 
 
 def test_a_full_disk_cuts_no_metrics_row_in_half(tmp_path):
