@@ -22,6 +22,10 @@ LoRA adapters (a LoRA run's `<save>/actor` or `<save>/critic`, or a PEFT folder)
     python convert_ckpt.py --load-model-type mg --save-model-type hf --load-dir mg/base --lora-load ckpt/actor \
         --save-lora-to-hf --save-dir hf/adapter             # the adapter alone, as PEFT loads it
 
+An adapter meets only the base it was trained on: an adapter checkpoint's recorded base fingerprints are recomputed
+from --load-dir, a PEFT folder's base_model_name_or_path must name it; another base is refused unless
+--allow-base-mismatch.
+
 MindSpeed-LLM's published commands run as published: --model-type-hf llama2 --add-qkv-bias on a Qwen2.5 folder,
 --lora-r / --lora-alpha / --lora-target-modules beside --lora-load (checked against the adapter), --hf-cfg-dir,
 --tokenizer-model PATH (its folder's tokenizer files are copied, as --tokenizer-dir); flags that change nothing
@@ -82,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-lora-to-hf", action="store_true",
                    help="with --lora-load and --save-model-type hf: write the adapter alone as a PEFT folder "
                         "(adapter_config.json + adapter_model.safetensors, Hugging Face module names)")
+    p.add_argument("--allow-base-mismatch", action="store_true",
+                   help="with --lora-load: apply the adapter even though --load-dir is not the base it was trained "
+                        "on (its recorded base fingerprint, or a PEFT folder's base_model_name_or_path); without it "
+                        "such an adapter is refused")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     published_flags.add_arguments(p)  # MindSpeed-LLM's other conversion flags: checked, ignored or refused
     return p
@@ -150,30 +158,69 @@ def _lora(args, iteration):
     import os
 
     from mindspeed_llm.checkpoint import lora as lora_files
-    from mindspeed_llm.checkpoint import published_flags
+    from mindspeed_llm.checkpoint import lora_base, published_flags
     from mindspeed_llm.checkpoint.convert import _checkpoint_info
     from mindspeed_llm.checkpoint.errors import ConversionError
     from mindspeed_llm.checkpoint.hf_files import read_hf_config
     from mindspeed_llm.models.architecture import ArchitectureSpec
 
     if not args.lora_load:
+        if args.allow_base_mismatch:
+            raise ConversionError("--allow-base-mismatch applies to the adapter of --lora-load: add it or drop the "
+                                  "flag")
         return None
+    info = None
     if args.load_model_type == "mg":
         info = _checkpoint_info(args.load_dir, iteration)
         spec, value_head = info["spec"], info["value_head"]
+        names = lora_base.base_names(args.load_dir, info)
     else:
-        spec, value_head = ArchitectureSpec.from_hf_config(read_hf_config(args.load_dir)), bool(args.orm)
+        config = read_hf_config(args.load_dir)
+        spec, value_head = ArchitectureSpec.from_hf_config(config), bool(args.orm)
+        names = lora_base.base_names(args.load_dir, hf_config=config)
     if args.orm is not None and bool(args.orm) != value_head:
         raise ConversionError(f"--orm: --load-dir {args.load_dir} {'is' if value_head else 'is not'} a value model")
     adapter = lora_files.adapter_for_base(args.lora_load, spec, value_head)
     published_flags.check_adapter(args, adapter)
+    base = f"--load-dir {args.load_dir}"
+    check = lora_base.BaseCheck(adapter) if adapter.shard_bases else None
+    merger = lora_files.Merger(adapter, check, base, allow=args.allow_base_mismatch)
+    if check is None:  # a PEFT folder: its base's name (the shapes are checked as it merges)
+        problem = lora_base.peft_base_problem(adapter, names, base)
+        if problem and not args.allow_base_mismatch:
+            raise ConversionError(problem)
+        if problem:
+            print(f"convert_ckpt.py: warning: --allow-base-mismatch: {problem.split('; pass')[0]}", file=sys.stderr)
     if args.save_lora_to_hf:
         _no_target_layout(args)
         if os.path.abspath(args.save_dir) in (os.path.abspath(args.load_dir), os.path.abspath(args.lora_load)):
             raise ConversionError(f"--save-dir {args.save_dir}: write the PEFT adapter to a folder of its own")
-        lora_files.write_peft(adapter, spec, args.save_dir, base_name=os.path.abspath(args.load_dir))
+        if check is not None:
+            hf_base = args.load_model_type == "hf"
+            for full in lora_base.base_stages(args.load_dir, hf_base, spec, value_head, iteration):
+                check.add(full)
+            merger.check_base()
+        # the Hugging Face model peft loads the adapter onto: the folder a Megatron base was converted from
+        lora_files.write_peft(adapter, spec, args.save_dir,
+                              base_name=(info or {}).get("hf_source") or os.path.abspath(args.load_dir))
         return "written"
-    return lora_files.Merger(adapter)
+    return merger
+
+
+def _check_tokenizer_present(tokenizer_dir: str, args) -> None:
+    """A tokenizer folder given by flag must hold a tokenizer: otherwise nothing would be copied, without a word."""
+    from mindspeed_llm.checkpoint.errors import ConversionError
+    from mindspeed_llm.checkpoint.hf_files import TOKENIZER_FILES
+
+    flag = (f"--tokenizer-model {args.tokenizer_model} (its folder {tokenizer_dir})" if args.tokenizer_model
+            else f"--tokenizer-dir {tokenizer_dir}")
+    if not os.path.isdir(tokenizer_dir):
+        raise ConversionError(f"{flag} is not a folder; pass the folder of the model's tokenizer")
+    tokenizer = [n for n in os.listdir(tokenizer_dir) if n.endswith(".tiktoken") or (
+        n in TOKENIZER_FILES and n not in ("generation_config.json", "chat_template.jinja", "chat_template.json"))]
+    if not tokenizer:
+        raise ConversionError(f"{flag} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:6])}, ...), so "
+                              "nothing would be copied; pass the folder of the model's tokenizer, or drop the flag")
 
 
 def _check_tokenizer_fits(tokenizer_dir: str, args) -> None:
@@ -236,6 +283,7 @@ def run(args) -> None:
     if problem:
         raise ConversionError(problem)
     if tokenizer_dir is not None:
+        _check_tokenizer_present(tokenizer_dir, args)
         _check_tokenizer_fits(tokenizer_dir, args)
     progress = not args.no_progress
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
@@ -260,8 +308,11 @@ def run(args) -> None:
         convert_mg_to_hf(args.load_dir, args.save_dir, params_dtype=args.params_dtype, value_head=args.orm,
                          tokenizer_dir=tokenizer_dir, iteration=iteration, progress=progress,
                          allow_non_finite=args.allow_non_finite, lora=lora)
-        with open(os.path.join(args.save_dir, HF_OUTPUT_MARK), "w") as mark:
-            mark.write("a Hugging Face model written by convert_ckpt.py (it may convert into this folder again)\n")
+        from mindspeed_llm.files import write_text_atomically
+
+        write_text_atomically(os.path.join(args.save_dir, HF_OUTPUT_MARK),
+                              "a Hugging Face model written by convert_ckpt.py (it may convert into this folder "
+                              "again)\n")
     elif args.load_model_type == "mg" and args.save_model_type == "mg":
         convert_mg_to_mg(args.load_dir, args.save_dir, tp=tp, pp=pp, params_dtype=args.params_dtype,
                          iteration=iteration, value_head=args.orm, progress=progress,
@@ -274,9 +325,9 @@ def _os_error(err: OSError, args) -> str:
     """One line for a failed read or write: a full disk and a permission problem named as such, with the fix."""
     import errno
 
-    from mindspeed_llm.checkpoint.megatron_layout import CheckpointWriteError
+    from mindspeed_llm.files import WriteError
 
-    if isinstance(err, CheckpointWriteError) or not err.strerror:  # already a sentence naming the file
+    if isinstance(err, WriteError) or not err.strerror:  # already a sentence naming the file
         text = str(err)
     else:
         text = f"{err.filename or args.save_dir}: {err.strerror}"

@@ -239,6 +239,10 @@ def _add_lora_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-load", metavar="DIR",
                    help="the actor's adapter to continue from: a PEFT folder (adapter_config.json) or an adapter "
                         "checkpoint of a LoRA run (<save>/actor); its r, alpha and targets apply")
+    g.add_argument("--allow-base-mismatch", action="store_true",
+                   help="start from --lora-load even though the actor's model is not the base the adapter was "
+                        "trained on (its recorded base fingerprint, or a PEFT folder's base_model_name_or_path); "
+                        "without it such an adapter is refused by name")
     g.add_argument("--lora-modules-to-save", nargs="+", help=argparse.SUPPRESS)  # refused by name (validate_args)
 
 

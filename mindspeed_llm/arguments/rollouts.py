@@ -60,14 +60,15 @@ def check_multi_turn(run) -> None:
 
 def _schema_names(path: str) -> list:
     """The tool names a tool config's schemas give (without importing its classes)."""
-    import yaml
+    from mindspeed_llm.files import YamlFileError, read_yaml
 
     try:
-        with open(path, encoding="utf-8") as f:
-            entries = (yaml.safe_load(f) or {}).get("tools") or []
+        entries = (read_yaml(path, f"--tool-config {path}", allow_null=lambda keys: True) or {}).get("tools") or []
         return [((e.get("tool_schema") or {}).get("function") or {}).get("name") or e.get("class_name")
                 for e in entries if isinstance(e, dict)]
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError) as exc:
+    except YamlFileError as exc:
+        raise ArgumentError(f"{exc}; give a YAML with a `tools:` list") from None
+    except (OSError, AttributeError) as exc:
         raise ArgumentError(f"--tool-config {path}: cannot be read as a tool config YAML ({exc}); give a YAML with "
                             "a `tools:` list") from None
 

@@ -457,6 +457,8 @@ def _check_lora(args) -> None:
                             "own); drop the flag")
     given = [flag for flag, value in (("--lora-r", args.lora_r), ("--lora-alpha", args.lora_alpha),
                                       ("--lora-dropout", args.lora_dropout)) if value is not None]
+    if args.allow_base_mismatch and not args.lora_load:
+        raise ArgumentError("--allow-base-mismatch applies to the adapter of --lora-load: add it or drop the flag")
     if not args.lora:
         if given:
             raise ArgumentError(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without "

@@ -232,12 +232,16 @@ def _cast(tensors: Dict[str, torch.Tensor], dtype: torch.dtype, value_head: bool
 
 def _write_checkpoint(save_dir: str, stages, spec, tp: int, pp: int, dtype: torch.dtype, value_head: bool,
                       total_layers: int, desc: str, progress: bool, hf_config=None, tokenizer_src=None,
-                      finite: Optional["_FiniteCheck"] = None, ep: int = 1, etp: Optional[int] = None) -> None:
-    """`stages(stage) -> full local tensors of that stage`; writes all TP x PP (x EP) shards, then publishes."""
+                      finite: Optional["_FiniteCheck"] = None, ep: int = 1, etp: Optional[int] = None,
+                      before_publish=None, hf_source: Optional[str] = None) -> None:
+    """`stages(stage) -> full local tensors of that stage`; writes all TP x PP (x EP) shards, then publishes
+    (`before_publish()` may still refuse: nothing is left behind then)."""
     etp = tp if etp is None else etp
     staging = layout.prepare_staging(save_dir, layout.RELEASE)
     bar = _progress(total_layers, desc, progress)
     extra = {"hf_config": hf_config} if hf_config is not None else {}
+    if hf_source:
+        extra["hf_source"] = hf_source  # the Hugging Face folder it came from: a PEFT adapter's base name
     try:
         for stage in range(pp):
             stage_sd = _cast(stages(stage, bar), dtype, value_head, finite)
@@ -255,6 +259,8 @@ def _write_checkpoint(save_dir: str, stages, spec, tp: int, pp: int, dtype: torc
                                               ep_rank=ep_rank, **extra)
                 layout.save_file(payload, layout.shard_path(staging, tp_rank, stage, pp, ep_rank=ep_rank, ep_size=ep))
             del shards
+        if before_publish is not None:
+            before_publish()
     except Exception:
         shutil.rmtree(staging, ignore_errors=True)  # refused (e.g. non-finite weights): leave nothing behind
         raise
@@ -324,9 +330,8 @@ def convert_hf_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, par
 
     _write_checkpoint(save_dir, stage_tensors, spec, tp, pp, dtype, value_head, spec.num_layers,
                       "hf->mg layers", progress, hf_config=config, tokenizer_src=tokenizer_dir or load_dir,
-                      finite=finite, ep=ep, etp=etp)
-    if lora is not None:
-        lora.finish()
+                      finite=finite, ep=ep, etp=etp, before_publish=lora.finish if lora is not None else None,
+                      hf_source=os.path.abspath(load_dir))
     finite.report()
     return spec
 
@@ -469,7 +474,8 @@ def convert_mg_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, par
         return sharding.stage_state_dict(full, spec, pp, stage, value_head)
 
     _write_checkpoint(save_dir, stage_tensors, spec, tp, pp, dtype, value_head, spec.num_layers, "mg->mg layers",
-                      progress, hf_config=info.get("hf_config"), tokenizer_src=load_dir, finite=finite, ep=ep, etp=etp)
+                      progress, hf_config=info.get("hf_config"), tokenizer_src=load_dir, finite=finite, ep=ep, etp=etp,
+                      hf_source=info.get("hf_source"))
     finite.report()
     return spec
 

@@ -7,6 +7,7 @@ It needs torch and safetensors, not megatron.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,7 +16,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 
 from mindspeed_llm.checkpoint.errors import ConversionError
-from mindspeed_llm.checkpoint.megatron_layout import write_atomically
+from mindspeed_llm.files import write_atomically
 
 HF_EMBED = "embed_tokens.weight"
 HF_FINAL_NORM = "norm.weight"
@@ -286,16 +287,22 @@ def save_hf_weights(state: Dict[str, torch.Tensor], out_dir: str, max_shard_byte
         files = ["model.safetensors"]
     else:
         files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for file, shard in zip(files, shards):
-        write_atomically(os.path.join(out_dir, file), lambda tmp: save_file(shard, tmp, metadata={"format": "pt"}))
-        written.append(file)
-    if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-            "weight_map": {name: file for file, shard in zip(files, shards) for name in shard},
-        }
-        write_json_atomic(os.path.join(out_dir, "model.safetensors.index.json"), index)
-        written.append("model.safetensors.index.json")
+    try:
+        for file, shard in zip(files, shards):
+            write_atomically(os.path.join(out_dir, file), lambda tmp: save_file(shard, tmp, metadata={"format": "pt"}))
+            written.append(file)
+        if len(shards) > 1:
+            index = {
+                "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                "weight_map": {name: file for file, shard in zip(files, shards) for name in shard},
+            }
+            write_json_atomic(os.path.join(out_dir, "model.safetensors.index.json"), index)
+            written.append("model.safetensors.index.json")
+    except OSError:  # a WriteError naming the file: the shards written before it go too (nothing partial stays)
+        for file in written:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(out_dir, file))
+        raise
     return written
 
 
@@ -318,13 +325,10 @@ def remove_hf_weights(out_dir: str) -> List[str]:
 
 
 def write_json_atomic(path: str, data) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """`data` as JSON in `path` (`files.write_atomically`: a failed write names the file, leaves no temp file)."""
+    from mindspeed_llm.files import write_text_atomically
+
+    write_text_atomically(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 def copy_tokenizer_files(src: str, dst: str) -> List[str]:
@@ -336,8 +340,7 @@ def copy_tokenizer_files(src: str, dst: str) -> List[str]:
         return copied
     for name in sorted(os.listdir(src)):
         if name in TOKENIZER_FILES or name.endswith(".tiktoken"):
-            tmp = os.path.join(dst, f".{name}.tmp")
-            shutil.copyfile(os.path.join(src, name), tmp)
-            os.replace(tmp, os.path.join(dst, name))
+            source = os.path.join(src, name)
+            write_atomically(os.path.join(dst, name), lambda tmp, source=source: shutil.copyfile(source, tmp))
             copied.append(name)
     return copied

@@ -13,6 +13,9 @@ each shard's `model` holds only the trained tensors, and `lora` holds the config
 base checkpoint the adapters were trained on (its path and a fingerprint of its weights) and whether it is a value
 model.
 
+An adapter checkpoint records its base's fingerprint per shard; `lora_base.py` checks it (and a PEFT folder's base
+name) wherever an adapter is applied.
+
 PEFT (`adapter_config.json` + `adapter_model.safetensors`, Hugging Face module names): Megatron fuses q / k / v
 into `linear_qkv` and gate / up into `linear_fc1`, each with ONE adapter, so an export writes that adapter's A to
 each of `q_proj`, `k_proj`, `v_proj` (resp. `gate_proj`, `up_proj`) and gives each its rows of B: the same function.
@@ -122,12 +125,17 @@ def merge_into(full_base: Dict[str, torch.Tensor], adapter: Dict[str, torch.Tens
 # ------------------------------------------------------------------------------------------- adapter checkpoints
 class Adapter:
     """A full adapter: its config (`models.lora.LoRAConfig`), tensors (global names), the ArchitectureSpec it belongs to
-    (None for a PEFT folder, which does not carry one), whether it is a value model's, and where it came from."""
+    (None for a PEFT folder, which does not carry one), whether it is a value model's, and where it came from.
+    `base`: an adapter checkpoint's recorded base ({"path", "fingerprint"} of its first shard), a PEFT folder's
+    {"name": base_model_name_or_path}; an adapter checkpoint also keeps each shard's (`shard_bases`, keyed
+    (tp_rank, pp_rank, ep_rank)), its layout (tp, pp, ep, etp) and the precision it trained in."""
 
     def __init__(self, config, tensors: Dict[str, torch.Tensor], spec=None, value_head: bool = False,
-                 source: str = "", base: Optional[dict] = None):
+                 source: str = "", base: Optional[dict] = None, shard_bases: Optional[dict] = None,
+                 layout: Optional[tuple] = None, params_dtype: Optional[torch.dtype] = None):
         self.config, self.tensors, self.spec, self.value_head = config, tensors, spec, value_head
         self.source, self.base = source, base or {}
+        self.shard_bases, self.layout, self.params_dtype = shard_bases or {}, layout, params_dtype
 
     @property
     def scaling(self) -> float:
@@ -167,13 +175,16 @@ def read_checkpoint(root: str, iteration=None) -> Adapter:
         raise ConversionError(f"{root} is neither a PEFT adapter folder ({PEFT_CONFIG}) nor an adapter checkpoint "
                               f"of a LoRA run ({exc})") from None
     shards = {}
-    meta = spec = None
+    meta = spec = dtype = None
+    bases = {}
     for t, p, e in layout.expected_shards(tp, pp, ep, etp):
         payload = layout.load_file(layout.shard_path(path, t, p, pp, e, ep), weights_only=False)
         if "lora" not in payload:
             raise ConversionError(f"{root} holds full weights, not LoRA adapters (its shards have no 'lora' entry); "
                                   "pass it as --load-dir, or the --save of a LoRA run as --lora-load")
         meta = payload["lora"]
+        bases[(t, p, e)] = meta.get("base") or {}
+        dtype = getattr(payload.get("args"), "params_dtype", None)
         spec = ArchitectureSpec.from_dict(payload["model_spec"])
         shards[(t, p, e)] = payload["model"]
     local_experts = spec.num_experts // ep if spec.is_moe else 0
@@ -196,8 +207,10 @@ def read_checkpoint(root: str, iteration=None) -> Adapter:
         parts = [tuple(ranks[t]) for t in tps]
         a, b = merge_ranks(module, parts) if len(parts) > 1 else parts[0]
         full[module + A_SUFFIX], full[module + B_SUFFIX] = a, b
-    return Adapter(LoRAConfig.from_dict(meta["config"]), full, spec, bool(meta.get("value_head")), root,
-                   meta.get("base"))
+    first = bases[min(bases)]
+    return Adapter(LoRAConfig.from_dict(meta["config"]), full, spec, bool(meta.get("value_head")), root, first,
+                   shard_bases={k: v for k, v in bases.items() if v.get("fingerprint")}, layout=(tp, pp, ep, etp),
+                   params_dtype=dtype if isinstance(dtype, torch.dtype) else None)
 
 
 # ------------------------------------------------------------------------------------------- PEFT names
@@ -272,11 +285,14 @@ def write_peft(adapter: Adapter, spec, out_dir: str, base_name: Optional[str] = 
     """`adapter_config.json` + `adapter_model.safetensors` in `out_dir` (the weights first, the config last)."""
     from safetensors.torch import save_file
 
+    from mindspeed_llm.files import write_atomically
+
     state, peft_config = to_peft(adapter, spec, base_name)
     os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, f".{PEFT_WEIGHTS[0]}.tmp")
-    save_file(state, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(out_dir, PEFT_WEIGHTS[0]))
+    stale = os.path.join(out_dir, PEFT_CONFIG)
+    if os.path.exists(stale):
+        os.remove(stale)  # the config goes back last: a failed export never looks loadable
+    write_atomically(os.path.join(out_dir, PEFT_WEIGHTS[0]), lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     hf_files.write_json_atomic(os.path.join(out_dir, PEFT_CONFIG), peft_config)
     return [PEFT_WEIGHTS[0], PEFT_CONFIG]
 
@@ -354,7 +370,7 @@ def read_peft(path: str, spec):
         full[megatron_names.OUTPUT] = score.float()
     lora_config = LoRAConfig(r=r, alpha=ours * r, dropout=float(config.get("lora_dropout") or 0.0),
                              target_modules=tuple(t for t in _TARGET_ORDER if t in targets), ranks=ranks)
-    return Adapter(lora_config, full, None, value_head, path)
+    return Adapter(lora_config, full, None, value_head, path, {"name": config.get("base_model_name_or_path")})
 
 
 _TARGET_ORDER = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj",
@@ -448,16 +464,33 @@ def adapter_for_base(path: str, spec, value_head: bool, iteration=None) -> Adapt
 
 class Merger:
     """Merges an adapter into the full tensors of a conversion as they stream by (one pipeline stage at a time);
-    `finish()` checks that every adapter found its weight."""
+    `finish()` checks that every adapter found its weight, and with `base_check` (a `lora_base.BaseCheck`) that the weights it
+    saw before the merge are the base the adapter was trained on (`base`: how to name them; `allow`:
+    --allow-base-mismatch, a warning instead)."""
 
-    def __init__(self, adapter: Adapter):
+    def __init__(self, adapter: Adapter, base_check=None, base: str = "",
+                 allow: bool = False):
         self.adapter = adapter
         self.done: set = set()
+        self.base_check, self.base, self.allow = base_check, base, allow
 
     def __call__(self, full: Dict[str, torch.Tensor]) -> None:
+        if self.base_check is not None:
+            self.base_check.add(full)
         self.done.update(merge_into(full, self.adapter.tensors, self.adapter.scaling, strict=False))
 
+    def check_base(self) -> None:
+        problem = self.base_check.problem(self.base) if self.base_check is not None else None
+        if problem is None:
+            return
+        if not self.allow:
+            raise ConversionError(problem)
+        import logging
+
+        logging.getLogger("mindspeed_llm.checkpoint").warning("--allow-base-mismatch: %s", problem.split("; pass")[0])
+
     def finish(self) -> None:
+        self.check_base()
         wanted = {m + ".weight" for m in modules(self.adapter.tensors)}
         if self.adapter.value_head:
             wanted.add(megatron_names.OUTPUT)

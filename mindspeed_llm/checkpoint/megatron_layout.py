@@ -48,7 +48,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 import torch
 
 from mindspeed_llm.errors import UserError
-from mindspeed_llm.files import fsync_dir
+from mindspeed_llm import files
+from mindspeed_llm.files import WriteError, fsync_dir
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILE = "model_optim_rng.pt"
@@ -176,13 +177,16 @@ def write_latest(root: str, iteration: Iteration) -> None:
     """Point the tracker file at `iteration` ('release' or an int): temp file, fsync, os.replace."""
     root = os.fspath(root)
     text = RELEASE if iteration == RELEASE else str(int(iteration))
-    tmp = os.path.join(root, f".{TRACKER_FILE}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text + "\n")
+    files.write_atomically(os.path.join(root, TRACKER_FILE), lambda tmp: _write_synced(tmp, text + "\n"),
+                           error=CheckpointWriteError)
+    fsync_dir(root)
+
+
+def _write_synced(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, TRACKER_FILE))
-    fsync_dir(root)
 
 
 def remove_latest(root: str) -> None:
@@ -379,32 +383,19 @@ def load_shard(root: str, tp_rank: int, pp_rank: int, iteration: Optional[Iterat
                      mmap)
 
 
-class CheckpointWriteError(OSError):
+class CheckpointWriteError(WriteError):
     """A checkpoint file could not be written; the message names the file and the cause (a full disk by name)."""
 
 
 def write_error_message(path: str, exc: BaseException) -> str:
-    """One line for a failed write of `path`: a full disk is named as such (torch's zip writer reports it as an
-    'unexpected pos' RuntimeError), as is a permission problem."""
-    text = str(exc)
-    if getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in text or "unexpected pos" in text:
-        return f"No space left on device writing {path}"
-    if isinstance(exc, PermissionError):
-        return f"permission denied writing {path}"
-    return f"cannot write {path} ({exc})"
+    """One line for a failed write of `path` (`files.write_error_message`)."""
+    return files.write_error_message(path, exc)
 
 
 def write_atomically(path: str, write) -> None:
     """`write(tmp)` to a temp name beside `path`, then renamed into place; a failure removes the temp file and raises
-    `CheckpointWriteError` naming `path` (the previous file, if any, stays)."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
-    try:
-        write(tmp)
-    except (OSError, RuntimeError) as exc:  # torch and safetensors report a full disk as a RuntimeError
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise CheckpointWriteError(write_error_message(path, exc)) from exc
-    os.replace(tmp, path)
+    `CheckpointWriteError` naming `path` (the previous file, if any, stays): `files.write_atomically`."""
+    files.write_atomically(path, write, error=CheckpointWriteError)
 
 
 def save_file(payload: Dict[str, Any], path: str) -> None:
@@ -486,7 +477,7 @@ def make_payload(model_state: Dict[str, Any], spec, tp: int, pp: int, tp_rank: i
 def checkpoint_info(root: str, iteration: Optional[Iteration] = None) -> Dict[str, Any]:
     """What a checkpoint is, read from its first shard without loading tensors (mmap):
     {'dir', 'iteration', 'tp', 'pp', 'ep', 'etp', 'spec' (ArchitectureSpec), 'params_dtype', 'value_head', 'hf_config',
-    'lora' (whether it holds LoRA adapters only)}."""
+    'hf_source', 'lora' (whether it holds LoRA adapters only)}."""
     from mindspeed_llm.models.architecture import ArchitectureSpec
 
     path, iteration = resolve_dir(root, iteration)
@@ -517,6 +508,7 @@ def checkpoint_info(root: str, iteration: Optional[Iteration] = None) -> Dict[st
         "params_dtype": dtype if isinstance(dtype, torch.dtype) else torch.float32,
         "value_head": bool(get("value_head", False)),
         "hf_config": payload.get("hf_config"),
+        "hf_source": payload.get("hf_source"),  # the Hugging Face folder convert_ckpt.py read (checkpoint/lora.py)
         "lora": payload.get("lora") is not None,  # a LoRA run's checkpoint: adapters only (checkpoint/lora.py)
     }
 

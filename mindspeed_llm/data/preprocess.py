@@ -89,15 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
-    import yaml
+    from mindspeed_llm.files import YamlFileError, read_yaml
 
-    try:
-        with open(path, encoding="utf-8") as f:
-            cfg = yaml.safe_load(f) or {}
+    try:  # strictly: not UTF-8 / not YAML / a key twice / a key without a value are named with the line
+        cfg = read_yaml(path, f"--config {path}") or {}
     except FileNotFoundError:
         raise DataError(f"--config {path} does not exist") from None
-    except yaml.YAMLError as e:
-        raise DataError(f"--config {path} is not valid YAML: {e}") from None
+    except YamlFileError as e:
+        raise DataError(str(e)) from None
     if not isinstance(cfg, dict):
         raise DataError(f"--config {path} must be a mapping of flag names to values")
     dests = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}

@@ -124,6 +124,20 @@ class PromptDataset:
     def __len__(self) -> int:
         return self._len
 
+    def check_prompts(self, flag: str) -> None:
+        """RL generates the response itself: a dataset made for SFT (its input_ids hold prompt + response, its
+        token-level labels mark the response: `AlpacaStyleInstructionHandler`) would put the reference answers
+        inside the prompts. Refused naming `flag`, the handler that made it and the ones to use."""
+        if "labels" not in self.packed_keys:
+            return
+        handler = self.meta.get("handler") or "an SFT handler"
+        raise DataError(
+            f"{flag} {self.prefix}: this dataset was made by {handler} for SFT: its input_ids hold each prompt with "
+            "its response, so RL would train on prompts that contain their reference answers. Preprocess the data "
+            "again with --handler-name R1AlpacaStyleInstructionHandler (the answer kept as a label for the "
+            "verifiers: --map-keys '{\"labels\": ...}') or PPOAlpacaStyleInstructionHandler (prompts for a reward "
+            "model)")
+
     def __getitem__(self, index: int) -> Dict:
         i = int(index)
         if i < 0:

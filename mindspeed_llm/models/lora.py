@@ -187,6 +187,8 @@ class LoRAAdapter(torch.nn.Module):
                              "1; a mixture of experts at TP > 1 trains under --sequence-parallel)")
         weight = base.weight
         fan_in = base.input_size
+        # the full linear's widths: B A has rank at most min(in, out) (`rl/lora.rank_note`)
+        self.in_features, self.out_features = int(base.input_size), int(base.output_size)
         bound = 1.0 / math.sqrt(fan_in)
         full_a = torch.empty(rank, fan_in, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
         tp_rank = base.tp_group.rank() if self.tp_size > 1 else 0

@@ -11,12 +11,14 @@ never shares one with a training rollout)."""
 from __future__ import annotations
 
 import csv
+import io
 import os
 import re
 from dataclasses import replace
 from typing import Dict, List, Optional, Sequence
 
 from mindspeed_llm import distributed
+from mindspeed_llm.files import append_line, write_text_atomically
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.metrics import Timers
 from mindspeed_llm.rl.metrics.pass_at_k import PromptResult, summarize
@@ -198,14 +200,18 @@ class EvalTable:
                 kept = [row for row in csv.reader(f) if len(row) == 4 and row[0].isdigit()
                         and int(row[0]) <= keep_through]
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        self._file = open(path, "w", newline="", encoding="utf-8")
-        self._writer = csv.writer(self._file)
-        self._writer.writerows([self.HEADER, *kept])
-        self._file.flush()
+        write_text_atomically(path, self._text([self.HEADER, *kept]))
+        self._file = open(path, "a", newline="", encoding="utf-8")
+
+    @staticmethod
+    def _text(rows) -> str:
+        out = io.StringIO()
+        csv.writer(out).writerows(rows)
+        return out.getvalue()
 
     def write(self, iteration: int, rows) -> None:
-        self._writer.writerows([(int(iteration), s, m, repr(float(v))) for s, m, v in rows])
-        self._file.flush()
+        # a failed write (a full disk) names the file and leaves no half row (`files.append_line`)
+        append_line(self._file, self._text([(int(iteration), s, m, repr(float(v))) for s, m, v in rows]))
 
     def close(self) -> None:
         self._file.close()

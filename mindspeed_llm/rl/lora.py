@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import os
 from dataclasses import replace
 from typing import Optional
@@ -111,17 +110,75 @@ def load_adapter(model, adapter) -> None:
 def base_fingerprint(model, frozen_only: bool = True) -> str:
     """A fingerprint of this rank's frozen weights (all of them without `frozen_only`: a full-weight role's
     initial weights, `checkpoint/run_record.py`): sha256 over each tensor's name, shape and a strided sample of
-    at most 4096 of its values as float32 (exact, device- and order-independent, cheap for any size)."""
-    digest = hashlib.sha256()
-    for name, param in sorted(lora._core(model).named_parameters()):
-        if frozen_only and param.requires_grad:
-            continue
-        flat = param.detach().reshape(-1)
-        # a copy: `.numpy()` of a view would mark the weight's own storage non-resizable (offload resizes it)
-        sample = flat[::max(1, flat.numel() // 4096)][:4096].float().cpu().clone()
-        digest.update(f"{name}:{tuple(param.shape)}:".encode())
-        digest.update(sample.numpy().tobytes())
-    return digest.hexdigest()
+    at most 4096 of its values as float32 (exact, device- and order-independent, cheap for any size;
+    `checkpoint.lora_base.fingerprint`, which a conversion recomputes from the full base)."""
+    from mindspeed_llm.checkpoint.lora_base import fingerprint
+
+    return fingerprint((name, param) for name, param in lora._core(model).named_parameters()
+                       if not (frozen_only and param.requires_grad))
+
+
+def _run_layout(model) -> tuple:
+    from megatron.core import parallel_state
+
+    from mindspeed_llm.checkpoint.megatron_layout import model_expert_layout
+
+    ep, etp, ep_rank = model_expert_layout(lora._core(model))
+    return ((parallel_state.get_tensor_model_parallel_world_size(),
+             parallel_state.get_pipeline_model_parallel_world_size(), ep, etp),
+            (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
+             ep_rank))
+
+
+def base_problem(trained: "LoRATrainableModel", adapter) -> Optional[str]:
+    """Whether the actor's model is the base `adapter` (--lora-load) was trained on: an adapter checkpoint's
+    recorded fingerprints (this rank's own at the adapter's layout and precision, else rank 0 recomputes them from
+    the base checkpoint, `checkpoint.lora_base.BaseCheck`), a PEFT folder's base name. The same answer on every
+    rank."""
+    from mindspeed_llm.checkpoint import lora_base as lora_files
+    from mindspeed_llm.checkpoint.convert import _checkpoint_info
+    from mindspeed_llm.checkpoint.errors import ConversionError
+    from mindspeed_llm.distributed import broadcast_object, gather_messages, is_rank_0
+
+    base = f"the actor's model {trained.base}"
+    if not adapter.shard_bases:
+        info = _checkpoint_info(trained.base, None) if trained.base else None
+        names = lora_files.base_names(trained.base, info) if trained.base else []
+        return lora_files.peft_base_problem(adapter, names, base) if names else None
+    layout, ranks = _run_layout(trained.module)
+    if layout == adapter.layout and adapter.params_dtype == lora._core(trained.module).config.params_dtype:
+        recorded = adapter.shard_bases.get(ranks, {}).get("fingerprint")
+        mine = None if recorded in (None, trained.fingerprint) else "differs"
+        return lora_files.base_mismatch(adapter, base) if gather_messages(mine) else None
+    problem = None
+    if is_rank_0():
+        try:
+            check = lora_files.BaseCheck(adapter)
+            info = _checkpoint_info(trained.base, None)
+            for full in lora_files.base_stages(trained.base, False, info["spec"], info["value_head"]):
+                check.add(full)
+            problem = check.problem(base)
+        except (ConversionError, ValueError, OSError) as exc:  # said on every rank, not raised on rank 0 alone
+            problem = f"--lora-load {adapter.source}: {base} cannot be read to check the adapter's base ({exc})"
+    return broadcast_object(problem)
+
+
+def rank_note(model) -> Optional[str]:
+    """A line naming the adapted linears whose rank is above what they can use (min(in, out) of the full linear:
+    B A has at most that rank); None when every rank fits."""
+    over = {}
+    for local, adapter in lora.adapters(model).items():
+        width = min(adapter.in_features, adapter.out_features)
+        if adapter.rank > width:
+            leaf = local.rsplit(".", 1)[-1]
+            over.setdefault((leaf, adapter.in_features, adapter.out_features, adapter.rank), 0)
+            over[(leaf, adapter.in_features, adapter.out_features, adapter.rank)] += 1
+    if not over:
+        return None
+    listed = "; ".join(f"{leaf} ({count} on this rank, {n_in} -> {n_out}: rank at most {min(n_in, n_out)}, "
+                       f"given {rank})" for (leaf, n_in, n_out, rank), count in sorted(over.items()))
+    return (f"note: the LoRA rank is above what these linears can use, so part of each adapter is redundant: "
+            f"{listed}; a --lora-r at most their width trains the same updates with fewer parameters")
 
 
 class LoRATrainableModel(TrainableModel):
@@ -214,8 +271,19 @@ def trainable(model, args, settings, name: str, **options) -> LoRATrainableModel
         raise ArgumentError(f"the {name}: {exc}") from None
     if adapter is not None:
         load_adapter(model, adapter)
-    return LoRATrainableModel(model, settings, name=name, **options, base=getattr(model, "loaded_from", ""),
-                              initial_adapter=args.lora_load if adapter is not None else None)
+    from mindspeed_llm.distributed import is_rank_0
+
+    note = rank_note(model)
+    if note and is_rank_0():
+        print(f"{name}: {note}", flush=True)
+    trained = LoRATrainableModel(model, settings, name=name, **options, base=getattr(model, "loaded_from", ""),
+                                 initial_adapter=args.lora_load if adapter is not None else None)
+    problem = base_problem(trained, adapter) if adapter is not None else None
+    if problem and not getattr(args, "allow_base_mismatch", False):
+        raise ArgumentError(problem)
+    if problem and is_rank_0():
+        print(f"{name}: warning: --allow-base-mismatch: {problem.split('; pass')[0]}", flush=True)
+    return trained
 
 
 class SharedBase:

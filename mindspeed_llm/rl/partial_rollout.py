@@ -252,10 +252,7 @@ class PartialRollouts:
         from the stream of the iteration its group started in (`Continuation.iteration`), tokens or none yet."""
         todo = [(g, s) for g in groups for s in g.samples if s.reason is None]
         prompts = [[int(t) for t in g.row["input_ids"]] for g, _ in todo]
-        if self.toolbox is not None:
-            whole = [self.toolbox.trajectory_budget(len(p)) for p in prompts]
-        else:
-            whole = self.sampling.response_budgets([len(p) for p in prompts])
+        whole = self._whole_budgets([len(p) for p in prompts])
         budgets = [min(w, len(s.response) + self.step_tokens) for w, (_, s) in zip(whole, todo)]
         continuations = [Continuation(list(s.response), s.log_probs if s.response else [], g.started,
                                       observed=tuple(s.observed), turn_start=s.turn_start) for g, s in todo]
@@ -275,6 +272,17 @@ class PartialRollouts:
                 s.turn_start = result.continuations[b].turn_start if reason == "unfinished" else 0
             if not cut and result.routing is not None:
                 s.routing = result.routing[b, :, :len(prompts[b]) + length].cpu()
+
+    def _whole_budgets(self, prompt_lengths: List[int]) -> List[int]:
+        """Each sample's whole response budget (--max-new-tokens, or a trajectory's --max-total-response-length,
+        within --max-length)."""
+        if self.toolbox is not None:
+            return [self.toolbox.trajectory_budget(n) for n in prompt_lengths]
+        return self.sampling.response_budgets(prompt_lengths)
+
+    @property
+    def _budget_flag(self) -> str:
+        return "--max-total-response-length" if self.toolbox is not None else "--max-new-tokens"
 
     def _generate_with_tools(self, iteration, todo, prompts, sample_ids, continuations, budgets, whole) -> Rollout:
         """One round of trajectories: each continues with its counts so far, which it keeps (every rank alike)."""
@@ -338,7 +346,28 @@ class PartialRollouts:
         """What a resume needs (a collective over the DP group: call it on every rank): the finished groups and every
         DP rank's carried ones, as plain lists (and the finished samples' host routing tensors)."""
         return {"group_size": self.group_size, "ready": [_group_state(g) for g in self.ready],
-                "carried": self.gather([_group_state(g) for g in self.carried])}
+                "carried": self.gather([_group_state(g) for g in self.carried]),
+                "budget": {"flag": self._budget_flag, "tokens": self._whole_budgets([0])[0]}}
+
+    def _check_budgets(self, state: dict) -> None:
+        """Every saved response (carried or finished, of every rank: all ranks decide alike) must fit its budget in
+        this run: a smaller --max-new-tokens than the responses already generated is refused naming both values
+        (continuing such a sample would ask the engine for fewer tokens than it holds)."""
+        groups = list(state["ready"]) + [g for rank in state["carried"] for g in rank]
+        over = []
+        for g in groups:
+            budget = self._whole_budgets([len(g["row"]["input_ids"])])[0]
+            over += [(len(s["response"]), budget) for s in g["samples"] if len(s["response"]) > budget]
+        if not over:
+            return
+        longest = max(n for n, _ in over)
+        saved = state.get("budget") or {}
+        was = f", generated under {saved['flag']} {saved['tokens']}" if saved.get("tokens") else ""
+        flag = self._budget_flag
+        raise ArgumentError(
+            f"{flag} {self._whole_budgets([0])[0]}: the checkpoint's partial rollouts hold {len(over)} responses "
+            f"longer than this run's budget for them (up to {longest} tokens{was}); resume with {flag} "
+            f"{saved.get('tokens') or longest} (at least {longest}, within --max-length)")
 
     def load_state_dict(self, state: dict) -> Optional[str]:
         """Restores `state_dict()`'s buffers: this rank's carried groups at the saved DP size, or, at another one,
@@ -347,6 +376,7 @@ class PartialRollouts:
             raise ArgumentError(f"--n-samples-per-prompt {self.group_size}: the checkpoint's partial rollouts hold "
                                 f"groups of {state['group_size']} samples; resume with --n-samples-per-prompt "
                                 f"{state['group_size']}")
+        self._check_budgets(state)
         self.ready = [_group_from_state(g) for g in state["ready"]]
         saved = state["carried"]
         if len(saved) == self.dp_size:

@@ -109,13 +109,19 @@ def _gather_to_logger(metrics: Dict[str, float]) -> Dict[str, float]:
 def _eval_sets(data: DataSettings):
     """--eval-data-path's held-out sets as (name, dataset) pairs (name None: the unnamed set); None without
     --eval-interval."""
-    return [(name, PromptDataset(prefix)) for name, prefix in data.eval_sets] if data.eval_interval else None
+    if not data.eval_interval:
+        return None
+    sets = [(name, PromptDataset(prefix)) for name, prefix in data.eval_sets]
+    for _, dataset in sets:
+        dataset.check_prompts("--eval-data-path")
+    return sets
 
 
 def _prompt_sets(data: DataSettings):
     """The training prompts and the held-out sets, (name, dataset) pairs (None: no evaluation): --eval-data-path's,
     or --split's valid part of --data-path, unnamed (the training sampler then sees only the train part)."""
     dataset = PromptDataset(data.data_path)
+    dataset.check_prompts("--data-path")
     weights = data.split_weights
     if weights is None:
         return dataset, (_eval_sets(data) if data.eval_data_path else None)

@@ -14,7 +14,7 @@ from mindspeed_llm.arguments import build_parser
 from mindspeed_llm.run_config.mapping import resolve
 from mindspeed_llm.run_config.reader import ConfigReader, RoleKeys
 from mindspeed_llm.run_config.tables import (
-    CUSTOM_REWARD, EXCLUSIVE, GENERATE, MEGATRON, RL, ROLE_SECTIONS, SECTIONS, ConfigError, Slot,
+    CUSTOM_REWARD, DOCUMENTED_NULLS, EXCLUSIVE, GENERATE, MEGATRON, RL, ROLE_SECTIONS, SECTIONS, ConfigError, Slot,
 )
 
 
@@ -35,18 +35,24 @@ class RunConfig:
         return "\n".join(lines)
 
 
+def _null_means_something(keys) -> bool:
+    """A section left empty (an empty section), or a key whose null is documented (`tables.DOCUMENTED_NULLS`)."""
+    return len(keys) == 1 or any(tuple(keys[-len(k):]) == k for k in DOCUMENTED_NULLS)
+
+
 def _load_yaml(path: str):
-    import yaml
+    """The file's mapping, read strictly (`files.read_yaml`: not UTF-8, not YAML, a key given twice, a key without
+    a value are refused with the line); a section left empty is an empty section."""
+    from mindspeed_llm.files import YamlFileError, read_yaml
 
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        data = read_yaml(path, f"--config {path}", allow_null=_null_means_something)
     except FileNotFoundError:
         raise ConfigError(f"--config {path} does not exist") from None
     except IsADirectoryError:
         raise ConfigError(f"--config {path} is a directory; pass a YAML file") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--config {path} is not valid YAML: {exc}") from None
+    except YamlFileError as exc:
+        raise ConfigError(str(exc)) from None
     return {} if data is None else data
 
 

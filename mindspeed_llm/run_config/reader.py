@@ -93,7 +93,7 @@ class ConfigReader:
                 hint = f" (did you mean '{near[0]}'?)" if near else \
                     f"; the known keys of '{section}' are: {', '.join(known)}"
                 raise ConfigError(f"--config {self.path}: unknown key '{key}' in section '{section}'{hint}")
-            if value is None:  # `key:` or `key: null`: not set
+            if value is None:  # a section left empty (a key without a value is refused as the file is read)
                 continue
             if isinstance(entry, Nested):
                 out += self.entries(where, value, entry.table)

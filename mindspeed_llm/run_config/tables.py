@@ -162,6 +162,9 @@ LORA = {"lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_loa
 # verl's custom_reward_function ({path, name, reward_kwargs}; MindSpeed-RL has no such key): under rl_config, or as
 # a top-level section of that name as verl writes it -> --custom-reward-function PATH:NAME (mapping.py). verl's
 # default, `path: null`, sets nothing.
+# Keys whose null means something documented (the file's last keys; any other null is refused as the file is read,
+# `loader._load_yaml`): verl's `custom_reward_function.path: null`, no function.
+DOCUMENTED_NULLS = (("custom_reward_function", "path"),)
 CUSTOM_REWARD: Dict[str, Any] = {
     "path": Slot("custom_reward_path", "path"),
     "name": Slot("custom_reward_name", "name"),

@@ -279,9 +279,18 @@ def resume_runs(task, tmp_path_factory):
                                                                   "--lora-target-modules", "linear_qkv"],
                                    load=grpo_save, lora=False),
         "flag_vs_adapter": _argv_iters(task, "grpo", root / "e4", 1, ["--lora-r", "8"]),
-        "other_base": _argv_iters(task, "grpo", root / "e5", 2, ["--bf16", "--ref-model", task["other_actor"]],
-                                  load=grpo_save),
+        # past the --lora-load base check (--allow-base-mismatch): the resume's own check of the trained adapters
+        "other_base": _argv_iters(task, "grpo", root / "e5", 2, ["--bf16", "--ref-model", task["other_actor"],
+                                                                 "--allow-base-mismatch"], load=grpo_save),
+        # --lora-load onto another model of the same shape: a PEFT folder naming its base, an adapter checkpoint's
+        # recorded fingerprints (this rank's, at the adapter's layout and precision)
+        "peft_other_base": _argv_iters(task, "grpo", root / "e6", 1, ["--ref-model", task["other_actor"]]),
+        "adapter_other_base": _argv_iters(task, "grpo", root / "e7", 1, [
+            "--bf16", "--lora-load", str(grpo_save / "actor"), "--ref-model", task["other_actor"]], lora=False),
     }
+    # its own base, in another precision than it trained in: its fingerprints recomputed from the base checkpoint
+    add("grpo/adapter_own_base_fp32", _argv_iters(task, "grpo", root / "own_base", 1, [
+        "--lora-load", str(grpo_save / "actor")], lora=False))
     for label, argv in errors.items():
         add(f"error/{label}", argv)
     results = run_distributed(_stage_body, 1, runs)[0]
@@ -399,6 +408,8 @@ def test_zero_adapters_first_iteration_equals_full_run(resume_runs, stage):
     ("other_flags", "--lora-target-modules"),
     ("flag_vs_adapter", "--lora-r 8 does not match the adapter of --lora-load"),
     ("other_base", "trained on another base model"),
+    ("peft_other_base", "its adapter_config.json names the base"),
+    ("adapter_other_base", "its adapters were trained on"),
 ])
 def test_lora_checkpoint_errors_name_the_problem(resume_runs, label, message):
     _, results = resume_runs

@@ -489,3 +489,91 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, capsys):
     assert f"--tokenizer-dir {big} has 1000 tokens but the model's vocabulary has 256" in err
     assert not (tmp_path / "mg").exists()
     assert convert_ckpt.main([*argv, "--save-dir", str(tmp_path / "mg"), "--tokenizer-dir", str(fits)]) == 0
+
+
+def test_a_tokenizer_flag_without_a_tokenizer_is_refused(tmp_path, capsys):
+    """--tokenizer-dir (or --tokenizer-model's folder) without tokenizer files would copy nothing, without a word."""
+    src = save_tiny("llama", tmp_path / "hf", seed=12)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "generation_config.json").write_text("{}")  # copied with a tokenizer, but not one
+    argv = ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(src), "--no-progress",
+            "--save-dir", str(tmp_path / "mg")]
+    for flag, named in (("--tokenizer-dir", f"--tokenizer-dir {empty}"),
+                        ("--tokenizer-model", f"--tokenizer-model {empty} (its folder {empty})")):
+        value = empty
+        assert convert_ckpt.main([*argv, flag, str(value)]) == 1
+        err = capsys.readouterr().err
+        assert f"{named} holds no tokenizer" in err and "nothing would be copied" in err, err
+        assert not (tmp_path / "mg").exists()
+
+
+# ------------------------------------------------------------------------------------------- an adapter's own base
+
+def _convert(*argv):
+    return convert_cli(*[str(a) for a in argv])
+
+
+@pytest.mark.parametrize("tp, pp, dtype, tie", [(2, 1, torch.float32, False), (1, 2, torch.bfloat16, True)])
+def test_an_adapter_checkpoint_merges_onto_its_own_base_only(tmp_path, capsys, tp, pp, dtype, tie):
+    """An adapter checkpoint of a LoRA run (TP2, or PP2 in bf16 over tied embeddings) records each rank's base
+    fingerprint; convert_ckpt.py --lora-load recomputes them from the --load-dir it is given (another layout, another
+    precision on disk): its own base merges to Hugging Face and Megatron alike, another model of the same shape is
+    refused by name with nothing written, and --allow-base-mismatch merges it anyway with a warning."""
+    from tests.helpers.convert_checks import write_adapter_checkpoint
+
+    own = save_tiny("llama", tmp_path / "own", seed=21, tie=tie)
+    other = save_tiny("llama", tmp_path / "other", seed=22, tie=tie)
+    adapter = write_adapter_checkpoint(own, tmp_path / "adapter", tp=tp, pp=pp, dtype=dtype)
+    for name, hf in (("own", own), ("other", other)):
+        assert _convert("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", hf,
+                        "--save-dir", tmp_path / f"{name}_mg") == 0
+    capsys.readouterr()
+    merges = [("mg", "hf", "{}_mg"), ("mg", "mg", "{}_mg"), ("hf", "mg", "{}")]
+    for load, save, where in merges:
+        out = tmp_path / f"own_{load}2{save}"
+        assert _convert("--load-model-type", load, "--save-model-type", save, "--load-dir",
+                        tmp_path / where.format("own"), "--lora-load", adapter, "--save-dir", out) == 0, \
+            capsys.readouterr().err
+        out = tmp_path / f"other_{load}2{save}"
+        assert _convert("--load-model-type", load, "--save-model-type", save, "--load-dir",
+                        tmp_path / where.format("other"), "--lora-load", adapter, "--save-dir", out) == 1
+        err = capsys.readouterr().err
+        assert f"--lora-load {adapter}: its adapters were trained on {tmp_path / 'adapter_base_mg'}" in err, err
+        assert f"differ from --load-dir {tmp_path / where.format('other')}'s" in err and \
+            "--allow-base-mismatch" in err
+        assert not out.exists() or not any(out.iterdir()), sorted(p.name for p in out.iterdir())
+    assert _convert("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", tmp_path / "other_mg",
+                    "--lora-load", adapter, "--save-dir", tmp_path / "forced", "--allow-base-mismatch") == 0
+    assert "warning: --allow-base-mismatch: --lora-load" in capsys.readouterr().err
+    assert (tmp_path / "forced" / "model.safetensors").exists()
+
+
+def test_save_lora_to_hf_records_the_checked_base(tmp_path, capsys):
+    """--save-lora-to-hf writes a PEFT folder only for the adapter's own base, and names the Hugging Face model that
+    base came from (what peft loads it onto); another base of the same shape is refused, for a PEFT folder read back
+    too (its base_model_name_or_path), unless --allow-base-mismatch."""
+    from tests.helpers.convert_checks import write_adapter_checkpoint
+
+    own, other = save_tiny("qwen2", tmp_path / "own", seed=23), save_tiny("qwen2", tmp_path / "other", seed=24)
+    adapter = write_adapter_checkpoint(own, tmp_path / "adapter", tp=2)
+    for name, hf in (("own", own), ("other", other)):
+        assert _convert("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", hf,
+                        "--save-dir", tmp_path / f"{name}_mg") == 0
+    capsys.readouterr()
+    export = ["--load-model-type", "mg", "--save-model-type", "hf", "--lora-load", adapter, "--save-lora-to-hf"]
+    assert _convert(*export, "--load-dir", tmp_path / "other_mg", "--save-dir", tmp_path / "peft_other") == 1
+    assert "its adapters were trained on" in capsys.readouterr().err and not (tmp_path / "peft_other").exists()
+    assert _convert(*export, "--load-dir", tmp_path / "own_mg", "--save-dir", tmp_path / "peft") == 0
+    with open(tmp_path / "peft" / "adapter_config.json") as f:
+        assert json.load(f)["base_model_name_or_path"] == own
+    # the PEFT folder names its base: merged onto it (or the Megatron checkpoint converted from it), not another
+    merge = ["--load-model-type", "mg", "--save-model-type", "hf", "--lora-load", tmp_path / "peft"]
+    assert _convert(*merge, "--load-dir", tmp_path / "own_mg", "--save-dir", tmp_path / "merged") == 0
+    capsys.readouterr()
+    assert _convert(*merge, "--load-dir", tmp_path / "other_mg", "--save-dir", tmp_path / "merged_other") == 1
+    err = capsys.readouterr().err
+    assert f"adapter_config.json names the base {own!r}, not --load-dir {tmp_path / 'other_mg'}" in err, err
+    assert not (tmp_path / "merged_other").exists()
+    assert _convert(*merge, "--load-dir", tmp_path / "other_mg", "--save-dir", tmp_path / "merged_other",
+                    "--allow-base-mismatch") == 0

@@ -186,6 +186,20 @@ def test_dataset_yaml_configs_hold_valid_flags(name):
     parse_map_keys(cfg.get("map_keys"))
 
 
+@pytest.mark.parametrize("text,expected", [
+    ("handler_name: R1AlpacaStyleInstructionHandler\nprompt_type:\n", "line 2: 'prompt_type' has no value"),
+    ("prompt_type: qwen\nseq_length: 512\nprompt_type: empty\n", "'prompt_type' is given twice (lines 1 and 3)"),
+])
+def test_a_dataset_yaml_config_without_a_value_or_with_a_key_twice_is_refused(tmp_path, text, expected):
+    from mindspeed_llm.data.errors import DataError
+
+    path = tmp_path / "dataset.yaml"
+    path.write_text(text)
+    with pytest.raises(DataError) as caught:
+        _config_defaults(build_parser(), str(path))
+    assert f"--config {path}: " in str(caught.value) and expected in str(caught.value), str(caught.value)
+
+
 def test_math_17k_yaml_config_with_overrides(qwen_tok_dir, tmp_path):
     from mindspeed_llm.data.preprocess import preprocess
 
@@ -243,3 +257,24 @@ def test_overlong_prompts_truncate_sft_keeps_the_response(qwen_tok_dir, qwen_tok
         item = ds[i]
         assert item["input_ids"] == ids[cut:]
         assert item["labels"] == [IGNORE_INDEX] * (n_prompt - cut) + ids[n_prompt:]
+
+
+def test_a_dataset_made_for_sft_is_refused_for_rl(preprocessed):
+    """A dataset whose _meta.json says an SFT handler made it (prompt + response in input_ids) would train RL on
+    prompts that hold their reference answers: the trainer refuses it, as --data-path or --eval-data-path, naming
+    the handler that made it and the ones to use; prompt datasets pass."""
+    from mindspeed_llm.data.errors import DataError
+    from mindspeed_llm.rl.settings import DataSettings
+    from mindspeed_llm.rl.trainer import _prompt_sets
+
+    sft, prompts = preprocessed["alpaca_sft"][0], preprocessed["deepscaler_r1"][0]
+    dataset, held_out = _prompt_sets(DataSettings(data_path=prompts, global_batch_size=1))
+    assert len(dataset) > 0 and held_out is None
+    for settings, flag in ((DataSettings(data_path=sft, global_batch_size=1), "--data-path"),
+                           (DataSettings(data_path=prompts, eval_data_path=(sft,), eval_sets=((None, sft),),
+                                         eval_interval=1, global_batch_size=1), "--eval-data-path")):
+        with pytest.raises(DataError) as caught:
+            _prompt_sets(settings)
+        message = str(caught.value)
+        assert message.startswith(f"{flag} {sft}: this dataset was made by AlpacaStyleInstructionHandler for SFT")
+        assert "R1AlpacaStyleInstructionHandler" in message and "PPOAlpacaStyleInstructionHandler" in message

@@ -179,6 +179,101 @@ def test_disk_full_is_one_line_and_leaves_no_partial_files(qwen_tok_dir, tmp_pat
         assert labels_of(prefix) == old_labels
 
 
+def _full_disk_safetensors(monkeypatch, after=0):
+    """safetensors' writer hits a full disk (a SafetensorError, not an OSError) on its call number `after` + 1,
+    after writing part of the file."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    real, calls = safetensors.torch.save_file, []
+
+    def save_file(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) <= after:
+            return real(tensors, filename, metadata=metadata)
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 64)
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    return calls
+
+
+def test_full_disk_exporting_hugging_face_and_peft_is_one_named_line(tmp_path, monkeypatch, capsys):
+    """A full disk while convert_ckpt.py writes Hugging Face weights, or a PEFT adapter (--save-lora-to-hf),
+    is one line naming the file, and leaves no temp file, no shard written before it and no config that would make
+    the folder look loadable."""
+    from tests.helpers.convert_checks import hf_tensors, write_adapter_checkpoint
+    from tests.helpers.hf_tiny import save_tiny
+
+    hf = save_tiny("llama", tmp_path / "hf", seed=5)
+    adapter = write_adapter_checkpoint(hf, tmp_path / "adapter")
+    assert _convert("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", hf,
+                    "--save-dir", tmp_path / "mg") == 0
+    capsys.readouterr()
+    _full_disk_safetensors(monkeypatch)
+    for extra, out, file in (((), tmp_path / "out", "model.safetensors"),
+                             (("--lora-load", adapter, "--save-lora-to-hf"), tmp_path / "peft",
+                              "adapter_model.safetensors")):
+        assert _convert("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", tmp_path / "mg",
+                        "--save-dir", out, *extra) == 1
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        lines = [ln for ln in err.splitlines() if "error:" in ln]
+        assert lines == [f"convert_ckpt.py: error: No space left on device writing {out / file}; free space there "
+                         "or pass another --save-dir"], err
+        assert sorted(p.name for p in out.iterdir()) == [], sorted(p.name for p in out.iterdir())
+    # a sharded export whose second shard hits the full disk: the first shard goes too
+    from mindspeed_llm.checkpoint import hf_files
+
+    monkeypatch.undo()
+    _full_disk_safetensors(monkeypatch, after=1)
+    with pytest.raises(OSError, match=f"No space left on device writing {tmp_path / 'sharded'}/model-00002-of-"):
+        (tmp_path / "sharded").mkdir()
+        hf_files.save_hf_weights(hf_tensors(hf), str(tmp_path / "sharded"), max_shard_bytes=4096)
+    assert list((tmp_path / "sharded").iterdir()) == []
+
+
+def test_a_full_disk_cuts_no_metrics_row_in_half(tmp_path):
+    """The metrics JSONL and eval.csv: a write that fails half way (a full disk) is named with the file, and the
+    rows already there stay whole, with no half row after them."""
+    from mindspeed_llm.files import WriteError
+    from mindspeed_llm.rl.evaluation import EvalTable
+    from mindspeed_llm.rl.metrics.writers import MetricsLogger
+
+    class FullDisk:  # the open file, whose next write stops half way
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+        def write(self, text):
+            self.handle.write(text[:len(text) // 2])
+            self.handle.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    path = tmp_path / "metrics.jsonl"
+    logger = MetricsLogger(jsonl_path=str(path), print_fn=lambda line: None)
+    logger.log(1, {"loss": 0.5})
+    logger._jsonl = FullDisk(logger._jsonl)
+    with pytest.raises(WriteError, match=f"No space left on device writing {path}$"):
+        logger.log(2, {"loss": 0.25})
+    logger._jsonl = logger._jsonl.handle
+    logger.close()
+    assert path.read_text() == '{"iteration": 1, "loss": 0.5}\n'
+
+    table = EvalTable(str(tmp_path / "eval" / "eval.csv"))
+    table.write(1, [("held_out", "accuracy", 0.5)])
+    table._file = FullDisk(table._file)
+    with pytest.raises(WriteError, match="No space left on device writing .*eval.csv$"):
+        table.write(2, [("held_out", "accuracy", 0.75)])
+    table._file.handle.close()
+    assert (tmp_path / "eval" / "eval.csv").read_text().splitlines() == [
+        "iteration,set,metric,value", "1,held_out,accuracy,0.5"]
+
+
 # ------------------------------------------------------------------------------------------- non-finite weights
 
 def _convert(*argv) -> int:

@@ -119,3 +119,26 @@ def test_convert_lora_flags_refused_by_name(tmp_path, capsys, extra, message):
             str(tmp_path / "out")] + extra
     assert convert_ckpt.main(argv) == 1
     assert message in capsys.readouterr().err
+
+
+def test_a_rank_above_what_a_linear_can_use_is_named():
+    """B A of a linear with in x out has rank at most min(in, out): an adapter rank above it is named at startup
+    (which linears, their widths, the rank given); ranks that fit say nothing."""
+    from types import SimpleNamespace
+
+    from mindspeed_llm.rl.lora import rank_note
+
+    def model(rank):
+        adapters = {f"decoder.layers.{i}.self_attention.{leaf}": SimpleNamespace(rank=rank, in_features=n_in,
+                                                                                out_features=n_out)
+                    for i in range(2) for leaf, n_in, n_out in (("linear_qkv", 64, 192), ("linear_proj", 64, 64))}
+        adapters["decoder.layers.0.mlp.linear_fc2"] = SimpleNamespace(rank=rank, in_features=24, out_features=64)
+        return SimpleNamespace(lora_adapters=adapters)
+
+    assert rank_note(model(16)) is None
+    note = rank_note(model(32))
+    assert note.startswith("note: the LoRA rank is above what these linears can use") and \
+        "linear_fc2 (1 on this rank, 24 -> 64: rank at most 24, given 32)" in note and "linear_qkv" not in note
+    note = rank_note(model(128))
+    assert "linear_proj (2 on this rank, 64 -> 64: rank at most 64, given 128)" in note and \
+        "linear_qkv (2 on this rank, 64 -> 192: rank at most 64, given 128)" in note

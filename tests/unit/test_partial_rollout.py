@@ -17,6 +17,7 @@ import threading
 import pytest
 import torch
 
+from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.inference import Rollout, SamplingConfig
 from mindspeed_llm.rl.partial_rollout import PartialRolloutBudgetError, PartialRollouts, pending
 from mindspeed_llm.rl.rollout_strategies import PromptSource
@@ -75,8 +76,9 @@ class ScriptedGenerator:
                        log_probs=log_probs, pad_token_id=0)
 
 
-def _buffers(generator, local_groups=2, dp_rank=0, dp_size=1, gather=None, max_rounds=4, routing_recorded=False):
-    sampling = SamplingConfig(max_new_tokens=MAX_NEW, eos_token_id=EOS, pad_token_id=0)
+def _buffers(generator, local_groups=2, dp_rank=0, dp_size=1, gather=None, max_rounds=4, routing_recorded=False,
+             max_new=MAX_NEW):
+    sampling = SamplingConfig(max_new_tokens=max_new, eos_token_id=EOS, pad_token_id=0)
     return PartialRollouts(generator, _Tokenizer(), sampling, group_size=N, local_groups=local_groups,
                            max_split=SPLIT, max_rounds=max_rounds, dp_rank=dp_rank, dp_size=dp_size,
                            gather=gather or (lambda obj: [obj]), routing_recorded=routing_recorded)
@@ -174,6 +176,32 @@ def test_state_dict_round_trip_continues_exactly_and_pending_counts():
     with pytest.raises(Exception, match="--n-samples-per-prompt 3"):
         PartialRollouts(gen_b, _Tokenizer(), b.sampling, group_size=3, local_groups=2, max_split=SPLIT,
                         max_rounds=4).load_state_dict(state)
+
+
+@pytest.mark.parametrize("max_new, fits", [(2, False), (3, False), (4, True), (12, True)])
+def test_a_resume_with_a_smaller_response_budget_is_refused_naming_both(max_new, fits):
+    """The checkpoint holds a carried sample of 4 tokens and a finished group of 3-token responses (generated under
+    --max-new-tokens 8): a resume whose budget is below a saved response is refused naming both values (continuing
+    it would ask the engine for fewer tokens than it holds: a traceback in the engine); one where every response
+    fits resumes, the carried sample finishing within the new budget."""
+    a, rows = _buffers(ScriptedGenerator()), _rows()
+    a.collect(1, PromptSource(rows(0), rows))
+    a.collect(2, PromptSource(rows(0), rows))
+    state = a.state_dict()
+    saved = [len(s["response"]) for g in state["ready"] + state["carried"][0] for s in g["samples"]]
+    assert sorted(saved) == [2, 3, 3, 4]
+    b = _buffers(ScriptedGenerator(), max_new=max_new)
+    if fits:
+        assert b.load_state_dict(state) is None
+        exp, _ = b.collect(3, PromptSource(rows(0), rows))
+        assert all(len(s.response) <= max_new for g in b.carried + b.ready for s in g.samples)
+        return
+    with pytest.raises(ArgumentError) as caught:
+        b.load_state_dict(state)
+    assert str(caught.value).startswith(
+        f"--max-new-tokens {max_new}: the checkpoint's partial rollouts hold ") and \
+        "(up to 4 tokens, generated under --max-new-tokens 8); resume with --max-new-tokens 8 (at least 4" in \
+        str(caught.value), str(caught.value)
 
 
 def test_too_few_rounds_is_named():

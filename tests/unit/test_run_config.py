@@ -275,12 +275,47 @@ def test_config_file_problems(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         config_argv(["--config", str(tmp_path / "missing.yaml")])
     (tmp_path / "bad.yaml").write_text("rl_config: [unclosed\n")
-    with pytest.raises(ConfigError, match="is not valid YAML"):
+    with pytest.raises(ConfigError, match=f"--config {tmp_path / 'bad.yaml'}: line 2, column 1: not valid YAML"):
         config_argv(["--config", str(tmp_path / "bad.yaml")])
     with pytest.raises(ConfigError, match="given twice"):
         config_argv(["--config", "a.yaml", "--config", "b.yaml"])
     with pytest.raises(ConfigError, match="must be a mapping of sections"):
         config_argv(["--config", write(tmp_path, ["a"])])
+
+
+@pytest.mark.parametrize("text,expected", [
+    # a null or empty value would leave the default in its place
+    ("megatron_training:\n  seq_length: 64\n  lr: ~\n", "line 3: 'megatron_training.lr' has no value"),
+    ("megatron_training:\n  lr:\n  seq_length: 64\n", "line 2: 'megatron_training.lr' has no value"),
+    ("rl_config:\n  clip_ratio: null\n", "line 2: 'rl_config.clip_ratio' has no value"),
+    # a key given twice, anywhere: YAML keeps the last
+    ("megatron_training:\n  lr: 1.0e-6\n  seq_length: 64\n  lr: 1.0e-5\n",
+     "'megatron_training.lr' is given twice (lines 2 and 4)"),
+    ("rl_config:\n  clip_ratio: 0.2\nactor_config:\n  lr: 1.0e-6\nrl_config:\n  kl_coef: 0.1\n",
+     "'rl_config' is given twice (lines 1 and 5)"),
+    ("model:\n  tiny:\n    num_layers: 2\n    hidden_size: 8\n    num_layers: 4\n",
+     "'model.tiny.num_layers' is given twice (lines 3 and 5)"),
+])
+def test_null_values_and_repeated_keys_are_refused_with_their_lines(tmp_path, text, expected):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        config_argv(["--config", str(path)])
+    assert f"--config {path}: " in str(caught.value) and expected in str(caught.value), str(caught.value)
+
+
+def test_a_section_left_empty_is_an_empty_section(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(grpo_file(), sort_keys=False) + "custom_reward_function:\n")
+    assert parsed(["--config", str(path)], 16) == parsed(GRPO_FLAGS, 16)
+
+
+def test_a_config_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("megatron_training:\n  seq_length: 64\n# r\u00e9glages\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=f"--config {path}: line 3: byte 0xe9 is not UTF-8 text; save the file "
+                                          "as UTF-8"):
+        config_argv(["--config", str(path)])
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

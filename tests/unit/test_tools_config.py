@@ -121,7 +121,9 @@ def test_verl_async_instance_tool_gets_an_id_per_trajectory(tmp_path, user_tools
 
 
 @pytest.mark.parametrize("text, message", [
-    ("tools: [", "not YAML"),
+    ("tools: [", r"line 1, column 9: not valid YAML"),
+    ("tools:\n  - class_name: calculator\n    class_name: python\n",
+     r"'tools\[0\].class_name' is given twice \(lines 2 and 3\)"),
     ("other: 1\n", "expected a top-level `tools:` list"),
     ("tools: []\n", "expected a top-level `tools:` list"),
     ("tools:\n  - config: {}\n", r"tools\[0\]: missing class_name; write class_name: pkg.module.ClassName"),

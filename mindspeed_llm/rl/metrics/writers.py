@@ -9,6 +9,8 @@ import os
 import sys
 from typing import Callable, Iterable, List, Mapping, Optional, Sequence
 
+from mindspeed_llm.files import append_line, write_text_atomically
+
 
 def _format_value(value) -> str:
     if isinstance(value, bool):
@@ -57,10 +59,7 @@ def _drop_rows_after(path: str, iteration: int) -> None:
                 continue  # a line cut by a kill
             if int(row.get("iteration", 0)) <= iteration:
                 kept.append(json.dumps(row) + "\n")
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+    write_text_atomically(path, "".join(kept))
 
 
 class MetricsLogger:
@@ -165,8 +164,7 @@ class MetricsLogger:
         if self._jsonl is not None:
             record = {"iteration": int(iteration)}
             record.update({k: _json_value(v) for k, v in metrics.items()})
-            self._jsonl.write(json.dumps(record) + "\n")
-            self._jsonl.flush()
+            append_line(self._jsonl, json.dumps(record) + "\n")  # a failed write: named, no half line left
         if self._tb is not None:
             for key, value in metrics.items():
                 if hasattr(value, "item") and not isinstance(value, (int, float)):

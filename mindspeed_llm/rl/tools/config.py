@@ -39,14 +39,14 @@ class ToolConfigError(UserError, ValueError):
 
 
 def _read_yaml(path: Path) -> Any:
-    import yaml
+    from mindspeed_llm.files import YamlFileError, read_yaml
 
     if not path.is_file():
         raise ToolConfigError(f"tool config {path}: no such file (--tool-config / tool_config_path)")
-    try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ToolConfigError(f"tool config {path}: not YAML ({exc})") from None
+    try:  # not UTF-8 / not YAML / a key twice named with the line; a null is a tool schema's own business
+        return read_yaml(str(path), f"tool config {path}", allow_null=lambda keys: True)
+    except YamlFileError as exc:
+        raise ToolConfigError(str(exc)) from None
 
 
 def _import_attribute(class_name: str, where: str) -> Any:
