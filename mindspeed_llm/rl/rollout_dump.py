@@ -35,6 +35,7 @@ import torch
 
 from mindspeed_llm import device, distributed
 from mindspeed_llm.errors import ArgumentError
+from mindspeed_llm.files import write_atomically, write_text_atomically
 from mindspeed_llm.rl.experience import Experience, SampleData
 from mindspeed_llm.rl.metrics.samples import json_ready
 from mindspeed_llm.rl.rollout_strategies import CarriesNothing
@@ -57,23 +58,8 @@ def _batch_name(generation_batch: int, dp_rank: int) -> str:
     return f"batch_{generation_batch}_dp_rank_{dp_rank:02d}"
 
 
-def _write_atomic(path: str, write) -> None:
-    """`write(tmp_path)`, then the file moved into place: a killed run leaves no half-written file."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as exc:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise OSError(exc.errno, f"--rollout-dump-dir: cannot write {path} ({exc.strerror or exc})") from exc
-
-
 def _write_json(path: str, obj) -> None:
-    def write(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f)
-    _write_atomic(path, write)
+    write_text_atomically(path, json.dumps(obj))
 
 
 def dump_manifest(settings, strategy: str) -> dict:
@@ -129,7 +115,7 @@ class RolloutDumper:
                 base = os.path.join(folder, _batch_name(k, self.dp_rank))
                 tensors = {name: getattr(exp, name).detach().cpu() for name in TENSORS
                            if getattr(exp, name) is not None}
-                _write_atomic(base + ".pt", lambda tmp: torch.save(tensors, tmp))
+                write_atomically(base + ".pt", lambda tmp: torch.save(tensors, tmp))  # a failure: named, nothing left
                 data = {f.name: json_ready(getattr(exp.sample_data, f.name)) for f in fields(SampleData)}
                 _write_json(base + ".json", {"sample_data": data, "metrics": metrics,
                                              "routing_recorded": bool(exp.routing_recorded)})

@@ -180,3 +180,22 @@ def test_log_samples_interval_defaults_to_the_log_interval(tmp_path):
                        "--verifier-function", "math_acc",
                        "--log-samples", "4", "--metrics-jsonl", str(tmp_path / "m.jsonl")], 1)
     assert (args.settings.loop.log_samples, args.settings.loop.log_samples_interval) == (4, 5)
+
+
+def test_a_full_disk_while_dumping_is_named_and_leaves_no_file(tmp_path, one_rank, monkeypatch):
+    import errno
+
+    from mindspeed_llm.files import WriteError
+
+    def full(obj, path):
+        with open(path, "wb") as f:
+            f.write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    dumper = rollout_dump.RolloutDumper(str(tmp_path / "dump"), rollout_dump.dump_manifest(_settings(), "single_turn"))
+    dumper.add(_experience(), {})
+    with pytest.raises(WriteError, match=r"No space left on device.*batch_0_dp_rank_00\.pt"):
+        dumper.finish(1, prompts_drawn=1)
+    assert sorted(p.name for p in (tmp_path / "dump" / "iteration_0000001").iterdir()) == []
+    assert rollout_dump.dumped_iterations(str(tmp_path / "dump")) == []  # no done.json: never replayed

@@ -192,10 +192,9 @@ class MetricsLogger:
                     _drop_rows_after(path, self._resumed_at)
                 self._sample_files[kind] = open(path, "a", encoding="utf-8")
             f = self._sample_files[kind]
-            for row in rows:
-                f.write(json.dumps({"iteration": int(iteration), **{k: _json_value(v) for k, v in row.items()}})
-                        + "\n")
-            f.flush()
+            for row in rows:  # a failed write: named, no half line left
+                append_line(f, json.dumps({"iteration": int(iteration), **{k: _json_value(v) for k, v in row.items()}})
+                            + "\n")
         if self._tb is not None:
             self._tb.add_text(kind, markdown_table(rows, columns), iteration)
         if self._wandb is not None:
