@@ -315,7 +315,7 @@ def run(args) -> None:
                               "again)\n")
     elif args.load_model_type == "mg" and args.save_model_type == "mg":
         convert_mg_to_mg(args.load_dir, args.save_dir, tp=tp, pp=pp, params_dtype=args.params_dtype,
-                         iteration=iteration, value_head=args.orm, progress=progress,
+                         iteration=iteration, value_head=args.orm, progress=progress, tokenizer_dir=tokenizer_dir,
                          allow_non_finite=args.allow_non_finite, lora=lora, **moe)
     else:
         raise ConversionError("--load-model-type hf --save-model-type hf: nothing to convert")

@@ -448,9 +448,11 @@ def _hf_order(state: Dict[str, torch.Tensor], spec, value_head: bool):
 
 def convert_mg_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, params_dtype=None, iteration=None,
                      value_head: Optional[bool] = None, progress: bool = True, allow_non_finite: bool = False,
-                     ep: int = 1, etp: Optional[int] = None, moe_tp_extend_ep: bool = False, lora=None):
+                     ep: int = 1, etp: Optional[int] = None, moe_tp_extend_ep: bool = False, lora=None,
+                     tokenizer_dir: Optional[str] = None):
     """Reshard a Megatron checkpoint to a new TP x PP (x EP, expert TP; see convert_hf_to_mg) and optionally
-    dtype, as a release checkpoint (`lora`, a `checkpoint.lora.Merger`: with an adapter merged in)."""
+    dtype, as a release checkpoint (`lora`, a `checkpoint.lora.Merger`: with an adapter merged in). Tokenizer files
+    come from `tokenizer_dir`, else from those in `load_dir`."""
     load_dir, save_dir = os.fspath(load_dir), os.fspath(save_dir)
     info = _checkpoint_info(load_dir, iteration)
     spec = info["spec"]
@@ -474,7 +476,8 @@ def convert_mg_to_mg(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, par
         return sharding.stage_state_dict(full, spec, pp, stage, value_head)
 
     _write_checkpoint(save_dir, stage_tensors, spec, tp, pp, dtype, value_head, spec.num_layers, "mg->mg layers",
-                      progress, hf_config=info.get("hf_config"), tokenizer_src=load_dir, finite=finite, ep=ep, etp=etp,
+                      progress, hf_config=info.get("hf_config"), tokenizer_src=tokenizer_dir or load_dir, finite=finite,
+                      ep=ep, etp=etp,
                       hf_source=info.get("hf_source"))
     finite.report()
     return spec

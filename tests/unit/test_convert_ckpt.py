@@ -193,6 +193,16 @@ def test_tokenizer_files_travel(tmp_path):
     assert os.path.isfile(tmp_path / "mg2" / "tokenizer.json")
     ckpt.convert_mg_to_hf(tmp_path / "mg", tmp_path / "out2", tokenizer_dir=str(other), progress=False)
     assert open(tmp_path / "out2" / "tokenizer.json").read() == open(other / "tokenizer.json").read()
+    # and on a reshard (mg -> mg), which used to copy --load-dir's whatever --tokenizer-dir said
+    import json
+    import shutil
+
+    marked = tmp_path / "tok_marked"
+    shutil.copytree(other, marked)
+    config = json.loads((marked / "tokenizer_config.json").read_text())
+    (marked / "tokenizer_config.json").write_text(json.dumps(dict(config, model_max_length=77)))
+    ckpt.convert_mg_to_mg(tmp_path / "mg", tmp_path / "mg_tp1", tokenizer_dir=str(marked), progress=False)
+    assert json.loads((tmp_path / "mg_tp1" / "tokenizer_config.json").read_text())["model_max_length"] == 77
 
 
 def test_model_type_aliases(tmp_path):
