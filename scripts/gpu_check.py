@@ -245,18 +245,8 @@ class Check:
 
         shape, q = QWEN_SHAPES[size], self.work / "qwen"
         add("qwen_prepare", "random {layers}x{hidden} Qwen2 (vocab {vocab}), value copy, bf16 conversions, prompts"
-            .format(**shape), [
-                [py, Path(__file__).resolve(), "make-qwen", "--out", q,
-                 "--tokenizer", self.assets / "qwen2_5_tokenizer", "--device", o.device, *[a for k, v in shape.items() for a in (f"--{k.replace('_', '-')}", v)]],
-                [py, "convert_ckpt.py", "--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", q / "hf",
-                 "--save-dir", q / "mg", "--params-dtype", "bf16", "--no-progress"],
-                [py, "convert_ckpt.py", "--load-model-type", "hf", "--save-model-type", "mg", "--orm",
-                 "--load-dir", q / "hf_value", "--save-dir", q / "mg_value", "--params-dtype", "bf16", "--no-progress"],
-                [py, "preprocess_data.py", "--input", q / "train.json", "--tokenizer-type", "PretrainedFromHF",
-                 "--tokenizer-name-or-path", q / "hf", "--output-prefix", q / "data" / "train",
-                 "--handler-name", "R1AlpacaStyleInstructionHandler", "--prompt-type", "qwen",
-                 "--map-keys", json.dumps({"prompt": "problem", "labels": "answer"}), "--log-interval", "0"],
-            ], figures=lambda: _qwen_prepare_figures(q), brief=_brief_qwen_prepare, group=SETUP_GROUP)
+            .format(**shape), qwen_prepare_commands(py, q, self.assets, shape, o.device),
+            figures=lambda: _qwen_prepare_figures(q), brief=_brief_qwen_prepare, group=SETUP_GROUP)
 
         vs_trl = [py, "benchmarks/vs_trl.py", "--device", o.device, *VS_TRL_ARGS[size],
                   "--workdir", self.work / "vs_trl"]
@@ -574,6 +564,23 @@ def _stage_figures(metrics: Path) -> dict:
         if key in rows[-1]:
             out[f"last {key}"] = _r(rows[-1][key], 4)
     return out
+
+
+def qwen_prepare_commands(py, q: Path, assets: Path, shape: dict, device: str) -> list:
+    """The commands of the qwen_prepare step (gpu_check's and npu_check's): a random Qwen2 of `shape` and its value
+    copy made on `device`, both converted to bf16 Megatron checkpoints, the prompts preprocessed, under `q`."""
+    return [
+        [py, Path(__file__).resolve(), "make-qwen", "--out", q, "--tokenizer", assets / "qwen2_5_tokenizer",
+         "--device", device, *[a for k, v in shape.items() for a in (f"--{k.replace('_', '-')}", v)]],
+        [py, "convert_ckpt.py", "--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", q / "hf",
+         "--save-dir", q / "mg", "--params-dtype", "bf16", "--no-progress"],
+        [py, "convert_ckpt.py", "--load-model-type", "hf", "--save-model-type", "mg", "--orm",
+         "--load-dir", q / "hf_value", "--save-dir", q / "mg_value", "--params-dtype", "bf16", "--no-progress"],
+        [py, "preprocess_data.py", "--input", q / "train.json", "--tokenizer-type", "PretrainedFromHF",
+         "--tokenizer-name-or-path", q / "hf", "--output-prefix", q / "data" / "train",
+         "--handler-name", "R1AlpacaStyleInstructionHandler", "--prompt-type", "qwen",
+         "--map-keys", json.dumps({"prompt": "problem", "labels": "answer"}), "--log-interval", "0"],
+    ]
 
 
 def _qwen_prepare_figures(q: Path) -> dict:

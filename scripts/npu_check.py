@@ -88,19 +88,8 @@ class NpuCheck(gpu_check.Check):
             brief=lambda f: f.get("skipped") or f"max error {f.get('max_error')}")
         shape, q = gpu_check.QWEN_SHAPES["tiny"], self.work / "qwen"
         add("qwen_prepare", "random {layers}x{hidden} Qwen2 (vocab {vocab}), value copy, bf16 conversions, prompts"
-            .format(**shape), [
-                [py, SCRIPTS / "gpu_check.py", "make-qwen", "--out", q, "--tokenizer",
-                 self.assets / "qwen2_5_tokenizer", "--device", "cpu",
-                 *[a for k, v in shape.items() for a in (f"--{k.replace('_', '-')}", v)]],
-                [py, "convert_ckpt.py", "--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", q / "hf",
-                 "--save-dir", q / "mg", "--params-dtype", "bf16", "--no-progress"],
-                [py, "convert_ckpt.py", "--load-model-type", "hf", "--save-model-type", "mg", "--orm",
-                 "--load-dir", q / "hf_value", "--save-dir", q / "mg_value", "--params-dtype", "bf16", "--no-progress"],
-                [py, "preprocess_data.py", "--input", q / "train.json", "--tokenizer-type", "PretrainedFromHF",
-                 "--tokenizer-name-or-path", q / "hf", "--output-prefix", q / "data" / "train",
-                 "--handler-name", "R1AlpacaStyleInstructionHandler", "--prompt-type", "qwen",
-                 "--map-keys", json.dumps({"prompt": "problem", "labels": "answer"}), "--log-interval", "0"],
-            ], figures=lambda: gpu_check._qwen_prepare_figures(q), brief=gpu_check._brief_qwen_prepare)
+            .format(**shape), gpu_check.qwen_prepare_commands(py, q, self.assets, shape, "cpu"),
+            figures=lambda: gpu_check._qwen_prepare_figures(q), brief=gpu_check._brief_qwen_prepare)
         for stage in ("grpo", "trl_ppo"):
             metrics = q / f"{stage}_metrics.jsonl"
             add(f"qwen_{stage}", f"posttrain_gpt.py --stage {stage} --bf16 on the small model, on the NPU",
