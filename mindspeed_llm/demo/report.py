@@ -137,13 +137,17 @@ def _accuracy(value) -> Optional[float]:
 
 
 def summarize(records: Sequence[Mapping], before=None, after=None, window: int = 5) -> dict:
-    """Per metric of ``TABLE_KEYS``: mean of the first / last ``window`` iterations, min and max; the
-    run's iteration count and wall time (sum of ``timing/all``); accuracies before / after."""
+    """Per metric of ``TABLE_KEYS`` (of ``KL_KEYS`` the stage's own, as the panel plots it): mean of the first / last
+    ``window`` iterations, min and max; the run's iteration count and wall time (sum of ``timing/all``); accuracies
+    before / after."""
     out = {"iterations": len(records), "window": int(window), "metrics": {}}
     if records:
         out["first_iteration"] = records[0]["iteration"]
         out["last_iteration"] = records[-1]["iteration"]
+    kl = panel_keys(records)["kl"]  # the stage's own KL: trl_ppo's actor/kl_loss is a column of zeros beside kl/mean
     for key, label in TABLE_KEYS:
+        if key in KL_KEYS and key != kl:
+            continue
         _, ys = series(records, key)
         if not ys:
             continue

@@ -382,6 +382,7 @@ def test_report_reads_each_stages_own_metrics(tmp_path):
     table = report.summarize(ppo, window=1)["metrics"]
     assert table["critic/score/mean"]["last"] == pytest.approx(0.6) and table["critic/vf_loss"]["first"] == 1.0
     assert table["kl/mean"]["last"] == pytest.approx(0.03)
+    assert "actor/kl_loss" not in table  # its zeros would read as "no KL" beside the KL in the reward
     assert report.plot_report(ppo, tmp_path / "ppo.png").read_bytes()[:4] == b"\x89PNG"
     grpo = [{"iteration": 1, "grpo/score/mean": 0.5, "actor/kl_loss": 0.01, "num_turns/mean": 1.5}]
     assert report.panel_keys(grpo) == {"reward": "grpo/score/mean", "kl": "actor/kl_loss", "value_loss": None,
