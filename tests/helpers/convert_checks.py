@@ -51,13 +51,15 @@ def _frozen_module(state, dtype):
 
 
 def write_adapter_checkpoint(hf_base, out, tp: int = 1, pp: int = 1, r: int = 2, dtype=torch.float32, seed: int = 0,
-                             target: str = "linear_qkv"):
-    """A LoRA run's adapter checkpoint (`<save>/actor` at TP `tp` x PP `pp`, trained in `dtype`) for the Hugging
-    Face model `hf_base`: random adapters on every `target`, and each shard's base fingerprint as training records
-    it (`rl.lora.base_fingerprint` on a module holding that rank's shard of the base, converted at this layout).
-    Returns the folder."""
+                             target: str = "linear_qkv", value_head: bool = False):
+    """A LoRA run's adapter checkpoint (`<save>/actor` at TP `tp` x PP `pp`, trained in `dtype`; with `value_head`,
+    `<save>/critic` of a value model `hf_base`, converted with --orm: its trained head saved beside the adapters and
+    left out of the frozen base) for the Hugging Face model `hf_base`: random adapters on every `target`, and each
+    shard's base fingerprint as training records it (`rl.lora.base_fingerprint` on a module holding that rank's
+    shard of the base, converted at this layout). Returns the folder."""
     from mindspeed_llm.checkpoint import lora as lora_files
     from mindspeed_llm.checkpoint import megatron_layout as layout
+    from mindspeed_llm.checkpoint import megatron_names
     from mindspeed_llm.models.lora import LoRAConfig
     from mindspeed_llm.rl.lora import base_fingerprint
 
@@ -65,7 +67,7 @@ def write_adapter_checkpoint(hf_base, out, tp: int = 1, pp: int = 1, r: int = 2,
     base_mg = out + "_base_mg"
     assert convert_cli("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", hf_base,
                        "--save-dir", base_mg, "--target-tensor-parallel-size", tp,
-                       "--target-pipeline-parallel-size", pp) == 0
+                       "--target-pipeline-parallel-size", pp, *(["--orm"] if value_head else [])) == 0
     info = layout.checkpoint_info(base_mg)
     spec = info["spec"]
     config = LoRAConfig(r=r, alpha=2.0 * r, target_modules=(target,))
@@ -84,10 +86,15 @@ def write_adapter_checkpoint(hf_base, out, tp: int = 1, pp: int = 1, r: int = 2,
             a, b = torch.randn(r, width_in, generator=g), torch.randn(rows, r, generator=g)
             a, b = lora_files.split_for_rank(module, a, b, tp, t)
             state[module + lora_files.A_SUFFIX], state[module + lora_files.B_SUFFIX] = a.to(dtype), b.to(dtype)
-        meta = {"config": config.to_dict(), "value_head": False, "initial_adapter": None,
+        frozen = dict(base_shard)
+        if value_head and frozen.get(megatron_names.OUTPUT) is not None:  # the critic's head trains: saved, not frozen
+            head = frozen.pop(megatron_names.OUTPUT)
+            noise = torch.randn(head.shape, generator=torch.Generator().manual_seed(seed + 7))
+            state[megatron_names.OUTPUT] = (head + 0.5 * noise).to(dtype)
+        meta = {"config": config.to_dict(), "value_head": value_head, "initial_adapter": None,
                 "base": {"path": os.path.abspath(base_mg),
-                         "fingerprint": base_fingerprint(_frozen_module(base_shard, dtype))}}
-        payload = layout.make_payload(state, spec, tp, pp, t, p, dtype, False, 1, lora=meta)
+                         "fingerprint": base_fingerprint(_frozen_module(frozen, dtype))}}
+        payload = layout.make_payload(state, spec, tp, pp, t, p, dtype, value_head, 1, lora=meta)
         layout.save_file(payload, layout.shard_path(folder, t, p, pp))
     layout.write_latest(out, 1)
     return out

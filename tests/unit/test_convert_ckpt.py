@@ -559,6 +559,31 @@ def test_an_adapter_checkpoint_merges_onto_its_own_base_only(tmp_path, capsys, t
     assert (tmp_path / "forced" / "model.safetensors").exists()
 
 
+def test_a_critics_adapter_checkpoint_merges_onto_its_own_value_model_only(tmp_path, capsys):
+    """A trl_ppo LoRA run's critic (a value model converted with --orm, its head trained beside the adapters and so
+    not part of the recorded base) at TP2: --lora-load --orm recomputes the base from the value model's full tensors
+    without the head; its own base merges (the trained head in place of the base's), another value model of the same
+    shape is refused by name."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.convert_checks import write_adapter_checkpoint
+
+    own = save_tiny("llama", tmp_path / "own", seed=31, seq_cls=True)
+    other = save_tiny("llama", tmp_path / "other", seed=32, seq_cls=True)
+    adapter = write_adapter_checkpoint(own, tmp_path / "critic", tp=2, value_head=True)
+    for name, hf in (("own", own), ("other", other)):
+        out = tmp_path / f"{name}_merged"
+        code = _convert("--load-model-type", "hf", "--save-model-type", "mg", "--orm",
+                        "--load-dir", hf, "--lora-load", adapter, "--save-dir", out)
+        assert code == (0 if name == "own" else 1), capsys.readouterr().err
+    assert "its adapters were trained on" in capsys.readouterr().err
+    assert _convert("--load-model-type", "mg", "--save-model-type", "hf", "--orm", "--load-dir",
+                    tmp_path / "own_merged", "--save-dir", tmp_path / "own_hf") == 0
+    merged = load_file(tmp_path / "own_hf" / "model.safetensors")
+    base = load_file(os.path.join(own, "model.safetensors"))
+    assert not torch.equal(merged["score.weight"], base["score.weight"])  # the critic's trained head
+
+
 def test_save_lora_to_hf_records_the_checked_base(tmp_path, capsys):
     """--save-lora-to-hf writes a PEFT folder only for the adapter's own base, and names the Hugging Face model that
     base came from (what peft loads it onto); another base of the same shape is refused, for a PEFT folder read back
