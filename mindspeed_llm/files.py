@@ -70,15 +70,15 @@ def _named(error, path: str, exc: BaseException) -> "WriteError":
     return named
 
 
-def write_text_atomically(path: str, text: str) -> None:
-    """`text` as the whole of `path`, flushed to disk, through `write_atomically`."""
+def write_text_atomically(path: str, text: str, error=WriteError) -> None:
+    """`text` as the whole of `path`, flushed to disk, through `write_atomically` (a failure raises `error`)."""
     def write(tmp):
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
 
-    write_atomically(path, write)
+    write_atomically(path, write, error=error)
 
 
 def append_line(handle, line: str) -> None:
@@ -122,7 +122,8 @@ def read_yaml(path: str, what: str = "", allow_null=lambda keys: False):
         pass
 
     def construct_mapping(loader, node, keys=()):
-        seen = {}
+        # every key of the mapping checked first, then the values (each key constructed once)
+        seen, pairs = {}, []
         for key_node, value_node in node.value:
             key = loader.construct_object(key_node, deep=True)
             where = "".join(k if str(k).startswith("[") else f".{k}" for k in (*keys, str(key)))[1:]
@@ -134,8 +135,8 @@ def read_yaml(path: str, what: str = "", allow_null=lambda keys: False):
             if value_node.tag == "tag:yaml.org,2002:null" and not allow_null((*keys, key)):
                 raise YamlFileError(f"{label}: line {line}: '{where}' has no value (null or left empty), which "
                                     "would leave the default in its place silently; give a value or delete the key")
-        return {loader.construct_object(k, deep=True): _construct(loader, v, (*keys, loader.construct_object(k)))
-                for k, v in node.value}
+            pairs.append((key, value_node))
+        return {key: _construct(loader, value_node, (*keys, key)) for key, value_node in pairs}
 
     def _construct(loader, node, keys):
         if isinstance(node, yaml.MappingNode):

@@ -38,8 +38,6 @@ previous complete state or a dot-directory that nothing reads.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import errno
 import os
 import shutil
 import uuid
@@ -177,16 +175,8 @@ def write_latest(root: str, iteration: Iteration) -> None:
     """Point the tracker file at `iteration` ('release' or an int): temp file, fsync, os.replace."""
     root = os.fspath(root)
     text = RELEASE if iteration == RELEASE else str(int(iteration))
-    files.write_atomically(os.path.join(root, TRACKER_FILE), lambda tmp: _write_synced(tmp, text + "\n"),
-                           error=CheckpointWriteError)
+    files.write_text_atomically(os.path.join(root, TRACKER_FILE), text + "\n", error=CheckpointWriteError)
     fsync_dir(root)
-
-
-def _write_synced(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def remove_latest(root: str) -> None:
@@ -385,11 +375,6 @@ def load_shard(root: str, tp_rank: int, pp_rank: int, iteration: Optional[Iterat
 
 class CheckpointWriteError(WriteError):
     """A checkpoint file could not be written; the message names the file and the cause (a full disk by name)."""
-
-
-def write_error_message(path: str, exc: BaseException) -> str:
-    """One line for a failed write of `path` (`files.write_error_message`)."""
-    return files.write_error_message(path, exc)
 
 
 def write_atomically(path: str, write) -> None:

@@ -48,6 +48,7 @@ from megatron.core import parallel_state
 from mindspeed_llm.checkpoint import megatron_layout as layout
 from mindspeed_llm.checkpoint import run_record
 from mindspeed_llm.checkpoint.errors import CheckpointError, NonFiniteError
+from mindspeed_llm.files import write_error_message
 from mindspeed_llm.checkpoint.writer_lock import WriterLock  # noqa: F401  (re-exported: rl/trainer.py takes it from here)
 from mindspeed_llm import device
 from mindspeed_llm.distributed import barrier, broadcast_object, gather_messages, is_rank_0
@@ -214,7 +215,7 @@ def _save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict,
                 layout.save_file(payload, path)
             except OSError as exc:  # layout.CheckpointWriteError names the file and the cause
                 error = str(exc) if isinstance(exc, layout.CheckpointWriteError) else \
-                    layout.write_error_message(path, exc)
+                    write_error_message(path, exc)
                 break
         if error:
             break

@@ -170,9 +170,8 @@ def rank_note(model) -> Optional[str]:
     for local, adapter in lora.adapters(model).items():
         width = min(adapter.in_features, adapter.out_features)
         if adapter.rank > width:
-            leaf = local.rsplit(".", 1)[-1]
-            over.setdefault((leaf, adapter.in_features, adapter.out_features, adapter.rank), 0)
-            over[(leaf, adapter.in_features, adapter.out_features, adapter.rank)] += 1
+            key = (local.rsplit(".", 1)[-1], adapter.in_features, adapter.out_features, adapter.rank)
+            over[key] = over.get(key, 0) + 1
     if not over:
         return None
     listed = "; ".join(f"{leaf} ({count} on this rank, {n_in} -> {n_out}: rank at most {min(n_in, n_out)}, "

@@ -247,18 +247,17 @@ def run_description(stage_name: str, stage) -> dict:
 
     roles = stage.roles()
     bases = {name: base_of(trainable) for name, trainable in roles.items()}
-    reference = getattr(stage, "reference", None)
-    if reference is not None:  # a LoRA run's is the actor's base (rl/lora.SharedBase)
-        shared = getattr(reference, "trainable", None)
-        reference = {key: bases["actor"][key] for key in ("path", "fingerprint")} if shared is not None else {
-            "path": getattr(reference, "loaded_from", None),
-            "fingerprint": run_record.combined_fingerprint(base_fingerprint(reference))}
-    reward_model = getattr(getattr(stage, "scorer", None), "reward_model", None)
-    if reward_model is not None:  # a LoRA run's is the critic's base (rl/lora.SharedBase)
-        reward_model = {key: bases["critic"][key] for key in ("path", "fingerprint")} \
-            if getattr(reward_model, "trainable", None) is not None else {
-                "path": getattr(reward_model, "loaded_from", None),
-                "fingerprint": run_record.combined_fingerprint(base_fingerprint(reward_model, frozen_only=False))}
+
+    def frozen(model, trained_role: str, frozen_only: bool):
+        if model is None:
+            return None
+        if getattr(model, "trainable", None) is not None:  # a LoRA run's: the trained role's base (lora.SharedBase)
+            return {key: bases[trained_role][key] for key in ("path", "fingerprint")}
+        return {"path": getattr(model, "loaded_from", None),
+                "fingerprint": run_record.combined_fingerprint(base_fingerprint(model, frozen_only=frozen_only))}
+
+    reference = frozen(getattr(stage, "reference", None), "actor", frozen_only=True)
+    reward_model = frozen(getattr(getattr(stage, "scorer", None), "reward_model", None), "critic", frozen_only=False)
     sizes = (parallel_state.get_tensor_model_parallel_world_size(),
              parallel_state.get_pipeline_model_parallel_world_size(),
              parallel_state.get_expert_model_parallel_world_size())

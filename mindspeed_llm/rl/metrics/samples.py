@@ -111,9 +111,14 @@ def _cell(value) -> str:
     return text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", "").replace("\n", "<br>")
 
 
+def shown_columns(rows: Sequence[dict], columns: Sequence[str]) -> List[str]:
+    """The `columns` some row of `rows` has, in order (a table leaves out what no row carries)."""
+    return [c for c in columns if any(c in r for r in rows)]
+
+
 def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
-    """`rows` as a markdown table of `columns` (those some row has), as TensorBoard's text tab renders it."""
-    shown = [c for c in columns if any(c in r for r in rows)]
+    """`rows` as a markdown table of `columns` (`shown_columns`), as TensorBoard's text tab renders it."""
+    shown = shown_columns(rows, columns)
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     lines += ["| " + " | ".join(_cell(r.get(c)) for c in shown) + " |" for r in rows]
     return "\n".join(lines)

@@ -182,7 +182,7 @@ class MetricsLogger:
             raise RuntimeError("MetricsLogger is closed")
         if self.rank != 0 or not rows:
             return
-        from mindspeed_llm.rl.metrics.samples import EVAL_COLUMNS, TRAIN_COLUMNS, markdown_table
+        from mindspeed_llm.rl.metrics.samples import EVAL_COLUMNS, TRAIN_COLUMNS, markdown_table, shown_columns
 
         columns = EVAL_COLUMNS if kind == "eval_samples" else TRAIN_COLUMNS
         if self._jsonl_path is not None:
@@ -198,7 +198,7 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.add_text(kind, markdown_table(rows, columns), iteration)
         if self._wandb is not None:
-            self._wandb.log_table(iteration, kind, [c for c in columns if any(c in r for r in rows)], rows)
+            self._wandb.log_table(iteration, kind, shown_columns(rows, columns), rows)
 
     def close(self, failed: bool = False) -> None:
         if self._closed:
