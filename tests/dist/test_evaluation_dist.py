@@ -7,7 +7,8 @@ iterations resumed to 4 evaluates each due iteration once (none repeated, none s
 The same runs write sample tables (`--log-samples`: samples.jsonl, eval_samples.jsonl, TensorBoard's text tab), the
 same rows at every layout and none repeated after a resume, and dump their rollouts (`--rollout-dump-dir`): grpo at
 DP1 and DP2 and a trl_ppo run replayed (`--rollout-replay-dir`) give the dumping runs' weights bit for bit and their
-metrics."""
+metrics; so does a multi-turn grpo run with tool calls at a real model's widths (hidden 256, 32768 words), dumped and
+replayed in two processes as a user runs them."""
 
 import csv
 import json
