@@ -259,6 +259,13 @@ def _add_checkpointing_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-save-optim", action="store_true",
                    help="save weights, RNG and data position only (Megatron-LM's): no optimizer state or LR schedule; "
                         "resume such a checkpoint with --no-load-optim")
+    g.add_argument("--save-hf", action="store_true",
+                   help="at every save also write the actor as a Hugging Face folder, <save>/actor/iter_N/hf/ "
+                        "(config, tokenizer, safetensors; a LoRA actor: a PEFT adapter folder), published with the "
+                        "checkpoint")
+    g.add_argument("--save-hf-merge-lora", action="store_true",
+                   help="with --save-hf and a LoRA actor: its adapters merged into full weights instead of a PEFT "
+                        "adapter folder")
     g.add_argument("--ckpt-step", type=int, help="resume from this iteration of --load instead of its latest")
     g.add_argument("--allow-reference-change", action="store_true",
                    help="resume with another --ref-model or --reward-model than the checkpoint was trained with "

@@ -337,6 +337,11 @@ def _check_checkpoint_flags(args) -> None:
         raise ArgumentError(f"--ckpt-step {args.ckpt_step} needs --load DIR and an iteration >= 1")
     if getattr(args, "allow_reference_change", False) and not args.load:
         raise ArgumentError("--allow-reference-change applies to a resume: it needs --load DIR")
+    if args.save_hf and not args.save:
+        raise ArgumentError("--save-hf writes a Hugging Face folder beside each checkpoint: it needs --save DIR")
+    if args.save_hf_merge_lora and not (args.save_hf and (args.lora_target_modules or args.lora_load)):
+        raise ArgumentError("--save-hf-merge-lora merges a LoRA actor's adapters into the --save-hf folder: it needs "
+                            "--save-hf and a LoRA run (--lora-target-modules or --lora-load); drop it otherwise")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each "
                             "other; pass one")

@@ -136,14 +136,12 @@ def write_stage(info, stage: int, out_dir: str, transform=None) -> Tuple[Dict[st
     return weight_map, nbytes
 
 
-def finish(out_dir: str, info, weight_map: Dict[str, str], nbytes: int, tokenizer_src: Optional[str]) -> None:
-    """The index, config.json and the tokenizer of a folder whose weights `write_stage` wrote."""
+def finish(out_dir: str, info, weight_map: Dict[str, str], nbytes: int) -> None:
+    """The index and config.json of a folder whose weights `write_stage` wrote."""
     ordered = dict(sorted(weight_map.items(), key=lambda item: (item[1], item[0])))
     hf_files.write_json_atomic(os.path.join(out_dir, "model.safetensors.index.json"),
                                {"metadata": {"total_size": nbytes}, "weight_map": ordered})
     write_config(out_dir, info)
-    if tokenizer_src:
-        hf_files.copy_tokenizer_files(tokenizer_src, out_dir)
 
 
 def write_config(out_dir: str, info) -> None:
@@ -172,9 +170,10 @@ def dir_info(ckpt_dir: str):
 
 @dataclass(frozen=True)
 class SaveHF:
-    """`--save-hf`: the tokenizer folder copied in; `merge_lora` (--save-hf-merge-lora): a LoRA actor's adapters
-    merged into full weights instead of a PEFT adapter folder."""
-    tokenizer: Optional[str] = None
+    """`--save-hf`: where the tokenizer files may be (the first folder holding some is copied in: the run's
+    tokenizer, else the converted model's); `merge_lora` (--save-hf-merge-lora): a LoRA actor's adapters merged into
+    full weights instead of a PEFT adapter folder."""
+    tokenizers: Tuple[str, ...] = ()
     merge_lora: bool = False
 
 
@@ -218,12 +217,13 @@ def write_folder(ckpt_dir: str, stages: Sequence[int], options: SaveHF, lora_bas
     errors = gather_messages(error)
     if not errors and is_rank_0():
         try:
-            if kind == "peft":
-                hf_files.copy_tokenizer_files(options.tokenizer, partial)
-            else:
+            if kind != "peft":
                 weight_map = {name: file for part, _ in parts for name, file in part.items()}
                 finish(partial, info if kind == "model" else layout.checkpoint_info(lora_base), weight_map,
-                       sum(n for _, n in parts), options.tokenizer)
+                       sum(n for _, n in parts))
+            for source in options.tokenizers:
+                if hf_files.copy_tokenizer_files(source, partial):
+                    break
             os.replace(partial, os.path.join(ckpt_dir, HF_DIR))
         except Exception as exc:  # noqa: BLE001
             errors = [_message(exc)]

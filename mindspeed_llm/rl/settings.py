@@ -198,6 +198,8 @@ class CheckpointSettings:
     no_load_optim: bool = False
     no_load_rng: bool = False
     no_save_optim: bool = False
+    save_hf: bool = False  # the actor also as a Hugging Face folder at every save (checkpoint/hf_export.py)
+    save_hf_merge_lora: bool = False  # a LoRA actor's folder merged instead of a PEFT adapter
     ckpt_step: Optional[int] = None
     exit_signal_handler: bool = False
     allow_reference_change: bool = False  # a resume with another --ref-model (checkpoint/run_record.py)
