@@ -182,13 +182,21 @@ def write_folder(ckpt_dir: str, stages: Sequence[int], options: SaveHF, lora_bas
     rank per stage: the stage's TP rank 0 of its writing DP rank; all of them in a single process), rank 0 the rest
     and the rename. A collective. Returns (what the run record notes of it, the error naming the file or None); on
     an error nothing of the folder is left."""
-    from mindspeed_llm.distributed import barrier, broadcast_object, gather_messages, is_rank_0
+    from mindspeed_llm.distributed import broadcast_object, gather_messages, is_rank_0
+
+    from mindspeed_llm.files import write_error_message
 
     partial = os.path.join(ckpt_dir, PARTIAL)
+    problem = None
     if is_rank_0():
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-    barrier()
+        try:
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)
+        except OSError as exc:  # a read-only checkpoint directory
+            problem = write_error_message(partial, exc)
+    problem = broadcast_object(problem)
+    if problem:
+        return {}, problem
     info = dir_info(ckpt_dir)
     kind = "model" if not info["lora"] else "merged" if options.merge_lora else "peft"
     mine: Tuple[Dict[str, str], int] = ({}, 0)
