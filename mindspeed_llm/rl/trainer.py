@@ -451,7 +451,7 @@ def _loop(settings: Settings, stage, dataset, evaluator: Evaluator, sampler, log
     rollout_rank, _ = distributed.rollout_parallel_info()
     prompts_per_dp_rank = loop.global_batch_size // dp_size  # a DP rank's CP ranks hold its prompts together
     saved: Optional[int] = start or None
-    save_hf = training_ckpt.hf_export.SaveHF(
+    save_hf = training_ckpt.save_hf.SaveHF(
         tokenizers=tuple(p for p in (settings.data.tokenizer_name_or_path, settings.data.ref_model,
                                      settings.data.load) if p),
         merge_lora=checkpoint.save_hf_merge_lora) if checkpoint.save_hf else None
@@ -461,7 +461,7 @@ def _loop(settings: Settings, stage, dataset, evaluator: Evaluator, sampler, log
         loop_state = {"sampler": sampler.state_dict()}
         rollout_strategies.save_state(stage.rollouts, loop_state)  # --partial-rollout's buffers (a collective over DP)
         training_ckpt.save(checkpoint.save, iteration, stage.roles(), loop_state,
-                           save_optim=not checkpoint.no_save_optim, record=record, save_hf=save_hf)
+                           save_optim=not checkpoint.no_save_optim, record=record, hf=save_hf)
         saved = iteration
 
     entropy_guard = EntropyGuard(stage.roles()["actor"].module.model_spec.vocab_size)

@@ -617,11 +617,11 @@ def test_save_lora_to_hf_records_the_checked_base(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------- --save-hf's folder
 def _save_hf_folder(ckpt_dir, pp, lora_base="", **options):
     """--save-hf's folder of a checkpoint directory, written in this process (every stage here)."""
-    from mindspeed_llm.checkpoint import hf_export
+    from mindspeed_llm.checkpoint import save_hf
 
-    entry, problem = hf_export.write_folder(str(ckpt_dir), list(range(pp)), hf_export.SaveHF(**options), lora_base)
+    entry, problem = save_hf.write_folder(str(ckpt_dir), list(range(pp)), save_hf.SaveHF(**options), lora_base)
     assert problem is None, problem
-    return entry, os.path.join(ckpt_dir, hf_export.HF_DIR)
+    return entry, os.path.join(ckpt_dir, "hf")
 
 
 @pytest.mark.parametrize("family,tie", [("qwen2", False), ("llama", True)])
