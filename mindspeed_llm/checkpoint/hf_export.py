@@ -1,20 +1,15 @@
-"""Megatron shards -> Hugging Face tensors, streamed one layer at a time; and `--save-hf`'s folder beside a checkpoint.
+"""Megatron shards -> Hugging Face tensors, streamed one layer at a time, and the files of `--save-hf`'s folder.
 
 `stage_hf_groups(info, stage)` is the one Megatron -> HF path: `convert.convert_mg_to_hf` collects it into one
 dict, `--save-hf` (`save_hf.py`) writes each group as it comes (`write_stage`). A stage's shards are memory-mapped
 and merged over TP (and EP) one layer at a time, so a writer holds one layer's full tensors at a time.
 
-`--save-hf` (training.save) writes `<save>/actor/iter_N/hf/`:
+`--save-hf`'s folder, `<save>/actor/iter_N/hf/`:
 
     model-00001-of-000NN.safetensors          the embeddings (first stage)
     model-000KK-of-000NN.safetensors          decoder layer KK-2, written by its pipeline stage's writer rank
     model-000NN-of-000NN.safetensors          the final norm and output layer (last stage)
     model.safetensors.index.json, config.json, tokenizer files
-    (a LoRA actor: adapter_config.json + adapter_model.safetensors, PEFT's; merged weights with --save-hf-merge-lora)
-
-Every file goes into `hf.partial/` inside the checkpoint's staging directory; rank 0 renames it to `hf/` once
-every writer is done, and the checkpoint is published with it. A failed write removes `hf.partial/` (nothing
-partial stays) and names the file.
 """
 
 from __future__ import annotations

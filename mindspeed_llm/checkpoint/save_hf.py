@@ -81,6 +81,7 @@ def write_folder(ckpt_dir: str, stages: Sequence[int], options: SaveHF, lora_bas
             for source in options.tokenizers:
                 if hf_files.copy_tokenizer_files(source, partial):
                     break
+            shutil.rmtree(os.path.join(ckpt_dir, HF_DIR), ignore_errors=True)  # (a staging directory has none)
             os.replace(partial, os.path.join(ckpt_dir, HF_DIR))
         except Exception as exc:  # noqa: BLE001
             errors = [_message(exc)]
