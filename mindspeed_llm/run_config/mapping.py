@@ -9,8 +9,9 @@ import os
 from typing import Dict, Optional, Tuple
 
 from mindspeed_llm.run_config.checkpoints import resolve_checkpoints
+from mindspeed_llm.run_config.dapo import resolve_dapo
 from mindspeed_llm.run_config.reader import ConfigReader, FlagValue, RoleKeys, cli_value
-from mindspeed_llm.run_config.tables import DTYPES, PACKING_DEFAULT
+from mindspeed_llm.run_config.tables import DTYPES, PACKING_DEFAULT, stage_of
 
 
 def resolve(reader: ConfigReader, run: RoleKeys, roles: Dict[str, Tuple[RoleKeys, Optional[str]]],
@@ -29,6 +30,7 @@ def resolve(reader: ConfigReader, run: RoleKeys, roles: Dict[str, Tuple[RoleKeys
             return flags[dest].value
         return reader.parser.get_default(dest)
 
+    file_stage = _resolve_stage(reader, run, roles, put)
     stage = cli_value(cli_argv, "--stage") or effective("stage")
 
     # -- the other roles: one layout and one optimizer setting for all (module doc)
@@ -70,6 +72,7 @@ def resolve(reader: ConfigReader, run: RoleKeys, roles: Dict[str, Tuple[RoleKeys
     resolve_checkpoints(reader, run, roles, stage, put, flags, given, rule_verifiers, cli_argv)
     _resolve_sampling(reader, run, put, flags, effective, given)
     _resolve_token_budgets(reader, run, put)
+    resolve_dapo(reader, run, put, flags, effective, stage, file_stage == "ray_dapo")
     _resolve_kl_placement(reader, run, stage, effective)
 
     if run.slot("use_tensorboard") and "tensorboard_dir" not in flags:
@@ -105,6 +108,23 @@ def resolve(reader: ConfigReader, run: RoleKeys, roles: Dict[str, Tuple[RoleKeys
         else:  # this program's own estimator names: the parser / stage checks them
             put("--adv-estimator", estimator, where)
     return flags
+
+
+def _resolve_stage(reader, run, roles, put) -> Optional[str]:
+    """`stage` -> --stage (`tables.stage_of`); a role section's must be the run's. Returns the file's own name for it
+    (ray_dapo turns DAPO's features on, `dapo.py`)."""
+    name = run.slot("stage")
+    if name is not None:
+        try:
+            put("--stage", stage_of(name), run.origin("stage"))
+        except ValueError as exc:
+            raise reader.error(run.origin("stage"), str(exc)) from None
+    for role, _ in roles.values():
+        other = role.slot("stage")
+        if other is not None and other != name:
+            raise reader.error(role.origin("stage"), f"{other!r} differs from the run's stage {name!r}: one stage "
+                                                     "trains every role; make them equal or drop the key")
+    return name
 
 
 def _resolve_wandb(reader, run, flags, cli_argv) -> None:
