@@ -12,9 +12,9 @@ from mindspeed_llm.errors import ArgumentError
 def check_dynamic_sampling(run) -> None:
     """--dynamic-sampling's metric and budget (`rl/dynamic_sampling.py`): set without it they are refused, a metric
     must be the reward or a verifier of the run, and 0 generation batches (no limit) is its own."""
-    if run.max_num_gen_batches < 0 or (run.max_num_gen_batches == 0 and not run.dynamic_sampling):
-        raise ArgumentError(f"--max-num-gen-batches {run.max_num_gen_batches} must be >= 1 (0, no limit, only with "
-                            "--dynamic-sampling)")
+    if run.max_num_gen_batches == 0 and not run.dynamic_sampling:  # >= 0: argument_ranges
+        raise ArgumentError("--max-num-gen-batches 0 (no limit) is --dynamic-sampling's only: --partial-rollout "
+                            "needs a bound; give a number >= 1")
     metric = run.dynamic_sampling_metric
     if metric == "reward":
         return

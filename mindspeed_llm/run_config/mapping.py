@@ -71,8 +71,8 @@ def resolve(reader: ConfigReader, run: RoleKeys, roles: Dict[str, Tuple[RoleKeys
     rule_verifiers = _resolve_custom_reward(run, put) or rule_verifiers  # scores like rule verifiers (checkpoints)
     resolve_checkpoints(reader, run, roles, stage, put, flags, given, rule_verifiers, cli_argv)
     _resolve_sampling(reader, run, put, flags, effective, given)
-    _resolve_token_budgets(reader, run, put)
     resolve_dapo(reader, run, put, flags, effective, stage, file_stage == "ray_dapo")
+    _resolve_token_budgets(reader, run, put, reference=not (file_stage == "ray_dapo" and stage == "grpo"))
     _resolve_kl_placement(reader, run, stage, effective)
 
     if run.slot("use_tensorboard") and "tensorboard_dir" not in flags:
@@ -178,13 +178,14 @@ def _resolve_custom_reward(run, put) -> bool:
     return True
 
 
-def _resolve_token_budgets(reader, run, put) -> None:
+def _resolve_token_budgets(reader, run, put, reference: bool = True) -> None:
     """MindSpeed-RL's dynamic batch size: with ``use_dynamic_bsz: true``, ``update_max_packing_token_size`` (else
     ``max_packing_token_size``, else MindSpeed-RL's 4096) -> ``--max-tokens-per-micro-batch``, and the smaller of
     ``actor_max_packing_token_size`` / ``ref_max_packing_token_size`` (each else ``max_packing_token_size``) ->
     ``--forward-max-tokens-per-micro-batch`` (one budget serves every forward-only pass here). MindSpeed-RL counts a
     micro-batch's real tokens (its rows flattened); here rows x its longest row (sorted by length, the padding is
-    small). Without it the budgets are ignored."""
+    small). Without it the budgets are ignored; without a reference model (`reference` false: ray_dapo's)
+    ``ref_max_packing_token_size`` is."""
     names = ("max_packing_token_size", "update_max_packing_token_size", "actor_max_packing_token_size",
              "ref_max_packing_token_size")
     if not run.slot("use_dynamic_bsz", False):
@@ -197,6 +198,10 @@ def _resolve_token_budgets(reader, run, put) -> None:
     base = run.slot("max_packing_token_size", PACKING_DEFAULT)
     update = run.slot("update_max_packing_token_size", base)
     forward = {name: run.slot(name, base) for name in ("actor_max_packing_token_size", "ref_max_packing_token_size")}
+    if not reference:
+        del forward["ref_max_packing_token_size"]
+        if "ref_max_packing_token_size" in run.slots:
+            reader.ignored.append((run.origin("ref_max_packing_token_size"), "ray_dapo builds no reference model"))
     put("--max-tokens-per-micro-batch", int(update), run.origin("update_max_packing_token_size")
         if "update_max_packing_token_size" in run.slots else where)
     smallest = min(forward, key=forward.get)
