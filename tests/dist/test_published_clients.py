@@ -213,6 +213,25 @@ def _calling_tokenizer(path: Path) -> str:
     return str(path)
 
 
+def _turn_ending_actor(path: Path, tokenizer: str) -> str:
+    """The word task's tiny Qwen2 (seed 3) made to end its turns: every token's embedding holds 100 in dimension 0,
+    which only EOS's output row reads, so EOS (</s>) is sampled ~29% of the time and the call tokens ~18% (a turn
+    cut by the token limit runs no tools; one ended by EOS does). Converted to TP2 x PP1."""
+    import torch
+
+    from mindspeed_llm.checkpoint import convert_hf_to_mg
+    from tests.helpers.hf_tiny import build_tiny
+
+    model = build_tiny("qwen2", seed=3, vocab_size=256)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 100.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[2, 0] = 0.6
+    model.save_pretrained(str(path / "hf"))
+    convert_hf_to_mg(str(path / "hf"), str(path / "mg_tp2pp1"), 2, 1, tokenizer_dir=tokenizer, progress=False)
+    return str(path / "mg_tp2pp1")
+
+
 @pytest.fixture()
 def sandbox_fusion():
     """A local stand-in of the SandboxFusion service (its run_code request and answer): it evaluates `print(K*7)`
@@ -262,15 +281,16 @@ def test_mindspeed_rl_multi_turn_dapo_config_runs_to_its_sandbox_calls(task, tmp
     (tmp_path / "retool_config.yaml").write_text(yaml.safe_dump(tools, sort_keys=False))
     monkeypatch.syspath_prepend(str(RETOOL))  # the ranks take the caller's sys.path
     save = str(tmp_path / "save")
-    changes = _sizes(save, task, task["mg_actor_tp2pp1"], ("actor_config",), iters=1)
-    changes.update({("megatron_training", "tokenizer_name_or_path"): _calling_tokenizer(tmp_path / "tokenizer"),
+    tokenizer = _calling_tokenizer(tmp_path / "tokenizer")
+    changes = _sizes(save, task, _turn_ending_actor(tmp_path / "actor", tokenizer), ("actor_config",), iters=1)
+    changes.update({("megatron_training", "tokenizer_name_or_path"): tokenizer,
                     ("rl_config", "tool_config_path"): str(tmp_path / "retool_config.yaml"),
                     ("rl_config", "n_samples_per_prompt"): 4, ("rl_config", "mini_batch_size"): 8,
                     ("rl_config", "max_total_response_length"): 12, ("rl_config", "max_tool_response_length"): 3,
                     ("generate_config", "max_model_len"): 28})
     path = rewrite_run_config(MULTI_TURN, tmp_path / "config", changes)
     metrics = tmp_path / "metrics.jsonl"
-    ((_, out, _),) = _run([["--config", str(path), "--metrics-jsonl", str(metrics)]])
+    (_, out, _), = _run([["--config", str(path), "--metrics-jsonl", str(metrics)]])
     assert "megatron_training.stage: ray_dapo runs as --stage grpo with DAPO's features: no reference model" in out
     assert requests, out[-3000:]
     assert all(r["code"] in {f"print({i}*7)" for i in CALL_IDS} and r["language"] == "python"
