@@ -7,6 +7,10 @@ substitutions. What a case adds beyond them is said where it is added.
   (TP2 with their sequence parallelism, the distributed optimizer, bf16, offload), resumed as MindSpeed-RL's docs
   say: `finetune: false`, `load` = the save, `no_load_optim` / `no_load_rng` false, the reference's original weights
   in `rl_config.integrated_mode_config.ref_model_load_path`.
+- MindSpeed-RL's multi-turn DAPO config `dapo_qwen25_7b_A2_multi_turn.yaml` (ray_dapo, hermes calls to its
+  SandboxFusion code tool) for one iteration to its tool calls: its tool config's class and service are stand-ins
+  (tests/fixtures/mindspeed_rl/tools/retool_standin.py, a local service), the actor a tiny model that ends its turns,
+  the tokenizer one whose words are whole calls; once with the service up, once unreachable (counted failures).
 - MindSpeed-LLM's `trl_ppo_llama32_1b_ptd.sh` (`--finetune --no-load-optim --no-load-rng` as published) under its
   own torchrun line, on a tiny Llama-3.2-shaped model (llama3 RoPE scaling, tied embeddings); resumed the way a
   user of it does: the same script with `--load <its --save>` added.
