@@ -107,7 +107,7 @@ RANGES: Dict[str, Bound] = {
     "--max-new-tokens": _at_least(1, "tokens"),
     "--max-length": _at_least(2, "tokens: a prompt token and a response token"),
     "--max-prompt-length": _at_least(1, "tokens"),
-    "--max-num-gen-batches": _at_least(1, "generation batches"),
+    "--max-num-gen-batches": _at_least(0, "generation batches; 0, no limit, only with --dynamic-sampling"),
     "--partial-rollout-max-split": _at_least(2, "MindSpeed-RL's partial_rollout_max_split: 1 cuts no sample (leave "
                                                 "--partial-rollout out)"),
     "--max-assistant-turns": _at_least(1, "model turns"),

@@ -493,9 +493,13 @@ def _add_algorithm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dynamic-sampling", action="store_true",
                    help="grpo: DAPO's dynamic sampling: generate more prompt groups until the batch holds "
                         "--global-batch-size groups whose rewards differ (the others are left out)")
+    g.add_argument("--dynamic-sampling-metric", default="reward",
+                   help="with --dynamic-sampling: what must differ within a group for it to be kept: its rewards "
+                        "(reward, the default, verl's seq_final_reward) or the scores of one verifier of "
+                        "--verifier-function (its own score, before weights: MindSpeed-RL's filter_groups_metric)")
     g.add_argument("--max-num-gen-batches", type=int, default=10,
                    help="with --dynamic-sampling or --partial-rollout: at most this many generation batches per "
-                        "iteration (10)")
+                        "iteration (10; with --dynamic-sampling 0 means no limit, MindSpeed-RL's -1)")
     g.add_argument("--partial-rollout", action="store_true",
                    help="slime's switch: an iteration gives each sample at most --partial-rollout-max-split's share of "
                         "--max-new-tokens; unfinished samples carry their tokens and log-probs into the next "

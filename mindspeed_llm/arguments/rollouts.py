@@ -9,6 +9,24 @@ import os
 from mindspeed_llm.errors import ArgumentError
 
 
+def check_dynamic_sampling(run) -> None:
+    """--dynamic-sampling's metric and budget (`rl/dynamic_sampling.py`): set without it they are refused, a metric
+    must be the reward or a verifier of the run, and 0 generation batches (no limit) is its own."""
+    if run.max_num_gen_batches == 0 and not run.dynamic_sampling:  # >= 0: argument_ranges
+        raise ArgumentError("--max-num-gen-batches 0 (no limit) is --dynamic-sampling's only: --partial-rollout "
+                            "needs a bound; give a number >= 1")
+    metric = run.dynamic_sampling_metric
+    if metric == "reward":
+        return
+    if not run.dynamic_sampling:
+        raise ArgumentError(f"--dynamic-sampling-metric {metric} has no effect without --dynamic-sampling; add it or "
+                            "drop the metric")
+    if metric not in (run.verifier_function or []):
+        raise ArgumentError(f"--dynamic-sampling-metric {metric} is not one of --verifier-function "
+                            f"{' '.join(run.verifier_function or []) or '(none)'}: a group is kept when its scores by "
+                            "that verifier differ; name one of them, or reward (the groups' rewards)")
+
+
 def check_partial_rollout(run) -> None:
     """--partial-rollout and its budget (`rl/partial_rollout.py`): what does not combine with it is refused."""
     if not run.partial_rollout:

@@ -25,7 +25,7 @@ from mindspeed_llm.arguments.parser import (
 )
 from mindspeed_llm.arguments.evaluation import check_evaluation
 from mindspeed_llm.arguments.observability import check_profiling, check_rollout_records
-from mindspeed_llm.arguments.rollouts import check_multi_turn, check_partial_rollout
+from mindspeed_llm.arguments.rollouts import check_dynamic_sampling, check_multi_turn, check_partial_rollout
 from mindspeed_llm.arguments.wandb_flags import check_wandb
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.expert_layout import (
@@ -193,6 +193,7 @@ def validate_args(args, world_size: int) -> run_settings.Settings:
     if args.dynamic_sampling and (args.stage != "grpo" or run.n_samples_per_prompt < 2):
         raise ArgumentError("--dynamic-sampling keeps grpo groups whose rewards differ: it needs --stage grpo and "
                             "--n-samples-per-prompt >= 2")
+    check_dynamic_sampling(run)
     check_partial_rollout(run)
     check_multi_turn(run)
     if run.custom_reward_function is not None or run.custom_reward_weight is not None:

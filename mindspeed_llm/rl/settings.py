@@ -114,7 +114,8 @@ class AlgorithmSettings:
     n_samples_per_prompt: Optional[int] = None  # validate_args: by --stage when not given
     filter_groups: bool = False
     dynamic_sampling: bool = False
-    max_num_gen_batches: int = 10
+    dynamic_sampling_metric: str = "reward"  # or a verifier's name: whose scores must differ within a kept group
+    max_num_gen_batches: int = 10  # 0: no limit (--dynamic-sampling only)
     partial_rollout: bool = False
     partial_rollout_max_split: Optional[int] = None  # validate_args: 2 with --partial-rollout
     mask_truncated_completions: bool = False
