@@ -90,6 +90,7 @@ class RewardMixing:
     overlong_buffer_len: Optional[int] = None  # None: no overlong penalty
     overlong_penalty_factor: float = 1.0
     max_new_tokens: int = 128  # the overlong penalty's length limit
+    tool_rewards: str = "add"  # a multi-turn trajectory's tool rewards: added to the score, or only recorded
 
 
 @dataclass(frozen=True)
