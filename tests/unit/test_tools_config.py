@@ -180,3 +180,86 @@ def test_error_inside_the_user_module_is_shown(tmp_path, monkeypatch):
                                               "'not_installed_dependency'"):
         load_tool_config(str(path))
     sys.modules.pop("broken_tools", None)
+
+
+# ------------------------------------------------------------------------ published tool classes, as published
+VERL_GSM8K_CONFIG = Path(__file__).resolve().parents[1] / "fixtures" / "verl" / "gsm8k_tool_config.yaml"
+
+
+@pytest.fixture
+def verl_tools():
+    from tests.helpers.verl_tools import published_verl_tools
+
+    with published_verl_tools() as root:
+        yield root
+
+
+def test_verls_own_gsm8k_tool_config_runs_verls_gsm8k_tool(verl_tools):
+    """verl's gsm8k_tool_config.yaml (verbatim) with verl's Gsm8kTool, BaseTool and schemas (the wheel's files): the
+    tool gets verl's pydantic OpenAIFunctionToolSchema, and its rewards are verl's (0 for an improved answer, -0.05
+    for one that is not)."""
+    from verl.tools.base_tool import BaseTool as VerlBaseTool
+    from verl.tools.gsm8k_tool import Gsm8kTool
+    from verl.tools.schemas import OpenAIFunctionToolSchema
+
+    (tool,) = load_tool_config(str(VERL_GSM8K_CONFIG))
+    assert isinstance(tool, InstanceTool) and type(tool.inner) is Gsm8kTool and isinstance(tool.inner, VerlBaseTool)
+    assert isinstance(tool.inner.tool_schema, OpenAIFunctionToolSchema) and tool.name == "calc_gsm8k_reward"
+    import yaml
+
+    published = yaml.safe_load(VERL_GSM8K_CONFIG.read_text())["tools"][0]["tool_schema"]
+    executor = ToolExecutor([tool], timeout=10)
+    assert executor.schemas == [published]  # the prompt offers the YAML's schema as written
+    row = {"extra_info": {"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}}}}
+    executor.start("t", row)
+    wrong = executor.run("t", [ToolCall("calc_gsm8k_reward", {"answer": "70"})])
+    right = executor.run("t", [ToolCall("calc_gsm8k_reward", {"answer": "72"})])
+    again = executor.run("t", [ToolCall("calc_gsm8k_reward", {"answer": "72"})])
+    executor.finish("t")
+    assert wrong.messages == ["Current parsed answer='70' reward=0.0"] and wrong.reward == -0.05
+    assert right.messages == ["Current parsed answer='72' reward=1.0"] and right.reward == 0.0
+    assert again.reward == -0.05 and (wrong.failures, right.failures, again.failures) == (0, 0, 0)
+    assert tool.inner._instance_dict == {}  # released
+
+
+def test_a_schema_verls_type_refuses_is_named(verl_tools, tmp_path):
+    path = write(tmp_path, """
+        tools:
+          - class_name: verl.tools.gsm8k_tool.Gsm8kTool
+            config: {type: native}
+            tool_schema:
+              type: function
+              function: {name: g, description: d, parameters: {type: object, properties: {a: {description: x}},
+                                                               required: [a]}}
+    """)
+    with pytest.raises(ToolConfigError, match=r"tools\[0\]: tool_schema does not fit "
+                                              r"verl.tools.schemas.OpenAIFunctionToolSchema, the schema type "
+                                              r"Gsm8kTool takes: tool_schema.function.parameters.properties.a.type: "
+                                              r"Field required$"):
+        load_tool_config(str(path))
+
+
+def test_a_mindspeed_rl_style_tool_reads_its_schema_as_attributes(tmp_path, user_tools):
+    """Without MindSpeed-RL installed, a class written against its pydantic schema gets a SchemaDict: the schema line
+    of its BaseTool (`tool_schema.function.name`, `model_dump(...)`) passes and the tool runs."""
+    text = """
+        tools:
+          - class_name: my_tools.MindSpeedRLStyleTool
+            config: {type: native, default_timeout: 30}
+            tool_schema:
+              type: function
+              function:
+                name: code_interpreter
+                description: A tool for executing code.
+                parameters: {type: object, properties: {code: {type: string, description: The code.}}, required: [code]}
+    """
+    (tool,) = load_tool_config(str(write(tmp_path, text)))
+    import yaml
+
+    published = yaml.safe_load(textwrap.dedent(text))["tools"][0]["tool_schema"]
+    assert tool.name == "code_interpreter" and tool.inner.dumped == published and tool.inner.required == ["code"]
+    executor = ToolExecutor([tool])
+    executor.start("t", {})
+    turn = executor.run("t", [ToolCall("code_interpreter", {"code": "print(1)"})])
+    executor.finish("t")
+    assert turn.messages == ["ran 'print(1)'"] and turn.failures == 0 and executor.schemas == [published]

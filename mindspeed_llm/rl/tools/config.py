@@ -115,8 +115,12 @@ def schema_for(cls: type, tool_schema: Mapping[str, Any], where: str) -> Any:
     try:
         return schema_type.model_validate(dict(tool_schema))
     except Exception as exc:  # noqa: BLE001 - pydantic's ValidationError lists the fields
+        try:  # one line: each field's path and problem
+            problems = "; ".join(f"tool_schema.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        except Exception:  # noqa: BLE001
+            problems = str(exc)
         raise ToolConfigError(f"{where}: tool_schema does not fit {schema_type.__module__}.{schema_type.__name__}, "
-                              f"the schema type {cls.__name__} takes: {exc}") from None
+                              f"the schema type {cls.__name__} takes: {problems}") from None
 
 
 def construct_tool(cls: type, config: Dict[str, Any], tool_schema: Optional[Dict[str, Any]],
