@@ -222,6 +222,18 @@ def test_verls_own_gsm8k_tool_config_runs_verls_gsm8k_tool(verl_tools):
     assert tool.inner._instance_dict == {}  # released
 
 
+def test_verls_gsm8k_tool_config_passes_argument_validation(verl_tools, tmp_path):
+    """The sweep's failure was at start-up: the run's argument validation now builds verl's tool and accepts it."""
+    from mindspeed_llm.arguments import parse_args
+
+    settings = parse_args(["--stage", "grpo", "--verifier-function", "math_acc", "--data-path", str(tmp_path / "d"),
+                           "--train-iters", "1", "--global-batch-size", "4", "--ref-model", "r",
+                           "--tool-config", str(VERL_GSM8K_CONFIG)], 1).settings
+    assert settings.tools.tool_config == str(VERL_GSM8K_CONFIG)
+    (tool,) = load_tool_config(str(VERL_GSM8K_CONFIG), reuse=True)
+    assert type(tool.inner).__name__ == "Gsm8kTool" and tool.name == "calc_gsm8k_reward"
+
+
 def test_a_schema_verls_type_refuses_is_named(verl_tools, tmp_path):
     path = write(tmp_path, """
         tools:
