@@ -41,7 +41,6 @@ def check_multi_turn(run) -> None:
         if run.tool_rewards is not None:
             raise ArgumentError(f"--tool-rewards {run.tool_rewards} has no effect without --tool-config (only tools "
                                 "return step rewards); drop it or give the tools")
-        run.tool_rewards = "add"
         return
     if run.tool_rewards is None:
         run.tool_rewards = "add"

@@ -69,7 +69,7 @@ class Scorer:
                    overlong_penalty_factor=reward.overlong_penalty_factor, max_new_tokens=reward.max_new_tokens,
                    custom_reward_function=reward.custom_reward_function,
                    custom_reward_weight=1.0 if reward.custom_reward_weight is None else reward.custom_reward_weight,
-                   tool_rewards=reward.tool_rewards)
+                   tool_rewards=reward.tool_rewards or "add")
 
     def __init__(self, verifier_names: Sequence[str], verifier_weights: Sequence[float],
                  reward_model=None, reward_model_weight: float = 1.0, offload: bool = False,

@@ -80,7 +80,7 @@ def test_the_tools_built_by_validation_are_the_runs_and_tool_rewards_resolve(tmp
     assert load_tool_config(tools, reuse=True)[0] is built[0]  # the run's ToolBox gets validation's objects
     settings = parse_args(_args(tmp_path, "--tool-config", tools, "--tool-rewards", "record"), 1).settings
     assert settings.reward.tool_rewards == "record"
-    assert parse_args(_args(tmp_path), 1).settings.reward.tool_rewards == "add"
+    assert parse_args(_args(tmp_path), 1).settings.reward.tool_rewards is None  # no tools: nothing to add
 
 
 def test_the_startup_line_says_whether_the_prompts_offer_the_tools(tmp_path, tools):
