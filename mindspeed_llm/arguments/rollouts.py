@@ -67,11 +67,11 @@ def check_multi_turn(run) -> None:
 
 def _tool_names(path: str) -> list:
     """The tools of --tool-config, built here, before any model (every entry checked: `rl/tools/config.py`); the run's
-    rollouts get the same objects (``load_tool_config(path, reuse=True)``). Their names."""
+    rollouts take the same objects (``load_tool_config(path, cache="take")``). Their names."""
     from mindspeed_llm.rl.tools import ToolConfigError, load_tool_config, tool_name
 
     try:
-        return [tool_name(tool) for tool in load_tool_config(path, reuse=True)]
+        return [tool_name(tool) for tool in load_tool_config(path, cache="store")]
     except ToolConfigError as exc:
         raise ArgumentError(f"--tool-config: {exc}") from None
 

@@ -4,6 +4,7 @@ the tools (the prompts' `_meta.json` from `preprocess_data.py --tool-config`), a
 MindSpeed-RL's multi-turn config reach the same flags."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -75,9 +76,12 @@ def test_the_tools_built_by_validation_are_the_runs_and_tool_rewards_resolve(tmp
 
     settings = parse_args(_args(tmp_path, "--tool-config", tools), 1).settings
     assert settings.reward.tool_rewards == "add"  # the default: a tool's rewards enter the score
-    built = load_tool_config(tools, reuse=True)
-    assert [t.name for t in built] == ["calculator"]
-    assert load_tool_config(tools, reuse=True)[0] is built[0]  # the run's ToolBox gets validation's objects
+    from mindspeed_llm.rl.tools import config as tool_config
+
+    validated = tool_config._BUILT[str(Path(tools).resolve())][1]
+    built = load_tool_config(tools, cache="take")  # as the run's ToolBox does: validation's objects
+    assert [t.name for t in built] == ["calculator"] and built[0] is validated[0]
+    assert load_tool_config(tools, cache="take")[0] is not built[0]  # taken once: the next load builds afresh
     settings = parse_args(_args(tmp_path, "--tool-config", tools, "--tool-rewards", "record"), 1).settings
     assert settings.reward.tool_rewards == "record"
     assert parse_args(_args(tmp_path), 1).settings.reward.tool_rewards is None  # no tools: nothing to add

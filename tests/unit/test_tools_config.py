@@ -230,7 +230,7 @@ def test_verls_gsm8k_tool_config_passes_argument_validation(verl_tools, tmp_path
                            "--train-iters", "1", "--global-batch-size", "4", "--ref-model", "r",
                            "--tool-config", str(VERL_GSM8K_CONFIG)], 1).settings
     assert settings.tools.tool_config == str(VERL_GSM8K_CONFIG)
-    (tool,) = load_tool_config(str(VERL_GSM8K_CONFIG), reuse=True)
+    (tool,) = load_tool_config(str(VERL_GSM8K_CONFIG), cache="take")
     assert type(tool.inner).__name__ == "Gsm8kTool" and tool.name == "calc_gsm8k_reward"
 
 

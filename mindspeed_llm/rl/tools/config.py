@@ -17,8 +17,8 @@ the type the class takes (`schema_for`): verl's and MindSpeed-RL's ``BaseTool`` 
 pydantic ``OpenAIFunctionToolSchema``, other classes a `base.SchemaDict` (a dict whose keys read as attributes too).
 Every schema is checked (`check_tool_schema`: ``type: function``, a name, JSON-schema shaped ``parameters``) and
 every class must have a callable ``execute``. Every mistake is a `ToolConfigError` naming the file, the entry
-(``tools[i]``) and the fix. Argument validation loads the file once before any model is built
-(``load_tool_config(path, reuse=True)``; the run's `multi_turn.ToolBox` gets the same tools).
+(``tools[i]``) and the fix. Argument validation builds the tools before any model is built
+(``load_tool_config(path, cache="store")``); the run's `multi_turn.ToolBox` takes those (``cache="take"``).
 """
 
 from __future__ import annotations
@@ -220,25 +220,29 @@ def tool_from_entry(entry: Any, where: str) -> Any:
     return tool
 
 
-_LOADED: Dict[str, Tuple[Tuple[int, int], List[Any]]] = {}  # the last load per file, for reuse=True
+_BUILT: Dict[str, Tuple[Tuple[int, int], List[Any]]] = {}  # built by argument validation, for the run to take
 
 
-def load_tool_config(path: str, reuse: bool = False) -> List[Any]:
-    """The tools of a tool config file, in file order; ToolConfigError naming the file, entry and fix. With
-    ``reuse``, a file loaded before with ``reuse`` and unchanged since (size and modification time) gives the same
-    tools again: argument validation builds them before any model, the run uses them."""
-    file = Path(path)
+def load_tool_config(path: str, cache: Optional[str] = None) -> List[Any]:
+    """The tools of a tool config file, in file order; ToolConfigError naming the file, entry and fix.
+    ``cache="store"`` (argument validation, before any model is built) keeps what it builds; ``cache="take"`` (the
+    run's `multi_turn.ToolBox`) takes those tools when the file is unchanged since (size and modification time),
+    once: a later load builds afresh, so tools never carry over from one run to the next in one process."""
+    if cache not in (None, "store", "take"):
+        raise ValueError(f"cache={cache!r}: use None, 'store' or 'take'")
     key = os.path.realpath(path)
     try:
         stamp = (os.stat(path).st_mtime_ns, os.stat(path).st_size)
     except OSError:
         stamp = None
-    if reuse and stamp is not None and key in _LOADED and _LOADED[key][0] == stamp:
-        return list(_LOADED[key][1])
-    tools = _load(file)
-    if reuse and stamp is not None:
-        _LOADED.clear()
-        _LOADED[key] = (stamp, tools)
+    if cache == "take":
+        stored = _BUILT.pop(key, None)
+        if stored is not None and stored[0] == stamp:
+            return list(stored[1])
+    tools = _load(Path(path))
+    if cache == "store" and stamp is not None:
+        _BUILT.clear()
+        _BUILT[key] = (stamp, tools)
     return list(tools)
 
 
