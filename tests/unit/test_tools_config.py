@@ -131,9 +131,11 @@ def test_verl_async_instance_tool_gets_an_id_per_trajectory(tmp_path, user_tools
     ("tools:\n  - class_name: my_tools.NoExecute\n", r"tools\[0\]: class 'my_tools.NoExecute' has no execute method"),
     ("tools:\n  - class_name: my_tools.NumberExecute\n",
      r"class 'my_tools.NumberExecute' has an execute that is a int, not a method"),
-    ("tools:\n  - class_name: calculator\n    tool_schema: {type: function, function: {name: c, parameters: 'a: int'}}\n",
+    ("tools:\n  - class_name: calculator\n    tool_schema: {type: function, function: {name: c, parameters: "
+     "'a: int'}}\n",
      r"tools\[0\]: tool_schema.function.parameters is a str, not a JSON schema; write parameters: \{type: object"),
-    ("tools:\n  - class_name: calculator\n    tool_schema: {type: function, function: {name: c, parameters: {type: string}}}\n",
+    ("tools:\n  - class_name: calculator\n    tool_schema: {type: function, function: {name: c, parameters: "
+     "{type: string}}}\n",
      r"parameters has type 'string'; the arguments of a call are an object"),
     ("tools:\n  - class_name: calculator\n    tool_schema: {type: function, function: {name: c, parameters: "
      "{type: object, properties: {x: int}}}}\n", r"properties must map each parameter name to its JSON schema"),

@@ -141,7 +141,8 @@ def check_tool_schema(tool_schema: Any, where: str) -> None:
     """An OpenAI function schema the prompt can offer: ``type: function``, a function name, an optional string
     description and JSON-schema shaped ``parameters`` (an object schema: ``type: object``, ``properties`` of
     schemas, ``required`` naming properties); ToolConfigError naming the key and the fix otherwise."""
-    fix = f"write tool_schema: {{type: function, function: {{name: ..., description: ..., parameters: {_SCHEMA_SHAPE}}}}}"
+    fix = ("write tool_schema: {type: function, function: {name: ..., description: ..., parameters: "
+           f"{_SCHEMA_SHAPE}}}}}")
     if not isinstance(tool_schema, Mapping):
         raise ToolConfigError(f"{where}: tool_schema is a {type(tool_schema).__name__}, not a mapping; {fix}")
     if tool_schema.get("type") != "function":

@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Hashable, Iterable, List, Mapping, Optional, Sequence
 
 from mindspeed_llm.rl.tools.adapters import adapt_tool
-from mindspeed_llm.rl.tools.base import ToolResult, ToolTimeout, as_text, as_tool_result, resolve, schema_dict, tool_name
+from mindspeed_llm.rl.tools.base import (
+    ToolResult, ToolTimeout, as_text, as_tool_result, resolve, schema_dict, tool_name,
+)
 
 MAX_ERROR_CHARS = 500
 MAX_TOOL_REWARD = 1e6  # the largest magnitude of one call's reward (a score of 1e30 would swamp every advantage)
