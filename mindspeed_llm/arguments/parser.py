@@ -446,6 +446,9 @@ def _add_multi_turn_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-total-response-length", type=int,
                    help="model + tool tokens of a trajectory (default: --max-length - --max-prompt-length); "
                         "--max-new-tokens is then one model turn's limit")
+    g.add_argument("--tool-rewards", choices=("add", "record"),
+                   help="what becomes of the rewards a tool returns with its answers: add them to the score (default) "
+                        "or only record them (verl's behaviour: metrics and the samples' score parts as tool_recorded)")
     g.add_argument("--tool-timeout", type=float, default=30.0, help="seconds one tool call may take (default 30)")
     g.add_argument("--tool-workers", type=int, default=8, help="tool calls running at once per rollout rank")
     g.add_argument("--parked-kv", choices=("auto", "keep", "free"), default="auto",

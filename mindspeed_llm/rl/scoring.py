@@ -56,9 +56,9 @@ def tool_rewards(trajectories: Sequence[Optional[dict]]) -> List[float]:
 
 class Scorer:
     """Sequence scores: rule verifiers, a user's reward function and/or a reward model (weighted sum), plus the
-    tools' own rewards of multi-turn trajectories (weight 1), less TRL's `missing_eos_penalty` for responses that
-    did not end in EOS, plus DAPO's overlong penalty (`core_algos.overlong_penalty`, with `--overlong-buffer-len`);
-    with their metrics."""
+    tools' own rewards of multi-turn trajectories (weight 1; only recorded with --tool-rewards record), less TRL's
+    `missing_eos_penalty` for responses that did not end in EOS, plus DAPO's overlong penalty
+    (`core_algos.overlong_penalty`, with `--overlong-buffer-len`); with their metrics."""
 
     @classmethod
     def from_settings(cls, reward: RewardMixing, reward_model=None, offload: bool = False) -> "Scorer":
@@ -68,15 +68,21 @@ class Scorer:
                    offload, reward.missing_eos_penalty, overlong_buffer_len=reward.overlong_buffer_len,
                    overlong_penalty_factor=reward.overlong_penalty_factor, max_new_tokens=reward.max_new_tokens,
                    custom_reward_function=reward.custom_reward_function,
-                   custom_reward_weight=1.0 if reward.custom_reward_weight is None else reward.custom_reward_weight)
+                   custom_reward_weight=1.0 if reward.custom_reward_weight is None else reward.custom_reward_weight,
+                   tool_rewards=reward.tool_rewards or "add")
 
     def __init__(self, verifier_names: Sequence[str], verifier_weights: Sequence[float],
                  reward_model=None, reward_model_weight: float = 1.0, offload: bool = False,
                  missing_eos_penalty: Optional[float] = None, *, overlong_buffer_len: Optional[int] = None,
                  overlong_penalty_factor: float = 1.0, max_new_tokens: Optional[int] = None,
-                 custom_reward_function=None, custom_reward_weight: float = 1.0):
+                 custom_reward_function=None, custom_reward_weight: float = 1.0, tool_rewards: str = "add"):
         """`custom_reward_function`: ``PATH[:NAME]`` (loaded with `reward_functions.load_reward_function`), a
-        `verifiers.RewardFunction`, or None; scored as the verifier ``custom`` with `custom_reward_weight`."""
+        `verifiers.RewardFunction`, or None; scored as the verifier ``custom`` with `custom_reward_weight`.
+        `tool_rewards` (--tool-rewards): ``add`` the tools' rewards of a trajectory to its score (score part
+        ``tool``), or ``record`` them only (verl's way; score part ``tool_recorded``, not in the score)."""
+        if tool_rewards not in ("add", "record"):
+            raise ValueError(f"tool_rewards {tool_rewards!r}: use add or record (--tool-rewards)")
+        self.tool_rewards = tool_rewards
         try:
             verifiers.check_verifiers(verifier_names, verifier_weights)
         except ValueError as exc:  # the message lists the valid names
@@ -139,9 +145,10 @@ class Scorer:
             metrics.update(scores.metrics())
         if data.trajectories is not None:
             tool = torch.as_tensor(tool_rewards(data.trajectories), dtype=torch.float32, device=on)
-            total += tool
+            if self.tool_rewards == "add":
+                total += tool
             for part, value in zip(parts, tool.tolist()):
-                part["tool"] = value
+                part["tool" if self.tool_rewards == "add" else "tool_recorded"] = value
             metrics["tool/reward/mean"] = float(tool.mean()) if len(tool) else 0.0
         if self.missing_eos_penalty is not None:
             penalty = -self.missing_eos_penalty * (~exp.ended_with_eos).float()

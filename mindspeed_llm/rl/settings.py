@@ -90,6 +90,8 @@ class RewardMixing:
     overlong_buffer_len: Optional[int] = None  # None: no overlong penalty
     overlong_penalty_factor: float = 1.0
     max_new_tokens: int = 128  # the overlong penalty's length limit
+    tool_rewards: Optional[str] = None  # validate_args: "add" (a trajectory's tool rewards enter its score) or
+    # "record" (only recorded)
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,8 @@ def test_the_signature_decides_what_a_function_gets():
     seen = verl.call(lambda data_source, solution_str, ground_truth, extra_info=None, **kw:
                      (data_source, solution_str, ground_truth, extra_info, kw),
                      "t", "l", {"data_source": "gsm8k", "extra_info": {"k": 1}}, {"num_turns": 3})
-    assert seen == ("gsm8k", "t", "l", {"k": 1, "num_turns": 3}, {})  # a **kwargs gets nothing more
+    # num_turns in verl's count (3 assistant turns, 2 tool answers, + 1), the model turns as assistant_turns
+    assert seen == ("gsm8k", "t", "l", {"k": 1, "num_turns": 6, "assistant_turns": 3}, {})  # **kwargs: nothing more
     # without an extra_info column verl's extra_info is the row
     info = lambda solution_str, ground_truth, extra_info: extra_info  # noqa: E731
     assert call_plan(info).call(info, "t", "l", {"index": 4}) == {"index": 4}
