@@ -60,7 +60,9 @@ def run_python(code: str, timeout: float = 5.0, memory_mb: int = 512, max_output
     """What ``code`` printed (stdout and stderr), with a note on a non-zero exit or a call-wide limit; ToolTimeout,
     whose message holds the output so far, when it runs over ``timeout`` seconds. PythonToolConfigError where this
     kernel cannot confine it and ``unconfined`` is not set."""
-    isolation_note(unconfined)
+    isolation_note(check_config({"timeout": timeout, "memory_mb": memory_mb, "max_output_chars": max_output_chars,
+                                 "max_file_mb": max_file_mb, "max_processes": max_processes,
+                                 "unconfined": unconfined}))
     text, outcome, _ = run_sandboxed(code, timeout, memory_mb, max_file_mb, max_processes,
                                      read_limit=4 * max_output_chars + 1024)
     text = _truncate(text, max_output_chars)
@@ -90,7 +92,7 @@ class PythonTool:
 
     def __init__(self, config: Optional[Dict[str, Any]] = None, tool_schema: Optional[Dict[str, Any]] = None):
         self.config = check_config(config)
-        self.startup_note = isolation_note(self.config["unconfined"])
+        self.startup_note = isolation_note(self.config)
         self.tool_schema = tool_schema or PYTHON_SCHEMA
         self.name = self.tool_schema["function"]["name"]
 

@@ -171,9 +171,11 @@ def missing_layers(layers) -> List[str]:
     return missing
 
 
-def isolation_note(unconfined: bool = False) -> str:
-    """The start-up line naming each active layer; PythonToolConfigError where a layer the sandbox needs is missing
-    and the config does not say ``unconfined: true``."""
+def isolation_note(config: Mapping[str, Any]) -> str:
+    """The start-up line naming each active layer and the call's limits (``config``: `check_config`'s);
+    PythonToolConfigError where a layer the sandbox needs is missing and the config does not say
+    ``unconfined: true``."""
+    unconfined = config["unconfined"]
     layers = isolation_layers()
     missing = missing_layers(layers)
     if missing and not unconfined:
@@ -183,6 +185,9 @@ def isolation_note(unconfined: bool = False) -> str:
             "`unconfined: true` in the python tool's config to run it anyway, or use a kernel with them "
             "(docs/multi_turn.md#sandbox)")
     active = "; ".join(layers) or "none"
+    limits = (f"per call: {config['timeout']:g} s, {config['memory_mb']} MB, {config['max_processes']} processes, "
+              f"{config['max_file_mb']} MB of files")
     if missing:
-        return f"python tool: UNCONFINED (unconfined: true; missing {', '.join(missing)}); active: {active}"
-    return f"python tool sandbox: {active}"
+        return (f"python tool: UNCONFINED (unconfined: true; missing {', '.join(missing)}); active: {active}; "
+                f"{limits}")
+    return f"python tool sandbox: {active}; {limits}"

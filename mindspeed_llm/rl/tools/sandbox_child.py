@@ -173,15 +173,17 @@ def _run_code(spec, layers) -> None:
                 os.setresgid(1, 1, 1)
                 os.setresuid(1, 1, 1)
                 _keep_read_search()
-                layers.append(f"uid nobody, at most {limits['processes']} processes")
+                layers.append("process limit (RLIMIT_NPROC as uid nobody)")
             else:  # the holder, keeper and runner share the inside uid's count
                 n = limits["processes"] + 2
                 resource.setrlimit(resource.RLIMIT_NPROC, (n, n))
-                layers.append(f"at most {limits['processes']} processes")
+                layers.append("process limit (RLIMIT_NPROC in the user namespace)")
         for kind, value in ((resource.RLIMIT_AS, limits["memory"]), (resource.RLIMIT_CPU, limits["cpu"]),
                             (resource.RLIMIT_FSIZE, limits["file"]), (resource.RLIMIT_CORE, 0)):
             resource.setrlimit(kind, (value, value))
         layers.append("rlimits (memory, CPU, file size per process)")
+        if "fresh /proc" in layers:
+            layers.append("memory and CPU of all processes together")
         abi = landlock_abi() if spec["landlock"] else 0
         if abi:
             read = list(spec["read_paths"]) + (["/proc"] if "fresh /proc" in layers else [])
@@ -243,7 +245,7 @@ def _keep(spec, layers) -> None:
             pass  # e.g. a container that masks parts of /proc: Landlock then hides /proc entirely
         size = f"size={spec['limits']['disk']},mode=0777".encode()
         if _libc.mount(b"tmpfs", spec["scratch"].encode(), b"tmpfs", MS_NOSUID | MS_NODEV, size) == 0:
-            layers.append(f"scratch tmpfs of {spec['limits']['disk'] >> 20} MiB")
+            layers.append("scratch tmpfs (disk per call)")
     else:
         _libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come here, to be killed at the end
     runner = os.fork()
