@@ -56,6 +56,12 @@ def check_multi_turn(run) -> None:
         raise ArgumentError("--tool-config (multi-turn rollouts) with --dynamic-sampling is not supported yet; drop "
                             "one")
     run.startup_notes.append(_offered_tools_note(run.tool_config, run.data_path))
+    from mindspeed_llm.rl.tools.sandbox import PythonToolConfigError, python_tool_notes
+
+    try:  # the python tool's values and its sandbox (which layers this kernel offers), before any model is built
+        run.startup_notes.extend(python_tool_notes(run.tool_config))
+    except PythonToolConfigError as exc:
+        raise ArgumentError(str(exc)) from None
 
 
 def _schema_names(path: str) -> list:

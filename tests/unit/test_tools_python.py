@@ -374,3 +374,25 @@ def test_no_process_outlives_the_call():
     out = run_python(_LEAVE_BEHIND.format(marker=marker))
     assert out.count("started") == 3, out
     _assert_none_left(marker)
+
+
+def test_argument_validation_checks_the_python_tool_and_names_its_sandbox(tmp_path, monkeypatch):
+    """Before any model is built: a bad value or a kernel without the sandbox is refused naming the file and entry;
+    otherwise the start-up notes name the active layers."""
+    from mindspeed_llm.arguments import ArgumentError, parse_args
+
+    path = tmp_path / "tools.yaml"
+    argv = ["--stage", "grpo", "--verifier-function", "math_acc", "--data-path", str(tmp_path / "d"),
+            "--train-iters", "1", "--global-batch-size", "4", "--ref-model", "r", "--tool-config", str(path)]
+    path.write_text("tools:\n  - class_name: calculator\n  - class_name: python\n    config: {memory_mb: 0}\n")
+    with pytest.raises(ArgumentError, match=r"tools\.yaml, tools\[1\]: python tool config memory_mb: 0 is out of ra"):
+        parse_args(argv, 1)
+    path.write_text("tools:\n  - class_name: python\n    config: {timeout: 2}\n")
+    notes = parse_args(argv, 1).startup_notes
+    assert any(n.startswith("python tool sandbox: user, PID, network and mount namespaces") and "per call: 2 s" in n
+               for n in notes), notes
+    monkeypatch.setattr(sandbox, "isolation_layers", lambda: ())
+    with pytest.raises(ArgumentError, match=r"tools\[0\]: python tool: this kernel does not offer .*unconfined: true"):
+        parse_args(argv, 1)
+    path.write_text("tools:\n  - class_name: python\n    config: {unconfined: true}\n")
+    assert any(n.startswith("python tool: UNCONFINED") for n in parse_args(argv, 1).startup_notes)

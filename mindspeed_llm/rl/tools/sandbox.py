@@ -191,3 +191,28 @@ def isolation_note(config: Mapping[str, Any]) -> str:
         return (f"python tool: UNCONFINED (unconfined: true; missing {', '.join(missing)}); active: {active}; "
                 f"{limits}")
     return f"python tool sandbox: {active}; {limits}"
+
+
+def python_tool_notes(path: str) -> List[str]:
+    """Argument validation's look at a tool config's python tool entries (before any model is built): each entry's
+    config values checked and the sandbox probed; the start-up line per entry. PythonToolConfigError naming the
+    file and the entry otherwise. Other mistakes in the file are left to the tool config's own checks."""
+    from mindspeed_llm.files import YamlFileError, read_yaml
+
+    try:
+        data = read_yaml(path, f"--tool-config {path}", allow_null=lambda keys: True)
+    except (YamlFileError, OSError):
+        return []
+    entries = data.get("tools") if isinstance(data, Mapping) else None
+    notes = []
+    for index, entry in enumerate(entries if isinstance(entries, list) else []):
+        name = str(entry.get("class_name") or "").strip() if isinstance(entry, Mapping) else ""
+        config = entry.get("config") or {} if name else {}
+        if name not in ("python", "mindspeed_llm.rl.tools.PythonTool", "mindspeed_llm.rl.tools.python_exec.PythonTool") \
+                or not isinstance(config, Mapping):
+            continue
+        try:
+            notes.append(isolation_note(check_config(config)))
+        except PythonToolConfigError as exc:
+            raise PythonToolConfigError(f"--tool-config {path}, tools[{index}]: {exc}") from None
+    return notes
