@@ -153,7 +153,7 @@ def test_startup_note_names_each_active_layer():
     note = PythonTool().startup_note
     for layer in ("user, PID, network and mount namespaces", "fresh /proc", "landlock ABI", "landlock TCP",
                   "process limit (RLIMIT_NPROC", "rlimits", "memory and CPU of all processes together",
-                  "16 processes"):
+                  "seccomp (no unix socket", "16 processes"):
         assert layer in note, note
 
 
@@ -396,3 +396,28 @@ def test_argument_validation_checks_the_python_tool_and_names_its_sandbox(tmp_pa
         parse_args(argv, 1)
     path.write_text("tools:\n  - class_name: python\n    config: {unconfined: true}\n")
     assert any(n.startswith("python tool: UNCONFINED") for n in parse_args(argv, 1).startup_notes)
+
+
+def test_no_unix_socket_by_path():
+    """A unix socket the code's user may write (here world-writable, as X11's and D-Bus's are) is not reachable:
+    Landlock does not govern connecting to one, the seccomp filter refuses AF_UNIX sockets."""
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="mindspeed_unix_probe_")
+    path = os.path.join(folder, "s")
+    listener = socket.socket(socket.AF_UNIX)
+    try:
+        listener.bind(path)
+        listener.listen(2)
+        listener.settimeout(0.5)
+        os.chmod(folder, 0o777)
+        os.chmod(path, 0o777)
+        connect = f"import _socket; s = _socket.socket(_socket.AF_UNIX); s.connect({path!r}); s.send(b'x')"
+        out = run_python(f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {connect!r}])")
+        with pytest.raises(socket.timeout):
+            listener.accept()
+        assert "Error" in out, out
+    finally:
+        listener.close()
+        os.remove(path)
+        os.rmdir(folder)

@@ -8,7 +8,7 @@ from the kernel's own mechanisms (the guarantees, and what is not stopped: docs/
   and ``TMPDIR``), gone with the call;
 - Landlock: reads and executes only the interpreter's prefixes and the system's program and library folders,
   writes only the scratch directory, no TCP (ABI >= 4), no signal or abstract unix socket outside the call
-  (ABI >= 6);
+  (ABI >= 6); a seccomp filter refuses unix sockets (``socket(AF_UNIX)``) and ``io_uring``;
 - resource limits: at most ``max_processes`` processes (``RLIMIT_NPROC``; as root the code runs as ``nobody``,
   which the limit binds), and per process ``memory_mb`` of address space, CPU seconds and file size;
 - a keeper, PID 1 of the call's namespace, that stops the call at ``timeout`` seconds, or when its processes

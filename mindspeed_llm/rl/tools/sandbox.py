@@ -4,7 +4,8 @@ refusal where it offers too little, and one sandboxed run (`sandbox_child.py` do
 A call is confined by the kernel, not by checks in Python: user, PID, network and mount namespaces (a fresh
 ``/proc`` showing only the call's processes; no network device; a ``tmpfs`` of ``max_file_mb`` on the scratch
 directory), Landlock (reads: the interpreter's prefixes and the system's program and library folders; writes: the
-scratch directory; no TCP from ABI 4; no signal or abstract socket outside the call from ABI 6), resource limits
+scratch directory; no TCP from ABI 4; no signal or abstract socket outside the call from ABI 6), a seccomp filter
+(no unix socket, no io_uring), resource limits
 (``RLIMIT_NPROC`` under an unprivileged uid, ``RLIMIT_AS`` / ``CPU`` / ``FSIZE`` per process) and a keeper process
 (PID 1 of the call's namespace) that stops the call when all its processes together exceed ``memory_mb`` or
 ``timeout`` CPU seconds, and whose exit makes the kernel kill and reap every process the call started. Which of

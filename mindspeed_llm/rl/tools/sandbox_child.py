@@ -13,7 +13,8 @@
   drops to inside uid 1 (as root; keeping only ``CAP_DAC_READ_SEARCH`` inside the namespace, so root-only folders on
   the way to the interpreter stay readable), enters a Landlock domain (read and execute: the interpreter's prefixes
   and the system's library and program folders; everything: the scratch directory; no TCP; with ABI 6 no signal or
-  abstract socket outside the domain) and execs ``python -I -c PREAMBLE CODE``.
+  abstract socket outside the domain), installs a seccomp filter (no ``socket(AF_UNIX)``, no ``io_uring``) and
+  execs ``python -I -c PREAMBLE CODE``.
 
 Each layer that cannot be set up is left out and named in the report the runner writes (one JSON line on the
 status fd) before it execs; the keeper writes the outcome (another JSON line) before it exits. The caller decides
@@ -32,6 +33,9 @@ CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000,
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_KEEPCAPS, PR_SET_NO_NEW_PRIVS = 1, 4, 8, 38
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, CAP_DAC_READ_SEARCH = 47, 2, 2
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER, SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 22, 2, 0x7FFF0000, 0x00050000
+# audit arch -> (socket, io_uring_setup) syscall numbers
+_SECCOMP_ARCHES = {"x86_64": (0xC000003E, 41, 425), "aarch64": (0xC00000B7, 198, 425)}
 SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446  # on every arch
 LANDLOCK_RULE_PATH_BENEATH = 1
 FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1, 2, 4, 8
@@ -123,6 +127,41 @@ def enter_landlock(abi: int, read_paths, write_paths, device_paths) -> list:
     return layers
 
 
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def deny_unix_sockets() -> bool:
+    """A seccomp filter: ``socket(AF_UNIX, ...)`` fails with EACCES (Landlock does not govern connecting to a unix
+    socket by path; the network namespace and Landlock's scope cover the abstract ones), and so does
+    ``io_uring_setup`` (its requests bypass this filter); a foreign syscall ABI (x32, i386) fails entirely.
+    ``socketpair`` stays (a connected pair reaches nothing). False on an architecture this does not know."""
+    import platform
+
+    known = _SECCOMP_ARCHES.get(platform.machine())
+    if known is None:
+        return False
+    arch, nr_socket, nr_uring = known
+    ld, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_RET|K
+    deny = SECCOMP_RET_ERRNO | 13  # EACCES
+    program = [  # (code, jump if true, jump if false, k): jumps skip that many instructions
+        (ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, deny),         # 0-2: seccomp_data.arch, else deny
+        (ld, 0, 0, 0), (0x35, 0, 1, 0x40000000), (ret, 0, 0, deny),  # 3-5: seccomp_data.nr; x32 (>= 2**30): deny
+        (jeq, 0, 2, nr_socket), (ld, 0, 0, 16), (jeq, 2, 1, 1),      # 6-8: socket: args[0] (low word) == AF_UNIX
+        (jeq, 1, 0, nr_uring),                                       # 9: io_uring_setup
+        (ret, 0, 0, SECCOMP_RET_ALLOW), (ret, 0, 0, deny),           # 10-11
+    ]
+    filters = (_SockFilter * len(program))(*[_SockFilter(*op) for op in program])
+    prog = _SockFprog(len(program), filters)
+    _call(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    _call(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
+    return True
+
+
 def _write(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
@@ -188,6 +227,8 @@ def _run_code(spec, layers) -> None:
         if abi:
             read = list(spec["read_paths"]) + (["/proc"] if "fresh /proc" in layers else [])
             layers += enter_landlock(abi, read, [spec["scratch"]], spec["device_paths"])
+        if spec["landlock"] and deny_unix_sockets():
+            layers.append("seccomp (no unix socket, no io_uring)")
         _report(spec, {"layers": layers})
         os.set_inheritable(spec["status_fd"], False)  # the code cannot write the outcome
         os.execv(sys.executable, [sys.executable, "-I", "-c", spec["preamble"], spec["code"]])
