@@ -120,7 +120,7 @@ def run_sandboxed(code: str, timeout: float, memory_mb: int, max_file_mb: int, m
         spec.write(json.dumps(record).encode())
         spec.seek(0)
         proc = subprocess.Popen(
-            [sys.executable, "-I", _CHILD, str(spec.fileno())], cwd=scratch, env=_minimal_env(scratch),
+            [sys.executable, "-I", "-S", _CHILD, str(spec.fileno())], cwd=scratch, env=_minimal_env(scratch),
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             pass_fds=(spec.fileno(), status.fileno()))
         try:  # the keeper ends the call at its deadline; this only guards against a launcher that hangs

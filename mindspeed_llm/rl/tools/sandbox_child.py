@@ -1,4 +1,4 @@
-"""The python tool's sandbox, child side: ``python -I sandbox_child.py SPEC_JSON`` (stdlib only; started by
+"""The python tool's sandbox, child side: ``python -I -S sandbox_child.py SPEC_FD`` (stdlib only; started by
 `sandbox.run_sandboxed`). Four processes, each single-threaded when it changes its own credentials or namespaces:
 
 - the launcher (this script's process, in the caller's namespaces) forks
@@ -140,9 +140,7 @@ def deny_unix_sockets() -> bool:
     socket by path; the network namespace and Landlock's scope cover the abstract ones), and so does
     ``io_uring_setup`` (its requests bypass this filter); a foreign syscall ABI (x32, i386) fails entirely.
     ``socketpair`` stays (a connected pair reaches nothing). False on an architecture this does not know."""
-    import platform
-
-    known = _SECCOMP_ARCHES.get(platform.machine())
+    known = _SECCOMP_ARCHES.get(os.uname().machine)
     if known is None:
         return False
     arch, nr_socket, nr_uring = known
