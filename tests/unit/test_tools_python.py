@@ -210,7 +210,7 @@ _IN_PARENT = textwrap.dedent("""
     import os, sys
     from mindspeed_llm.rl.tools import run_python
     code = sys.argv[1].replace("PARENT", str(os.getpid()))
-    print(run_python(code), flush=True)
+    print(run_python(code, timeout=float(os.environ.get("PROBE_TOOL_TIMEOUT", "5"))), flush=True)
     print("PARENT-SURVIVED", flush=True)
 """)
 
@@ -421,3 +421,26 @@ def test_no_unix_socket_by_path():
         listener.close()
         os.remove(path)
         os.rmdir(folder)
+
+
+def test_a_killed_trainer_takes_the_calls_processes_with_it():
+    """The trainer dies mid-call (SIGKILL): each sandbox process dies with its parent, the keeper last, and the
+    kernel takes everything in the call's namespace."""
+    marker = _marker()
+    code = ("import subprocess, sys, time\n"
+            f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)  # {marker}'], start_new_session=True)\n"
+            "time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", _IN_PARENT, code], stdout=subprocess.DEVNULL,
+                              env={**os.environ, "PROBE_TOOL_TIMEOUT": "60"})  # the call's own deadline is far
+    try:
+        deadline = time.monotonic() + 20
+        while len(_marked_processes(marker)) < 2 and time.monotonic() < deadline:  # the code and its sleeper
+            time.sleep(0.05)
+        assert len(_marked_processes(marker)) >= 2
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 5  # the parent-death signals run down the chain
+    while _marked_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _assert_none_left(marker)
