@@ -427,9 +427,9 @@ def test_a_killed_trainer_takes_the_calls_processes_with_it():
     """The trainer dies mid-call (SIGKILL): each sandbox process dies with its parent, the keeper last, and the
     kernel takes everything in the call's namespace."""
     marker = _marker()
-    code = ("import subprocess, sys, time\n"
-            f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)  # {marker}'], start_new_session=True)\n"
-            "time.sleep(60)")
+    sleeper = f"import time; time.sleep(60)  # {marker}"
+    code = (f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {sleeper!r}], "
+            "start_new_session=True)\ntime.sleep(60)")
     parent = subprocess.Popen([sys.executable, "-c", _IN_PARENT, code], stdout=subprocess.DEVNULL,
                               env={**os.environ, "PROBE_TOOL_TIMEOUT": "60"})  # the call's own deadline is far
     try:

@@ -38,6 +38,7 @@ _RANGES = {
     "max_processes": (int, 1, 4096, "an integer, 1 <= max_processes <= 4096"),
 }
 
+_PYTHON_TOOL_NAMES = ("python", "mindspeed_llm.rl.tools.PythonTool", "mindspeed_llm.rl.tools.python_exec.PythonTool")
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
 _NAMESPACES = "user, PID, network and mount namespaces"
 _DEVICES = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"]
@@ -209,8 +210,7 @@ def python_tool_notes(path: str) -> List[str]:
     for index, entry in enumerate(entries if isinstance(entries, list) else []):
         name = str(entry.get("class_name") or "").strip() if isinstance(entry, Mapping) else ""
         config = entry.get("config") or {} if name else {}
-        if name not in ("python", "mindspeed_llm.rl.tools.PythonTool", "mindspeed_llm.rl.tools.python_exec.PythonTool") \
-                or not isinstance(config, Mapping):
+        if name not in _PYTHON_TOOL_NAMES or not isinstance(config, Mapping):
             continue
         try:
             notes.append(isolation_note(check_config(config)))
