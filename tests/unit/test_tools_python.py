@@ -444,3 +444,20 @@ def test_a_killed_trainer_takes_the_calls_processes_with_it():
     while _marked_processes(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
     _assert_none_left(marker)
+
+
+def test_cpu_time_of_all_the_calls_processes_together_is_bounded():
+    """Three spinning processes: the keeper stops the call once their CPU seconds together (live ones, and what the
+    reaped ones used) pass the call's budget, long before its wall-clock deadline."""
+    code = textwrap.dedent("""
+        import os
+        for _ in range(3):
+            if os.fork() == 0:
+                while True:
+                    pass
+        os.wait()
+    """)
+    started = time.monotonic()
+    text, outcome, _ = sandbox.run_sandboxed(code, 30.0, 256, 4, 8, 4000, call_cpu_seconds=1.0)
+    assert outcome["result"] == "cpu" and 1.0 < outcome["seconds"] < 3.0, outcome
+    assert time.monotonic() - started < 20

@@ -105,9 +105,12 @@ def _read_paths() -> List[str]:
 
 
 def run_sandboxed(code: str, timeout: float, memory_mb: int, max_file_mb: int, max_processes: int,
-                  read_limit: int, confine: bool = True) -> Tuple[str, Dict[str, Any], List[str]]:
+                  read_limit: int, confine: bool = True,
+                  call_cpu_seconds: Optional[float] = None) -> Tuple[str, Dict[str, Any], List[str]]:
     """Runs ``code`` in the sandbox: (its output, at most ``read_limit`` bytes decoded; the outcome record from
-    the keeper; the layers the runner reported). ``confine=False`` (tests) skips namespaces and Landlock."""
+    the keeper; the layers the runner reported). The call's processes together get ``call_cpu_seconds`` of CPU
+    (default: ``timeout`` + 1, each process the same by ``RLIMIT_CPU``). ``confine=False`` (tests) skips the
+    namespaces and Landlock, as on a kernel without them."""
     with tempfile.TemporaryDirectory(prefix="mindspeed_python_tool_") as scratch, \
             tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as status, tempfile.TemporaryFile() as spec:
         cpu = max(1, math.ceil(timeout) + 1)
@@ -115,7 +118,8 @@ def run_sandboxed(code: str, timeout: float, memory_mb: int, max_file_mb: int, m
             "code": code, "preamble": PREAMBLE, "scratch": scratch, "timeout": float(timeout),
             "caller": os.getpid(), "as_root": os.geteuid() == 0, "namespaces": confine, "landlock": confine,
             "status_fd": status.fileno(), "read_paths": _read_paths(), "device_paths": _DEVICES,
-            "limits": {"memory": int(memory_mb) << 20, "cpu": cpu, "call_cpu": cpu, "file": int(max_file_mb) << 20,
+            "limits": {"memory": int(memory_mb) << 20, "cpu": cpu, "file": int(max_file_mb) << 20,
+                       "call_cpu": cpu if call_cpu_seconds is None else call_cpu_seconds,
                        "disk": int(max_file_mb) << 20, "processes": int(max_processes)},
         }
         spec.write(json.dumps(record).encode())
