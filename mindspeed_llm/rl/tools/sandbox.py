@@ -45,15 +45,18 @@ _DEVICES = ["/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"
 _SYSTEM_READS = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc/ld.so.cache", "/etc/ld.so.conf",
                  "/etc/ld.so.conf.d", "/etc/localtime"]
 
-# argv: [-c, code]; the limits, namespaces and Landlock are in place before this runs
+# argv: [-c, code, fd]; the limits, namespaces and Landlock are in place before this runs; a byte on fd tells the
+# keeper that the code starts (its timeout counts from here, not from the interpreter's start-up)
 PREAMBLE = r"""
-import sys, traceback
+import os, sys, traceback
+os.write(int(sys.argv[2]), b"1")
+os.close(int(sys.argv[2]))
 import socket, _socket
 def _no_network(*args, **kwargs):
     raise PermissionError("network access is disabled in the python tool")
 socket.socket = socket.create_connection = socket.socketpair = _socket.socket = _no_network
 _code = compile(sys.argv[1], "<tool>", "exec")
-del sys.argv[1:], _no_network, socket, _socket
+del sys.argv[1:], _no_network, socket, _socket, os
 try:
     exec(_code, {"__name__": "__main__", "__builtins__": __builtins__})
 except SystemExit:

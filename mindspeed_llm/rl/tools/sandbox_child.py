@@ -196,7 +196,7 @@ def _keep_read_search() -> None:
     _call(_libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, CAP_DAC_READ_SEARCH, 0, 0), "ambient capability")
 
 
-def _run_code(spec, layers) -> None:
+def _run_code(spec, layers, started: int) -> None:
     """The runner: limits, credentials, Landlock, then exec of the tool's interpreter (never returns)."""
     try:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -229,7 +229,8 @@ def _run_code(spec, layers) -> None:
             layers.append("seccomp (no unix socket, no io_uring)")
         _report(spec, {"layers": layers})
         os.set_inheritable(spec["status_fd"], False)  # the code cannot write the outcome
-        os.execv(sys.executable, [sys.executable, "-I", "-c", spec["preamble"], spec["code"]])
+        os.set_inheritable(started, True)  # the preamble writes a byte on it when the code starts
+        os.execv(sys.executable, [sys.executable, "-I", "-c", spec["preamble"], spec["code"], str(started)])
     except BaseException as exc:  # noqa: BLE001 - report and leave; the keeper sees the exit status
         _report(spec, {"error": f"sandbox setup failed: {type(exc).__name__}: {exc}"})
         os._exit(126)
@@ -287,13 +288,23 @@ def _keep(spec, layers) -> None:
             layers.append("scratch tmpfs (disk per call)")
     else:
         _libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come here, to be killed at the end
+    started_r, started_w = os.pipe()
     runner = os.fork()
     if runner == 0:
-        _run_code(spec, layers)
+        os.close(started_r)
+        _run_code(spec, layers, started_w)
+    os.close(started_w)
+    os.set_blocking(started_r, False)
     watched = in_namespace and "fresh /proc" in layers
-    deadline = time.monotonic() + spec["timeout"]
-    outcome, poll = None, 0.002
+    deadline = time.monotonic() + spec["timeout"] + 60  # until the code starts: the interpreter's start-up
+    outcome, poll, running = None, 0.002, False
     while outcome is None:
+        if not running:
+            try:
+                if os.read(started_r, 1):
+                    running, deadline = True, time.monotonic() + spec["timeout"]  # the code's own time from here
+            except BlockingIOError:
+                pass
         try:
             while True:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -336,6 +347,41 @@ def _keep(spec, layers) -> None:
     os._exit(0)  # as PID 1: the kernel kills and reaps every process left in the namespace
 
 
+def _guarded(spec, body, *args) -> None:
+    """Runs a sandbox process's body, which ends its process; a failure is reported instead of a traceback."""
+    try:
+        body(*args)
+    except BaseException as exc:  # noqa: BLE001 - the caller turns the record into the tool's answer
+        _report(spec, {"error": f"sandbox setup failed: {type(exc).__name__}: {exc}"})
+    os._exit(126)
+
+
+def _hold(spec, layers, launcher: int, pipes) -> None:
+    """The holder: enters the namespaces, waits for its id maps, forks the keeper and waits for it (never returns)."""
+    ready_r, ready_w, mapped_r, mapped_w = pipes
+    _die_with_parent(launcher)
+    os.close(ready_r)
+    os.close(mapped_w)
+    namespaces = spec["namespaces"]
+    if namespaces:
+        try:
+            _call(_libc.unshare(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWNS), "unshare")
+        except OSError:
+            namespaces = False
+    os.write(ready_w, b"1" if namespaces else b"0")
+    ok = os.read(mapped_r, 1) == b"1"
+    spec["namespaces"] = namespaces and ok
+    if spec["namespaces"]:
+        _call(_libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "private mounts")
+        layers.append("user, PID, network and mount namespaces")
+    keeper = os.fork()
+    if keeper == 0:
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the holder waits for it: no race
+        _guarded(spec, _keep, spec, layers)
+    os.waitpid(keeper, 0)
+    os._exit(0)
+
+
 def main() -> None:
     with os.fdopen(int(sys.argv[1]), "rb") as f:  # the spec (with the code) from a file: no argv size limit
         spec = json.loads(f.read())
@@ -346,27 +392,7 @@ def main() -> None:
     mapped_r, mapped_w = os.pipe()
     holder = os.fork()
     if holder == 0:
-        _die_with_parent(launcher)
-        os.close(ready_r)
-        os.close(mapped_w)
-        namespaces = spec["namespaces"]
-        if namespaces:
-            try:
-                _call(_libc.unshare(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWNS), "unshare")
-            except OSError:
-                namespaces = False
-        os.write(ready_w, b"1" if namespaces else b"0")
-        ok = os.read(mapped_r, 1) == b"1"
-        spec["namespaces"] = namespaces and ok
-        if spec["namespaces"]:
-            _call(_libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "private mounts")
-            layers.append("user, PID, network and mount namespaces")
-        keeper = os.fork()
-        if keeper == 0:
-            _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the holder waits for it: no race
-            _keep(spec, layers)
-        _, status = os.waitpid(keeper, 0)
-        os._exit(0)
+        _guarded(spec, _hold, spec, layers, launcher, (ready_r, ready_w, mapped_r, mapped_w))
     os.close(ready_w)
     os.close(mapped_r)
     unshared = os.read(ready_r, 1) == b"1"
