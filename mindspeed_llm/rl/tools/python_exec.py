@@ -28,6 +28,7 @@ preamble's frame.
 from __future__ import annotations
 
 import signal
+import time
 from typing import Any, Dict, Mapping, Optional
 
 from mindspeed_llm.rl.tools.base import ToolTimeout
@@ -63,6 +64,7 @@ def run_python(code: str, timeout: float = 5.0, memory_mb: int = 512, max_output
     isolation_note(check_config({"timeout": timeout, "memory_mb": memory_mb, "max_output_chars": max_output_chars,
                                  "max_file_mb": max_file_mb, "max_processes": max_processes,
                                  "unconfined": unconfined}))
+    started = time.monotonic()
     text, outcome, _ = run_sandboxed(code, timeout, memory_mb, max_file_mb, max_processes,
                                      read_limit=4 * max_output_chars + 1024)
     text = _truncate(text, max_output_chars)
@@ -72,7 +74,7 @@ def run_python(code: str, timeout: float = 5.0, memory_mb: int = 512, max_output
     if result == "signal":
         number = outcome["signal"]
         name = signal.Signals(number).name if number in signal.valid_signals() else str(number)
-        text += f"\nerror: the process was killed by signal {name}"
+        text += f"\nerror: the process was killed by signal {name} after {time.monotonic() - started:.1f} s"
     elif result == "memory":
         text += (f"\nerror: the code's processes together held {outcome['bytes'] / 2 ** 20:.0f} MB, over the "
                  f"tool's memory_mb {memory_mb}, and were stopped")
