@@ -4,6 +4,7 @@ its config values, and the sandbox against the hostile probes of issue 45 (readi
 disk exhaustion across processes, sockets from child processes, processes left behind). Each call starts a
 launcher and a `python -I -c` child (about 0.2 s); the probes are bounded to a few seconds."""
 
+import json
 import os
 import socket
 import subprocess
@@ -461,3 +462,37 @@ def test_cpu_time_of_all_the_calls_processes_together_is_bounded():
     text, outcome, _ = sandbox.run_sandboxed(code, 30.0, 256, 4, 8, 4000, call_cpu_seconds=1.0)
     assert outcome["result"] == "cpu" and 1.0 < outcome["seconds"] < 3.0, outcome
     assert time.monotonic() - started < 20
+
+
+_AS_USER = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    from mindspeed_llm.rl.tools.sandbox import run_sandboxed
+    fork = "import os\\nn = 0\\nfor _ in range(40):\\n    try:\\n        pid = os.fork()\\n    except OSError:\\n" \\
+           "        break\\n    if pid == 0:\\n        import time; time.sleep(30); os._exit(0)\\n    n += 1\\nprint(n)"
+    results = [run_sandboxed(code, 5.0, 256, 4, 8, 2000)
+               for code in ("print(open('/etc/passwd').read())", f"open({sys.argv[2]!r}, 'w')", fork)]
+    print(json.dumps(results))
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/setpriv") or
+                    not os.path.exists("/usr/bin/python3"), reason="needs root to become an unprivileged user")
+def test_an_unprivileged_user_gets_the_same_sandbox(tmp_path):
+    """As a cluster user (no root): the uid maps to itself, the process limit counts in the call's user namespace."""
+    import mindspeed_llm
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(mindspeed_llm.__file__)))
+    os.chmod(tmp_path, 0o777)
+    planted = str(tmp_path / "planted")
+    argv = ["/usr/bin/setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "/usr/bin/python3", "-c",
+            _AS_USER, repo, planted]
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}  # none of this checkout's PYTHONPATH: argv names it
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd="/", env=env)
+    if proc.returncode != 0 and ("Permission denied" in proc.stderr or "No module named" in proc.stderr):
+        pytest.skip(f"this checkout is not readable by an unprivileged user: {proc.stderr[-200:]}")
+    (passwd, _, layers), (plant, _, _), (fork, _, _) = json.loads(proc.stdout)
+    assert "process limit (RLIMIT_NPROC in the user namespace)" in layers and any("landlock" in x for x in layers)
+    assert "root:" not in passwd and "PermissionError" in passwd
+    assert "PermissionError" in plant and not os.path.exists(planted)
+    assert 1 <= int(fork) < 8, fork
