@@ -342,14 +342,13 @@ def test_no_network_from_child_processes():
         code = textwrap.dedent(f"""
             import subprocess, sys
             for argv in ([sys.executable, "-c", {_CONNECT.format(port=port)!r}],
-                         ["bash", "-c", "echo x > /dev/tcp/127.0.0.1/{port}"],
-                         [sys.executable, "-c", "import ctypes, socket; print(socket.AF_INET)"]):
+                         ["bash", "-c", "echo x > /dev/tcp/127.0.0.1/{port}"]):
                 print(subprocess.run(argv, capture_output=True, text=True, timeout=5).returncode)
         """)
         out = run_python(code, timeout=15)
         with pytest.raises(socket.timeout):
             listener.accept()
-        assert out.split()[:2] != ["0", "0"], out
+        assert len(out.split()) == 2 and "0" not in out.split(), out  # both failed
     finally:
         listener.close()
 
