@@ -5,7 +5,7 @@ the model's text, running calls off the generation loop, and the chat template's
 - `function_tool`: a plain function with type hints as a tool (schema from signature and docstring);
 - `config`: ``load_tool_config(path)`` for verl's / MindSpeed-RL's ``tools:`` YAML, `BUILTIN_TOOLS`;
 - `adapters`: verl-style tools (``instance_id``, ``async``) seen through the protocol;
-- `calculator`, `python_exec`: the built-in tools;
+- `calculator`, `python_exec`: the built-in tools (the python tool's kernel sandbox: `sandbox`, `sandbox_child`);
 - `parsers`: ``TOOL_PARSERS`` (``hermes``), ``ParsedTurn``, ``ToolCall``;
 - `executor`: ``ToolExecutor`` (per-trajectory create/release, parallel calls, timeouts, counters);
 - `chat_delta`: ``ToolDelta`` (token-in / token-out), ``truncate``, ``tools_prompt``.
