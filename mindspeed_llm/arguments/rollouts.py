@@ -78,15 +78,16 @@ def check_multi_turn(run) -> None:
     if run.dynamic_sampling:
         raise ArgumentError("--tool-config (multi-turn rollouts) with --dynamic-sampling is not supported yet; drop "
                             "one")
+    from mindspeed_llm.rl.tools.sandbox import PythonToolConfigError, python_tool_notes
+
+    try:  # the python tool's values and its sandbox (which layers this kernel offers), before any tool is built
+        sandbox_notes = python_tool_notes(run.tool_config)
+    except PythonToolConfigError as exc:
+        raise ArgumentError(str(exc)) from None
     names = _tool_names(run.tool_config)
     _check_parser(run.tool_parser_format)  # after the tools: a tool module may register a parser
     run.startup_notes.append(_offered_tools_note(run.tool_config, run.data_path, names))
-    from mindspeed_llm.rl.tools.sandbox import PythonToolConfigError, python_tool_notes
-
-    try:  # the python tool's values and its sandbox (which layers this kernel offers), before any model is built
-        run.startup_notes.extend(python_tool_notes(run.tool_config))
-    except PythonToolConfigError as exc:
-        raise ArgumentError(str(exc)) from None
+    run.startup_notes.extend(sandbox_notes)
 
 
 def _tool_names(path: str) -> list:
