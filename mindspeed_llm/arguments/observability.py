@@ -64,6 +64,7 @@ def check_rollout_records(run) -> None:
         raise ArgumentError(f"--log-samples {run.log_samples} writes samples.jsonl beside --metrics-jsonl and a "
                             "TensorBoard / wandb table: give --metrics-jsonl FILE (or --tensorboard-dir, "
                             "--wandb-project)")
+    _check_jsonl_files(run)
     dump, replay = run.rollout_dump_dir, run.rollout_replay_dir
     if dump and replay and os.path.abspath(dump) == os.path.abspath(replay):
         raise ArgumentError(f"--rollout-dump-dir and --rollout-replay-dir are both {dump}: the replay would write over "
@@ -77,3 +78,19 @@ def check_rollout_records(run) -> None:
         if not os.path.isfile(os.path.join(replay, MANIFEST)):
             raise ArgumentError(f"--rollout-replay-dir {replay} holds no rollout dump ({MANIFEST} is missing): pass "
                                 "the --rollout-dump-dir of the run to replay")
+
+
+def _check_jsonl_files(run) -> None:
+    """--metrics-jsonl and the sample tables beside it (samples.jsonl, eval_samples.jsonl with --log-samples) must
+    be files a run can append to: a directory in their place is refused now, not after an iteration trained."""
+    if not run.metrics_jsonl:
+        return
+    folder = os.path.dirname(os.path.abspath(run.metrics_jsonl))
+    files = [("--metrics-jsonl", run.metrics_jsonl)]
+    if run.log_samples:
+        files += [(f"--log-samples {run.log_samples}", os.path.join(folder, f"{kind}.jsonl"))
+                  for kind in ("samples", "eval_samples")]
+    for flag, path in files:
+        if os.path.isdir(path):
+            raise ArgumentError(f"{flag} appends to {path}, which is a directory; move it away (or give "
+                                "--metrics-jsonl a file in another folder: the sample tables are written beside it)")

@@ -29,6 +29,7 @@ from mindspeed_llm.checkpoint import training as training_ckpt
 from mindspeed_llm.checkpoint.errors import DivergenceError
 from mindspeed_llm.checkpoint.megatron_layout import checkpoint_traces
 from mindspeed_llm.data import PromptDataset, PromptSampler
+from mindspeed_llm.data.errors import DataError
 from mindspeed_llm.data.prompt_dataset import PromptSubset, split_indices
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.rl import profiling, rollout_strategies
@@ -111,10 +112,19 @@ def _eval_sets(data: DataSettings):
     --eval-interval."""
     if not data.eval_interval:
         return None
-    sets = [(name, PromptDataset(prefix)) for name, prefix in data.eval_sets]
+    sets = [(name, _open_eval_set(name, prefix)) for name, prefix in data.eval_sets]
     for _, dataset in sets:
         dataset.check_prompts("--eval-data-path")
     return sets
+
+
+def _open_eval_set(name, prefix: str) -> PromptDataset:
+    """The held-out set at `prefix`; a missing or damaged one is a `DataError` that names --eval-data-path."""
+    try:
+        return PromptDataset(prefix)
+    except DataError as exc:
+        given = prefix if name is None else f"{name}={prefix}"
+        raise type(exc)(f"--eval-data-path {given}: {exc}") from None
 
 
 def _prompt_sets(data: DataSettings):

@@ -172,6 +172,27 @@ def test_the_flags_are_refused_where_they_cannot_work(tmp_path, argv, message):
         parse_args(base + [a.format(tmp=tmp_path) for a in argv], 1)
 
 
+@pytest.mark.parametrize("directory", ["samples.jsonl", "eval_samples.jsonl", "m.jsonl"])
+def test_a_directory_where_a_table_goes_is_refused_at_startup(tmp_path, directory):
+    from mindspeed_llm.arguments import parse_args
+
+    (tmp_path / directory).mkdir()
+    with pytest.raises(ArgumentError, match=f"appends to {tmp_path / directory}, which is a directory; move it away"):
+        parse_args(["--stage", "grpo", "--data-path", "d", "--ref-model", "m", "--train-iters", "1",
+                    "--global-batch-size", "2", "--micro-batch-size", "1", "--verifier-function", "math_acc",
+                    "--log-samples", "4", "--metrics-jsonl", str(tmp_path / "m.jsonl")], 1)
+
+
+def test_a_directory_appearing_where_the_table_goes_is_a_named_write_error(tmp_path):
+    from mindspeed_llm.files import WriteError
+
+    logger = MetricsLogger(jsonl_path=str(tmp_path / "m.jsonl"), print_fn=lambda s: None)
+    (tmp_path / "samples.jsonl").mkdir()  # made after the start-up check
+    with pytest.raises(WriteError, match=r"cannot write .*samples\.jsonl \(.*it is a directory; move it away\)"):
+        logger.log_samples(1, [{"prompt": "a", "response": "b"}])
+    logger.close()
+
+
 def test_log_samples_interval_defaults_to_the_log_interval(tmp_path):
     from mindspeed_llm.arguments import parse_args
 
