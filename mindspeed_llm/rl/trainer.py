@@ -406,6 +406,9 @@ def run(args) -> None:
         )
         evaluator = Evaluator(stage, eval_dataset or (), loop, start, rank=torch.distributed.get_rank())
         profiler = profiling.Profiler(settings.profile, torch.distributed.get_rank(), parallel.world_size)
+        passed = profiler.resumed(start)  # a resumed run past its window: said, instead of traces never written
+        if passed and distributed.is_rank_0():
+            print(f"posttrain_gpt.py: {passed}", flush=True)
         saved = _loop(settings, stage, dataset, evaluator, sampler, logger, start, exit_signal, profiler, record)
         profiler.close()  # the traces of a window the run cut short are written before the summary names them
         if distributed.is_rank_0():
