@@ -26,6 +26,7 @@ from mindspeed_llm.errors import UserError
 # the tensors every batch has, and those that are response-aligned [B, R]
 REQUIRED = ("tokens", "prompt_lengths", "responses", "response_mask", "ended_with_eos", "scores")
 RESPONSE_ALIGNED = ("responses", "response_mask", "rollout_logp", "tool_mask")
+_CHUNK = 1 << 22  # elements of a weight summed at once in float64 (32 MiB)
 WEIGHTS_RTOL = 1e-9  # float64 sums of the same weights agree to rounding (thread counts may order them otherwise)
 
 
@@ -166,9 +167,11 @@ def weights_fingerprint(module) -> Optional[list]:
     total = torch.zeros(3, dtype=torch.float64)
     with torch.no_grad():
         for p in module.parameters():
-            data = p.detach().double()
-            total += torch.stack([torch.tensor(float(p.numel()), dtype=torch.float64), data.sum().cpu(),
-                                  (data * data).sum().cpu()])
+            total[0] += p.numel()
+            for chunk in p.detach().reshape(-1).split(_CHUNK):  # float64 a chunk at a time: no copy of a whole weight
+                chunk = chunk.double()
+                total[1] += chunk.sum().item()
+                total[2] += chunk.dot(chunk).item()
     try:
         from megatron.core import parallel_state as ps
 
