@@ -347,14 +347,25 @@ def _add_profiling_args(p: argparse.ArgumentParser) -> None:
     """Profiling and the timing / throughput lines (Megatron-LM's flags; rl/profiling.py, docs/monitoring.md)."""
     g = p.add_argument_group("profiling (Megatron-LM's flags; docs/monitoring.md)")
     g.add_argument("--profile", action="store_true",
-                   help="profile iterations --profile-step-start .. --profile-step-end - 1 on --profile-ranks: with "
+                   help="profile iterations --profile-step-start + 1 .. --profile-step-end as logged (Megatron-LM's "
+                        "window; 0 1: the first iteration) on --profile-ranks: with "
                         "--use-pytorch-profiler torch.profiler traces (TensorBoard / Perfetto), else nsys's capture "
                         "range (cudaProfilerStart / Stop; CUDA only; on NPU torch_npu.profiler)")
-    g.add_argument("--profile-step-start", type=int, default=10, help="first profiled iteration (10)")
-    g.add_argument("--profile-step-end", type=int, default=12, help="the iteration after the last profiled (12)")
+    g.add_argument("--profile-step-start", type=int, default=10,
+                   help="iterations done before the window opens (10: iteration 11 is the first profiled)")
+    g.add_argument("--profile-step-end", type=int, default=12,
+                   help="iterations done when it closes (12: the last profiled)")
     g.add_argument("--profile-ranks", nargs="+", type=int, default=[0], help="global ranks profiled (0)")
     g.add_argument("--use-pytorch-profiler", action="store_true",
                    help="with --profile: torch.profiler, traces written to <--tensorboard-dir, else --save>/profile")
+    g.add_argument("--pytorch-profiler-collect-shapes", "--profile-record-shapes", action="store_true",
+                   help="the trace records each op's input shapes (Megatron-LM's flag; MindSpeed's "
+                        "--profile-record-shapes); off: a smaller trace")
+    g.add_argument("--pytorch-profiler-collect-callstack", "--profile-with-stack", action="store_true",
+                   help="the trace records each op's Python call stack (Megatron-LM's flag; MindSpeed's "
+                        "--profile-with-stack); off: a much smaller trace")
+    g.add_argument("--profile-with-memory", action="store_true",
+                   help="the trace records each op's tensor allocations (MindSpeed's flag)")
     g.add_argument("--record-memory-history", action="store_true",
                    help="CUDA: record the allocator's history on the last rank and dump it to "
                         "--memory-snapshot-path every --log-interval (torch.cuda.memory._dump_snapshot)")

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from mindspeed_llm.errors import ArgumentError
+from mindspeed_llm.errors import ArgumentError, UserError
 from mindspeed_llm.rl import core_algos, reward_functions, verifiers
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.experience import Experience, SampleData
@@ -54,6 +54,23 @@ def tool_rewards(trajectories: Sequence[Optional[dict]]) -> List[float]:
     return out
 
 
+class RewardFailureError(UserError):
+    """A verifier or reward function failed on every row it scored at once: a run would otherwise train on zero
+    rewards (and end well); partial failures score 0 and are counted (``<name>_rewards/failures``)."""
+
+
+def check_not_all_failed(scores, rows: int, flags: Dict[str, str]) -> None:
+    """`RewardFailureError` naming the scorer (`flags`: its flag by name), the first error and the fix when one of
+    `scores` (`verifiers.BatchScores`) failed on every one of `rows` (> 0) rows."""
+    for name, failed in scores.failures.items():
+        if rows and failed == rows:
+            raise RewardFailureError(
+                f"{flags.get(name, f'--verifier-function {name}')} failed on every one of the {rows} rows it "
+                f"scored (the first: {scores.first_failure.get(name, 'no error recorded')}); every reward would be 0 "
+                "and the run would learn nothing: fix the function (it must return a number or a mapping with a "
+                "'score' for a response), or the data it reads (labels, columns)")
+
+
 class Scorer:
     """Sequence scores: rule verifiers, a user's reward function and/or a reward model (weighted sum), plus the
     tools' own rewards of multi-turn trajectories (weight 1; only recorded with --tool-rewards record), less TRL's
@@ -91,13 +108,16 @@ class Scorer:
         self.verifier_weights = list(verifier_weights)
         self.functions: Dict[str, verifiers.RewardFunction] = {}
         self.function_weights: Dict[str, float] = {}
+        self.flags: Dict[str, str] = {}  # each function's flag, for the errors (a verifier's: --verifier-function)
         if custom_reward_function is not None:
+            spec = custom_reward_function if isinstance(custom_reward_function, str) else None
             if isinstance(custom_reward_function, str):
                 custom_reward_function = reward_functions.load_reward_function(custom_reward_function)
             if reward_functions.CUSTOM in self.verifier_names:
                 raise ArgumentError(f"--verifier-function {reward_functions.CUSTOM} and --custom-reward-function "
                                     f"would both score under the name '{reward_functions.CUSTOM}'")
             self.functions[reward_functions.CUSTOM] = custom_reward_function
+            self.flags[reward_functions.CUSTOM] = f"{reward_functions.FLAG} {spec}" if spec else reward_functions.FLAG
             self.function_weights[reward_functions.CUSTOM] = float(custom_reward_weight)
         self.reward_model = reward_model
         self.reward_model_weight = reward_model_weight
@@ -137,6 +157,7 @@ class Scorer:
                         "one; preprocess with a labels column (--map-keys '{\"labels\": \"answer\"}', "
                         "R1AlpacaStyleInstructionHandler)"
                     ) from exc
+            check_not_all_failed(scores, len(data.texts or []), self.flags)
             weights = {**dict(zip(self.verifier_names, self.verifier_weights)), **self.function_weights}
             for name, weight in weights.items():
                 total += weight * torch.as_tensor(scores.per_verifier[name], dtype=torch.float32, device=on)

@@ -241,13 +241,17 @@ class WandbSettings:
 
 @dataclass(frozen=True)
 class ProfileSettings:
-    """Megatron-LM's profiling flags (`rl/profiling.py`): iterations profile_step_start .. profile_step_end - 1 (as
-    logged, from 1) on the ranks `profile_ranks`."""
+    """Megatron-LM's profiling flags (`rl/profiling.py`): iterations profile_step_start + 1 .. profile_step_end (as
+    logged, from 1: Megatron-LM's window) on the ranks `profile_ranks`."""
     profile: bool = False
     use_pytorch_profiler: bool = False  # with --profile: torch.profiler traces; without: nsys's range (CUDA)
     profile_step_start: int = 10
     profile_step_end: int = 12
     profile_ranks: Tuple[int, ...] = (0,)
+    # what a torch.profiler trace records beyond the ops' times (each multiplies its size; off unless asked)
+    pytorch_profiler_collect_shapes: bool = False  # the ops' input shapes (and nsys's NVTX ranges carry them)
+    pytorch_profiler_collect_callstack: bool = False  # the Python stack of every op
+    profile_with_memory: bool = False  # each op's tensor allocations
     record_memory_history: bool = False  # CUDA: torch's allocator history, dumped on the last rank
     memory_snapshot_path: str = "snapshot.pickle"
     timing_log_level: Optional[int] = None  # 0: timing/all alone on the stdout line; None, 1, 2: every phase
