@@ -107,7 +107,7 @@ RANGES: Dict[str, Bound] = {
     "--max-new-tokens": _at_least(1, "tokens"),
     "--max-length": _at_least(2, "tokens: a prompt token and a response token"),
     "--max-prompt-length": _at_least(1, "tokens"),
-    "--max-num-gen-batches": _at_least(1, "generation batches"),
+    "--max-num-gen-batches": _at_least(0, "generation batches; 0, no limit, only with --dynamic-sampling"),
     "--partial-rollout-max-split": _at_least(2, "MindSpeed-RL's partial_rollout_max_split: 1 cuts no sample (leave "
                                                 "--partial-rollout out)"),
     "--max-assistant-turns": _at_least(1, "model turns"),
@@ -131,8 +131,9 @@ RANGES: Dict[str, Bound] = {
     "--pipeline-model-parallel-size": _at_least(1, "ranks"),
     "--context-parallel-size": _at_least(1, "ranks"),
     "--expert-model-parallel-size": _at_least(1, "ranks"),
-    "--profile-step-start": _at_least(0, f"{_MEGATRON}: an iteration (0 and 1 both start at the first)"),
-    "--profile-step-end": _at_least(1, f"{_MEGATRON}: an iteration"),
+    "--profile-step-start": _at_least(0, f"{_MEGATRON}: the iterations done before the window opens (0: it opens "
+                                         "at the first)"),
+    "--profile-step-end": _at_least(1, f"{_MEGATRON}: the iterations done when the window closes"),
     "--rope-scaling-factor": _positive("RoPE frequency scaling divides frequencies by it"),
     # megatron's fp16 grad scaler
     "--loss-scale": _positive("Megatron-LM: a loss scale"),

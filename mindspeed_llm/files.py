@@ -81,6 +81,17 @@ def write_text_atomically(path: str, text: str, error=WriteError) -> None:
     write_atomically(path, write, error=error)
 
 
+def open_for_append(path: str):
+    """`path` opened to append text (created when missing); a failure (a directory there, no permission, a full
+    disk) raises `WriteError` naming the file."""
+    try:
+        return open(path, "a", encoding="utf-8")
+    except OSError as exc:
+        if isinstance(exc, IsADirectoryError):
+            raise _named(WriteError, path, OSError(exc.errno, "it is a directory; move it away")) from exc
+        raise _named(WriteError, path, exc) from exc
+
+
 def append_line(handle, line: str) -> None:
     """Append `line` (ending in a newline) to the open text file `handle` and flush it; a failed write is cut off
     again (no half line for a reader) and raises `WriteError` naming the file."""

@@ -84,6 +84,11 @@ def check_evaluation(run) -> None:
         if run.eval_before_train:
             raise ArgumentError("--eval-before-train evaluates at iteration 0 what --eval-interval evaluates during "
                                 "training; give --eval-interval N (and held-out prompts) or drop it")
+        if eval_source == "eval-data-path":  # held-out prompts given, never evaluated: said (0 is Megatron's "off")
+            given = "--eval-interval 0" if run.eval_interval == 0 else "no --eval-interval"
+            run.startup_notes.append(f"evaluation is off ({given}): the held-out prompts of --eval-data-path "
+                                     f"{' '.join(run.eval_data_path)} are never evaluated; give --eval-interval N "
+                                     "(N >= 1) to evaluate them every N iterations")
         if valid:
             run.startup_notes.append(f"--split {run.split} holds out a valid part, but no --eval-interval is "
                                      "given: it is never evaluated")

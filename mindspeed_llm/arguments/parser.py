@@ -259,6 +259,13 @@ def _add_checkpointing_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-save-optim", action="store_true",
                    help="save weights, RNG and data position only (Megatron-LM's): no optimizer state or LR schedule; "
                         "resume such a checkpoint with --no-load-optim")
+    g.add_argument("--save-hf", action="store_true",
+                   help="at every save also write the actor as a Hugging Face folder, <save>/actor/iter_N/hf/ "
+                        "(config, tokenizer, safetensors; a LoRA actor: a PEFT adapter folder), published with the "
+                        "checkpoint")
+    g.add_argument("--save-hf-merge-lora", action="store_true",
+                   help="with --save-hf and a LoRA actor: its adapters merged into full weights instead of a PEFT "
+                        "adapter folder")
     g.add_argument("--ckpt-step", type=int, help="resume from this iteration of --load instead of its latest")
     g.add_argument("--allow-reference-change", action="store_true",
                    help="resume with another --ref-model or --reward-model than the checkpoint was trained with "
@@ -340,14 +347,25 @@ def _add_profiling_args(p: argparse.ArgumentParser) -> None:
     """Profiling and the timing / throughput lines (Megatron-LM's flags; rl/profiling.py, docs/monitoring.md)."""
     g = p.add_argument_group("profiling (Megatron-LM's flags; docs/monitoring.md)")
     g.add_argument("--profile", action="store_true",
-                   help="profile iterations --profile-step-start .. --profile-step-end - 1 on --profile-ranks: with "
+                   help="profile iterations --profile-step-start + 1 .. --profile-step-end as logged (Megatron-LM's "
+                        "window; 0 1: the first iteration) on --profile-ranks: with "
                         "--use-pytorch-profiler torch.profiler traces (TensorBoard / Perfetto), else nsys's capture "
                         "range (cudaProfilerStart / Stop; CUDA only; on NPU torch_npu.profiler)")
-    g.add_argument("--profile-step-start", type=int, default=10, help="first profiled iteration (10)")
-    g.add_argument("--profile-step-end", type=int, default=12, help="the iteration after the last profiled (12)")
+    g.add_argument("--profile-step-start", type=int, default=10,
+                   help="iterations done before the window opens (10: iteration 11 is the first profiled)")
+    g.add_argument("--profile-step-end", type=int, default=12,
+                   help="iterations done when it closes (12: the last profiled)")
     g.add_argument("--profile-ranks", nargs="+", type=int, default=[0], help="global ranks profiled (0)")
     g.add_argument("--use-pytorch-profiler", action="store_true",
                    help="with --profile: torch.profiler, traces written to <--tensorboard-dir, else --save>/profile")
+    g.add_argument("--pytorch-profiler-collect-shapes", "--profile-record-shapes", action="store_true",
+                   help="the trace records each op's input shapes (Megatron-LM's flag; MindSpeed's "
+                        "--profile-record-shapes); off: a smaller trace")
+    g.add_argument("--pytorch-profiler-collect-callstack", "--profile-with-stack", action="store_true",
+                   help="the trace records each op's Python call stack (Megatron-LM's flag; MindSpeed's "
+                        "--profile-with-stack); off: a much smaller trace")
+    g.add_argument("--profile-with-memory", action="store_true",
+                   help="the trace records each op's tensor allocations (MindSpeed's flag)")
     g.add_argument("--record-memory-history", action="store_true",
                    help="CUDA: record the allocator's history on the last rank and dump it to "
                         "--memory-snapshot-path every --log-interval (torch.cuda.memory._dump_snapshot)")
@@ -439,6 +457,9 @@ def _add_multi_turn_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-total-response-length", type=int,
                    help="model + tool tokens of a trajectory (default: --max-length - --max-prompt-length); "
                         "--max-new-tokens is then one model turn's limit")
+    g.add_argument("--tool-rewards", choices=("add", "record"),
+                   help="what becomes of the rewards a tool returns with its answers: add them to the score (default) "
+                        "or only record them (verl's behaviour: metrics and the samples' score parts as tool_recorded)")
     g.add_argument("--tool-timeout", type=float, default=30.0, help="seconds one tool call may take (default 30)")
     g.add_argument("--tool-workers", type=int, default=8, help="tool calls running at once per rollout rank")
     g.add_argument("--parked-kv", choices=("auto", "keep", "free"), default="auto",
@@ -486,9 +507,13 @@ def _add_algorithm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dynamic-sampling", action="store_true",
                    help="grpo: DAPO's dynamic sampling: generate more prompt groups until the batch holds "
                         "--global-batch-size groups whose rewards differ (the others are left out)")
+    g.add_argument("--dynamic-sampling-metric", default="reward",
+                   help="with --dynamic-sampling: what must differ within a group for it to be kept: its rewards "
+                        "(reward, the default, verl's seq_final_reward) or the scores of one verifier of "
+                        "--verifier-function (its own score, before weights: MindSpeed-RL's filter_groups_metric)")
     g.add_argument("--max-num-gen-batches", type=int, default=10,
                    help="with --dynamic-sampling or --partial-rollout: at most this many generation batches per "
-                        "iteration (10)")
+                        "iteration (10; with --dynamic-sampling 0 means no limit, MindSpeed-RL's -1)")
     g.add_argument("--partial-rollout", action="store_true",
                    help="slime's switch: an iteration gives each sample at most --partial-rollout-max-split's share of "
                         "--max-new-tokens; unfinished samples carry their tokens and log-probs into the next "

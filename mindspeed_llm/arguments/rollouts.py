@@ -9,6 +9,24 @@ import os
 from mindspeed_llm.errors import ArgumentError
 
 
+def check_dynamic_sampling(run) -> None:
+    """--dynamic-sampling's metric and budget (`rl/dynamic_sampling.py`): set without it they are refused, a metric
+    must be the reward or a verifier of the run, and 0 generation batches (no limit) is its own."""
+    if run.max_num_gen_batches == 0 and not run.dynamic_sampling:  # >= 0: argument_ranges
+        raise ArgumentError("--max-num-gen-batches 0 (no limit) is --dynamic-sampling's only: --partial-rollout "
+                            "needs a bound; give a number >= 1")
+    metric = run.dynamic_sampling_metric
+    if metric == "reward":
+        return
+    if not run.dynamic_sampling:
+        raise ArgumentError(f"--dynamic-sampling-metric {metric} has no effect without --dynamic-sampling; add it or "
+                            "drop the metric")
+    if metric not in (run.verifier_function or []):
+        raise ArgumentError(f"--dynamic-sampling-metric {metric} is not one of --verifier-function "
+                            f"{' '.join(run.verifier_function or []) or '(none)'}: a group is kept when its scores by "
+                            "that verifier differ; name one of them, or reward (the groups' rewards)")
+
+
 def check_partial_rollout(run) -> None:
     """--partial-rollout and its budget (`rl/partial_rollout.py`): what does not combine with it is refused."""
     if not run.partial_rollout:
@@ -38,8 +56,13 @@ def check_multi_turn(run) -> None:
         if run.multi_turn:
             raise ArgumentError("--multi-turn (multi_turn_enable) needs the tools: give --tool-config PATH "
                                 "(tool_config_path)")
+        if run.tool_rewards is not None:
+            raise ArgumentError(f"--tool-rewards {run.tool_rewards} has no effect without --tool-config (only tools "
+                                "return step rewards); drop it or give the tools")
         return
-    if not os.path.isfile(run.tool_config):
+    if run.tool_rewards is None:
+        run.tool_rewards = "add"
+    if not os.path.exists(run.tool_config):
         raise ArgumentError(f"--tool-config {run.tool_config}: no such file; give a tool config YAML (`tools:` of "
                             "class_name, config, tool_schema, as verl and MindSpeed-RL write it)")
     room = run.max_length - run.max_prompt_length
@@ -55,30 +78,43 @@ def check_multi_turn(run) -> None:
     if run.dynamic_sampling:
         raise ArgumentError("--tool-config (multi-turn rollouts) with --dynamic-sampling is not supported yet; drop "
                             "one")
-    run.startup_notes.append(_offered_tools_note(run.tool_config, run.data_path))
+    from mindspeed_llm.rl.tools.sandbox import PythonToolConfigError, python_tool_notes
+
+    try:  # the python tool's values and its sandbox (which layers this kernel offers), before any tool is built
+        sandbox_notes = python_tool_notes(run.tool_config)
+    except PythonToolConfigError as exc:
+        raise ArgumentError(str(exc)) from None
+    names = _tool_names(run.tool_config)
+    _check_parser(run.tool_parser_format)  # after the tools: a tool module may register a parser
+    run.startup_notes.append(_offered_tools_note(run.tool_config, run.data_path, names))
+    run.startup_notes.extend(sandbox_notes)
 
 
-def _schema_names(path: str) -> list:
-    """The tool names a tool config's schemas give (without importing its classes)."""
-    from mindspeed_llm.files import YamlFileError, read_yaml
+def _tool_names(path: str) -> list:
+    """The tools of --tool-config, built here, before any model (every entry checked: `rl/tools/config.py`); the run's
+    rollouts take the same objects (``load_tool_config(path, cache="take")``). Their names."""
+    from mindspeed_llm.rl.tools import ToolConfigError, load_tool_config, tool_name
 
     try:
-        entries = (read_yaml(path, f"--tool-config {path}", allow_null=lambda keys: True) or {}).get("tools") or []
-        return [((e.get("tool_schema") or {}).get("function") or {}).get("name") or e.get("class_name")
-                for e in entries if isinstance(e, dict)]
-    except YamlFileError as exc:
-        raise ArgumentError(f"{exc}; give a YAML with a `tools:` list") from None
-    except (OSError, AttributeError) as exc:
-        raise ArgumentError(f"--tool-config {path}: cannot be read as a tool config YAML ({exc}); give a YAML with "
-                            "a `tools:` list") from None
+        return [tool_name(tool) for tool in load_tool_config(path, cache="store")]
+    except ToolConfigError as exc:
+        raise ArgumentError(f"--tool-config: {exc}") from None
 
 
-def _offered_tools_note(tool_config: str, data_path: str) -> str:
+def _check_parser(name: str) -> None:
+    from mindspeed_llm.rl.tools import TOOL_PARSERS
+
+    if name not in TOOL_PARSERS:
+        raise ArgumentError(f"--tool-parser-format {name}: no such tool call parser; known: "
+                            f"{', '.join(sorted(TOOL_PARSERS))} (a tool module may add one to "
+                            "mindspeed_llm.rl.tools.TOOL_PARSERS)")
+
+
+def _offered_tools_note(tool_config: str, data_path: str, names: list) -> str:
     """Where the model learns of the tools: the prompts' tools as preprocessing recorded them (`_meta.json`), checked
     against the run's tool config; refused when the prompts offer a tool the run does not have."""
     import json
 
-    names = _schema_names(tool_config)
     meta_path = f"{data_path}_meta.json"
     try:
         with open(meta_path, encoding="utf-8") as f:

@@ -25,7 +25,7 @@ from mindspeed_llm.arguments.parser import (
 )
 from mindspeed_llm.arguments.evaluation import check_evaluation
 from mindspeed_llm.arguments.observability import check_profiling, check_rollout_records
-from mindspeed_llm.arguments.rollouts import check_multi_turn, check_partial_rollout
+from mindspeed_llm.arguments.rollouts import check_dynamic_sampling, check_multi_turn, check_partial_rollout
 from mindspeed_llm.arguments.wandb_flags import check_wandb
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.expert_layout import (
@@ -193,6 +193,7 @@ def validate_args(args, world_size: int) -> run_settings.Settings:
     if args.dynamic_sampling and (args.stage != "grpo" or run.n_samples_per_prompt < 2):
         raise ArgumentError("--dynamic-sampling keeps grpo groups whose rewards differ: it needs --stage grpo and "
                             "--n-samples-per-prompt >= 2")
+    check_dynamic_sampling(run)
     check_partial_rollout(run)
     check_multi_turn(run)
     if run.custom_reward_function is not None or run.custom_reward_weight is not None:
@@ -337,6 +338,11 @@ def _check_checkpoint_flags(args) -> None:
         raise ArgumentError(f"--ckpt-step {args.ckpt_step} needs --load DIR and an iteration >= 1")
     if getattr(args, "allow_reference_change", False) and not args.load:
         raise ArgumentError("--allow-reference-change applies to a resume: it needs --load DIR")
+    if args.save_hf and not args.save:
+        raise ArgumentError("--save-hf writes a Hugging Face folder beside each checkpoint: it needs --save DIR")
+    if args.save_hf_merge_lora and not (args.save_hf and (args.lora_target_modules or args.lora_load)):
+        raise ArgumentError("--save-hf-merge-lora merges a LoRA actor's adapters into the --save-hf folder: it needs "
+                            "--save-hf and a LoRA run (--lora-target-modules or --lora-load); drop it otherwise")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each "
                             "other; pass one")

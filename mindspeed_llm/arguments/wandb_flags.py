@@ -65,6 +65,9 @@ def check_wandb(run, environ: Mapping[str, str] = os.environ) -> None:
     """Resolve `run.wandb_save_dir` and `run.wandb_mode` (`validation._Resolving`) and refuse the flags that would
     do nothing; adds the mode's startup note to `run.startup_notes`."""
     run.wandb_mode = None
+    if run.wandb_project is not None and not run.wandb_project.strip():
+        raise ArgumentError(f"--wandb-project {run.wandb_project!r} is empty: it would turn wandb off without a word; "
+                            "name the project (--wandb-project my-project), or drop the flag to log without wandb")
     if not run.wandb_project:
         given = [_flag(dest) for dest in OTHER_FLAGS if getattr(run, dest)]
         if given:

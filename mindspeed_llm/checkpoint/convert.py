@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from mindspeed_llm.checkpoint import hf_files
+from mindspeed_llm.checkpoint import hf_export, hf_files
 from mindspeed_llm.checkpoint import hf_mapping as hfm
 from mindspeed_llm.checkpoint import megatron_layout as layout
 from mindspeed_llm.checkpoint import megatron_names, sharding
@@ -395,22 +395,15 @@ def convert_mg_to_hf(load_dir: str, save_dir: str, params_dtype=None, value_head
     hf_state: Dict[str, torch.Tensor] = {}
     bar = _progress(spec.num_layers, "mg->hf layers", progress)
     try:
-        for stage in range(pp):
-            full = sharding.stage_to_full(_load_stage(info, stage), spec, pp, stage, value_head)
-            if lora is not None:
-                lora(full)
-            finite.check_all(full)
-            for index in sharding.stage_layers(spec.num_layers, pp, stage):
-                layer = {rel: full.pop(megatron_names.layer_key(index, rel))
-                         for rel in megatron_names.mg_layer_names(spec, index)}
-                hf_state.update(hfm.mg_layer_to_hf(layer, spec, index))
-                bar.update(1)
-            hf_state.update(hfm.mg_nonlayer_to_hf(full, spec, value_head))
+        for stage in range(pp):  # the one Megatron -> HF path, layer by layer (hf_export; --save-hf streams it too)
+            for key, tensors in hf_export.stage_hf_groups(info, stage, lora, finite):
+                hf_state.update(tensors)
+                bar.update(1 if isinstance(key, int) else 0)
     finally:
         bar.close()
     ordered = {}
     for name, t in _hf_order(hf_state, spec, value_head):
-        ordered[name] = t.to(torch.float32 if name.endswith("e_score_correction_bias") else dtype)
+        ordered[name] = hf_export.cast(name, t, dtype)
         finite.check_cast(name, t, ordered[name])
     hf_state = ordered
     if lora is not None:

@@ -159,9 +159,6 @@ def read_adapter(path: str, spec=None, iteration=None) -> Adapter:
 
 def read_checkpoint(root: str, iteration=None) -> Adapter:
     """Every shard of an adapter checkpoint merged into a full adapter."""
-    from mindspeed_llm.models.lora import LoRAConfig
-    from mindspeed_llm.models.architecture import ArchitectureSpec
-
     if not os.path.isdir(root):
         raise ConversionError(f"LoRA adapter {root} does not exist")
     if not os.path.isfile(os.path.join(root, layout.TRACKER_FILE)) and any(
@@ -170,10 +167,21 @@ def read_checkpoint(root: str, iteration=None) -> Adapter:
                               f"{os.path.join(root, 'actor')}")
     try:
         path, iteration = layout.resolve_dir(root, iteration)
-        tp, pp, ep, etp = layout.read_layout(path)
+        layout.read_layout(path)
     except layout.CheckpointNotFoundError as exc:
         raise ConversionError(f"{root} is neither a PEFT adapter folder ({PEFT_CONFIG}) nor an adapter checkpoint "
                               f"of a LoRA run ({exc})") from None
+    return read_checkpoint_dir(path, root)
+
+
+def read_checkpoint_dir(path: str, root: Optional[str] = None) -> Adapter:
+    """The full adapter of one iteration's directory `path` of an adapter checkpoint (a staging one too; `root`:
+    how to name it)."""
+    from mindspeed_llm.models.lora import LoRAConfig
+    from mindspeed_llm.models.architecture import ArchitectureSpec
+
+    root = root or path
+    tp, pp, ep, etp = layout.read_layout(path)
     shards = {}
     meta = spec = dtype = None
     bases = {}

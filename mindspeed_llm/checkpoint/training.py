@@ -4,6 +4,7 @@ Layout (Megatron-LM's, one tree per role)::
 
     <save>/<role>/iter_0000010/mp_rank_TT[_PPP]/model_optim_rng.pt
     <save>/<role>/iter_0000010/run_record.json         <- stage, roles, bases, reference (`run_record.py`)
+    <save>/actor/iter_0000010/hf/                     <- --save-hf: the actor as transformers loads it (`save_hf.py`)
     <save>/<role>/latest_checkpointed_iteration.txt
     <save>/latest_checkpointed_iteration.txt          <- written last of all: the resume point
     <save>/.writer.lock                               <- host and pid of the run writing here
@@ -46,7 +47,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from mindspeed_llm.checkpoint import megatron_layout as layout
-from mindspeed_llm.checkpoint import run_record
+from mindspeed_llm.checkpoint import run_record, save_hf
 from mindspeed_llm.checkpoint.errors import CheckpointError, NonFiniteError
 from mindspeed_llm.files import write_error_message
 from mindspeed_llm.checkpoint.writer_lock import WriterLock  # noqa: F401  (re-exported: rl/trainer.py takes it from here)
@@ -156,7 +157,7 @@ def _on_device(roles: Dict[str, object]):
 
 
 def save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict, save_optim: bool = True,
-         record: Optional[dict] = None) -> None:
+         record: Optional[dict] = None, hf: Optional[save_hf.SaveHF] = None) -> None:
     """Write `roles` ({name: TrainableModel}) and `loop_state` (sampler position etc.) for `iteration`; without
     `save_optim` (--no-save-optim, Megatron-LM's) the weights, RNG and data position only: no optimizer state, no
     LR schedule (a resume then needs --no-load-optim). `record` (`run_record.make_record`: stage, roles, bases,
@@ -165,13 +166,16 @@ def save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict, 
     Refuses non-finite weights (`NonFiniteError`, nothing written); a write error on any rank removes the
     staging files and raises `CheckpointError` naming it. Either way the previous checkpoint stays the
     resume point.
+
+    `hf` (--save-hf): the actor also as a Hugging Face folder, `actor/iter_N/hf/` (`save_hf.py`), published
+    with the checkpoint; its failure still publishes the checkpoint and raises `CheckpointError` naming the file.
     """
     with _on_device(roles):
-        _save(root, iteration, roles, loop_state, save_optim, record)
+        _save(root, iteration, roles, loop_state, save_optim, record, hf)
 
 
 def _save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict, save_optim: bool,
-          record: Optional[dict]) -> None:
+          record: Optional[dict], hf: Optional[save_hf.SaveHF] = None) -> None:
     problems = gather_messages(non_finite_weights(roles))
     if problems:
         raise NonFiniteError(
@@ -239,6 +243,7 @@ def _save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict,
             f"removed and {kept}; free space there or pass another --save"
         )
     barrier()
+    hf_problem = _write_hf(staging, roles, hf, record) if hf is not None else None
     if is_rank_0():
         for name in roles:
             layout.publish(staging[name], layout.checkpoint_dir(os.path.join(root, name), iteration))
@@ -246,6 +251,21 @@ def _save(root: str, iteration: int, roles: Dict[str, object], loop_state: dict,
             layout.write_latest(os.path.join(root, name), iteration)
         layout.write_latest(root, iteration)  # the resume point: only once every role is complete
     barrier()
+    if hf_problem:
+        raise CheckpointError(
+            f"iteration {iteration} was saved to --save {root} and is the resume point, but its Hugging Face folder "
+            f"(--save-hf) was not written: {hf_problem}; nothing of that folder was left; free space there and "
+            f"resume with --load {root}")
+
+
+def _write_hf(staging: Dict[str, str], roles: Dict[str, object], options: "save_hf.SaveHF",
+              record: Optional[dict]) -> Optional[str]:
+    """The actor's Hugging Face folder (`save_hf.py`): each pipeline stage written by its TP-rank-0 shard's writer."""
+    actor = roles["actor"]
+    tp_rank, pp_rank, _, _ = _layout()
+    ep_rank = layout.model_expert_layout(actor.module)[2]
+    stages = [pp_rank] if tp_rank == 0 and ep_rank == 0 and _writes_shard(actor.module) else []
+    return save_hf.write_actor(staging["actor"], stages, options, getattr(actor, "base", "") or "", record)
 
 
 def _distributed_optimizers(trainable) -> list:

@@ -173,13 +173,13 @@ def tools_of(path: Optional[str]) -> Optional[dict]:
     Hermes block and how it was rendered; None without the flag."""
     if not path:
         return None
-    from mindspeed_llm.rl.tools import hermes_tools_block, load_tool_config, tool_name
+    from mindspeed_llm.rl.tools import hermes_tools_block, load_tool_config, schema_dict, tool_name
 
     try:
         tools = load_tool_config(path)
     except ValueError as exc:  # ToolConfigError: names the file, the entry and the fix
         raise DataError(f"--tool-config: {exc}") from None
-    schemas = [tool.tool_schema for tool in tools]
+    schemas = [schema_dict(tool.tool_schema) for tool in tools]  # checked by load_tool_config (type: function, ...)
     return dict(config=os.path.abspath(path), names=[tool_name(t) for t in tools], schemas=schemas,
                 rendering="hermes block in the system message", block=hermes_tools_block(schemas))
 

@@ -1,6 +1,7 @@
 """DAPO's dynamic sampling with refill (`--dynamic-sampling`, `--max-num-gen-batches`): groups whose samples all
 scored the same carry no signal, so more prompt groups are generated until the global batch holds
-`--global-batch-size` groups with reward variance.
+`--global-batch-size` groups with reward variance (or, with `--dynamic-sampling-metric NAME`, variance in verifier
+NAME's own scores: MindSpeed-RL's `filter_groups_metric`).
 
 The kept groups are the first informative ones in the global order (generation batch, then position in the
 global batch), whatever the DP size: each DP rank generates its share of every generation batch, the ranks
@@ -30,8 +31,19 @@ def informative_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     return scores.view(-1, group_size).std(dim=1, unbiased=False) > 0
 
 
+def group_signal(exp: Experience, metric: str) -> torch.Tensor:
+    """[B] what must differ within a kept group: the scores ("reward") or verifier `metric`'s own scores (before its
+    weight), from the scorer's per-row parts (`SampleData.score_parts`)."""
+    if metric == "reward":
+        return exp.scores
+    parts = exp.sample_data.score_parts if exp.sample_data is not None else None
+    if parts is None or any(metric not in part for part in parts):
+        raise ValueError(f"--dynamic-sampling-metric {metric}: the scored rollouts carry no '{metric}' scores")
+    return torch.tensor([part[metric] for part in parts], dtype=torch.float32)
+
+
 def refill(first: Experience, generate: Callable[[int], Experience], group_size: int, local_groups: int,
-           max_gen_batches: int) -> Tuple[Experience, Dict[str, float]]:
+           max_gen_batches: int, metric: str = "reward") -> Tuple[Experience, Dict[str, float]]:
     """The iteration's batch of `local_groups` informative groups on this rank, from the scored generation
     batch `first` and, while the global batch lacks informative groups, `generate(j)` (j = 1, 2, ...: the j-th
     extra generation batch, scored, `local_groups` prompts on every rank).
@@ -39,7 +51,8 @@ def refill(first: Experience, generate: Callable[[int], Experience], group_size:
     Returns the Experience (its rows in the kept groups' global order) and the metrics
     `dynamic_sampling/num_gen_batches` and `dynamic_sampling/filtered_fraction` (the generated groups left out
     for having no reward variance). Raises `GenerationBudgetError` naming `--max-num-gen-batches` when that
-    many batches are not enough.
+    many batches are not enough (0: no limit). `metric` (--dynamic-sampling-metric): whose variance keeps a group, the
+    rewards or one verifier's own scores (`group_signal`).
     """
     dp_rank = distributed.data_parallel_info()[0]
     samples = torch.arange(group_size)
@@ -47,7 +60,7 @@ def refill(first: Experience, generate: Callable[[int], Experience], group_size:
     kept = generated = 0
     exp, j = first, 0
     while True:
-        mask = informative_groups(exp.scores, group_size)
+        mask = informative_groups(group_signal(exp, metric), group_size)
         groups = torch.nonzero(mask).flatten().cpu()
         rows = (groups[:, None] * group_size + samples[None, :]).reshape(-1)
         shares = distributed.gather_over_data_parallel((len(groups), exp.select(rows, device="cpu")))
@@ -57,7 +70,7 @@ def refill(first: Experience, generate: Callable[[int], Experience], group_size:
         j += 1
         if kept >= local_groups * len(shares):
             break
-        if j >= max_gen_batches:
+        if 0 < max_gen_batches <= j:
             raise GenerationBudgetError(
                 f"--max-num-gen-batches {max_gen_batches}: {j} generation batches gave {kept} groups with reward "
                 f"variance, fewer than the {local_groups * len(shares)} of a global batch; raise "

@@ -156,7 +156,8 @@ class ToolBox:
 
     def __init__(self, settings: ToolSettings, tokenizer, max_length: int):
         self.settings, self.tokenizer, self.max_length = settings, tokenizer, int(max_length)
-        self.tools = tool_lib.load_tool_config(settings.tool_config)  # a user's module may register a parser
+        # built by argument validation (taken once; built afresh otherwise); a user's module may register a parser
+        self.tools = tool_lib.load_tool_config(settings.tool_config, cache="take")
         self.parser = tool_lib.get_parser(settings.tool_parser_format)
         # checks once that the chat template extends its prefix unchanged (token-in / token-out)
         self.delta = tool_lib.ToolDelta(tokenizer, max_tool_response_length=settings.max_tool_response_length,

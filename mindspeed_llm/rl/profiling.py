@@ -1,13 +1,18 @@
 """Megatron-LM's profiling flags around the outer loop (`trainer._loop` calls `begin` / `end` per iteration).
 
 * `--profile --use-pytorch-profiler`: a `torch.profiler.profile` (`torch_npu.profiler` on NPU, through
-  `device.profiler_api`; unverified until run on an NPU) records iterations `--profile-step-start` ..
-  `--profile-step-end` - 1 (numbered as logged, from 1; the iteration before the window is its warmup, as
-  Megatron-LM's schedule has it) on the ranks `--profile-ranks`, and writes one trace per rank with
+  `device.profiler_api`; unverified until run on an NPU) records iterations `--profile-step-start` + 1 ..
+  `--profile-step-end` as logged (Megatron-LM's window: it opens once `--profile-step-start` iterations are done and
+  closes once `--profile-step-end` are; 0 1 is the first iteration; the iteration before the window is its warmup,
+  as Megatron-LM's schedule has it) on the ranks `--profile-ranks`, and writes one trace per rank with
   `tensorboard_trace_handler` to `<--tensorboard-dir, else --save>/profile` (`rank<R>.<ns>.pt.trace.json`: TensorBoard's
   profiler plugin, Perfetto and chrome://tracing open it). Every timed phase of an iteration (`timing/rollout`,
   `timing/old_log_p`, `timing/reference_model`, `timing/update`, ...: the stages' `Timers`) is a named range in
-  it (`timers.set_phase_ranges`).
+  it (`timers.set_phase_ranges`). It records the ops' times alone unless asked for more, as each multiplies its
+  size (docs/monitoring.md has the figures): `--pytorch-profiler-collect-shapes` (input shapes),
+  `--pytorch-profiler-collect-callstack` (Python stacks; Megatron-LM's names, MindSpeed's `--profile-record-shapes`
+  / `--profile-with-stack` too), `--profile-with-memory` (allocations). A run resumed past the window says so
+  (`Profiler.resumed`) and writes nothing.
 * `--profile` alone: nsys's capture range on CUDA (cudaProfilerStart / Stop around the same iterations, NVTX ranges
   for the phases and, through `emit_nvtx`, the ops); no effect elsewhere (said at startup).
 * `--record-memory-history`: on CUDA the last rank records the allocator's history and dumps it to
@@ -32,12 +37,18 @@ from mindspeed_llm.rl.settings import ProfileSettings
 def startup_notes(settings: ProfileSettings, kind: str) -> List[str]:
     """What the profiling flags do on this device (`kind`: cpu / cuda / npu), for the startup lines."""
     notes = []
-    start, last = max(settings.profile_step_start, 1), settings.profile_step_end - 1
+    start, last = settings.profile_step_start + 1, settings.profile_step_end
     window = f"iterations {start} .. {last} on ranks {' '.join(map(str, settings.profile_ranks))}"
     if settings.profile and settings.use_pytorch_profiler:
         which = "torch_npu.profiler (unverified on an NPU)" if kind == "npu" else "torch.profiler"
+        recorded = [what for what, on in (("shapes", settings.pytorch_profiler_collect_shapes),
+                                          ("call stacks", settings.pytorch_profiler_collect_callstack),
+                                          ("memory", settings.profile_with_memory)) if on]
         notes.append(f"--profile --use-pytorch-profiler: {which} traces of {window} in {settings.trace_dir} "
-                     "(TensorBoard's profiler plugin, or Perfetto), the phases as timing/* ranges")
+                     "(TensorBoard's profiler plugin, or Perfetto), the phases as timing/* ranges; "
+                     + (f"with the ops' {', '.join(recorded)}" if recorded else
+                        "the ops' times only (--pytorch-profiler-collect-shapes, --pytorch-profiler-collect-callstack, "
+                        "--profile-with-memory record more, in a larger trace)"))
     elif settings.profile and kind == "cuda":
         notes.append(f"--profile: nsys's capture range (cudaProfilerStart / Stop) around {window}; run under "
                      "`nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop`")
@@ -72,13 +83,15 @@ class Profiler:
         self.settings = settings
         self.rank = rank
         self.kind = kind or device.accelerator().kind
-        self.window_start, self.window_end = max(settings.profile_step_start, 1), settings.profile_step_end
+        # as logged, the end excluded: Megatron-LM's window opens once profile_step_start iterations are done
+        self.window_start, self.window_end = settings.profile_step_start + 1, settings.profile_step_end + 1
         self.mode = None  # "torch" | "nsys" | None: nothing to do on this rank
         if settings.profile and rank in settings.profile_ranks:
             if settings.use_pytorch_profiler:
                 self.mode = "torch"
             elif self.kind == "cuda":
                 self.mode = "nsys"
+        self.passed_at: Optional[int] = None  # the iteration a run resumed at, past the whole window (`resumed`)
         self.profiled: List[int] = []  # the iterations recorded
         self.traces: List[str] = []  # the trace files written
         self._prof = None
@@ -91,6 +104,16 @@ class Profiler:
             device.record_memory_history(True)
             self.snapshot_path = settings.memory_snapshot_path
 
+    def resumed(self, start: int) -> Optional[str]:
+        """The run continues after iteration `start` (a resumed checkpoint's): when that is past the whole window,
+        nothing is profiled and the line returned says so (None otherwise, or when nothing is profiled anyway)."""
+        if not self.settings.profile or start < self.window_end - 1:
+            return None
+        self.passed_at = start
+        return (f"--profile: this run resumes after iteration {start}, past the profiled window (iterations "
+                f"{self.window_start} .. {self.window_end - 1}): nothing is profiled and no trace is written; give "
+                f"--profile-step-start {start} or more (and a later --profile-step-end) to profile this run")
+
     def begin(self, iteration: int) -> None:
         """Before `iteration`: opens the window at its first iteration (a torch profiler one earlier, to warm up)."""
         first = self.window_start - 1 if self.mode == "torch" else self.window_start
@@ -101,7 +124,7 @@ class Profiler:
             self._previous_ranges = timers.set_phase_ranges(torch.autograd.profiler.record_function)
         else:
             device.cuda_profiler_range(True)
-            self._nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=True)
+            self._nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=self.settings.pytorch_profiler_collect_shapes)
             self._nvtx.__enter__()
             self._previous_ranges = timers.set_phase_ranges(_nvtx_range)
         self._open = True
@@ -121,7 +144,9 @@ class Profiler:
                                       for name in set(os.listdir(self.settings.trace_dir)) - before))
 
         self._prof = api.profile(activities=activities, schedule=schedule, on_trace_ready=ready,
-                                 record_shapes=True, with_stack=True)
+                                 record_shapes=self.settings.pytorch_profiler_collect_shapes,
+                                 with_stack=self.settings.pytorch_profiler_collect_callstack,
+                                 profile_memory=self.settings.profile_with_memory)
         self._prof.start()
 
     def end(self, iteration: int) -> None:
@@ -160,7 +185,10 @@ class Profiler:
     def summary_lines(self) -> List[str]:
         """Where this rank's outputs are, for the end-of-run summary."""
         lines = []
-        if self.settings.profile and self.settings.use_pytorch_profiler:
+        if self.passed_at is not None:
+            lines.append(f"profiler: no trace (the run resumed after iteration {self.passed_at}, past the window "
+                         f"{self.window_start} .. {self.window_end - 1})")
+        elif self.settings.profile and self.settings.use_pytorch_profiler:
             mine = f"; this rank's: {', '.join(self.traces)}" if self.traces else ""
             lines.append(f"profiler traces: {self.settings.trace_dir} (ranks "
                          f"{' '.join(map(str, self.settings.profile_ranks))}{mine})")

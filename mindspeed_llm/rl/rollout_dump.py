@@ -5,7 +5,9 @@ can be reproduced without the sampler, the verifiers or the reward model, and a 
 The format (docs/monitoring.md, "Rollout dump and replay"), version `VERSION`:
 
     DIR/manifest.json                     the dumping run: stage, rollout strategy, samples per prompt, global batch,
-                                          data-parallel size, seed, data path (a replay is checked against them)
+                                          data-parallel size, seed, data path and size, the model (--load,
+                                          --ref-model, layout), the tokenizer (vocabulary size and hash); a replay
+                                          is checked against them (`rollout_dump_checks.py`)
     DIR/iteration_0000003/                one folder per iteration, complete once `done.json` is in it:
         batch_0_dp_rank_00.pt             generation batch 0 of DP rank 0: a dict of tensors (torch.save; loads with
                                           weights_only=True): tokens [B, T] (prompt + response, right padded),
@@ -15,8 +17,10 @@ The format (docs/monitoring.md, "Rollout dump and replay"), version `VERSION`:
                                           [B, layers, T, topk] (a mixture of experts' recorded routing)
         batch_0_dp_rank_00.json           its per-sample data (`SampleData`'s fields: labels, indices, texts,
                                           finish_reasons, sample_ids, trajectories, score_parts, columns), the
-                                          strategy's and the scorer's metrics, routing_recorded
-        done.json                         generation batches and prompt batches the iteration drew
+                                          strategy's and the scorer's metrics, routing_recorded, and in batch 0's
+                                          the hash of the prompts the DP rank drew first (`prompts_sha256`)
+        done.json                         generation batches and prompt batches the iteration drew, the actor's
+                                          weights' fingerprint when its rollouts were made (`actor_weights`)
 
 B is the DP rank's samples (a prompt's samples consecutive, in the sampler's order). A generation batch is one
 `collect` of the strategy: one per iteration, more with --dynamic-sampling's refills. Every rank of a DP rank (its
@@ -36,11 +40,13 @@ import torch
 from mindspeed_llm import device, distributed
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.files import write_atomically, write_text_atomically
+from mindspeed_llm.rl import rollout_dump_checks as checks
 from mindspeed_llm.rl.experience import Experience, SampleData
 from mindspeed_llm.rl.metrics.samples import json_ready
 from mindspeed_llm.rl.rollout_strategies import CarriesNothing
 
-VERSION = 1
+VERSION = 2  # 2: the model, tokenizer and dataset recorded (a version 1 dump replays without those checks)
+READS = (1, 2)
 MANIFEST = "manifest.json"
 DONE = "done.json"
 # the tensors a dump holds, as the rollout made them (the loss mask and everything after scoring are derived again)
@@ -62,14 +68,22 @@ def _write_json(path: str, obj) -> None:
     write_text_atomically(path, json.dumps(obj))
 
 
-def dump_manifest(settings, strategy: str) -> dict:
-    """The manifest of a dump made by the run of `settings` with rollout strategy `strategy`."""
+def dump_manifest(settings, strategy: str, tokenizer=None) -> dict:
+    """The manifest of a dump made by the run of `settings` with rollout strategy `strategy` and `tokenizer`."""
     _, dp_size = distributed.data_parallel_info()
+    data = settings.data
     return {"format": "mindspeed_llm rollout dump", "version": VERSION, "stage": settings.checkpoint.stage,
             "strategy": strategy, "n_samples_per_prompt": settings.algorithm.n_samples_per_prompt,
             "global_batch_size": settings.loop.global_batch_size, "data_parallel_size": dp_size,
-            "seed": settings.data.seed, "data_path": settings.data.data_path,
-            "temperature": settings.loss.temperature}
+            "seed": data.seed, "data_path": data.data_path, "data_size": checks.dataset_size(data.data_path),
+            "temperature": settings.loss.temperature,
+            "model": {"load": _real(settings.checkpoint.load), "ref_model": _real(data.ref_model),
+                      "layout": checks.layout()},
+            "tokenizer": checks.tokenizer_identity(tokenizer)}
+
+
+def _real(path: Optional[str]) -> Optional[str]:
+    return os.path.realpath(path) if path else None
 
 
 def read_manifest(root: str) -> dict:
@@ -80,9 +94,10 @@ def read_manifest(root: str) -> dict:
     except (OSError, ValueError) as exc:
         raise ArgumentError(f"--rollout-replay-dir {root}: cannot read {path} ({exc}); pass the --rollout-dump-dir "
                             "of the run to replay") from None
-    if manifest.get("version") != VERSION:
-        raise ArgumentError(f"--rollout-replay-dir {root}: dump format version {manifest.get('version')!r}; this "
-                            f"version reads {VERSION}")
+    if not isinstance(manifest, dict) or manifest.get("version") not in READS:
+        version = manifest.get("version") if isinstance(manifest, dict) else None
+        raise ArgumentError(f"--rollout-replay-dir {root}: dump format version {version!r}; this version reads "
+                            f"{', '.join(map(str, READS))}")
     return manifest
 
 
@@ -90,8 +105,9 @@ class RolloutDumper:
     """--rollout-dump-dir: `add` each scored generation batch of an iteration, `finish` writes them (the first rank of
     each DP rank) and marks the iteration complete (rank 0, after every rank wrote)."""
 
-    def __init__(self, root: str, manifest: dict):
-        self.root = root
+    def __init__(self, root: str, manifest: dict, actor_module=None):
+        self.root, self.actor_module = root, actor_module
+        self.weights: Optional[list] = None  # the actor's fingerprint when the iteration's rollouts were made
         dp_rank, _ = distributed.data_parallel_info()
         self.dp_rank = dp_rank
         self.writes = distributed.first_rank_of_data_parallel_rank()
@@ -101,9 +117,13 @@ class RolloutDumper:
             _write_json(os.path.join(root, MANIFEST), manifest)
 
     def add(self, exp: Experience, metrics: Dict[str, float]) -> None:
+        if not self.batches:  # the weights that made the iteration's rollouts (a collective: every rank adds)
+            self.weights = checks.weights_fingerprint(self.actor_module)
         self.batches.append((exp, dict(metrics)))
 
-    def finish(self, iteration: int, prompts_drawn: int) -> None:
+    def finish(self, iteration: int, prompts_drawn: int, first_prompts: Optional[str] = None) -> None:
+        """Writes the iteration; `first_prompts`: `rollout_dump_checks.prompts_digest` of the prompts this rank drew
+        first."""
         folder = iteration_dir(self.root, iteration)
         if distributed.is_rank_0():
             if os.path.isdir(folder):  # a resumed run writes the iteration again
@@ -117,29 +137,44 @@ class RolloutDumper:
                            if getattr(exp, name) is not None}
                 write_atomically(base + ".pt", lambda tmp: torch.save(tensors, tmp))  # a failure: named, nothing left
                 data = {f.name: json_ready(getattr(exp.sample_data, f.name)) for f in fields(SampleData)}
-                _write_json(base + ".json", {"sample_data": data, "metrics": metrics,
-                                             "routing_recorded": bool(exp.routing_recorded)})
+                record = {"sample_data": data, "metrics": metrics, "routing_recorded": bool(exp.routing_recorded)}
+                if k == 0 and first_prompts is not None:
+                    record["prompts_sha256"] = first_prompts
+                _write_json(base + ".json", record)
         distributed.barrier()
         if distributed.is_rank_0():
             _write_json(os.path.join(folder, DONE), {"generation_batches": len(self.batches),
-                                                     "prompts_drawn": int(prompts_drawn)})
+                                                     "prompts_drawn": int(prompts_drawn),
+                                                     "actor_weights": self.weights})
         self.batches = []
 
 
-def load_batch(root: str, iteration: int, generation_batch: int, dp_rank: int) -> Tuple[Experience, Dict[str, float]]:
+def load_batch(root: str, iteration: int, generation_batch: int, dp_rank: int,
+               vocab_size: Optional[int] = None) -> Tuple[Experience, Dict[str, float]]:
     """Generation batch `generation_batch` of DP rank `dp_rank` at `iteration`, as the dumping run scored it, on the
-    model's device: (the experience, its strategy's and scorer's metrics)."""
+    model's device: (the experience, its strategy's and scorer's metrics). A file that cannot be read, or tensors
+    that disagree with each other or with `vocab_size` (the model's), are a `DumpError` naming the file."""
+    exp, metrics, _ = _load(root, iteration, generation_batch, dp_rank, vocab_size)
+    return exp, metrics
+
+
+def _load(root: str, iteration: int, generation_batch: int, dp_rank: int, vocab_size: Optional[int]):
     base = os.path.join(iteration_dir(root, iteration), _batch_name(generation_batch, dp_rank))
-    tensors = torch.load(base + ".pt", map_location="cpu", weights_only=True)
-    with open(base + ".json", encoding="utf-8") as f:
-        record = json.load(f)
+    tensors = checks.read_tensors(base + ".pt")
+    record = checks.read_json(base + ".json")
+    checks.check_batch(base + ".pt", tensors, record, vocab_size)
+    try:
+        sample_data = SampleData(**record["sample_data"])
+        routing_recorded, metrics = bool(record["routing_recorded"]), dict(record["metrics"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise checks.DumpError(f"--rollout-replay-dir: {base}.json lacks or garbles {exc}: the dump is damaged; dump "
+                               "that iteration again") from None
     on = device.current_device()
     tensors = {name: t.to(on) for name, t in tensors.items()}
     tokens = tensors["tokens"]
     positions = torch.arange(tokens.shape[1], device=on).expand_as(tokens).contiguous()
-    exp = Experience(position_ids=positions, **tensors, sample_data=SampleData(**record["sample_data"]),
-                     routing_recorded=record["routing_recorded"])
-    return exp, record["metrics"]
+    exp = Experience(position_ids=positions, **tensors, sample_data=sample_data, routing_recorded=routing_recorded)
+    return exp, metrics, record
 
 
 def iteration_record(root: str, iteration: int) -> Optional[dict]:
@@ -147,8 +182,11 @@ def iteration_record(root: str, iteration: int) -> Optional[dict]:
     path = os.path.join(iteration_dir(root, iteration), DONE)
     if not os.path.isfile(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    record = checks.read_json(path)
+    if not isinstance(record.get("generation_batches"), int) or not isinstance(record.get("prompts_drawn"), int):
+        raise checks.DumpError(f"--rollout-replay-dir: {path} lacks its generation_batches / prompts_drawn counts: "
+                               "the dump is damaged; dump that iteration again")
+    return record
 
 
 def dumped_iterations(root: str) -> List[int]:
@@ -165,13 +203,18 @@ class ReplayRollouts(CarriesNothing):
     returns the dumping run's next generation batch of this DP rank, scored (`scoring.Scorer` keeps the scores),
     with the dumping run's strategy and score metrics. The sampler still draws the prompts (`PromptSource`), so a
     checkpoint of the replay has the dumping run's data position, and a single-batch dump's prompts are checked
-    against them: a replay with another --seed / --data-path is refused by name."""
+    against them: a replay with another --seed / --data-path is refused by name. So are another tokenizer, another
+    dataset (its size, the drawn prompts' hash) and another model (its weights' fingerprint at the first replayed
+    iteration), and a damaged batch (`rollout_dump_checks`)."""
 
     name = "replay"
     flag = "--rollout-replay-dir"
 
-    def __init__(self, root: str, settings, dumped: dict):
-        self.root, self.dumped = root, dumped
+    def __init__(self, root: str, settings, dumped: dict, actor_module=None):
+        self.root, self.dumped, self.actor_module = root, dumped, actor_module
+        spec = getattr(actor_module, "model_spec", None)
+        self.vocab_size: Optional[int] = getattr(spec, "vocab_size", None)  # token ids past it: a damaged dump
+        self.weights_checked = actor_module is None  # the first iteration replayed checks the model
         self.samples_per_prompt = settings.algorithm.n_samples_per_prompt
         self.dp_rank, _ = distributed.data_parallel_info()
         self.iteration: Optional[int] = None
@@ -181,13 +224,14 @@ class ReplayRollouts(CarriesNothing):
     def from_settings(cls, settings, actor_module, tokenizer, sampling) -> "ReplayRollouts":
         root = settings.loop.rollout_replay_dir
         dumped = read_manifest(root)
-        mine = dump_manifest(settings, dumped.get("strategy"))
+        mine = dump_manifest(settings, dumped.get("strategy"), tokenizer)
         differ = [f"{key} {dumped.get(key)!r} there, {mine[key]!r} here" for key in MUST_MATCH
                   if dumped.get(key) != mine[key]]
         if differ:
             raise ArgumentError(f"--rollout-replay-dir {root} was dumped by another kind of run ({'; '.join(differ)}); "
                                 "replay it with the dumping run's --stage, --n-samples-per-prompt, "
                                 "--global-batch-size and data-parallel size")
+        _check_identity(root, dumped, mine)
         if distributed.is_rank_0():
             print(f"posttrain_gpt.py: --rollout-replay-dir {root}: training on the {dumped['stage']} rollouts dumped "
                   f"there (strategy {dumped['strategy']}, iterations {_ranges(dumped_iterations(root)) or 'none'}), "
@@ -197,7 +241,7 @@ class ReplayRollouts(CarriesNothing):
                 print(f"posttrain_gpt.py: --temperature {mine['temperature']} differs from the dumping run's "
                       f"{dumped.get('temperature')}: the losses' log-probs, and so the updates, differ from its",
                       flush=True)
-        return cls(root, settings, dumped)
+        return cls(root, settings, dumped, actor_module)
 
     def collect(self, iteration: int, prompts) -> Tuple[Experience, Dict[str, float]]:
         if iteration != self.iteration:
@@ -210,7 +254,9 @@ class ReplayRollouts(CarriesNothing):
                 f"{f' (generation batch {self.collected})' if record else ''}: it has iterations "
                 f"{_ranges(have) or 'none'}; replay them with --train-iters up to the last one (and --load the "
                 "checkpoint the dumping run started from)")
-        exp, metrics = load_batch(self.root, iteration, self.collected, self.dp_rank)
+        exp, metrics, batch = _load(self.root, iteration, self.collected, self.dp_rank, self.vocab_size)
+        if not self.weights_checked:
+            self._check_weights(iteration, record)
         self.collected += 1
         if self.dumped.get("strategy") in ("single_turn", "multi_turn"):  # its rows are the prompts drawn now
             drawn = [row["index"] for row in prompts.first_batch for _ in range(self.samples_per_prompt)]
@@ -220,12 +266,56 @@ class ReplayRollouts(CarriesNothing):
                     f"({_head(exp.sample_data.indices)}) are not the ones the sampler drew ({_head(drawn)}); replay "
                     f"with the dumping run's --seed {self.dumped.get('seed')} and --data-path "
                     f"{self.dumped.get('data_path')}, from the checkpoint it started from")
+        dumped_prompts = batch.get("prompts_sha256")
+        if self.collected == 1 and dumped_prompts is not None and \
+                dumped_prompts != checks.prompts_digest(prompts.first_batch):
+            raise ArgumentError(
+                f"--rollout-replay-dir {self.root} iteration {iteration}: the prompts the sampler drew here (dataset "
+                f"rows {_head(row['index'] for row in prompts.first_batch)}) hold other tokens than those the dump "
+                f"was made from: --data-path is another dataset than the dumping run's "
+                f"{self.dumped.get('data_path')}; replay on that dataset")
         return exp, metrics
+
+    def _check_weights(self, iteration: int, record: dict) -> None:
+        """The actor's weights are those that made the first replayed iteration's rollouts (where the dump recorded
+        them at this run's layout): another model, or another starting checkpoint, is refused by name."""
+        self.weights_checked = True
+        dumped, model = record.get("actor_weights"), self.dumped.get("model") or {}
+        if dumped is None or model.get("layout") != checks.layout():
+            return
+        mine = checks.weights_fingerprint(self.actor_module)  # a collective: every rank collects
+        differ = distributed.broadcast_object(not checks.same_weights(dumped, mine))  # rank 0's verdict for all
+        if differ:
+            raise ArgumentError(
+                f"--rollout-replay-dir {self.root} iteration {iteration}: the actor here is not the model whose "
+                f"weights made the dumped rollouts (the dumping run had --ref-model {model.get('ref_model')}, --load "
+                f"{model.get('load')}; weights' sums {dumped[1]:.9g} there, {mine[1]:.9g} here); replay from the "
+                f"checkpoint the dumping run had at iteration {iteration - 1} (its --ref-model, or --load)")
 
     def prompts_drawn(self, iteration: int) -> int:
         """How many prompt batches the dumping run drew at `iteration` (--partial-rollout draws ahead)."""
         record = iteration_record(self.root, iteration)
         return record["prompts_drawn"] if record else 1
+
+
+def _check_identity(root: str, dumped: dict, mine: dict) -> None:
+    """The replay's tokenizer and dataset size are the dumping run's (a version 1 dump recorded neither: said)."""
+    if dumped.get("version", 1) < 2:
+        if distributed.is_rank_0():
+            print(f"posttrain_gpt.py: --rollout-replay-dir {root} is a version 1 dump: it records neither the model, "
+                  "the tokenizer nor the dataset it came from, so they are not checked", flush=True)
+        return
+    there, here = dumped.get("tokenizer"), mine.get("tokenizer")
+    if there and here and there != here:
+        raise ArgumentError(f"--rollout-replay-dir {root} was dumped with another tokenizer (vocabulary of "
+                            f"{there['vocab_size']}, hash {there['sha256']} there; {here['vocab_size']}, hash "
+                            f"{here['sha256']} here); replay with the dumping run's --tokenizer-name-or-path (its "
+                            f"--ref-model {(dumped.get('model') or {}).get('ref_model')})")
+    if dumped.get("data_size") is not None and mine.get("data_size") is not None and \
+            dumped["data_size"] != mine["data_size"]:
+        raise ArgumentError(f"--rollout-replay-dir {root} was dumped from {dumped['data_size']} prompts (--data-path "
+                            f"{dumped.get('data_path')}); --data-path {mine.get('data_path')} holds "
+                            f"{mine['data_size']}: replay on the dumping run's dataset")
 
 
 def _head(values, count: int = 6) -> str:

@@ -14,6 +14,7 @@ from mindspeed_llm import distributed
 from mindspeed_llm.rl.experience import Experience
 from mindspeed_llm.rl.metrics.samples import first_rows, rollout_rows
 from mindspeed_llm.rl.rollout_dump import ReplayRollouts, RolloutDumper, dump_manifest
+from mindspeed_llm.rl.rollout_dump_checks import prompts_digest
 
 
 class RolloutRecords:
@@ -29,8 +30,8 @@ class RolloutRecords:
         """The run's records (`settings.loop`'s --log-samples, --rollout-dump-dir) of the stage's rollout strategy
         `rollouts`."""
         loop = settings.loop
-        dumper = RolloutDumper(loop.rollout_dump_dir, dump_manifest(settings, rollouts.name)) \
-            if loop.rollout_dump_dir else None
+        dumper = RolloutDumper(loop.rollout_dump_dir, dump_manifest(settings, rollouts.name, tokenizer),
+                               getattr(rollouts, "actor_module", None)) if loop.rollout_dump_dir else None
         return cls(tokenizer, loop.log_samples, loop.log_samples_interval or 1, dumper,
                    rollouts if isinstance(rollouts, ReplayRollouts) else None)
 
@@ -52,7 +53,7 @@ class RolloutRecords:
             while prompts.drawn < self.replay.prompts_drawn(iteration):
                 prompts.more(prompts.drawn)
         if self.dumper is not None:
-            self.dumper.finish(iteration, prompts.drawn)
+            self.dumper.finish(iteration, prompts.drawn, prompts_digest(prompts.first_batch))
         rows: List[dict] = []
         if self.samples_due(iteration):
             dp_rank, _ = distributed.data_parallel_info()

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from mindspeed_llm.errors import ArgumentError
+from mindspeed_llm.errors import ArgumentError, UserError
 from mindspeed_llm.rl import core_algos, reward_functions, verifiers
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.experience import Experience, SampleData
@@ -54,11 +54,28 @@ def tool_rewards(trajectories: Sequence[Optional[dict]]) -> List[float]:
     return out
 
 
+class RewardFailureError(UserError):
+    """A verifier or reward function failed on every row it scored at once: a run would otherwise train on zero
+    rewards (and end well); partial failures score 0 and are counted (``<name>_rewards/failures``)."""
+
+
+def check_not_all_failed(scores, rows: int, flags: Dict[str, str]) -> None:
+    """`RewardFailureError` naming the scorer (`flags`: its flag by name), the first error and the fix when one of
+    `scores` (`verifiers.BatchScores`) failed on every one of `rows` (> 0) rows."""
+    for name, failed in scores.failures.items():
+        if rows and failed == rows:
+            raise RewardFailureError(
+                f"{flags.get(name, f'--verifier-function {name}')} failed on every one of the {rows} rows it "
+                f"scored (the first: {scores.first_failure.get(name, 'no error recorded')}); every reward would be 0 "
+                "and the run would learn nothing: fix the function (it must return a number or a mapping with a "
+                "'score' for a response), or the data it reads (labels, columns)")
+
+
 class Scorer:
     """Sequence scores: rule verifiers, a user's reward function and/or a reward model (weighted sum), plus the
-    tools' own rewards of multi-turn trajectories (weight 1), less TRL's `missing_eos_penalty` for responses that
-    did not end in EOS, plus DAPO's overlong penalty (`core_algos.overlong_penalty`, with `--overlong-buffer-len`);
-    with their metrics."""
+    tools' own rewards of multi-turn trajectories (weight 1; only recorded with --tool-rewards record), less TRL's
+    `missing_eos_penalty` for responses that did not end in EOS, plus DAPO's overlong penalty
+    (`core_algos.overlong_penalty`, with `--overlong-buffer-len`); with their metrics."""
 
     @classmethod
     def from_settings(cls, reward: RewardMixing, reward_model=None, offload: bool = False) -> "Scorer":
@@ -68,15 +85,21 @@ class Scorer:
                    offload, reward.missing_eos_penalty, overlong_buffer_len=reward.overlong_buffer_len,
                    overlong_penalty_factor=reward.overlong_penalty_factor, max_new_tokens=reward.max_new_tokens,
                    custom_reward_function=reward.custom_reward_function,
-                   custom_reward_weight=1.0 if reward.custom_reward_weight is None else reward.custom_reward_weight)
+                   custom_reward_weight=1.0 if reward.custom_reward_weight is None else reward.custom_reward_weight,
+                   tool_rewards=reward.tool_rewards or "add")
 
     def __init__(self, verifier_names: Sequence[str], verifier_weights: Sequence[float],
                  reward_model=None, reward_model_weight: float = 1.0, offload: bool = False,
                  missing_eos_penalty: Optional[float] = None, *, overlong_buffer_len: Optional[int] = None,
                  overlong_penalty_factor: float = 1.0, max_new_tokens: Optional[int] = None,
-                 custom_reward_function=None, custom_reward_weight: float = 1.0):
+                 custom_reward_function=None, custom_reward_weight: float = 1.0, tool_rewards: str = "add"):
         """`custom_reward_function`: ``PATH[:NAME]`` (loaded with `reward_functions.load_reward_function`), a
-        `verifiers.RewardFunction`, or None; scored as the verifier ``custom`` with `custom_reward_weight`."""
+        `verifiers.RewardFunction`, or None; scored as the verifier ``custom`` with `custom_reward_weight`.
+        `tool_rewards` (--tool-rewards): ``add`` the tools' rewards of a trajectory to its score (score part
+        ``tool``), or ``record`` them only (verl's way; score part ``tool_recorded``, not in the score)."""
+        if tool_rewards not in ("add", "record"):
+            raise ValueError(f"tool_rewards {tool_rewards!r}: use add or record (--tool-rewards)")
+        self.tool_rewards = tool_rewards
         try:
             verifiers.check_verifiers(verifier_names, verifier_weights)
         except ValueError as exc:  # the message lists the valid names
@@ -85,13 +108,16 @@ class Scorer:
         self.verifier_weights = list(verifier_weights)
         self.functions: Dict[str, verifiers.RewardFunction] = {}
         self.function_weights: Dict[str, float] = {}
+        self.flags: Dict[str, str] = {}  # each function's flag, for the errors (a verifier's: --verifier-function)
         if custom_reward_function is not None:
+            spec = custom_reward_function if isinstance(custom_reward_function, str) else None
             if isinstance(custom_reward_function, str):
                 custom_reward_function = reward_functions.load_reward_function(custom_reward_function)
             if reward_functions.CUSTOM in self.verifier_names:
                 raise ArgumentError(f"--verifier-function {reward_functions.CUSTOM} and --custom-reward-function "
                                     f"would both score under the name '{reward_functions.CUSTOM}'")
             self.functions[reward_functions.CUSTOM] = custom_reward_function
+            self.flags[reward_functions.CUSTOM] = f"{reward_functions.FLAG} {spec}" if spec else reward_functions.FLAG
             self.function_weights[reward_functions.CUSTOM] = float(custom_reward_weight)
         self.reward_model = reward_model
         self.reward_model_weight = reward_model_weight
@@ -131,6 +157,7 @@ class Scorer:
                         "one; preprocess with a labels column (--map-keys '{\"labels\": \"answer\"}', "
                         "R1AlpacaStyleInstructionHandler)"
                     ) from exc
+            check_not_all_failed(scores, len(data.texts or []), self.flags)
             weights = {**dict(zip(self.verifier_names, self.verifier_weights)), **self.function_weights}
             for name, weight in weights.items():
                 total += weight * torch.as_tensor(scores.per_verifier[name], dtype=torch.float32, device=on)
@@ -139,9 +166,10 @@ class Scorer:
             metrics.update(scores.metrics())
         if data.trajectories is not None:
             tool = torch.as_tensor(tool_rewards(data.trajectories), dtype=torch.float32, device=on)
-            total += tool
+            if self.tool_rewards == "add":
+                total += tool
             for part, value in zip(parts, tool.tolist()):
-                part["tool"] = value
+                part["tool" if self.tool_rewards == "add" else "tool_recorded"] = value
             metrics["tool/reward/mean"] = float(tool.mean()) if len(tool) else 0.0
         if self.missing_eos_penalty is not None:
             penalty = -self.missing_eos_penalty * (~exp.ended_with_eos).float()

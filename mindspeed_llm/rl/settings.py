@@ -90,6 +90,8 @@ class RewardMixing:
     overlong_buffer_len: Optional[int] = None  # None: no overlong penalty
     overlong_penalty_factor: float = 1.0
     max_new_tokens: int = 128  # the overlong penalty's length limit
+    tool_rewards: Optional[str] = None  # validate_args: "add" (a trajectory's tool rewards enter its score) or
+    # "record" (only recorded)
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,8 @@ class AlgorithmSettings:
     n_samples_per_prompt: Optional[int] = None  # validate_args: by --stage when not given
     filter_groups: bool = False
     dynamic_sampling: bool = False
-    max_num_gen_batches: int = 10
+    dynamic_sampling_metric: str = "reward"  # or a verifier's name: whose scores must differ within a kept group
+    max_num_gen_batches: int = 10  # 0: no limit (--dynamic-sampling only)
     partial_rollout: bool = False
     partial_rollout_max_split: Optional[int] = None  # validate_args: 2 with --partial-rollout
     mask_truncated_completions: bool = False
@@ -198,6 +201,8 @@ class CheckpointSettings:
     no_load_optim: bool = False
     no_load_rng: bool = False
     no_save_optim: bool = False
+    save_hf: bool = False  # the actor also as a Hugging Face folder at every save (checkpoint/hf_export.py)
+    save_hf_merge_lora: bool = False  # a LoRA actor's folder merged instead of a PEFT adapter
     ckpt_step: Optional[int] = None
     exit_signal_handler: bool = False
     allow_reference_change: bool = False  # a resume with another --ref-model (checkpoint/run_record.py)
@@ -236,13 +241,17 @@ class WandbSettings:
 
 @dataclass(frozen=True)
 class ProfileSettings:
-    """Megatron-LM's profiling flags (`rl/profiling.py`): iterations profile_step_start .. profile_step_end - 1 (as
-    logged, from 1) on the ranks `profile_ranks`."""
+    """Megatron-LM's profiling flags (`rl/profiling.py`): iterations profile_step_start + 1 .. profile_step_end (as
+    logged, from 1: Megatron-LM's window) on the ranks `profile_ranks`."""
     profile: bool = False
     use_pytorch_profiler: bool = False  # with --profile: torch.profiler traces; without: nsys's range (CUDA)
     profile_step_start: int = 10
     profile_step_end: int = 12
     profile_ranks: Tuple[int, ...] = (0,)
+    # what a torch.profiler trace records beyond the ops' times (each multiplies its size; off unless asked)
+    pytorch_profiler_collect_shapes: bool = False  # the ops' input shapes (and nsys's NVTX ranges carry them)
+    pytorch_profiler_collect_callstack: bool = False  # the Python stack of every op
+    profile_with_memory: bool = False  # each op's tensor allocations
     record_memory_history: bool = False  # CUDA: torch's allocator history, dumped on the last rank
     memory_snapshot_path: str = "snapshot.pickle"
     timing_log_level: Optional[int] = None  # 0: timing/all alone on the stdout line; None, 1, 2: every phase

@@ -29,6 +29,7 @@ from mindspeed_llm.checkpoint import training as training_ckpt
 from mindspeed_llm.checkpoint.errors import DivergenceError
 from mindspeed_llm.checkpoint.megatron_layout import checkpoint_traces
 from mindspeed_llm.data import PromptDataset, PromptSampler
+from mindspeed_llm.data.errors import DataError
 from mindspeed_llm.data.prompt_dataset import PromptSubset, split_indices
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.rl import profiling, rollout_strategies
@@ -111,10 +112,19 @@ def _eval_sets(data: DataSettings):
     --eval-interval."""
     if not data.eval_interval:
         return None
-    sets = [(name, PromptDataset(prefix)) for name, prefix in data.eval_sets]
+    sets = [(name, _open_eval_set(name, prefix)) for name, prefix in data.eval_sets]
     for _, dataset in sets:
         dataset.check_prompts("--eval-data-path")
     return sets
+
+
+def _open_eval_set(name, prefix: str) -> PromptDataset:
+    """The held-out set at `prefix`; a missing or damaged one is a `DataError` that names --eval-data-path."""
+    try:
+        return PromptDataset(prefix)
+    except DataError as exc:
+        given = prefix if name is None else f"{name}={prefix}"
+        raise type(exc)(f"--eval-data-path {given}: {exc}") from None
 
 
 def _prompt_sets(data: DataSettings):
@@ -396,6 +406,9 @@ def run(args) -> None:
         )
         evaluator = Evaluator(stage, eval_dataset or (), loop, start, rank=torch.distributed.get_rank())
         profiler = profiling.Profiler(settings.profile, torch.distributed.get_rank(), parallel.world_size)
+        passed = profiler.resumed(start)  # a resumed run past its window: said, instead of traces never written
+        if passed and distributed.is_rank_0():
+            print(f"posttrain_gpt.py: {passed}", flush=True)
         saved = _loop(settings, stage, dataset, evaluator, sampler, logger, start, exit_signal, profiler, record)
         profiler.close()  # the traces of a window the run cut short are written before the summary names them
         if distributed.is_rank_0():
@@ -451,13 +464,17 @@ def _loop(settings: Settings, stage, dataset, evaluator: Evaluator, sampler, log
     rollout_rank, _ = distributed.rollout_parallel_info()
     prompts_per_dp_rank = loop.global_batch_size // dp_size  # a DP rank's CP ranks hold its prompts together
     saved: Optional[int] = start or None
+    save_hf = training_ckpt.save_hf.SaveHF(
+        tokenizers=tuple(p for p in (settings.data.tokenizer_name_or_path, settings.data.ref_model,
+                                     settings.data.load) if p),
+        merge_lora=checkpoint.save_hf_merge_lora) if checkpoint.save_hf else None
 
     def save(iteration: int) -> None:
         nonlocal saved
         loop_state = {"sampler": sampler.state_dict()}
         rollout_strategies.save_state(stage.rollouts, loop_state)  # --partial-rollout's buffers (a collective over DP)
         training_ckpt.save(checkpoint.save, iteration, stage.roles(), loop_state,
-                           save_optim=not checkpoint.no_save_optim, record=record)
+                           save_optim=not checkpoint.no_save_optim, record=record, hf=save_hf)
         saved = iteration
 
     entropy_guard = EntropyGuard(stage.roles()["actor"].module.model_spec.vocab_size)

@@ -48,7 +48,10 @@ root (``ROOT/actor``, ``ROOT/critic``); ``--finetune`` loads weights only from a
   score, ``ROOT/critic`` (its own latest weights) is its starting point. A trl_ppo with rule verifiers and no ``reward_config.load`` gets
   ``--reward-model-weight 0``: the value-head model only starts the critic.
 
-Other mappings: ``stage`` ``ray_grpo``/``grpo`` -> grpo, ``ray_ppo``/``trl_ppo`` -> trl_ppo;
+Other mappings: ``stage`` ``ray_grpo``/``grpo`` -> grpo, ``ray_ppo``/``trl_ppo`` -> trl_ppo, ``ray_dapo`` -> grpo
+with DAPO's features and its twelve keys (``token_level_loss``, ``clip_*``, ``filter_groups_*``, ``overlong_*``,
+``rollout_max_tokens``: `dapo.py`); ``no_save_optim`` -> ``--no-save-optim``, ``no_save_rng: true`` refused (the
+RNG state is always saved);
 ``adv_estimator`` ``group_norm`` -> ``--adv-estimator grpo`` (grpo), ``gae`` is trl_ppo's, other names pass;
 ``kl_penalty`` ``kl``/``mse``/``abs``/``low_var_kl`` -> k1/k2/abs/low_var_kl; ``init_kl_coef`` -> ``--kl-coef``;
 ``mini_batch_size`` (sequences per optimizer step) -> ``--ppo-mini-batch-size``; ``epochs`` -> ``--ppo-epochs``;

@@ -9,8 +9,9 @@ import os
 from typing import Dict, Optional, Tuple
 
 from mindspeed_llm.run_config.checkpoints import resolve_checkpoints
+from mindspeed_llm.run_config.dapo import resolve_dapo
 from mindspeed_llm.run_config.reader import ConfigReader, FlagValue, RoleKeys, cli_value
-from mindspeed_llm.run_config.tables import DTYPES, PACKING_DEFAULT
+from mindspeed_llm.run_config.tables import DTYPES, PACKING_DEFAULT, stage_of
 
 
 def resolve(reader: ConfigReader, run: RoleKeys, roles: Dict[str, Tuple[RoleKeys, Optional[str]]],
@@ -29,6 +30,7 @@ def resolve(reader: ConfigReader, run: RoleKeys, roles: Dict[str, Tuple[RoleKeys
             return flags[dest].value
         return reader.parser.get_default(dest)
 
+    file_stage = _resolve_stage(reader, run, roles, put)
     stage = cli_value(cli_argv, "--stage") or effective("stage")
 
     # -- the other roles: one layout and one optimizer setting for all (module doc)
@@ -69,7 +71,8 @@ def resolve(reader: ConfigReader, run: RoleKeys, roles: Dict[str, Tuple[RoleKeys
     rule_verifiers = _resolve_custom_reward(run, put) or rule_verifiers  # scores like rule verifiers (checkpoints)
     resolve_checkpoints(reader, run, roles, stage, put, flags, given, rule_verifiers, cli_argv)
     _resolve_sampling(reader, run, put, flags, effective, given)
-    _resolve_token_budgets(reader, run, put)
+    resolve_dapo(reader, run, put, flags, effective, stage, file_stage == "ray_dapo")
+    _resolve_token_budgets(reader, run, put, reference=not (file_stage == "ray_dapo" and stage == "grpo"))
     _resolve_kl_placement(reader, run, stage, effective)
 
     if run.slot("use_tensorboard") and "tensorboard_dir" not in flags:
@@ -105,6 +108,23 @@ def resolve(reader: ConfigReader, run: RoleKeys, roles: Dict[str, Tuple[RoleKeys
         else:  # this program's own estimator names: the parser / stage checks them
             put("--adv-estimator", estimator, where)
     return flags
+
+
+def _resolve_stage(reader, run, roles, put) -> Optional[str]:
+    """`stage` -> --stage (`tables.stage_of`); a role section's must be the run's. Returns the file's own name for it
+    (ray_dapo turns DAPO's features on, `dapo.py`)."""
+    name = run.slot("stage")
+    if name is not None:
+        try:
+            put("--stage", stage_of(name), run.origin("stage"))
+        except ValueError as exc:
+            raise reader.error(run.origin("stage"), str(exc)) from None
+    for role, _ in roles.values():
+        other = role.slot("stage")
+        if other is not None and other != name:
+            raise reader.error(role.origin("stage"), f"{other!r} differs from the run's stage {name!r}: one stage "
+                                                     "trains every role; make them equal or drop the key")
+    return name
 
 
 def _resolve_wandb(reader, run, flags, cli_argv) -> None:
@@ -158,13 +178,14 @@ def _resolve_custom_reward(run, put) -> bool:
     return True
 
 
-def _resolve_token_budgets(reader, run, put) -> None:
+def _resolve_token_budgets(reader, run, put, reference: bool = True) -> None:
     """MindSpeed-RL's dynamic batch size: with ``use_dynamic_bsz: true``, ``update_max_packing_token_size`` (else
     ``max_packing_token_size``, else MindSpeed-RL's 4096) -> ``--max-tokens-per-micro-batch``, and the smaller of
     ``actor_max_packing_token_size`` / ``ref_max_packing_token_size`` (each else ``max_packing_token_size``) ->
     ``--forward-max-tokens-per-micro-batch`` (one budget serves every forward-only pass here). MindSpeed-RL counts a
     micro-batch's real tokens (its rows flattened); here rows x its longest row (sorted by length, the padding is
-    small). Without it the budgets are ignored."""
+    small). Without it the budgets are ignored; without a reference model (`reference` false: ray_dapo's)
+    ``ref_max_packing_token_size`` is."""
     names = ("max_packing_token_size", "update_max_packing_token_size", "actor_max_packing_token_size",
              "ref_max_packing_token_size")
     if not run.slot("use_dynamic_bsz", False):
@@ -177,6 +198,10 @@ def _resolve_token_budgets(reader, run, put) -> None:
     base = run.slot("max_packing_token_size", PACKING_DEFAULT)
     update = run.slot("update_max_packing_token_size", base)
     forward = {name: run.slot(name, base) for name in ("actor_max_packing_token_size", "ref_max_packing_token_size")}
+    if not reference:
+        del forward["ref_max_packing_token_size"]
+        if "ref_max_packing_token_size" in run.slots:
+            reader.ignored.append((run.origin("ref_max_packing_token_size"), "ray_dapo builds no reference model"))
     put("--max-tokens-per-micro-batch", int(update), run.origin("update_max_packing_token_size")
         if "update_max_packing_token_size" in run.slots else where)
     smallest = min(forward, key=forward.get)

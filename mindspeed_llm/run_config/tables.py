@@ -62,12 +62,15 @@ def _is(expected) -> Callable[[Any], bool]:
     return ok
 
 
-def _stage(value):
-    names = {"ray_grpo": "grpo", "grpo": "grpo", "ray_ppo": "trl_ppo", "trl_ppo": "trl_ppo"}
-    if value not in names:
-        raise ValueError(f"{value!r} is not a stage of this program; use one of {', '.join(names)} "
-                         "(ray_grpo -> grpo, ray_ppo -> trl_ppo)")
-    return names[value]
+STAGES = {"ray_grpo": "grpo", "grpo": "grpo", "ray_dapo": "grpo", "ray_ppo": "trl_ppo", "trl_ppo": "trl_ppo"}
+
+
+def stage_of(value):
+    """This program's stage for MindSpeed-RL's `stage` (ray_dapo: grpo with DAPO's features, `run_config/dapo.py`)."""
+    if value not in STAGES:
+        raise ValueError(f"{value!r} is not a stage of this program; use one of {', '.join(STAGES)} "
+                         "(ray_grpo -> grpo, ray_dapo -> grpo with DAPO's features, ray_ppo -> trl_ppo)")
+    return STAGES[value]
 
 
 _KL_NAMES = {"kl": "k1", "mse": "k2", "abs": "abs", "low_var_kl": "low_var_kl", "k1": "k1", "k2": "k2", "k3": "k3"}
@@ -99,7 +102,7 @@ _RESOURCES = "the process count is torchrun's (--nproc_per_node x --nnodes)"
 # `model` share this table. A key that is not here is this program's Megatron flag of the same name
 # (`num_layers` -> --num-layers, typed and checked by the parser) when the parser has one.
 MEGATRON: Dict[str, Any] = {
-    "stage": Flag("--stage", convert=_stage),
+    "stage": Slot("stage", "name"),  # mapping.resolve: --stage (and, for ray_dapo, run_config/dapo.py)
     # models and checkpoints: see the module doc
     "model": Slot("model", "path"),
     "load": Slot("load", "path"),
@@ -107,6 +110,11 @@ MEGATRON: Dict[str, Any] = {
     "finetune": Slot("finetune", "bool"),
     "no_load_optim": Slot("no_load_optim", "bool"),
     "no_load_rng": Slot("no_load_rng", "bool"),
+    # no_save_optim is the flag of its name (--no-save-optim, Megatron-LM's)
+    "no_save_rng": Accept(_is(False), "this program always saves the RNG state (a few KB per rank): it is what "
+                                      "makes a resume bit for bit, and a resume at another data-parallel size takes "
+                                      "DP rank 0's, as Megatron-LM does; set no_save_rng: false (a resume that should "
+                                      "start the random states from the seed sets no_load_rng: true)"),
     # sequence_parallel / context_parallel_size are the flags of their names; how the CP ranks attend is one
     # algorithm here (keys and values gathered over them: the same attention as megatron's ring or Ulysses)
     "context_parallel_algo": Ignored("context parallelism here all-gathers the keys and values over the CP ranks "
@@ -251,6 +259,14 @@ RL: Dict[str, Any] = {
     "max_tool_response_length": Flag("--max-tool-response-length"),
     "tool_response_truncate_side": Flag("--tool-response-truncate-side"),
     "tool_parser_format": Flag("--tool-parser-format"),
+    "zmq_communication": Ignored(_RAY),
+    # DAPO's keys (MindSpeed-RL's ray_dapo): run_config/dapo.py maps them by their switches
+    **{name: Slot(name, kind) for name, kind in (
+        ("token_level_loss", "bool"), ("clip_higher_enable", "bool"), ("clip_ratio_low", "number"),
+        ("clip_ratio_high", "number"), ("overlong_buffer_enable", "bool"), ("rollout_max_tokens", "number"),
+        ("overlong_buffer", "number"), ("overlong_buffer_penalty_factor", "number"), ("filter_groups_enable", "bool"),
+        ("filter_groups_metric", "name"), ("filter_groups_max_batches", "number"),
+        ("filter_groups_train_batch_size", "number"))},
     "async_engine": Ignored("generation runs in this process; tools run in a thread pool beside it (--tool-workers)"),
     "custom_reward_function": Nested(CUSTOM_REWARD),
 }
@@ -280,6 +296,7 @@ GENERATE: Dict[str, Any] = {
     "dtype": Slot("dtype", "name"),
     "gpu_memory_utilization": Ignored(_VLLM),
     "enforce_eager": Ignored(_VLLM),
+    "enable_expert_parallel": Ignored(_VLLM),
     "enable_prefix_caching": Ignored(_VLLM),
     "ascend_scheduler_config_enabled": Ignored(_VLLM),
     "sampling_config": Nested(SAMPLING),

@@ -63,7 +63,7 @@ def _cases(task, root):
         "trl_ppo_pp2_offload_profile": ("trl_ppo", 1, 2, ["--offload-ref-reward", "--offload-train-optimizer",
                                                           "--offload-train-grad", "--offload-train-param",
                                                           "--profile", "--use-pytorch-profiler",
-                                                          "--profile-step-start", "1", "--profile-step-end", "2",
+                                                          "--profile-step-start", "0", "--profile-step-end", "1",
                                                           "--tensorboard-dir", "{out}/tb"]),
         "grpo_tp1": ("grpo", 1, 1, []),
         "trl_ppo_tp1": ("trl_ppo", 1, 1, ["--micro-batch-size", "1"]),

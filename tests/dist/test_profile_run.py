@@ -22,7 +22,8 @@ def test_a_profiled_run(tmp_path):
             "--micro-batch-size", "2", "--train-iters", "4", "--max-length", "24", "--max-new-tokens", "4",
             "--do-sample", "--seed", "5", "--lr", "1e-3", "--metrics-jsonl", str(out / "metrics.jsonl"),
             "--tensorboard-dir", str(out / "tb"), "--save", str(out / "ckpt"),
-            "--profile", "--use-pytorch-profiler", "--profile-step-start", "2", "--profile-step-end", "4",
+            "--profile", "--use-pytorch-profiler", "--profile-step-start", "1", "--profile-step-end", "3",
+            "--pytorch-profiler-collect-callstack",  # the stacks make TensorBoard's Module view
             "--record-memory-history", "--log-throughput"]
     (code, stdout, stderr), = posttrain_in_process([argv])
     assert code == 0, stderr[-3000:]

@@ -7,6 +7,10 @@ substitutions. What a case adds beyond them is said where it is added.
   (TP2 with their sequence parallelism, the distributed optimizer, bf16, offload), resumed as MindSpeed-RL's docs
   say: `finetune: false`, `load` = the save, `no_load_optim` / `no_load_rng` false, the reference's original weights
   in `rl_config.integrated_mode_config.ref_model_load_path`.
+- MindSpeed-RL's multi-turn DAPO config `dapo_qwen25_7b_A2_multi_turn.yaml` (ray_dapo, hermes calls to its
+  SandboxFusion code tool) for one iteration to its tool calls: its tool config's class and service are stand-ins
+  (tests/fixtures/mindspeed_rl/tools/retool_standin.py, a local service), the actor a tiny model that ends its turns,
+  the tokenizer one whose words are whole calls; once with the service up, once unreachable (counted failures).
 - MindSpeed-LLM's `trl_ppo_llama32_1b_ptd.sh` (`--finetune --no-load-optim --no-load-rng` as published) under its
   own torchrun line, on a tiny Llama-3.2-shaped model (llama3 RoPE scaling, tied embeddings); resumed the way a
   user of it does: the same script with `--load <its --save>` added.
@@ -181,3 +185,130 @@ def test_mindspeed_llm_trl_ppo_script_runs_and_resumes(task, llama32, tmp_path):
     assert (Path(save) / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     log = (work / "logs" / "trl_ppo_llama32_1b.log").read_text()  # the script's tee (of the last run)
     assert f"resumed from {save} at iteration 2" in log
+
+
+# ------------------------------------------------------------------ MindSpeed-RL's multi-turn DAPO config
+MULTI_TURN = "dapo_qwen25_7b_A2_multi_turn.yaml"
+RETOOL = ROOT / "tests" / "fixtures" / "mindspeed_rl" / "tools"
+CALL = '<tool_call>{"name":"code_interpreter","arguments":{"code":"print(%d*7)"}}</tool_call>'
+CALL_IDS = range(4, 68)  # the word task's prompts use w68 .. w255
+# assistant turns end with </s>; a tool's answer is framed by w70 .. w71, the next assistant turn opens with w72
+CHAT = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}</s>"
+        "{% elif m['role'] == 'tool' %} w70 {{ m['content'] }} w71{% else %}{{ m['content'] }}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %} w72{% endif %}")
+
+
+def _calling_tokenizer(path: Path) -> str:
+    """The word task's tokenizer (same ids for the prompts' words) whose ids 4..67 are each a whole hermes call of
+    the config's code_interpreter tool (`print(K*7)`), so that the tiny model's sampled turns call it; a chat
+    template with a tool role."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab.update({CALL % i: i for i in CALL_IDS})
+    vocab.update({f"w{i}": i for i in range(68, 256)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>")
+    fast.chat_template = CHAT
+    fast.save_pretrained(str(path))
+    return str(path)
+
+
+def _turn_ending_actor(path: Path, tokenizer: str) -> str:
+    """The word task's tiny Qwen2 (seed 3) made to end its turns: every token's embedding holds 100 in dimension 0,
+    which only EOS's output row reads, so EOS (</s>) is sampled ~29% of the time and the call tokens ~18% (a turn
+    cut by the token limit runs no tools; one ended by EOS does). Converted to TP2 x PP1."""
+    import torch
+
+    from mindspeed_llm.checkpoint import convert_hf_to_mg
+    from tests.helpers.hf_tiny import build_tiny
+
+    model = build_tiny("qwen2", seed=3, vocab_size=256)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 100.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[2, 0] = 0.6
+    model.save_pretrained(str(path / "hf"))
+    convert_hf_to_mg(str(path / "hf"), str(path / "mg_tp2pp1"), 2, 1, tokenizer_dir=tokenizer, progress=False)
+    return str(path / "mg_tp2pp1")
+
+
+@pytest.fixture()
+def sandbox_fusion():
+    """A local stand-in of the SandboxFusion service (its run_code request and answer): it evaluates `print(K*7)`
+    and records every request. Yields (url, requests)."""
+    import re
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    received = []
+
+    class RunCode(BaseHTTPRequestHandler):
+        def do_POST(self):
+            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            received.append(request)
+            match = re.fullmatch(r"print\((\d+)\*7\)", request.get("code", ""))
+            run = {"status": "Finished", "stdout": f"{int(match.group(1)) * 7}\n" if match else "", "stderr": ""}
+            body = json.dumps({"status": "Success", "run_result": run}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), RunCode)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/run_code", received
+    server.shutdown()
+    thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("service", ["up", "unreachable"])
+def test_mindspeed_rl_multi_turn_dapo_config_runs_to_its_sandbox_calls(task, tmp_path, sandbox_fusion, monkeypatch,
+                                                                       service):
+    """dapo_qwen25_7b_A2_multi_turn.yaml (ray_dapo with hermes tool calls to MindSpeed-RL's SandboxFusion code tool,
+    retool_reward) with paths and sizes substituted: its tool config (MindSpeed-RL's retool_config.yaml, the class
+    and service its stand-ins: the tool's `class_name` names tests/fixtures/mindspeed_rl/tools/retool_standin.py's
+    ReTool, `sandbox_fusion_url` the local service) is called by the sampled turns, the service's answers come back,
+    and the iteration trains (grpo without a reference model, as the startup line says). Without a service (no
+    network) every call is a counted failure and the iteration still trains."""
+    import yaml
+
+    from tests.helpers.ports import free_port
+
+    url, requests = sandbox_fusion
+    if service == "unreachable":
+        url = f"http://127.0.0.1:{free_port()}/run_code"  # nothing listens there
+    tools = yaml.safe_load((RETOOL / "retool_config.yaml").read_text())
+    tools["tools"][0]["class_name"] = "retool_standin.ReTool"
+    tools["tools"][0]["config"]["sandbox_fusion_url"] = url
+    (tmp_path / "retool_config.yaml").write_text(yaml.safe_dump(tools, sort_keys=False))
+    monkeypatch.syspath_prepend(str(RETOOL))  # the ranks take the caller's sys.path
+    save = str(tmp_path / "save")
+    tokenizer = _calling_tokenizer(tmp_path / "tokenizer")
+    changes = _sizes(save, task, _turn_ending_actor(tmp_path / "actor", tokenizer), ("actor_config",), iters=1)
+    changes.update({("megatron_training", "tokenizer_name_or_path"): tokenizer,
+                    ("rl_config", "tool_config_path"): str(tmp_path / "retool_config.yaml"),
+                    ("rl_config", "n_samples_per_prompt"): 4, ("rl_config", "mini_batch_size"): 8,
+                    ("rl_config", "max_total_response_length"): 12, ("rl_config", "max_tool_response_length"): 3,
+                    ("generate_config", "max_model_len"): 28})
+    path = rewrite_run_config(MULTI_TURN, tmp_path / "config", changes)
+    metrics = tmp_path / "metrics.jsonl"
+    (_, out, _), = _run([["--config", str(path), "--metrics-jsonl", str(metrics)]])
+    assert "megatron_training.stage: ray_dapo runs as --stage grpo with DAPO's features: no reference model" in out
+    (row,) = _metrics(metrics)
+    if service == "unreachable":
+        assert not requests and row["tool/calls"] >= 1 and row["tool/failures"] == row["tool/calls"], row
+    else:
+        assert requests, out[-3000:]
+        assert all(r["code"] in {f"print({i}*7)" for i in CALL_IDS} and r["language"] == "python"
+                   and r["memory_limit_MB"] == 1024 for r in requests)  # retool_config.yaml's values
+        assert row["tool/calls"] >= len(requests) and row["tool/failures"] == 0, row
+    assert (Path(save) / "actor" / "iter_0000001").is_dir()

@@ -71,6 +71,8 @@ def test_three_iterations(stage_paths, tmp_path, stage, tp, pp):
         extra += ["--filter-groups"] if stage == "grpo" else ["--whiten-rewards", "--eval-samples", "1"]
     if stage == "trl_ppo" and tp == 2:  # critic and reward half the actor's width (argparse: the last value wins)
         extra += ["--reward-model", stage_paths["mg_reward_small_tp2pp1"]]
+    if stage == "grpo":
+        extra += ["--save-hf"]
     run_ok(stage_argv(stage_paths, stage, tp, pp, iters=3, extra=extra))
 
     records = read_jsonl(metrics_file)
@@ -130,6 +132,60 @@ def test_three_iterations(stage_paths, tmp_path, stage, tp, pp):
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out")
     initial = AutoModelForCausalLM.from_pretrained(stage_paths["hf_actor"])
     assert any(not torch.equal(a, b) for a, b in zip(trained.state_dict().values(), initial.state_dict().values()))
+    if stage == "grpo":
+        _check_save_hf(save, tp, pp, tmp_path / "hf_out")
+
+
+def _greedy_from_checkpoint(rank, world_size, root, tp, pp, prompts, max_new):
+    """The project's own greedy rollouts and logits of the Megatron checkpoint under `root` at TP `tp` x PP `pp`."""
+    from megatron.core import parallel_state
+
+    from mindspeed_llm import distributed
+    from mindspeed_llm.checkpoint import load_megatron_weights, load_spec
+    from mindspeed_llm.inference import SamplingConfig, generate
+    from mindspeed_llm.models import build_model
+    from tests.helpers.hf_parity import megatron_forward
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    distributed.initialize(tp, pp, seed=0)
+    model = build_model(load_spec(root))
+    load_megatron_weights(model, root)
+    model.eval()
+    rollout = generate(model, prompts, SamplingConfig(max_new_tokens=max_new, pad_token_id=0))
+    tokens = [rollout.responses[b, :int(rollout.response_lengths[b])].tolist() for b in range(len(prompts))]
+    width = min(len(p) for p in prompts)
+    logits = megatron_forward(model, torch.tensor([p[:width] for p in prompts]), tp, pp)
+    return tokens, logits
+
+
+def _check_save_hf(save, tp, pp, exported):
+    """--save-hf: the folder beside the last checkpoint holds what convert_ckpt.py exports of it, is noted in the
+    run record, loads in transformers, and generates the actor's greedy tokens (the project's generation on the
+    saved Megatron checkpoint at the run's layout) with its logits."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.convert_checks import assert_identical, hf_tensors
+
+    iteration = save / "actor" / "iter_0000003"
+    folder = iteration / "hf"
+    assert sorted(p.name for p in iteration.iterdir() if not p.name.startswith("mp_rank")) == ["hf", "run_record.json"]
+    assert json.loads((iteration / "run_record.json").read_text())["hf"] == {"dir": "hf", "format": "model"}
+    assert_identical(hf_tensors(exported), hf_tensors(folder))
+    assert (folder / "tokenizer_config.json").is_file() and (folder / "config.json").is_file()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(10, 150000, (n,), generator=g).tolist() for n in (5, 8, 6)]
+    results = run_distributed(_greedy_from_checkpoint, 2, str(save / "actor"), tp, pp, prompts, 10)
+    tokens, logits = results[0][0], next(r[1] for r in results if r[1] is not None)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        width = min(len(p) for p in prompts)
+        reference = model(torch.tensor([p[:width] for p in prompts])).logits
+        torch.testing.assert_close(logits.float(), reference, rtol=1e-4, atol=1e-4)
+        for prompt, ours in zip(prompts, tokens):
+            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+            assert out[0, len(prompt):].tolist() == ours
 
 
 KILLING_DRIVER = textwrap.dedent("""

@@ -88,6 +88,39 @@ def test_refill_budget_is_named():
         assert message.startswith("--max-num-gen-batches 2: 2 generation batches gave 3 groups with reward variance")
 
 
+def _run_metric(rank, world_size, metric, max_batches):
+    """refill on SCORES as a verifier's own scores ("acc" in each row's score parts), each row's reward that score
+    plus a penalty of its response length (so every group's rewards differ)."""
+    from mindspeed_llm import distributed
+    from mindspeed_llm.rl.dynamic_sampling import GenerationBudgetError, refill
+
+    distributed.initialize(1, 1, seed=1)
+
+    def scored(j):
+        exp = _batch(j, rank, world_size)
+        exp.sample_data.score_parts = [{"acc": float(s)} for s in exp.scores.tolist()]
+        exp.scores = exp.scores - 0.1 * exp.response_mask.sum(dim=1)
+        return exp
+
+    try:
+        exp, metrics = refill(scored(0), scored, N, 4 // world_size, max_batches, metric)
+    except GenerationBudgetError as exc:
+        return str(exc)
+    return exp.sample_data.labels, metrics["dynamic_sampling/num_gen_batches"]
+
+
+def test_refill_on_a_verifiers_scores_and_without_a_limit():
+    """--dynamic-sampling-metric NAME (MindSpeed-RL's filter_groups_metric) keeps the groups whose verifier scores
+    differ, whatever the rewards do; on the rewards the first batch is kept whole. --max-num-gen-batches 0 (its -1):
+    no limit, where 2 batches are too few."""
+    (by_acc,) = run_distributed(_run_metric, 1, "acc", 0)
+    assert by_acc == (KEPT, 3.0)
+    (by_reward,) = run_distributed(_run_metric, 1, "reward", 5)
+    assert by_reward == ([f"0/{g}/{k}" for g in range(4) for k in range(N)], 1.0)
+    (short,) = run_distributed(_run_metric, 1, "acc", 2)
+    assert short.startswith("--max-num-gen-batches 2: 2 generation batches gave 3 groups")
+
+
 # ---------------------------------------------------------------------------------------------- the grpo stage
 
 

@@ -3,6 +3,7 @@
 import contextlib
 import io
 import json
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,7 @@ from tests.helpers.multiproc import run_distributed
 from tests.helpers.stage_assets import posttrain_argv
 
 pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
+FAILING = Path(__file__).resolve().parents[1] / "fixtures" / "user_rewards" / "failing_rewards.py"
 
 
 def _run_main_cases(rank, world_size, cases):
@@ -95,6 +97,13 @@ def test_bad_checkpoints_data_and_verifiers_fail_before_compute(stage_paths, tmp
                                           ["--ref-model", "cannot be read: it is truncated or corrupt"]),
         "stop id outside the tokenizer": (grpo("--stop-token-ids", "999999"),
                                           ["--stop-token-ids 999999: outside the tokenizer's ids"]),
+        # a user's reward function that ends the process, or fails on every row: named, not exit 4 / zero rewards
+        "reward function calls sys.exit": (grpo("--custom-reward-function", f"{FAILING}:always_exits"),
+                                           ["the reward function 'custom' ('always_exits' in", "called sys.exit(4) on "
+                                            "row 0 of the batch", "remove the exit"]),
+        "reward function fails on every row": (grpo("--custom-reward-function", f"{FAILING}:always_fails"),
+                                               [f"--custom-reward-function {FAILING}:always_fails failed on every one "
+                                                "of the", "returned a mapping without a 'score' key"]),
         # divergence without a NaN (--check-for-divergence): the first step multiplies the weights' norm
         "--lr 1e6": (ppo("--lr", "1e6", "--train-iters", "2", "--save", str(tmp_path / "diverged"),
                          "--save-interval", "1"),

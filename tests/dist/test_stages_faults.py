@@ -19,7 +19,8 @@ it is killed, signalled, or must exit with a code) or, for refusals that happen 
 * A second writer on one `--save` is refused (holder named); a stale lock of a dead process is taken over.
 * A changed `--lr` on resume is an error naming both values and the two Megatron-LM flags; with
   `--override-opt_param-scheduler` the command line's applies, and the run says so.
-* A write error during a save (ENOSPC injected) removes the staging files and keeps the previous resume point.
+* A write error during a save (ENOSPC injected) removes the staging files and keeps the previous resume point; one
+  in the --save-hf folder leaves the checkpoint published and nothing of the folder.
 * `--save` that cannot be written and a prompt longer than `--max-prompt-length` are refused before training.
 * A `--save` that is not one folder seen by every node (rank 1 does not see rank 0's writer lock) is refused on
   every rank, naming the rank, its host and the file.
@@ -203,6 +204,46 @@ def test_failed_write_keeps_the_previous_resume_point(task, tmp_path):
     assert "No space left on device" in result.stderr and "iteration 1 is still the resume point" in result.stderr
     assert "Traceback" not in result.stderr
     assert tracker(out) == "1" and not list(out.glob("*/.iter_*")) and not (out / "actor" / "iter_0000002").exists()
+
+
+ENOSPC_IN_SAVE_HF = textwrap.dedent("""
+    # posttrain_gpt.py whose --save-hf folder of iteration 2 runs out of disk space at its first weight file.
+    import errno, os, sys
+    import safetensors.torch
+    original = safetensors.torch.save_file
+    def save_file(tensors, filename, metadata=None):
+        if "iter_0000002" in filename and "hf.partial" in filename:
+            open(filename, "wb").write(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+        return original(tensors, filename, metadata=metadata)
+    safetensors.torch.save_file = save_file
+    import posttrain_gpt
+    sys.exit(posttrain_gpt.main(sys.argv[1:]))
+""")
+
+
+def test_a_failed_save_hf_folder_keeps_the_checkpoint_and_names_the_file(task, tmp_path):
+    """A full disk while --save-hf writes iteration 2's folder: iteration 2's checkpoint is still published (the
+    resume point), nothing of its folder is left, iteration 1's folder stays, and the run stops with one line
+    naming the file (exit 2)."""
+    out = tmp_path / "run"
+    driver = tmp_path / "enospc_hf.py"
+    driver.write_text(ENOSPC_IN_SAVE_HF)
+    result = run(argv(task, out, "--save", str(out), "--save-interval", "1", "--save-hf"), script=driver)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    second = out / "actor" / "iter_0000002"
+    lines = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1 and (
+        f"iteration 2 was saved to --save {out} and is the resume point, but its Hugging Face folder (--save-hf) was "
+        f"not written: rank 0: No space left on device writing {out}/actor/.iter_0000002.staging/hf.partial/model-0000"
+    ) in lines[0], result.stderr[-3000:]
+    assert tracker(out) == "2" and not list(out.glob("*/.iter_*"))
+    assert sorted(p.name for p in second.iterdir()) == ["mp_rank_00", "run_record.json"]
+    assert "hf" not in json.loads((second / "run_record.json").read_text())
+    first = out / "actor" / "iter_0000001"
+    assert (first / "hf" / "config.json").is_file()
+    assert json.loads((first / "run_record.json").read_text())["hf"] == {"dir": "hf", "format": "model"}
 
 
 # ---------------------------------------------------------------------------------------------- signals, writers

@@ -257,13 +257,16 @@ def resume_runs(task, tmp_path_factory):
         runs.append((argv, check))
 
     for stage, extra in (("trl_ppo", ["--optimizer", "adam"]), ("grpo", ["--bf16", "--optimizer", "adam"])):
-        add(f"{stage}/straight", _argv_iters(task, stage, root / stage / "straight", 2, extra), check=True)
+        # grpo: --save-hf's PEFT adapter folder here, its merged folder in the resumed run (the same adapters)
+        hf = ["--save-hf"] if stage == "grpo" else []
+        add(f"{stage}/straight", _argv_iters(task, stage, root / stage / "straight", 2, extra + hf), check=True)
         # full activation recompute: the same run bit for bit (the frozen base leaves the first layer's input
         # without grad unless the embedding's output requires it: the adapters would get no gradient)
         add(f"{stage}/recompute", _argv_iters(task, stage, root / stage / "recompute", 2, extra + [
             "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]))
         add(f"{stage}/first", _argv_iters(task, stage, root / stage / "resumed", 1, extra))
-        add(f"{stage}/resumed", _argv_iters(task, stage, root / stage / "resumed", 2, extra,
+        add(f"{stage}/resumed", _argv_iters(task, stage, root / stage / "resumed", 2,
+                                            extra + (hf and ["--save-hf", "--save-hf-merge-lora"]),
                                             load=root / stage / "resumed" / "save"))
     # iteration 1 of the same runs without LoRA (zero-initialised adapters: --lora-target-modules, no --lora-load)
     for stage in ("trl_ppo", "grpo"):
@@ -321,6 +324,29 @@ def test_resume_is_bit_exact(resume_runs, stage):
             assert sorted(fa) == sorted(fb)
             for key in fa:
                 assert torch.equal(fa[key], fb[key]), f"{stage} {role} {part}{key}"
+
+
+def test_save_hf_of_a_lora_actor_is_a_peft_folder_or_merged(resume_runs):
+    """--save-hf of a LoRA grpo run: a PEFT adapter folder naming the Hugging Face model of its base, which peft
+    loads onto that model; --save-hf-merge-lora of the bit-identical resumed run: full weights with the same
+    logits (and not the base's); each noted in the run record."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    root, _ = resume_runs
+    folders = {run: root / "grpo" / run / "save" / "actor" / "iter_0000002" / "hf" for run in ("straight", "resumed")}
+    for run, kind in (("straight", "peft"), ("resumed", "merged")):
+        record = json.loads((folders[run].parent / "run_record.json").read_text())
+        assert record["hf"] == {"dir": "hf", "format": kind}
+    base_name = json.loads((folders["straight"] / "adapter_config.json").read_text())["base_model_name_or_path"]
+    ids = torch.randint(4, 40, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(base_name, dtype=torch.float32).eval()
+        plain = base(ids).logits
+        adapted = PeftModel.from_pretrained(base, folders["straight"]).float().eval()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(folders["resumed"], dtype=torch.float32).eval()(ids).logits
+    assert (adapted - plain).abs().max() > 1e-3
+    torch.testing.assert_close(merged, adapted, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("stage", ["trl_ppo", "grpo"])

@@ -269,7 +269,8 @@ def test_moe_actor_at_ep2_trains_and_resumes_bitwise(moe_task, tmp_path, stage):
 
 
     whole, split = tmp_path / "whole", tmp_path / "split"
-    run_distributed(run_stages, 2, [_stage_argv(moe_task, stage, whole, 2, "--save-interval", "1"),
+    hf = ("--save-hf",) if stage == "grpo" else ()  # the actor's Hugging Face folder, gathered over EP
+    run_distributed(run_stages, 2, [_stage_argv(moe_task, stage, whole, 2, "--save-interval", "1", *hf),
                                      _stage_argv(moe_task, stage, split, 1),
                                      _stage_argv(moe_task, stage, split, 2, "--load", str(split))])
     rows = {name: [json.loads(line) for line in (out / "m.jsonl").read_text().splitlines()]
@@ -302,6 +303,17 @@ def test_moe_actor_at_ep2_trains_and_resumes_bitwise(moe_task, tmp_path, stage):
             for key, value in a[shard].items():
                 if isinstance(value, torch.Tensor):
                     assert torch.equal(value, b[shard][key]), f"{role}/{shard}/{key}"
+    if hf:  # --save-hf at EP2: every expert of both ranks, as convert_ckpt.py exports the checkpoint
+        from transformers import AutoModelForCausalLM
+
+        from mindspeed_llm.checkpoint import convert_mg_to_hf
+        from tests.helpers.convert_checks import assert_identical, hf_tensors
+
+        convert_mg_to_hf(str(whole / "actor"), str(tmp_path / "exported"), progress=False)
+        folder = whole / "actor" / "iter_0000002" / "hf"
+        assert_identical(hf_tensors(tmp_path / "exported"), hf_tensors(folder))
+        _, loading = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+        assert not loading["missing_keys"] and not loading["unexpected_keys"], loading
     experts = _shards(whole, "actor", 2)
     assert not torch.equal(experts["mp_rank_00_000"]["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"],
                            experts["mp_rank_00_001"]["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"])

@@ -170,3 +170,28 @@ def test_trl_ppo_with_tools_runs_gae_over_the_model_tokens(task, tmp_path):
     for r in rows:
         assert all(torch.isfinite(torch.tensor(v)) for k, v in r.items() if isinstance(v, float))
         assert r["response_length_with_tools/mean"] > r["response_length/mean"] or r["tool/calls"] == 0
+
+
+def test_grpo_with_a_hostile_tool_and_recorded_tool_rewards(task, tmp_path):
+    """A tool that exits, answers a number with a reward of 1e30, or a lone surrogate: the run trains, those calls
+    are failures counted at once (no --tool-timeout waited), and with --tool-rewards record the score is the reward
+    function's alone, the tool's reward a recorded score part."""
+    from tests.helpers.multiproc import run_distributed
+    from tests.helpers.stage_layouts import run_stages
+
+    config = tmp_path / "hostile.yaml"
+    config.write_text(TOOL_CONFIG.replace("word_tools.EchoTool", "word_tools.HostileEchoTool"))
+    out = tmp_path / "hostile"
+    run_distributed(run_stages, 1, [_argv(task, out, "grpo", "--train-iters", "2", "--global-batch-size", "4",
+                                          "--tool-config", str(config), "--tool-rewards", "record",
+                                          "--tool-timeout", "120", "--log-samples", "8")])
+    rows = _rows(out)
+    assert len(rows) == 2 and sum(r["tool/calls"] for r in rows) >= 2
+    assert sum(r["tool/failures"] for r in rows) >= 1 and all(r["tool/timeouts"] == 0 for r in rows)
+    assert all(r["tool/seconds"] < 60 for r in rows)  # a SystemExit is not a timeout of 120 s
+    for r in rows:
+        assert all(torch.isfinite(torch.tensor(v)) for k, v in r.items() if isinstance(v, float)), r
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    for sample in samples:
+        assert "tool" not in sample["score_parts"] and sample["score"] == sample["score_parts"]["custom"]
+    assert any(s["score_parts"].get("tool_recorded", 0.0) == 0.5 for s in samples)  # the surrogate call's reward

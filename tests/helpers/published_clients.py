@@ -26,13 +26,14 @@ KINDS = {
               "rotary_base", "max_position_embeddings", "padded_vocab_size", "make_vocab_size_divisible_by",
               "norm_epsilon", "untie_embeddings_and_output_weights", "seq_length", "rope_scaling_factor",
               "original_max_position_embeddings"},
-    "path": {"tokenizer_name_or_path", "data_path", "load", "save", "ref_model_load_path"},
+    "path": {"tokenizer_name_or_path", "data_path", "load", "save", "ref_model_load_path", "tool_config_path"},
     "size": {"tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layer_list", "global_batch_size",
              "micro_batch_size", "mini_batch_size", "train_iters", "save_interval", "n_samples_per_prompt",
              "max_prompt_length", "max_tokens", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "num_npus",
              "infer_tensor_parallel_size", "infer_pipeline_parallel_size", "ref_forward_micro_batch_size",
              "actor_forward_micro_batch_size", "reward_dispatch_size", "adv_dispatch_size",
-             "actor_update_dispatch_size", "max_new_tokens", "max_length"},
+             "actor_update_dispatch_size", "max_new_tokens", "max_length", "max_total_response_length",
+             "max_tool_response_length", "rollout_max_tokens", "overlong_buffer", "filter_groups_train_batch_size"},
 }
 SUBSTITUTABLE = set().union(*KINDS.values())
 # a launcher's shell variables of those kinds (and the rendezvous port, which this machine picks)

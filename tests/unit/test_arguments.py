@@ -34,6 +34,10 @@ BASE = ["--data-path", "d", "--train-iters", "1", "--global-batch-size", "4", "-
     (["--stage", "grpo", "--verifier-function", "math_acc", "--lr=-1e-3"], 1, "--lr -0.001 must be > 0"),
     (["--stage", "trl_ppo", "--reward-model", "x", "--critic-lr", "inf"], 1, "--critic-lr inf must be a finite"),
     (["--stage", "grpo", "--verifier-function", "math_acc", "--ckpt-step", "3"], 1, "--ckpt-step 3 needs --load DIR"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--save-hf"], 1, "--save-hf writes a Hugging Face folder "
+     "beside each checkpoint: it needs --save DIR"),
+    (["--stage", "grpo", "--verifier-function", "math_acc", "--save", "s", "--save-hf", "--save-hf-merge-lora"], 1,
+     "--save-hf-merge-lora merges a LoRA actor's adapters into the --save-hf folder: it needs --save-hf and a LoRA run"),
     (["--stage", "grpo", "--verifier-function", "math_acc", "--allow-reference-change"], 1,
      "--allow-reference-change applies to a resume: it needs --load DIR"),
     (["--stage", "grpo", "--verifier-function", "math_acc", "--override-opt_param-scheduler",

@@ -612,3 +612,77 @@ def test_save_lora_to_hf_records_the_checked_base(tmp_path, capsys):
     assert not (tmp_path / "merged_other").exists()
     assert _convert(*merge, "--load-dir", tmp_path / "other_mg", "--save-dir", tmp_path / "merged_other",
                     "--allow-base-mismatch") == 0
+
+
+# ------------------------------------------------------------------------------------------- --save-hf's folder
+def _save_hf_folder(ckpt_dir, pp, lora_base="", **options):
+    """--save-hf's folder of a checkpoint directory, written in this process (every stage here)."""
+    from mindspeed_llm.checkpoint import save_hf
+
+    entry, problem = save_hf.write_folder(str(ckpt_dir), list(range(pp)), save_hf.SaveHF(**options), lora_base)
+    assert problem is None, problem
+    return entry, os.path.join(ckpt_dir, "hf")
+
+
+@pytest.mark.parametrize("family,tie", [("qwen2", False), ("llama", True)])
+def test_save_hf_folder_loads_in_transformers_at_every_layout(tmp_path, family, tie):
+    """--save-hf's folder (one safetensors file per layer, written stage by stage) holds the model's own tensors at
+    TP 1/2 x PP 1/2, each layout's folder equal to TP1's; transformers loads it and gives the source model's logits;
+    the config and tokenizer travel."""
+    from transformers import AutoModelForCausalLM
+    from tests.helpers.hf_tiny import write_tokenizer
+
+    src = save_tiny(family, tmp_path / "hf", tie=tie, num_layers=4, seed=11)
+    write_tokenizer(tmp_path / "tok")
+    ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(src).eval()(ids).logits
+    folders = {}
+    for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2)):
+        mg = tmp_path / f"mg{tp}{pp}"
+        ckpt.convert_hf_to_mg(src, str(mg), tp, pp, progress=False)
+        release = layout.checkpoint_dir(str(mg), layout.RELEASE)
+        entry, folder = _save_hf_folder(release, pp, tokenizers=(str(tmp_path / "nowhere"), str(tmp_path / "tok")))
+        assert entry == {"dir": "hf", "format": "model"}
+        assert not os.path.exists(os.path.join(release, "hf.partial"))
+        assert "tokenizer.json" in os.listdir(folder) or "tokenizer_config.json" in os.listdir(folder)
+        with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        assert files == [f"model-{k:05d}-of-00006.safetensors" for k in range(1, 7)]  # embeddings, 4 layers, head
+        assert_identical(hf_tensors(src), hf_tensors(folder))
+        folders[(tp, pp)] = hf_tensors(folder)
+        with torch.no_grad():
+            logits = AutoModelForCausalLM.from_pretrained(folder).eval()(ids).logits
+        torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+    for found in folders.values():
+        assert_identical(folders[(1, 1)], found)
+
+
+def test_save_hf_of_a_lora_actor_is_a_peft_folder_or_merged(tmp_path):
+    """A LoRA actor's checkpoint (adapters only) gives a PEFT adapter folder that peft loads onto the Hugging Face
+    base with the logits of peft's own merge, and with merge_lora full weights that give the same logits."""
+    import peft
+    from transformers import AutoModelForCausalLM
+    from tests.helpers.convert_checks import write_adapter_checkpoint
+
+    base_hf = save_tiny("qwen2", tmp_path / "base", num_layers=2, seed=31)
+    adapter = write_adapter_checkpoint(base_hf, tmp_path / "adapter", tp=2, pp=2, target="linear_fc1")
+    base_mg = adapter + "_base_mg"
+    ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(2))
+    ckpt_dir = layout.checkpoint_dir(adapter, 1)
+    entry, folder = _save_hf_folder(ckpt_dir, 2, lora_base=base_mg)
+    assert entry["format"] == "peft" and sorted(os.listdir(folder))[:2] == ["adapter_config.json",
+                                                                           "adapter_model.safetensors"]
+    with open(os.path.join(folder, "adapter_config.json")) as f:
+        assert json.load(f)["base_model_name_or_path"] == os.path.abspath(base_hf)
+    peft_model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_hf), folder).eval()
+    with torch.no_grad():
+        adapted = peft_model(ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(base_hf).eval()(ids).logits
+    assert not torch.allclose(adapted, plain)  # the adapter changes the model
+    os.rename(folder, str(tmp_path / "peft_folder"))
+    entry, folder = _save_hf_folder(ckpt_dir, 2, lora_base=base_mg, merge_lora=True)
+    assert entry["format"] == "merged"
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(folder).eval()(ids).logits
+    torch.testing.assert_close(merged, adapted, rtol=1e-5, atol=1e-5)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -130,12 +131,19 @@ def test_preprocess_without_tool_config_is_unchanged(tmp_path, char_tok_dir, cha
     assert text == f"<|im_start|>user\n{rows[0]['problem']}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_preprocess_tool_config_error_names_the_file(tmp_path, char_tok_dir):
+@pytest.mark.parametrize("entry, problem", [
+    ("{class_name: no_such_module.Tool}", "cannot import module 'no_such_module'"),
+    # a schema the prompts would carry: refused before it is written into every prompt
+    ("{class_name: calculator, tool_schema: {type: retrieval, function: {name: c}}}", "tool_schema type 'retrieval'"),
+    ("{class_name: calculator, tool_schema: {type: function, function: {name: c, parameters: 'x: int'}}}",
+     "parameters is a str, not a JSON schema"),
+])
+def test_preprocess_tool_config_error_names_the_file(tmp_path, char_tok_dir, entry, problem):
     from mindspeed_llm.data.errors import DataError
 
     bad = tmp_path / "bad.yaml"
-    bad.write_text("tools: [{class_name: no_such_module.Tool}]\n")
-    with pytest.raises(DataError, match="bad.yaml"):
+    bad.write_text(f"tools: [{entry}]\n")
+    with pytest.raises(DataError, match=f"bad.yaml.*{re.escape(problem)}"):
         _preprocess(tmp_path, char_tok_dir, "bad", ["--map-keys", json.dumps({"prompt": "problem", "labels": "answer"}),
                                                     "--tool-config", str(bad)])
 

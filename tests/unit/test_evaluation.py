@@ -196,3 +196,22 @@ def test_eval_flags_refused_by_name(flags, message):
 def test_eval_before_train_needs_an_interval():
     with pytest.raises(ArgumentError, match="--eval-before-train .* give --eval-interval"):
         parse_args(BASE + ["--eval-data-path", "e", "--eval-before-train"], 1)
+
+
+@pytest.mark.parametrize("interval,given", [(["--eval-interval", "0"], "--eval-interval 0"), ([], "no --eval-interval")])
+def test_held_out_prompts_never_evaluated_are_said_at_startup(interval, given):
+    notes = parse_args(BASE + ["--eval-data-path", "e"] + interval, 1).startup_notes
+    assert f"evaluation is off ({given}): the held-out prompts of --eval-data-path e are never evaluated; give " \
+           "--eval-interval N (N >= 1) to evaluate them every N iterations" in notes
+    notes = parse_args(BASE + ["--eval-data-path", "e", "--eval-interval", "2"], 1).startup_notes
+    assert not any("evaluation is off" in note for note in notes)
+
+
+def test_a_missing_eval_prefix_names_the_flag(tmp_path):
+    from mindspeed_llm.data.errors import DatasetNotFoundError
+    from mindspeed_llm.rl.trainer import _eval_sets
+
+    data = parse_args(BASE + ["--eval-data-path", f"gsm={tmp_path}/nope", "--eval-interval", "2"], 1).settings.data
+    with pytest.raises(DatasetNotFoundError, match=f"--eval-data-path gsm={tmp_path}/nope: the prompt dataset at "
+                                                   "prefix .* does not exist"):
+        _eval_sets(data)

@@ -349,3 +349,34 @@ def test_convert_refuses_a_dtype_that_overflows(tmp_path, capsys):
     assert "--params-dtype bf16 or fp32" in err
     assert _convert("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", src,
                     "--save-dir", tmp_path / "mg", "--params-dtype", "bf16") == 0
+
+
+def test_a_failed_save_hf_folder_leaves_nothing_and_names_the_file(tmp_path, monkeypatch):
+    """--save-hf's folder (`save_hf.write_folder`): a full disk at its third weight file, or a checkpoint directory
+    that cannot be written, is named with the file, and neither `hf/` nor its partial folder is left; the
+    checkpoint's own files are untouched."""
+    import os
+
+    from tests.helpers.hf_tiny import save_tiny
+
+    from mindspeed_llm.checkpoint import convert_hf_to_mg, save_hf
+    from mindspeed_llm.checkpoint import megatron_layout as layout
+
+    hf = save_tiny("qwen2", tmp_path / "hf", num_layers=4, seed=5)
+    convert_hf_to_mg(hf, str(tmp_path / "mg"), 2, 2, progress=False)
+    release = layout.checkpoint_dir(str(tmp_path / "mg"), layout.RELEASE)
+    before = sorted(os.listdir(release))
+    _full_disk_safetensors(monkeypatch, after=2)
+    _, problem = save_hf.write_folder(release, [0, 1], save_hf.SaveHF())
+    assert problem.startswith(f"No space left on device writing {release}/hf.partial/model-0000"), problem
+    assert sorted(os.listdir(release)) == before
+    monkeypatch.undo()
+
+    def read_only(path, *args, **kwargs):  # a read-only checkpoint directory (chmod does not stop root)
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(os, "makedirs", read_only)
+    _, problem = save_hf.write_folder(release, [0, 1], save_hf.SaveHF())
+    monkeypatch.undo()
+    assert problem == f"permission denied writing {release}/hf.partial", problem
+    assert sorted(os.listdir(release)) == before

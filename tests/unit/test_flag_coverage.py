@@ -95,11 +95,13 @@ def _slots(table):
 
 def test_every_yaml_slot_is_read_by_the_mapping():
     """A `Slot` is a key the mapping code resolves itself (checkpoints, stage-dependent keys): its name must be read
-    there (`run_config/mapping.py`, `run_config/checkpoints.py`: `slot("name")`, `origin("name")`, `"name" in
-    ...slots`, or a tuple of names the code loops over)."""
+    there (`run_config/mapping.py`, `run_config/checkpoints.py`, `run_config/dapo.py`: `slot("name")`,
+    `origin("name")`, `"name" in ...slots`, or a tuple of names the code loops over)."""
     package = ROOT / "mindspeed_llm" / "run_config"
     mapping, checkpoints = (package / "mapping.py").read_text(), (package / "checkpoints.py").read_text()
-    code = mapping[mapping.index("def resolve("):] + checkpoints[checkpoints.index("def resolve_checkpoints("):]
+    dapo = (package / "dapo.py").read_text()
+    code = (mapping[mapping.index("def resolve("):] + checkpoints[checkpoints.index("def resolve_checkpoints("):]
+            + dapo[dapo.index("_LOSS_KEYS = "):])
     unread = [key for table in (MEGATRON, RL, GENERATE, SAMPLING) for key, name in _slots(table)
               if not re.search(rf"[\"']{re.escape(name)}[\"']", code)]
     assert unread == []

@@ -4,6 +4,7 @@ the tools (the prompts' `_meta.json` from `preprocess_data.py --tool-config`), a
 MindSpeed-RL's multi-turn config reach the same flags."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -47,11 +48,43 @@ def test_the_trajectory_budget_defaults_to_what_max_length_leaves(tmp_path, tool
     (["--tool-config", "{tools}", "--dynamic-sampling"], "with --dynamic-sampling is not supported yet"),
     (["--tool-config", "{tools}", "--max-tool-calls", "-1"], "--max-tool-calls -1 must be >= 0"),
     (["--tool-config", "{tools}", "--tool-timeout", "0"], "--tool-timeout 0.0 must be > 0"),
+    (["--tool-config", "{tools}", "--tool-parser-format", "nosuchparser"],
+     "--tool-parser-format nosuchparser: no such tool call parser; known: hermes"),
+    (["--tool-config", "{folder}"], "is a directory (--tool-config / tool_config_path): give the YAML file itself"),
+    (["--tool-config", "{no_execute}"], "class 'tool_mod.NoExecute' has no execute method"),
+    (["--tool-config", "{string_parameters}"], "tool_schema.function.parameters is a str, not a JSON schema"),
+    (["--tool-rewards", "record"], "--tool-rewards record has no effect without --tool-config"),
 ])
-def test_refused_by_name(tmp_path, tools, extra, needle):
+def test_refused_by_name(tmp_path, tools, extra, needle, monkeypatch):
+    """In argument validation (`parse_args`), before any model is built."""
+    (tmp_path / "tool_mod.py").write_text("class NoExecute:\n    tool_schema = {'type': 'function', "
+                                          "'function': {'name': 'n'}}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "no_execute.yaml").write_text("tools:\n  - class_name: tool_mod.NoExecute\n")
+    (tmp_path / "string_parameters.yaml").write_text(
+        "tools:\n  - class_name: calculator\n    tool_schema: {type: function, function: {name: c, parameters: "
+        "'{\"x\": 1}'}}\n")
+    paths = dict(tools=tools, folder=str(tmp_path), no_execute=str(tmp_path / "no_execute.yaml"),
+                 string_parameters=str(tmp_path / "string_parameters.yaml"))
     with pytest.raises(ArgumentError) as caught:
-        parse_args(_args(tmp_path, *[e.format(tools=tools) for e in extra]), 1)
+        parse_args(_args(tmp_path, *[e.format(**paths) for e in extra]), 1)
     assert needle in str(caught.value)
+
+
+def test_the_tools_built_by_validation_are_the_runs_and_tool_rewards_resolve(tmp_path, tools):
+    from mindspeed_llm.rl.tools import load_tool_config
+
+    settings = parse_args(_args(tmp_path, "--tool-config", tools), 1).settings
+    assert settings.reward.tool_rewards == "add"  # the default: a tool's rewards enter the score
+    from mindspeed_llm.rl.tools import config as tool_config
+
+    validated = tool_config._BUILT[str(Path(tools).resolve())][1]
+    built = load_tool_config(tools, cache="take")  # as the run's ToolBox does: validation's objects
+    assert [t.name for t in built] == ["calculator"] and built[0] is validated[0]
+    assert load_tool_config(tools, cache="take")[0] is not built[0]  # taken once: the next load builds afresh
+    settings = parse_args(_args(tmp_path, "--tool-config", tools, "--tool-rewards", "record"), 1).settings
+    assert settings.reward.tool_rewards == "record"
+    assert parse_args(_args(tmp_path), 1).settings.reward.tool_rewards is None  # no tools: nothing to add
 
 
 def test_the_startup_line_says_whether_the_prompts_offer_the_tools(tmp_path, tools):

@@ -1,6 +1,7 @@
 """`rl/multi_turn.trajectories`: a rollout's responses and tool masks as the trajectories the rewards read, of the
 shape `verifiers.trajectory` documents (its `check_trajectory`), on a hand-built batch (characters as token ids)."""
 
+import pytest
 import torch
 
 from mindspeed_llm.rl.experience import Experience
@@ -44,3 +45,23 @@ def test_turns_calls_and_rewards_of_each_trajectory():
     assert (got[0]["num_turns"], got[0]["tool_calls"], got[0]["tool_reward"]) == (2, 1, 0.5)
     assert got[1] == {"turns": [{"role": "assistant", "text": "7", "tool_calls": []}], "num_turns": 1,
                       "tool_calls": 0, "tool_reward": 0.0}
+
+
+def test_verls_reward_functions_read_num_turns_in_verls_count():
+    """verl's tool agent loop sets num_turns = user turns (tool answers) + assistant turns + 1 (2 for a single turn);
+    verl's ReTool reward adds (num_turns - 2) / 2 * 0.1 for a trajectory that used the tool. The same trajectories
+    give the same rewards here, through a verl-style compute_score."""
+    from mindspeed_llm.rl.verifiers.calling import call_plan
+
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>'
+    exp = _batch([[(call, False), (" 6 ", True), (call, False), (" 6 ", True), ("It is 6.", False)],
+                  [("7", False)]])
+    got = trajectories(exp, _Chars(), get_parser("hermes"), [0.0, 0.0])
+
+    def retool_like(data_source, solution_str, ground_truth, extra_info=None):
+        return (extra_info["num_turns"] - 2) / 2 * 0.1, extra_info["assistant_turns"]
+
+    plan = call_plan(retool_like)
+    # 3 assistant turns + 2 tool answers + 1 = 6 -> 0.2; one assistant turn: 2 (verl's single turn) -> 0.0
+    assert plan.call(retool_like, "t", "l", {}, got[0]) == (pytest.approx(0.2), 3)
+    assert plan.call(retool_like, "t", "l", {}, got[1]) == (0.0, 1)

@@ -268,6 +268,12 @@ BASE = ["--stage", "grpo", "--verifier-function", "math_acc", "--data-path", "d"
     (["--partial-rollout", "--partial-rollout-max-split", "1"], "--partial-rollout-max-split 1 must be >= 2"),
     (["--partial-rollout", "--dynamic-sampling"], "--partial-rollout and --dynamic-sampling both draw further"),
     (["--partial-rollout", "--context-parallel-size", "2"], "--partial-rollout with --context-parallel-size 2 is not"),
+    (["--partial-rollout", "--max-num-gen-batches", "0"], "--max-num-gen-batches 0 (no limit) is --dynamic-sampling's"),
+    (["--max-num-gen-batches", "-1"], "--max-num-gen-batches -1 must be >= 0"),
+    (["--dynamic-sampling-metric", "math_acc"], "--dynamic-sampling-metric math_acc has no effect without "
+                                                "--dynamic-sampling"),
+    (["--dynamic-sampling", "--dynamic-sampling-metric", "acc_for_dapo"],
+     "--dynamic-sampling-metric acc_for_dapo is not one of --verifier-function math_acc"),
 ])
 def test_flags_that_do_not_combine_are_refused_by_name(extra, needle):
     from mindspeed_llm.arguments import ArgumentError, parse_args
@@ -275,6 +281,15 @@ def test_flags_that_do_not_combine_are_refused_by_name(extra, needle):
     with pytest.raises(ArgumentError) as err:
         parse_args(BASE + extra, world_size=2)
     assert needle in str(err.value)
+
+
+def test_dynamic_sampling_on_a_verifier_without_a_limit():
+    from mindspeed_llm.arguments import parse_args
+
+    algorithm = parse_args(BASE + ["--dynamic-sampling", "--dynamic-sampling-metric", "math_acc",
+                                   "--max-num-gen-batches", "0"], world_size=1).settings.algorithm
+    assert (algorithm.dynamic_sampling_metric, algorithm.max_num_gen_batches) == ("math_acc", 0)
+    assert parse_args(BASE, world_size=1).settings.algorithm.dynamic_sampling_metric == "reward"
 
 
 def test_partial_rollout_implies_recomputed_old_logprobs_and_a_default_budget():

@@ -6,6 +6,7 @@ summary."""
 
 import glob
 import json
+import os
 
 import pytest
 import torch
@@ -39,9 +40,11 @@ def test_the_flags_reach_the_settings(tmp_path):
 
 
 @pytest.mark.parametrize("extra,needle", [
-    (["--profile-step-start", "3", "--profile-step-end", "3"], "--profile-step-end 3 must be after"),
-    (["--profile-step-start", "0", "--profile-step-end", "1"], "--profile-step-end 1 must be after"),
-    ([], "--profile-step-start 10 is after --train-iters 5"),  # Megatron-LM's defaults on a short run
+    (["--profile-step-start", "3", "--profile-step-end", "3"], "--profile-step-start 3 --profile-step-end 3 "
+                                                               "profiles no iteration"),
+    (["--pytorch-profiler-collect-callstack", "--profile-step-start", "2", "--profile-step-end", "3"],
+     "--pytorch-profiler-collect-callstack records into a torch.profiler trace: add --use-pytorch-profiler"),
+    ([], "--profile-step-start 10: the run ends after --train-iters 5, before the window opens"),  # Megatron-LM's defaults on a short run
     (["--profile-step-start", "2", "--profile-step-end", "3", "--profile-ranks", "1"], "--profile-ranks 1: not a rank"),
     (["--profile-step-start", "2", "--profile-step-end", "3", "--use-pytorch-profiler"], "give one of them"),
     (["--profile-step-start", "-1"], "--profile-step-start -1 must be >= 0"),
@@ -61,16 +64,16 @@ def test_the_startup_lines_say_what_each_flag_does_on_cpu():
     assert "--log-throughput: the throughputs are always logged here (e2e_tps, update_tps, vllm_tps" in text
     assert "--timing-log-option minmax: timing/* are the mean over the data-parallel ranks" in text
     assert "--timing-log-level 2:" in text
-    assert "iterations 2 .. 5 are profiled" in text  # the window past --train-iters
+    assert "iterations 3 .. 5 are profiled" in text  # the window (Megatron-LM's: 3 .. 9) past --train-iters
     cuda = "\n".join(startup_lines(args, "nccl"))
-    assert "--profile: nsys's capture range (cudaProfilerStart / Stop) around iterations 2 .. 8 on ranks 0" in cuda
+    assert "--profile: nsys's capture range (cudaProfilerStart / Stop) around iterations 3 .. 9 on ranks 0" in cuda
     assert "dumps it to snapshot.pickle every --log-interval" in cuda
     lone = "\n".join(startup_lines(parse_args(BASE + ["--use-pytorch-profiler"]), "gloo"))
     assert "--use-pytorch-profiler without --profile profiles nothing" in lone
     assert not [line for line in startup_lines(parse_args(BASE), "gloo") if "profil" in line or "timing" in line]
 
 
-def _settings(tmp_path, start=2, end=4, ranks=(0,), **kw):
+def _settings(tmp_path, start=1, end=3, ranks=(0,), **kw):  # iterations 2 .. 3 as logged
     return ProfileSettings(profile=True, use_pytorch_profiler=True, profile_step_start=start, profile_step_end=end,
                            profile_ranks=ranks, trace_dir=str(tmp_path / "profile"), **kw)
 
@@ -98,7 +101,7 @@ def _trace_names(path):
 
 
 @pytest.mark.parametrize("first,last,recorded", [
-    (1, 5, [2, 3]),  # the window [2, 4)
+    (1, 5, [2, 3]),  # the window: start 1, end 3 (Megatron-LM's: iterations 2 .. 3)
     (3, 5, [3]),  # resumed inside it: the rest of it
     (1, 2, [2]),  # the run ends inside it: written at the end
 ])
@@ -142,7 +145,7 @@ def test_nsys_range_and_memory_snapshot_on_cuda(tmp_path, monkeypatch):
             return False
 
     monkeypatch.setattr(profiling, "_nvtx_range", Range)
-    settings = ProfileSettings(profile=True, profile_step_start=2, profile_step_end=4, record_memory_history=True,
+    settings = ProfileSettings(profile=True, profile_step_start=1, profile_step_end=3, record_memory_history=True,
                                memory_snapshot_path=str(tmp_path / "m.pickle"), log_interval=2)
     profiler = profiling.Profiler(settings, rank=0, world_size=1, kind="cuda")
     for iteration in range(1, 6):
@@ -188,3 +191,61 @@ def test_the_progress_line_and_the_summary():
     every = MetricsLogger(total_iterations=1, print_fn=lines.append, on_stdout=timers.on_stdout(1))
     every.log(1, {"timing/rollout": 1.0})
     assert "timing/rollout" in lines[-1]
+
+
+def test_the_window_is_megatrons_and_an_empty_one_says_the_flags_the_range_and_the_fix():
+    # Megatron-LM's 0 1: the window opens before the first iteration and closes after it
+    first = parse_args(BASE + ["--profile", "--profile-step-start", "0", "--profile-step-end", "1"])
+    assert "--profile: nsys's capture range (cudaProfilerStart / Stop) around iterations 1 .. 1 on ranks 0" in \
+        "\n".join(startup_lines(first, "nccl"))
+    with pytest.raises(ArgumentError) as err:
+        parse_args(BASE + ["--profile", "--profile-step-start", "3", "--profile-step-end", "3"])
+    assert str(err.value) == (
+        "--profile-step-start 3 --profile-step-end 3 profiles no iteration: give 0 <= --profile-step-start < "
+        "--profile-step-end <= --train-iters (5); the profiled iterations are start + 1 .. end as logged "
+        "(Megatron-LM's: the window opens once start iterations are done and closes once end are), e.g. "
+        "--profile-step-start 3 --profile-step-end 4 for iteration 4 alone")
+    with pytest.raises(ArgumentError, match="--profile-with-memory has no effect without --profile"):
+        parse_args(BASE + ["--profile-with-memory"])
+
+
+def test_a_run_resumed_past_its_window_says_so_and_announces_no_trace(tmp_path):
+    profiler = profiling.Profiler(_settings(tmp_path), rank=0, world_size=1, kind="cpu")  # window 2 .. 3
+    line = profiler.resumed(3)
+    assert line == ("--profile: this run resumes after iteration 3, past the profiled window (iterations 2 .. 3): "
+                    "nothing is profiled and no trace is written; give --profile-step-start 3 or more (and a later "
+                    "--profile-step-end) to profile this run")
+    _fake_loop(profiler, 4, 5)
+    assert not (tmp_path / "profile").exists()
+    assert profiler.summary_lines() == ["profiler: no trace (the run resumed after iteration 3, past the window 2 .. 3)"]
+    inside = profiling.Profiler(_settings(tmp_path), rank=0, world_size=1, kind="cpu")
+    assert inside.resumed(2) is None  # iteration 3 is still in the window: profiled
+
+
+def _recorded(path):
+    """What a trace holds beyond the ops' times: shapes (the ops' "Input Dims"), Python stacks ("python_function"
+    events), allocations (instant events with "Bytes")."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    return {what for what, found in (
+        ("shapes", any("Input Dims" in e.get("args", {}) for e in events)),
+        ("stacks", any(e.get("cat") == "python_function" for e in events)),
+        ("memory", any("Bytes" in e.get("args", {}) for e in events))) if found}
+
+
+def test_a_trace_records_stacks_shapes_and_memory_only_when_asked(tmp_path):
+    lean = profiling.Profiler(_settings(tmp_path / "lean"), rank=0, world_size=1, kind="cpu")
+    _fake_loop(lean, 1, 3)
+    full = profiling.Profiler(_settings(tmp_path / "full", pytorch_profiler_collect_shapes=True,
+                                        pytorch_profiler_collect_callstack=True, profile_with_memory=True),
+                              rank=0, world_size=1, kind="cpu")
+    _fake_loop(full, 1, 3)
+    (lean_file,), (full_file,) = lean.traces, full.traces
+    assert _recorded(lean_file) == set() and _recorded(full_file) == {"shapes", "stacks", "memory"}
+    assert os.path.getsize(lean_file) < os.path.getsize(full_file) / 2
+    args = parse_args(BASE + ["--profile", "--use-pytorch-profiler", "--profile-step-start", "2", "--profile-step-end",
+                              "3", "--save", "s", "--profile-with-stack", "--profile-record-shapes"])
+    assert (args.settings.profile.pytorch_profiler_collect_callstack,
+            args.settings.profile.pytorch_profiler_collect_shapes, args.settings.profile.profile_with_memory) == \
+        (True, True, False)  # MindSpeed's names for Megatron-LM's flags
+    assert "with the ops' shapes, call stacks" in "\n".join(startup_lines(args, "gloo"))

@@ -26,6 +26,7 @@ from tests.helpers.mindspeed_rl_configs import grpo_file, parsed, write
 
 ROOT = Path(__file__).resolve().parents[2]
 USER = ROOT / "tests" / "fixtures" / "user_rewards" / "my_rewards.py"
+FAILING = ROOT / "tests" / "fixtures" / "user_rewards" / "failing_rewards.py"
 BASE = ["--data-path", "d", "--train-iters", "1", "--global-batch-size", "4", "--ref-model", "r", "--stage", "grpo"]
 
 
@@ -92,7 +93,8 @@ def test_the_signature_decides_what_a_function_gets():
     seen = verl.call(lambda data_source, solution_str, ground_truth, extra_info=None, **kw:
                      (data_source, solution_str, ground_truth, extra_info, kw),
                      "t", "l", {"data_source": "gsm8k", "extra_info": {"k": 1}}, {"num_turns": 3})
-    assert seen == ("gsm8k", "t", "l", {"k": 1, "num_turns": 3}, {})  # a **kwargs gets nothing more
+    # num_turns in verl's count (3 assistant turns, 2 tool answers, + 1), the model turns as assistant_turns
+    assert seen == ("gsm8k", "t", "l", {"k": 1, "num_turns": 6, "assistant_turns": 3}, {})  # **kwargs: nothing more
     # without an extra_info column verl's extra_info is the row
     info = lambda solution_str, ground_truth, extra_info: extra_info  # noqa: E731
     assert call_plan(info).call(info, "t", "l", {"index": 4}) == {"index": 4}
@@ -280,3 +282,47 @@ def test_a_tool_reward_that_is_not_a_number_counts_as_zero():
     bad = [{**_trajectory(1), "tool_reward": float("nan")}, _trajectory(1, 1.0), None]
     scores, metrics = Scorer(["ends_with_label"], [0.0])(_experience(bad), plan=None, timers=_timers)
     torch.testing.assert_close(scores, torch.tensor([0.0, 1.0, 0.0]))
+
+
+# ------------------------------------------------------------------------------------------ functions that fail
+def test_a_reward_function_that_exits_is_named_with_its_row():
+    from mindspeed_llm.errors import UserError
+
+    scorer = Scorer([], [], custom_reward_function=f"{FAILING}:exits")
+    with pytest.raises(UserError) as err:  # not SystemExit(4): the run says who ended it
+        scorer(_experience(trajectories=None), plan=None, timers=_timers)
+    message = str(err.value)
+    assert "'exits'" in message and str(FAILING) in message and "sys.exit(4)" in message
+    assert "row 1 of the batch (prompt 11 of the dataset)" in message
+
+
+def test_a_keyboard_interrupt_from_a_reward_function_is_named():
+    from mindspeed_llm.errors import UserError
+
+    with pytest.raises(UserError, match="'interrupts'.*raised KeyboardInterrupt.*row 0"):
+        Scorer([], [], custom_reward_function=f"{FAILING}:interrupts")(_experience(None), plan=None, timers=_timers)
+
+
+def test_a_function_failing_on_every_row_stops_the_run_by_name():
+    from mindspeed_llm.rl.scoring import RewardFailureError
+
+    with pytest.raises(RewardFailureError) as err:
+        Scorer([], [], custom_reward_function=f"{FAILING}:always_fails")(_experience(None), plan=None, timers=_timers)
+    message = str(err.value)
+    assert f"--custom-reward-function {FAILING}:always_fails failed on every one of the 3 rows" in message
+    assert "row 0: ValueError: returned a mapping without a 'score' key" in message
+    # a registered verifier is named by its flag
+    register_verifier("always_raises", override=True)(lambda text, label: 1 / 0)
+    try:
+        with pytest.raises(RewardFailureError, match="--verifier-function always_raises failed on every one of the 3 "
+                                                     "rows .*ZeroDivisionError"):
+            Scorer(["always_raises"], [1.0])(_experience(None), plan=None, timers=_timers)
+    finally:
+        _REGISTRY.pop("always_raises", None)
+
+
+def test_a_function_failing_on_some_rows_scores_zero_there_and_is_counted():
+    scores, metrics = Scorer([], [], custom_reward_function=f"{FAILING}:fails_on_41")(_experience(None), plan=None,
+                                                                                    timers=_timers)
+    torch.testing.assert_close(scores, torch.tensor([1.0, 0.0, 1.0]))
+    assert metrics["custom_rewards/failures"] == 1.0

@@ -335,3 +335,22 @@ def test_mindspeed_verifier_names():
     assert registry.verifier_requires_label("math_17k_acc") and registry.verifier_requires_label("base_acc")
     with pytest.raises(R.MissingLabelError, match="math_17k_acc"):
         R.math_17k_acc("Answer: 3", None)
+
+
+def test_retool_reward_by_hand():
+    """MindSpeed-RL's retool_reward (its rule_verifier.py): compute_score with strict_box_verify (the last box only)
+    gives +1 / -1; a wrong answer gains 0.1 per tool call of the trajectory, up to 0. Its trajectory comes by name
+    through score_rows."""
+    from mindspeed_llm.rl.verifiers import score_rows
+
+    def traj(calls):
+        return {"turns": [], "num_turns": 1, "tool_calls": calls, "tool_reward": 0.0}
+
+    right, wrong = "so $\\boxed{12}$ then $\\boxed{42}$", "so $\\boxed{42}$ then $\\boxed{12}$"
+    responses = [right, wrong, wrong, wrong, "Answer: 42"]
+    trajectories = [traj(3), traj(0), traj(3), traj(15), traj(1)]
+    scores = score_rows(responses, ["42"] * 5, ["retool_reward"], trajectories=trajectories)
+    assert scores.per_verifier["retool_reward"] == pytest.approx([1.0, -1.0, -0.7, 0.0, -0.9])
+    assert R.get_verifier("retool_reward")(wrong, "42") == -1.0  # single-turn: no tool calls
+    with pytest.raises(R.MissingLabelError, match="retool_reward"):
+        R.get_verifier("retool_reward")(right, None)

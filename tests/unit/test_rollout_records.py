@@ -172,6 +172,27 @@ def test_the_flags_are_refused_where_they_cannot_work(tmp_path, argv, message):
         parse_args(base + [a.format(tmp=tmp_path) for a in argv], 1)
 
 
+@pytest.mark.parametrize("directory", ["samples.jsonl", "eval_samples.jsonl", "m.jsonl"])
+def test_a_directory_where_a_table_goes_is_refused_at_startup(tmp_path, directory):
+    from mindspeed_llm.arguments import parse_args
+
+    (tmp_path / directory).mkdir()
+    with pytest.raises(ArgumentError, match=f"appends to {tmp_path / directory}, which is a directory; move it away"):
+        parse_args(["--stage", "grpo", "--data-path", "d", "--ref-model", "m", "--train-iters", "1",
+                    "--global-batch-size", "2", "--micro-batch-size", "1", "--verifier-function", "math_acc",
+                    "--log-samples", "4", "--metrics-jsonl", str(tmp_path / "m.jsonl")], 1)
+
+
+def test_a_directory_appearing_where_the_table_goes_is_a_named_write_error(tmp_path):
+    from mindspeed_llm.files import WriteError
+
+    logger = MetricsLogger(jsonl_path=str(tmp_path / "m.jsonl"), print_fn=lambda s: None)
+    (tmp_path / "samples.jsonl").mkdir()  # made after the start-up check
+    with pytest.raises(WriteError, match=r"cannot write .*samples\.jsonl \(.*it is a directory; move it away\)"):
+        logger.log_samples(1, [{"prompt": "a", "response": "b"}])
+    logger.close()
+
+
 def test_log_samples_interval_defaults_to_the_log_interval(tmp_path):
     from mindspeed_llm.arguments import parse_args
 
@@ -199,3 +220,147 @@ def test_a_full_disk_while_dumping_is_named_and_leaves_no_file(tmp_path, one_ran
         dumper.finish(1, prompts_drawn=1)
     assert sorted(p.name for p in (tmp_path / "dump" / "iteration_0000001").iterdir()) == []
     assert rollout_dump.dumped_iterations(str(tmp_path / "dump")) == []  # no done.json: never replayed
+
+
+# ------------------------------------------------------------------------------------------ what a replay checks
+class _Vocab:
+    """A tokenizer as far as the dump's manifest reads one (its vocabulary)."""
+
+    def __init__(self, size, shift=0):
+        self.vocab = {f"t{i + shift}": i for i in range(size)}
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+
+def _actor(seed, vocab_size=200):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    model.model_spec = SimpleNamespace(vocab_size=vocab_size)
+    return model
+
+
+ROWS = [{"index": 11, "input_ids": [97, 98]}]  # the prompt the dumped samples were made from
+
+
+def _identified_dump(root, settings=None, tokenizer=None, actor=None, rows=ROWS, experience=_experience):
+    from mindspeed_llm.rl.rollout_dump_checks import prompts_digest
+
+    settings = settings or _settings()
+    dumper = rollout_dump.RolloutDumper(str(root), rollout_dump.dump_manifest(settings, "single_turn",
+                                                                              tokenizer or _Vocab(200)),
+                                        actor or _actor(0))
+    dumper.add(experience(), {})
+    dumper.finish(1, prompts_drawn=1, first_prompts=prompts_digest(rows))
+    return str(root)
+
+
+def _replay(root, tokenizer=None, actor=None, **data):
+    settings = _settings(rollout_replay_dir=root)
+    if data:
+        settings = SimpleNamespace(**{**vars(settings), "data": type(settings.data)(**{"seed": 3, "data_path": "d",
+                                                                                        **data})})
+    return rollout_dump.ReplayRollouts.from_settings(settings, actor or _actor(0), tokenizer or _Vocab(200), None)
+
+
+def test_a_replay_of_the_same_run_passes_every_check(tmp_path, one_rank):
+    root = _identified_dump(tmp_path / "dump")
+    manifest = json.loads((tmp_path / "dump" / "manifest.json").read_text())
+    assert manifest["version"] == 2 and manifest["tokenizer"]["vocab_size"] == 200
+    assert manifest["model"]["layout"] and manifest["data_path"] == "d"
+    done = json.loads((tmp_path / "dump" / "iteration_0000001" / "done.json").read_text())
+    assert done["actor_weights"][0] == 15  # 4 x 3 weights + 3 biases
+    exp, _ = _replay(root).collect(1, PromptSource([dict(row) for row in ROWS], None))
+    assert exp.scores.tolist() == [1.0, -0.5]
+
+
+def test_a_replay_on_another_model_is_refused_by_name(tmp_path, one_rank):
+    root = _identified_dump(tmp_path / "dump", settings=_settings())
+    with pytest.raises(ArgumentError, match=r"iteration 1: the actor here is not the model whose weights made the "
+                                            r"dumped rollouts .*replay from the checkpoint the dumping run had at "
+                                            r"iteration 0"):
+        _replay(root, actor=_actor(1)).collect(1, PromptSource(list(ROWS), None))
+
+
+def test_a_replay_with_another_tokenizer_is_refused_by_name(tmp_path, one_rank):
+    root = _identified_dump(tmp_path / "dump")
+    with pytest.raises(ArgumentError, match=r"dumped with another tokenizer \(vocabulary of 200, hash \w+ there; 200, "
+                                            r"hash \w+ here\); replay with the dumping run's --tokenizer-name-or-path"):
+        _replay(root, tokenizer=_Vocab(200, shift=1))
+
+
+def test_a_replay_on_another_dataset_is_refused_by_name(tmp_path, one_rank):
+    root = _identified_dump(tmp_path / "dump")
+    # the same size and the same rows drawn, other prompts in them
+    with pytest.raises(ArgumentError, match=r"iteration 1: the prompts the sampler drew here \(dataset rows 11\) hold "
+                                            r"other tokens than those the dump was made from: --data-path is another "
+                                            r"dataset than the dumping run's d"):
+        _replay(root).collect(1, PromptSource([{"index": 11, "input_ids": [97, 99]}], None))
+    # another size: refused before anything runs (the size is the dataset's manifest's)
+    for name, size in (("d", 40), ("e", 41)):
+        (tmp_path / f"{name}_meta.json").write_text(json.dumps({"num_samples": size}))
+    root = _identified_dump(tmp_path / "sized", settings=SimpleNamespace(**{**vars(_settings()), "data": type(
+        _settings().data)(seed=3, data_path=str(tmp_path / "d"))}))
+    with pytest.raises(ArgumentError, match=rf"was dumped from 40 prompts \(--data-path {tmp_path / 'd'}\); "
+                                            rf"--data-path {tmp_path / 'e'} holds 41"):
+        _replay(root, data_path=str(tmp_path / "e"))
+
+
+def _damage(path, how):
+    data = path.read_bytes()
+    path.write_bytes(bytes(len(data)) if how == "zeros" else data[:len(data) // 2])
+
+
+@pytest.mark.parametrize("name,how", [("batch_0_dp_rank_00.pt", "zeros"), ("batch_0_dp_rank_00.pt", "cut"),
+                                      ("batch_0_dp_rank_00.json", "cut"), ("done.json", "cut"),
+                                      ("done.json", "zeros")])
+def test_a_damaged_dump_file_is_named(tmp_path, one_rank, name, how):
+    from mindspeed_llm.rl.rollout_dump_checks import DumpError
+
+    root = _identified_dump(tmp_path / "dump")
+    path = tmp_path / "dump" / "iteration_0000001" / name
+    _damage(path, how)
+    with pytest.raises(DumpError, match=rf"{path} cannot be read \(.*\): the dump is damaged; dump that iteration "
+                                        "again"):
+        _replay(root).collect(1, PromptSource(list(ROWS), None))
+
+
+def _cut_responses():
+    exp = _experience()
+    exp.responses = exp.responses[:, :2]  # cut; the mask and the log-probs not
+    return exp
+
+
+def _beyond_vocabulary():
+    exp = _experience()
+    exp.tokens[0, 4] = exp.responses[0, 2] = 500
+    return exp
+
+
+def _responses_not_tokens():
+    exp = _experience()
+    exp.responses = exp.responses.clone()
+    exp.responses[1, 0] = 7
+    return exp
+
+
+def _longer_than_tokens():
+    exp = _experience()
+    exp.prompt_lengths = torch.tensor([2, 4])  # row 1: 4 + 2 response tokens in 5
+    return exp
+
+
+@pytest.mark.parametrize("experience,needle", [
+    (_cut_responses, r"holds response_mask of shape \[2, 3\], responses \[2, 2\]: the response-aligned tensors "
+                     "disagree"),
+    (_beyond_vocabulary, r"holds token id 500, outside the model's vocabulary \(0 .. 199\)"),
+    (_responses_not_tokens, r"row 1: its responses are not its tokens after the prompt"),
+    (_longer_than_tokens, r"row 1: prompt length 4 and response length 2 .* do not fit its 5 tokens"),
+])
+def test_a_dump_whose_tensors_disagree_is_named(tmp_path, one_rank, experience, needle):
+    from mindspeed_llm.rl.rollout_dump_checks import DumpError
+
+    root = _identified_dump(tmp_path / "dump", experience=experience)
+    path = tmp_path / "dump" / "iteration_0000001" / "batch_0_dp_rank_00.pt"
+    with pytest.raises(DumpError, match=rf"{path} {needle}"):
+        _replay(root).collect(1, PromptSource(list(ROWS), None))

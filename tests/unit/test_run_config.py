@@ -207,7 +207,8 @@ def test_wrong_type_names_key_and_file(tmp_path, section, key, value, expected):
     ("actor_config", "num_layer_list", "16,17,16,15", "the layers are split evenly over the pipeline stages"),
     ("rl_config", "use_kl_in_reward", True, "the KL to the reference is a loss term (grpo) in this run"),
     ("actor_config", "attention_mask_type", "general", "the models here are causal decoders"),
-    ("megatron_training", "stage", "ray_dapo", "'ray_dapo' is not a stage of this program"),
+    ("megatron_training", "stage", "ray_dpo", "'ray_dpo' is not a stage of this program"),
+    ("actor_config", "no_save_rng", True, "this program always saves the RNG state"),
     ("rl_config", "kl_ctrl_type", "adaptive", "the KL coefficient is fixed here"),
     ("rl_config", "shuffle_minibatch", True, "mini-batches are taken in order"),
     ("rl_config", "kl_penalty", "full", "'full' is not a KL estimator"),
@@ -538,13 +539,162 @@ def test_published_ppo_config_parses_with_sequence_parallel():
 
 def test_published_configs_that_stop_say_why():
     """grpo_qwen25_32b_A3.yaml splits its 64 layers 16,17,16,15 over 4 pipeline stages (num_layer_list), which this
-    program's even PP split cannot load; dapo_qwen25_32b_A3_32k.yaml (context_parallel_size 2) is DAPO's stage."""
+    program's even PP split cannot load."""
     message = str(pytest.raises(ConfigError, parsed, ["--config", str(PUBLISHED / "grpo_qwen25_32b_A3.yaml")],
                                 16).value)
     assert "actor_config.num_layer_list: '16,17,16,15' cannot be honoured" in message
-    message = str(pytest.raises(ConfigError, parsed, ["--config", str(
-        PUBLISHED / "dapo_qwen25_32b_A3_32k.yaml")], 64).value)
-    assert "'ray_dapo' is not a stage of this program" in message
+
+
+# MindSpeed-RL's DAPO configs (stage ray_dapo), each key's flag: (file, world size, the flags it sets, whether its
+# filter_groups_* / overlong_* keys are off and so listed as ignored)
+DAPO_PUBLISHED = {
+    "dapo_qwen25_32b_A3.yaml": (16, dict(dynamic_sampling=True, dynamic_sampling_metric="acc_for_dapo",
+                                         max_num_gen_batches=0, overlong_buffer_len=512, overlong_penalty_factor=1.0,
+                                         max_new_tokens=2048)),
+    "dapo_qwen25_32b_A3_32k.yaml": (64, dict(dynamic_sampling=False, overlong_buffer_len=4096,
+                                             overlong_penalty_factor=1.0, max_new_tokens=30720,
+                                             context_parallel_size=2, max_tokens_per_micro_batch=32768,
+                                             forward_max_tokens_per_micro_batch=65536)),
+    "dapo_qwen25_32b_A2_20k.yaml": (64, dict(dynamic_sampling=False, overlong_buffer_len=4096,
+                                             overlong_penalty_factor=1.0, max_new_tokens=20480,
+                                             max_tokens_per_micro_batch=22528,
+                                             forward_max_tokens_per_micro_batch=45056)),
+    "dapo_qwen3_30b_a3b_A3.yaml": (16, dict(dynamic_sampling=True, dynamic_sampling_metric="acc_for_dapo",
+                                            max_num_gen_batches=0, overlong_buffer_len=512,
+                                            overlong_penalty_factor=0.1, expert_model_parallel_size=2)),
+    "dapo_qwen3_32b_A3.yaml": (16, dict(dynamic_sampling=True, dynamic_sampling_metric="acc_for_dapo",
+                                        max_num_gen_batches=0, overlong_buffer_len=512, overlong_penalty_factor=0.1)),
+    "dapo_qwen25_7b_A2_multi_turn.yaml": (8, dict(dynamic_sampling=False, overlong_buffer_len=None,
+                                                  verifier_function=["retool_reward"], tool_parser_format="hermes",
+                                                  max_tool_calls=1, max_total_response_length=2048)),
+}
+
+
+def _published_dapo(name, tmp_path, monkeypatch) -> str:
+    """The published file; the multi-turn one with its tool config's path substituted (MindSpeed-RL's
+    configs/tools/retool_config.yaml naming the stand-in of its ReTool, tests/fixtures/mindspeed_rl/tools/)."""
+    if "multi_turn" not in name:
+        return str(PUBLISHED / name)
+    from tests.helpers.published_clients import rewrite_run_config
+
+    tools = PUBLISHED / "tools"
+    monkeypatch.syspath_prepend(str(tools))
+    config = yaml.safe_load((tools / "retool_config.yaml").read_text())
+    config["tools"][0]["class_name"] = "retool_standin.ReTool"
+    (tmp_path / "retool_config.yaml").write_text(yaml.safe_dump(config))
+    return str(rewrite_run_config(name, tmp_path, {("rl_config", "tool_config_path"): str(tmp_path / "retool_config.yaml")},
+                                  model_shape={}))
+
+
+@pytest.mark.parametrize("name", list(DAPO_PUBLISHED))
+def test_published_dapo_configs_map_each_key(name, tmp_path, monkeypatch):
+    """MindSpeed-RL's ray_dapo is grpo without a reference model (its DAPO loss has no KL term), with DAPO's
+    token-mean loss, clip-higher, dynamic sampling on a verifier's scores (-1: no limit on generation batches) and
+    the overlong penalty; no_save_optim / no_save_rng false are what this program does. The features are named at
+    startup; switched-off DAPO keys are listed as ignored."""
+    world, expected = DAPO_PUBLISHED[name]
+    path = _published_dapo(name, tmp_path, monkeypatch)
+    args = parsed(["--config", path], world)
+    assert args["stage"] == "grpo" and args["kl_coef"] == 0.0 and args["adv_estimator"] == "grpo"
+    assert args["loss_agg_mode"] == "token-mean" and args["clip_ratio"] == 0.2 and args["clip_ratio_high"] == 0.28
+    assert not args["no_save_optim"]
+    for key, value in expected.items():
+        assert args[key] == value, key
+    config = load_run_config(path)
+    (note,) = [n for n in config.notes if "ray_dapo" in n]
+    assert "no reference model or KL loss (--kl-coef 0)" in note and "clip-higher" in note
+    assert ("dynamic sampling on acc_for_dapo's scores (no limit" in note) == expected["dynamic_sampling"]
+    ignored = dict(config.ignored)
+    for key in ("filter_groups_metric", "filter_groups_max_batches", "filter_groups_train_batch_size"):
+        assert (ignored.get(f"rl_config.{key}") == "filter_groups_enable is not true") != expected["dynamic_sampling"]
+    for key in ("rollout_max_tokens", "overlong_buffer", "overlong_buffer_penalty_factor"):
+        assert (f"rl_config.{key}" in ignored) == (expected["overlong_buffer_len"] is None)
+
+
+def dapo_file(**rl):
+    """grpo_file as a ray_dapo file (no KL coefficient) with DAPO's keys of `rl`."""
+    data = grpo_file()
+    data["megatron_training"]["stage"] = "ray_dapo"
+    data["megatron_training"]["global_batch_size"] = 32
+    del data["rl_config"]["init_kl_coef"]
+    data["rl_config"].update(rl)
+    return data
+
+
+def test_dapo_keys_apply_by_their_switches(tmp_path):
+    args = parsed(["--config", write(tmp_path, dapo_file())], 16)
+    assert args["kl_coef"] == 0.0 and args["loss_agg_mode"] == "token-mean" and args["clip_ratio_high"] == 0.2
+    assert not args["dynamic_sampling"] and args["overlong_buffer_len"] is None
+    # token_level_loss false: the mean of each sequence's token mean (MindSpeed-RL's seq-mean-token-mean)
+    args = parsed(["--config", write(tmp_path, dapo_file(token_level_loss=False))], 16)
+    assert args["loss_agg_mode"] == "seq-mean-token-mean"
+    # clip-higher with MindSpeed-RL's defaults (0.1 / 0.1); clip_ratio is then not the loss's
+    data = dapo_file(clip_higher_enable=True, clip_ratio_high=0.3)
+    args = parsed(["--config", write(tmp_path, data)], 16)
+    assert (args["clip_ratio"], args["clip_ratio_high"]) == (0.1, 0.3)
+    assert "DAPO's loss clips at" in dict(load_run_config(write(tmp_path, data)).ignored)["rl_config.clip_ratio"]
+    # clip_higher_enable false: the two ratios are listed as ignored, the loss clips at clip_ratio on both sides
+    data = dapo_file(clip_higher_enable=False, clip_ratio_low=0.1, clip_ratio_high=0.3)
+    args = parsed(["--config", write(tmp_path, data)], 16)
+    assert (args["clip_ratio"], args["clip_ratio_high"]) == (0.2, 0.2)
+    ignored = dict(load_run_config(write(tmp_path, data)).ignored)
+    assert ignored["rl_config.clip_ratio_high"].startswith("clip_higher_enable is not true")
+    # dynamic sampling: a positive filter_groups_max_batches is the budget; the metric is a verifier of the run
+    data = dapo_file(filter_groups_enable=True, filter_groups_metric="base_acc", filter_groups_max_batches=3,
+                     filter_groups_train_batch_size=32)
+    args = parsed(["--config", write(tmp_path, data)], 16)
+    assert args["dynamic_sampling"] and args["dynamic_sampling_metric"] == "base_acc"
+    assert args["max_num_gen_batches"] == 3
+    # the overlong penalty
+    data = dapo_file(overlong_buffer_enable=True, overlong_buffer=256, overlong_buffer_penalty_factor=0.5,
+                     rollout_max_tokens=2048)
+    args = parsed(["--config", write(tmp_path, data)], 16)
+    assert (args["overlong_buffer_len"], args["overlong_penalty_factor"], args["max_new_tokens"]) == (256, 0.5, 2048)
+
+
+def test_dapo_keys_outside_ray_dapo():
+    """Under ray_grpo MindSpeed-RL's grpo loss and trainer read neither the DAPO loss keys nor filter_groups_*:
+    listed as ignored; its rule reward applies the overlong penalty in every stage."""
+    data = grpo_file()
+    data["rl_config"].update(token_level_loss=False, clip_higher_enable=True, clip_ratio_high=0.28,
+                             filter_groups_enable=True, overlong_buffer_enable=True, overlong_buffer=128,
+                             rollout_max_tokens=2048)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write(Path(tmp), data)
+        args = parsed(["--config", path], 16)
+        ignored = dict(load_run_config(path).ignored)
+    assert args["kl_coef"] == 0.001 and args["loss_agg_mode"] == "token-mean" and args["clip_ratio_high"] == 0.2
+    assert not args["dynamic_sampling"] and args["overlong_buffer_len"] == 128
+    for key in ("token_level_loss", "clip_higher_enable", "clip_ratio_high", "filter_groups_enable"):
+        assert "stage: ray_dapo" in ignored[f"rl_config.{key}"], key
+
+
+@pytest.mark.parametrize("rl,key,expected", [
+    (dict(init_kl_coef=0.001), "rl_config.init_kl_coef", "cannot be honoured with stage ray_dapo"),
+    (dict(filter_groups_enable=True, filter_groups_metric="acc_for_dapo", filter_groups_train_batch_size=32),
+     "rl_config.filter_groups_metric", "'acc_for_dapo' is not one of rl_config.verifier_function ['base_acc']"),
+    (dict(filter_groups_enable=True, filter_groups_metric="base_acc", filter_groups_train_batch_size=16),
+     "rl_config.filter_groups_train_batch_size", "16 differs from global_batch_size 32"),
+    (dict(filter_groups_enable=True, filter_groups_metric="base_acc"),
+     "rl_config.filter_groups_enable", "1 differs from global_batch_size 32"),  # MindSpeed-RL's default 1
+    (dict(filter_groups_enable=True, filter_groups_metric="base_acc", filter_groups_train_batch_size=32,
+          filter_groups_max_batches=2.5), "rl_config.filter_groups_max_batches", "2.5 must be an integer"),
+    (dict(overlong_buffer_enable=True, overlong_buffer=256, rollout_max_tokens=1024), "rl_config.rollout_max_tokens",
+     "1024 differs from the response limit 2048"),
+    (dict(overlong_buffer_enable=True), "rl_config.overlong_buffer_enable", "true needs rl_config.overlong_buffer"),
+    (dict(overlong_buffer_enable=True, overlong_buffer=0), "rl_config.overlong_buffer", "0 must be an integer >= 1"),
+])
+def test_dapo_keys_that_cannot_map_are_named(tmp_path, rl, key, expected):
+    message = config_error(tmp_path, dapo_file(**rl))
+    assert f"{key}: " in message and expected in message, message
+
+
+def test_no_save_optim_is_megatrons_flag(tmp_path):
+    data = grpo_file()
+    data["actor_config"].update(no_save_optim=True, no_save_rng=False)
+    assert parsed(["--config", write(tmp_path, data)], 16)["no_save_optim"]
 
 
 def test_sequence_and_context_parallel_keys(tmp_path):

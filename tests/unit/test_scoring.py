@@ -57,3 +57,16 @@ def test_an_unknown_verifier_is_refused_by_flag_and_the_overlong_penalty_needs_i
         Scorer(["no_such_verifier"], [1.0])
     with pytest.raises(ValueError, match="needs max_new_tokens"):
         Scorer(["starts_with_yes"], [1.0], overlong_buffer_len=4)
+
+
+@pytest.mark.parametrize("mode, expected", [("add", [1.0 + 0.5, -0.25]), ("record", [1.0, 0.0])])
+def test_tool_rewards_are_added_or_only_recorded(mode, expected):
+    """--tool-rewards: `add` puts a trajectory's tool rewards into its score, `record` (verl's way) only into the
+    score parts (`tool_recorded`) and the metrics."""
+    exp = _experience(["yes", "no"], [True, True], [1, 1])
+    exp.sample_data.trajectories = [{"num_turns": 2, "tool_reward": 0.5}, {"num_turns": 1, "tool_reward": -0.25}]
+    scores, metrics = Scorer(["starts_with_yes"], [1.0], tool_rewards=mode)(exp, plan=None, timers=_timers)
+    torch.testing.assert_close(scores, torch.tensor(expected))
+    assert metrics["tool/reward/mean"] == pytest.approx(0.125)
+    key = "tool" if mode == "add" else "tool_recorded"
+    assert [p[key] for p in exp.sample_data.score_parts] == [0.5, -0.25]

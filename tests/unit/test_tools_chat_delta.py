@@ -134,3 +134,38 @@ def test_truncation_cuts_the_tool_text_not_the_template(qwen_tok):
     assert rendered.endswith("<|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(ValueError, match="--tool-response-truncate-side 'up'"):
         ToolDelta(qwen_tok, truncate_side="up")
+
+
+class _CountingTokenizer:
+    """The Qwen tokenizer, recording the length of each text it is asked to encode."""
+
+    def __init__(self, tok):
+        self.tok, self.encoded = tok, []
+
+    def encode(self, text, **kwargs):
+        self.encoded.append(len(text))
+        return self.tok.encode(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def test_a_long_answer_is_cut_by_characters_before_tokenizing_and_keeps_the_same_tokens(qwen_tok):
+    """A 400k-character answer cut to 32 tokens: only a character window bounded by the token budget is tokenized
+    (32 tokens x the longest token's characters), and the kept text is what cutting the whole text's tokens keeps."""
+    from mindspeed_llm.rl.tools.chat_delta import longest_token_chars
+
+    words = ["alpha", "  ", "\n", "数据", "😀", "x=1;", "0123456789", "naïve"]
+    text = "".join(words[(i * 7) % len(words)] + " " for i in range(90_000))
+    assert len(text) > 400_000
+    window = 32 * longest_token_chars(qwen_tok) + 16
+    ids = encode(qwen_tok, text)  # the reference: the whole text's tokens, cut
+    for side in ("left", "right", "middle"):
+        counting = _CountingTokenizer(qwen_tok)
+        cut = truncate_text(counting, text, 32, side)
+        assert counting.encoded and max(counting.encoded) <= 2 * window < len(text) // 10
+        kept = truncate(ids, 32, side)
+        decode = lambda part: qwen_tok.decode(part, skip_special_tokens=False)  # noqa: E731
+        expected = {"left": lambda: decode(kept) + "...(truncated)", "right": lambda: "...(truncated)" + decode(kept),
+                    "middle": lambda: decode(kept[:16]) + "...(truncated)" + decode(kept[16:])}[side]()
+        assert cut == expected, side

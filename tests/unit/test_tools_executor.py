@@ -2,12 +2,14 @@
 and are counted, calls beyond max_parallel_calls are refused, create / release once per trajectory, and a hung
 call does not hold a worker slot."""
 
+import sys
 import threading
 import time
 
 import pytest
 
-from mindspeed_llm.rl.tools import ToolCall, ToolExecutor, ToolResult, ToolTimeout, function_tool
+from mindspeed_llm.rl.tools import ToolCall, ToolDelta, ToolExecutor, ToolResult, ToolTimeout, function_tool
+from tests.helpers.fixtures_data import qwen_tok, qwen_tok_dir  # noqa: F401 - pytest fixtures
 
 
 class SleepTool:
@@ -202,3 +204,64 @@ def test_an_async_tool_is_awaited_in_its_worker_thread():
     executor = ToolExecutor([function_tool(add)])
     executor.start(0, {})
     assert executor.run(0, [ToolCall("add", {"a": 2, "b": 3})]).messages == ["5"]
+
+
+# ------------------------------------------------------------------ any answer becomes text, or a counted failure
+class AnswerTool:
+    """Returns whatever the call's `kind` names: the answers and rewards the sweep found crashing or passing."""
+
+    name = "answer"
+    tool_schema = {"type": "function", "function": {"name": "answer", "description": "Answer.", "parameters": {}}}
+    ANSWERS = {
+        "int_text": lambda: ToolResult(text=12345),
+        "surrogate": lambda: "half a pair: \ud800 here",
+        "bytes": lambda: b"caf\xc3\xa9 \xff",
+        "none_text": lambda: ToolResult(text=None),
+        "huge_reward": lambda: ("ok", 1e30),
+        "inf_reward": lambda: ToolResult("ok", reward=float("inf")),
+        "nan_reward": lambda: ("ok", float("nan")),
+        "fine_reward": lambda: ("ok", 0.5),
+        "text_reward": lambda: ("ok", "high"),
+        "exit": lambda: sys.exit(3),
+        "interrupt": lambda: (_ for _ in ()).throw(KeyboardInterrupt("stop")),
+    }
+
+    def execute(self, parameters, row):
+        return self.ANSWERS[parameters["kind"]]()
+
+
+def _answer(*kinds, timeout=10.0):
+    executor = ToolExecutor([AnswerTool()], timeout=timeout, max_parallel_calls=len(kinds))
+    executor.start("t", {})
+    turn = executor.run("t", [ToolCall("answer", {"kind": k}) for k in kinds])
+    executor.finish("t")
+    return turn
+
+
+def test_an_answer_of_any_type_or_encoding_becomes_text_the_tokenizer_takes(qwen_tok):
+    turn = _answer("int_text", "surrogate", "bytes", "none_text")
+    assert turn.messages[0] == "12345" and turn.messages[3] == ""
+    assert turn.messages[1] == "half a pair: \ufffd\ufffd\ufffd here" and turn.messages[2] == "café \ufffd"
+    assert turn.failures == 0 and turn.timeouts == 0
+    delta = ToolDelta(qwen_tok, max_tool_response_length=16)  # the path that raised (truncate_text, the tokenizer)
+    ids = delta.delta_ids(turn.messages)
+    assert "12345" in qwen_tok.decode(ids) and "café" in qwen_tok.decode(ids)
+
+
+def test_a_reward_that_is_not_finite_or_beyond_the_limit_is_dropped_and_counted(caplog):
+    turn = _answer("huge_reward", "inf_reward", "nan_reward", "fine_reward")
+    assert turn.messages == ["ok"] * 4  # the answers still reach the model
+    assert turn.reward == 0.5 and turn.failures == 3
+    named = [r.getMessage() for r in caplog.records if "tool 'answer' returned the reward" in r.getMessage()]
+    assert len(named) == 1 and "1e+30" in named[0] and "within +-1e+06" in named[0]
+    turn = _answer("text_reward")
+    assert turn.failures == 1 and "a tool's reward must be a number or None, got str" in turn.messages[0]
+
+
+@pytest.mark.parametrize("kind, name", [("exit", "SystemExit"), ("interrupt", "KeyboardInterrupt")])
+def test_a_tool_that_exits_is_a_failure_at_once_not_a_timeout(kind, name):
+    start = time.monotonic()
+    turn = _answer(kind, timeout=5.0)
+    assert time.monotonic() - start < 2.0  # not the whole --tool-timeout
+    assert turn.failures == 1 and turn.timeouts == 0
+    assert turn.messages[0].startswith(f"error: tool 'answer' failed: {name}")

@@ -217,3 +217,10 @@ def test_a_sample_table_is_a_wandb_table_at_its_iteration(tmp_path, monkeypatch)
     (content,) = [json.loads(f.read_text()) for f in files]
     assert content["columns"] == ["sample", "score", "score_parts", "prompt", "response"]
     assert content["data"][1] == [1, 0.0, '{"acc": 0.0}', "2+3", "6"]
+
+
+def test_an_empty_project_is_refused_by_name():
+    # Megatron-LM's default '' means "off"; given on the command line it is a mistake that would turn wandb off silently
+    for empty in ("", "  "):
+        with pytest.raises(ArgumentError, match="--wandb-project .* is empty: .* name the project"):
+            parse_args([*BASE, "--wandb-project", empty])

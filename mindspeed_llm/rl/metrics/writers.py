@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Callable, Iterable, List, Mapping, Optional, Sequence
 
-from mindspeed_llm.files import append_line, write_text_atomically
+from mindspeed_llm.files import append_line, open_for_append, write_text_atomically
 
 
 def _format_value(value) -> str:
@@ -112,9 +112,9 @@ class MetricsLogger:
         if self.rank == 0 and jsonl_path:
             parent = os.path.dirname(os.path.abspath(jsonl_path))
             os.makedirs(parent, exist_ok=True)
-            if resumed_at is not None and os.path.exists(jsonl_path):
+            if resumed_at is not None and os.path.isfile(jsonl_path):
                 _drop_rows_after(jsonl_path, resumed_at)
-            self._jsonl = open(jsonl_path, "a", encoding="utf-8")
+            self._jsonl = open_for_append(jsonl_path)
         if self.rank == 0 and tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -188,9 +188,9 @@ class MetricsLogger:
         if self._jsonl_path is not None:
             if kind not in self._sample_files:
                 path = os.path.join(os.path.dirname(os.path.abspath(self._jsonl_path)), f"{kind}.jsonl")
-                if self._resumed_at is not None and os.path.exists(path):
+                if self._resumed_at is not None and os.path.isfile(path):
                     _drop_rows_after(path, self._resumed_at)
-                self._sample_files[kind] = open(path, "a", encoding="utf-8")
+                self._sample_files[kind] = open_for_append(path)
             f = self._sample_files[kind]
             for row in rows:  # a failed write: named, no half line left
                 append_line(f, json.dumps({"iteration": int(iteration), **{k: _json_value(v) for k, v in row.items()}})

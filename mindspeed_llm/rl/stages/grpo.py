@@ -93,7 +93,7 @@ class GRPOStage:
             if algorithm.dynamic_sampling:  # refill with more prompt groups until the batch's groups all carry signal
                 exp, sampling_stats = refill(  # the DP rank's groups (its CP ranks' rows together)
                     exp, lambda j: self._generate(iteration, prompts.batch(j), timers)[0], n, exp.batch_size // n,
-                    algorithm.max_num_gen_batches)
+                    algorithm.max_num_gen_batches, algorithm.dynamic_sampling_metric)
                 plan = MicroBatchPlan.for_run(exp, settings.batch, group_size=n)
                 score_metrics.update(sampling_stats)
             rollout_stats = rollout_metrics(exp)

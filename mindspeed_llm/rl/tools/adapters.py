@@ -16,7 +16,7 @@ import inspect
 import uuid
 from typing import Any, Dict, Mapping, Optional
 
-from mindspeed_llm.rl.tools.base import resolve, schema_name, tool_name
+from mindspeed_llm.rl.tools.base import resolve, schema_dict, schema_name, tool_name
 from mindspeed_llm.rl.tools.function_tool import function_tool
 
 
@@ -40,10 +40,10 @@ def _row_tool_kwargs(row: Mapping[str, Any], name: str, kind: str) -> Dict[str, 
 class InstanceTool:
     """A verl-style tool seen through this package's protocol; one copy per trajectory holds its instance id."""
 
-    def __init__(self, inner: Any):
-        self.inner = inner
-        self.tool_schema = inner.tool_schema
-        self.name = tool_name(inner)
+    def __init__(self, inner: Any, tool_schema: Optional[Dict[str, Any]] = None):
+        self.inner = inner  # keeps the schema its class takes (verl's pydantic one); the prompt gets plain JSON
+        self.tool_schema = schema_dict(tool_schema if tool_schema is not None else inner.tool_schema)
+        self.name = schema_name(tool_schema) if tool_schema is not None else tool_name(inner)
         self.instance_id: Optional[str] = None
         self._row: Mapping[str, Any] = {}
 
@@ -74,18 +74,23 @@ class InstanceTool:
 
 def adapt_tool(obj: Any, tool_schema: Optional[Dict[str, Any]] = None) -> Any:
     """``obj`` as a tool of this package's protocol: a function becomes a `FunctionTool`, a verl-style tool an
-    `InstanceTool`, any other object with ``execute`` is used as it is. ``tool_schema``, when given, replaces the
-    object's own (the tool config's schema wins)."""
+    `InstanceTool`, any other object with a callable ``execute`` is used as it is. ``tool_schema``, when given, is
+    the schema the prompt offers (the tool config's schema wins); an object holding a schema of another type (verl's
+    pydantic one) keeps it."""
     execute = getattr(obj, "execute", None)
     if execute is None:
         if inspect.isfunction(obj) or inspect.isbuiltin(obj) or inspect.ismethod(obj):
             return function_tool(obj, tool_schema)
         raise TypeError(f"{obj!r} is not a tool: give a function with type hints or an object with "
                         "execute(parameters, row) and a tool_schema")
-    if tool_schema is not None:
-        obj.tool_schema = tool_schema
-        obj.name = schema_name(tool_schema)
+    if not callable(execute):
+        raise TypeError(f"its execute is a {type(execute).__name__}, not a method: define execute(self, parameters, "
+                        "row) (or verl's async execute(self, instance_id, parameters, **kwargs))")
     if _takes(execute, "instance_id"):
-        return InstanceTool(obj)
+        return InstanceTool(obj, tool_schema)
+    if tool_schema is not None:
+        if getattr(obj, "tool_schema", None) is None or isinstance(getattr(obj, "tool_schema"), Mapping):
+            obj.tool_schema = schema_dict(tool_schema)
+        obj.name = schema_name(tool_schema)
     tool_name(obj)  # a tool must have a name: raises ValueError naming the schema problem otherwise
     return obj

@@ -60,11 +60,46 @@ def truncate(ids: Sequence[int], max_len: int, side: str = "left") -> List[int]:
     return ids[:head] + (ids[len(ids) - tail:] if tail else [])
 
 
-def truncate_text(tokenizer: Any, text: str, max_len: int, side: str = "left") -> str:
+def longest_token_chars(tokenizer: Any) -> int:
+    """An upper bound on the characters one token of ``tokenizer`` decodes to: its longest vocabulary entry (a
+    byte-level entry has a character per byte, so it is never shorter than its text); 64 when the vocabulary
+    cannot be read."""
+    try:
+        return max(1, max(len(token) for token in tokenizer.get_vocab()))
+    except Exception:  # noqa: BLE001 - a tokenizer without get_vocab: a generous bound
+        return 64
+
+
+def precut_text(text: str, max_len: int, side: str, token_chars: int) -> str:
+    """``text`` cut by characters to what its first / last ``max_len`` tokens can span (``max_len * token_chars``
+    characters on each kept side), so that a tool's 8 MB answer is not tokenized whole to keep 256 tokens of it. The
+    tokens kept by `truncate` are the same: the cut lies at least ``max_len`` tokens beyond them."""
+    span = max_len * token_chars + 16  # a few characters more: a token merged across the cut is dropped anyway
+    if len(text) <= (2 * span if side == "middle" else span):
+        return text
+    if side == "left":
+        return text[:span]
+    if side == "right":
+        return text[len(text) - span:]
+    return text[:span] + text[len(text) - span:]
+
+
+def truncate_text(tokenizer: Any, text: str, max_len: int, side: str = "left",
+                  token_chars: Optional[int] = None) -> str:
     """``text`` cut to ``max_len`` of its own tokens (not the template's), with verl's ``...(truncated)`` marker
-    where text was dropped (the marker's few tokens come on top of ``max_len``, as in verl)."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) <= max_len:
+    where text was dropped (the marker's few tokens come on top of ``max_len``, as in verl). A long text is first cut
+    by characters (`precut_text`, with ``token_chars`` from `longest_token_chars`) so that only what can be kept is
+    tokenized."""
+    if not isinstance(text, str):
+        raise TypeError(f"a tool message must be a str, got {type(text).__name__}")
+    if side not in TRUNCATE_SIDES:
+        raise ValueError(f"truncate side {side!r}: use one of {', '.join(TRUNCATE_SIDES)}")
+    if len(text) > max_len:  # a text of at most max_len characters may still be more tokens (bytes of one char)
+        text_kept = precut_text(text, max_len, side, token_chars or longest_token_chars(tokenizer))
+    else:
+        text_kept = text
+    ids = tokenizer.encode(text_kept, add_special_tokens=False)
+    if len(ids) <= max_len and text_kept is text:
         return text
     kept = truncate(ids, max_len, side)
     decode = lambda part: tokenizer.decode(part, skip_special_tokens=False)  # noqa: E731
@@ -106,6 +141,7 @@ class ToolDelta:
         self.tool_role = tool_role
         self.max_tool_response_length = max_tool_response_length
         self.truncate_side = truncate_side
+        self.token_chars = longest_token_chars(tokenizer) if max_tool_response_length is not None else None
         self.end_of_turn = end_of_turn if end_of_turn is not None else getattr(tokenizer, "eos_token", None)
         if not self.end_of_turn:
             raise ValueError("the tokenizer has no EOS token; pass end_of_turn= (the token ending an assistant turn)")
@@ -141,8 +177,8 @@ class ToolDelta:
         """The text the template appends after the assistant's end-of-turn token for these tool messages,
         followed by the generation prompt."""
         if truncate_messages and self.max_tool_response_length is not None:
-            tool_messages = [truncate_text(self.tokenizer, text, self.max_tool_response_length, self.truncate_side)
-                             for text in tool_messages]
+            tool_messages = [truncate_text(self.tokenizer, text, self.max_tool_response_length, self.truncate_side,
+                                           self.token_chars) for text in tool_messages]
         rendered = _render(self.tokenizer, self._messages(tool_messages), True)
         if not rendered.startswith(self.prefix):
             at = _first_difference(rendered, self.prefix)

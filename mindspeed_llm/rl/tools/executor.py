@@ -2,9 +2,12 @@
 and their messages come back in a `Future`, so the engine keeps decoding other samples while tools run.
 
 Per trajectory: `ToolExecutor.start` (each tool's ``create(row)`` on its own copy), `ToolExecutor.submit` for each
-turn that calls tools, `ToolExecutor.finish` (``release()``). A failing call, an unknown tool name and a call that
-runs over the timeout each answer with an error text as that call's message and are counted; nothing raises into
-the caller.
+turn that calls tools, `ToolExecutor.finish` (``release()``). A failing call (any exception, ``SystemExit`` and
+``KeyboardInterrupt`` raised by the tool's code included: counted at once, not after the timeout), an unknown tool
+name and a call that runs over the timeout each answer with an error text as that call's message and are counted;
+nothing raises into the caller. A tool's answer of any type becomes text (`base.as_tool_result`). A tool's reward
+must be a finite number of magnitude at most `MAX_TOOL_REWARD`: another is dropped (the call's reward counts 0), the
+call is counted as failed and the first such reward of each tool is logged by name; the call's text still answers.
 
 Threads: each call runs on its own daemon thread once one of ``max_workers`` slots is free, and a per-turn thread
 waits for the turn's calls. A Python thread cannot be killed, so a call that runs over ``timeout`` is answered as
@@ -16,6 +19,8 @@ slot, and its late result is dropped. The built-in python tool kills its own sub
 from __future__ import annotations
 
 import copy
+import logging
+import math
 import threading
 import time
 from concurrent.futures import Future
@@ -23,9 +28,14 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Hashable, Iterable, List, Mapping, Optional, Sequence
 
 from mindspeed_llm.rl.tools.adapters import adapt_tool
-from mindspeed_llm.rl.tools.base import ToolResult, ToolTimeout, as_tool_result, resolve, tool_name
+from mindspeed_llm.rl.tools.base import (
+    ToolResult, ToolTimeout, as_text, as_tool_result, resolve, schema_dict, tool_name,
+)
 
 MAX_ERROR_CHARS = 500
+MAX_TOOL_REWARD = 1e6  # the largest magnitude of one call's reward (a score of 1e30 would swamp every advantage)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,7 @@ class _CallSlot:
 
 
 def _error_text(text: str) -> str:
+    text = as_text(text)  # an exception's message may hold what a tokenizer refuses (a lone surrogate)
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + " ..."
 
 
@@ -93,11 +104,12 @@ class ToolExecutor:
         self._sessions: Dict[Hashable, _Session] = {}
         self._lock = threading.Lock()
         self._counters = {"calls": 0, "failures": 0, "timeouts": 0, "seconds": 0.0}
+        self._bad_reward_tools: set = set()
 
     @property
     def schemas(self) -> List[Dict[str, Any]]:
         """The tools' OpenAI schemas, for the prompt (`chat_delta.tools_prompt`)."""
-        return [tool.tool_schema for tool in self.tools.values()]
+        return [schema_dict(tool.tool_schema) for tool in self.tools.values()]
 
     # ---- trajectories ---------------------------------------------------------------------------------------
     def start(self, trajectory_id: Hashable, row: Mapping[str, Any]) -> None:
@@ -111,7 +123,8 @@ class ToolExecutor:
             try:
                 if callable(getattr(own, "create", None)):
                     resolve(own.create(row))
-            except Exception as exc:  # noqa: BLE001 - the trajectory's calls to this tool will say why
+            except (Exception, SystemExit) as exc:  # noqa: BLE001 - the trajectory's calls to this tool say why
+                # (the caller's thread: a real Ctrl-C still stops the run)
                 broken[name] = _error_text(f"error: tool {name!r} could not start: {type(exc).__name__}: {exc}")
             tools[name] = own
         with self._lock:
@@ -129,7 +142,7 @@ class ToolExecutor:
             if tool is not self.tools[name] and name not in session.broken and callable(getattr(tool, "release", None)):
                 try:
                     resolve(tool.release())
-                except Exception:  # noqa: BLE001
+                except (Exception, SystemExit):  # noqa: BLE001 - the trajectory is over; a tool's exit ends nothing
                     pass
 
     # ---- calls ----------------------------------------------------------------------------------------------
@@ -181,12 +194,27 @@ class ToolExecutor:
         if not isinstance(arguments, Mapping):
             return _Outcome(ToolResult(f"error: the arguments of {name!r} must be an object"), failed=True)
         try:
-            return _Outcome(as_tool_result(resolve(tool.execute(dict(arguments), session.row))))
+            return self._checked_reward(name, as_tool_result(resolve(tool.execute(dict(arguments), session.row))))
         except ToolTimeout as exc:
             return _Outcome(ToolResult(_error_text(str(exc))), timed_out=True)
-        except Exception as exc:  # noqa: BLE001 - any failure of a tool is the model's tool message
+        except BaseException as exc:  # noqa: BLE001 - any failure of a tool (SystemExit, KeyboardInterrupt raised by
+            # its code: this is a worker thread, which a real Ctrl-C never reaches) is the model's message
             return _Outcome(ToolResult(_error_text(f"error: tool {name!r} failed: {type(exc).__name__}: {exc}")),
                             failed=True)
+
+    def _checked_reward(self, name: Any, result: ToolResult) -> _Outcome:
+        """The call's outcome; a reward that is not finite or exceeds `MAX_TOOL_REWARD` is dropped and counted."""
+        reward = result.reward
+        if reward is None or (math.isfinite(reward) and abs(reward) <= MAX_TOOL_REWARD):
+            return _Outcome(result)
+        with self._lock:
+            first = name not in self._bad_reward_tools
+            self._bad_reward_tools.add(name)
+        if first:
+            logger.warning("tool %r returned the reward %r: a tool's reward must be a finite number within +-%g; "
+                           "this call's reward is dropped and the call counted in tool/failures (further ones of "
+                           "this tool are counted without this message)", name, reward, MAX_TOOL_REWARD)
+        return _Outcome(ToolResult(result.text, None, result.metrics), failed=True)
 
     def _wait(self, slot: _CallSlot) -> _Outcome:
         slot.started.wait()  # waiting for a free worker slot does not count against the call's timeout

@@ -1,35 +1,38 @@
-"""The built-in ``python`` tool: runs the model's code in a separate interpreter and returns what it printed.
+"""The built-in ``python`` tool: runs the model's code in a sandboxed interpreter and returns what it printed.
 
-Each call runs ``python -I -c <preamble> <code>``:
+Each call runs ``python -I -c <preamble> <code>`` inside the sandbox of `sandbox.py` / `sandbox_child.py`, built
+from the kernel's own mechanisms (the guarantees, and what is not stopped: docs/multi_turn.md, "Sandbox"):
 
-- in a fresh scratch directory (the working directory, ``HOME`` and ``TMPDIR``), deleted afterwards;
-- with an environment stripped to ``PATH``, ``HOME``, ``TMPDIR``, ``LANG`` and ``OMP_NUM_THREADS`` (``-I``: no
-  user site-packages, no ``PYTHON*`` variables, the current folder not on ``sys.path``);
-- under a wall-clock timeout: the child's whole process group is killed when it runs over, so a timed-out call
-  ends here even though the executor's thread that waits for it cannot be killed;
-- under limits set by the preamble with ``resource.setrlimit`` before the code runs: address space
-  (``RLIMIT_AS``, the memory limit), CPU seconds, size of written files, no core files. They are set in the child
-  itself and not in ``preexec_fn``, which Python documents as unsafe in a threaded parent (the executor's pool);
-- without network, best effort: the preamble replaces ``socket.socket``, ``socket.create_connection`` and
-  ``_socket.socket`` with functions that raise. Code that reaches the OS another way (``ctypes``, ``os.system``
-  of a network tool) is not stopped: this is not a kernel sandbox; use a container for untrusted code at scale.
+- user, PID, network and mount namespaces: the call sees only its own processes (a fresh ``/proc``), has no
+  network device, and its scratch directory is a ``tmpfs`` of ``max_file_mb`` (the working directory, ``HOME``
+  and ``TMPDIR``), gone with the call;
+- Landlock: reads and executes only the interpreter's prefixes and the system's program and library folders,
+  writes only the scratch directory, no TCP (ABI >= 4), no signal or abstract unix socket outside the call
+  (ABI >= 6); a seccomp filter refuses unix sockets (``socket(AF_UNIX)``) and ``io_uring``;
+- resource limits: at most ``max_processes`` processes (``RLIMIT_NPROC``; as root the code runs as ``nobody``,
+  which the limit binds), and per process ``memory_mb`` of address space, CPU seconds and file size;
+- a keeper, PID 1 of the call's namespace, that stops the call at ``timeout`` seconds, or when its processes
+  together hold more than ``memory_mb`` or use more than ``timeout`` + 1 CPU seconds, and whose exit makes the
+  kernel kill and reap every process the call started (background, new-session and double-forked ones too);
+- an environment stripped to ``PATH``, ``HOME``, ``TMPDIR``, ``LANG`` and ``OMP_NUM_THREADS`` (``-I``: no user
+  site-packages, no ``PYTHON*`` variables); ``socket.socket`` raises a friendly error (the kernel blocks the rest).
 
-stdout and stderr go, interleaved, to an anonymous file (bounded by the written-file limit, never to memory) and
+Which layers are active is probed once and said at start-up; without the namespaces or Landlock the tool is
+refused unless its config says ``unconfined: true``.
+
+stdout and stderr go, interleaved, to an anonymous file (bounded by the file-size limit, never to memory) and
 come back truncated to ``max_output_chars``. A traceback shows the model's code as ``<tool>``, without the
 preamble's frame.
 """
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import tempfile
 import time
 from typing import Any, Dict, Mapping, Optional
 
 from mindspeed_llm.rl.tools.base import ToolTimeout
+from mindspeed_llm.rl.tools.sandbox import DEFAULTS, PythonToolConfigError, check_config, isolation_note, run_sandboxed
 
 PYTHON_SCHEMA: Dict[str, Any] = {
     "type": "function",
@@ -44,37 +47,7 @@ PYTHON_SCHEMA: Dict[str, Any] = {
     },
 }
 
-DEFAULTS = {"timeout": 5.0, "memory_mb": 512, "max_output_chars": 4000, "max_file_mb": 16}
-
-# argv: [-c, code, memory bytes, cpu seconds, file bytes]
-_PREAMBLE = r"""
-import resource, sys, traceback
-def _limit(kind, value):
-    resource.setrlimit(kind, (value, value))
-_limit(resource.RLIMIT_AS, int(sys.argv[2]))
-_limit(resource.RLIMIT_CPU, int(sys.argv[3]))
-_limit(resource.RLIMIT_FSIZE, int(sys.argv[4]))
-_limit(resource.RLIMIT_CORE, 0)
-import socket, _socket
-def _no_network(*args, **kwargs):
-    raise PermissionError("network access is disabled in the python tool")
-socket.socket = socket.create_connection = socket.socketpair = _socket.socket = _no_network
-_code = compile(sys.argv[1], "<tool>", "exec")
-del sys.argv[1:], _limit, _no_network, resource, socket, _socket
-try:
-    exec(_code, {"__name__": "__main__", "__builtins__": __builtins__})
-except SystemExit:
-    raise
-except BaseException:
-    _type, _value, _tb = sys.exc_info()
-    traceback.print_exception(_type, _value, _tb.tb_next)
-    sys.exit(1)
-"""
-
-
-def _minimal_env(scratch: str) -> Dict[str, str]:
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8",
-            "LC_ALL": "C.UTF-8", "OMP_NUM_THREADS": "1"}
+__all__ = ["DEFAULTS", "PYTHON_SCHEMA", "PythonTool", "PythonToolConfigError", "run_python"]
 
 
 def _truncate(text: str, max_chars: int) -> str:
@@ -83,51 +56,45 @@ def _truncate(text: str, max_chars: int) -> str:
     return text[:max_chars] + f"\n... [output truncated to {max_chars} characters]"
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the child leads its own session: this takes its children too
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-
-
 def run_python(code: str, timeout: float = 5.0, memory_mb: int = 512, max_output_chars: int = 4000,
-               max_file_mb: int = 16) -> str:
-    """What ``code`` printed (stdout and stderr), with a note on a non-zero exit; ToolTimeout, whose message holds
-    the output so far, when it runs over ``timeout`` seconds."""
-    with tempfile.TemporaryDirectory(prefix="mindspeed_python_tool_") as scratch, tempfile.TemporaryFile() as out:
-        limits = [str(int(memory_mb) * 2 ** 20), str(int(timeout) + 1), str(int(max_file_mb) * 2 ** 20)]
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", _PREAMBLE, code, *limits], cwd=scratch, env=_minimal_env(scratch),
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
-        started = time.monotonic()
-        try:
-            returncode = proc.wait(timeout=timeout)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            returncode, timed_out = proc.returncode, True
-        out.seek(0)
-        text = _truncate(out.read(4 * max_output_chars + 1024).decode("utf-8", errors="replace"), max_output_chars)
-    if timed_out:
+               max_file_mb: int = 16, max_processes: int = 16, unconfined: bool = False) -> str:
+    """What ``code`` printed (stdout and stderr), with a note on a non-zero exit or a call-wide limit; ToolTimeout,
+    whose message holds the output so far, when it runs over ``timeout`` seconds. PythonToolConfigError where this
+    kernel cannot confine it and ``unconfined`` is not set."""
+    isolation_note(check_config({"timeout": timeout, "memory_mb": memory_mb, "max_output_chars": max_output_chars,
+                                 "max_file_mb": max_file_mb, "max_processes": max_processes,
+                                 "unconfined": unconfined}))
+    started = time.monotonic()
+    text, outcome, _ = run_sandboxed(code, timeout, memory_mb, max_file_mb, max_processes,
+                                     read_limit=4 * max_output_chars + 1024)
+    text = _truncate(text, max_output_chars)
+    result = outcome["result"]
+    if result == "timeout":
         raise ToolTimeout(f"{text}\nerror: the code ran longer than {timeout:g} s and was stopped".lstrip("\n"))
-    if returncode < 0:
-        name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else str(-returncode)
+    if result == "signal":
+        number = outcome["signal"]
+        name = signal.Signals(number).name if number in signal.valid_signals() else str(number)
         text += f"\nerror: the process was killed by signal {name} after {time.monotonic() - started:.1f} s"
-    elif returncode != 0 and not text.strip():
-        text = f"error: exit status {returncode}"
+    elif result == "memory":
+        text += (f"\nerror: the code's processes together held {outcome['bytes'] / 2 ** 20:.0f} MB, over the "
+                 f"tool's memory_mb {memory_mb}, and were stopped")
+    elif result == "cpu":
+        text += f"\nerror: the code's processes together used {outcome['seconds']:.1f} CPU seconds and were stopped"
+    elif result == "error":
+        text += f"\nerror: {outcome['error']}"
+    elif outcome["code"] != 0 and not text.strip():
+        text = f"error: exit status {outcome['code']}"
     return text if text.strip() else "(no output)"
 
 
 class PythonTool:
-    """``python(code)``: the code's printed output. Config keys (tool config ``config:``): ``timeout`` (seconds),
-    ``memory_mb``, ``max_output_chars``, ``max_file_mb``. Stateless: shared by all trajectories."""
+    """``python(code)``: the code's printed output. Config keys (tool config ``config:``, each checked here):
+    ``timeout`` (seconds), ``memory_mb``, ``max_output_chars``, ``max_file_mb``, ``max_processes``,
+    ``unconfined``. ``startup_note`` names the sandbox's active layers. Stateless: shared by all trajectories."""
 
     def __init__(self, config: Optional[Dict[str, Any]] = None, tool_schema: Optional[Dict[str, Any]] = None):
-        unknown = sorted(set(config or {}) - set(DEFAULTS) - {"type"})  # `type: native` is verl's marker
-        if unknown:
-            raise ValueError(f"python tool: unknown config key(s) {', '.join(unknown)}; known: {', '.join(DEFAULTS)}")
-        self.config = {**DEFAULTS, **{k: v for k, v in (config or {}).items() if k in DEFAULTS}}
+        self.config = check_config(config)
+        self.startup_note = isolation_note(self.config)
         self.tool_schema = tool_schema or PYTHON_SCHEMA
         self.name = self.tool_schema["function"]["name"]
 

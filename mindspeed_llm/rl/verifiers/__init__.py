@@ -9,8 +9,9 @@ A verifier is a plain function ``fn(response_text: str, label: str | None) -> fl
   sandboxed worker of `worker.py`);
   ``base_acc`` is the same check under MindSpeed-RL's name; ``math_17k_acc`` (needs a label) puts the last
   ``Answer: ...`` line first, the format DAPO-Math-17k's prompts ask for; MindSpeed-RL's ``acc_for_ppo`` (the last
-  box only), ``acc_for_dapo`` (``math_17k_acc``'s check scored +1 / -1) and ``math_verify_reward`` (the boxed
-  answer inside the whole R1 template);
+  box only), ``acc_for_dapo`` (``math_17k_acc``'s check scored +1 / -1), ``retool_reward`` (the last box scored +1 / -1,
+  a wrong answer raised by 0.1 per tool call up to 0: its multi-turn DAPO config's) and ``math_verify_reward``
+  (the boxed answer inside the whole R1 template);
 * ``first_line_answer`` (needs a label): the first line answers with that number (`first_line.py`);
 * ``format`` (the R1 ``<think>``/``<answer>`` template) and ``boxed_format`` (one non-empty box) (`format.py`).
 

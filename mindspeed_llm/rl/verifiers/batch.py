@@ -6,10 +6,12 @@ trajectory (`verifiers/calling.py`). Mixing the scores with their weights and a 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from mindspeed_llm.errors import UserError
 from mindspeed_llm.rl.verifiers.calling import CallPlan, as_score, call_plan
 from mindspeed_llm.rl.verifiers.registry import MissingLabelError, _spec, check_verifiers, label_missing
 
@@ -26,6 +28,35 @@ def _warn_failure(name: str, row: int, exc: BaseException) -> None:
         suffix = " (further failures of this verifier are not logged)" if count + 1 == _WARN_LIMIT else ""
         logger.warning("verifier '%s' failed on row %d (scored 0): %s: %s%s",
                        name, row, type(exc).__name__, str(exc)[:200], suffix)
+
+
+class RewardFunctionExit(UserError):
+    """A verifier or reward function tried to end the process (``sys.exit()``, ``exit()``, a ``KeyboardInterrupt``
+    it raised, or a real Ctrl-C while it ran): the run stops naming it, the row and what it did, instead of ending
+    silently with the function's exit code."""
+
+
+def describe_function(name: str, fn: Callable) -> str:
+    """``'compute_score' in /path/file.py`` (or the scorer's name alone when the source is unknown)."""
+    target = getattr(fn, "__wrapped__", fn)
+    qualname = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or repr(target)
+    try:
+        where = inspect.getsourcefile(target)
+    except TypeError:
+        where = None
+    return f"'{name}' ('{qualname}'{f' in {where}' if where else ''})"
+
+
+def _exit_error(name: str, fn: Callable, row: int, index, exc: BaseException) -> RewardFunctionExit:
+    if isinstance(exc, SystemExit):
+        did = f"called sys.exit({exc.code!r})"
+    else:
+        did = f"raised {type(exc).__name__} (itself, or the run was interrupted while it ran)"
+    at = f"row {row} of the batch" + ("" if index is None else f" (prompt {index} of the dataset)")
+    return RewardFunctionExit(
+        f"the reward function {describe_function(name, fn)} {did} on {at}: a reward function must return a score "
+        "(an exception it raises scores 0 there and is counted in "
+        f"{name}_rewards/failures); remove the exit from it")
 
 
 @dataclass(frozen=True)
@@ -49,6 +80,7 @@ class BatchScores:
     per_verifier: Dict[str, List[float]] = field(default_factory=dict)
     failures: Dict[str, int] = field(default_factory=dict)
     extra: Dict[str, List[float]] = field(default_factory=dict)
+    first_failure: Dict[str, str] = field(default_factory=dict)  # the first error of each scorer that failed
 
     def metrics(self) -> Dict[str, float]:
         """`reward_metrics` plus ``reward/<key>/mean`` of each extra entry."""
@@ -113,6 +145,9 @@ def score_rows(responses: Sequence[str], labels: Optional[Sequence[Optional[str]
                 _warn_failure(name, i, exc)
                 value, extra = 0.0, {}
                 failed += 1
+                out.first_failure.setdefault(name, f"row {i}: {type(exc).__name__}: {str(exc)[:200]}")
+            except (SystemExit, KeyboardInterrupt) as exc:  # the user's code tried to end the process: say so
+                raise _exit_error(name, spec.fn, i, rows[i].get("index"), exc) from None
             scores.append(value)
             for key, item in extra.items():
                 out.extra.setdefault(key, []).append(item)

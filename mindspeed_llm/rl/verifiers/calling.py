@@ -13,8 +13,8 @@ Three styles, told apart by the parameters' names (never by trying a call):
   ``compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)``: ``data_source`` is the
   row's ``data_source`` column (None without one), ``solution_str`` the response text, ``ground_truth`` the
   label, ``extra_info`` a copy of the row's ``extra_info`` column (a mapping; without one, the row), with
-  ``num_turns`` added for a multi-turn response as verl's agent loop does. It may declare ``row`` / ``trajectory``
-  as well. Only the parameters the function declares are passed (a ``**kwargs`` gets nothing more).
+  ``num_turns`` added for a multi-turn response in verl's agent loop's count (user + assistant turns + 1;
+  ``assistant_turns`` beside it). It may declare ``row`` / ``trajectory`` as well. Only the parameters the function declares are passed (a ``**kwargs`` gets nothing more).
 
 A parameter without a default that none of these fills is an error when the plan is made (at registration, or
 when `--custom-reward-function` is loaded), naming it. A function returns a number, or a mapping with a
@@ -73,9 +73,23 @@ class CallPlan:
         return fn(*args, **kwargs)
 
 
+def verl_num_turns(trajectory: Mapping) -> Optional[int]:
+    """verl's ``num_turns`` of a multi-turn response: its user turns (here: the tool answers, one per turn of
+    calls) + its assistant turns + 1 (verl's tool agent loop counts the prompt too; a single-turn response is 2).
+    From the trajectory's ``turns``; without them each assistant turn but the last is taken as answered."""
+    turns = trajectory.get("turns")
+    if isinstance(turns, list):
+        roles = [t.get("role") for t in turns if isinstance(t, Mapping)]
+        return roles.count("assistant") + roles.count("tool") + 1
+    assistant = trajectory.get("num_turns")
+    return None if not isinstance(assistant, int) else assistant + max(assistant - 1, 0) + 1
+
+
 def extra_info(row: Mapping, trajectory: Optional[Mapping]) -> dict:
     """verl's ``extra_info``: a copy of the row's ``extra_info`` column (a mapping, or a JSON object's text), else
-    of the row; ``num_turns`` added for a multi-turn response."""
+    of the row; for a multi-turn response ``num_turns`` in verl's count (`verl_num_turns`, so that verl's reward
+    functions, e.g. ReTool's ``(num_turns - 2) / 2``, read what they read there) and ``assistant_turns`` (the
+    trajectory's own ``num_turns``: model turns)."""
     info = row.get("extra_info")
     if isinstance(info, str):
         try:
@@ -84,7 +98,9 @@ def extra_info(row: Mapping, trajectory: Optional[Mapping]) -> dict:
             pass
     info = dict(info) if isinstance(info, Mapping) else dict(row)
     if trajectory is not None and "num_turns" not in info:
-        info["num_turns"] = trajectory.get("num_turns")
+        info["num_turns"] = verl_num_turns(trajectory)
+    if trajectory is not None and "assistant_turns" not in info:
+        info["assistant_turns"] = trajectory.get("num_turns")
     return info
 
 

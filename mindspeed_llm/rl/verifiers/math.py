@@ -215,6 +215,19 @@ def acc_for_dapo(response_text: str, label: Optional[str], config: Optional[Math
     return 2.0 * math_17k_acc(response_text, label, config) - 1.0
 
 
+@register_verifier("retool_reward", requires_label=True)
+def retool_reward(response_text: str, label: Optional[str], trajectory=None,
+                  config: Optional[MathAccConfig] = None) -> float:
+    """MindSpeed-RL's ReTool reward (``retool_reward``, its multi-turn DAPO config's): +1.0 when the content of the
+    last ``\\boxed{}`` equals ``label`` (``acc_for_ppo``'s check), else -1.0 raised by 0.1 per tool call the
+    trajectory made, up to 0 (a wrong answer that used the code tool scores better than one that did not)."""
+    if label_missing(label):
+        raise MissingLabelError("retool_reward")
+    score = 2.0 * acc_for_ppo(response_text, label, config) - 1.0
+    calls = trajectory["tool_calls"] if trajectory else 0
+    return min(0.0, score + 0.1 * calls) if score < 0 else score
+
+
 _R1_BOXED_FORMAT = re.compile(r"<think>.*</think>.*<answer>.*\\boxed\{.*\}.*</answer>", re.DOTALL)
 
 
