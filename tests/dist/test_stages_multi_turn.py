@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.word_task import TOOLS_DIR  # the user's tool, call parser and reward function
+from tests.helpers.word_task import TOOL_CONFIG, TOOLS_DIR  # the user's tool, call parser and reward function
 
 pytestmark = [pytest.mark.usefixtures("warm_ranks"), pytest.mark.slow]
 
