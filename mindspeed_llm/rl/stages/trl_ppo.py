@@ -86,7 +86,6 @@ class TrlPPOStage:
                 trained.offload(timers)
             with timers("rollout"):  # a prompt's n samples are consecutive rows, each with its own GAE
                 exp, rollout_strategy_metrics = self.rollouts.collect(iteration, prompts)
-            exp.leave_out_tool_tokens()  # tool-response tokens are context: in every forward, in no loss
             plan = MicroBatchPlan.for_run(exp, settings.batch, group_size=n)
             rollout_stats = rollout_metrics(exp)
             if algorithm.mask_truncated_completions:  # they leave the actor's and the critic's losses
