@@ -279,3 +279,39 @@ def test_no_library_file_over_600_lines():
 
 def test_no_function_over_120_lines():
     assert long_functions() == [], "split the function into named steps"
+
+
+def plain_dict_registries(modules: Dict[str, Path]) -> List[str]:
+    """'module.NAME' for every module-level dict that serves as a registry outside `mindspeed_llm.registry.Registry`:
+    a dict literal whose values are all class names (`{"hermes": HermesParser}`), or an empty one a function of the
+    same module fills by key (a decorator's `NAME[key] = fn`)."""
+    found = []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        dicts = {}
+        for node in tree.body:
+            target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
+                getattr(node, "target", None) if isinstance(node, ast.AnnAssign) else None
+            if isinstance(target, ast.Name) and isinstance(node.value, ast.Dict):
+                dicts[target.id] = node.value
+        filled = {t.value.id for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                  for a in ast.walk(f) if isinstance(a, ast.Assign) for t in a.targets
+                  if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name)}
+        for name, value in dicts.items():
+            of_classes = value.values and all(isinstance(v, ast.Name) and v.id[:1].isupper() and not v.id.isupper()
+                                              for v in value.values)
+            # a private dict a function fills is a cache (`_CACHE`, `_BUILT`), not a registry
+            if of_classes or (not value.keys and name in filled and not name.startswith("_")):
+                found.append(f"{module}.{name}")
+    return found
+
+
+def test_one_registry_idiom(tmp_path):
+    """Every registry is a `mindspeed_llm.registry.Registry` (decorated or assigned entries, lazy imports), not a
+    plain dict: the check finds both kinds planted into a module."""
+    assert plain_dict_registries(package_modules()) == [], "make it a mindspeed_llm.registry.Registry"
+    planted = tmp_path / "planted.py"
+    planted.write_text('PARSERS = {"hermes": HermesParser}\nHOOKS = {}\n_CACHE = {}\n\n\ndef hook(fn):\n'
+                       '    HOOKS[fn.__name__] = _CACHE[fn] = fn\n', encoding="utf-8")
+    assert plain_dict_registries({"mindspeed_llm.planted": planted}) == [
+        "mindspeed_llm.planted.PARSERS", "mindspeed_llm.planted.HOOKS"]

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Sequence
 
+from mindspeed_llm.registry import Registry
+
 _CALL_FORMAT = '<tool_call>{"name": "...", "arguments": {...}}</tool_call>'
 
 
@@ -108,7 +110,8 @@ class HermesParser:
         return list(tokenizer.encode(self.end, add_special_tokens=False))
 
 
-TOOL_PARSERS: Dict[str, type] = {"hermes": HermesParser}
+# format name -> parser class (`--tool-parser-format`); a user's tool module may add one: TOOL_PARSERS[name] = cls
+TOOL_PARSERS = Registry({"hermes": HermesParser})
 
 
 def get_parser(name: str):
