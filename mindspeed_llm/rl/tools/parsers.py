@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Sequence
+from typing import Any, Dict, List, Mapping
 
 from mindspeed_llm.registry import Registry
 
@@ -100,14 +100,6 @@ class HermesParser:
                 errors.append(error)
             position = closed + len(self.end)
         return ParsedTurn(calls, errors, "".join(content).strip())
-
-    def stop_strings(self) -> Sequence[str]:
-        """The strings that end a turn that calls a tool."""
-        return (self.end,)
-
-    def end_token_ids(self, tokenizer) -> List[int]:
-        """The token ids of the end marker (one id for Qwen2.5, where ``</tool_call>`` is an added token)."""
-        return list(tokenizer.encode(self.end, add_special_tokens=False))
 
 
 # format name -> parser class (`--tool-parser-format`); a user's tool module may add one: TOOL_PARSERS[name] = cls
