@@ -1,6 +1,7 @@
 """`--stage trl_ppo`: TRL-style PPO with actor, reference, critic and reward model in one SPMD group.
 
-One iteration (DESIGN.md): generate (`--n-samples-per-prompt` responses per prompt, default 1) -> old log-probs, reference log-probs, values, score -> per-token
+One iteration (docs/architecture.md, "One iteration"): generate (`--n-samples-per-prompt` responses per prompt,
+default 1) -> old log-probs, reference log-probs, values, score -> per-token
 rewards (-kl_coef * KL, score after the last token as TRL places it) -> GAE + whitened advantages
 (`--adv-estimator gae`, the one estimator with a critic) -> actor (policy loss `--policy-loss`) and critic
 (clipped value loss) updates per epoch and mini-batch.
