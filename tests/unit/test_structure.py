@@ -315,3 +315,24 @@ def test_one_registry_idiom(tmp_path):
                        '    HOOKS[fn.__name__] = _CACHE[fn] = fn\n', encoding="utf-8")
     assert plain_dict_registries({"mindspeed_llm.planted": planted}) == [
         "mindspeed_llm.planted.PARSERS", "mindspeed_llm.planted.HOOKS"]
+
+
+def imports_of_tests(path: Path) -> List[str]:
+    """'file:line module' for every import of the test tree (`tests`, `tests.*`) in `path`, at any depth."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    found = []
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        found += [f"{path.name}:{node.lineno} {n}" for n in names if n == "tests" or n.startswith("tests.")]
+    return found
+
+
+def test_device_scripts_import_no_test_module(tmp_path):
+    """The device scripts (`scripts/*.py`, run on a GPU / NPU machine) and the package import nothing of `tests/`:
+    what they need lives in the package or the script. The check finds a planted import."""
+    files = sorted((ROOT / "scripts").glob("*.py")) + sorted(package_modules().values())
+    assert [hit for path in files for hit in imports_of_tests(path)] == []
+    planted = tmp_path / "planted.py"
+    planted.write_text("def check():\n    from tests.helpers import npu_stand_in\n", encoding="utf-8")
+    assert imports_of_tests(planted) == ["planted.py:2 tests.helpers"]
