@@ -25,6 +25,7 @@ The layers, bottom to top, are written below (`LAYERS`); they follow the floors 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Dict, List, Set, Tuple
 
@@ -336,3 +337,60 @@ def test_device_scripts_import_no_test_module(tmp_path):
     planted = tmp_path / "planted.py"
     planted.write_text("def check():\n    from tests.helpers import npu_stand_in\n", encoding="utf-8")
     assert imports_of_tests(planted) == ["planted.py:2 tests.helpers"]
+
+
+ARCHITECTURE_PAGE = ROOT / "docs" / "architecture.md"
+_CODE_SPAN = re.compile(r"`([^`]+)`")
+
+
+def _spans(line: str) -> List[str]:
+    """The inline-code spans of `line`, a brace list expanded (`rl/stages/{grpo,trl_ppo}.py` is two paths)."""
+    out = []
+    for span in _CODE_SPAN.findall(line):
+        todo = [span.strip()]
+        while todo:
+            text = todo.pop()
+            brace = re.search(r"\{([^{}]*)\}", text)
+            if brace is None:
+                out.append(text)
+            else:
+                todo += [text[:brace.start()] + alt + text[brace.end():] for alt in brace.group(1).split(",")]
+    return out
+
+
+def unlisted_modules(page: str, modules: Dict[str, Path], package: Path = PACKAGE) -> List[str]:
+    """The modules (paths under `package`) that no line of `page` names: a line names `rl/tools/config.py` with the
+    span `rl/tools/config.py`, or with `config.py` beside a span of its folder (`rl/tools/...`), as the page's tables
+    list a folder's files; a package's `__init__.py` with a span of its folder. The top package's face needs none."""
+    lines = [_spans(line) for line in page.splitlines()]
+    missing = []
+    for path in sorted(modules.values()):
+        rel = path.relative_to(package).as_posix()
+        folder, _, name = rel.rpartition("/")
+        folder = f"{folder}/" if folder else ""
+        if rel == "__init__.py":
+            continue
+        for spans in lines:
+            in_folder = not folder or any(s.startswith(folder) for s in spans)
+            if name == "__init__.py":
+                if in_folder:
+                    break
+            elif any(s == rel or s.endswith("/" + rel) for s in spans) or (
+                    in_folder and any(s == name or s.endswith("/" + name) for s in spans)):
+                break
+        else:
+            missing.append(rel)
+    return missing
+
+
+def test_the_architecture_page_lists_every_module(tmp_path):
+    """docs/architecture.md names every module of the package (a new module is a line of the page); the check finds
+    a module planted into a copy of the package."""
+    page = ARCHITECTURE_PAGE.read_text(encoding="utf-8")
+    assert unlisted_modules(page, package_modules()) == [], "add the module to docs/architecture.md"
+    planted = tmp_path / "mindspeed_llm"
+    (planted / "rl").mkdir(parents=True)
+    for rel in ("__init__.py", "rl/__init__.py", "rl/trainer.py", "rl/planted_module.py"):
+        (planted / rel).write_text("", encoding="utf-8")
+    modules = {str(path): path for path in planted.rglob("*.py")}
+    assert unlisted_modules(page, modules, planted) == ["rl/planted_module.py"]
