@@ -45,8 +45,8 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("megatron patches", ("mindspeed_llm.patches",)),
     ("device and process groups", ("mindspeed_llm.device", "mindspeed_llm.distributed")),
     ("models", ("mindspeed_llm.models",)),
-    # rl.tools (torch-free, imports only mindspeed_llm.errors) sits with data: preprocess_data.py --tool-config renders
-    # the tools' schemas into the prompts
+    # rl.tools (torch-free, imports only mindspeed_llm.errors and .registry) sits with data: preprocess_data.py
+    # --tool-config renders the tools' schemas into the prompts
     ("checkpoint, data, inference", ("mindspeed_llm.checkpoint", "mindspeed_llm.data", "mindspeed_llm.inference",
                                      "mindspeed_llm.rl.tools")),
     ("rl core", (
