@@ -52,7 +52,7 @@ def register_advantage(name: str, kind: str = "outcome", *, kl_in_reward: bool =
         raise ValueError(f"unknown advantage estimator kind {kind!r}; valid kinds are: {', '.join(ADV_KINDS)}")
 
     def register(fn):
-        ADV_ESTIMATORS.register(name)(AdvantageEstimator(name, fn, kind, kl_in_reward))
+        ADV_ESTIMATORS[name] = AdvantageEstimator(name, fn, kind, kl_in_reward)
         return fn
     return register
 

@@ -65,7 +65,7 @@ def register_verifier(name: str, *, requires_label: bool = False, override: bool
         if name in _REGISTRY and not override:
             raise ValueError(f"verifier '{name}' is already registered (pass override=True to replace it)")
         plan = call_plan(fn, f"verifier '{name}'")  # a signature nothing can fill fails here, naming the parameter
-        _REGISTRY.register(name)(_VerifierSpec(fn=fn, requires_label=bool(requires_label), plan=plan))
+        _REGISTRY[name] = _VerifierSpec(fn=fn, requires_label=bool(requires_label), plan=plan)
         return fn
 
     return decorator
