@@ -284,7 +284,7 @@ def _npu_attention(query, key, value, scale, masked, causal, dropout_p, fusion_a
 # `rms_norm` below (the built model's RMSNorms call it, `models/fused_ops.py`); SwiGLU and RoPE are megatron's own
 # fusion switches, whose kernels `patches/fused_ops.py` provides per device. NPU: torch_npu's fused kernels
 # (written from torch_npu's documented API; checked on CPU against plain-torch references of those ops,
-# tests/helpers/npu_fused_reference.py; unverified until run on an NPU). CUDA: torch's `rms_norm` (the call torch's
+# kernels/npu_reference.py; unverified until run on an NPU). CUDA: torch's `rms_norm` (the call torch's
 # RMSNorm module already makes, fused there by recent torch: no change expected; unverified, no GPU run), SwiGLU as on
 # the CPU. CPU: megatron's math with a hand-written backward that saves what the fused kernels save
 # (`kernels/fused_ops.py`): a memory switch there (measured: benchmarks/README.md). RoPE: NPU only
