@@ -58,6 +58,32 @@ def accelerator() -> Accelerator:
     return Accelerator("cpu", "gloo")
 
 
+def machine_identity() -> dict:
+    """What a run's floating-point bits depend on besides its inputs: torch's build, the device and processor kinds and
+    the CPU threads (a rollout dump records it; a replay names what differs)."""
+    kind = accelerator().kind
+    if kind == "cuda":
+        processor = torch.cuda.get_device_name(current_device())
+    elif kind == "npu":
+        processor = torch.npu.get_device_name(current_device())
+    else:
+        processor = _cpu_model()
+    return {"torch": torch.__version__, "device": kind, "processor": processor, "threads": torch.get_num_threads()}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
