@@ -149,11 +149,10 @@ def test_trl_ppo_accepts_n_samples_per_prompt():
 
 
 def test_loss_scale_flags_reach_megatrons_grad_scaler_with_fp16():
-    from mindspeed_llm.rl import roles
-
     fp16 = _parse("--fp16", "--initial-loss-scale", "4096", "--loss-scale-window", "50", "--hysteresis", "3")
-    assert roles._loss_scale_settings(fp16) == dict(initial_loss_scale=4096.0, loss_scale_window=50.0, hysteresis=3)
-    assert roles._loss_scale_settings(_parse("--bf16", "--initial-loss-scale", "4096")) == {}
+    assert fp16.settings.optimizer.loss_scale_settings() == dict(initial_loss_scale=4096.0, loss_scale_window=50.0,
+                                                                 hysteresis=3)
+    assert _parse("--bf16", "--initial-loss-scale", "4096").settings.optimizer.loss_scale_settings() == {}
 
 
 # ------------------------------------------------------------------------------------------- --split and evaluation
@@ -215,7 +214,7 @@ def llama_tied(tmp_path_factory):
 def _check(root, *extra):
     from mindspeed_llm.rl.roles import _checked_spec
 
-    return _checked_spec(root, "--ref-model", _parse(*extra))
+    return _checked_spec(root, "--ref-model", _parse(*extra).settings)
 
 
 def test_matching_model_flags_pass(llama_tied):
