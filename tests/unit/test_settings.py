@@ -145,16 +145,16 @@ def test_parser_does_not_import_the_stages():
 @pytest.mark.parametrize("extra", [[], ["--policy-loss", "gspo", "--split", "98,2,0", "--eval-interval", "2",
                                         "--partial-rollout", "--lr-warmup-fraction", "0.5"]])
 def test_validation_resolves_into_the_settings_not_the_namespace(extra):
-    """`validate_args` writes onto the Namespace only what Megatron's model / optimizer building and the startup
-    report read (`MEGATRON_DERIVED`) and the values named with their outside readers (`PUBLISHED`); the stage
-    defaults and derived values are the settings'."""
+    """`validate_args` writes onto the Namespace only what Megatron-LM's validate_args writes on its args and the
+    startup report's lines (`MEGATRON_DERIVED`); the stage defaults and derived values (model building's included)
+    are the settings'."""
     from mindspeed_llm.arguments import validation
 
     args = build_parser().parse_args(BASE + extra)
     given = dict(vars(args))
     validate_args(args, 1)
     written = {name for name, value in vars(args).items() if name not in given or given[name] != value}
-    assert written <= set(validation.MEGATRON_DERIVED) | set(validation.PUBLISHED) | {"settings"}
+    assert written <= set(validation.MEGATRON_DERIVED) | {"settings"}
     assert args.kl_penalty is None and args.settings.loss.kl_penalty == "low_var_kl"  # grpo's default
     assert args.adv_estimator is None and args.settings.algorithm.adv_estimator == "grpo"
     assert args.clip_ratio_high is None and args.settings.loss.clip_ratio_high == 0.2
