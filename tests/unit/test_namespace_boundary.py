@@ -90,7 +90,7 @@ def test_the_stages_loop_and_batch_plan_read_no_namespace():
     unexpected = {key: [w for w in what if key not in PENDING or PENDING[key] not in w]
                   for key, what in _reads().items()}
     unexpected = {key: what for key, what in unexpected.items() if what}
-    assert unexpected == {}, "reads of the argparse Namespace outside model building: " + "; ".join(
+    assert unexpected == {}, "reads of the argparse Namespace outside arguments/: " + "; ".join(
         f"{path} {function}: {', '.join(what)}" for (path, function), what in unexpected.items())
 
 
@@ -129,6 +129,7 @@ def test_a_planted_self_args_is_found():
 def test_a_planted_read_in_model_building_is_found(module, original, planted, function):
     """Model building reads its typed parts: a Namespace read planted in it (with `args` as the function's
     parameter, as it was) is found."""
+    assert module in CHECKED
     source = (PACKAGE / module).read_text()
     assert original in source and namespace_reads(source) == []
     tree = ast.parse(source.replace(original, planted))
