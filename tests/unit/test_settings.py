@@ -40,6 +40,23 @@ def test_a_parsed_command_line_gives_its_settings():
     assert ppo.reward.verifier_function == () and ppo.offload.offload_ref_reward
 
 
+def test_each_trained_role_gets_its_optimizer_from_the_settings():
+    """`OptimizerFlags.for_role`: the actor's --lr, the critic's --critic-lr (--lr when not given), the warmup from
+    --lr-warmup-fraction x --train-iters, the decay over --train-iters by default, the resume rule of the scheduler
+    flags, and --fp16's grad-scaler flags (megatron's defaults for those not given)."""
+    flags = parse_args(PPO + ["--lr", "2e-6", "--critic-lr", "5e-6", "--lr-warmup-fraction", "0.5", "--fp16",
+                              "--override-opt_param-scheduler", "--initial-loss-scale", "4096"]).settings.optimizer
+    actor, critic = flags.for_role("actor"), flags.for_role("critic")
+    assert (actor.lr, actor.lr_flag, critic.lr, critic.lr_flag) == (2e-6, "--lr", 5e-6, "--critic-lr")
+    assert (actor.lr_warmup_iters, actor.lr_decay_iters, actor.schedule_on_resume) == (2, 4, "override")
+    assert (actor.params_dtype, actor.initial_loss_scale, actor.hysteresis) == ("fp16", 4096.0, 2)
+    assert critic == dataclasses.replace(actor, lr=5e-6, lr_flag="--critic-lr")
+    default = parse_args(PPO + ["--lr", "3e-6", "--lr-decay-iters", "9", "--use-checkpoint-opt_param-scheduler"])
+    critic = default.settings.optimizer.for_role("critic")
+    assert (critic.lr, critic.lr_decay_iters, critic.schedule_on_resume) == (3e-6, 9, "checkpoint")
+    assert critic.initial_loss_scale == 2.0 ** 32  # megatron's default: no --fp16 here
+
+
 def test_validate_args_returns_the_settings_it_attaches():
     args = build_parser().parse_args(BASE)
     assert validate_args(args, 1) is args.settings
