@@ -135,7 +135,7 @@ def measure(config: str, shape_name: str) -> dict:
     def model(value_head=False):
         return build_model(spec, params_dtype="bf16", value_head=value_head).to(device.current_device())
 
-    actor = roles.trainable(model(), args, "actor", "--ref-model")
+    actor = roles.trainable(model(), args.settings, "actor", "--ref-model")
     if loaded:  # as --lora-load: the adapters are not zero, and the reference keeps a frozen copy of them
         actor.initial_adapter = "loaded"
         with torch.no_grad():
@@ -144,7 +144,7 @@ def measure(config: str, shape_name: str) -> dict:
     trained = {"actor": actor}
     frozen = {"reference": lora.reference(actor) if use_lora else roles.frozen(model())}
     if stage == "trl_ppo":
-        trained["critic"] = roles.trainable(model(value_head=True), args, "critic", "--reward-model")
+        trained["critic"] = roles.trainable(model(value_head=True), args.settings, "critic", "--reward-model")
         frozen["reward"] = lora.reward_model(trained["critic"]) if use_lora else roles.frozen(model(value_head=True))
     for role in trained.values():
         _step(role)

@@ -108,7 +108,7 @@ def _measure(opts) -> dict:
 
     roles.load_megatron_weights = timed_load
     start = time.perf_counter()
-    model = roles.load_model(opts.cache, "--ref-model", args)
+    model = roles.load_model(opts.cache, "--ref-model", args.settings)
     total = time.perf_counter() - start
     return {"mode": opts.mode, "total_s": total, "load_s": load_seconds[0], "build_s": total - load_seconds[0],
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,

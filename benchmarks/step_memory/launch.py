@@ -4,6 +4,7 @@ stage (`model_states`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -225,61 +226,69 @@ def read_launcher(path: str) -> Launch:
             argv = json.load(f)
     world = int(argv[argv.index("--nproc_per_node") + 1]) * int(argv[argv.index("--nnodes") + 1])
     posttrain = argv[argv.index("posttrain_gpt.py") + 1:]
-    args = parse_args(posttrain, world_size=world)
+    run = parse_args(posttrain, world_size=world).settings  # the validated command line's typed parts
+    algorithm, parallel, batch, offload = run.algorithm, run.parallel, run.batch, run.offload
     info = LAUNCHERS[path]
     shape, rm_shape = model_shape(info["model"]), model_shape(info["reward_model"])
     roles = [Role("actor", shape, True, False, False)]
-    if args.stage == "grpo":
-        if args.kl_coef > 0:
+    if algorithm.stage == "grpo":
+        if algorithm.kl_coef > 0:
             roles.append(Role("reference", shape, False, False, True))
-        if args.reward_model:
+        if run.models.reward_model:
             roles.append(Role("reward", rm_shape, False, True, True))
     else:
         roles.append(Role("reference", shape, False, False, True))
         roles.append(Role("critic", rm_shape, True, True, False))
-        if args.reward_model_weight != 0 or not args.verifier_function:
+        if run.reward.reward_model_weight != 0 or not run.reward.verifier_function:
             roles.append(Role("reward", rm_shape, False, True, True))
-    n = args.n_samples_per_prompt or 1
-    tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
-    etp = args.expert_tensor_parallel_size
+    n = algorithm.n_samples_per_prompt
+    tp, pp, ep = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size, \
+        run.moe.expert_model_parallel_size
+    etp, cp = parallel.expert_tensor_parallel_size, parallel.context_parallel_size
     layers = shape.layers // pp
-    recompute = args.recompute_granularity or "none"
+    recompute_flags = run.recompute
+    recompute = recompute_flags.recompute_granularity or "none"
     recompute_layers = None
-    if recompute == "full" and not (args.recompute_method == "uniform" and args.recompute_num_layers == 1):
+    if recompute == "full" and not (recompute_flags.recompute_method == "uniform"
+                                    and recompute_flags.recompute_num_layers == 1):
         # block k: k layers per stage checkpointed; uniform N > 1 is taken as all layers (it saves a little less)
-        recompute_layers = args.recompute_num_layers if args.recompute_method == "block" else None
-    if recompute == "selective" and list(args.recompute_modules or []) != ["core_attn"]:
+        recompute_layers = recompute_flags.recompute_num_layers if recompute_flags.recompute_method == "block" \
+            else None
+    if recompute == "selective" and list(recompute_flags.recompute_modules or []) != ["core_attn"]:
         recompute = "selective"  # only core_attn was measured; other modules are projected as core_attn alone
-    levers = Levers(attention=getattr(args, "attention", "sdpa"), recompute=recompute,
+    levers = Levers(attention=run.model.attention, recompute=recompute,
                     recompute_layers=recompute_layers if recompute_layers != layers else None,
-                    layout="packed" if n > 1 and args.micro_batch_size % n == 0 else "row",
-                    distributed_optimizer=bool(args.use_distributed_optimizer),
-                    offload_ref_reward=bool(args.offload_ref_reward),
-                    offload_optimizer=bool(args.offload_train_optimizer), offload_grad=bool(args.offload_train_grad),
-                    offload_param=bool(args.offload_train_param),
-                    micro_batch_tokens=args.max_tokens_per_micro_batch,
-                    forward_micro_batch_tokens=args.forward_max_tokens_per_micro_batch,
-                    rollout_max_num_seqs=args.rollout_max_num_seqs,
-                    rollout_max_num_batched_tokens=args.rollout_max_num_batched_tokens,
-                    sequence_parallel=bool(args.sequence_parallel),
-                    context_parallel=args.context_parallel_size if args.context_parallel_size > 1 else None)
-    flags = {k: getattr(args, k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                           "expert_model_parallel_size", "micro_batch_size", "global_batch_size",
-                                           "n_samples_per_prompt", "max_prompt_length", "max_new_tokens",
-                                           "max_length", "ppo_mini_batch_size", "use_distributed_optimizer",
-                                           "offload_ref_reward", "offload_train_optimizer", "offload_train_grad",
-                                           "offload_train_param", "recompute_granularity", "recompute_method",
-                                           "recompute_num_layers", "recompute_modules", "attention",
-                                           "max_tokens_per_micro_batch", "forward_max_tokens_per_micro_batch",
-                                           "moe_routing_replay", "kl_coef", "reward_model_weight",
-                                           "sequence_parallel", "context_parallel_size")}
-    return Launch(name=path, stage=args.stage, world=world, tp=tp, pp=pp, ep=ep, dp=args.data_parallel_size,
-                  expert_dp=world // (pp * ep * etp), micro_batch_size=args.micro_batch_size,
-                  global_batch_size=args.global_batch_size, n_samples=n,
-                  prompt_cap=args.max_prompt_length or (args.max_length - args.max_new_tokens),
-                  response_cap=args.max_new_tokens, max_length=args.max_length,
-                  mini_batch=args.ppo_mini_batch_size, roles=roles, levers=levers, flags=flags,
-                  state_only=bool(info.get("state_only")), cp=args.context_parallel_size)
+                    layout="packed" if n > 1 and batch.micro_batch_size % n == 0 else "row",
+                    distributed_optimizer=bool(run.optimizer.use_distributed_optimizer),
+                    offload_ref_reward=bool(offload.offload_ref_reward),
+                    offload_optimizer=bool(offload.offload_train_optimizer),
+                    offload_grad=bool(offload.offload_train_grad), offload_param=bool(offload.offload_train_param),
+                    micro_batch_tokens=batch.max_tokens_per_micro_batch,
+                    forward_micro_batch_tokens=batch.forward_max_tokens_per_micro_batch,
+                    rollout_max_num_seqs=run.sampling.rollout_max_num_seqs,
+                    rollout_max_num_batched_tokens=run.sampling.rollout_max_num_batched_tokens,
+                    sequence_parallel=bool(run.model.sequence_parallel),
+                    context_parallel=cp if cp > 1 else None)
+    by_name = {name: value for part in dataclasses.fields(run) for name, value in
+               vars(getattr(run, part.name)).items()}  # a field in several parts has one value
+    flags = {k: by_name[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                     "expert_model_parallel_size", "micro_batch_size", "global_batch_size",
+                                     "n_samples_per_prompt", "max_prompt_length", "max_new_tokens",
+                                     "max_length", "ppo_mini_batch_size", "use_distributed_optimizer",
+                                     "offload_ref_reward", "offload_train_optimizer", "offload_train_grad",
+                                     "offload_train_param", "recompute_granularity", "recompute_method",
+                                     "recompute_num_layers", "recompute_modules", "attention",
+                                     "max_tokens_per_micro_batch", "forward_max_tokens_per_micro_batch",
+                                     "moe_routing_replay", "kl_coef", "reward_model_weight",
+                                     "sequence_parallel", "context_parallel_size")}
+    if flags["recompute_modules"] is not None:
+        flags["recompute_modules"] = list(flags["recompute_modules"])  # as the command line gives it
+    return Launch(name=path, stage=algorithm.stage, world=world, tp=tp, pp=pp, ep=ep, dp=world // (tp * pp * cp),
+                  expert_dp=world // (pp * ep * etp), micro_batch_size=batch.micro_batch_size,
+                  global_batch_size=batch.global_batch_size, n_samples=n,
+                  prompt_cap=run.data.max_prompt_length, response_cap=run.sampling.max_new_tokens,
+                  max_length=run.sampling.max_length, mini_batch=run.update.ppo_mini_batch_size, roles=roles,
+                  levers=levers, flags=flags, state_only=bool(info.get("state_only")), cp=cp)
 
 
 def layouts(launch: Launch) -> List[Tuple[int, int]]:

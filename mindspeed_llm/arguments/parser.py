@@ -101,7 +101,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-flash-attn", action="store_true",
                    help="the fused attention kernel (the default here); refused with --attention-backend local / "
                         "unfused")
-    # MindSpeed-LLM's fused-op switches (device.FUSED_OPS; validation._check_fused_ops -> args.fused_ops)
+    # MindSpeed-LLM's fused-op switches (device.FUSED_OPS; validation._check_fused_ops -> settings.model.fused_ops)
     g.add_argument("--use-fused-rmsnorm", action="store_true",
                    help="every RMSNorm on the device's fused norm (npu_rms_norm on NPU, torch's rms_norm on CUDA, a "
                         "backward that saves the input and rstd only on CPU): fewer saved activations")

@@ -2,12 +2,12 @@
 
 `validate_args` turns every inconsistent combination into an `ArgumentError` whose message names the flags
 and the fix, before any model is built or any compute is spent, and returns the settings: the stage defaults and
-the values that follow from several flags are resolved into them, not written back into the Namespace, except:
-
-* `MEGATRON_DERIVED`: what Megatron's model and optimizer building (`rl/roles.py`, `rl/lora.py`, `rl/moe.py`,
-  `rl/recompute.py`, `models/builder.py`) and the checkpoints' records read from the Namespace;
-* `PUBLISHED`: resolved values that a reader outside the typed boundary still takes from the Namespace, each
-  named with its reader; an entry goes when its reader takes `args.settings`.
+the values that follow from several flags are resolved into them (model building's too: `rl/model_settings.py`),
+not written back into the Namespace, except `MEGATRON_DERIVED`: what Megatron-LM's own `validate_args` works out on
+its args (the process grid, the experts' layout and dispatcher, the precision, sequence parallelism off at TP 1,
+recompute from --recompute-activations), LoRA's switch, and the startup report's ignored flags and notes. Nothing
+outside `arguments/` reads them there but that report (`compat_flags.startup_lines`): model building and the
+benchmarks read the settings (tests/unit/test_namespace_boundary.py).
 """
 
 from __future__ import annotations
@@ -41,24 +41,16 @@ STAGE_DEFAULTS = {
     "trl_ppo": dict(kl_coef=0.3, kl_penalty="k1", n_samples_per_prompt=1),
     "grpo": dict(kl_coef=0.001, kl_penalty="low_var_kl", n_samples_per_prompt=8),
 }
-# Written on the Namespace: model building, the optimizer and the startup report read them there.
+# Written on the Namespace as Megatron-LM's validate_args writes them on its args (the settings hold them too), and
+# the startup report's lines (compat_flags.startup_lines)
 MEGATRON_DERIVED = (
-    "world_size", "data_parallel_size",  # checkpoints record the DP size; benchmarks read it
-    "expert_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type",  # rl/moe.model_options
-    "params_dtype", "attention", "sequence_parallel", "fused_ops",  # rl/roles.load_model -> models.build_model
-    "recompute_granularity", "recompute_modules",  # rl/recompute.model_options
-    "critic_lr", "lr_warmup_iters", "lr_decay_iters",  # rl/roles.trainable -> OptimizerSettings
-    "lora", "lora_target_modules",  # rl/roles.trainable, rl/lora.py
-    "ignored_flags", "startup_notes",  # compat_flags.startup_lines
+    "world_size", "data_parallel_size",
+    "expert_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type",
+    "params_dtype", "sequence_parallel",
+    "recompute_granularity", "recompute_modules",
+    "lora", "lora_target_modules",
+    "ignored_flags", "startup_notes",
 )
-# Resolved settings values still copied onto the Namespace for readers outside the typed boundary (their owners'):
-PUBLISHED = {
-    "n_samples_per_prompt": "benchmarks/step_memory/launch.py",
-    "kl_coef": "benchmarks/step_memory/launch.py (the launcher projection: a reference model when > 0)",
-    "max_length": "benchmarks/step_memory/launch.py",
-    "max_prompt_length": "benchmarks/step_memory/launch.py",
-    "ppo_mini_batch_size": "benchmarks/step_memory/launch.py",
-}
 
 
 def _check_expert_parallel(args, world_size: int) -> None:
@@ -101,37 +93,37 @@ def _check_expert_parallel(args, world_size: int) -> None:
     args.expert_tensor_parallel_size = etp
 
 
-def _check_attention_backend(args) -> None:
-    """`args.attention`, the core attention every model is built with (`build_model(attention=...)`): "sdpa" (the
-    device's fused kernel) unless --attention-backend local / unfused asks for megatron's local attention, which is
-    said at startup (it is not the default)."""
-    backend = args.attention_backend
-    if args.use_flash_attn and backend in LOCAL_ATTENTION_BACKENDS:
+def _check_attention_backend(run) -> None:
+    """`settings.model.attention`, the core attention every model is built with (`build_model(attention=...)`):
+    "sdpa" (the device's fused kernel) unless --attention-backend local / unfused asks for megatron's local
+    attention, which is said at startup (it is not the default)."""
+    backend = run.attention_backend
+    if run.use_flash_attn and backend in LOCAL_ATTENTION_BACKENDS:
         raise ArgumentError(f"--use-flash-attn and --attention-backend {backend} contradict each other: the first asks "
                             "for the fused attention kernel, the second for megatron's local attention; drop one")
-    args.attention = "local" if backend in LOCAL_ATTENTION_BACKENDS else "sdpa"
-    if args.attention == "local":
-        args.startup_notes.append(f"--attention-backend {backend}: megatron's local DotProductAttention (the "
+    run.attention = "local" if backend in LOCAL_ATTENTION_BACKENDS else "sdpa"
+    if run.attention == "local":
+        run.startup_notes.append(f"--attention-backend {backend}: megatron's local DotProductAttention (the "
                                   "reference; its memory grows with the square of the sequence length)")
 
 
-def _check_fused_ops(args) -> None:
-    """`args.fused_ops`, the `device.FUSED_OPS` every model is built with (`build_model(fused_ops=...)`): those whose
-    --use-fused-* flag is given and that this device runs, said at startup with what runs them; a flag this device
-    has no fused op for (RoPE off the NPU) is listed with the ignored flags."""
+def _check_fused_ops(run) -> None:
+    """`settings.model.fused_ops`, the `device.FUSED_OPS` every model is built with (`build_model(fused_ops=...)`):
+    those whose --use-fused-* flag is given and that this device runs, said at startup with what runs them; a flag
+    this device has no fused op for (RoPE off the NPU) is listed with the ignored flags."""
     from mindspeed_llm import device
 
-    given = {"rmsnorm": args.use_fused_rmsnorm, "swiglu": args.use_fused_swiglu,
-             "rope": args.use_fused_rotary_pos_emb}
-    args.fused_ops = tuple(op for op in device.fused_ops_here() if given[op])
-    if given["rope"] and "rope" not in args.fused_ops:
-        args.ignored_flags[device.FUSED_OPS["rope"]] = device.NO_FUSED_ROPE
-    if args.fused_ops:
-        flags = ", ".join(device.FUSED_OPS[op] for op in args.fused_ops)
-        args.startup_notes.append(f"{flags}: {device.fused_ops_line(args.fused_ops)}")
+    given = {"rmsnorm": run.use_fused_rmsnorm, "swiglu": run.use_fused_swiglu,
+             "rope": run.use_fused_rotary_pos_emb}
+    run.fused_ops = tuple(op for op in device.fused_ops_here() if given[op])
+    if given["rope"] and "rope" not in run.fused_ops:
+        run.ignored_flags[device.FUSED_OPS["rope"]] = device.NO_FUSED_ROPE
+    if run.fused_ops:
+        flags = ", ".join(device.FUSED_OPS[op] for op in run.fused_ops)
+        run.startup_notes.append(f"{flags}: {device.fused_ops_line(run.fused_ops)}")
 
 
-def _check_sequence_and_context_parallel(args) -> None:
+def _check_sequence_and_context_parallel(args, attention: str) -> None:
     """--sequence-parallel needs TP > 1 (Megatron-LM turns it off at TP 1, and so does this, saying so);
     --context-parallel-size > 1 needs the fused core attention, whose CP path gathers the keys and values over the
     CP group (megatron's local attention has none). A mixture of experts under CP is refused when its checkpoint
@@ -140,7 +132,7 @@ def _check_sequence_and_context_parallel(args) -> None:
         args.sequence_parallel = False
         args.startup_notes.append("--sequence-parallel is off: it splits activations over the tensor-parallel ranks, "
                                   "and --tensor-model-parallel-size is 1 (Megatron-LM's rule)")
-    if args.context_parallel_size > 1 and args.attention == "local":
+    if args.context_parallel_size > 1 and attention == "local":
         raise ArgumentError(
             f"--context-parallel-size {args.context_parallel_size} needs the fused core attention (its context-"
             f"parallel path gathers keys and values over the CP ranks); --attention-backend {args.attention_backend} "
@@ -165,25 +157,24 @@ class _Resolving:
 def validate_args(args, world_size: int) -> run_settings.Settings:
     """Reject inconsistent combinations with messages that name the flags, and resolve the run's settings (stage
     defaults, derived values): returns the typed parts the stages pass around (`rl/settings.py`), also attached as
-    `args.settings`. The Namespace gets only what Megatron's model and optimizer building reads (`MEGATRON_DERIVED`)
-    and the values readers outside the typed boundary still take from it (`PUBLISHED`)."""
+    `args.settings`. The Namespace gets only what Megatron-LM's validate_args writes on its args and the startup
+    report's lines (`MEGATRON_DERIVED`)."""
     check_ranges(args, build_parser())  # every numeric flag in its range (argument_ranges.RANGES), floats finite
     _check_world(args, world_size)
     _check_model_flags(args)
     _check_recompute(args)
     args.ignored_flags = compat_flags.ignored_flags(args)  # printed once at startup (compat_flags.startup_lines)
     args.startup_notes = []
-    _check_attention_backend(args)
-    _check_fused_ops(args)
-    _check_sequence_and_context_parallel(args)
-
     run = _Resolving(args)  # the settings' values: the stage defaults and what follows from several flags
+    _check_attention_backend(run)
+    _check_fused_ops(run)
+    _check_sequence_and_context_parallel(args, run.attention)
     for name, value in STAGE_DEFAULTS[args.stage].items():
         if getattr(args, name) is None:
             setattr(run, name, value)
     if args.clip_ratio_high is None:
         run.clip_ratio_high = args.clip_ratio
-    _check_learning_rates(args)
+    _check_learning_rates(run)
     _resolve_lengths(run)
     _check_batches(run)
     if args.optimizer == "sgd" and args.use_distributed_optimizer:
@@ -210,12 +201,9 @@ def validate_args(args, world_size: int) -> run_settings.Settings:
     _check_lora(args)
     check_wandb(run)
     if args.lr_warmup_fraction is not None:
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.train_iters)
+        run.lr_warmup_iters = int(args.lr_warmup_fraction * args.train_iters)
     if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    for name in PUBLISHED:
-        if name in run.resolved:
-            setattr(args, name, run.resolved[name])
+        run.lr_decay_iters = args.train_iters
     args.settings = run_settings.from_args(args, **run.resolved)
     return args.settings
 
@@ -238,13 +226,13 @@ def _check_world(args, world_size: int) -> None:
     args.params_dtype = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
 
 
-def _check_learning_rates(args) -> None:
-    """`args.critic_lr` (default --lr: the critic's optimizer is built from the Namespace) and --min-lr below both."""
-    if args.critic_lr is None:
-        args.critic_lr = args.lr
-    for flag, lr in (("--lr", args.lr), ("--critic-lr", args.critic_lr)):
-        if args.min_lr > lr:  # Megatron-LM's scheduler asserts min_lr <= max_lr
-            raise ArgumentError(f"--min-lr {args.min_lr:g} is above {flag} {lr:g}: the LR schedule decays from "
+def _check_learning_rates(run) -> None:
+    """--critic-lr (default --lr) and --min-lr below both."""
+    if run.critic_lr is None:
+        run.critic_lr = run.lr
+    for flag, lr in (("--lr", run.lr), ("--critic-lr", run.critic_lr)):
+        if run.min_lr > lr:  # Megatron-LM's scheduler asserts min_lr <= max_lr
+            raise ArgumentError(f"--min-lr {run.min_lr:g} is above {flag} {lr:g}: the LR schedule decays from "
                                 f"{flag} down to --min-lr; lower --min-lr")
 
 

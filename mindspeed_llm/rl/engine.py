@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -36,6 +35,7 @@ from mindspeed_llm.models.context_parallel import ContextParallelLayout, context
 from mindspeed_llm.models.forward_layout import forward_layout
 from mindspeed_llm.models.routing import micro_batch_routing
 from mindspeed_llm.rl import moe, optimizer_state
+from mindspeed_llm.rl.model_settings import OptimizerSettings
 from mindspeed_llm.rl.model_state import Offloader
 
 MicroBatch = Dict[str, torch.Tensor]
@@ -44,35 +44,6 @@ MicroBatch = Dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple]
 # output_fn(output, micro_batch) -> tensor with micro-batch rows first
 OutputFn = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
-
-
-@dataclass
-class OptimizerSettings:
-    lr: float
-    optimizer: str = "adam"  # or "sgd"
-    sgd_momentum: float = 0.9
-    min_lr: float = 0.0
-    lr_decay_style: str = "constant"
-    lr_warmup_iters: int = 0
-    lr_decay_iters: int = 1
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    params_dtype: str = "fp32"
-    use_distributed_optimizer: bool = False
-    # On resume, an LR schedule that differs from the checkpoint's is an error ("check"), or the command line's
-    # ("override", --override-opt_param-scheduler) or the checkpoint's ("checkpoint") applies (Megatron-LM).
-    schedule_on_resume: str = "check"
-    # The flag names of the role's settings, for messages (the critic's lr is --critic-lr).
-    lr_flag: str = "--lr"
-    # fp16's grad scaler (Megatron-LM's flags and defaults): a constant scale, or a dynamic one.
-    loss_scale: Optional[float] = None
-    initial_loss_scale: float = 2.0 ** 32
-    min_loss_scale: float = 1.0
-    loss_scale_window: float = 1000
-    hysteresis: int = 2
 
 
 # OptimizerParamScheduler state key -> what it is, for messages

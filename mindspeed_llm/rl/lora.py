@@ -35,31 +35,40 @@ from mindspeed_llm.checkpoint.errors import CheckpointError
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.models import lora
 from mindspeed_llm.rl.engine import TrainableModel
+from mindspeed_llm.rl.model_settings import LoRASettings, OptimizerSettings
 
 DEFAULT_R, DEFAULT_ALPHA = 16, 32.0  # MindSpeed-LLM's defaults
 
 
-def run_config(args, adapter=None) -> lora.LoRAConfig:
+def run_config(flags: LoRASettings, adapter=None) -> lora.LoRAConfig:
     """The LoRA config of the run: the flags (MindSpeed-LLM's defaults r 16, alpha 32), or with `adapter`
     (`--lora-load`) the adapter's own r, alpha and targets -- a flag that disagrees is an error; --lora-dropout,
     a training setting, applies."""
-    dropout = args.lora_dropout if args.lora_dropout is not None else None
+    dropout = flags.lora_dropout
     if adapter is None:
-        return lora.LoRAConfig(r=args.lora_r or DEFAULT_R,
-                               alpha=args.lora_alpha if args.lora_alpha is not None else DEFAULT_ALPHA,
-                               dropout=dropout or 0.0, target_modules=tuple(args.lora_target_modules))
+        return lora.LoRAConfig(r=flags.lora_r or DEFAULT_R,
+                               alpha=flags.lora_alpha if flags.lora_alpha is not None else DEFAULT_ALPHA,
+                               dropout=dropout or 0.0, target_modules=tuple(flags.lora_target_modules))
     found = adapter.config
-    for flag, given, stored in (("--lora-r", args.lora_r, found.r), ("--lora-alpha", args.lora_alpha, found.alpha)):
+    for flag, given, stored in (("--lora-r", flags.lora_r, found.r), ("--lora-alpha", flags.lora_alpha, found.alpha)):
         if given is not None and float(given) != float(stored):
             raise ArgumentError(f"{flag} {given:g} does not match the adapter of --lora-load {adapter.source} "
                                 f"({flag[2:].replace('-', '_')} {stored:g}); drop the flag")
-    if args.lora_target_modules and set(args.lora_target_modules) != set(found.target_modules):
-        raise ArgumentError(f"--lora-target-modules {' '.join(args.lora_target_modules)} does not match the adapter "
+    if flags.lora_target_modules and set(flags.lora_target_modules) != set(found.target_modules):
+        raise ArgumentError(f"--lora-target-modules {' '.join(flags.lora_target_modules)} does not match the adapter "
                             f"of --lora-load {adapter.source} ({' '.join(found.target_modules)}); drop the flag")
     return replace(found, dropout=found.dropout if dropout is None else dropout)
 
 
-def read_lora_load(args, spec):
+def as_flags(config: lora.LoRAConfig, flags: LoRASettings) -> LoRASettings:
+    """`flags` whose `run_config` is `config` (its r, alpha, dropout and targets; the ranks of a PEFT adapter's
+    stacked matrices stay the adapter's): what the critic's adapters are built with after the actor's, which took an
+    adapter of --lora-load's own values."""
+    return replace(flags, lora_r=config.r, lora_alpha=config.alpha, lora_dropout=config.dropout,
+                   lora_target_modules=tuple(config.target_modules))
+
+
+def read_lora_load(flags: LoRASettings, spec):
     """The adapter of --lora-load (a PEFT folder or an adapter checkpoint), refused by name when it is not one or
     belongs to another model."""
     from mindspeed_llm.checkpoint import lora as lora_files
@@ -67,16 +76,16 @@ def read_lora_load(args, spec):
     from mindspeed_llm.checkpoint.errors import ConversionError
 
     try:
-        adapter = lora_files.read_adapter(args.lora_load, spec)
+        adapter = lora_files.read_adapter(flags.lora_load, spec)
     except (ConversionError, FileNotFoundError, OSError) as exc:
-        raise ArgumentError(f"--lora-load {args.lora_load}: {exc}") from None
+        raise ArgumentError(f"--lora-load {flags.lora_load}: {exc}") from None
     if adapter.spec is not None:
         diffs = spec_differences(adapter.spec, spec)
         if diffs:
             listed = "; ".join(f"{k}: adapter {a!r} vs model {b!r}" for k, (a, b) in diffs.items())
-            raise ArgumentError(f"--lora-load {args.lora_load}: its adapters belong to another model ({listed})")
+            raise ArgumentError(f"--lora-load {flags.lora_load}: its adapters belong to another model ({listed})")
     if adapter.value_head:
-        raise ArgumentError(f"--lora-load {args.lora_load} is a value model's adapter (a critic's); --lora-load "
+        raise ArgumentError(f"--lora-load {flags.lora_load} is a value model's adapter (a critic's); --lora-load "
                             "starts the actor")
     return adapter
 
@@ -254,18 +263,18 @@ class LoRATrainableModel(TrainableModel):
                       "holds the same weights", flush=True)
 
 
-def trainable(model, args, settings, name: str, **options) -> LoRATrainableModel:
+def trainable(model, flags: LoRASettings, settings: OptimizerSettings, name: str, **options) -> LoRATrainableModel:
     """The actor or the critic with adapters (module docstring); `model` is loaded and on the device; `options` are
-    `TrainableModel`'s (finite and divergence checks, offload)."""
+    `TrainableModel`'s (finite and divergence checks, offload). The critic's adapters are fresh ones of the flags'
+    config, which `as_flags` makes the actor's (`roles.RoleFactory`)."""
     adapter = None
     if name == "actor":
-        adapter = read_lora_load(args, model.model_spec) if args.lora_load else None
-        config = run_config(args, adapter)
-        args.lora_config = config  # the critic's adapters: the same r, alpha and targets, fresh
+        adapter = read_lora_load(flags, model.model_spec) if flags.lora_load else None
+        config = run_config(flags, adapter)
     else:
-        config = replace(getattr(args, "lora_config", None) or run_config(args), ranks={})
+        config = replace(run_config(flags), ranks={})
     try:
-        lora.apply_lora(model, config, seed=args.seed, salt=name)
+        lora.apply_lora(model, config, seed=flags.seed, salt=name)
     except ValueError as exc:
         raise ArgumentError(f"the {name}: {exc}") from None
     if adapter is not None:
@@ -276,9 +285,9 @@ def trainable(model, args, settings, name: str, **options) -> LoRATrainableModel
     if note and is_rank_0():
         print(f"{name}: {note}", flush=True)
     trained = LoRATrainableModel(model, settings, name=name, **options, base=getattr(model, "loaded_from", ""),
-                                 initial_adapter=args.lora_load if adapter is not None else None)
+                                 initial_adapter=flags.lora_load if adapter is not None else None)
     problem = base_problem(trained, adapter) if adapter is not None else None
-    if problem and not getattr(args, "allow_base_mismatch", False):
+    if problem and not flags.allow_base_mismatch:
         raise ArgumentError(problem)
     if problem and is_rank_0():
         print(f"{name}: warning: --allow-base-mismatch: {problem.split('; pass')[0]}", flush=True)

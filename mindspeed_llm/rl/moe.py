@@ -41,49 +41,49 @@ from megatron.core import parallel_state
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.models import ArchitectureSpec
 from mindspeed_llm.models.builder import grouped_gemm_kernel
+from mindspeed_llm.rl.model_settings import MoESettings
 
 # Megatron's tracker name of each load-balancing type's loss.
 LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
               "global_aux_loss": "global_load_balancing_loss"}
 
 
-def model_options(spec: ArchitectureSpec, args, flag: str, root: str, policy: bool) -> Dict[str, object]:
+def model_options(spec: ArchitectureSpec, moe: MoESettings, flag: str, root: str, policy: bool) -> Dict[str, object]:
     """`build_model` overrides for the run's MoE flags (empty for a dense model). `policy`: a causal LM (actor or
     reference), the models --moe-routing-replay applies to."""
     if policy and not spec.is_moe:
         # the critic / reward model may be dense next to an MoE actor (they ignore the expert groups), the policy not
-        if getattr(args, "moe_routing_replay", False):
+        if moe.moe_routing_replay:
             raise ArgumentError(f"--moe-routing-replay needs a mixture-of-experts actor, but {flag} {root} is a "
                                 f"dense {spec.family} model; drop the flag")
-        ep = getattr(args, "expert_parallel_size", 1)
-        if ep > 1:
-            raise ArgumentError(f"--expert-model-parallel-size {getattr(args, 'expert_model_parallel_size', ep)} "
+        if moe.expert_parallel_size > 1:
+            raise ArgumentError(f"--expert-model-parallel-size {moe.expert_model_parallel_size} "
                                 f"needs a mixture-of-experts actor, but {flag} {root} is a dense {spec.family} "
                                 "model; drop the flag")
     if not spec.is_moe:
         return {}
-    cp = getattr(args, "context_parallel_size", 1)
+    cp = moe.context_parallel_size
     if cp > 1:
         raise ArgumentError(f"--context-parallel-size {cp}: {flag} {root} is a mixture of experts, which this build "
                             "runs without context parallelism (its load-balancing loss, padding mask, metrics and "
                             "routing replay count the tokens of whole sequences); use --context-parallel-size 1 "
                             "with --sequence-parallel and expert parallelism")
-    coeff = getattr(args, "moe_aux_loss_coeff", None)
+    coeff = moe.moe_aux_loss_coeff
     coeff = spec.moe_aux_loss_coeff if coeff is None else coeff  # the flag, else the checkpoint's (HF config)
     options = dict(
-        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_token_dispatcher_type=moe.moe_token_dispatcher_type,
+        moe_router_load_balancing_type=moe.moe_router_load_balancing_type,
         moe_aux_loss_coeff=float(coeff),
-        moe_grouped_gemm=bool(args.moe_grouped_gemm),
+        moe_grouped_gemm=bool(moe.moe_grouped_gemm),
     )
-    if getattr(args, "moe_routing_replay", False) and policy:
+    if moe.moe_routing_replay and policy:
         options["moe_enable_routing_replay"] = True
     return options
 
 
-def startup_notes(args) -> List[str]:
+def startup_notes(moe: MoESettings) -> List[str]:
     """What rank 0 prints once about the MoE flags (empty when nothing needs saying)."""
-    if getattr(args, "moe_grouped_gemm", False) and grouped_gemm_kernel() is None:
+    if moe.moe_grouped_gemm and grouped_gemm_kernel() is None:
         return ["--moe-grouped-gemm: the experts run as megatron's SequentialMLP (the same math, one matmul per "
                 "expert); the grouped kernel path (grouped_gemm, fused expert weights) is not wired in this build"]
     return []
@@ -156,11 +156,11 @@ class UpdateStats:
         self.num_micro_batches = 0
         self._handles = []
 
-    def _count(self, router, args, output):
+    def _count(self, router, inputs, output):
         if not (router.training and torch.is_grad_enabled()):
             return
         routing_map = output[1]  # [tokens, experts] (s, b) order
-        pad = args[1] if len(args) > 1 else None
+        pad = inputs[1] if len(inputs) > 1 else None
         if pad is not None:
             routing_map = routing_map & ~pad.reshape(-1, 1)
         self.counts[router.layer_number - 1] += routing_map.sum(0).detach().to(self.counts.dtype)

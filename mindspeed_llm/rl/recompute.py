@@ -19,6 +19,7 @@ from typing import Dict
 
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.models import ArchitectureSpec
+from mindspeed_llm.rl.model_settings import RecomputeSettings
 
 
 def _applies(spec: ArchitectureSpec) -> Dict[str, bool]:
@@ -33,37 +34,40 @@ def _applies(spec: ArchitectureSpec) -> Dict[str, bool]:
     }
 
 
-def model_options(spec: ArchitectureSpec, args, trained: bool, policy: bool) -> Dict[str, object]:
+def model_options(spec: ArchitectureSpec, recompute: RecomputeSettings, trained: bool,
+                  policy: bool) -> Dict[str, object]:
     """`build_model` overrides for activation recompute: empty for a frozen role (`trained=False`) or without
     --recompute-granularity. `policy`: the actor, whose layers every selective module must apply to (a critic of
     another architecture gets the modules that apply to it)."""
-    granularity = getattr(args, "recompute_granularity", None)
+    granularity = recompute.recompute_granularity
     if not trained or granularity is None:
         return {}
+    pp = recompute.pipeline_model_parallel_size
     if granularity == "full":
-        per_stage = spec.num_layers // args.pipeline_model_parallel_size
-        layers = args.recompute_num_layers
+        per_stage = spec.num_layers // pp
+        layers = recompute.recompute_num_layers
         if layers > per_stage:
             raise ArgumentError(
                 f"--recompute-num-layers {layers} exceeds the {per_stage} layers of each pipeline stage "
-                f"({spec.num_layers} layers / --pipeline-model-parallel-size {args.pipeline_model_parallel_size}; "
+                f"({spec.num_layers} layers / --pipeline-model-parallel-size {pp}; "
                 f"megatron counts it per stage): use 1..{per_stage}")
-        if args.recompute_method == "uniform" and per_stage % layers:
+        if recompute.recompute_method == "uniform" and per_stage % layers:
             raise ArgumentError(
                 f"--recompute-method uniform --recompute-num-layers {layers}: the {per_stage} layers of each "
                 f"pipeline stage do not split into groups of {layers} (megatron's uniform loop would run past the "
                 "stage's last layer); use a divisor of it, or --recompute-method block")
-        return dict(recompute_granularity="full", recompute_method=args.recompute_method,
-                    recompute_num_layers=layers, distribute_saved_activations=bool(args.distribute_saved_activations))
+        return dict(recompute_granularity="full", recompute_method=recompute.recompute_method,
+                    recompute_num_layers=layers,
+                    distribute_saved_activations=bool(recompute.distribute_saved_activations))
     applies = _applies(spec)
     if policy:
-        for name in args.recompute_modules:
+        for name in recompute.recompute_modules:
             if not applies[name]:
-                given = "--moe-layer-recompute" if name == "moe" and args.moe_layer_recompute else \
+                given = "--moe-layer-recompute" if name == "moe" and recompute.moe_layer_recompute else \
                     f"--recompute-modules {name}"
                 raise ArgumentError(f"{given}: this {spec.family} model has no {_WHAT[name]}, so nothing would be "
                                     "recomputed; drop it")
-    modules = [name for name in args.recompute_modules if applies[name]]
+    modules = [name for name in recompute.recompute_modules if applies[name]]
     return dict(recompute_granularity="selective", recompute_modules=modules) if modules else {}
 
 

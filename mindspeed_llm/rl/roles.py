@@ -2,13 +2,18 @@
 random initialisation), frozen (reference, reward) and offloaded to host memory between uses, or trained (actor,
 critic) with the command line's optimizer settings and what of their training state waits in host memory between
 updates (--offload-train-*); with LoRA the trained ones get adapters on a frozen base and the frozen
-ones that share that base are views of it (`rl/lora.py`)."""
+ones that share that base are views of it (`rl/lora.py`).
+
+Everything here reads the run's typed parts (`rl/settings.py`, `rl/model_settings.py`), never the command line's
+Namespace; megatron gets its model's TransformerConfig field by field from `models.build_model` (the glue to
+megatron's model building), and its global args are never set."""
 
 from __future__ import annotations
 
 import contextlib
 import math
 import os
+from dataclasses import replace
 from typing import Dict, Optional
 
 import torch
@@ -18,56 +23,57 @@ from mindspeed_llm.checkpoint import load_megatron_weights, load_spec
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.models import ArchitectureSpec, build_model
 from mindspeed_llm.rl import moe, recompute
-from mindspeed_llm.rl.engine import OptimizerSettings, TrainableModel
-from mindspeed_llm.rl.settings import OffloadSettings
+from mindspeed_llm.rl.engine import TrainableModel
+from mindspeed_llm.rl.model_settings import ModelBuild, MoESettings
+from mindspeed_llm.rl.settings import OffloadSettings, Settings
 
 
-def _checked_spec(root: str, flag: str, args) -> ArchitectureSpec:
+def _checked_spec(root: str, flag: str, settings: Settings) -> ArchitectureSpec:
     """The checkpoint's ArchitectureSpec, after checking every model flag the command line gave against it (Megatron-LM
     scripts describe the model with flags; here the checkpoint does, and a flag that disagrees is an error)."""
     spec = load_spec(root)
+    given = settings.model
 
-    def mismatch(given: str, what: str) -> ValueError:
-        return ValueError(f"{given} does not match the checkpoint {flag} {root} ({what}); drop the flag or "
+    def mismatch(option: str, what: str) -> ValueError:
+        return ValueError(f"{option} does not match the checkpoint {flag} {root} ({what}); drop the flag or "
                           "convert the right model")
 
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "vocab_size",
                  "max_position_embeddings"):
-        wanted = getattr(args, name, None)
+        wanted = getattr(given, name)
         if wanted is not None and wanted != getattr(spec, name):
             option = "--padded-vocab-size" if name == "vocab_size" else f"--{name.replace('_', '-')}"
             raise mismatch(f"{option} {wanted}", f"{name}={getattr(spec, name)}")
     for name in ("rotary_base", "norm_epsilon"):
-        wanted = getattr(args, name, None)
+        wanted = getattr(given, name)
         if wanted is not None and not math.isclose(wanted, getattr(spec, name), rel_tol=1e-6):
             raise mismatch(f"--{name.replace('_', '-')} {wanted:g}", f"{name}={getattr(spec, name):g}")
-    _check_attention_flags(spec, args, mismatch)
-    scaling = getattr(args, "rope_scaling_type", None)
-    if scaling is not None and spec.rope_scaling_factor is None:
-        raise mismatch(f"--rope-scaling-type {scaling}", "no RoPE frequency scaling")
-    factor = getattr(args, "rope_scaling_factor", None)
+    _check_attention_flags(spec, given, mismatch)
+    if given.rope_scaling_type is not None and spec.rope_scaling_factor is None:
+        raise mismatch(f"--rope-scaling-type {given.rope_scaling_type}", "no RoPE frequency scaling")
+    factor = given.rope_scaling_factor
     if factor is not None and factor != spec.rope_scaling_factor:
         found = "no RoPE scaling" if spec.rope_scaling_factor is None else f"factor {spec.rope_scaling_factor:g}"
         raise mismatch(f"--rope-scaling-factor {factor:g}", f"llama3 RoPE scaling {found}")
-    if getattr(args, "untie_embeddings_and_output_weights", False) and spec.tie_word_embeddings:
+    if given.untie_embeddings_and_output_weights and spec.tie_word_embeddings:
         raise mismatch("--untie-embeddings-and-output-weights", "the output layer shares the embedding's weights")
-    if getattr(args, "qk_layernorm", False) and not spec.qk_layernorm:
+    if given.qk_layernorm and not spec.qk_layernorm:
         raise mismatch("--qk-layernorm", "no query/key norms")
-    _check_moe_flags(spec, args, mismatch)
+    _check_moe_flags(spec, settings.moe, mismatch)
     return spec
 
 
-def _check_moe_flags(spec: ArchitectureSpec, args, mismatch) -> None:
+def _check_moe_flags(spec: ArchitectureSpec, given: MoESettings, mismatch) -> None:
     """The mixture-of-experts shape flags of MindSpeed-LLM scripts (--num-experts, --moe-router-topk,
     --moe-ffn-hidden-size / --moe-intermediate-size, --moe-shared-expert-intermediate-size) against the checkpoint
     (a dense checkpoint has no experts)."""
-    experts = getattr(args, "num_experts", None)
+    experts = given.num_experts
     if experts is not None and experts != (spec.num_experts or 0):
         found = f"num_experts={spec.num_experts}" if spec.is_moe else "a dense model"
         raise mismatch(f"--num-experts {experts}", found)
     for name, option in (("moe_router_topk", "--moe-router-topk"), ("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
                          ("moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size")):
-        wanted = getattr(args, name, None)
+        wanted = getattr(given, name)
         if wanted is None:
             continue
         if not spec.is_moe:
@@ -76,33 +82,33 @@ def _check_moe_flags(spec: ArchitectureSpec, args, mismatch) -> None:
             raise mismatch(f"{option} {wanted}", f"{name}={getattr(spec, name)}")
 
 
-def _check_attention_flags(spec: ArchitectureSpec, args, mismatch) -> None:
+def _check_attention_flags(spec: ArchitectureSpec, given: ModelBuild, mismatch) -> None:
     """Grouped-query attention and q/k/v biases as Megatron-LM reads the flags: --num-query-groups counts with
     --group-query-attention (default 1), without it every head has its own keys and values; --disable-bias-linear
     turns the q/k/v bias off unless --add-qkv-bias turns it back on."""
-    groups = getattr(args, "num_query_groups", None)
-    if getattr(args, "group_query_attention", False):
+    groups = given.num_query_groups
+    if given.group_query_attention:
         groups = 1 if groups is None else groups
         if groups != spec.num_query_groups:
-            given = f"--group-query-attention --num-query-groups {groups}" + (
-                "" if args.num_query_groups is not None else " (Megatron-LM's default)")
-            raise mismatch(given, f"num_query_groups={spec.num_query_groups}")
+            option = f"--group-query-attention --num-query-groups {groups}" + (
+                "" if given.num_query_groups is not None else " (Megatron-LM's default)")
+            raise mismatch(option, f"num_query_groups={spec.num_query_groups}")
     elif groups is not None and groups != spec.num_query_groups:
         raise mismatch(f"--num-query-groups {groups}", f"num_query_groups={spec.num_query_groups}")
-    elif getattr(args, "num_attention_heads", None) is not None and spec.num_query_groups != spec.num_attention_heads:
-        raise mismatch(f"--num-attention-heads {args.num_attention_heads} without --group-query-attention "
+    elif given.num_attention_heads is not None and spec.num_query_groups != spec.num_attention_heads:
+        raise mismatch(f"--num-attention-heads {given.num_attention_heads} without --group-query-attention "
                        "(multi-head attention)", f"grouped-query attention with num_query_groups="
                        f"{spec.num_query_groups}: add --group-query-attention --num-query-groups {spec.num_query_groups}")
-    add_qkv_bias = getattr(args, "add_qkv_bias", False)
-    if getattr(args, "disable_bias_linear", False) or add_qkv_bias:
-        if add_qkv_bias != spec.add_qkv_bias:
-            if add_qkv_bias:
+    if given.disable_bias_linear or given.add_qkv_bias:
+        if given.add_qkv_bias != spec.add_qkv_bias:
+            if given.add_qkv_bias:
                 raise mismatch("--add-qkv-bias", "no q/k/v biases")
             raise mismatch("--disable-bias-linear (without --add-qkv-bias)",
                            "q/k/v biases; add --add-qkv-bias, as Megatron-LM needs for this model")
 
 
-def load_model(root: str, flag: str, args, value_head: bool = False, trained: bool = False, on_host: bool = False):
+def load_model(root: str, flag: str, settings: Settings, value_head: bool = False, trained: bool = False,
+               on_host: bool = False):
     """A GPTModel (or value-head model) for this rank on the accelerator (`on_host`: in host memory, where an
     offloaded frozen model waits), weights from a Megatron checkpoint at `root`; `trained`: the actor or the critic
     (activation recompute applies to them only).
@@ -118,20 +124,22 @@ def load_model(root: str, flag: str, args, value_head: bool = False, trained: bo
     --attention-dropout / --hidden-dropout; the dropouts act only in train mode, i.e. in the
     trained models' (actor, critic) update forwards: frozen models, rollouts and the log-prob / value passes run
     in eval mode. Activation recompute (--recompute-*) is built into the `trained` ones only (`rl/recompute.py`).
-    Every role gets the core attention of --attention-backend (`args.attention`, validate_args) and the fused ops
-    of --use-fused-rmsnorm / --use-fused-swiglu / --use-fused-rotary-pos-emb (`args.fused_ops`).
+    Every role gets the core attention of --attention-backend (`settings.model.attention`, validate_args) and the
+    fused ops of --use-fused-rmsnorm / --use-fused-swiglu / --use-fused-rotary-pos-emb (`settings.model.fused_ops`).
+    Megatron gets its TransformerConfig from `models.build_model`, field by field: megatron's global args are
+    never set.
     """
-    dropout = dict(attention_dropout=getattr(args, "attention_dropout", 0.0),
-                   hidden_dropout=getattr(args, "hidden_dropout", 0.0),
+    built = settings.model
+    dropout = dict(attention_dropout=built.attention_dropout, hidden_dropout=built.hidden_dropout,
                    # megatron's sequence parallelism (TP > 1, validate_args), every role alike; generation runs
                    # without it (models/sequence_parallel.py)
-                   sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
+                   sequence_parallel=bool(built.sequence_parallel))
     try:
-        spec = _checked_spec(root, flag, args)
-        options = moe.model_options(spec, args, flag, root, policy=not value_head)
-        options.update(recompute.model_options(spec, args, trained=trained, policy=not value_head))
-        model = build_model(spec, params_dtype=args.params_dtype, value_head=value_head,
-                            attention=getattr(args, "attention", "sdpa"), fused_ops=getattr(args, "fused_ops", ()),
+        spec = _checked_spec(root, flag, settings)
+        options = moe.model_options(spec, settings.moe, flag, root, policy=not value_head)
+        options.update(recompute.model_options(spec, settings.recompute, trained=trained, policy=not value_head))
+        model = build_model(spec, params_dtype=built.params_dtype, value_head=value_head,
+                            attention=built.attention, fused_ops=built.fused_ops,
                             **dropout, **options,
                             **from_checkpoint(on_host))
         load_megatron_weights(model, root)
@@ -170,43 +178,54 @@ def offload_parts(offload: OffloadSettings, name: str) -> tuple:
     return tuple(parts)
 
 
-def trainable(model, args, name: str, flag: str) -> TrainableModel:
-    """The actor or the critic (loaded from `flag`) with its optimizer and LR schedule from the command line; with
-    LoRA (--lora-target-modules / --lora-load) its base frozen and adapters trained (`rl/lora.py`)."""
-    moe.check_trainable(model, args.tensor_model_parallel_size, name, flag, getattr(args, "sequence_parallel", False))
-    critic = name == "critic"
-    schedule_on_resume = ("override" if args.override_opt_param_scheduler else
-                          "checkpoint" if args.use_checkpoint_opt_param_scheduler else "check")
-    settings = OptimizerSettings(
-        lr=args.critic_lr if critic else args.lr, optimizer=args.optimizer, sgd_momentum=args.sgd_momentum,
-        min_lr=args.min_lr, lr_decay_style=args.lr_decay_style, lr_warmup_iters=args.lr_warmup_iters,
-        lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        params_dtype=args.params_dtype, use_distributed_optimizer=args.use_distributed_optimizer,
-        schedule_on_resume=schedule_on_resume, lr_flag="--critic-lr" if critic else "--lr",
-        **_loss_scale_settings(args),
-    )
-    options = dict(name=name, check_finite=args.check_for_nan_in_loss_and_grad,
-                   offload=offload_parts(args.settings.offload, name), check_divergence=args.check_for_divergence)
-    if getattr(args, "lora", False):
+def trainable(model, settings: Settings, name: str, flag: str) -> TrainableModel:
+    """The actor or the critic (loaded from `flag`) with its optimizer and LR schedule from the command line
+    (`settings.optimizer.for_role`); with LoRA (--lora-target-modules / --lora-load) its base frozen and adapters
+    trained (`rl/lora.py`)."""
+    moe.check_trainable(model, settings.moe.tensor_model_parallel_size, name, flag, settings.model.sequence_parallel)
+    optimizer = settings.optimizer.for_role(name)
+    options = dict(name=name, check_finite=settings.optimizer.check_for_nan_in_loss_and_grad,
+                   offload=offload_parts(settings.offload, name),
+                   check_divergence=settings.optimizer.check_for_divergence)
+    if settings.lora.lora:
         from mindspeed_llm.rl import lora
 
-        return lora.trainable(model, args, settings, **options)
-    return TrainableModel(model, settings, **options)
+        return lora.trainable(model, settings.lora, optimizer, **options)
+    return TrainableModel(model, optimizer, **options)
 
 
-def _loss_scale_settings(args) -> dict:
-    """--fp16's grad-scaler flags that were given (megatron's defaults otherwise); nothing for bf16 / fp32."""
-    if args.params_dtype != "fp16":
-        return {}
-    names = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
-    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
-
-
-def load_reward_model(args):
+def load_reward_model(settings: Settings):
     """The frozen reward model (value head) of `--reward-model` (in host memory with --offload-ref-reward)."""
-    return offloaded(frozen(load_model(args.reward_model, "--reward-model", args, value_head=True,
-                                       on_host=args.offload_ref_reward)), args.offload_ref_reward)
+    offload = settings.offload.offload_ref_reward
+    return offloaded(frozen(load_model(settings.models.reward_model, "--reward-model", settings, value_head=True,
+                                       on_host=offload)), offload)
+
+
+class RoleFactory:
+    """A stage's roles, built from the run's typed settings: `trained` loads the actor or the critic and gives it
+    its optimizer (and with LoRA its adapters: the critic's take the actor's config), `frozen` a reference
+    (offloaded with --offload-ref-reward), `reward_model` the frozen --reward-model."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+
+    def trained(self, root: str, flag: str, name: str, value_head: bool = False) -> TrainableModel:
+        model = load_model(root, flag, self.settings, value_head=value_head, trained=True)
+        role = trainable(model, self.settings, name, flag)
+        if name == "actor" and getattr(role, "is_lora", False):
+            from mindspeed_llm.rl import lora
+
+            # the critic's adapters: the actor's r, alpha and targets (with --lora-load, its adapter's), fresh
+            self.settings = replace(self.settings, lora=lora.as_flags(role.config, self.settings.lora))
+        return role
+
+    def frozen(self, root: str, flag: str, value_head: bool = False):
+        offload = self.settings.offload.offload_ref_reward
+        return offloaded(frozen(load_model(root, flag, self.settings, value_head=value_head, on_host=offload)),
+                         offload)
+
+    def reward_model(self):
+        return load_reward_model(self.settings)
 
 
 def check_vocab(models: Dict[str, Optional[torch.nn.Module]], tokenizer) -> None:

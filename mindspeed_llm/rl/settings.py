@@ -23,9 +23,10 @@ ones: the stage defaults `validate_args` filled in (`--kl-penalty`, `--clip-rati
 `--loss-agg-mode`, ...), lists as tuples. The few fields no flag sets (`derived`: the world size, the resolved
 expert layout, `--split`'s weights, ...) are values `validate_args` works out of several flags.
 The same field may sit in several parts (`max_new_tokens`, `seed`, `stage`): each part is whole for its consumer.
-Megatron's own needs (model building, optimizer, checkpoints' contents) still read the Namespace.
+Model building's parts (model, optimizer, LoRA, MoE, recompute) are in `rl/model_settings.py`.
 
-This module imports nothing of the package: the parser imports it, never the other way round.
+This module imports nothing of the package but `rl/model_settings.py` (as pure): the parser imports it, never the other
+way round.
 """
 
 from __future__ import annotations
@@ -33,10 +34,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Tuple
 
-
-def derived(default=None):
-    """A field no flag sets: `validate_args` works it out of several flags (and names it in its doc)."""
-    return field(default=default, metadata={"derived": True})
+# model building's parts (`rl/model_settings.py`); `derived`: a field no flag sets, `validate_args` works it out of
+# several flags (and names it in its doc)
+from mindspeed_llm.rl.model_settings import (
+    LoRASettings,
+    ModelBuild,
+    MoESettings,
+    OptimizerFlags,
+    RecomputeSettings,
+    derived,
+)
 
 
 @dataclass(frozen=True)
@@ -276,6 +283,12 @@ class Settings:
     loop: LoopSettings = field(default_factory=LoopSettings)
     wandb: WandbSettings = field(default_factory=WandbSettings)
     profile: ProfileSettings = field(default_factory=ProfileSettings)
+    # model building (`rl/model_settings.py`)
+    model: ModelBuild = field(default_factory=ModelBuild)
+    optimizer: OptimizerFlags = field(default_factory=OptimizerFlags)
+    lora: LoRASettings = field(default_factory=LoRASettings)
+    moe: MoESettings = field(default_factory=MoESettings)
+    recompute: RecomputeSettings = field(default_factory=RecomputeSettings)
 
 
 # Settings' fields and their part classes, in order

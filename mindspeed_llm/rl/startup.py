@@ -35,4 +35,5 @@ def startup_lines(args, backend: str) -> List[str]:
     """The lines rank 0 prints once before training, in order; `backend` is the device's collectives backend."""
     settings = getattr(args, "settings", None)
     notes = profiling.startup_notes(settings.profile, BACKEND_DEVICE.get(backend, backend)) if settings else []
-    return compat_flags.startup_lines(args, backend) + moe.startup_notes(args) + notes + [environment_line()]
+    moe_notes = moe.startup_notes(settings.moe) if settings else []
+    return compat_flags.startup_lines(args, backend) + moe_notes + notes + [environment_line()]

@@ -135,7 +135,7 @@ def _patch_cases(reward_checkpoint):
                        "--train-iters", "1", "--verifier-function", "math_acc", "--bf16"])
 
     def trainable():
-        model = roles.load_model(reward_checkpoint, "--reward-model", args, value_head=True)
+        model = roles.load_model(reward_checkpoint, "--reward-model", args.settings, value_head=True)
         trained = TrainableModel(model, OptimizerSettings(lr=1e-3, params_dtype="bf16", use_distributed_optimizer=True))
         (sub,) = trained.distributed_optimizers
         sub._init_optimizer_states_with_dummy_values()  # Adam's state, as after a first step

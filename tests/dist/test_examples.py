@@ -159,7 +159,7 @@ def test_qwen3_moe_launcher_fits_the_model_and_converts_at_its_layout(tmp_path, 
     args = parse_args(_after(json.loads(record.read_text()), "posttrain_gpt.py"), world_size=16)
     spec = ArchitectureSpec.from_hf_config(QWEN3_30B_A3B)
     monkeypatch.setattr(roles, "load_spec", lambda root: spec)
-    roles._checked_spec(args.ref_model, "--ref-model", args)  # raises on a flag that disagrees
+    roles._checked_spec(args.ref_model, "--ref-model", args.settings)  # raises on a flag that disagrees
     spec.check_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                         args.expert_parallel_size, args.expert_tensor_parallel_size)
     moe.check_trainable(SimpleNamespace(model_spec=spec), args.tensor_model_parallel_size, "actor", "--ref-model")
@@ -224,7 +224,7 @@ def test_the_deepseek3_launcher_fits_the_model_and_converts_at_its_layout(tmp_pa
     args = parse_args(_after(json.loads(record.read_text()), "posttrain_gpt.py"), world_size=8 * int(nodes))
     spec = ArchitectureSpec.from_hf_config(DEEPSEEK_V3)
     monkeypatch.setattr(roles, "load_spec", lambda root: spec)
-    roles._checked_spec(args.ref_model, "--ref-model", args)  # raises on a flag that disagrees
+    roles._checked_spec(args.ref_model, "--ref-model", args.settings)  # raises on a flag that disagrees
     spec.check_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                         args.expert_parallel_size, args.expert_tensor_parallel_size)
     moe.check_trainable(SimpleNamespace(model_spec=spec), args.tensor_model_parallel_size, "actor", "--ref-model")

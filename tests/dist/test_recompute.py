@@ -132,7 +132,7 @@ def test_layer_counts_are_checked_per_pipeline_stage():
     moe = ArchitectureSpec.from_hf_config(tiny_config("qwen2_moe").to_dict())
 
     def options(spec, extra, world=1, policy=True, trained=True):
-        return recompute.model_options(spec, _parse(extra, world), trained=trained, policy=policy)
+        return recompute.model_options(spec, _parse(extra, world).settings.recompute, trained=trained, policy=policy)
 
     full = ["--recompute-granularity", "full", "--recompute-method"]
     assert options(dense, full + ["uniform", "--recompute-num-layers", "2"])["recompute_num_layers"] == 2

@@ -211,7 +211,7 @@ def _inspect(built):
     from mindspeed_llm.checkpoint import lora as lora_files
     from mindspeed_llm.rl.lora import load_adapter
 
-    initial = roles.load_model(args.ref_model, "--ref-model", args)
+    initial = roles.load_model(args.ref_model, "--ref-model", args.settings)
     adapter = lora_files.read_adapter(args.lora_load, initial.model_spec)
     lora.apply_lora(initial, adapter.config)
     load_adapter(initial, adapter)
@@ -222,7 +222,7 @@ def _inspect(built):
     reward = stage.scorer.reward_model
     if reward is not None:
         info["reward_is_critic"] = isinstance(reward, SharedBase) and reward.module is stage.critic.module
-        fresh = roles.frozen(roles.load_model(args.reward_model, "--reward-model", args, value_head=True))
+        fresh = roles.frozen(roles.load_model(args.reward_model, "--reward-model", args.settings, value_head=True))
         with roles.on_device(reward, False, None) as view:
             shared = reward_scores([view], exp, plan)
         info["reward_diff"] = float((shared - reward_scores([fresh], exp, plan)).abs().max())

@@ -115,7 +115,7 @@ def test_split_evaluates_on_the_valid_part_and_trains_on_the_rest(stage_paths, t
 def _check(root, *extra):
     from mindspeed_llm.rl.roles import _checked_spec
 
-    return _checked_spec(root, "--ref-model", _parse(*extra))
+    return _checked_spec(root, "--ref-model", _parse(*extra).settings)
 
 
 def test_scaling_and_bias_flags_against_qwen2(stage_paths):
@@ -141,9 +141,9 @@ def _dropout_worker(rank, world_size, root, reward_root):
     distributed.initialize(1, 1, seed=3)
     argv = ["--stage", "grpo", "--verifier-function", "math_acc", "--data-path", "d", "--train-iters", "1",
             "--global-batch-size", "1", "--ref-model", root]
-    plain = roles.load_model(root, "--ref-model", parse_args(argv, world_size=1))
+    plain = roles.load_model(root, "--ref-model", parse_args(argv, world_size=1).settings)
     model = roles.load_model(root, "--ref-model", parse_args(argv + ["--attention-dropout", "0.3", "--hidden-dropout",
-                                                                     "0.3"], world_size=1))
+                                                                     "0.3"], world_size=1).settings)
     tokens = torch.arange(1, 9).view(1, 8)
     positions = torch.arange(8).view(1, 8)
     out = {}
@@ -163,8 +163,8 @@ def _dropout_worker(rank, world_size, root, reward_root):
     for extra in ([], ["--use-flash-attn"], ["--attention-backend", "flash"], ["--attention-backend", "local"],
                   ["--attention-backend", "unfused"]):
         args = parse_args(argv + extra, world_size=1)
-        policy = roles.load_model(root, "--ref-model", args)
-        value = roles.load_model(reward_root, "--reward-model", args, value_head=True)
+        policy = roles.load_model(root, "--ref-model", args.settings)
+        value = roles.load_model(reward_root, "--reward-model", args.settings, value_head=True)
         out["attention"][" ".join(extra)] = (model_attention(policy), model_attention(value))
         if extra == ["--attention-backend", "local"]:
             with torch.no_grad():

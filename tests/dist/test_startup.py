@@ -47,11 +47,11 @@ def _startup_cases(rank, world_size, root):
         argv = ["--stage", "grpo", "--ref-model", str(mg), "--data-path", "d", "--global-batch-size", "1",
                 "--train-iters", "1", "--verifier-function", "math_acc"] + (["--bf16"] if dtype == "bf16" else [])
         args = parse_args(argv)
-        built = roles.load_model(str(mg), "--ref-model", args, value_head=value_head)
+        built = roles.load_model(str(mg), "--ref-model", args.settings, value_head=value_head)
         planned = roles.from_checkpoint
         roles.from_checkpoint = lambda on_host=False: {}  # megatron's default: random init in host memory
         try:
-            reference = roles.load_model(str(mg), "--ref-model", args, value_head=value_head)
+            reference = roles.load_model(str(mg), "--ref-model", args.settings, value_head=value_head)
         finally:
             roles.from_checkpoint = planned
         differ = []
@@ -89,7 +89,7 @@ def _startup_cases(rank, world_size, root):
     args = parse_args(["--stage", "grpo", "--ref-model", str(broken), "--data-path", "d", "--global-batch-size", "1",
                        "--train-iters", "1", "--verifier-function", "math_acc"])
     try:
-        roles.load_model(str(broken), "--reward-model", args, value_head=True)
+        roles.load_model(str(broken), "--reward-model", args.settings, value_head=True)
         results["headless"] = None
     except ArgumentError as exc:
         results["headless"] = str(exc)

@@ -142,3 +142,20 @@ def test_a_rank_above_what_a_linear_can_use_is_named():
     note = rank_note(model(128))
     assert "linear_proj (2 on this rank, 64 -> 64: rank at most 64, given 128)" in note and \
         "linear_qkv (2 on this rank, 64 -> 192: rank at most 64, given 128)" in note
+
+
+def test_the_critics_adapters_take_the_actors_config():
+    """The actor's adapters may take an adapter's own r / alpha / dropout / targets (--lora-load); trl_ppo's critic
+    gets fresh adapters of that same config (`roles.RoleFactory` hands it on through `lora.as_flags`), without the
+    adapter's stacked ranks."""
+    from mindspeed_llm.models.lora import LoRAConfig
+    from mindspeed_llm.rl.lora import as_flags, run_config
+
+    flags = parse_args(BASE + ["--lora-load", "adapter"]).settings.lora  # no r / alpha given: the adapter's apply
+    actor = LoRAConfig(r=4, alpha=8.0, dropout=0.1, target_modules=("linear_proj", "linear_qkv"),
+                       ranks={"decoder.layers.0.self_attention.linear_qkv": 12})
+    assert run_config(as_flags(actor, flags)) == LoRAConfig(r=4, alpha=8.0, dropout=0.1,
+                                                            target_modules=("linear_proj", "linear_qkv"))
+    # without an adapter the flags' own config (MindSpeed-LLM's defaults r 16, alpha 32)
+    plain = parse_args(BASE + ["--lora-target-modules", "linear_qkv"]).settings.lora
+    assert run_config(plain) == LoRAConfig(r=16, alpha=32.0, dropout=0.0, target_modules=("linear_qkv",))

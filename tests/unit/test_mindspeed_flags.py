@@ -82,7 +82,7 @@ def test_ignored_flags_are_named_once_with_their_reason():
     assert "--distributed-backend nccl: this device's collectives use gloo" in "\n".join(lines)
     assert not [line for line in compat_flags.startup_lines(args, backend="nccl") if "--distributed-backend" in line]
     # --use-fused-swiglu is applied (device.FUSED_OPS), and said so at startup with what runs it
-    assert args.fused_ops == ("swiglu",)
+    assert args.settings.model.fused_ops == ("swiglu",)
     assert [line for line in lines if line.startswith("--use-fused-swiglu: on ")]
     # no flags of that kind, nothing to report; --fp16 honours the loss-scale flags
     assert _parse().ignored_flags == {}
@@ -134,26 +134,28 @@ def test_compat_values_that_cannot_work_are_refused_by_name(extra, needle):
 
 
 def test_max_length_defaults_to_prompt_plus_response():
-    assert _parse("--max-prompt-length", "2048", "--max-new-tokens", "2048").max_length == 4096
-    assert _parse().max_length == 256 and _parse().max_prompt_length == 256 - 128
-    args = _parse("--max-length", "600", "--max-prompt-length", "100", "--max-new-tokens", "50")
-    assert (args.max_length, args.max_prompt_length) == (600, 100)
+    def lengths(*flags):
+        settings = _parse(*flags).settings
+        return settings.sampling.max_length, settings.data.max_prompt_length
+
+    assert lengths("--max-prompt-length", "2048", "--max-new-tokens", "2048")[0] == 4096
+    assert lengths() == (256, 256 - 128)
+    assert lengths("--max-length", "600", "--max-prompt-length", "100", "--max-new-tokens", "50") == (600, 100)
     with pytest.raises(ArgumentError, match="exceeds --max-length 128"):
         _parse("--max-length", "128", "--max-prompt-length", "100", "--max-new-tokens", "64")
 
 
 def test_trl_ppo_accepts_n_samples_per_prompt():
     base = ["--stage", "trl_ppo", "--reward-model", "rm"] + BASE[4:]
-    assert parse_args(base + ["--n-samples-per-prompt", "4"], world_size=1).n_samples_per_prompt == 4
-    assert parse_args(base, world_size=1).n_samples_per_prompt == 1
+    assert parse_args(base + ["--n-samples-per-prompt", "4"], world_size=1).settings.algorithm.n_samples_per_prompt == 4
+    assert parse_args(base, world_size=1).settings.algorithm.n_samples_per_prompt == 1
 
 
 def test_loss_scale_flags_reach_megatrons_grad_scaler_with_fp16():
-    from mindspeed_llm.rl import roles
-
     fp16 = _parse("--fp16", "--initial-loss-scale", "4096", "--loss-scale-window", "50", "--hysteresis", "3")
-    assert roles._loss_scale_settings(fp16) == dict(initial_loss_scale=4096.0, loss_scale_window=50.0, hysteresis=3)
-    assert roles._loss_scale_settings(_parse("--bf16", "--initial-loss-scale", "4096")) == {}
+    assert fp16.settings.optimizer.loss_scale_settings() == dict(initial_loss_scale=4096.0, loss_scale_window=50.0,
+                                                                 hysteresis=3)
+    assert _parse("--bf16", "--initial-loss-scale", "4096").settings.optimizer.loss_scale_settings() == {}
 
 
 # ------------------------------------------------------------------------------------------- --split and evaluation
@@ -215,7 +217,7 @@ def llama_tied(tmp_path_factory):
 def _check(root, *extra):
     from mindspeed_llm.rl.roles import _checked_spec
 
-    return _checked_spec(root, "--ref-model", _parse(*extra))
+    return _checked_spec(root, "--ref-model", _parse(*extra).settings)
 
 
 def test_matching_model_flags_pass(llama_tied):
@@ -263,7 +265,7 @@ def test_model_flag_against_checkpoint_names_flag_value_and_checkpoint(llama_tie
 ])
 def test_attention_backend_flags(extra, expected):
     args = _parse(*extra)
-    assert args.attention == expected
+    assert args.settings.model.attention == expected
     assert "--use-flash-attn" not in args.ignored_flags  # a real switch now, not a performance no-op
     notes = [n for n in args.startup_notes if "local DotProductAttention" in n]
     assert len(notes) == (expected == "local")  # said at startup only when it is not the default

@@ -1,10 +1,12 @@
-"""The argparse Namespace stops at model building: the stages, the trainer's loop, the batch plan and the rollout
-strategies read the typed parts of `rl/settings.py`, so an option (an estimator's, a loop's) is one flag and one
-field, and what a stage reads is written in its types.
+"""The argparse Namespace stops in `arguments/`: the stages, the trainer's loop, the batch plan, the rollout
+strategies and model building (roles, LoRA, MoE, recompute) read the typed parts of `rl/settings.py` and
+`rl/model_settings.py`, so an option (an estimator's, a loop's, a model's) is one flag and one field, and what a
+stage reads is written in its types. Megatron's global args are never set: `models.build_model` hands megatron its
+TransformerConfig field by field.
 
 The walk (ast) looks at every function parameter named `args` / `model_args` and at `self.args` in these modules.
-Allowed uses of such a name: reading `.settings` (the typed parts), and passing it to the model-building calls
-(`MODEL_BUILDING`: they read Megatron's flags). Anything else -- `args.kl_coef`, `getattr(args, ...)`, storing it,
+Allowed uses of such a name: reading `.settings` (the typed parts), and passing it on where the whole command line
+is the thing (`WHOLE_COMMAND_LINE`). Anything else -- `args.kl_coef`, `getattr(args, ...)`, storing it,
 passing it elsewhere -- is a read of the Namespace and fails here.
 """
 
@@ -21,13 +23,13 @@ CHECKED = (
     "rl/rollout.py", "rl/partial_rollout.py", "rl/dynamic_sampling.py", "rl/experience.py",
     # the typed consumers the stages call
     "rl/ppo_loop.py", "rl/loss_closures.py", "rl/scoring.py", "rl/evaluation.py", "rl/passes.py",
+    # model building
+    "rl/roles.py", "rl/lora.py", "rl/moe.py", "rl/recompute.py", "rl/model_settings.py", "rl/engine.py",
 )
 NAMESPACE_NAMES = ("args", "model_args")
-# Calls that may receive the Namespace: model building (roles read Megatron's model, optimizer and LoRA flags),
-# the startup report of the command line's flags, and the stage constructor (`STAGES[name](args, tokenizer)`,
-# whose model building needs them).
-MODEL_BUILDING = frozenset({"roles.load_model", "roles.trainable", "roles.load_reward_model", "startup_lines",
-                            "STAGES[]"})
+# Calls that may receive the Namespace: the startup report of the command line's flags (ignored ones included),
+# and the stage constructor (`STAGES[name](args, tokenizer)`, which reads `args.settings`).
+WHOLE_COMMAND_LINE = frozenset({"startup_lines", "STAGES[]"})
 # Reads that are known and owned elsewhere, by (module, function): what each of its reads says. They go when their
 # owner types them; each must still be found (a stale entry fails too), so the list only shrinks.
 PENDING = {}  # (module, function) -> what its reads say: known reads owned elsewhere, until typed (none left)
@@ -40,7 +42,7 @@ def _callee(call: ast.Call) -> str:
     return ast.unparse(func)
 
 
-def namespace_reads(source: str, allowed=MODEL_BUILDING):
+def namespace_reads(source: str, allowed=WHOLE_COMMAND_LINE):
     """[(qualified function name, what it does with the Namespace)] of a module's source."""
     tree = ast.parse(source)
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
@@ -88,7 +90,7 @@ def test_the_stages_loop_and_batch_plan_read_no_namespace():
     unexpected = {key: [w for w in what if key not in PENDING or PENDING[key] not in w]
                   for key, what in _reads().items()}
     unexpected = {key: what for key, what in unexpected.items() if what}
-    assert unexpected == {}, "reads of the argparse Namespace outside model building: " + "; ".join(
+    assert unexpected == {}, "reads of the argparse Namespace outside arguments/: " + "; ".join(
         f"{path} {function}: {', '.join(what)}" for (path, function), what in unexpected.items())
 
 
@@ -115,3 +117,23 @@ def test_a_planted_self_args_is_found():
     original = "loop, checkpoint, n = settings.loop"
     planted = source.replace(original, "self.args = None\n    " + original)
     assert [what.split(" at ")[0] for _, what in namespace_reads(planted)] == ["self.args"]
+
+
+@pytest.mark.parametrize("module,original,planted,function", [
+    ("rl/roles.py", "given = settings.model", "given = args.settings.model; args.params_dtype", "_checked_spec"),
+    ("rl/recompute.py", "granularity = recompute.recompute_granularity",
+     "granularity = getattr(args, 'recompute_granularity', None)", "model_options"),
+    ("rl/moe.py", "cp = moe.context_parallel_size", "cp = args.context_parallel_size", "model_options"),
+    ("rl/lora.py", "dropout = flags.lora_dropout", "dropout = args.lora_dropout", "run_config"),
+])
+def test_a_planted_read_in_model_building_is_found(module, original, planted, function):
+    """Model building reads its typed parts: a Namespace read planted in it (with `args` as the function's
+    parameter, as it was) is found."""
+    assert module in CHECKED
+    source = (PACKAGE / module).read_text()
+    assert original in source and namespace_reads(source) == []
+    tree = ast.parse(source.replace(original, planted))
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function)
+    node.args.args.append(ast.arg(arg="args"))
+    reads = namespace_reads(ast.unparse(tree))
+    assert [f for f, what in reads if what.startswith("args")] == [function]

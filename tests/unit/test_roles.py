@@ -50,3 +50,34 @@ def test_check_vocab_names_the_roles_that_disagree_and_a_tokenizer_too_large():
 def test_frozen_is_in_eval_mode_without_gradients():
     model = frozen(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5)))
     assert not model.training and not any(p.requires_grad for p in model.parameters())
+
+
+def test_the_role_factory_gives_the_critic_the_actors_lora_config(monkeypatch):
+    """`RoleFactory` builds the roles from the settings alone; with LoRA the critic's adapters take the actor's
+    config, which --lora-load's adapter may have set (r 4 here, where the flags alone would give r 16)."""
+    from mindspeed_llm.arguments import parse_args
+    from mindspeed_llm.models.lora import LoRAConfig
+    from mindspeed_llm.rl import lora, roles
+
+    settings = parse_args(["--stage", "trl_ppo", "--ref-model", "r", "--reward-model", "rm", "--data-path", "d",
+                           "--global-batch-size", "4", "--train-iters", "1", "--lora-load", "adapter"]).settings
+    adapters = LoRAConfig(r=4, alpha=8.0, dropout=0.1, target_modules=("linear_proj",), ranks={"stacked": 12})
+    loaded = []
+
+    def load_model(root, flag, given, value_head=False, trained=False, on_host=False):
+        loaded.append((root, flag, value_head, trained, on_host))
+        return SimpleNamespace(root=root)
+
+    def trainable(model, given, name, flag):  # as lora.trainable picks each role's config
+        config = adapters if name == "actor" else lora.run_config(given.lora)
+        return SimpleNamespace(is_lora=True, config=config, settings=given)
+
+    monkeypatch.setattr(roles, "load_model", load_model)
+    monkeypatch.setattr(roles, "trainable", trainable)
+    factory = roles.RoleFactory(settings)
+    actor = factory.trained("r", "--ref-model", "actor")
+    critic = factory.trained("rm", "--reward-model", "critic", value_head=True)
+    assert actor.settings is settings
+    assert critic.config == LoRAConfig(r=4, alpha=8.0, dropout=0.1, target_modules=("linear_proj",))
+    assert critic.settings.optimizer is settings.optimizer and critic.settings.model is settings.model
+    assert loaded == [("r", "--ref-model", False, True, False), ("rm", "--reward-model", True, True, False)]

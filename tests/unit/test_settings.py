@@ -40,6 +40,23 @@ def test_a_parsed_command_line_gives_its_settings():
     assert ppo.reward.verifier_function == () and ppo.offload.offload_ref_reward
 
 
+def test_each_trained_role_gets_its_optimizer_from_the_settings():
+    """`OptimizerFlags.for_role`: the actor's --lr, the critic's --critic-lr (--lr when not given), the warmup from
+    --lr-warmup-fraction x --train-iters, the decay over --train-iters by default, the resume rule of the scheduler
+    flags, and --fp16's grad-scaler flags (megatron's defaults for those not given)."""
+    flags = parse_args(PPO + ["--lr", "2e-6", "--critic-lr", "5e-6", "--lr-warmup-fraction", "0.5", "--fp16",
+                              "--override-opt_param-scheduler", "--initial-loss-scale", "4096"]).settings.optimizer
+    actor, critic = flags.for_role("actor"), flags.for_role("critic")
+    assert (actor.lr, actor.lr_flag, critic.lr, critic.lr_flag) == (2e-6, "--lr", 5e-6, "--critic-lr")
+    assert (actor.lr_warmup_iters, actor.lr_decay_iters, actor.schedule_on_resume) == (2, 4, "override")
+    assert (actor.params_dtype, actor.initial_loss_scale, actor.hysteresis) == ("fp16", 4096.0, 2)
+    assert critic == dataclasses.replace(actor, lr=5e-6, lr_flag="--critic-lr")
+    default = parse_args(PPO + ["--lr", "3e-6", "--lr-decay-iters", "9", "--use-checkpoint-opt_param-scheduler"])
+    critic = default.settings.optimizer.for_role("critic")
+    assert (critic.lr, critic.lr_decay_iters, critic.schedule_on_resume) == (3e-6, 9, "checkpoint")
+    assert critic.initial_loss_scale == 2.0 ** 32  # megatron's default: no --fp16 here
+
+
 def test_validate_args_returns_the_settings_it_attaches():
     args = build_parser().parse_args(BASE)
     assert validate_args(args, 1) is args.settings
@@ -58,7 +75,7 @@ def test_every_default_is_the_parsers():
     dests = {action.dest for action in parser._actions}
     assert {f.name for f in dataclasses.fields(run_settings.Settings)} == {
         "sampling", "loss", "update", "reward", "offload", "algorithm", "tools", "batch", "models", "parallel", "data",
-        "checkpoint", "loop", "wandb", "profile"}
+        "checkpoint", "loop", "wandb", "profile", "model", "optimizer", "lora", "moe", "recompute"}
     for part in run_settings.PARTS:
         for f in dataclasses.fields(part):
             if f.metadata.get("derived"):  # validate_args works it out of several flags: no flag of its own
@@ -145,16 +162,16 @@ def test_parser_does_not_import_the_stages():
 @pytest.mark.parametrize("extra", [[], ["--policy-loss", "gspo", "--split", "98,2,0", "--eval-interval", "2",
                                         "--partial-rollout", "--lr-warmup-fraction", "0.5"]])
 def test_validation_resolves_into_the_settings_not_the_namespace(extra):
-    """`validate_args` writes onto the Namespace only what Megatron's model / optimizer building and the startup
-    report read (`MEGATRON_DERIVED`) and the values named with their outside readers (`PUBLISHED`); the stage
-    defaults and derived values are the settings'."""
+    """`validate_args` writes onto the Namespace only what Megatron-LM's validate_args writes on its args and the
+    startup report's lines (`MEGATRON_DERIVED`); the stage defaults and derived values (model building's included)
+    are the settings'."""
     from mindspeed_llm.arguments import validation
 
     args = build_parser().parse_args(BASE + extra)
     given = dict(vars(args))
     validate_args(args, 1)
     written = {name for name, value in vars(args).items() if name not in given or given[name] != value}
-    assert written <= set(validation.MEGATRON_DERIVED) | set(validation.PUBLISHED) | {"settings"}
+    assert written <= set(validation.MEGATRON_DERIVED) | {"settings"}
     assert args.kl_penalty is None and args.settings.loss.kl_penalty == "low_var_kl"  # grpo's default
     assert args.adv_estimator is None and args.settings.algorithm.adv_estimator == "grpo"
     assert args.clip_ratio_high is None and args.settings.loss.clip_ratio_high == 0.2

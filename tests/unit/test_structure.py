@@ -52,6 +52,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("rl core", (
         "mindspeed_llm.rl",  # the rl package's empty face
         "mindspeed_llm.rl.core_algos", "mindspeed_llm.rl.metrics", "mindspeed_llm.rl.settings",
+        "mindspeed_llm.rl.model_settings",
         "mindspeed_llm.rl.verifiers", "mindspeed_llm.rl.experience", "mindspeed_llm.rl.logprobs",
     )),
     ("rl plumbing", (

@@ -16,9 +16,8 @@ if TYPE_CHECKING:
 class Stage(Protocol):
     """What the outer loop (`rl/trainer.py`) knows of a stage. Built as `Stage(model_args, tokenizer)`, which loads
     its models and checks them against each other and the tokenizer. `model_args` is the validated Namespace: the
-    stage reads its typed parts (`model_args.settings`, rl/settings.py) and hands the Namespace itself only to the
-    model-building calls (`rl/roles.py`, `rl/lora.py`), which read Megatron's flags
-    (tests/unit/test_namespace_boundary.py)."""
+    stage reads its typed parts only (`model_args.settings`, rl/settings.py), and builds its models from them
+    (`rl/roles.RoleFactory`; tests/unit/test_namespace_boundary.py)."""
 
     name: str
     log_lines: Dict[str, List[str]]  # stdout line groups (`MetricsLogger`)

@@ -46,8 +46,7 @@ class GRPOStage:
     log_lines = {"actor": ["actor/", "grad_norm"], "reward": ["grpo/"], "timing": ["timing/"]}
 
     def __init__(self, model_args, tokenizer):
-        # `model_args` (the Namespace) goes to the role / model-building calls only; everything else reads the typed
-        # parts (rl/settings.py)
+        # the stage reads the typed parts of the Namespace only (rl/settings.py); its roles are built from them
         self.settings = settings = model_args.settings
         self.algorithm, models = settings.algorithm, settings.models
         self.tokenizer = tokenizer
@@ -60,14 +59,12 @@ class GRPOStage:
             )
         initial = models.ref_model or models.load
         flag = "--ref-model" if models.ref_model else "--load"
-        self.actor = roles.trainable(roles.load_model(initial, flag, model_args, trained=True), model_args, "actor",
-                                     flag)
+        build = roles.RoleFactory(settings)
+        self.actor = build.trained(initial, flag, "actor")
         self.reference = None
         if self.algorithm.kl_coef > 0:  # with LoRA: the actor with its adapters off, no second copy (rl/lora.py)
-            self.reference = lora.reference(self.actor) if models.lora else roles.offloaded(roles.frozen(
-                roles.load_model(initial, flag, model_args, on_host=settings.offload.offload_ref_reward)),
-                settings.offload.offload_ref_reward)
-        reward_model = roles.load_reward_model(model_args) if models.reward_model else None
+            self.reference = lora.reference(self.actor) if models.lora else build.frozen(initial, flag)
+        reward_model = build.reward_model() if models.reward_model else None
         roles.check_vocab({"actor": self.actor.module, "reference": self.reference, "reward": reward_model},
                           tokenizer)
         self.scorer = Scorer.from_settings(settings.reward, reward_model, settings.offload.offload_ref_reward)

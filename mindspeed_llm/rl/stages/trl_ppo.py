@@ -43,26 +43,21 @@ class TrlPPOStage:
     log_lines = {"actor": ["actor/", "grad_norm"], "critic": ["critic/"]}
 
     def __init__(self, model_args, tokenizer):
-        # `model_args` (the Namespace) goes to the role / model-building calls only; everything else reads the typed
-        # parts (rl/settings.py)
+        # the stage reads the typed parts of the Namespace only (rl/settings.py); its roles are built from them
         self.settings = settings = model_args.settings
         self.algorithm, models = settings.algorithm, settings.models
         self.tokenizer = tokenizer
         self.gae = core_algos.ADV_ESTIMATORS[self.algorithm.adv_estimator].fn  # validate_args: a critic estimator
         self.actor_metrics = ACTOR_METRICS + (ROLLOUT_IS_METRICS if self.algorithm.rollout_is != "none" else ())
-        self.actor = roles.trainable(roles.load_model(models.ref_model, "--ref-model", model_args, trained=True),
-                                     model_args, "actor", "--ref-model")
+        build = roles.RoleFactory(settings)
+        self.actor = build.trained(models.ref_model, "--ref-model", "actor")
         # with LoRA the frozen roles are the trained ones' bases (rl/lora.py): no second copies
-        on_host = settings.offload.offload_ref_reward
-        self.reference = lora.reference(self.actor) if models.lora else roles.offloaded(roles.frozen(roles.load_model(
-            models.ref_model, "--ref-model", model_args, on_host=on_host)), on_host)
-        self.critic = roles.trainable(
-            roles.load_model(models.reward_model, "--reward-model", model_args, value_head=True, trained=True),
-            model_args, "critic", "--reward-model")
+        self.reference = lora.reference(self.actor) if models.lora else build.frozen(models.ref_model, "--ref-model")
+        self.critic = build.trained(models.reward_model, "--reward-model", "critic", value_head=True)
         uses_reward_model = settings.reward.reward_model_weight != 0 or not settings.reward.verifier_function
         reward_model = None
         if uses_reward_model:
-            reward_model = lora.reward_model(self.critic) if models.lora else roles.load_reward_model(model_args)
+            reward_model = lora.reward_model(self.critic) if models.lora else build.reward_model()
         roles.check_vocab({"actor": self.actor.module, "reference": self.reference,
                            "critic": self.critic.module, "reward": reward_model}, tokenizer)
         self.scorer = Scorer.from_settings(settings.reward, reward_model, settings.offload.offload_ref_reward)
