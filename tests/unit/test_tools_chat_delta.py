@@ -213,6 +213,11 @@ def test_the_run_offers_the_tools_as_qwen25_renders_tools(tmp_path, qwen_tok_dir
     cut = stored.index(qwen_tok.convert_tokens_to_ids("<|im_end|>"))
     spliced = stored[:cut] + encode(qwen_tok, "\n\n" + hermes_tools_block(SCHEMAS)) + stored[cut:]
     assert spliced != offered[1]["input_ids"]
+    # a template without a system turn (--prompt-type empty) cannot offer them: the prompts as they are
+    from mindspeed_llm.data.templates import get_template
+
+    bare = type("Bare", (), {"meta": {"template": get_template("empty").to_dict()}})()
+    assert offer_tools(bare, SCHEMAS, qwen_tok, "--data-path x") is bare
 
 
 def test_an_older_dataset_with_a_tools_block_never_gets_two(tmp_path, qwen_tok_dir, qwen_tok):

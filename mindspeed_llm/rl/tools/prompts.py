@@ -215,6 +215,8 @@ class ToolsOffered:
 def offer_tools(dataset, schemas: Sequence[Dict[str, Any]], tokenizer, source: str):
     """``dataset`` with its prompts offering the tools of ``schemas`` (`ToolsOffered`), or ``dataset`` itself where
     they already do or cannot (`ToolPrompts.mode`)."""
+    if system_frame(template_of(dataset.meta)) is None:  # no system turn to offer them in (said at startup)
+        return dataset
     try:
         block = template_tools_block(tokenizer, schemas)
     except ValueError as exc:
