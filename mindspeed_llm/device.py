@@ -58,6 +58,32 @@ def accelerator() -> Accelerator:
     return Accelerator("cpu", "gloo")
 
 
+def machine_identity() -> dict:
+    """What a run's floating-point bits depend on besides its inputs: torch's build, the device and processor kinds and
+    the CPU threads (a rollout dump records it; a replay names what differs)."""
+    kind = accelerator().kind
+    if kind == "cuda":
+        processor = torch.cuda.get_device_name(current_device())
+    elif kind == "npu":
+        processor = torch.npu.get_device_name(current_device())
+    else:
+        processor = _cpu_model()
+    return {"torch": torch.__version__, "device": kind, "processor": processor, "threads": torch.get_num_threads()}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
@@ -284,7 +310,7 @@ def _npu_attention(query, key, value, scale, masked, causal, dropout_p, fusion_a
 # `rms_norm` below (the built model's RMSNorms call it, `models/fused_ops.py`); SwiGLU and RoPE are megatron's own
 # fusion switches, whose kernels `patches/fused_ops.py` provides per device. NPU: torch_npu's fused kernels
 # (written from torch_npu's documented API; checked on CPU against plain-torch references of those ops,
-# tests/helpers/npu_fused_reference.py; unverified until run on an NPU). CUDA: torch's `rms_norm` (the call torch's
+# kernels/npu_reference.py; unverified until run on an NPU). CUDA: torch's `rms_norm` (the call torch's
 # RMSNorm module already makes, fused there by recent torch: no change expected; unverified, no GPU run), SwiGLU as on
 # the CPU. CPU: megatron's math with a hand-written backward that saves what the fused kernels save
 # (`kernels/fused_ops.py`): a memory switch there (measured: benchmarks/README.md). RoPE: NPU only

@@ -1,17 +1,29 @@
-"""A registry of classes by name whose entries may be given as "module:attribute" strings, imported on first read:
-the stages (`rl/stages`) and the rollout strategies (`rl/rollout_strategies.py`) register this way, so naming a
-choice (a parser's `--stage` list) does not import megatron-core."""
+"""The project's one registry idiom: a `Registry` maps a name to what is registered under it (a class, a function, a
+spec). Every registry is one (the stages, the rollout strategies, the tools and their call parsers, the data handlers,
+the advantage estimators, the policy losses, the verifiers), and a new entry is one `@REGISTRY.register(name)` (a
+decorator) or one `REGISTRY[name] = value` (what a user's module does to add a tool parser).
+
+An entry may be given as a "module:attribute" string, imported on first read: the stages and the rollout strategies
+register this way, so naming a choice (a parser's `--stage` list) does not import megatron-core."""
 
 import importlib
 from collections.abc import MutableMapping
-from typing import Dict, Iterator
+from typing import Callable, Dict, Iterator, Optional
 
 
-class LazyRegistry(MutableMapping):
-    """name -> class; a value given as "module:attribute" is imported when first read, then kept."""
+class Registry(MutableMapping):
+    """name -> entry, in the order registered; a value given as "module:attribute" is imported when first read, then
+    kept."""
 
-    def __init__(self, entries: Dict[str, object]):
-        self._entries = dict(entries)
+    def __init__(self, entries: Optional[Dict[str, object]] = None):
+        self._entries = dict(entries or {})
+
+    def register(self, name: Optional[str] = None) -> Callable:
+        """Decorator: register the decorated class or function under `name` (default: its `__name__`)."""
+        def decorator(value):
+            self[value.__name__ if name is None else name] = value
+            return value
+        return decorator
 
     def __getitem__(self, name: str):
         value = self._entries[name]
@@ -31,3 +43,10 @@ class LazyRegistry(MutableMapping):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"Registry({sorted(self._entries)})"
+
+
+# The name the stages and rollout strategies first used (lazy "module:attribute" entries are a Registry's own).
+LazyRegistry = Registry

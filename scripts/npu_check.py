@@ -9,10 +9,10 @@ the JSON and the exit status are gpu_check.py's):
 
   env            torch, torch_npu, the NPU and package versions
   ops            the project's NPU attention (`device.attention` -> torch_npu.npu_fusion_attention, BNSD: causal,
-                 right-down causal, explicit masks, grouped key heads; fp32 and bf16) against the plain-torch
-                 reference of the CPU stand-in (tests/helpers/npu_stand_in.FusionAttention) and SDPA on the CPU,
-                 and torch_npu's npu_rms_norm (y and rstd), npu_swiglu, npu_rotary_position_embedding (both modes,
-                 three layouts) against tests/helpers/npu_fused_reference.py; fails above the tolerances
+                 right-down causal, explicit masks, grouped key heads; fp32 and bf16) against plain-torch
+                 attention on the CPU (`attention_reference` here), and torch_npu's npu_rms_norm (y and rstd),
+                 npu_swiglu, npu_rotary_position_embedding (both modes, three layouts) against
+                 mindspeed_llm/kernels/npu_reference.py; fails above the tolerances. No test module is imported.
   kernels        the Triton kernels of the RL math on the NPU (Triton-Ascend: GAE and discounted-return scans)
                  against their torch references; says "skipped" where Triton-Ascend is not installed
   qwen_prepare   a random 2 x 64 Qwen2 (the Qwen2.5 vocabulary) and its value copy, bf16 conversions, prompts
@@ -123,6 +123,28 @@ def _brief_ops(f: dict) -> str:
 
 
 # ================================================================================================ ops
+def attention_reference(query, key, value, scale, causal=None, masked=None):
+    """`device.attention`'s contract written out in plain torch (float32 on the CPU): `query` [b, h, sq, d], `key` /
+    `value` [b, g, sk, d], query head i reading key head i // (h // g); `causal` "upper_left" (query i sees keys
+    <= i) or "lower_right" (keys <= i + sk - sq); `masked` bool, True = not attended, a row masked everywhere
+    attending to every key."""
+    import torch
+
+    heads, groups = query.size(1), key.size(1)
+    key, value = (t.repeat_interleave(heads // groups, dim=1) for t in (key, value))
+    sq, sk = query.size(2), key.size(2)
+    later = torch.arange(sk)[None, :] - torch.arange(sq)[:, None]  # key index - query index
+    hidden = torch.zeros(sq, sk, dtype=torch.bool)
+    if causal == "upper_left":
+        hidden = later > 0
+    elif causal == "lower_right":
+        hidden = later > sk - sq
+    if masked is not None:
+        hidden = masked & ~masked.all(dim=-1, keepdim=True)
+    scores = (query @ key.transpose(-1, -2)) * scale
+    return torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) @ value
+
+
 def check_ops(json_path: str) -> int:
     """The NPU's fused ops against the references; every case's error in `json_path`; 1 above a tolerance."""
     sys.path.insert(0, str(ROOT))
@@ -130,8 +152,7 @@ def check_ops(json_path: str) -> int:
     import torch_npu
 
     from mindspeed_llm import device
-    from tests.helpers import npu_fused_reference as ref
-    from tests.helpers.npu_stand_in import FusionAttention
+    from mindspeed_llm.kernels import npu_reference as ref
 
     if device.accelerator().kind != "npu":
         raise SystemExit("npu_check ops: no NPU here (torch_npu missing or it sees no device)")
@@ -161,8 +182,7 @@ def check_ops(json_path: str) -> int:
                 if case == "mask":
                     masked |= torch.ones(sq, sk, dtype=torch.bool).triu(1)
                 kwargs["masked"] = masked
-            reference = device.attention(q.float(), k.float(), v.float(), scale=d ** -0.5,
-                                         fusion_attention=FusionAttention(), **kwargs)
+            reference = attention_reference(q.float(), k.float(), v.float(), d ** -0.5, **kwargs)
             on_npu = {k2: (t.to(npu) if isinstance(t, torch.Tensor) else t) for k2, t in kwargs.items()}
             got = device.attention(q.to(npu), k.to(npu), v.to(npu), scale=d ** -0.5, **on_npu)
             record(f"attention_{case}_{dtype}", got, reference, dtype)

@@ -40,6 +40,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from mindspeed_llm.data.errors import DataError, InputFormatError, MissingColumnError, UnknownNameError
 from mindspeed_llm.data.readers import flat_columns
 from mindspeed_llm.data.templates import ChatTemplate
+from mindspeed_llm.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ SEQUENCE_TOO_LONG = "sequence_too_long"
 #: what --overlong-prompts does with a prompt longer than --max-prompt-length
 OVERLONG_MODES = ("drop", "truncate", "error")
 
-HANDLERS: Dict[str, type] = {}
+HANDLERS = Registry()
 
 _MISSING = object()
 _KEY_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -64,8 +65,7 @@ _KEY_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 def register_handler(cls):
     """Class decorator: make ``cls`` selectable by ``--handler-name <class name>``."""
-    HANDLERS[cls.__name__] = cls
-    return cls
+    return HANDLERS.register()(cls)
 
 
 def handler_names() -> List[str]:

@@ -74,10 +74,6 @@ class ContextParallelLayout:
     def chunk(self) -> int:
         return self.seq_length // (2 * self.size)
 
-    @property
-    def local_length(self) -> int:
-        return 2 * self.chunk
-
     def spans(self) -> Tuple[Tuple[int, int], Tuple[int, int]]:
         """The global positions `[start, end)` of this rank's two chunks, in local order."""
         c = self.chunk

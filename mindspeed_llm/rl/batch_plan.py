@@ -130,7 +130,9 @@ class MicroBatchPlan:
         packed, `samples` must keep each prompt group whole and in order, as `ppo_loop` deals them. `update`: a
         step of the update (its token budget), else a forward-only pass."""
         device = exp.tokens.device
-        per_sample = {k: v for k, v in exp.tensors().items() if k not in ("tokens", "position_ids")}
+        per_sample = {k: v for k, v in exp.tensors().items()
+                      if k not in ("tokens", "position_ids", "truncated_out", "filtered_out")}
+        per_sample["loss_mask"] = exp.loss_mask  # derived from the masks (`Experience.loss_mask`)
         n = self.group_size
         # host copies, once per call: no device sync per micro-batch
         sample_list = list(range(exp.batch_size)) if samples is None else torch.as_tensor(samples).tolist()

@@ -8,7 +8,8 @@ groups, the read positions) is `rl/batch_plan.py`'s job.
 Multi-turn rollouts: the response holds the model's sampled tokens and, between its turns, the tool-response tokens
 (`tool_mask`). `response_mask` is every token fed after the prompt (lengths, read positions, packing and token
 budgets count what is really fed); `action_mask` is the model's own tokens, and the losses, the KL, the entropy, the
-advantages and the length metrics follow it (`core_algos/actions.py`).
+advantages and the length metrics follow it (`core_algos/actions.py`). `loss_mask` is derived, never written: the
+action mask less the rows the stage leaves out (`truncated_out`, `filtered_out`), by `core_algos.loss_mask`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from mindspeed_llm.rl.core_algos.actions import action_mask
+from mindspeed_llm.rl.core_algos.actions import action_mask, loss_mask
 
 
 # The per-token fields, response-aligned `[B, R]` (column j is response token j): a micro-batch may cut them to its
@@ -26,7 +27,9 @@ from mindspeed_llm.rl.core_algos.actions import action_mask
 RESPONSE_FIELDS = ("responses", "response_mask", "tool_mask", "rollout_logp", "loss_mask", "old_logp", "ref_logp",
                    "values", "advantages", "returns")
 # The row-padded fields a join pads to its widest row ([B, T] or [B, R]); `routing` is padded along its T axis.
-_PADDED = ("tokens", "responses", "response_mask", "tool_mask", "rollout_logp", "loss_mask")
+_PADDED = ("tokens", "responses", "response_mask", "tool_mask", "rollout_logp")
+# The optional masks a part of a join may lack: zeros (no tool token, no row left out).
+_ZERO_WHEN_ABSENT = ("tool_mask", "truncated_out", "filtered_out")
 # Not joined: position ids are rebuilt for the joined width; the rest are not tensors.
 _NOT_JOINED = ("position_ids", "sample_data", "routing_recorded")
 
@@ -91,14 +94,14 @@ class Experience:
     response_mask: torch.Tensor  # [B, R] float, 1 on the tokens fed after the prompt (EOS included; tool tokens too)
     ended_with_eos: torch.Tensor  # [B] bool
     rollout_logp: Optional[torch.Tensor] = None  # [B, R] the sampler's log-probs (generation logits / temperature)
-    # [B, R] the tokens that take part in the losses: the action mask (the response mask less the tool tokens), less
-    # what the stage leaves out (grpo's --filter-groups, --mask-truncated-completions). Lengths, read positions and
-    # packing always follow `response_mask`.
-    loss_mask: Optional[torch.Tensor] = None
     # [B, R] float, 1 on the tool-response tokens of a multi-turn rollout (the chat template's tool-role deltas between
     # the model's turns: context, not actions), within `response_mask`; None: a single-turn rollout (no tool token).
-    # Give it when the Experience is made: the default loss mask is built from it then.
     tool_mask: Optional[torch.Tensor] = None
+    # [B] bool: the rows the stage leaves out of every loss (their lengths, read positions and scores stay): the
+    # truncated responses under --mask-truncated-completions, the groups without signal under grpo's --filter-groups.
+    # None: no row left out. With `tool_mask` they make `loss_mask`.
+    truncated_out: Optional[torch.Tensor] = None
+    filtered_out: Optional[torch.Tensor] = None
     # Filled in as the iteration goes.
     old_logp: Optional[torch.Tensor] = None  # [B, R]
     ref_logp: Optional[torch.Tensor] = None  # [B, R]
@@ -116,8 +119,13 @@ class Experience:
     routing_recorded: bool = False
 
     def __post_init__(self):
-        if self.loss_mask is None:
-            self.loss_mask = self.action_mask.clone()
+        self._derived = {}  # name -> (the parts it was made from, the mask): each mask is made once per set of parts
+
+    def __getstate__(self):  # what crosses a process group: the fields, not the derived masks (made again there)
+        return {k: v for k, v in self.__dict__.items() if k != "_derived"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _derived={})
 
     @classmethod
     def from_rollout(cls, rollout) -> "Experience":
@@ -145,26 +153,34 @@ class Experience:
         """[B] long: the tokens fed after each prompt (the model's and the tools')."""
         return self.response_mask.sum(-1).long()
 
+    def _mask(self, name: str, make, *parts) -> torch.Tensor:
+        """The mask `name` made by `make(*parts)`, once: again only when a part is set to another tensor."""
+        cached = self._derived.get(name)
+        if cached is None or any(a is not b for a, b in zip(cached[0], parts)):
+            cached = self._derived[name] = (parts, make(*parts))
+        return cached[1]
+
     @property
     def action_mask(self) -> torch.Tensor:
         """[B, R]: the model's own sampled tokens, `response_mask * (1 - tool_mask)`; `response_mask` itself (the same
         tensor) without tool tokens (`core_algos.action_mask`)."""
-        return action_mask(self.response_mask, self.tool_mask)
+        return self._mask("action_mask", action_mask, self.response_mask, self.tool_mask)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """[B, R]: the tokens that take part in the losses, the action mask less the rows left out (`truncated_out`,
+        `filtered_out`): `core_algos.loss_mask`, its one writer. Lengths, read positions and packing always follow
+        `response_mask`."""
+        return self._mask("loss_mask", loss_mask, self.response_mask, self.tool_mask, self.truncated_out,
+                          self.filtered_out)
 
     @property
     def action_lengths(self) -> torch.Tensor:
         """[B] long: the model's own tokens of each response (`response_lengths` less the tool tokens)."""
         return self.action_mask.sum(-1).long()
 
-    def leave_out_tool_tokens(self) -> None:
-        """Take the tool tokens out of `loss_mask` (a no-op without `tool_mask`, or when it was given at construction,
-        which builds the default loss mask from it): what the stages call on every rollout, so a strategy that set
-        `tool_mask` afterwards cannot put a tool token into a loss."""
-        if self.tool_mask is not None:
-            self.loss_mask = self.loss_mask * self.action_mask.to(self.loss_mask.dtype)
-
     def tensors(self) -> Dict[str, torch.Tensor]:
-        """Every tensor field that is set, by name."""
+        """Every tensor field that is set, by name (not the derived masks)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
 
     # ------------------------------------------------------------------ rows
@@ -180,13 +196,16 @@ class Experience:
     @classmethod
     def concat(cls, parts: Sequence["Experience"], device) -> "Experience":
         """One Experience of the rows of `parts` on `device`, right-padded to the longest sequence and response and no
-        wider (a tensor some part lacks is left out, but a part without `tool_mask` has no tool token: zeros; routing is
-        padded with -1, "unknown", `models/routing.py`)."""
+        wider (a tensor some part lacks is left out, but a part without `tool_mask` has no tool token and one without
+        `truncated_out` / `filtered_out` leaves no row out: zeros; routing is padded with -1, "unknown",
+        `models/routing.py`)."""
         tensors = {}
         for f in fields(cls):
             values = [getattr(p, f.name) for p in parts]
-            if f.name == "tool_mask" and any(v is not None for v in values):  # a part without tool tokens: zeros
-                values = [torch.zeros_like(p.response_mask) if v is None else v for p, v in zip(parts, values)]
+            if f.name in _ZERO_WHEN_ABSENT and any(v is not None for v in values):
+                values = [(torch.zeros_like(p.response_mask) if f.name == "tool_mask" else
+                           torch.zeros(p.batch_size, dtype=torch.bool, device=p.response_mask.device))
+                          if v is None else v for p, v in zip(parts, values)]
             if f.name in _NOT_JOINED or any(v is None for v in values):
                 continue
             if f.name in _PADDED:

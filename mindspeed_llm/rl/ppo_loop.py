@@ -1,7 +1,7 @@
 """Epochs x mini-batches of a PPO-style update over one iteration's `Experience`, for any trained role.
 
-The update's result depends on the data and the flags, never on the parallel layout (DESIGN.md, "Layout
-invariance"):
+The update's result depends on the data and the flags, never on the parallel layout (docs/parallelism.md,
+"Layout invariance"):
 
 * the mini-batches are the same sets of samples at every DP size (`mini_batch_units`);
 * each micro-batch's loss is its share of the mini-batch's loss, normalised by the mini-batch's global token

@@ -117,14 +117,14 @@ def truncated(exp: Experience) -> torch.Tensor:
     """[B] bool: the responses cut by --max-new-tokens / --max-length (finish reason "length": neither EOS nor a stop
     token ended them)."""
     return torch.tensor([r == "length" for r in exp.sample_data.finish_reasons], dtype=torch.bool,
-                        device=exp.loss_mask.device)
+                        device=exp.response_mask.device)
 
 
 def mask_truncated_completions(exp: Experience) -> Dict[str, float]:
     """`--mask-truncated-completions` (TRL's `mask_truncated_completions`): the truncated responses leave every loss
     through the loss mask (their lengths, read positions and scores stay). Returns the share taken out."""
     cut = truncated(exp)
-    exp.loss_mask = exp.loss_mask * (~cut).to(exp.loss_mask.dtype)[:, None]
+    exp.truncated_out = cut  # `Experience.loss_mask` leaves them out
     return {"truncated_masked_fraction": float(cut.float().mean())}
 
 

@@ -79,7 +79,7 @@ def dump_manifest(settings, strategy: str, tokenizer=None) -> dict:
             "temperature": settings.loss.temperature,
             "model": {"load": _real(settings.checkpoint.load), "ref_model": _real(data.ref_model),
                       "layout": checks.layout()},
-            "tokenizer": checks.tokenizer_identity(tokenizer)}
+            "tokenizer": checks.tokenizer_identity(tokenizer), "machine": device.machine_identity()}
 
 
 def _real(path: Optional[str]) -> Optional[str]:
@@ -237,6 +237,13 @@ class ReplayRollouts(CarriesNothing):
                   f"there (strategy {dumped['strategy']}, iterations {_ranges(dumped_iterations(root)) or 'none'}), "
                   "with their scores: nothing is generated or scored, so the sampling flags (but --temperature, "
                   "at which the losses take the log-probs) and the reward flags do not apply", flush=True)
+            machine = [f"{key} {dumped['machine'].get(key)!r} there, {value!r} here"
+                       for key, value in mine["machine"].items() if dumped.get("machine", {}).get(key) != value]
+            if dumped.get("machine") and machine:
+                print(f"posttrain_gpt.py: --rollout-replay-dir {root} was dumped on another machine or build "
+                      f"({'; '.join(machine)}): the replay trains on the same rollouts, but its updates are bit for "
+                      "bit the dumping run's only on the same torch build, device, processor kind and threads",
+                      flush=True)
             if dumped.get("temperature") != mine["temperature"]:
                 print(f"posttrain_gpt.py: --temperature {mine['temperature']} differs from the dumping run's "
                       f"{dumped.get('temperature')}: the losses' log-probs, and so the updates, differ from its",

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from mindspeed_llm.registry import LazyRegistry
+from mindspeed_llm.registry import Registry
 from mindspeed_llm.rl.experience import Experience
 
 
@@ -102,7 +102,7 @@ class CarriesNothing:
         return None
 
 
-ROLLOUT_STRATEGIES = LazyRegistry({
+ROLLOUT_STRATEGIES = Registry({
     "single_turn": "mindspeed_llm.rl.rollout:SingleTurnRollouts",
     "partial_rollout": "mindspeed_llm.rl.partial_rollout:PartialRollouts",
     "multi_turn": "mindspeed_llm.rl.multi_turn:MultiTurnRollouts",

@@ -17,7 +17,7 @@
     ProfileSettings    profiler window and ranks, memory history, timing lines (`profiling.Profiler`)
 
 A field is named after the flag's destination it holds (`--clip-ratio-high` -> `clip_ratio_high`), and its default
-is the parser's, so a part can be read like the Namespace it comes from (tests/test_settings.py checks every
+is the parser's, so a part can be read like the Namespace it comes from (tests/unit/test_settings.py checks every
 default against the parser): a new option of an estimator is one flag and one field. The values are the validated
 ones: the stage defaults `validate_args` filled in (`--kl-penalty`, `--clip-ratio-high`, `--ppo-mini-batch-size`,
 `--loss-agg-mode`, ...), lists as tuples. The few fields no flag sets (`derived`: the world size, the resolved

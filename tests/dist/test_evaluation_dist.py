@@ -7,7 +7,8 @@ iterations resumed to 4 evaluates each due iteration once (none repeated, none s
 The same runs write sample tables (`--log-samples`: samples.jsonl, eval_samples.jsonl, TensorBoard's text tab), the
 same rows at every layout and none repeated after a resume, and dump their rollouts (`--rollout-dump-dir`): grpo at
 DP1 and DP2 and a trl_ppo run replayed (`--rollout-replay-dir`) give the dumping runs' weights bit for bit and their
-metrics."""
+metrics; so does a multi-turn grpo run with tool calls at a real model's widths (hidden 256, 32768 words), dumped and
+replayed in two processes as a user runs them."""
 
 import csv
 import json
@@ -209,3 +210,57 @@ def test_a_replayed_rollout_dump_gives_the_dumping_runs_update_bit_for_bit(runs,
     for a, b in zip(original, replay):
         a = {k: v for k, v in a.items() if not k.startswith(skipped)}
         assert a == {k: v for k, v in b.items() if not k.startswith(skipped)}
+
+
+# A real model's shape (SmolLM2's kind: tied embeddings), 2 layers: hidden 256, 32768 words
+REAL_SHAPE = dict(vocab=32768, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                  tie=True)
+
+
+def test_a_replayed_multi_turn_dump_at_a_real_models_shape_gives_its_update_bit_for_bit(tmp_path):
+    """The dump and the replay as a user runs them, two processes, at hidden 256 and a 32768-word vocabulary (where
+    the matmul kernels block by size) with tool calls: the replay's weights after 2 iterations and its metrics are
+    the dumping run's bit for bit."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from tests.helpers import word_task
+    from tests.helpers.multiproc import single_rank_env
+    from tests.helpers.stage_assets import ROOT
+    from tests.helpers.stage_layouts import full_weights
+
+    task = word_task.build(tmp_path / "task", **REAL_SHAPE)
+    task.update(word_task.write_chat_tools(tmp_path / "task", task["tokenizer"]))
+    env = dict(single_rank_env(), PYTHONPATH=os.pathsep.join([str(ROOT), str(word_task.TOOLS_DIR)]))
+    # a quarter of the words stop a turn, so turns end and call the tool (a turn of 4 tokens cut there calls nothing)
+    argv = ["--stage", "grpo", "--ref-model", task["mg_actor_tp1pp1"], "--tokenizer-name-or-path",
+            task["chat_tokenizer"], "--data-path", task["data"], "--global-batch-size", "2", "--micro-batch-size", "2",
+            "--n-samples-per-prompt", "2", "--train-iters", "2", "--max-length", "24", "--max-prompt-length", "8",
+            "--max-new-tokens", "4", "--do-sample", "--seed", "5", "--lr", "1e-3", "--kl-coef", "0.01",
+            "--stop-token-ids", ",".join(map(str, range(100, 8100))), "--tool-config", task["tools"],
+            "--tool-parser-format", "first_word_even", "--max-assistant-turns", "3", "--max-total-response-length",
+            "14", "--max-tool-response-length", "3", "--custom-reward-function",
+            f"{word_task.TOOLS_DIR / 'word_tools.py'}:turns_reward", "--save-interval", "2",
+            "--no-check-for-divergence"]
+    dump = tmp_path / "dumped" / "rollouts"
+    for name, extra in (("dumped", ["--rollout-dump-dir", str(dump)]),
+                        ("replayed", ["--rollout-replay-dir", str(dump), "--top-k", "3"])):
+        out = tmp_path / name
+        done = subprocess.run([sys.executable, str(ROOT / "posttrain_gpt.py"), *argv, "--save", str(out),
+                               "--metrics-jsonl", str(out / "metrics.jsonl"), *extra], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    original, replay = _rows(tmp_path / "dumped"), _rows(tmp_path / "replayed")
+    assert max(r["num_turns/max"] for r in original) >= 2 and sum(r["tool/calls"] for r in original) > 0
+    weights = {name: full_weights(tmp_path / name, "actor") for name in ("dumped", "replayed")}
+    assert weights["dumped"]["embedding.word_embeddings.weight"].shape[0] >= 32768
+    assert weights["dumped"].keys() == weights["replayed"].keys()
+    assert [k for k in weights["dumped"] if not torch.equal(weights["dumped"][k], weights["replayed"][k])] == []
+    skipped = ("timing/", "e2e_tps", "update_tps", "vllm_tps", "rollout_tps")
+    assert [r["iteration"] for r in original] == [r["iteration"] for r in replay] == [1, 2]
+    for a, b in zip(original, replay):
+        assert {k: v for k, v in a.items() if not k.startswith(skipped)} == \
+            {k: v for k, v in b.items() if not k.startswith(skipped)}

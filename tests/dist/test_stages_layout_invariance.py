@@ -1,7 +1,7 @@
 """Layout invariance: one update of each stage gives the same result at any TP, PP, DP and micro-batch size.
 
 A Megatron user expects the parallel layout to change speed and memory, never the training result
-(DESIGN.md, "Layout invariance"). Each case runs ONE iteration of the real stage (`trainer.run`, sampled
+(docs/parallelism.md, "Layout invariance"). Each case runs ONE iteration of the real stage (`trainer.run`, sampled
 rollout of the same prompts, then one update) and saves the trained weights:
 
 * trl_ppo: 8 prompts, two mini-batches of 4 (the second step's ratios are not 1), `--whiten-rewards`;

@@ -24,37 +24,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.word_task import TOOL_CONFIG, TOOLS_DIR  # the user's tool, call parser and reward function
+
 pytestmark = [pytest.mark.usefixtures("warm_ranks"), pytest.mark.slow]
 
-TOOLS_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "word_tools"
-# assistant turns end with </s>; a tool's answer is framed by w20 .. w21, the next assistant turn opens with w22
-TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}</s>"
-            "{% elif m['role'] == 'tool' %} w20 {{ m['content'] }} w21{% else %}{{ m['content'] }}{% endif %}"
-            "{% endfor %}{% if add_generation_prompt %} w22{% endif %}")
-TOOL_CONFIG = """tools:
-  - class_name: word_tools.EchoTool
-    config: {reward: 0.25}
-    tool_schema:
-      type: function
-      function:
-        name: echo
-        description: Says the words back, last first.
-        parameters: {type: object, properties: {words: {type: array}}, required: [words]}
-"""
+
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    from transformers import AutoTokenizer
-
     from tests.helpers import word_task
 
     root = tmp_path_factory.mktemp("multi_turn_task")
     paths = word_task.build(root, layouts=((1, 1), (2, 1), (1, 2)), reward=True)
-    tokenizer = AutoTokenizer.from_pretrained(paths["tokenizer"])
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(root / "chat_tokenizer")
-    (root / "tools.yaml").write_text(TOOL_CONFIG)
     sys.path.insert(0, str(TOOLS_DIR))  # the warm ranks take the caller's sys.path (tests/helpers/multiproc.py)
-    yield dict(paths, chat_tokenizer=str(root / "chat_tokenizer"), tools=str(root / "tools.yaml"))
+    yield dict(paths, **word_task.write_chat_tools(root, paths["tokenizer"]))
     sys.path.remove(str(TOOLS_DIR))
 
 

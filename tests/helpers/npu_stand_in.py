@@ -25,7 +25,7 @@ What it provides while installed (and takes back on exit; a process sees `torch_
 * `torch_npu.profiler`: `profile` (the documented keywords; `ProfilerActivity.NPU` dropped, the rest on
   `torch.profiler`), `schedule`, `tensorboard_trace_handler`, `ProfilerActivity`, `ProfilerAction`.
 * The fused ops: `npu_fusion_attention` (`FusionAttention`, below), and `npu_rms_norm`, `npu_swiglu`,
-  `npu_rotary_position_embedding` from `tests/helpers/npu_fused_reference.py`, each recording its call.
+  `npu_rotary_position_embedding` from `mindspeed_llm/kernels/npu_reference.py`, each recording its call.
 * `torch.device("npu", i)` parses: the PrivateUse1 backend is renamed "npu" (once per process, by torch's
   `rename_privateuse1_backend`; it cannot be undone, and without torch_npu installed nothing else answers to it).
 
@@ -45,9 +45,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from mindspeed_llm.kernels import npu_reference as npu_fused_reference
 from mindspeed_llm.patches.cpu import NullEvent, NullStream
-
-from tests.helpers import npu_fused_reference
 
 __all__ = ["NpuStandIn", "FusionAttention", "installed", "ensure_npu_device_name"]
 

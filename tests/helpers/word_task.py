@@ -4,7 +4,11 @@ A 256-word vocabulary (`w4`..`w255` plus `<pad> <s> </s> <unk>`, `hf_tiny.write_
 policy (2 layers, hidden 64) and, when asked, a tiny Qwen2 value-head reward model, both converted with
 `convert_hf_to_mg` to each requested TP x PP layout, and prompts of 3..5 random words from `w68`..`w255`,
 preprocessed with the R1 handler (`--prompt-type empty`, a dummy label). A forward costs a fraction of one over
-the Qwen2.5 vocabulary of `stage_assets`, which keeps tests of many runs quick.
+the Qwen2.5 vocabulary of `stage_assets`, which keeps tests of many runs quick. `build(vocab=..., **shape)` makes the
+same task at another vocabulary and model shape (the replay test at a real model's shape).
+
+Multi-turn tool use (`write_chat_tools`): the tokenizer with a word-level chat template that has a tool role, and a
+tool config naming the user's tool of tests/fixtures/word_tools (`TOOLS_DIR`, which the runs put on PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -14,10 +18,28 @@ import random
 from pathlib import Path
 
 VOCAB = 256
+TOOLS_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "word_tools"
+# assistant turns end with </s>; a tool's answer is framed by w20 .. w21, the next assistant turn opens with w22
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}</s>"
+                 "{% elif m['role'] == 'tool' %} w20 {{ m['content'] }} w21{% else %}{{ m['content'] }}{% endif %}"
+                 "{% endfor %}{% if add_generation_prompt %} w22{% endif %}")
+TOOL_CONFIG = """tools:
+  - class_name: word_tools.EchoTool
+    config: {reward: 0.25}
+    tool_schema:
+      type: function
+      function:
+        name: echo
+        description: Says the words back, last first.
+        parameters: {type: object, properties: {words: {type: array}}, required: [words]}
+"""
 
 
-def build(root: Path, layouts=((1, 1),), reward: bool = False, prompts: int = 16, model_seed: int = 3) -> dict:
-    """Write everything under `root`; returns {"tokenizer", "data", "mg_actor_tp{t}pp{p}", "mg_reward_tp{t}pp{p}"}."""
+def build(root: Path, layouts=((1, 1),), reward: bool = False, prompts: int = 16, model_seed: int = 3,
+          vocab: int = VOCAB, **shape) -> dict:
+    """Write everything under `root`; returns {"tokenizer", "data", "mg_actor_tp{t}pp{p}", "mg_reward_tp{t}pp{p}"}.
+    `vocab` words (the prompts stay within the first 256) and `shape` (`hf_tiny.tiny_config` overrides: hidden_size,
+    tie, ...) make the same task on another model."""
     from tests.helpers.hf_tiny import save_tiny, write_tokenizer
 
     from mindspeed_llm.checkpoint import convert_hf_to_mg
@@ -25,11 +47,11 @@ def build(root: Path, layouts=((1, 1),), reward: bool = False, prompts: int = 16
     # The tokenizer gets a folder of its own: next to a qwen2 config.json, transformers 5 would load it as a
     # Qwen2Tokenizer (BPE) instead of the word-level tokenizer it is.
     tokenizer = root / "tokenizer"
-    write_tokenizer(tokenizer, VOCAB)
+    write_tokenizer(tokenizer, vocab)
     paths = {"tokenizer": str(tokenizer)}
     roles = [("actor", False, model_seed)] + ([("reward", True, model_seed + 1)] if reward else [])
     for role, value_head, seed in roles:
-        hf = save_tiny("qwen2", root / f"hf_{role}", seq_cls=value_head, seed=seed, vocab_size=VOCAB)
+        hf = save_tiny("qwen2", root / f"hf_{role}", seq_cls=value_head, seed=seed, vocab_size=vocab, **shape)
         for tp, pp in layouts:
             out = root / f"mg_{role}_tp{tp}pp{pp}"
             convert_hf_to_mg(hf, str(out), tp, pp, value_head=value_head, tokenizer_dir=str(tokenizer), progress=False)
@@ -55,3 +77,15 @@ def write_prompts(root: Path, tokenizer: Path, prompts: int) -> str:
                 "--prompt-type", "empty", "--map-keys", json.dumps({"prompt": "problem", "labels": "answer"}),
                 "--log-interval", "0"])
     return str(prefix)
+
+
+def write_chat_tools(root: Path, tokenizer: str) -> dict:
+    """The word tokenizer `tokenizer` with `CHAT_TEMPLATE` (saved to `root/chat_tokenizer`) and `TOOL_CONFIG`
+    (`root/tools.yaml`); returns {"chat_tokenizer", "tools"}."""
+    from transformers import AutoTokenizer
+
+    chat = AutoTokenizer.from_pretrained(tokenizer)
+    chat.chat_template = CHAT_TEMPLATE
+    chat.save_pretrained(root / "chat_tokenizer")
+    (root / "tools.yaml").write_text(TOOL_CONFIG)
+    return {"chat_tokenizer": str(root / "chat_tokenizer"), "tools": str(root / "tools.yaml")}

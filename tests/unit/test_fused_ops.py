@@ -1,7 +1,7 @@
 """The fused ops of the `--use-fused-*` flags.
 
 The plain-torch references of torch_npu's `npu_rms_norm`, `npu_swiglu` and `npu_rotary_position_embedding`
-(tests/helpers/npu_fused_reference.py, which the CPU stand-in of torch_npu installs) against independent
+(mindspeed_llm/kernels/npu_reference.py, which the CPU stand-in of torch_npu installs) against independent
 computations: hand-computed values, a float64 loop, and the rotation of each pair of features as a complex number."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from tests.helpers import npu_fused_reference as ref
+from mindspeed_llm.kernels import npu_reference as ref
 
 
 # ------------------------------------------------------------------------------------------ the reference ops

@@ -306,6 +306,21 @@ def test_a_replay_on_another_dataset_is_refused_by_name(tmp_path, one_rank):
         _replay(root, data_path=str(tmp_path / "e"))
 
 
+def test_a_replay_on_another_machine_or_build_says_what_differs(tmp_path, one_rank, capsys):
+    root = _identified_dump(tmp_path / "dump")
+    with open(f"{root}/manifest.json") as f:
+        manifest = json.load(f)
+    assert manifest["machine"]["torch"] == torch.__version__ and manifest["machine"]["threads"] >= 1
+    _replay(root)
+    assert "dumped on another machine" not in capsys.readouterr().out
+    manifest["machine"].update(torch="2.0.0", threads=manifest["machine"]["threads"] + 7)
+    with open(f"{root}/manifest.json", "w") as f:
+        json.dump(manifest, f)
+    _replay(root)
+    out = capsys.readouterr().out
+    assert "was dumped on another machine or build (torch '2.0.0' there" in out and "threads" in out
+
+
 def _damage(path, how):
     data = path.read_bytes()
     path.write_bytes(bytes(len(data)) if how == "zeros" else data[:len(data) // 2])

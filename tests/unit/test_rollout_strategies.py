@@ -70,6 +70,41 @@ def test_the_registry_names_each_strategy_by_its_own_name_and_the_flag_picks_it(
     assert ROLLOUT_STRATEGIES["multi_turn"].flag == "--tool-config"
 
 
+def test_a_registry_takes_entries_by_decorator_by_key_and_lazily(monkeypatch, tmp_path):
+    """`mindspeed_llm.registry.Registry`, the one registry idiom: `@register(name)` (default: the entry's own name),
+    `REGISTRY[name] = value` (a tool module adding its call parser), and "module:attribute" entries imported when
+    first read."""
+    import sys
+
+    from mindspeed_llm.registry import Registry
+    from mindspeed_llm.rl.tools import TOOL_PARSERS, HermesParser, get_parser
+
+    (tmp_path / "registry_lazy_entry.py").write_text("VALUE = 'imported'\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry = Registry({"lazy": "registry_lazy_entry:VALUE"})
+
+    @registry.register()
+    class Plain:
+        pass
+
+    @registry.register("named")
+    def fn():
+        pass
+
+    assert list(registry) == ["lazy", "Plain", "named"] and registry["named"] is fn and registry["Plain"] is Plain
+    try:
+        assert "registry_lazy_entry" not in sys.modules  # naming the choices imports nothing
+        assert registry["lazy"] == "imported" and "registry_lazy_entry" in sys.modules
+    finally:
+        sys.modules.pop("registry_lazy_entry", None)
+
+    class MyParser(HermesParser):
+        pass
+
+    monkeypatch.setitem(TOOL_PARSERS, "my_format", MyParser)  # what a user's tool module does
+    assert isinstance(get_parser("my_format"), MyParser)
+
+
 def test_single_turn_generates_the_first_batch_and_carries_nothing(monkeypatch):
     from mindspeed_llm.rl import rollout
 

@@ -25,6 +25,7 @@ The layers, bottom to top, are written below (`LAYERS`); they follow the floors 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Dict, List, Set, Tuple
 
@@ -277,3 +278,117 @@ def test_no_library_file_over_600_lines():
 
 def test_no_function_over_120_lines():
     assert long_functions() == [], "split the function into named steps"
+
+
+def plain_dict_registries(modules: Dict[str, Path]) -> List[str]:
+    """'module.NAME' for every module-level dict that serves as a registry outside `mindspeed_llm.registry.Registry`:
+    a dict literal whose values are all class names (`{"hermes": HermesParser}`), or an empty one a function of the
+    same module fills by key (a decorator's `NAME[key] = fn`)."""
+    found = []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        dicts = {}
+        for node in tree.body:
+            target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
+                getattr(node, "target", None) if isinstance(node, ast.AnnAssign) else None
+            if isinstance(target, ast.Name) and isinstance(node.value, ast.Dict):
+                dicts[target.id] = node.value
+        filled = {t.value.id for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                  for a in ast.walk(f) if isinstance(a, ast.Assign) for t in a.targets
+                  if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name)}
+        for name, value in dicts.items():
+            of_classes = value.values and all(isinstance(v, ast.Name) and v.id[:1].isupper() and not v.id.isupper()
+                                              for v in value.values)
+            # a private dict a function fills is a cache (`_CACHE`, `_BUILT`), not a registry
+            if of_classes or (not value.keys and name in filled and not name.startswith("_")):
+                found.append(f"{module}.{name}")
+    return found
+
+
+def test_one_registry_idiom(tmp_path):
+    """Every registry is a `mindspeed_llm.registry.Registry` (decorated or assigned entries, lazy imports), not a
+    plain dict: the check finds both kinds planted into a module."""
+    assert plain_dict_registries(package_modules()) == [], "make it a mindspeed_llm.registry.Registry"
+    planted = tmp_path / "planted.py"
+    planted.write_text('PARSERS = {"hermes": HermesParser}\nHOOKS = {}\n_CACHE = {}\n\n\ndef hook(fn):\n'
+                       '    HOOKS[fn.__name__] = _CACHE[fn] = fn\n', encoding="utf-8")
+    assert plain_dict_registries({"mindspeed_llm.planted": planted}) == [
+        "mindspeed_llm.planted.PARSERS", "mindspeed_llm.planted.HOOKS"]
+
+
+def imports_of_tests(path: Path) -> List[str]:
+    """'file:line module' for every import of the test tree (`tests`, `tests.*`) in `path`, at any depth."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    found = []
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        found += [f"{path.name}:{node.lineno} {n}" for n in names if n == "tests" or n.startswith("tests.")]
+    return found
+
+
+def test_device_scripts_import_no_test_module(tmp_path):
+    """The device scripts (`scripts/*.py`, run on a GPU / NPU machine) and the package import nothing of `tests/`:
+    what they need lives in the package or the script. The check finds a planted import."""
+    files = sorted((ROOT / "scripts").glob("*.py")) + sorted(package_modules().values())
+    assert [hit for path in files for hit in imports_of_tests(path)] == []
+    planted = tmp_path / "planted.py"
+    planted.write_text("def check():\n    from tests.helpers import npu_stand_in\n", encoding="utf-8")
+    assert imports_of_tests(planted) == ["planted.py:2 tests.helpers"]
+
+
+ARCHITECTURE_PAGE = ROOT / "docs" / "architecture.md"
+_CODE_SPAN = re.compile(r"`([^`]+)`")
+
+
+def _spans(line: str) -> List[str]:
+    """The inline-code spans of `line`, a brace list expanded (`rl/stages/{grpo,trl_ppo}.py` is two paths)."""
+    out = []
+    for span in _CODE_SPAN.findall(line):
+        todo = [span.strip()]
+        while todo:
+            text = todo.pop()
+            brace = re.search(r"\{([^{}]*)\}", text)
+            if brace is None:
+                out.append(text)
+            else:
+                todo += [text[:brace.start()] + alt + text[brace.end():] for alt in brace.group(1).split(",")]
+    return out
+
+
+def unlisted_modules(page: str, modules: Dict[str, Path], package: Path = PACKAGE) -> List[str]:
+    """The modules (paths under `package`) that no line of `page` names: a line names `rl/tools/config.py` with the
+    span `rl/tools/config.py`, or with `config.py` beside a span of its folder (`rl/tools/...`), as the page's tables
+    list a folder's files; a package's `__init__.py` with a span of its folder. The top package's face needs none."""
+    lines = [_spans(line) for line in page.splitlines()]
+    missing = []
+    for path in sorted(modules.values()):
+        rel = path.relative_to(package).as_posix()
+        folder, _, name = rel.rpartition("/")
+        folder = f"{folder}/" if folder else ""
+        if rel == "__init__.py":
+            continue
+        for spans in lines:
+            in_folder = not folder or any(s.startswith(folder) for s in spans)
+            if name == "__init__.py":
+                if in_folder:
+                    break
+            elif any(s == rel or s.endswith("/" + rel) for s in spans) or (
+                    in_folder and any(s == name or s.endswith("/" + name) for s in spans)):
+                break
+        else:
+            missing.append(rel)
+    return missing
+
+
+def test_the_architecture_page_lists_every_module(tmp_path):
+    """docs/architecture.md names every module of the package (a new module is a line of the page); the check finds
+    a module planted into a copy of the package."""
+    page = ARCHITECTURE_PAGE.read_text(encoding="utf-8")
+    assert unlisted_modules(page, package_modules()) == [], "add the module to docs/architecture.md"
+    planted = tmp_path / "mindspeed_llm"
+    (planted / "rl").mkdir(parents=True)
+    for rel in ("__init__.py", "rl/__init__.py", "rl/trainer.py", "rl/planted_module.py"):
+        (planted / rel).write_text("", encoding="utf-8")
+    modules = {str(path): path for path in planted.rglob("*.py")}
+    assert unlisted_modules(page, modules, planted) == ["rl/planted_module.py"]

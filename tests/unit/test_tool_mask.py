@@ -104,12 +104,38 @@ def test_the_action_mask_and_the_default_loss_mask_leave_the_tool_tokens_out():
     assert torch.equal(ca.action_order(single.response_mask), torch.arange(WIDTH).expand(3, WIDTH))
 
 
-def test_a_tool_mask_set_after_construction_leaves_the_loss_mask_when_the_stage_asks():
+def test_the_loss_mask_is_derived_from_its_parts_by_hand():
+    """`core_algos.loss_mask` from hand-made parts: response 1 1 1 1 0 / tool 0 1 0 0 0 per row, row 1 truncated,
+    row 2 filtered: the hand-written mask below."""
+    response = torch.tensor([[1.0, 1, 1, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    tool = torch.tensor([[0.0, 1, 0, 0, 0], [0, 0, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 0, 1, 1]])
+    truncated = torch.tensor([False, True, False, False])
+    filtered = torch.tensor([False, False, True, False])
+    expected = torch.tensor([[1.0, 0, 1, 1, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 0, 0]])
+    assert torch.equal(ca.loss_mask(response, tool, truncated, filtered), expected)
+    assert torch.equal(ca.loss_mask(response, tool), response * (1 - tool))
+    assert torch.equal(ca.loss_mask(response, None, truncated), response * torch.tensor([1.0, 0, 1, 1])[:, None])
+    alone = ca.loss_mask(response)
+    assert torch.equal(alone, response) and alone is not response  # a copy: editing it leaves response_mask alone
+    assert ca.loss_mask(response.bool(), tool, truncated, filtered).tolist() == expected.bool().tolist()
+
+
+def test_the_experience_loss_mask_follows_its_parts_set_at_any_time():
     exp = _experience(LAYOUTS, tool_mask=False)
-    exp.loss_mask[2] = 0  # e.g. --mask-truncated-completions
-    exp.tool_mask = _masks(LAYOUTS)[1]
-    exp.leave_out_tool_tokens()
+    assert torch.equal(exp.loss_mask, exp.response_mask) and exp.loss_mask is exp.loss_mask  # made once
+    exp.truncated_out = torch.tensor([False, False, True])  # --mask-truncated-completions
+    exp.tool_mask = _masks(LAYOUTS)[1]  # a strategy that sets tool_mask afterwards: its tokens leave every loss
     assert torch.equal(exp.loss_mask, exp.action_mask * torch.tensor([1.0, 1.0, 0.0])[:, None])
+    exp.filtered_out = torch.tensor([True, False, False])  # --filter-groups
+    assert torch.equal(exp.loss_mask, exp.action_mask * torch.tensor([0.0, 1.0, 0.0])[:, None])
+    picked = exp.select(torch.tensor([2, 1]))  # the row masks go with their rows
+    assert torch.equal(picked.loss_mask, exp.loss_mask[[2, 1]])
+    single = _experience(["mm"], width=WIDTH, seed=3, tool_mask=False)
+    for part in (picked, single):
+        part.old_logp = part.ref_logp = part.values = None
+    joined = Experience.concat([picked, single], "cpu")  # a part without them leaves no row out
+    assert joined.truncated_out.tolist() == [True, False, False] and joined.filtered_out.tolist() == [False] * 3
+    assert joined.loss_mask.sum(-1).tolist() == [0.0, 4.0, 2.0]
 
 
 # ------------------------------------------------------------------------------------------------ GAE

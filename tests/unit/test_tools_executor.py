@@ -99,11 +99,8 @@ def test_failures_unknown_tools_and_timeouts_are_messages_and_counted():
     assert timed_out == "error: tool 'sleep' timed out after 0.2 s"
     assert ok == "slept 0.01"
     assert bad_arguments.startswith("error: tool 'broken' failed: ValueError: missing argument(s) x")
-    assert (turn.failures, turn.timeouts) == (3, 1)
-    metrics = executor.metrics(reset=True)
-    assert metrics["tool/calls"] == 5 and metrics["tool/failures"] == 3 and metrics["tool/timeouts"] == 1
-    assert 0.2 <= metrics["tool/seconds"] < 1.0
-    assert executor.metrics() == {"tool/calls": 0, "tool/failures": 0, "tool/timeouts": 0, "tool/seconds": 0.0}
+    assert (turn.failures, turn.timeouts, turn.refused) == (3, 1, 0)
+    assert 0.2 <= turn.seconds < 1.0  # the timed-out call counts its timeout
 
 
 def test_a_tools_own_timeout_is_counted_as_a_timeout():
@@ -149,7 +146,7 @@ def test_calls_beyond_max_parallel_calls_are_refused():
     turn = executor.run(0, [ToolCall("sleep", {"s": 0.01})] * 3)
     assert turn.messages[:2] == ["slept 0.01"] * 2
     assert turn.messages[2] == "error: at most 2 tool calls are run per turn; this call was not run"
-    assert turn.refused == 1 and len(sleep.spans) == 2 and executor.metrics()["tool/calls"] == 2
+    assert turn.refused == 1 and len(sleep.spans) == 2
 
 
 def test_create_and_release_once_per_trajectory_on_its_own_copy():

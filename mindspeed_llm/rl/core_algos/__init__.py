@@ -54,6 +54,7 @@ What is where
   ``rloo_advantages``, ``dr_grpo_advantages``, ``reinforce_plus_plus_advantages``,
   ``reinforce_plus_plus_baseline_advantages``.
 * :mod:`.actions`: trajectories with tool-response tokens: ``action_mask`` (``response_mask * (1 - tool_mask)``),
+  ``loss_mask`` (the action mask less the truncated and filtered rows: the one place the loss mask is made),
   ``action_order`` / ``to_actions`` / ``from_actions`` (each row's actions first), ``gae_over_actions`` and
   ``token_advantages_over_actions`` (the estimators stepping over the model's own tokens only).
 
@@ -81,6 +82,7 @@ from mindspeed_llm.rl.core_algos.advantages import (
 from mindspeed_llm.rl.core_algos.actions import (
     action_mask,
     action_order,
+    loss_mask,
     from_actions,
     gae_over_actions,
     to_actions,
@@ -163,6 +165,7 @@ __all__ = [
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
     "action_mask",
+    "loss_mask",
     "action_order",
     "to_actions",
     "from_actions",

@@ -4,7 +4,8 @@ tokens only.
 A multi-turn rollout feeds the model ``prompt | turn_1 | tool_1 | turn_2 | ... `` : the response holds the model's
 sampled tokens (its *actions*) and, between its turns, the tool-role deltas the chat template appends (tool-response
 tokens, *context*). ``tool_mask`` ``[B, T]`` is 1 on the latter; ``response_mask`` keeps meaning "fed after the
-prompt" (both kinds). The action mask is ``response_mask * (1 - tool_mask)`` (:func:`action_mask`).
+prompt" (both kinds). The action mask is ``response_mask * (1 - tool_mask)`` (:func:`action_mask`); the loss mask
+is the action mask less the rows a stage leaves out of the losses (:func:`loss_mask`, its only writer).
 
 A per-token estimator that steps from position to position (GAE, REINFORCE++'s discounted return) must step over
 the actions only, as if the tool tokens were absent: the permutation :func:`action_order` puts each row's action
@@ -40,6 +41,23 @@ def action_mask(response_mask: torch.Tensor, tool_mask: Optional[torch.Tensor] =
     if response_mask.dtype == torch.bool:
         return response_mask & ~tool_mask.bool()
     return response_mask * (1 - tool_mask.to(response_mask.dtype))
+
+
+def loss_mask(response_mask: torch.Tensor, tool_mask: Optional[torch.Tensor] = None,
+              truncated: Optional[torch.Tensor] = None, filtered: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[B, T]``: the tokens that take part in the losses, the one place they are decided. The action mask
+    (:func:`action_mask`: no tool-response token is an action) less whole rows: ``truncated`` ``[B]`` bool, the
+    truncated responses ``--mask-truncated-completions`` leaves out, and ``filtered`` ``[B]`` bool, the samples of the
+    groups ``--filter-groups`` leaves out (None: no row left out). In ``response_mask``'s dtype, and never the same
+    tensor as ``response_mask`` (a caller may edit it in place)."""
+    mask = action_mask(response_mask, tool_mask)
+    kept = None
+    for out in (truncated, filtered):
+        if out is not None:
+            kept = ~out.bool() if kept is None else kept & ~out.bool()
+    if kept is None:
+        return mask.clone()
+    return mask * kept.to(mask.dtype)[:, None]
 
 
 def action_order(actions: torch.Tensor) -> torch.Tensor:

@@ -21,10 +21,11 @@ Every batch statistic takes ``sum_across`` (package docstring, "Global statistic
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict
+from typing import Callable
 
 import torch
 
+from mindspeed_llm.registry import Registry
 from mindspeed_llm.rl.core_algos.scans import discounted_returns
 from mindspeed_llm.rl.core_algos.stats import SumAcross, _nanstd, masked_whiten
 
@@ -40,7 +41,7 @@ class AdvantageEstimator:
     kl_in_reward: bool = False  # token / critic kinds: the KL penalty is part of the token rewards
 
 
-ADV_ESTIMATORS: Dict[str, AdvantageEstimator] = {}
+ADV_ESTIMATORS = Registry()  # name -> AdvantageEstimator
 
 
 def register_advantage(name: str, kind: str = "outcome", *, kl_in_reward: bool = False):

@@ -9,11 +9,12 @@ instead where ``mindspeed_llm.kernels.select_kernel`` chooses them (CUDA, Ascend
 
 from __future__ import annotations
 
-from typing import Callable, Dict, NamedTuple, Optional
+from typing import Dict, NamedTuple, Optional
 
 import torch
 
 from mindspeed_llm.kernels import select_kernel
+from mindspeed_llm.registry import Registry
 from mindspeed_llm.rl.core_algos.kl import K3_LOG_RATIO_BOUND, K3_VALUE_BOUND, KL_KINDS, kl_penalty
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -96,16 +97,13 @@ class PolicyTerms(NamedTuple):
 
 
 # fn(logp, old_logp, advantages [B, T] or [B, 1], mask [B, T] float, *, clip_low, clip_high, dual_clip) -> PolicyTerms
-POLICY_LOSSES: Dict[str, Callable[..., PolicyTerms]] = {}
+POLICY_LOSSES = Registry()
 
 
 def register_policy_loss(name: str):
     """Decorator: register a policy-loss surrogate under ``name`` (a ``--policy-loss`` choice); :func:`policy_loss`
     aggregates it and adds the KL, entropy and rollout-correction terms."""
-    def register(fn):
-        POLICY_LOSSES[name] = fn
-        return fn
-    return register
+    return POLICY_LOSSES.register(name)
 
 
 def _clipped_surrogate(ratio, advantages, clip_low, clip_high, dual_clip) -> PolicyTerms:

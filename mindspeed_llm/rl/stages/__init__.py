@@ -6,7 +6,7 @@ seconds on a loaded 2-core machine), which the stage modules bring in."""
 
 from typing import TYPE_CHECKING, Dict, List, Protocol, Sequence
 
-from mindspeed_llm.registry import LazyRegistry
+from mindspeed_llm.registry import Registry
 
 if TYPE_CHECKING:
     from mindspeed_llm.rl.rollout_records import RolloutRecords
@@ -40,7 +40,7 @@ class Stage(Protocol):
         current policy's --eval-n-samples responses to it, scored."""
 
 
-STAGES = LazyRegistry({
+STAGES = Registry({
     "trl_ppo": "mindspeed_llm.rl.stages.trl_ppo:TrlPPOStage",
     "grpo": "mindspeed_llm.rl.stages.grpo:GRPOStage",
 })

@@ -119,7 +119,7 @@ class GRPOStage:
                     # Groups whose samples all scored the same carry no signal; their tokens leave the loss
                     # (its mask, so shapes and step counts stay equal on every rank; no refill).
                     informative = informative_groups(exp.scores, n)
-                    exp.loss_mask = exp.loss_mask * informative.repeat_interleave(n)[:, None]
+                    exp.filtered_out = ~informative.repeat_interleave(n)
 
             with timers("update"), self.actor.on_device(timers):
                 actor_metrics = ppo_update(self.actor, exp, plan, settings.update, self._loss, iteration, group_size=n)
@@ -150,7 +150,6 @@ class GRPOStage:
         n = self.algorithm.n_samples_per_prompt
         with timers("rollout"):
             exp, rollout_strategy_metrics = self.rollouts.collect(iteration, prompts)
-        exp.leave_out_tool_tokens()  # tool-response tokens are context: in every forward, in no loss
         plan = MicroBatchPlan.for_run(exp, self.settings.batch, group_size=n)
         exp.scores, score_metrics = self.scorer(exp, plan, timers)
         metrics = {**rollout_strategy_metrics, **score_metrics}

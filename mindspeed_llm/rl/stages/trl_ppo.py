@@ -1,6 +1,7 @@
 """`--stage trl_ppo`: TRL-style PPO with actor, reference, critic and reward model in one SPMD group.
 
-One iteration (DESIGN.md): generate (`--n-samples-per-prompt` responses per prompt, default 1) -> old log-probs, reference log-probs, values, score -> per-token
+One iteration (docs/architecture.md, "One iteration"): generate (`--n-samples-per-prompt` responses per prompt,
+default 1) -> old log-probs, reference log-probs, values, score -> per-token
 rewards (-kl_coef * KL, score after the last token as TRL places it) -> GAE + whitened advantages
 (`--adv-estimator gae`, the one estimator with a critic) -> actor (policy loss `--policy-loss`) and critic
 (clipped value loss) updates per epoch and mini-batch.
@@ -86,7 +87,6 @@ class TrlPPOStage:
                 trained.offload(timers)
             with timers("rollout"):  # a prompt's n samples are consecutive rows, each with its own GAE
                 exp, rollout_strategy_metrics = self.rollouts.collect(iteration, prompts)
-            exp.leave_out_tool_tokens()  # tool-response tokens are context: in every forward, in no loss
             plan = MicroBatchPlan.for_run(exp, settings.batch, group_size=n)
             rollout_stats = rollout_metrics(exp)
             if algorithm.mask_truncated_completions:  # they leave the actor's and the critic's losses

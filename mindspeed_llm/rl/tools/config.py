@@ -31,12 +31,13 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from mindspeed_llm.errors import UserError
+from mindspeed_llm.registry import Registry
 from mindspeed_llm.rl.tools.adapters import adapt_tool
 from mindspeed_llm.rl.tools.base import SchemaDict, schema_dict, schema_name, tool_name
 from mindspeed_llm.rl.tools.calculator import CalculatorTool
 from mindspeed_llm.rl.tools.python_exec import PythonTool
 
-BUILTIN_TOOLS: Dict[str, type] = {"calculator": CalculatorTool, "python": PythonTool}
+BUILTIN_TOOLS = Registry({"calculator": CalculatorTool, "python": PythonTool})
 
 _ENTRY_FORMAT = "{class_name: pkg.module.ClassName, config: {...}, tool_schema: {type: function, function: {...}}}"
 

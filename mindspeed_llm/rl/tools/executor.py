@@ -103,7 +103,6 @@ class ToolExecutor:
         self._slots = threading.BoundedSemaphore(max_workers)
         self._sessions: Dict[Hashable, _Session] = {}
         self._lock = threading.Lock()
-        self._counters = {"calls": 0, "failures": 0, "timeouts": 0, "seconds": 0.0}
         self._bad_reward_tools: set = set()
 
     @property
@@ -255,21 +254,7 @@ class ToolExecutor:
             seconds=sum(o.seconds for o in outcomes),
             refused=refused,
         )
-        with self._lock:
-            self._counters["calls"] += len(outcomes)
-            self._counters["failures"] += result.failures
-            self._counters["timeouts"] += result.timeouts
-            self._counters["seconds"] += result.seconds
         return result
-
-    # ---- metrics --------------------------------------------------------------------------------------------
-    def metrics(self, reset: bool = False) -> Dict[str, float]:
-        """``tool/calls``, ``tool/failures``, ``tool/timeouts``, ``tool/seconds`` since the last reset."""
-        with self._lock:
-            found = {f"tool/{key}": value for key, value in self._counters.items()}
-            if reset:
-                self._counters = {"calls": 0, "failures": 0, "timeouts": 0, "seconds": 0.0}
-        return found
 
     def close(self) -> None:
         """Release every trajectory still open."""

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Sequence
+from typing import Any, Dict, List, Mapping
+
+from mindspeed_llm.registry import Registry
 
 _CALL_FORMAT = '<tool_call>{"name": "...", "arguments": {...}}</tool_call>'
 
@@ -99,16 +101,9 @@ class HermesParser:
             position = closed + len(self.end)
         return ParsedTurn(calls, errors, "".join(content).strip())
 
-    def stop_strings(self) -> Sequence[str]:
-        """The strings that end a turn that calls a tool."""
-        return (self.end,)
 
-    def end_token_ids(self, tokenizer) -> List[int]:
-        """The token ids of the end marker (one id for Qwen2.5, where ``</tool_call>`` is an added token)."""
-        return list(tokenizer.encode(self.end, add_special_tokens=False))
-
-
-TOOL_PARSERS: Dict[str, type] = {"hermes": HermesParser}
+# format name -> parser class (`--tool-parser-format`); a user's tool module may add one: TOOL_PARSERS[name] = cls
+TOOL_PARSERS = Registry({"hermes": HermesParser})
 
 
 def get_parser(name: str):

@@ -7,10 +7,10 @@ registered (`verifiers/calling.py`)."""
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
+from mindspeed_llm.registry import Registry
 from mindspeed_llm.rl.verifiers.calling import CallPlan, call_plan
 
 class MissingLabelError(ValueError):
@@ -47,7 +47,7 @@ class _VerifierSpec:
     plan: CallPlan = CallPlan("verifier")
 
 
-_REGISTRY: "OrderedDict[str, _VerifierSpec]" = OrderedDict()
+_REGISTRY = Registry()  # name -> _VerifierSpec
 
 
 def register_verifier(name: str, *, requires_label: bool = False, override: bool = False):

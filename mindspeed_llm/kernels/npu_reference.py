@@ -1,5 +1,6 @@
-"""Plain-torch references of three fused `torch_npu` ops, for a CPU stand-in of `torch_npu` (the tests install them
-as `torch_npu.npu_rms_norm`, `npu_swiglu`, `npu_rotary_position_embedding`) and for checking our NPU translations.
+"""Plain-torch references of three fused `torch_npu` ops: what the tests' CPU stand-in of `torch_npu` installs as
+`torch_npu.npu_rms_norm`, `npu_swiglu`, `npu_rotary_position_embedding`, and what `scripts/npu_check.py` checks the
+NPU's ops against (here in the package, so that a device script imports no test module).
 
 Written from torch_npu's documented API (the Ascend Extension for PyTorch operator reference, and MindSpeed's own
 calls of these ops in its fused RMSNorm / SwiGLU / RoPE); not checked against an NPU. The facts relied on:
