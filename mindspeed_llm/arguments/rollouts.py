@@ -86,7 +86,7 @@ def check_multi_turn(run) -> None:
         raise ArgumentError(str(exc)) from None
     names = _tool_names(run.tool_config)
     _check_parser(run.tool_parser_format)  # after the tools: a tool module may register a parser
-    run.startup_notes.append(_offered_tools_note(run.tool_config, run.data_path, names))
+    run.startup_notes.append(_offered_tools_note(run.data_path, names))
     run.startup_notes.extend(sandbox_notes)
 
 
@@ -110,26 +110,21 @@ def _check_parser(name: str) -> None:
                             "mindspeed_llm.rl.tools.TOOL_PARSERS)")
 
 
-def _offered_tools_note(tool_config: str, data_path: str, names: list) -> str:
-    """Where the model learns of the tools: the prompts' tools as preprocessing recorded them (`_meta.json`), checked
-    against the run's tool config; refused when the prompts offer a tool the run does not have."""
+def _offered_tools_note(data_path: str, names: list) -> str:
+    """Where the model learns of the tools: the prompts offer them, rendered at rollout time through the dataset's chat
+    template (`rl/tools/prompts.py`; the run checks each prompt when it opens the data); a dataset preprocessed with
+    tools whose block cannot be taken out is refused here."""
     import json
 
-    meta_path = f"{data_path}_meta.json"
+    from mindspeed_llm.data.errors import DataError
+    from mindspeed_llm.rl.tools.prompts import ToolPrompts
+
     try:
-        with open(meta_path, encoding="utf-8") as f:
-            offered = (json.load(f).get("tools") or {}).get("names")
+        with open(f"{data_path}_meta.json", encoding="utf-8") as f:
+            meta = json.load(f)
     except (OSError, ValueError):
-        offered = None
-    if not offered:
-        return (f"multi-turn: the prompts of --data-path {data_path} offer no tools (preprocessed without "
-                f"--tool-config), so only what they say tells the model of the tools {', '.join(map(str, names))}; "
-                "preprocess_data.py --tool-config puts their schemas into the prompts")
-    missing = [n for n in offered if n not in names]
-    if missing:
-        raise ArgumentError(f"the prompts of --data-path {data_path} offer the tools {', '.join(offered)} "
-                            f"(preprocess_data.py --tool-config, {meta_path}), but --tool-config {tool_config} has no "
-                            f"{', '.join(missing)}: the model would call tools that are not there; give the tool "
-                            "config the prompts were made with")
-    return (f"multi-turn: the prompts offer the tools {', '.join(offered)} (rendered at preprocessing, {meta_path}); "
-            f"--tool-config {tool_config} runs {', '.join(map(str, names))}")
+        meta = {}  # a missing or damaged dataset is named when the run opens it
+    try:
+        return ToolPrompts(meta, f"--data-path {data_path}").note(names)
+    except DataError as exc:
+        raise ArgumentError(str(exc)) from None

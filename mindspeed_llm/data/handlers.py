@@ -184,8 +184,7 @@ class BaseHandler:
 
     def __init__(self, tokenizer, template: ChatTemplate, map_keys: Optional[dict] = None,
                  additional_keys: Sequence[str] = (), max_prompt_length: Optional[int] = None,
-                 seq_length: Optional[int] = None, append_eod: bool = False, overlong_prompts: str = "drop",
-                 tools_block: Optional[str] = None):
+                 seq_length: Optional[int] = None, append_eod: bool = False, overlong_prompts: str = "drop"):
         if overlong_prompts not in OVERLONG_MODES:
             raise DataError(f"--overlong-prompts {overlong_prompts!r}: use one of {', '.join(OVERLONG_MODES)}")
         self.tokenizer = tokenizer
@@ -196,7 +195,6 @@ class BaseHandler:
         self.max_prompt_length = max_prompt_length or None
         self.seq_length = seq_length or None
         self.append_eod = append_eod
-        self.tools_block = tools_block or None  # --tool-config: the tools' Hermes block, put in the system message
         self.notes: List[str] = []
         self.label_column = self._label_column()
         self.produced_extras: Tuple[str, ...] = ("labels",) if self.label_column else ()
@@ -290,20 +288,6 @@ class BaseHandler:
             return None
         if system.strip() and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system})
-        if self.tools_block:
-            messages = self.offer_tools(messages)
-        return messages
-
-    def offer_tools(self, messages: List[dict]) -> List[dict]:
-        """``messages`` with the tools' block after the system text (the conversation's system message, else the
-        template's default system text, else the block alone), as Qwen2.5's template renders ``tools=``."""
-        messages = [dict(m) for m in messages]
-        if messages and messages[0]["role"] == "system":
-            head = messages[0]["content"]
-        else:
-            head = self.template.default_system or ""
-            messages.insert(0, {"role": "system", "content": ""})
-        messages[0]["content"] = f"{head}\n\n{self.tools_block}" if head.strip() else self.tools_block
         return messages
 
     def extras_of(self, row: dict, source: str) -> Tuple[Optional[Dict[str, bytes]], Optional[str]]:

@@ -64,9 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-type", default="empty", help="chat template name in configs/model/templates.json")
     g.add_argument("--prompt-type-path", default=None, help="another templates.json")
     g.add_argument("--tool-config", default=None,
-                   help="offer the tools of this tool config file (the stage's --tool-config) in every prompt: "
-                        "their schemas in the Hermes block (<tools>...</tools>) after the system text; "
-                        "recorded in _meta.json as `tools`")
+                   help="refused: the tools are offered at rollout time, rendered from the stage's own --tool-config "
+                        "(docs/multi_turn.md); the prompts are preprocessed without them")
     g.add_argument("--append-eod", action="store_true",
                    help="append the tokenizer's EOS token to SFT sequences (ignored for prompt-only handlers)")
     g = p.add_argument_group("filtering")
@@ -164,24 +163,7 @@ def _make_handler(spec: dict):
     cls = get_handler_class(spec["handler_name"])
     return cls(tokenizer, template, map_keys=spec["map_keys"], additional_keys=spec["additional_keys"],
                max_prompt_length=spec["max_prompt_length"], seq_length=spec["seq_length"],
-               append_eod=spec["append_eod"], overlong_prompts=spec["overlong_prompts"],
-               tools_block=spec.get("tools_block"))
-
-
-def tools_of(path: Optional[str]) -> Optional[dict]:
-    """What ``--tool-config`` puts in the prompts and in ``_meta.json``: the file, the tools' names and schemas, the
-    Hermes block and how it was rendered; None without the flag."""
-    if not path:
-        return None
-    from mindspeed_llm.rl.tools import hermes_tools_block, load_tool_config, schema_dict, tool_name
-
-    try:
-        tools = load_tool_config(path)
-    except ValueError as exc:  # ToolConfigError: names the file, the entry and the fix
-        raise DataError(f"--tool-config: {exc}") from None
-    schemas = [schema_dict(tool.tool_schema) for tool in tools]  # checked by load_tool_config (type: function, ...)
-    return dict(config=os.path.abspath(path), names=[tool_name(t) for t in tools], schemas=schemas,
-                rendering="hermes block in the system message", block=hermes_tools_block(schemas))
+               append_eod=spec["append_eod"], overlong_prompts=spec["overlong_prompts"])
 
 
 def _init_worker(spec: dict) -> None:
@@ -220,6 +202,10 @@ def run(args: argparse.Namespace) -> PreprocessResult:
     """Preprocess according to parsed ``args``; raises :class:`DataError` on user errors."""
     global _HANDLER
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if getattr(args, "tool_config", None):
+        raise DataError(f"--tool-config {args.tool_config}: preprocessing no longer puts the tools into the prompts; "
+                        "the run renders them from its own --tool-config at rollout time (a new tool config needs no "
+                        "new preprocessing): drop the flag here and give it to posttrain_gpt.py")
     prefix = args.output_prefix
     # fail fast, before any expensive work: the prefix's form, a writable folder, leftovers of a
     # killed run (cleaned up; an interrupted --overwrite-cache gets its previous dataset back), and
@@ -233,8 +219,6 @@ def run(args: argparse.Namespace) -> PreprocessResult:
                 additional_keys=list(args.dataset_additional_keys or []),
                 max_prompt_length=args.max_prompt_length, seq_length=args.seq_length,
                 append_eod=args.append_eod, overlong_prompts=args.overlong_prompts)
-    tools = tools_of(getattr(args, "tool_config", None))
-    spec["tools_block"] = tools["block"] if tools else None
     get_handler_class(args.handler_name)  # name errors before loading the tokenizer
     template = get_template(args.prompt_type, args.prompt_type_path)
     handler = _make_handler(spec)
@@ -305,8 +289,6 @@ def run(args: argparse.Namespace) -> PreprocessResult:
             seq_length=args.seq_length,
             append_eod=bool(args.append_eod and "labels" in handler.packed_keys),
         )
-        if tools:
-            meta["tools"] = {k: v for k, v in tools.items() if k != "block"}
         files = writer.commit(meta)
         meta = writer.meta
     if dropped.get(PROMPT_TOO_LONG):

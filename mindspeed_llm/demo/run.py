@@ -306,13 +306,12 @@ def stage_command(args, train_data, mg_model, hf_model, metrics: Path, save: Pat
 
 def preprocess_splits(out: Path, splits: dict, hf_model, log: Path, tool_config=None) -> dict:
     """Step 3 of `main`: the task's train and test splits through preprocess_data.py (skipped where done);
-    {split: the output prefix}. With a tool config: the rows' chat messages (worked examples, then the question)
-    with the tools' block in the system message (``--tool-config``)."""
+    {split: the output prefix}. With a tool config: the rows' chat messages (worked examples, then the question);
+    the stage puts the tools' block into the system message at rollout time (its own ``--tool-config``)."""
     if tool_config is not None:
         keys = {"prompt": "messages", "system": "system", "labels": "answer"}
-        tool_flags = ["--tool-config", tool_config]
     else:
-        keys, tool_flags = {"prompt": "problem", "labels": "answer"}, []
+        keys = {"prompt": "problem", "labels": "answer"}
     data = {}
     for split in ("train", "test"):
         prefix = out / "data" / split
@@ -322,7 +321,7 @@ def preprocess_splits(out: Path, splits: dict, hf_model, log: Path, tool_config=
                 _python(), "preprocess_data.py", "--input", splits[split], "--tokenizer-type", "PretrainedFromHF",
                 "--tokenizer-name-or-path", hf_model, "--output-prefix", prefix,
                 "--handler-name", "R1AlpacaStyleInstructionHandler", "--prompt-type", "chatml",
-                "--map-keys", json.dumps(keys), *tool_flags, "--log-interval", "0",
+                "--map-keys", json.dumps(keys), "--log-interval", "0",
             ], log)
     return data
 

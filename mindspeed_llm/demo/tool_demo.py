@@ -5,9 +5,9 @@ What ``--tools`` changes in the pipeline of :mod:`mindspeed_llm.demo.run`:
 1. the task is :mod:`mindspeed_llm.demo.tool_task`'s (default ``mul3x2_2shot``: 3-digit x 2-digit products, two
    worked examples as chat turns) and the demo writes ``tools.yaml`` (verl's / MindSpeed-RL's schema, the built-in
    calculator);
-2. ``preprocess_data.py --tool-config tools.yaml --prompt-type chatml --map-keys '{"prompt": "messages", ...}'``
-   puts the calculator's schema (the Hermes ``<tools>`` block: SmolLM2's template has no tools section) in the
-   system message, and records it in ``_meta.json`` (``tools``);
+2. ``preprocess_data.py --prompt-type chatml --map-keys '{"prompt": "messages", ...}'`` stores the chat rows without
+   tools; the stage puts the calculator's schema (the Hermes ``<tools>`` block: SmolLM2's template has no tools
+   section) in the system message at rollout time, from its own ``--tool-config`` (`rl/tools/prompts.py`);
 3. the stage runs multi-turn rollouts (`stage_flags`): ``--tool-config``, ``--max-assistant-turns 2`` (a call, then
    the answer), ``--max-tool-calls 1``, ``--max-new-tokens`` per model turn, ``--max-total-response-length``, and
    the reward ``--custom-reward-function mindspeed_llm/demo/tool_task.py:final_answer`` (the last assistant turn's

@@ -212,7 +212,7 @@ def hf_generator(model, pad_id: int, eos_ids: Sequence[int], *, do_sample: bool 
 
 
 def render_tool_prompts(tokenizer, rows: Sequence[Mapping], schemas: Sequence[Mapping]) -> List[str]:
-    """The prompt of each row as ``preprocess_data.py --prompt-type chatml --tool-config`` writes it: the row's
+    """The prompt of each row as the stage offers it (``--prompt-type chatml`` data, ``--tool-config``): the row's
     ``system`` text followed by the tools' Hermes block in the system message, then the user's problem."""
     from mindspeed_llm.rl.tools import tools_prompt
 

@@ -2,8 +2,8 @@ r"""The demo's tool task (``python -m mindspeed_llm.demo.run --tools``): arithme
 calculator tool offered in the prompt.
 
 Rows are DeepScaleR rows like :mod:`mindspeed_llm.demo.task`'s, ``{"problem", "answer", "solution", "difficulty"}``,
-plus ``system`` (the task's instruction; ``preprocess_data.py --tool-config`` puts the tools' Hermes block after it
-in the system message) and ``messages``: the prompt as chat messages, the variant's worked examples (question,
+plus ``system`` (the task's instruction; the stage's ``--tool-config`` puts the tools' Hermes block after it in
+the system message at rollout time) and ``messages``: the prompt as chat messages, the variant's worked examples (question,
 call, tool answer, reply) and then the question (``--map-keys '{"prompt": "messages", ...}'``). Train and held-out splits are disjoint by expression, drawn from a seed.
 
 The tool config the demo writes (:func:`write_tool_config`) is verl's / MindSpeed-RL's schema with the built-in

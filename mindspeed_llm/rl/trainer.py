@@ -39,6 +39,7 @@ from mindspeed_llm.rl.metrics.wandb_writer import wandb_options
 from mindspeed_llm.rl.settings import CheckpointSettings, DataSettings, RewardMixing, Settings, with_values
 from mindspeed_llm.rl.stages import STAGES
 from mindspeed_llm.rl.startup import startup_lines
+from mindspeed_llm.rl.tools.prompts import offer_run_tools
 
 
 def load_tokenizer(data: DataSettings):
@@ -356,7 +357,8 @@ def run(args) -> None:
         for line in startup_lines(args, device.accelerator().backend):
             print(f"posttrain_gpt.py: {line}", flush=True)
     tokenizer = load_tokenizer(data)
-    dataset, eval_dataset = _prompt_sets(data)
+    # with --tool-config the prompts offer the run's tools, rendered here: a new tool config needs no new preprocessing
+    dataset, eval_dataset = offer_run_tools(settings.tools.tool_config, tokenizer, *_prompt_sets(data))
     sampler = prompt_sampler(data, len(dataset), rollout_rank, rollout_size)
     check_labels(dataset, settings.reward, data.data_path)
     check_prompt_lengths(dataset, data.max_prompt_length, "--data-path")

@@ -96,7 +96,7 @@ def test_demo_pipeline_tiny(grpo_demo, tmp_path, stage, lora):
 
 @needs_smollm2
 def test_demo_pipeline_tools_tiny(grpo_demo, tmp_path):
-    """``--tools --tiny``: the tool task's chat rows through ``preprocess_data.py --tool-config``, the stage's
+    """``--tools --tiny``: the tool task's chat rows through ``preprocess_data.py`` (no tools), the stage's
     multi-turn flags (tool config, turn limits, the custom reward), the sampled evaluation with the calculator and
     the report's turns / tool-call panel. (A random model never writes a well-formed call: the tool loop itself is
     tested in tests/dist/test_stages_multi_turn.py and tests/unit/test_demo_tools.py.)"""
@@ -111,12 +111,12 @@ def test_demo_pipeline_tools_tiny(grpo_demo, tmp_path):
     assert "2 samples each at temperature 1" in result.stdout and "tool-call rate: before" in result.stdout
 
     meta = json.loads((out / "data" / "train_meta.json").read_text())
-    assert meta["tools"]["names"] == ["calculator"]
+    assert "tools" not in meta  # preprocessed without tools: the stage renders them into the prompts
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2]
     for key in ("num_turns/mean", "tool/calls", "tool/failures", "custom_rewards/mean"):
         assert all(key in r for r in records), key
-    assert all(r["prompt_length/mean"] > 300 for r in records)  # the tools' block and the worked examples
+    assert all(r["prompt_length/mean"] > 300 for r in records)  # the tools' block (put in by the run) and the examples
     summary = json.loads((out / "summary.json").read_text())
     assert summary["tools"] and summary["variant"] == "mul3x2_2shot"
     for key in ("accuracy_before", "accuracy_after", "tool_call_rate_before", "tool_call_rate_after"):

@@ -1,5 +1,6 @@
-"""The demo with ``--tools``: the tool task's answers, ``preprocess_data.py --tool-config``, the tool-use conversation
-loop on a scripted model, the reward on the last turn, the stage's command line and the report's tool panel.
+"""The demo with ``--tools``: the tool task's answers, the tools offered in prompts preprocessed without them, the
+tool-use conversation loop on a scripted model, the reward on the last turn, the stage's command line and the
+report's tool panel.
 
 Fast: a character-level ChatML tokenizer built in place (no model, no download).
 """
@@ -105,22 +106,38 @@ def _preprocess(tmp_path, tok_dir, name, extra):
     return res, PromptDataset(str(prefix)), train
 
 
-def test_preprocess_tool_config_puts_the_schema_in_the_system_message(tmp_path, char_tok_dir, char_tok):
+def test_the_run_offers_the_tools_in_prompts_preprocessed_without_them(tmp_path, char_tok_dir, char_tok):
     from mindspeed_llm.demo.tool_eval import render_tool_prompts
     from mindspeed_llm.rl.tools import CalculatorTool
+    from mindspeed_llm.rl.tools.prompts import offer_run_tools
 
     config = tool_task.write_tool_config(tmp_path / "tools.yaml")
     keys = json.dumps({"prompt": "messages", "system": "system", "labels": "answer"})
-    res, data, rows = _preprocess(tmp_path, char_tok_dir, "tools", ["--map-keys", keys, "--tool-config", str(config)])
-    text = char_tok.decode(list(data[0]["input_ids"]), skip_special_tokens=False)
-    assert text.startswith("<|im_start|>system\n# Tools\n") and '"name": "calculator"' in text
-    assert text.endswith(f"<|im_start|>user\n{rows[0]['problem']}<|im_end|>\n<|im_start|>assistant\n")
-    assert "<|im_start|>tool\n47058<|im_end|>" in text  # the worked example's tool turn
-    # the evaluation renders the same prompt through the tokenizer's own template
-    assert render_tool_prompts(char_tok, rows[:1], [CalculatorTool().tool_schema]) == [text]
-    tools = res.meta["tools"]
-    assert tools["names"] == ["calculator"] and tools["rendering"] == "hermes block in the system message"
-    assert tools["schemas"][0]["function"]["name"] == "calculator" and tools["config"] == str(config.resolve())
+    res, data, rows = _preprocess(tmp_path, char_tok_dir, "tools", ["--map-keys", keys])
+    assert "tools" not in res.meta
+    stored = char_tok.decode(list(data[0]["input_ids"]), skip_special_tokens=False)
+    assert "# Tools" not in stored and "<|im_start|>tool\n47058<|im_end|>" in stored  # the worked example's tool turn
+    train, held_out = offer_run_tools(str(config), char_tok, data, [(None, data)])
+    for offered in (train, held_out[0][1]):  # the training prompts and the held-out ones, as the engine gets them
+        text = char_tok.decode(offered[0]["input_ids"], skip_special_tokens=False)
+        assert text.startswith("<|im_start|>system\n# Tools\n") and '"name": "calculator"' in text
+        assert text.endswith(f"<|im_start|>user\n{rows[0]['problem']}<|im_end|>\n<|im_start|>assistant\n")
+        # the evaluation renders the same prompt through the tokenizer's own template
+        assert render_tool_prompts(char_tok, rows[:1], [CalculatorTool().tool_schema]) == [text]
+        assert offered.prompt_lengths[0] == len(offered[0]["input_ids"]) > data.prompt_lengths[0]
+    assert offer_run_tools(None, char_tok, data, None) == (data, None)  # no tools: the prompts as they are
+
+
+def test_preprocess_refuses_tool_config_by_name(tmp_path, char_tok_dir):
+    from mindspeed_llm.data.errors import DataError
+
+    config = tool_task.write_tool_config(tmp_path / "tools.yaml")
+    with pytest.raises(DataError, match="--tool-config .*tools.yaml: preprocessing no longer puts the tools into the "
+                                        "prompts; the run renders them from its own --tool-config at rollout time"):
+        _preprocess(tmp_path, char_tok_dir, "refused", ["--map-keys", json.dumps({"prompt": "problem",
+                                                                                  "labels": "answer"}),
+                                                        "--tool-config", str(config)])
+    assert not (tmp_path / "refused").exists() or not any((tmp_path / "refused").iterdir())  # nothing written
 
 
 def test_preprocess_without_tool_config_is_unchanged(tmp_path, char_tok_dir, char_tok):
@@ -129,23 +146,6 @@ def test_preprocess_without_tool_config_is_unchanged(tmp_path, char_tok_dir, cha
     assert "tools" not in res.meta
     text = char_tok.decode(list(data[0]["input_ids"]), skip_special_tokens=False)
     assert text == f"<|im_start|>user\n{rows[0]['problem']}<|im_end|>\n<|im_start|>assistant\n"
-
-
-@pytest.mark.parametrize("entry, problem", [
-    ("{class_name: no_such_module.Tool}", "cannot import module 'no_such_module'"),
-    # a schema the prompts would carry: refused before it is written into every prompt
-    ("{class_name: calculator, tool_schema: {type: retrieval, function: {name: c}}}", "tool_schema type 'retrieval'"),
-    ("{class_name: calculator, tool_schema: {type: function, function: {name: c, parameters: 'x: int'}}}",
-     "parameters is a str, not a JSON schema"),
-])
-def test_preprocess_tool_config_error_names_the_file(tmp_path, char_tok_dir, entry, problem):
-    from mindspeed_llm.data.errors import DataError
-
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(f"tools: [{entry}]\n")
-    with pytest.raises(DataError, match=f"bad.yaml.*{re.escape(problem)}"):
-        _preprocess(tmp_path, char_tok_dir, "bad", ["--map-keys", json.dumps({"prompt": "problem", "labels": "answer"}),
-                                                    "--tool-config", str(bad)])
 
 
 # ---- the conversation loop --------------------------------------------------------------------------------------

@@ -87,21 +87,27 @@ def test_the_tools_built_by_validation_are_the_runs_and_tool_rewards_resolve(tmp
     assert parse_args(_args(tmp_path), 1).settings.reward.tool_rewards is None  # no tools: nothing to add
 
 
-def test_the_startup_line_says_whether_the_prompts_offer_the_tools(tmp_path, tools):
+def test_the_startup_line_says_how_the_prompts_offer_the_tools(tmp_path, tools):
     from mindspeed_llm.arguments.parser import build_parser
     from mindspeed_llm.arguments.validation import validate_args
+    from mindspeed_llm.data.templates import get_template
 
-    def notes(data):
+    def notes(data, **meta):
+        (tmp_path / f"{data}_meta.json").write_text(json.dumps(meta))
         args = build_parser().parse_args(_args(tmp_path, "--tool-config", tools, data=data))
         validate_args(args, 1)
         return [n for n in args.startup_notes if n.startswith("multi-turn")]
 
-    assert "offer no tools (preprocessed without --tool-config)" in notes("plain")[0]
-    (tmp_path / "offered_meta.json").write_text(json.dumps({"tools": {"names": ["calculator"]}}))
-    assert "the prompts offer the tools calculator (rendered at preprocessing" in notes("offered")[0]
-    (tmp_path / "other_meta.json").write_text(json.dumps({"tools": {"names": ["calculator", "search"]}}))
-    with pytest.raises(ArgumentError, match="has no search: the model would call tools that are not there"):
-        notes("other")
+    chatml, empty = get_template("chatml").to_dict(), get_template("empty").to_dict()
+    assert "offer the tools calculator, rendered at rollout time from --tool-config through the chat template " \
+           "chatml" in notes("plain", template=chatml)[0]
+    assert "the chat template empty of --data-path" in notes("bare", template=empty)[0]  # no system turn: said
+    old = {"names": ["calculator"], "schemas": [{"type": "function", "function": {"name": "calculator"}}]}
+    assert "the block of the tools calculator an earlier preprocessing put in is kept where it is that block, else " \
+           "replaced by it (never two blocks)" in notes("offered", template=chatml, tools=old)[0]
+    with pytest.raises(ArgumentError, match=r"preprocessed with the tools \['search'\].*no schemas recorded.*"
+                                            "preprocess the data again"):
+        notes("other", template=chatml, tools={"names": ["search"]})
 
 
 def test_mindspeed_rl_multi_turn_keys_reach_the_flags(tmp_path, tools):

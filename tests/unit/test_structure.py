@@ -45,15 +45,13 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("megatron patches", ("mindspeed_llm.patches",)),
     ("device and process groups", ("mindspeed_llm.device", "mindspeed_llm.distributed")),
     ("models", ("mindspeed_llm.models",)),
-    # rl.tools (torch-free, imports only mindspeed_llm.errors and .registry) sits with data: preprocess_data.py
-    # --tool-config renders the tools' schemas into the prompts
-    ("checkpoint, data, inference", ("mindspeed_llm.checkpoint", "mindspeed_llm.data", "mindspeed_llm.inference",
-                                     "mindspeed_llm.rl.tools")),
+    ("checkpoint, data, inference", ("mindspeed_llm.checkpoint", "mindspeed_llm.data", "mindspeed_llm.inference")),
     ("rl core", (
         "mindspeed_llm.rl",  # the rl package's empty face
         "mindspeed_llm.rl.core_algos", "mindspeed_llm.rl.metrics", "mindspeed_llm.rl.settings",
         "mindspeed_llm.rl.model_settings",
         "mindspeed_llm.rl.verifiers", "mindspeed_llm.rl.experience", "mindspeed_llm.rl.logprobs",
+        "mindspeed_llm.rl.tools",
     )),
     ("rl plumbing", (
         "mindspeed_llm.rl.batch_plan", "mindspeed_llm.rl.model_state", "mindspeed_llm.rl.moe",

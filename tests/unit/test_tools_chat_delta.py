@@ -169,3 +169,103 @@ def test_a_long_answer_is_cut_by_characters_before_tokenizing_and_keeps_the_same
         expected = {"left": lambda: decode(kept) + "...(truncated)", "right": lambda: "...(truncated)" + decode(kept),
                     "middle": lambda: decode(kept[:16]) + "...(truncated)" + decode(kept[16:])}[side]()
         assert cut == expected, side
+
+
+# ---- the tools offered in the prompts at rollout time (rl/tools/prompts.py) -------------------------------------
+
+QWEN_ROWS = [  # one with its own system message, one that gets Qwen2.5's default system text
+    {"instruction": "What is 2 + 3?", "system": "You solve sums."},
+    {"instruction": "What is 12 * 7? Use the tool.", "system": ""},
+]
+
+
+def _qwen_dataset(tmp_path, qwen_tok_dir, rows=QWEN_ROWS):
+    from mindspeed_llm.data import PromptDataset
+    from tests.helpers.fixtures_data import run_preprocess
+
+    src = tmp_path / "rows.json"
+    src.write_text(json.dumps(rows))
+    run_preprocess(qwen_tok_dir, src, tmp_path / "data", "R1AlpacaStyleInstructionHandler", "qwen",
+                   map_keys={"prompt": "instruction", "system": "system", "labels": "instruction"})
+    return PromptDataset(str(tmp_path / "data"))
+
+
+def _qwen_reference(qwen_tok, row, schemas):
+    """Qwen2.5's own Jinja template with ``tools=``: the independent reference."""
+    messages = ([{"role": "system", "content": row["system"]}] if row["system"] else []) + \
+        [{"role": "user", "content": row["instruction"]}]
+    return encode(qwen_tok, qwen_tok.apply_chat_template(messages, tools=list(schemas), add_generation_prompt=True,
+                                                         tokenize=False))
+
+
+def test_the_run_offers_the_tools_as_qwen25_renders_tools(tmp_path, qwen_tok_dir, qwen_tok):
+    from mindspeed_llm.rl.tools.prompts import ToolsOffered, offer_tools
+
+    dataset = _qwen_dataset(tmp_path, qwen_tok_dir)  # preprocessed without tools
+    offered = offer_tools(dataset, SCHEMAS, qwen_tok, "--data-path x")
+    assert isinstance(offered, ToolsOffered)
+    for i, row in enumerate(QWEN_ROWS):
+        assert offered[i]["input_ids"] == _qwen_reference(qwen_tok, row, SCHEMAS)  # token for token
+        assert offered[i]["labels"] == row["instruction"]  # the rest of the row is the dataset's
+    assert list(offered.prompt_lengths) == [len(offered[i]["input_ids"]) for i in range(2)]
+    # why the ids are re-encoded, not spliced: the default system text ends in "." and ".\n\n" is one token
+    stored = dataset[1]["input_ids"]
+    cut = stored.index(qwen_tok.convert_tokens_to_ids("<|im_end|>"))
+    spliced = stored[:cut] + encode(qwen_tok, "\n\n" + hermes_tools_block(SCHEMAS)) + stored[cut:]
+    assert spliced != offered[1]["input_ids"]
+    # a template without a system turn (--prompt-type empty) cannot offer them: the prompts as they are
+    from mindspeed_llm.data.templates import get_template
+
+    bare = type("Bare", (), {"meta": {"template": get_template("empty").to_dict()}})()
+    assert offer_tools(bare, SCHEMAS, qwen_tok, "--data-path x") is bare
+
+
+def test_an_older_dataset_with_a_tools_block_never_gets_two(tmp_path, qwen_tok_dir, qwen_tok):
+    from mindspeed_llm.data.errors import DataError
+    from mindspeed_llm.rl.tools.prompts import ToolPrompts, offer_tools
+
+    # what preprocess_data.py --tool-config wrote before: the Hermes block after the system text, in _meta.json
+    old = [dict(QWEN_ROWS[0], system=QWEN_ROWS[0]["system"] + "\n\n" + hermes_tools_block(SCHEMAS))]
+    dataset = _qwen_dataset(tmp_path, qwen_tok_dir, old)
+    dataset.meta["tools"] = dict(names=["calculator"], schemas=SCHEMAS, rendering="hermes block in the system message")
+    # Qwen2.5's own tools section differs from that block ('{{"name": ...}}'): replaced by it, one block
+    ids = offer_tools(dataset, SCHEMAS, qwen_tok, "--data-path x")[0]["input_ids"]
+    assert ids == _qwen_reference(qwen_tok, QWEN_ROWS[0], SCHEMAS)
+    assert qwen_tok.decode(ids).count("# Tools") == 1
+    # a template without a tools section renders that very block: the prompts are used as they are
+    chatml = with_template(qwen_tok, CHATML_TEMPLATE)
+    assert offer_tools(dataset, SCHEMAS, chatml, "--data-path x") is dataset
+    other = [dict(SCHEMAS[0], function=dict(SCHEMAS[0]["function"], description="Adds and multiplies."))]
+    ids = offer_tools(dataset, other, chatml, "--data-path x")[0]["input_ids"]
+    messages = [{"role": "system", "content": QWEN_ROWS[0]["system"]}, {"role": "user", "content": old[0]["instruction"]}]
+    assert ids == encode(qwen_tok, tools_prompt(chatml, messages, other))  # the run's block, not the recorded one
+    assert qwen_tok.decode(ids).count("# Tools") == 1 and "Adds and multiplies." in qwen_tok.decode(ids)
+    # recorded tools whose block the prompts do not hold, or recorded without schemas: refused by name
+    dataset.meta["tools"] = dict(names=["search"], schemas=[dict(SCHEMAS[0], function={"name": "search"})])
+    with pytest.raises(DataError, match="--data-path x: prompt 0 cannot offer the tools: its system message does not "
+                                        "end with the recorded tools' block; preprocess the data again"):
+        offer_tools(dataset, SCHEMAS, qwen_tok, "--data-path x")
+    with pytest.raises(DataError, match=r"preprocessed with the tools \['search'\].*cannot be taken out"):
+        ToolPrompts({"template": dataset.meta["template"], "tools": {"names": ["search"]}}, "--data-path x")
+
+
+def test_a_prompt_that_does_not_re_encode_to_itself_is_refused(tmp_path, qwen_tok_dir, qwen_tok):
+    from mindspeed_llm.data.errors import DataError
+    from mindspeed_llm.rl.tools.prompts import ToolsOffered, offer_tools
+
+    dataset = _qwen_dataset(tmp_path, qwen_tok_dir)
+    split = encode(qwen_tok, "system")  # "system" as one token; the prompt below spells it in two
+    assert len(split) == 1
+
+    class Cut:  # a prompt whose ids are not the tokenizer's encoding of their text
+        prefix, extra_keys, meta = dataset.prefix, dataset.extra_keys, dataset.meta
+
+        def __len__(self):
+            return 1
+
+        def __getitem__(self, i):
+            ids = dataset[0]["input_ids"]
+            return {"input_ids": ids[:1] + encode(qwen_tok, "sys") + encode(qwen_tok, "tem") + ids[2:]}
+
+    with pytest.raises(DataError, match="prompt 0 does not encode back to its token ids"):
+        ToolsOffered(Cut(), offer_tools(dataset, SCHEMAS, qwen_tok, "x").offered, qwen_tok)

@@ -248,6 +248,13 @@ def load_tool_config(path: str, cache: Optional[str] = None) -> List[Any]:
     return list(tools)
 
 
+def tool_schemas(path: str) -> List[Dict[str, Any]]:
+    """The schemas of the tools of ``path`` as plain JSON data (what the prompts offer, `prompts.py`): those of the
+    tools argument validation stored (left for the run's ``cache="take"``), else of tools built here."""
+    stored = _BUILT.get(os.path.realpath(path))
+    tools = stored[1] if stored is not None else load_tool_config(path)
+    return [schema_dict(tool.tool_schema) for tool in tools]
+
 def _load(file: Path) -> List[Any]:
     data = _read_yaml(file)
     if data is None:
