@@ -445,7 +445,8 @@ def _add_multi_turn_args(p: argparse.ArgumentParser) -> None:
                                          "turns")
     g.add_argument("--multi-turn", action="store_true",
                    help="MindSpeed-RL's multi_turn_enable: needs --tool-config (which alone turns it on)")
-    g.add_argument("--tool-parser-format", default="hermes", help="how tool calls are read from the model's turn")
+    g.add_argument("--tool-parser-format", default=None,
+                   help="how tool calls are read from the model's turn (default hermes; only with --tool-config)")
     g.add_argument("--max-assistant-turns", type=int, help="model turns per trajectory (default: the budgets only)")
     g.add_argument("--max-tool-calls", type=int, help="tool calls per trajectory (default: no limit)")
     g.add_argument("--max-parallel-calls", type=int, default=1, help="tool calls run from one turn (default 1)")

@@ -59,7 +59,14 @@ def check_multi_turn(run) -> None:
         if run.tool_rewards is not None:
             raise ArgumentError(f"--tool-rewards {run.tool_rewards} has no effect without --tool-config (only tools "
                                 "return step rewards); drop it or give the tools")
+        if run.tool_parser_format is not None:  # MindSpeed-RL's YAML sets it for every run: said, not refused
+            run.startup_notes.append(f"--tool-parser-format {run.tool_parser_format} is ignored: no --tool-config "
+                                     "(no tool calls are read)")
         return
+    if run.tool_parser_format is None:
+        from mindspeed_llm.rl.tools.parsers import DEFAULT_TOOL_PARSER
+
+        run.tool_parser_format = DEFAULT_TOOL_PARSER
     if run.tool_rewards is None:
         run.tool_rewards = "add"
     if not os.path.exists(run.tool_config):

@@ -137,7 +137,7 @@ class ToolSettings:
     """Multi-turn tool use (`rl/multi_turn.py`): the tools, how calls are read, and the trajectory's limits (verl's and
     MindSpeed-RL's names)."""
     tool_config: Optional[str] = None  # on: the run's rollouts are multi-turn
-    tool_parser_format: str = "hermes"
+    tool_parser_format: Optional[str] = None  # validate_args resolves it (hermes, `tools.parsers.DEFAULT_TOOL_PARSER`)
     max_assistant_turns: Optional[int] = None  # None: bounded by the budgets only
     max_tool_calls: Optional[int] = None  # per trajectory
     max_parallel_calls: int = 1  # per turn

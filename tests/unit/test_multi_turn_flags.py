@@ -87,6 +87,16 @@ def test_the_tools_built_by_validation_are_the_runs_and_tool_rewards_resolve(tmp
     assert parse_args(_args(tmp_path), 1).settings.reward.tool_rewards is None  # no tools: nothing to add
 
 
+def test_a_tool_parser_without_tools_is_said_ignored(tmp_path, tools):
+    args = parse_args(_args(tmp_path, "--tool-parser-format", "hermes"), 1)
+    assert any(note.startswith("--tool-parser-format hermes is ignored: no --tool-config")
+               for note in args.startup_notes)
+    assert not any("tool-parser-format" in note for note in parse_args(_args(tmp_path), 1).startup_notes)
+    with_tools = parse_args(_args(tmp_path, "--tool-config", tools), 1)
+    assert with_tools.settings.tools.tool_parser_format == "hermes"  # the default
+    assert not any("tool-parser-format" in note for note in with_tools.startup_notes)
+
+
 def test_the_startup_line_says_how_the_prompts_offer_the_tools(tmp_path, tools):
     from mindspeed_llm.arguments.parser import build_parser
     from mindspeed_llm.arguments.validation import validate_args

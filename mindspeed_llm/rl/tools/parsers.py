@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, List, Mapping, Optional
 
 from mindspeed_llm.registry import Registry
 
@@ -104,12 +104,13 @@ class HermesParser:
 
 # format name -> parser class (`--tool-parser-format`); a user's tool module may add one: TOOL_PARSERS[name] = cls
 TOOL_PARSERS = Registry({"hermes": HermesParser})
+DEFAULT_TOOL_PARSER = "hermes"  # --tool-parser-format's default (verl's and MindSpeed-RL's)
 
 
-def get_parser(name: str):
-    """A parser by its registry name; ValueError naming the choices."""
+def get_parser(name: Optional[str]):
+    """A parser by its registry name (None: the default); ValueError naming the choices."""
     try:
-        return TOOL_PARSERS[name]()
+        return TOOL_PARSERS[name or DEFAULT_TOOL_PARSER]()
     except KeyError:
         raise ValueError(f"unknown tool parser format {name!r}; known: {', '.join(sorted(TOOL_PARSERS))} "
                          "(--tool-parser-format)") from None
