@@ -51,6 +51,24 @@ def test_a_warm_rank_is_reset_between_bodies():
         assert state["cwd"] == first[0]["cwd"]
 
 
+def _path(rank, world_size):
+    import sys
+
+    sys.path.append("/a/path/a/body/added")
+    return os.getpid(), list(sys.path)
+
+
+def test_a_warm_body_runs_under_the_callers_sys_path_at_its_call(monkeypatch):
+    with multiproc.warm_ranks():
+        first_pid, _ = run_distributed(_path, 2)[0]
+        monkeypatch.syspath_prepend("/a/path/the/caller/added")  # after the warm ranks started
+        pid, path = run_distributed(_path, 2)[0]
+        monkeypatch.undo()
+        _, after = run_distributed(_path, 2)[0]
+    assert pid == first_pid and path[0] == "/a/path/the/caller/added"
+    assert "/a/path/the/caller/added" not in after and after.count("/a/path/a/body/added") == 1
+
+
 def test_without_the_fixture_each_body_gets_new_processes():
     (first,) = run_distributed(_state, 1)
     (dirty,) = run_distributed(_dirty, 1)

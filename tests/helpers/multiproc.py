@@ -10,7 +10,8 @@ bodies run one after another on processes kept for that module alone (`warm_rank
 closed when the module ends. Process start is slow (~5 s per rank with megatron on a quiet 2-core machine, more under
 load), which is what a module of many bodies saves. Between bodies each warm rank puts back what a fresh process
 would have: no megatron parallel state or process groups but the default one, empty functools caches in the
-project's modules, the environment and working directory it started with, float32 as the default dtype, its thread
+project's modules, the environment and working directory it started with (each body runs under the caller's `sys.path` at
+its call, as a new rank does), float32 as the default dtype, its thread
 count, and torch's default generator re-seeded with its start-up seed. What a body replaces in the project's modules
 (a recording wrapper, a planted bug) it puts back itself (`pytest.MonkeyPatch.context()`): its module's next bodies
 share its processes, and no other module does. A body that fails, or leaves the default process group destroyed,
@@ -141,6 +142,7 @@ def _warm_entry(rank, world_size, port, caller, inbox, outbox):
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     env, cwd, threads, seed = dict(os.environ), os.getcwd(), torch.get_num_threads(), torch.initial_seed()
+    path = list(sys.path)
     try:
         while True:
             message = inbox.get()
@@ -148,7 +150,8 @@ def _warm_entry(rank, world_size, port, caller, inbox, outbox):
                 return
             torch.manual_seed(seed)
             try:
-                fn, args = pickle.loads(message)
+                fn, args, caller_path = pickle.loads(message)
+                sys.path[:] = caller_path
                 result = pickle.dumps(fn(rank, world_size, *args))  # bytes: see _entry
                 status = "ok"
             except BaseException:
@@ -160,6 +163,7 @@ def _warm_entry(rank, world_size, port, caller, inbox, outbox):
                 os.environ.clear()
                 os.environ.update(env)
                 os.chdir(cwd)
+                sys.path[:] = path
                 torch.set_default_dtype(torch.float32)
                 torch.set_num_threads(threads)
             retire = status == "error" or not dist.is_initialized()
@@ -246,7 +250,7 @@ class _WarmRanks:
             p.start()
 
     def run(self, fn, args):
-        message = pickle.dumps((fn, args))
+        message = pickle.dumps((fn, args, list(sys.path)))  # a body's sys.path is the caller's at the call
         for inbox in self.inboxes:
             inbox.put(message)
         results, retire = _collect(self.procs, self.outbox, self.world_size)
