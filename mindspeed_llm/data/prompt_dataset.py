@@ -183,29 +183,18 @@ def split_indices(dataset_len: int, weights, seed: int) -> List[np.ndarray]:
     return [np.sort(order[max(0, a):max(0, b)]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-class PromptSubset:
-    """The prompts ``indices`` of a :class:`PromptDataset`, as a dataset of their own (a ``--split`` part)."""
+class PromptDatasetView:
+    """A dataset made from another (``dataset``): its files, keys, manifest, tokenizer and stop words are the other's;
+    a view gives ``__len__``, ``__getitem__`` and ``prompt_lengths``."""
 
-    def __init__(self, dataset: PromptDataset, indices, part: str = "train"):
+    def __init__(self, dataset):
         self.dataset = dataset
-        self.indices = np.asarray(indices, dtype=np.int64)
-        self.part = part
         self.prefix = dataset.prefix
         self.extra_keys = dataset.extra_keys
         self.meta = dataset.meta
 
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, index: int) -> Dict:
-        return self.dataset[int(self.indices[index])]
-
     def get_batch(self, indices) -> List[Dict]:
         return [self[i] for i in indices]
-
-    @property
-    def prompt_lengths(self) -> np.ndarray:
-        return self.dataset.prompt_lengths[self.indices]
 
     @property
     def tokenizer_info(self) -> dict:
@@ -214,6 +203,25 @@ class PromptSubset:
     @property
     def stop_words(self) -> List[str]:
         return self.dataset.stop_words
+
+
+class PromptSubset(PromptDatasetView):
+    """The prompts ``indices`` of a :class:`PromptDataset`, as a dataset of their own (a ``--split`` part)."""
+
+    def __init__(self, dataset: PromptDataset, indices, part: str = "train"):
+        super().__init__(dataset)
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.part = part
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> Dict:
+        return self.dataset[int(self.indices[index])]
+
+    @property
+    def prompt_lengths(self) -> np.ndarray:
+        return self.dataset.prompt_lengths[self.indices]
 
 
 class PromptSampler:

@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from mindspeed_llm.data.errors import DataError
+from mindspeed_llm.data.prompt_dataset import PromptDatasetView
 from mindspeed_llm.data.templates import CONTENT, ChatTemplate
 from mindspeed_llm.rl.tools.chat_delta import _render, hermes_tools_block
 
@@ -176,13 +177,13 @@ class ToolPrompts:
         return _encode(tokenizer, out)
 
 
-class ToolsOffered:
+class ToolsOffered(PromptDatasetView):
     """A prompt dataset (`PromptDataset` / `PromptSubset`) whose prompts offer the run's tools: every prompt rendered
     once here; everything else is the dataset's."""
 
     def __init__(self, dataset, offered: ToolPrompts, tokenizer):
-        self.dataset, self.offered = dataset, offered
-        self.prefix, self.extra_keys, self.meta = dataset.prefix, dataset.extra_keys, dataset.meta
+        super().__init__(dataset)
+        self.offered = offered
         self._ids = offered.render([dataset[i]["input_ids"] for i in range(len(dataset))], tokenizer)
 
     def __len__(self) -> int:
@@ -193,23 +194,12 @@ class ToolsOffered:
         item["input_ids"] = list(self._ids[int(index)])
         return item
 
-    def get_batch(self, indices) -> List[Dict]:
-        return [self[i] for i in indices]
-
     def check_prompts(self, flag: str) -> None:
         self.dataset.check_prompts(flag)
 
     @property
     def prompt_lengths(self) -> np.ndarray:
         return np.array([len(ids) for ids in self._ids], dtype=np.int64)
-
-    @property
-    def tokenizer_info(self) -> dict:
-        return self.dataset.tokenizer_info
-
-    @property
-    def stop_words(self) -> List[str]:
-        return self.dataset.stop_words
 
 
 def offer_tools(dataset, schemas: Sequence[Dict[str, Any]], tokenizer, source: str):
