@@ -4,7 +4,7 @@ word task (`word_task.py`), built once per session by the `model_state_runs` fix
 Each run is `trainer.run` on a command line, as posttrain_gpt.py runs it; the spawn records, per run, what a test
 needs beyond the files the run writes (checkpoints, metrics): the bytes of every role's model state allocated when
 each rollout starts and when each optimizer step starts (measured by `allocated_bytes`, a traversal of megatron's own
-attributes, independent of `rl/model_state.py`), the model state by part at the end (`model_state.device_bytes`),
+attributes, independent of `rl/update/model_state.py`), the model state by part at the end (`model_state.device_bytes`),
 and the error a run stopped with.
 
 Runs (all DP2, 3 iterations with a save after each unless said):
@@ -104,7 +104,8 @@ def _runs_body(rank, world_size, runs):
 
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.checkpoint.training import CheckpointError
-    from mindspeed_llm.rl import engine, model_state, rollout, trainer
+    from mindspeed_llm.rl import rollout, trainer
+    from mindspeed_llm.rl.update import engine, model_state
 
     current = {}
     loop, generate, train_step = trainer._loop, rollout.generate, engine.TrainableModel.train_step

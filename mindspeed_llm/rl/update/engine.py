@@ -7,8 +7,8 @@ the stages pass in; this module only moves micro-batches through megatron, and g
 
 A TrainableModel also owns what its checkpoints need from the optimizer (with `--use-distributed-optimizer`, the
 sharded fp32 main weights and moments that megatron's `state_dict()` leaves out: `parameter_state` /
-`load_state_dict(parameter_state=...)`, checked after loading, by `rl/optimizer_state.py`) and where its training
-state lives between updates (`offload` / `onload` / `on_device`, `rl/model_state.py`).
+`load_state_dict(parameter_state=...)`, checked after loading, by `rl/update/optimizer_state.py`) and where its training
+state lives between updates (`offload` / `onload` / `on_device`, `rl/update/model_state.py`).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from mindspeed_llm.models.attention import layout_params, model_attention
 from mindspeed_llm.models.context_parallel import ContextParallelLayout, context_parallel_size, forward_width
 from mindspeed_llm.models.forward_layout import forward_layout
 from mindspeed_llm.models.routing import micro_batch_routing
-from mindspeed_llm.rl import moe, optimizer_state
+from mindspeed_llm.rl.update import moe, optimizer_state
 from mindspeed_llm.rl.model_settings import OptimizerSettings
-from mindspeed_llm.rl.model_state import Offloader
+from mindspeed_llm.rl.update.model_state import Offloader
 
 MicroBatch = Dict[str, torch.Tensor]
 # loss_fn(output, micro_batch) -> (this micro-batch's share of the step's loss, {metric name: its share});
@@ -55,7 +55,7 @@ _SCHEDULE_KEYS = {
 
 def _model_forward(model, micro_batch: MicroBatch):
     """Outputs `[rows, T - logits_from, ...]`: RoPE at the micro-batch's position ids, causal attention or its
-    packed prompt groups, and nothing computed for the positions before `logits_from` (`rl/batch_plan.py`).
+    packed prompt groups, and nothing computed for the positions before `logits_from` (`rl/update/batch_plan.py`).
 
     Packed groups reach the fused core attention as megatron's `packed_seq_params` (`models/attention.py`);
     megatron's local attention gets them as the dense mask, built here for this micro-batch only. Under sequence
@@ -209,7 +209,7 @@ class TrainableModel:
     or gradients hold NaN / inf on any rank raises `NonFiniteError` on every rank before the optimizer steps; with
     `check_divergence` (--check-for-divergence) a step that changes the norm of the weights by more than
     `WEIGHT_JUMP` of it on any rank raises `DivergenceError` on every rank (before anything of it is saved).
-    `offload` names the parts of its state (`rl/model_state.PARTS`) that `offload()` moves to host memory.
+    `offload` names the parts of its state (`rl/update/model_state.PARTS`) that `offload()` moves to host memory.
     """
 
     # A relative change of the weights' norm in one optimizer step beyond which the step is divergence, not
@@ -443,7 +443,7 @@ class TrainableModel:
         }
 
     def _module_state(self) -> dict:
-        """What a checkpoint holds of the model (all of it; a LoRA model's adapters only, `rl/lora.py`)."""
+        """What a checkpoint holds of the model (all of it; a LoRA model's adapters only, `rl/update/lora.py`)."""
         return self.module.state_dict()
 
     def _load_module_state(self, model_state: dict) -> None:

@@ -1,0 +1,6 @@
+"""The update side of an iteration: the models of a stage and how they are trained.
+
+`roles.py` (the models, loaded and placed), `lora.py`, `moe.py`, `recompute.py` (what model building adds for them),
+`batch_plan.py` (one micro-batch plan per iteration), `passes.py` (the forward-only passes over an `Experience`),
+`loss_closures.py` and `ppo_loop.py` (the losses and epochs x mini-batches), `engine.py` (micro-batches through
+megatron's schedule), `optimizer_state.py` and `model_state.py` (a trained model's optimizer and model state)."""
