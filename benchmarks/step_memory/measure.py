@@ -40,7 +40,8 @@ def build(case: Case, trainable: bool):
     """The case's model (bf16, its recompute and attention options), as a `TrainableModel` when `trainable`."""
     from mindspeed_llm import device
     from mindspeed_llm.models import build_model
-    from mindspeed_llm.rl.update.engine import OptimizerSettings, TrainableModel
+    from mindspeed_llm.rl.model_settings import OptimizerSettings
+    from mindspeed_llm.rl.update.trainable import TrainableModel
 
     overrides = dict(RECOMPUTE[case.recompute])
     if case.shape.experts:

@@ -33,7 +33,8 @@ def measure_model_state(shape: Shape, distributed_optimizer: bool = False, offlo
     from megatron.core import parallel_state
 
     from mindspeed_llm.rl.update import model_state, roles
-    from mindspeed_llm.rl.update.engine import OptimizerSettings, TrainableModel
+    from mindspeed_llm.rl.model_settings import OptimizerSettings
+    from mindspeed_llm.rl.update.trainable import TrainableModel
     from mindspeed_llm.rl.update.loss_closures import clipped_policy_loss
     from mindspeed_llm.rl.settings import LossSettings
 

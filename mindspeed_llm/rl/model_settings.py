@@ -1,6 +1,6 @@
 """The typed parts model building reads (`rl/update/roles.py`, `rl/update/lora.py`, `rl/update/moe.py`, `rl/update/recompute.py`), made by
 `arguments.validate_args` with the rest of the settings (`rl/settings.py`: `Settings.model`, `.optimizer`, `.lora`,
-`.moe`, `.recompute`), and the optimizer settings of one trained role that `rl/update/engine.TrainableModel` takes.
+`.moe`, `.recompute`), and the optimizer settings of one trained role that `rl/update/trainable.TrainableModel` takes.
 
     ModelBuild          what every role is built with, and the model flags checked against each checkpoint
     OptimizerFlags      Megatron-LM's optimizer, LR-schedule and grad-scaler flags; `for_role` gives a role's
@@ -58,7 +58,7 @@ class ModelBuild:
 
 @dataclass(frozen=True)
 class OptimizerSettings:
-    """One trained role's optimizer and LR schedule (`engine.TrainableModel`); a run's come from
+    """One trained role's optimizer and LR schedule (`trainable.TrainableModel`); a run's come from
     `OptimizerFlags.for_role`, tests and benchmarks build their own."""
     lr: float
     optimizer: str = "adam"  # or "sgd"

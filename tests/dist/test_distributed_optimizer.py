@@ -129,7 +129,8 @@ def _patch_cases(reward_checkpoint):
     param group with bf16 weights) with the distributed optimizer: {case: the error megatron raises, or None}."""
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.rl.update import roles
-    from mindspeed_llm.rl.update.engine import OptimizerSettings, TrainableModel
+    from mindspeed_llm.rl.model_settings import OptimizerSettings
+    from mindspeed_llm.rl.update.trainable import TrainableModel
 
     args = parse_args(["--stage", "grpo", "--ref-model", "m", "--data-path", "d", "--global-batch-size", "1",
                        "--train-iters", "1", "--verifier-function", "math_acc", "--bf16"])

@@ -172,7 +172,7 @@ def _lora_model(root, adapter_path, value=False, sp=False):
 
 def _save_adapters(model, root, base):
     from mindspeed_llm.checkpoint import training as training_ckpt
-    from mindspeed_llm.rl.update.engine import OptimizerSettings
+    from mindspeed_llm.rl.model_settings import OptimizerSettings
     from mindspeed_llm.rl.update.lora import LoRATrainableModel
 
     trained = LoRATrainableModel(model, OptimizerSettings(lr=1e-3), name="actor", base=base)

@@ -47,7 +47,9 @@ def _worker(rank, world_size, task):
     from mindspeed_llm.inference import SamplingConfig, generate
     from mindspeed_llm.models import build_model
     from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
-    from mindspeed_llm.rl.update.engine import OptimizerSettings, TrainableModel, forward_only
+    from mindspeed_llm.rl.update.engine import forward_only
+    from mindspeed_llm.rl.model_settings import OptimizerSettings
+    from mindspeed_llm.rl.update.trainable import TrainableModel
     from mindspeed_llm.rl.update.passes import last_token_values, response_logprobs, response_values
 
     distributed.initialize(2, 1, 1234)

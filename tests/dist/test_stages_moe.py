@@ -100,7 +100,8 @@ def _aux_gradient_case(rank, world_size):
     from mindspeed_llm import distributed
     from mindspeed_llm.models import build_model
     from mindspeed_llm.rl.update import moe
-    from mindspeed_llm.rl.update.engine import OptimizerSettings, TrainableModel
+    from mindspeed_llm.rl.model_settings import OptimizerSettings
+    from mindspeed_llm.rl.update.trainable import TrainableModel
 
     distributed.initialize(1, 1, 5)
     coeff = 0.3
@@ -173,7 +174,8 @@ def _metrics_case(rank, world_size):
     from mindspeed_llm import distributed
     from mindspeed_llm.models import build_model
     from mindspeed_llm.rl.update import moe
-    from mindspeed_llm.rl.update.engine import OptimizerSettings, TrainableModel
+    from mindspeed_llm.rl.model_settings import OptimizerSettings
+    from mindspeed_llm.rl.update.trainable import TrainableModel
 
     distributed.initialize(1, 1, 5, expert_model_parallel_size=2)
     tensor_parallel.model_parallel_cuda_manual_seed(5)

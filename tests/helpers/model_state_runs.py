@@ -105,10 +105,10 @@ def _runs_body(rank, world_size, runs):
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.checkpoint.training import CheckpointError
     from mindspeed_llm.rl import rollout, trainer
-    from mindspeed_llm.rl.update import engine, model_state
+    from mindspeed_llm.rl.update import model_state, trainable
 
     current = {}
-    loop, generate, train_step = trainer._loop, rollout.generate, engine.TrainableModel.train_step
+    loop, generate, train_step = trainer._loop, rollout.generate, trainable.TrainableModel.train_step
 
     def recording_loop(args, stage, *rest):
         current["stage"] = stage
@@ -126,7 +126,7 @@ def _runs_body(rank, world_size, runs):
         current["update"].append({self.name: allocated_bytes(self)})
         return train_step(self, *args, **kwargs)
 
-    trainer._loop, rollout.generate, engine.TrainableModel.train_step = \
+    trainer._loop, rollout.generate, trainable.TrainableModel.train_step = \
         recording_loop, measuring_generate, measuring_train_step
     records = {}
     try:
@@ -151,7 +151,7 @@ def _runs_body(rank, world_size, runs):
                 parts={n: model_state.device_bytes(t) for n, t in stage.roles().items()} if stage else {},
             )
     finally:
-        trainer._loop, rollout.generate, engine.TrainableModel.train_step = loop, generate, train_step
+        trainer._loop, rollout.generate, trainable.TrainableModel.train_step = loop, generate, train_step
     return records
 
 

@@ -24,7 +24,8 @@ CHECKED = (
     # the typed consumers the stages call
     "rl/update/ppo_loop.py", "rl/update/loss_closures.py", "rl/scoring.py", "rl/evaluation.py", "rl/update/passes.py",
     # model building
-    "rl/update/roles.py", "rl/update/lora.py", "rl/update/moe.py", "rl/update/recompute.py", "rl/model_settings.py", "rl/update/engine.py",
+    "rl/update/roles.py", "rl/update/lora.py", "rl/update/moe.py", "rl/update/recompute.py", "rl/model_settings.py",
+    "rl/update/engine.py", "rl/update/trainable.py",
 )
 NAMESPACE_NAMES = ("args", "model_args")
 # Calls that may receive the Namespace: the startup report of the command line's flags (ignored ones included),

@@ -23,7 +23,7 @@ from mindspeed_llm.checkpoint import load_megatron_weights, load_spec
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.models import ArchitectureSpec, build_model
 from mindspeed_llm.rl.update import moe, recompute
-from mindspeed_llm.rl.update.engine import TrainableModel
+from mindspeed_llm.rl.update.trainable import TrainableModel
 from mindspeed_llm.rl.model_settings import ModelBuild, MoESettings
 from mindspeed_llm.rl.settings import OffloadSettings, Settings
 
