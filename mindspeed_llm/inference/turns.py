@@ -1,5 +1,5 @@
 """Multi-turn generation's seam in the continuous engine: what the engine asks of whoever answers a model's turn (a
-tool loop, `rl/multi_turn.py`), and how the answers reach every rank of a model-parallel group.
+tool loop, `rl/rollouts/tool_turns.py`), and how the answers reach every rank of a model-parallel group.
 
 A `TurnHandler` is consulted at two places:
 

@@ -25,7 +25,7 @@ from mindspeed_llm.rl.metrics.pass_at_k import PromptResult, summarize
 from mindspeed_llm.rl.metrics.samples import eval_rows
 from mindspeed_llm.rl.passes import policy_logprobs
 from mindspeed_llm.rl.roles import on_device
-from mindspeed_llm.rl.rollout import rollout, sampling_config
+from mindspeed_llm.rl.rollouts.plain import rollout, sampling_config
 from mindspeed_llm.rl.settings import LoopSettings, SamplingSettings
 
 EVAL_STREAM = -1  # the `iteration` key of the evaluation samples' random streams
@@ -77,7 +77,7 @@ def evaluate_policy(actor, reference, scorer, tokenizer, rows: Sequence[dict], s
     if toolbox is None:
         exp = rollout(actor.module, rows, config, EVAL_STREAM, tokenizer, samples_per_prompt=n)
     else:
-        from mindspeed_llm.rl.multi_turn import tool_rollout
+        from mindspeed_llm.rl.rollouts.tool_turns import tool_rollout
 
         exp, _ = tool_rollout(actor.module, rows, config, tokenizer, toolbox, iteration=EVAL_STREAM,
                               samples_per_prompt=n)

@@ -195,7 +195,7 @@ def _inspect(built):
     from mindspeed_llm.rl.batch_plan import MicroBatchPlan
     from mindspeed_llm.rl.lora import SharedBase
     from mindspeed_llm.rl.passes import reward_scores
-    from mindspeed_llm.rl.rollout import rollout
+    from mindspeed_llm.rl.rollouts.plain import rollout
 
     stage, args = built["stage"], built["args"]
     from mindspeed_llm.data import PromptDataset

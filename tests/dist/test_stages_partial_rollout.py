@@ -1,4 +1,4 @@
-"""Partial rollouts (`--partial-rollout`, `rl/partial_rollout.py`) in spawned processes; their buffers and flags in
+"""Partial rollouts (`--partial-rollout`, `rl/rollouts/partial.py`) in spawned processes; their buffers and flags in
 one process: tests/unit/test_partial_rollout.py.
 
 * On a real model (one spawn): a carried sample's tokens are those of one generation whose weights changed at the
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from mindspeed_llm.inference import Rollout, SamplingConfig
-from mindspeed_llm.rl.partial_rollout import PartialRollouts, pending
-from mindspeed_llm.rl.rollout_strategies import PromptSource
+from mindspeed_llm.rl.rollouts.partial import PartialRollouts, pending
+from mindspeed_llm.rl.rollouts.base import PromptSource
 from mindspeed_llm.rl.settings import AlgorithmSettings, BatchSettings, ToolSettings
 
 pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes

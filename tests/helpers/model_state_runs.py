@@ -104,7 +104,8 @@ def _runs_body(rank, world_size, runs):
 
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.checkpoint.training import CheckpointError
-    from mindspeed_llm.rl import engine, model_state, rollout, trainer
+    from mindspeed_llm.rl import engine, model_state, trainer
+    from mindspeed_llm.rl.rollouts import plain as rollout
 
     current = {}
     loop, generate, train_step = trainer._loop, rollout.generate, engine.TrainableModel.train_step

@@ -1,11 +1,11 @@
-"""`rl/multi_turn.trajectories`: a rollout's responses and tool masks as the trajectories the rewards read, of the
+"""`rl/rollouts/tool_turns.trajectories`: a rollout's responses and tool masks as the trajectories the rewards read, of the
 shape `verifiers.trajectory` documents (its `check_trajectory`), on a hand-built batch (characters as token ids)."""
 
 import pytest
 import torch
 
 from mindspeed_llm.rl.experience import Experience
-from mindspeed_llm.rl.multi_turn import trajectories
+from mindspeed_llm.rl.rollouts.tool_turns import trajectories
 from mindspeed_llm.rl.tools import get_parser
 from mindspeed_llm.rl.verifiers import check_trajectory
 

@@ -20,7 +20,7 @@ PACKAGE = ROOT / "mindspeed_llm"
 
 CHECKED = (
     "rl/stages/__init__.py", "rl/stages/grpo.py", "rl/stages/trl_ppo.py", "rl/trainer.py", "rl/batch_plan.py",
-    "rl/rollout.py", "rl/partial_rollout.py", "rl/dynamic_sampling.py", "rl/experience.py",
+    "rl/rollouts/plain.py", "rl/rollouts/partial.py", "rl/rollouts/dynamic_sampling.py", "rl/experience.py",
     # the typed consumers the stages call
     "rl/ppo_loop.py", "rl/loss_closures.py", "rl/scoring.py", "rl/evaluation.py", "rl/passes.py",
     # model building

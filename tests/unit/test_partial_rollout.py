@@ -1,4 +1,4 @@
-"""Partial rollouts (`--partial-rollout`, `rl/partial_rollout.py`).
+"""Partial rollouts (`--partial-rollout`, `rl/rollouts/partial.py`).
 
 * The buffers, on a scripted generator (each sample's length fixed by its sample id, its tokens naming it): which
   groups train in which iteration (only whole groups, oldest first), what each round asks for (carried samples
@@ -19,8 +19,8 @@ import torch
 
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.inference import Rollout, SamplingConfig
-from mindspeed_llm.rl.partial_rollout import PartialRolloutBudgetError, PartialRollouts, pending
-from mindspeed_llm.rl.rollout_strategies import PromptSource
+from mindspeed_llm.rl.rollouts.partial import PartialRolloutBudgetError, PartialRollouts, pending
+from mindspeed_llm.rl.rollouts.base import PromptSource
 from mindspeed_llm.rl.settings import AlgorithmSettings, BatchSettings
 
 N = 2  # samples per prompt
@@ -335,7 +335,7 @@ def test_a_checkpoint_with_buffers_is_refused_by_a_run_without_the_flag():
 
     from mindspeed_llm.checkpoint.training import CheckpointError
     from mindspeed_llm.rl import trainer
-    from mindspeed_llm.rl.rollout import SingleTurnRollouts
+    from mindspeed_llm.rl.rollouts.plain import SingleTurnRollouts
     from mindspeed_llm.rl.settings import CheckpointSettings
 
     buffers, rows = _buffers(ScriptedGenerator()), _rows()

@@ -11,11 +11,11 @@ import torch
 
 from mindspeed_llm import distributed
 from mindspeed_llm.errors import ArgumentError
-from mindspeed_llm.rl import rollout_dump
+from mindspeed_llm.rl.rollouts import dump as rollout_dump
 from mindspeed_llm.rl.experience import Experience, SampleData
 from mindspeed_llm.rl.metrics import MetricsLogger
 from mindspeed_llm.rl.metrics.samples import TRAIN_COLUMNS, eval_rows, first_rows, markdown_table, rollout_rows
-from mindspeed_llm.rl.rollout_strategies import PromptSource
+from mindspeed_llm.rl.rollouts.base import PromptSource
 
 
 class _CharTokenizer:
@@ -244,7 +244,7 @@ ROWS = [{"index": 11, "input_ids": [97, 98]}]  # the prompt the dumped samples w
 
 
 def _identified_dump(root, settings=None, tokenizer=None, actor=None, rows=ROWS, experience=_experience):
-    from mindspeed_llm.rl.rollout_dump_checks import prompts_digest
+    from mindspeed_llm.rl.rollouts.dump_checks import prompts_digest
 
     settings = settings or _settings()
     dumper = rollout_dump.RolloutDumper(str(root), rollout_dump.dump_manifest(settings, "single_turn",
@@ -330,7 +330,7 @@ def _damage(path, how):
                                       ("batch_0_dp_rank_00.json", "cut"), ("done.json", "cut"),
                                       ("done.json", "zeros")])
 def test_a_damaged_dump_file_is_named(tmp_path, one_rank, name, how):
-    from mindspeed_llm.rl.rollout_dump_checks import DumpError
+    from mindspeed_llm.rl.rollouts.dump_checks import DumpError
 
     root = _identified_dump(tmp_path / "dump")
     path = tmp_path / "dump" / "iteration_0000001" / name
@@ -373,7 +373,7 @@ def _longer_than_tokens():
     (_longer_than_tokens, r"row 1: prompt length 4 and response length 2 .* do not fit its 5 tokens"),
 ])
 def test_a_dump_whose_tensors_disagree_is_named(tmp_path, one_rank, experience, needle):
-    from mindspeed_llm.rl.rollout_dump_checks import DumpError
+    from mindspeed_llm.rl.rollouts.dump_checks import DumpError
 
     root = _identified_dump(tmp_path / "dump", experience=experience)
     path = tmp_path / "dump" / "iteration_0000001" / "batch_0_dp_rank_00.pt"

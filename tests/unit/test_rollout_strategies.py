@@ -1,4 +1,4 @@
-"""`rl/rollout_strategies.py`, the rollout seam: the prompt source the trainer hands a stage, the strategy registry, the
+"""`rl/rollouts/base.py`, the rollout seam: the prompt source the trainer hands a stage, the strategy registry, the
 strategies' state in the checkpoint's loop state, and a third strategy registered here that both stages take through
 the same call (`self.rollouts.collect(iteration, prompts)`) without a model. (The strategies on a real model:
 tests/dist/test_stages*.py; --partial-rollout's buffers: test_partial_rollout.py.)"""
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from mindspeed_llm.data import PromptSampler
-from mindspeed_llm.rl import rollout_strategies
+from mindspeed_llm.rl.rollouts import base as rollout_strategies
 from mindspeed_llm.rl.experience import Experience, SampleData
-from mindspeed_llm.rl.rollout_strategies import (
+from mindspeed_llm.rl.rollouts.base import (
     ROLLOUT_STRATEGIES,
     PromptSource,
     UnresumableStateError,
@@ -106,7 +106,7 @@ def test_a_registry_takes_entries_by_decorator_by_key_and_lazily(monkeypatch, tm
 
 
 def test_single_turn_generates_the_first_batch_and_carries_nothing(monkeypatch):
-    from mindspeed_llm.rl import rollout
+    from mindspeed_llm.rl.rollouts import plain as rollout
 
     seen = []
 
@@ -219,7 +219,7 @@ def test_a_registered_strategy_is_what_both_stages_collect_from(stage_name, turn
 
 
 def test_a_strategy_state_is_saved_under_its_name_and_refused_by_a_run_of_another(turns):
-    from mindspeed_llm.rl.rollout import SingleTurnRollouts
+    from mindspeed_llm.rl.rollouts.plain import SingleTurnRollouts
 
     turns.collect(1, PromptSource([{"position": 0}], lambda j: [{"position": 1}]))
     loop_state = {"sampler": {}}

@@ -22,16 +22,16 @@ from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.distributed import sum_over_data_parallel
 from mindspeed_llm.rl import core_algos, lora, roles
 from mindspeed_llm.rl.batch_plan import MicroBatchPlan
-from mindspeed_llm.rl.dynamic_sampling import informative_groups, refill
+from mindspeed_llm.rl.rollouts.dynamic_sampling import informative_groups, refill
 from mindspeed_llm.rl.evaluation import evaluate_policy
 from mindspeed_llm.rl.metrics.pass_at_k import PromptResult
 from mindspeed_llm.rl.loss_closures import clipped_policy_loss
 from mindspeed_llm.rl.metrics import Timers, mean_min_max, prefixed
 from mindspeed_llm.rl.passes import policy_logprobs
 from mindspeed_llm.rl.ppo_loop import old_logp_is_current, ppo_update
-from mindspeed_llm.rl.rollout import mask_truncated_completions, mismatch_metrics, rollout_metrics, sampling_config
-from mindspeed_llm.rl.rollout_records import RolloutRecords
-from mindspeed_llm.rl.rollout_strategies import PromptSource, build_rollouts
+from mindspeed_llm.rl.rollouts.plain import mask_truncated_completions, mismatch_metrics, rollout_metrics, sampling_config
+from mindspeed_llm.rl.rollouts.records import RolloutRecords
+from mindspeed_llm.rl.rollouts.base import PromptSource, build_rollouts
 from mindspeed_llm.rl.scoring import Scorer
 from mindspeed_llm.rl.settings import AlgorithmSettings
 

@@ -26,9 +26,9 @@ from mindspeed_llm.rl.loss_closures import clipped_policy_loss, clipped_value_lo
 from mindspeed_llm.rl.metrics import Timers, masked_mean_min_max, mean_min_max, prefixed
 from mindspeed_llm.rl.passes import critic_values, policy_logprobs
 from mindspeed_llm.rl.ppo_loop import old_logp_is_current, ppo_update
-from mindspeed_llm.rl.rollout import mask_truncated_completions, mismatch_metrics, rollout_metrics, sampling_config
-from mindspeed_llm.rl.rollout_records import RolloutRecords
-from mindspeed_llm.rl.rollout_strategies import PromptSource, build_rollouts
+from mindspeed_llm.rl.rollouts.plain import mask_truncated_completions, mismatch_metrics, rollout_metrics, sampling_config
+from mindspeed_llm.rl.rollouts.records import RolloutRecords
+from mindspeed_llm.rl.rollouts.base import PromptSource, build_rollouts
 from mindspeed_llm.rl.scoring import Scorer
 
 

@@ -52,7 +52,7 @@ rank's carried groups, with the sampler's position in the trainer's loop state; 
 own, or, at another DP size, deals the carried groups over the ranks in key order (a carried sample may continue on
 any rank: its tokens follow from its own tokens and stream, to float rounding).
 
-Tools (`--tool-config`, `rl/multi_turn.py`): a sample is a trajectory, its budget --max-total-response-length and a
+Tools (`--tool-config`, `rl/rollouts/tool_turns.py`): a sample is a trajectory, its budget --max-total-response-length and a
 round's share ceil(that / N); a cut may fall inside a model turn, while a tool runs (its answer is appended first) or
 after a tool answer. A carried sample keeps its tool spans, where its current turn began and its turn, call and tool
 reward counts (in the checkpoint too), so that it continues as one uninterrupted trajectory. A tool's per-trajectory
@@ -178,7 +178,7 @@ class PartialRollouts:
 
         toolbox = None
         if settings.tools.tool_config:
-            from mindspeed_llm.rl.multi_turn import ToolBox
+            from mindspeed_llm.rl.rollouts.tool_turns import ToolBox
 
             toolbox = ToolBox(settings.tools, tokenizer, settings.sampling.max_length)
 
@@ -236,7 +236,7 @@ class PartialRollouts:
         }
         exp = self._experience(mine)
         if self.toolbox is not None:
-            from mindspeed_llm.rl.multi_turn import tool_metrics
+            from mindspeed_llm.rl.rollouts.tool_turns import tool_metrics
 
             counts = self.tool_counts
             metrics.update(tool_metrics(exp, counts, counts["wait_seconds"], time.perf_counter() - started_at))

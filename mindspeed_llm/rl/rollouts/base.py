@@ -103,10 +103,10 @@ class CarriesNothing:
 
 
 ROLLOUT_STRATEGIES = Registry({
-    "single_turn": "mindspeed_llm.rl.rollout:SingleTurnRollouts",
-    "partial_rollout": "mindspeed_llm.rl.partial_rollout:PartialRollouts",
-    "multi_turn": "mindspeed_llm.rl.multi_turn:MultiTurnRollouts",
-    "replay": "mindspeed_llm.rl.rollout_dump:ReplayRollouts",
+    "single_turn": "mindspeed_llm.rl.rollouts.plain:SingleTurnRollouts",
+    "partial_rollout": "mindspeed_llm.rl.rollouts.partial:PartialRollouts",
+    "multi_turn": "mindspeed_llm.rl.rollouts.tool_turns:MultiTurnRollouts",
+    "replay": "mindspeed_llm.rl.rollouts.dump:ReplayRollouts",
 })
 
 

@@ -13,8 +13,8 @@ from typing import Dict, List, Optional
 from mindspeed_llm import distributed
 from mindspeed_llm.rl.experience import Experience
 from mindspeed_llm.rl.metrics.samples import first_rows, rollout_rows
-from mindspeed_llm.rl.rollout_dump import ReplayRollouts, RolloutDumper, dump_manifest
-from mindspeed_llm.rl.rollout_dump_checks import prompts_digest
+from mindspeed_llm.rl.rollouts.dump import ReplayRollouts, RolloutDumper, dump_manifest
+from mindspeed_llm.rl.rollouts.dump_checks import prompts_digest
 
 
 class RolloutRecords:

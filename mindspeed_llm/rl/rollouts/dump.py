@@ -40,10 +40,10 @@ import torch
 from mindspeed_llm import device, distributed
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.files import write_atomically, write_text_atomically
-from mindspeed_llm.rl import rollout_dump_checks as checks
+from mindspeed_llm.rl.rollouts import dump_checks as checks
 from mindspeed_llm.rl.experience import Experience, SampleData
 from mindspeed_llm.rl.metrics.samples import json_ready
-from mindspeed_llm.rl.rollout_strategies import CarriesNothing
+from mindspeed_llm.rl.rollouts.base import CarriesNothing
 
 VERSION = 2  # 2: the model, tokenizer and dataset recorded (a version 1 dump replays without those checks)
 READS = (1, 2)

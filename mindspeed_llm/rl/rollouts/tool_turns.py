@@ -29,8 +29,8 @@ from mindspeed_llm.inference.engine_inputs import source_rank
 from mindspeed_llm.rl import tools as tool_lib
 from mindspeed_llm.rl.experience import Experience, SampleData
 from mindspeed_llm.rl.metrics import mean_min_max
-from mindspeed_llm.rl.rollout import gather_context_parallel
-from mindspeed_llm.rl.rollout_strategies import CarriesNothing
+from mindspeed_llm.rl.rollouts.plain import gather_context_parallel
+from mindspeed_llm.rl.rollouts.base import CarriesNothing
 from mindspeed_llm.rl.settings import ToolSettings
 
 

@@ -15,7 +15,7 @@ from mindspeed_llm.models import routing
 from mindspeed_llm.rl import core_algos
 from mindspeed_llm.rl.experience import Experience, SampleData
 from mindspeed_llm.rl.metrics import mean_min_max
-from mindspeed_llm.rl.rollout_strategies import CarriesNothing
+from mindspeed_llm.rl.rollouts.base import CarriesNothing
 from mindspeed_llm.rl.settings import SamplingSettings
 
 
