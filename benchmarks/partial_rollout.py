@@ -99,7 +99,6 @@ def stage_argv(task, args, stage, out: Path, split) -> list:
 COUNTING_DRIVER = """
 # posttrain_gpt.py whose rollout `generate` calls append the engine's counts (per iteration) to COUNTS_JSONL.
 import json, os, sys
-import mindspeed_llm.rl.rollouts.partial as partial_rollout
 import mindspeed_llm.rl.rollouts.plain as rollout
 original = rollout.generate
 def generate(model, prompts, sampling=None, **kwargs):
@@ -110,7 +109,7 @@ def generate(model, prompts, sampling=None, **kwargs):
                                 **{k: stats.get(k, 0) for k in ("decode_forwards", "decode_row_steps",
                                                                  "prefill_tokens")})) + "\\n")
     return result
-rollout.generate = partial_rollout.generate = generate
+rollout.generate = generate  # every generator's engine call (rl/rollouts/plain.py)
 import posttrain_gpt
 sys.exit(posttrain_gpt.main(sys.argv[1:]))
 """

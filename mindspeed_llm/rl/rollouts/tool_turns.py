@@ -1,4 +1,4 @@
-"""The `multi_turn` rollout strategy (`--tool-config`): the model calls tools between its turns, inside one generation.
+"""The `tools` sample generator (`--tool-config`): the model calls tools between its turns, inside one generation.
 
 Each sample is one trajectory: model turn, tool answers, model turn, ... The continuous engine runs them
 (`inference/turns.py`): when a turn ends (EOS / stop) and `ToolTurns.wants_observation` finds tool calls in it (the
@@ -11,26 +11,24 @@ tokens reach --max-total-response-length (each model turn within --max-new-token
 
 The Experience holds the whole trajectory after the prompt; `tool_mask` marks the tool tokens (fed, never trained on:
 `Experience.action_mask`). `SampleData.trajectories` holds each one's turns, calls and tool rewards for the rewards
-(`scoring.py`). Nothing carries over between iterations.
+(`scoring.py`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from mindspeed_llm.inference import EngineOptions, SamplingConfig, generate
+from mindspeed_llm.inference import EngineOptions, Rollout, SamplingConfig
 from mindspeed_llm.inference.engine_inputs import source_rank
 from mindspeed_llm.rl import tools as tool_lib
-from mindspeed_llm.rl.experience import Experience, SampleData
+from mindspeed_llm.rl.experience import Experience
 from mindspeed_llm.rl.metrics import mean_min_max
-from mindspeed_llm.rl.rollouts.plain import gather_context_parallel
-from mindspeed_llm.rl.rollouts.base import CarriesNothing
+from mindspeed_llm.rl.rollouts.plain import PlainGenerator
 from mindspeed_llm.rl.settings import ToolSettings
 
 
@@ -152,7 +150,7 @@ def trajectories(exp: Experience, tokenizer, parser, tool_reward: Sequence[float
 
 class ToolBox:
     """The run's tools, call parser and chat-template delta (loaded once, on every rank), and one generation's tool
-    loop around them (`session`); shared by the `multi_turn` strategy and partial rollouts with tools."""
+    loop around them (`session`), for the `tools` generator."""
 
     def __init__(self, settings: ToolSettings, tokenizer, max_length: int):
         self.settings, self.tokenizer, self.max_length = settings, tokenizer, int(max_length)
@@ -202,45 +200,64 @@ def tool_metrics(exp: Experience, counts: dict, wait_seconds: float, seconds: fl
     return metrics
 
 
-def tool_rollout(actor_module, rows: Sequence[dict], sampling: SamplingConfig, tokenizer, toolbox: ToolBox,
-                 iteration: int = 0, samples_per_prompt: int = 1) -> Tuple[Experience, Dict[str, float]]:
-    """`samples_per_prompt` trajectories per row (a row's consecutive; sample k of the prompt at position p draws
-    from stream p * n + k, as `rollout.rollout`), with their `SampleData.trajectories`, and their `tool_metrics`."""
-    n = samples_per_prompt
-    samples = [row for row in rows for _ in range(n)]
-    ids = [list(row["input_ids"]) for row in samples]
-    sample_ids = [row.get("position", i) * n + k for i, row in enumerate(rows) for k in range(n)]
-    budgets = [toolbox.trajectory_budget(len(p)) for p in ids]
-    start = time.perf_counter()
-    with toolbox.session(samples, budgets) as turns:
-        result = generate(actor_module, ids, sampling, iteration=iteration, sample_ids=sample_ids,
-                          vocab_size=len(tokenizer), response_budgets=budgets, turns=turns,
-                          options=EngineOptions(parked_kv=toolbox.settings.parked_kv))
-    seconds = time.perf_counter() - start
-    told = toolbox.shared(turns)
-    exp = Experience.from_rollout(result)
-    exp.sample_data = SampleData.of_prompts(samples, finish_reasons=list(result.finish_reasons),
-                                            texts=result.decode(tokenizer))
-    exp.sample_data.trajectories = toolbox.trajectories(exp, told["tool_reward"])
-    return exp, tool_metrics(exp, told["counts"], result.stats.get("observation_wait_seconds", 0.0), seconds)
+class ToolTurnsGenerator(PlainGenerator):
+    """The `tools` sample generator (`base.SampleGenerator`, `--tool-config`; module docstring): a sample is a
+    trajectory of model turns and tool answers within --max-total-response-length; a continued one (a partial
+    rollout's carried sample) keeps its turn, call and reward counts (`Continuation.state`)."""
 
-
-class MultiTurnRollouts(CarriesNothing):
-    """The `multi_turn` rollout strategy (`rollout_strategies`; module docstring)."""
-
-    name = "multi_turn"
+    name = "tools"
     flag = "--tool-config"
+    budget_flag = "--max-total-response-length"
+    observes = True
 
-    def __init__(self, actor_module, tokenizer, sampling: SamplingConfig, toolbox: ToolBox, samples_per_prompt: int):
-        self.actor_module, self.tokenizer, self.sampling, self.toolbox = actor_module, tokenizer, sampling, toolbox
-        self.samples_per_prompt = int(samples_per_prompt)
+    def __init__(self, actor_module, tokenizer, sampling: SamplingConfig, toolbox: ToolBox,
+                 samples_per_prompt: int = 1):
+        super().__init__(actor_module, tokenizer, sampling, samples_per_prompt)
+        self.toolbox = toolbox
 
     @classmethod
-    def from_settings(cls, settings, actor_module, tokenizer, sampling: SamplingConfig) -> "MultiTurnRollouts":
+    def selected(cls, settings) -> bool:
+        return bool(settings.tools.tool_config)
+
+    @classmethod
+    def from_settings(cls, settings, actor_module, tokenizer, sampling: SamplingConfig) -> "ToolTurnsGenerator":
         toolbox = ToolBox(settings.tools, tokenizer, settings.sampling.max_length)
         return cls(actor_module, tokenizer, sampling, toolbox, settings.algorithm.n_samples_per_prompt)
 
-    def collect(self, iteration: int, prompts) -> Tuple[Experience, Dict[str, float]]:
-        exp, metrics = tool_rollout(self.actor_module, prompts.first_batch, self.sampling, self.tokenizer,
-                                    self.toolbox, iteration, self.samples_per_prompt)
-        return gather_context_parallel(exp), metrics
+    @property
+    def whole_budget(self) -> int:
+        return self.toolbox.settings.max_total_response_length
+
+    def response_budgets(self, prompt_lengths: Sequence[int]) -> List[int]:
+        return [self.toolbox.trajectory_budget(n) for n in prompt_lengths]
+
+    def generate(self, iteration: int, samples: Sequence[dict], sample_ids: Sequence[int], continuations=None,
+                 budgets=None, sampling: Optional[SamplingConfig] = None) -> Rollout:
+        prompts = [list(row["input_ids"]) for row in samples]
+        whole = self.response_budgets([len(p) for p in prompts])
+        states = None if continuations is None else [(c.state if c is not None else None) or {} for c in continuations]
+        with self.toolbox.session(samples, whole, states) as turns:
+            result = self.engine(iteration, prompts, sample_ids, continuations, whole if budgets is None else budgets,
+                                 sampling or self.sampling, turns=turns,
+                                 options=EngineOptions(parked_kv=self.toolbox.settings.parked_kv))
+        told = self.toolbox.shared(turns)
+        result.trajectories = [{"turns": turns.turns[b], "calls": turns.calls[b], "tool_reward": told["tool_reward"][b]}
+                               for b in range(len(prompts))]
+        result.stats = {**result.stats, **{f"tool_{key}": value for key, value in told["counts"].items()}}
+        return result
+
+    def carried(self, reason: str, length: int, whole: int) -> bool:
+        return reason == "unfinished"  # a "length" ends the trajectory: its turn reached --max-new-tokens
+
+    def experience(self, result: Rollout, samples: Sequence[dict], **sample_data) -> Experience:
+        exp = super().experience(result, samples, **sample_data)
+        records = result.trajectories or [{}] * exp.batch_size
+        exp.sample_data.trajectories = self.toolbox.trajectories(
+            exp, [float(r.get("tool_reward", 0.0)) for r in records])
+        return exp
+
+    def metrics(self, exp: Experience, stats: Sequence[Dict[str, float]], seconds: float) -> Dict[str, float]:
+        counts = {key: sum(float(s.get(f"tool_{key}", 0.0)) for s in stats)
+                  for key in ("calls", "failures", "timeouts", "seconds")}
+        waited = sum(float(s.get("observation_wait_seconds", 0.0)) for s in stats)
+        return tool_metrics(exp, counts, waited, seconds)

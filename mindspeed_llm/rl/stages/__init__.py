@@ -10,7 +10,7 @@ from mindspeed_llm.registry import Registry
 
 if TYPE_CHECKING:
     from mindspeed_llm.rl.rollouts.records import RolloutRecords
-    from mindspeed_llm.rl.rollouts.base import PromptSource, RolloutStrategy
+    from mindspeed_llm.rl.rollouts.base import PromptSource, Schedule
 
 
 class Stage(Protocol):
@@ -21,8 +21,9 @@ class Stage(Protocol):
 
     name: str
     log_lines: Dict[str, List[str]]  # stdout line groups (`MetricsLogger`)
-    # how it generates its experience (`rl/rollouts/base.RolloutStrategy`; its state is saved with the loop state)
-    rollouts: "RolloutStrategy"
+    # how it generates its experience: a schedule over a sample generator (`rl/rollouts/base.Schedule`; its state is
+    # saved with the loop state)
+    rollouts: "Schedule"
     # what the run keeps of its scored rollouts (`rl/rollouts/records.RolloutRecords`: --log-samples, --rollout-dump-dir)
     records: "RolloutRecords"
 

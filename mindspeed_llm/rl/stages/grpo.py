@@ -77,8 +77,7 @@ class GRPOStage:
 
     def evaluate(self, rows: Sequence[dict]) -> List[PromptResult]:
         return evaluate_policy(self.actor, self.reference, self.scorer, self.tokenizer, rows, self.settings.sampling,
-                               self.settings.offload.offload_ref_reward, getattr(self.rollouts, "toolbox", None),
-                               self.settings.loop)
+                               self.rollouts.generator, self.settings.offload.offload_ref_reward, self.settings.loop)
 
     # ------------------------------------------------------------------ one iteration
     def iteration(self, iteration: int, prompts: PromptSource) -> Dict[str, float]:
@@ -148,7 +147,9 @@ class GRPOStage:
         with timers("rollout"):
             exp, rollout_strategy_metrics = self.rollouts.collect(iteration, prompts)
         plan = MicroBatchPlan.for_run(exp, self.settings.batch, group_size=n)
-        exp.scores, score_metrics = self.scorer(exp, plan, timers)
+        score_metrics = {}
+        if not self.rollouts.scored:  # a replay's batches carry the dumping run's scores (and their metrics)
+            exp.scores, score_metrics = self.scorer(exp, plan, timers)
         metrics = {**rollout_strategy_metrics, **score_metrics}
         self.records.add(exp, metrics)  # --log-samples' table, --rollout-dump-dir
         return exp, plan, metrics

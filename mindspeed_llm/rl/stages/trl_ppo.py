@@ -70,8 +70,7 @@ class TrlPPOStage:
 
     def evaluate(self, rows: Sequence[dict]) -> List[PromptResult]:
         return evaluate_policy(self.actor, self.reference, self.scorer, self.tokenizer, rows, self.settings.sampling,
-                               self.settings.offload.offload_ref_reward, getattr(self.rollouts, "toolbox", None),
-                               self.settings.loop)
+                               self.rollouts.generator, self.settings.offload.offload_ref_reward, self.settings.loop)
 
     # ------------------------------------------------------------------ one iteration
     def iteration(self, iteration: int, prompts: PromptSource) -> Dict[str, float]:
@@ -100,7 +99,9 @@ class TrlPPOStage:
             with timers("critic_model"):
                 self.critic.onload(timers, parts=("weights",))  # --offload-train-param: they left for the rollout
                 exp.values = critic_values(self.critic.chunks, exp, plan)
-            exp.scores, score_metrics = self.scorer(exp, plan, timers)  # with --missing-eos-penalty
+            score_metrics = {}
+            if not self.rollouts.scored:  # a replay's batches carry the dumping run's scores (and their metrics)
+                exp.scores, score_metrics = self.scorer(exp, plan, timers)  # with --missing-eos-penalty
             self.records.add(exp, {**rollout_strategy_metrics, **score_metrics})  # --log-samples, --rollout-dump-dir
 
             with timers("adv"):
