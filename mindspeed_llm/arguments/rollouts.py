@@ -1,4 +1,4 @@
-"""The rollout strategies' flags (`rl/rollouts/base.py`): --partial-rollout's budget and --tool-config's
+"""The rollout generators' and schedules' flags (`rl/rollouts/base.py`): --partial-rollout's budget and --tool-config's
 trajectory limits, resolved into the run's settings and refused by name where they do not combine. Called from
 `validation.validate_args` with its resolving view of the Namespace."""
 
@@ -135,3 +135,11 @@ def _offered_tools_note(data_path: str, names: list) -> str:
         return ToolPrompts(meta, f"--data-path {data_path}").note(names)
     except DataError as exc:
         raise ArgumentError(str(exc)) from None
+
+
+def check_rollout_pair(settings) -> None:
+    """The run's sample generator and schedule (`rl/rollouts/base.chosen_pair`): two of one axis, or a pair that
+    cannot work together, refused naming their flags, before any model is built."""
+    from mindspeed_llm.rl.rollouts.base import chosen_pair
+
+    chosen_pair(settings)

@@ -130,7 +130,7 @@ def test_one_shot_generates_the_first_batch_once_and_carries_nothing(monkeypatch
     monkeypatch.setattr(plain, "generate", fake_generate)
     gathered = []
     monkeypatch.setattr(plain.distributed, "gather_over_context_parallel", lambda obj: gathered.append(obj) or [obj])
-    monkeypatch.setattr(plain.routing, "is_moe", lambda model: False)
+    monkeypatch.setattr(plain, "_is_moe", lambda model: False)
     strategy = build_rollouts(_settings(partial_rollout=False, n_samples_per_prompt=2), "actor", _Vocab(),
                               SamplingConfig(max_new_tokens=2))
     assert isinstance(strategy, OneShot) and isinstance(strategy.generator, plain.PlainGenerator)
@@ -329,8 +329,14 @@ class _OneTurnOnly:
 
 
 def test_a_pair_that_cannot_work_together_is_refused_naming_both_flags(monkeypatch):
+    from mindspeed_llm.arguments import parse_args
+
     monkeypatch.setitem(SAMPLE_GENERATORS, "one_turn_only", _OneTurnOnly)
     assert chosen_pair(_run())[0] is _OneTurnOnly  # with the one-shot schedule it runs
+    argv = ["--stage", "grpo", "--verifier-function", "math_acc", "--data-path", "d", "--train-iters", "4",
+            "--global-batch-size", "4", "--ref-model", "r", "--partial-rollout"]
+    with pytest.raises(ArgumentError, match=r"^--partial-rollout with --one-turn-only"):
+        parse_args(argv, world_size=1)  # at argument validation, before any model is built
     with pytest.raises(ArgumentError, match=r"^--partial-rollout with --one-turn-only: the one_turn_only generator "
                                             r"cannot continue a sample carried from an earlier round; drop one of "
                                             r"them$"):

@@ -11,12 +11,25 @@ import torch
 
 from mindspeed_llm import distributed
 from mindspeed_llm.errors import ArgumentError
-from mindspeed_llm.inference import Rollout, SamplingConfig, generate
-from mindspeed_llm.models import routing
+from mindspeed_llm.inference import Rollout, SamplingConfig
 from mindspeed_llm.rl import core_algos
 from mindspeed_llm.rl.experience import Experience, SampleData
 from mindspeed_llm.rl.metrics import mean_min_max
 from mindspeed_llm.rl.settings import SamplingSettings
+
+
+def generate(*args, **kwargs) -> Rollout:
+    """`inference.generate`, imported on first use (this module is read at argument validation, before
+    megatron-core is; a test replaces this name to stand in for the engine)."""
+    from mindspeed_llm.inference import generate as engine_generate
+
+    return engine_generate(*args, **kwargs)
+
+
+def _is_moe(model) -> bool:
+    from mindspeed_llm.models import routing
+
+    return routing.is_moe(model)
 
 
 def sampling_config(sampling: SamplingSettings, tokenizer, greedy: Optional[bool] = None) -> SamplingConfig:
@@ -57,7 +70,7 @@ class PlainGenerator:
     def __init__(self, actor_module, tokenizer, sampling: SamplingConfig, samples_per_prompt: int = 1):
         self.actor_module, self.tokenizer, self.sampling = actor_module, tokenizer, sampling
         self.samples_per_prompt = int(samples_per_prompt)
-        self.routing_recorded = actor_module is not None and routing.is_moe(actor_module)
+        self.routing_recorded = actor_module is not None and _is_moe(actor_module)
 
     @classmethod
     def selected(cls, settings) -> bool:

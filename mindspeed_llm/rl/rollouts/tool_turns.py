@@ -23,8 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from mindspeed_llm.inference import EngineOptions, Rollout, SamplingConfig
-from mindspeed_llm.inference.engine_inputs import source_rank
+from mindspeed_llm.inference import Rollout, SamplingConfig
 from mindspeed_llm.rl import tools as tool_lib
 from mindspeed_llm.rl.experience import Experience
 from mindspeed_llm.rl.metrics import mean_min_max
@@ -181,6 +180,8 @@ class ToolBox:
     @staticmethod
     def shared(turns: ToolTurns) -> dict:
         """What only the token-picking rank knows (the tools' rewards and counts), on every rank of the group."""
+        from mindspeed_llm.inference.engine_inputs import source_rank
+
         group, source = source_rank()
         return _from_picking_rank(turns.summary(), group, source)
 
@@ -233,6 +234,8 @@ class ToolTurnsGenerator(PlainGenerator):
 
     def generate(self, iteration: int, samples: Sequence[dict], sample_ids: Sequence[int], continuations=None,
                  budgets=None, sampling: Optional[SamplingConfig] = None) -> Rollout:
+        from mindspeed_llm.inference import EngineOptions
+
         prompts = [list(row["input_ids"]) for row in samples]
         whole = self.response_budgets([len(p) for p in prompts])
         states = None if continuations is None else [(c.state if c is not None else None) or {} for c in continuations]
