@@ -111,6 +111,9 @@ def test_grpo_with_tools_resumes_after_sigkill_bit_for_bit(task, tmp_path, rollo
     assert [_compared(r) for r in rows["whole"]] == [_compared(r) for r in rows["split"]]
     assert max(r["num_turns/max"] for r in rows["whole"]) >= 2 and sum(r["tool/calls"] for r in rows["whole"]) > 0
     assert all(r["tool/failures"] == 0 and r["tool/timeouts"] == 0 for r in rows["whole"])
+    # the tool's own metric (`ToolResult.metrics`), summed over the calls: at least one word a call
+    assert all(r.get("tool/echo/words", 0) >= r["tool/calls"] for r in rows["whole"])
+    assert sum(r.get("tool/echo/words", 0) for r in rows["whole"]) > 0
     # the tool's own reward (0.25 a call) reaches the score; the user's reward sees the turns
     assert any(r["tool/reward/mean"] > 0 for r in rows["whole"]) and any(r["custom_rewards/mean"] > 0
                                                                          for r in rows["whole"])

@@ -65,3 +65,39 @@ def test_verls_reward_functions_read_num_turns_in_verls_count():
     # 3 assistant turns + 2 tool answers + 1 = 6 -> 0.2; one assistant turn: 2 (verl's single turn) -> 0.0
     assert plan.call(retool_like, "t", "l", {}, got[0]) == (pytest.approx(0.2), 3)
     assert plan.call(retool_like, "t", "l", {}, got[1]) == (0.0, 1)
+
+
+def test_a_tools_own_metrics_are_summed_per_tool_and_logged_under_its_name():
+    """`ToolResult.metrics` of each call (the executor sums a turn's by tool) reach the rollout's metrics as
+    `tool/<name>/<metric>`, summed over the calls of every turn, beside the call counts."""
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from mindspeed_llm.rl.rollouts.tool_turns import ToolTurns, tool_metrics
+    from mindspeed_llm.rl.settings import ToolSettings
+    from mindspeed_llm.rl.tools import TurnResult
+
+    class Executor:
+        def start(self, sample, row):
+            pass
+
+        def submit(self, sample, calls):
+            done = concurrent.futures.Future()
+            done.set_result(TurnResult(messages=["ok"] * len(calls), metrics={"echo": {"words": 2.0 + sample}},
+                                       seconds=0.5))
+            return done
+
+    parser = get_parser("hermes")
+    call = '<tool_call>{"name": "echo", "arguments": {"words": ["a"]}}</tool_call>'
+    turns = ToolTurns([{}, {}], _Chars(), ToolSettings(), Executor(), parser,
+                      SimpleNamespace(delta_ids=lambda messages: [1] * len(messages)), budgets=[64, 64])
+    for sample in (0, 1):
+        known = [ord(c) for c in call]
+        assert turns.wants_observation(sample, known, 0, 0)
+        turns.begin(sample, known, 0, 0)
+    assert sorted(turns.ready(wait=True)) == [(0, [1]), (1, [1])]
+    assert turns.counts == {"calls": 2, "failures": 0, "timeouts": 0, "seconds": 1.0, "echo/words": 5.0}
+    exp = SimpleNamespace(sample_data=SimpleNamespace(trajectories=[{"num_turns": 2}] * 2),
+                          tool_mask=torch.ones(2, 3))
+    metrics = tool_metrics(exp, turns.counts, 0.0, 1.0)
+    assert metrics["tool/echo/words"] == 5.0 and metrics["tool/calls"] == 2.0

@@ -49,7 +49,8 @@ class ToolTurns:
         self.parsed: Dict[int, object] = {}
         self.futures: Dict[int, concurrent.futures.Future] = {}
         self.started: Dict[int, None] = {}
-        self.counts = dict(calls=0, failures=0, timeouts=0, seconds=0.0)
+        # the calls run (token-picking rank): `tool/calls`, ... and the tools' own metrics, `tool/<name>/<metric>`
+        self.counts: Dict[str, float] = dict(calls=0, failures=0, timeouts=0, seconds=0.0)
 
     def trajectory_budget(self, sample: int) -> int:
         return self.budgets[sample]
@@ -98,6 +99,9 @@ class ToolTurns:
             self.counts["failures"] += result.failures + len(refusals)
             self.counts["timeouts"] += result.timeouts
             self.counts["seconds"] += float(result.seconds)
+            for name, own in result.metrics.items():
+                for key, value in own.items():
+                    self.counts[f"{name}/{key}"] = self.counts.get(f"{name}/{key}", 0.0) + value
             out.append((sample, self.delta.delta_ids(list(result.messages) + refusals)))
         return out
 
@@ -194,9 +198,8 @@ def tool_metrics(exp: Experience, counts: dict, wait_seconds: float, seconds: fl
     the engine waited on tools with nothing else to decode."""
     turns = torch.tensor([t["num_turns"] for t in exp.sample_data.trajectories], dtype=torch.float32)
     metrics = mean_min_max("num_turns", turns)
-    metrics.update({"tool/calls": float(counts["calls"]), "tool/failures": float(counts["failures"]),
-                    "tool/timeouts": float(counts["timeouts"]), "tool/seconds": float(counts["seconds"]),
-                    "tool/response_length/mean": float(exp.tool_mask.sum(-1).float().mean()),
+    metrics.update({f"tool/{key}": float(value) for key, value in counts.items()})  # the tools' own: tool/NAME/KEY
+    metrics.update({"tool/response_length/mean": float(exp.tool_mask.sum(-1).float().mean()),
                     "tool/wait_share": wait_seconds / seconds if seconds > 0 else 0.0})
     return metrics
 
@@ -246,7 +249,7 @@ class ToolTurnsGenerator(PlainGenerator):
         told = self.toolbox.shared(turns)
         result.trajectories = [{"turns": turns.turns[b], "calls": turns.calls[b], "tool_reward": told["tool_reward"][b]}
                                for b in range(len(prompts))]
-        result.stats = {**result.stats, **{f"tool_{key}": value for key, value in told["counts"].items()}}
+        result.stats = {**result.stats, **{f"tool/{key}": value for key, value in told["counts"].items()}}
         return result
 
     def carried(self, reason: str, length: int, whole: int) -> bool:
@@ -260,7 +263,10 @@ class ToolTurnsGenerator(PlainGenerator):
         return exp
 
     def metrics(self, exp: Experience, stats: Sequence[Dict[str, float]], seconds: float) -> Dict[str, float]:
-        counts = {key: sum(float(s.get(f"tool_{key}", 0.0)) for s in stats)
-                  for key in ("calls", "failures", "timeouts", "seconds")}
+        counts = dict.fromkeys(("calls", "failures", "timeouts", "seconds"), 0.0)
+        for s in stats:  # the calls' counts and the tools' own metrics of every generation call
+            for key, value in s.items():
+                if key.startswith("tool/"):
+                    counts[key[5:]] = counts.get(key[5:], 0.0) + float(value)
         waited = sum(float(s.get("observation_wait_seconds", 0.0)) for s in stats)
         return tool_metrics(exp, counts, waited, seconds)
