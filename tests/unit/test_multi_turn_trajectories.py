@@ -101,3 +101,33 @@ def test_a_tools_own_metrics_are_summed_per_tool_and_logged_under_its_name():
                           tool_mask=torch.ones(2, 3))
     metrics = tool_metrics(exp, turns.counts, 0.0, 1.0)
     assert metrics["tool/echo/words"] == 5.0 and metrics["tool/calls"] == 2.0
+
+
+def test_each_model_turn_is_parsed_once():
+    """A turn the tool loop parsed when it ended (`ToolTurns.wants_observation`) keeps those calls in the sample's
+    record (`ToolTurns.record`, `Rollout.trajectories`); the trajectory reads them instead of parsing the turn again:
+    only the last turn, which no observation followed, is parsed then. The trajectory is the one parsed from the
+    tokens alone."""
+    from types import SimpleNamespace
+
+    from mindspeed_llm.rl.rollouts.tool_turns import ToolTurns
+    from mindspeed_llm.rl.settings import ToolSettings
+
+    hermes, texts = get_parser("hermes"), []
+
+    class Counting:
+        def parse(self, text):
+            texts.append(text)
+            return hermes.parse(text)
+
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>'
+    turns = ToolTurns([{}], _Chars(), ToolSettings(), None, Counting(), None, budgets=[256])
+    prompt = [1, 1]  # `_batch`'s two prompt tokens
+    assert turns.wants_observation(0, prompt + [ord(c) for c in call], len(prompt), 0)
+    exp = _batch([[(call, False), (" 6 ", True), ("It is 6.", False)]])
+    record = turns.record(0, 0.5)
+    got = trajectories(exp, _Chars(), Counting(), [0.5], [record["parsed"]])
+    assert texts == [call, "It is 6."]  # the first turn at its end, the last one here
+    assert got == trajectories(exp, _Chars(), hermes, [0.5])
+    resumed = ToolTurns([{}], _Chars(), ToolSettings(), None, Counting(), None, budgets=[256], states=[record])
+    assert resumed.record(0, 0.5) == record  # a continued trajectory (a partial rollout's) keeps its turns' calls

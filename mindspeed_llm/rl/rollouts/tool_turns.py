@@ -12,6 +12,11 @@ tokens reach --max-total-response-length (each model turn within --max-new-token
 The Experience holds the whole trajectory after the prompt; `tool_mask` marks the tool tokens (fed, never trained on:
 `Experience.action_mask`). `SampleData.trajectories` holds each one's turns, calls and tool rewards for the rewards
 (`scoring.py`).
+
+The turn handler (`ToolTurns`) keeps one record per sample (`ToolTurns.record`): its turn and call counts, its tools'
+reward, and each model turn's calls, parsed once when the turn ended; the generator returns it in
+`Rollout.trajectories`, and a continued sample (a partial rollout's) hands it back in `Continuation.state`. The
+tools' counts and own metrics (`tool/<name>/<metric>`) ride in `Rollout.stats`.
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ class ToolTurns:
         self.turns = [int(st.get("turns", 0)) for st in states]
         self.calls = [int(st.get("calls", 0)) for st in states]
         self.tool_reward = [float(st.get("tool_reward", 0.0)) for st in states]
+        # each model turn's calls, parsed once when it ended (every rank): response span start -> (its end, calls)
+        self.turn_calls: List[Dict[int, Tuple[int, List[dict]]]] = [
+            {int(a): (int(end), list(calls)) for a, (end, calls) in dict(st.get("parsed", {})).items()}
+            for st in states]
         self.parsed: Dict[int, object] = {}
         self.futures: Dict[int, concurrent.futures.Future] = {}
         self.started: Dict[int, None] = {}
@@ -64,6 +73,8 @@ class ToolTurns:
             return False
         text = self.tokenizer.decode(list(known[prompt_length + turn_start:]), skip_special_tokens=False)
         parsed = self.parser.parse(text)
+        self.turn_calls[sample][turn_start] = (len(known) - prompt_length,
+                                               [{"name": c.name, "arguments": c.arguments} for c in parsed.calls])
         if not parsed.calls and not parsed.errors:
             return False
         allowed = len(parsed.calls)
@@ -109,6 +120,12 @@ class ToolTurns:
         for sample in self.started:
             self.executor.finish(sample)
 
+    def record(self, sample: int, tool_reward: float) -> dict:
+        """`sample`'s record of its trajectory so far (`Rollout.trajectories`, handed back as `Continuation.state`):
+        its turn and call counts, its tools' reward, and the calls of each turn parsed when it ended."""
+        return {"turns": self.turns[sample], "calls": self.calls[sample], "tool_reward": float(tool_reward),
+                "parsed": {a: [end, calls] for a, (end, calls) in self.turn_calls[sample].items()}}
+
     def summary(self) -> dict:
         """What only the token-picking rank knows, for every rank of the group."""
         return dict(tool_reward=list(self.tool_reward), counts=dict(self.counts))
@@ -129,10 +146,14 @@ def _from_picking_rank(value, group, source):
     return box[0]
 
 
-def trajectories(exp: Experience, tokenizer, parser, tool_reward: Sequence[float]) -> List[dict]:
-    """Each sample's trajectory (the shape `SampleData.trajectories` documents) from its response and tool mask."""
+def trajectories(exp: Experience, tokenizer, parser, tool_reward: Sequence[float],
+                 parsed: Optional[Sequence[Optional[dict]]] = None) -> List[dict]:
+    """Each sample's trajectory (the shape `SampleData.trajectories` documents) from its response and tool mask; a
+    model turn's calls are those parsed when it ended (`parsed[b]`: span start -> [its end, calls], `ToolTurns`),
+    only a turn never parsed (the last, cut by a limit) is parsed here."""
     out = []
     for b in range(exp.batch_size):
+        known = (parsed[b] if parsed is not None else None) or {}
         length = int(exp.response_mask[b].sum())
         ids, tool = exp.responses[b, :length].tolist(), exp.tool_mask[b, :length].tolist()
         turns, start = [], 0
@@ -142,7 +163,9 @@ def trajectories(exp: Experience, tokenizer, parser, tool_reward: Sequence[float
                 if tool[start]:
                     turns.append({"role": "tool", "text": text})
                 else:
-                    calls = [{"name": c.name, "arguments": c.arguments} for c in parser.parse(text).calls]
+                    end, calls = known.get(start, (None, None))
+                    if end != j:  # not parsed when it ended (or another span): parsed now
+                        calls = [{"name": c.name, "arguments": c.arguments} for c in parser.parse(text).calls]
                     turns.append({"role": "assistant", "text": text, "tool_calls": calls})
                 start = j
         answered = sum(len(t["tool_calls"]) for t, after in zip(turns, turns[1:]) if after["role"] == "tool")
@@ -189,8 +212,8 @@ class ToolBox:
         group, source = source_rank()
         return _from_picking_rank(turns.summary(), group, source)
 
-    def trajectories(self, exp: Experience, tool_reward: Sequence[float]) -> List[dict]:
-        return trajectories(exp, self.tokenizer, self.parser, tool_reward)
+    def trajectories(self, exp: Experience, tool_reward: Sequence[float], parsed=None) -> List[dict]:
+        return trajectories(exp, self.tokenizer, self.parser, tool_reward, parsed)
 
 
 def tool_metrics(exp: Experience, counts: dict, wait_seconds: float, seconds: float) -> Dict[str, float]:
@@ -247,8 +270,7 @@ class ToolTurnsGenerator(PlainGenerator):
                                  sampling or self.sampling, turns=turns,
                                  options=EngineOptions(parked_kv=self.toolbox.settings.parked_kv))
         told = self.toolbox.shared(turns)
-        result.trajectories = [{"turns": turns.turns[b], "calls": turns.calls[b], "tool_reward": told["tool_reward"][b]}
-                               for b in range(len(prompts))]
+        result.trajectories = [turns.record(b, told["tool_reward"][b]) for b in range(len(prompts))]
         result.stats = {**result.stats, **{f"tool/{key}": value for key, value in told["counts"].items()}}
         return result
 
@@ -259,7 +281,7 @@ class ToolTurnsGenerator(PlainGenerator):
         exp = super().experience(result, samples, **sample_data)
         records = result.trajectories or [{}] * exp.batch_size
         exp.sample_data.trajectories = self.toolbox.trajectories(
-            exp, [float(r.get("tool_reward", 0.0)) for r in records])
+            exp, [float(r.get("tool_reward", 0.0)) for r in records], [r.get("parsed") for r in records])
         return exp
 
     def metrics(self, exp: Experience, stats: Sequence[Dict[str, float]], seconds: float) -> Dict[str, float]:
