@@ -62,6 +62,9 @@ class SlowTool:
         self.turns, self.done, self.lock, self.event = {}, [], threading.Lock(), threading.Event()
         self.pool = ThreadPoolExecutor(args.workers)
 
+    def trajectory_budget(self, sample):
+        return None  # the call's budget is the whole one
+
     def wants_observation(self, sample, known, prompt_length, turn_start):
         self.turns[sample] = self.turns.get(sample, 0) + 1
         return self.turns[sample] < self.args.turns

@@ -1,5 +1,5 @@
 """`timing/rollout` of grpo and trl_ppo iterations at a skewed response-length mix, with and without
-`--partial-rollout` (`rl/partial_rollout.py`).
+`--partial-rollout` (`rl/rollouts/partial.py`).
 
 The skewed mix: the stage's own lengths can only be skewed by what the policy emits (every prompt may answer
 --max-new-tokens: `validate_args` keeps --max-prompt-length + --max-new-tokens within --max-length), so the run
@@ -99,8 +99,7 @@ def stage_argv(task, args, stage, out: Path, split) -> list:
 COUNTING_DRIVER = """
 # posttrain_gpt.py whose rollout `generate` calls append the engine's counts (per iteration) to COUNTS_JSONL.
 import json, os, sys
-import mindspeed_llm.rl.partial_rollout as partial_rollout
-import mindspeed_llm.rl.rollout as rollout
+import mindspeed_llm.rl.rollouts.plain as rollout
 original = rollout.generate
 def generate(model, prompts, sampling=None, **kwargs):
     result = original(model, prompts, sampling, **kwargs)
@@ -110,7 +109,7 @@ def generate(model, prompts, sampling=None, **kwargs):
                                 **{k: stats.get(k, 0) for k in ("decode_forwards", "decode_row_steps",
                                                                  "prefill_tokens")})) + "\\n")
     return result
-rollout.generate = partial_rollout.generate = generate
+rollout.generate = generate  # every generator's engine call (rl/rollouts/plain.py)
 import posttrain_gpt
 sys.exit(posttrain_gpt.main(sys.argv[1:]))
 """

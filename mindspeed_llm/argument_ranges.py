@@ -7,7 +7,7 @@ an `ArgumentError` naming the flag, its value, the range and the bound's source,
 
 Checks that relate flags to each other (--min-lr <= --lr, --max-new-tokens < --max-length, batch arithmetic,
 group estimators' samples per prompt, stop ids inside the vocabulary) stay where those flags are resolved
-(`arguments.validate_args`, `rl/rollout.py`).
+(`arguments.validate_args`, `rl/rollouts/plain.py`).
 """
 
 from __future__ import annotations

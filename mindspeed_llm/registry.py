@@ -1,9 +1,9 @@
 """The project's one registry idiom: a `Registry` maps a name to what is registered under it (a class, a function, a
-spec). Every registry is one (the stages, the rollout strategies, the tools and their call parsers, the data handlers,
-the advantage estimators, the policy losses, the verifiers), and a new entry is one `@REGISTRY.register(name)` (a
-decorator) or one `REGISTRY[name] = value` (what a user's module does to add a tool parser).
+spec). Every registry is one (the stages, the sample generators and rollout schedules, the tools and their call
+parsers, the data handlers, the advantage estimators, the policy losses, the verifiers), and a new entry is one
+`@REGISTRY.register(name)` (a decorator) or one `REGISTRY[name] = value` (what a user's module does to add a tool parser).
 
-An entry may be given as a "module:attribute" string, imported on first read: the stages and the rollout strategies
+An entry may be given as a "module:attribute" string, imported on first read: the stages, generators and schedules
 register this way, so naming a choice (a parser's `--stage` list) does not import megatron-core."""
 
 import importlib
@@ -48,5 +48,5 @@ class Registry(MutableMapping):
         return f"Registry({sorted(self._entries)})"
 
 
-# The name the stages and rollout strategies first used (lazy "module:attribute" entries are a Registry's own).
+# The name the stages and rollout registries first used (lazy "module:attribute" entries are a Registry's own).
 LazyRegistry = Registry

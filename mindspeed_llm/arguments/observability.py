@@ -72,7 +72,7 @@ def check_profiling(run) -> None:
 def check_rollout_records(run) -> None:
     """--log-samples needs somewhere to write (--metrics-jsonl's folder, --tensorboard-dir or wandb) and its interval
     defaults to --log-interval; --rollout-dump-dir and --rollout-replay-dir are two different folders, and a replay
-    folder must hold a dump (`rl/rollout_dump.read_manifest`, which checks the run against it when the stage starts)."""
+    folder must hold a dump (`rl/rollouts/dump.read_manifest`, which checks the run against it when the stage starts)."""
     if run.log_samples_interval is not None and not run.log_samples:
         raise ArgumentError(f"--log-samples-interval {run.log_samples_interval} without --log-samples N logs no "
                             "sample; add --log-samples N (rows per table)")
@@ -90,7 +90,7 @@ def check_rollout_records(run) -> None:
     if dump and os.path.exists(dump) and not os.path.isdir(dump):
         raise ArgumentError(f"--rollout-dump-dir {dump} is a file; pass a directory")
     if replay:
-        from mindspeed_llm.rl.rollout_dump import MANIFEST
+        from mindspeed_llm.rl.rollouts.dump import MANIFEST
 
         if not os.path.isfile(os.path.join(replay, MANIFEST)):
             raise ArgumentError(f"--rollout-replay-dir {replay} holds no rollout dump ({MANIFEST} is missing): pass "

@@ -439,7 +439,7 @@ def _add_rollout_args(p: argparse.ArgumentParser) -> None:
 
 def _add_multi_turn_args(p: argparse.ArgumentParser) -> None:
     """Multi-turn tool use (verl's `multi_turn.*`, MindSpeed-RL's `rl_config` keys of the same names)."""
-    g = p.add_argument_group("RL: multi-turn tool use (on with --tool-config; rl/multi_turn.py)")
+    g = p.add_argument_group("RL: multi-turn tool use (on with --tool-config; rl/rollouts/tool_turns.py)")
     g.add_argument("--tool-config", help="a tool config YAML in verl's / MindSpeed-RL's schema (`tools:` of "
                                          "class_name, config, tool_schema): the rollouts call these tools between "
                                          "turns")

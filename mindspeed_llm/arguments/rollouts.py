@@ -1,4 +1,4 @@
-"""The rollout strategies' flags (`rl/rollout_strategies.py`): --partial-rollout's budget and --tool-config's
+"""The rollout generators' and schedules' flags (`rl/rollouts/base.py`): --partial-rollout's budget and --tool-config's
 trajectory limits, resolved into the run's settings and refused by name where they do not combine. Called from
 `validation.validate_args` with its resolving view of the Namespace."""
 
@@ -10,7 +10,7 @@ from mindspeed_llm.errors import ArgumentError
 
 
 def check_dynamic_sampling(run) -> None:
-    """--dynamic-sampling's metric and budget (`rl/dynamic_sampling.py`): set without it they are refused, a metric
+    """--dynamic-sampling's metric and budget (`rl/rollouts/dynamic_sampling.py`): set without it they are refused, a metric
     must be the reward or a verifier of the run, and 0 generation batches (no limit) is its own."""
     if run.max_num_gen_batches == 0 and not run.dynamic_sampling:  # >= 0: argument_ranges
         raise ArgumentError("--max-num-gen-batches 0 (no limit) is --dynamic-sampling's only: --partial-rollout "
@@ -28,7 +28,7 @@ def check_dynamic_sampling(run) -> None:
 
 
 def check_partial_rollout(run) -> None:
-    """--partial-rollout and its budget (`rl/partial_rollout.py`): what does not combine with it is refused."""
+    """--partial-rollout and its budget (`rl/rollouts/partial.py`): what does not combine with it is refused."""
     if not run.partial_rollout:
         if run.partial_rollout_max_split is not None:
             raise ArgumentError(f"--partial-rollout-max-split {run.partial_rollout_max_split} has no effect without "
@@ -50,7 +50,7 @@ def check_partial_rollout(run) -> None:
 
 
 def check_multi_turn(run) -> None:
-    """--tool-config (multi-turn tool use, `rl/multi_turn.py`): the trajectory's budget, and what it does not combine
+    """--tool-config (multi-turn tool use, `rl/rollouts/tool_turns.py`): the trajectory's budget, and what it does not combine
     with, refused by name."""
     if not run.tool_config:
         if run.multi_turn:
@@ -135,3 +135,11 @@ def _offered_tools_note(data_path: str, names: list) -> str:
         return ToolPrompts(meta, f"--data-path {data_path}").note(names)
     except DataError as exc:
         raise ArgumentError(str(exc)) from None
+
+
+def check_rollout_pair(settings) -> None:
+    """The run's sample generator and schedule (`rl/rollouts/base.chosen_pair`): two of one axis, or a pair that
+    cannot work together, refused naming their flags, before any model is built."""
+    from mindspeed_llm.rl.rollouts.base import chosen_pair
+
+    chosen_pair(settings)

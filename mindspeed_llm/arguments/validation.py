@@ -25,7 +25,8 @@ from mindspeed_llm.arguments.parser import (
 )
 from mindspeed_llm.arguments.evaluation import check_evaluation
 from mindspeed_llm.arguments.observability import check_profiling, check_rollout_records
-from mindspeed_llm.arguments.rollouts import check_dynamic_sampling, check_multi_turn, check_partial_rollout
+from mindspeed_llm.arguments.rollouts import (check_dynamic_sampling, check_multi_turn, check_partial_rollout,
+                                              check_rollout_pair)
 from mindspeed_llm.arguments.wandb_flags import check_wandb
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.expert_layout import (
@@ -205,6 +206,7 @@ def validate_args(args, world_size: int) -> run_settings.Settings:
     if args.lr_decay_iters is None:
         run.lr_decay_iters = args.train_iters
     args.settings = run_settings.from_args(args, **run.resolved)
+    check_rollout_pair(args.settings)
     return args.settings
 
 

@@ -1,5 +1,5 @@
 r"""Tool-use conversations in ``transformers``: the demo's evaluation with a tool, and an independent reference for the
-engine's multi-turn rollouts (``rl/multi_turn.py``).
+engine's multi-turn rollouts (``rl/rollouts/tool_turns.py``).
 
 :func:`run_conversations` plays every prompt's conversation turn by turn: the model writes a turn (until the end-of-turn
 token ``<|im_end|>`` or the turn's ``max_new_tokens``), the Hermes parser reads its ``<tool_call>`` blocks, the tools

@@ -253,8 +253,9 @@ def _generate_continuous(model, prompts, budgets, sampling, iteration, sample_id
         sample = Sample(prompt + carried, len(prompt), budget)
         if carry is not None:
             sample.observed, sample.turn_start = [tuple(span) for span in carry.observed], int(carry.turn_start)
-        if turns is not None and hasattr(turns, "trajectory_budget"):
-            sample.total_budget = int(turns.trajectory_budget(b))
+        whole = turns.trajectory_budget(b) if turns is not None else None
+        if whole is not None:
+            sample.total_budget = int(whole)
         if sample.response_length >= sample.whole_budget:
             sample.reason = "length"
         elif sample.response_length >= budget:

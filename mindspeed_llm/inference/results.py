@@ -53,6 +53,8 @@ class Continuation:
     # current model turn began
     observed: Sequence[Tuple[int, int]] = ()
     turn_start: int = 0
+    # multi-turn: the turn handler's own record of the trajectory so far (`Rollout.trajectories`), handed back to it
+    state: Optional[Dict[str, object]] = None
 
 
 @dataclass
@@ -78,6 +80,9 @@ class Rollout:
     # [B, R] long: 1 at response positions fed as observations (multi-turn: tool output), not sampled; their
     # log-probs are 0. None for a single-turn rollout.
     tool_mask: Optional[torch.Tensor] = None
+    # per row: the turn handler's record of the trajectory (multi-turn: its turns, calls, tool reward), which a
+    # continuation hands back (`Continuation.state`); None without a handler
+    trajectories: Optional[List[Dict[str, object]]] = None
 
     # ------------------------------------------------------------------ basic views
     @property

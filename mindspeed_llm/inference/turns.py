@@ -1,7 +1,8 @@
 """Multi-turn generation's seam in the continuous engine: what the engine asks of whoever answers a model's turn (a
-tool loop, `rl/multi_turn.py`), and how the answers reach every rank of a model-parallel group.
+tool loop, `rl/rollouts/tool_turns.py`), and how the answers reach every rank of a model-parallel group.
 
-A `TurnHandler` is consulted at two places:
+A `TurnHandler` is asked each sample's whole budget when the sample starts (`trajectory_budget`, every rank), and is
+consulted at two places:
 
 * `wants_observation(sample, known, prompt_length, turn_start)`, on every rank when a sample's turn ends (EOS or a stop
   token): whether the sample waits for an observation (a tool's answer) instead of finishing. It must decide from
@@ -28,6 +29,10 @@ import torch.distributed as dist
 
 class TurnHandler(Protocol):
     turn_token_limit: Optional[int]  # the most tokens of one model turn (None: only the sample's budget)
+
+    def trajectory_budget(self, sample: int) -> Optional[int]:
+        """Every rank: the most tokens after `sample`'s prompt of its whole trajectory, when it is more than this
+        call's budget of the sample (a partial rollout's round continues it later; None: this call's budget)."""
 
     def wants_observation(self, sample: int, known: Sequence[int], prompt_length: int, turn_start: int) -> bool:
         """Every rank: the turn of `sample` (its tokens `known[prompt_length + turn_start:]`) just ended; whether the

@@ -25,7 +25,8 @@ from mindspeed_llm.rl.metrics.pass_at_k import PromptResult, summarize
 from mindspeed_llm.rl.metrics.samples import eval_rows
 from mindspeed_llm.rl.update.passes import policy_logprobs
 from mindspeed_llm.rl.update.roles import on_device
-from mindspeed_llm.rl.rollout import rollout, sampling_config
+from mindspeed_llm.rl.rollouts.base import expand
+from mindspeed_llm.rl.rollouts.plain import sampling_config
 from mindspeed_llm.rl.settings import LoopSettings, SamplingSettings
 
 EVAL_STREAM = -1  # the `iteration` key of the evaluation samples' random streams
@@ -62,25 +63,20 @@ def answer_extractor(verifier_names: Sequence[str]):
 
 
 def evaluate_policy(actor, reference, scorer, tokenizer, rows: Sequence[dict], sampling: SamplingSettings,
-                    offload: bool = False, toolbox=None,
+                    generator, offload: bool = False,
                     evaluation: Optional[LoopSettings] = None) -> List[PromptResult]:
     """One `PromptResult` per row of `rows` (this DP rank's share of a held-out set, each with its "position"):
     `evaluation.eval_n_samples` responses to it (`eval_sampling_settings`; `sampling`'s lengths and stop ids),
     their scores, extracted answers, and the per-sample sums of `response_length/mean` and, with a reference,
     `kl/mean` (the summed k1 KL of a response); `offload`: the reference waits in host memory
-    (--offload-ref-reward). With the run's `toolbox` (`multi_turn.ToolBox`, --tool-config) the responses are
-    trajectories, and `num_turns/mean`, `tool/calls` (per trajectory) say how they used the tools."""
+    (--offload-ref-reward). The responses are the run's `generator`'s (`rollouts.base.SampleGenerator`; with
+    --tool-config trajectories, and `num_turns/mean`, `tool/calls` (per trajectory) say how they used the tools)."""
     evaluation = evaluation or LoopSettings()
     n = evaluation.eval_n_samples
     timers = Timers()
     config = sampling_config(eval_sampling_settings(sampling, evaluation), tokenizer)
-    if toolbox is None:
-        exp = rollout(actor.module, rows, config, EVAL_STREAM, tokenizer, samples_per_prompt=n)
-    else:
-        from mindspeed_llm.rl.multi_turn import tool_rollout
-
-        exp, _ = tool_rollout(actor.module, rows, config, tokenizer, toolbox, iteration=EVAL_STREAM,
-                              samples_per_prompt=n)
+    samples, sample_ids = expand(rows, n)
+    exp = generator.experience(generator.generate(EVAL_STREAM, samples, sample_ids, sampling=config), samples)
     plan = MicroBatchPlan.build(exp, micro_batch_size=1)
     scores, _ = scorer(exp, plan, timers)
     per_sample = {"response_length/mean": exp.action_lengths.float().tolist()}

@@ -128,11 +128,8 @@ class Scorer:
         self.overlong = (overlong_buffer_len, overlong_penalty_factor, max_new_tokens)
 
     def __call__(self, exp: Experience, plan: MicroBatchPlan, timers) -> tuple:
-        """(the scores [B], their metrics); each row's parts go to `exp.sample_data.score_parts`. An experience that
-        arrives scored (a replayed rollout, `rollout_dump.ReplayRollouts`) keeps its scores, and its strategy's
-        metrics carry the dumped score metrics: nothing is scored again."""
-        if exp.scores is not None:
-            return exp.scores, {}
+        """(the scores [B], their metrics); each row's parts go to `exp.sample_data.score_parts`. (A schedule whose
+        batches arrive scored, a replay, says so: `Schedule.scored`, and the stage does not call the scorer.)"""
         on = exp.tokens.device
         total = torch.zeros(exp.batch_size, device=on)
         metrics: Dict[str, float] = {}

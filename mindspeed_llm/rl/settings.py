@@ -134,7 +134,7 @@ class AlgorithmSettings:
 
 @dataclass(frozen=True)
 class ToolSettings:
-    """Multi-turn tool use (`rl/multi_turn.py`): the tools, how calls are read, and the trajectory's limits (verl's and
+    """Multi-turn tool use (`rl/rollouts/tool_turns.py`): the tools, how calls are read, and the trajectory's limits (verl's and
     MindSpeed-RL's names)."""
     tool_config: Optional[str] = None  # on: the run's rollouts are multi-turn
     tool_parser_format: Optional[str] = None  # validate_args resolves it (hermes, `tools.parsers.DEFAULT_TOOL_PARSER`)

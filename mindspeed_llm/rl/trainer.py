@@ -32,7 +32,8 @@ from mindspeed_llm.data import PromptDataset, PromptSampler
 from mindspeed_llm.data.errors import DataError
 from mindspeed_llm.data.prompt_dataset import PromptSubset, split_indices
 from mindspeed_llm.errors import ArgumentError
-from mindspeed_llm.rl import profiling, rollout_strategies
+from mindspeed_llm.rl import profiling
+from mindspeed_llm.rl.rollouts import base as rollout_strategies
 from mindspeed_llm.rl.evaluation import Evaluator
 from mindspeed_llm.rl.metrics import MetricsLogger, Progress, reduce_metrics, throughput_metrics, timers
 from mindspeed_llm.rl.metrics.wandb_writer import wandb_options

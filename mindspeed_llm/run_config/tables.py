@@ -250,7 +250,7 @@ RL: Dict[str, Any] = {
     # true: the reference shares the actor's base (its adapters off), which a LoRA run always does (see mapping.resolve)
     "share_backbone": Slot("share_backbone", "bool"),
     "partial_rollout_max_split": Slot("partial_rollout_max_split", "number"),
-    # multi-turn tool use (rl/multi_turn.py)
+    # multi-turn tool use (rl/rollouts/tool_turns.py)
     "multi_turn_enable": Flag("--multi-turn"),
     "tool_config_path": Flag("--tool-config"),
     "max_tool_calls": Flag("--max-tool-calls"),

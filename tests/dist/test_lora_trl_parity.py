@@ -50,7 +50,8 @@ def _our_stage(rank, world_size, runs):
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.inference import Rollout
     from mindspeed_llm.models import lora
-    from mindspeed_llm.rl import rollout, trainer
+    from mindspeed_llm.rl import trainer
+    from mindspeed_llm.rl.rollouts import plain as rollout
     from mindspeed_llm.rl.stages import STAGES, grpo
     from mindspeed_llm.rl.verifiers import register_verifier
 

@@ -48,6 +48,9 @@ class ScriptedTools:
         self.done, self.lock, self.event = [], threading.Lock(), threading.Event()
         self.begun = []
 
+    def trajectory_budget(self, sample):
+        return None  # this call's budget is the whole one
+
     def wants_observation(self, sample, known, prompt_length, turn_start):
         return self.calls_tools and turn_start == 0 and sample % 2 == 0
 

@@ -6,7 +6,7 @@ of two PPO epochs over one mini-batch of 4 rows, with plain SGD (no momentum) at
 that the second epoch's policy ratios and values leave their clip ranges.
 
 Our side is the real stage (`mindspeed_llm.rl.trainer.run(parse_args(posttrain_argv(...) + ...))` in one gloo
-process); only the sampler of the rollout is replaced: `mindspeed_llm.rl.rollout.generate` returns a
+process); only the sampler of the rollout is replaced: `mindspeed_llm.rl.rollouts.plain.generate` returns a
 `Rollout` holding the fixed responses. Everything downstream (layout, old / reference log-probs, critic values,
 reward-model score, KL rewards, GAE, whitening, the Megatron updates, metric reduction, the JSONL logger) runs
 unmodified. TRL's side is `PPOTrainer.train()` with `batch_generation` replaced by a function that returns the
@@ -193,8 +193,9 @@ def _our_stage(rank, world_size, argv, responses, reference_root, mutation=None)
     gradients and the run's weight changes (HF names). `mutation` plants a loss-scale bug (the mutation test)."""
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.checkpoint import load_megatron_weights
-    from mindspeed_llm.rl import rollout, trainer
+    from mindspeed_llm.rl import trainer
     from mindspeed_llm.rl.update import engine
+    from mindspeed_llm.rl.rollouts import plain as rollout
     from mindspeed_llm.rl.stages import STAGES
 
     record = {"prompts": [], "grads": {}}

@@ -52,7 +52,7 @@ def _runs(rank, world_size, runs):
 
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.rl import core_algos, trainer
-    from mindspeed_llm.rl import rollout
+    from mindspeed_llm.rl.rollouts import plain as rollout
 
     generate = rollout.generate
     recorded = {}

@@ -1,4 +1,4 @@
-"""Dynamic sampling with refill (`rl/dynamic_sampling.py`): the kept groups are the first informative ones in the
+"""Dynamic sampling with refill (`rl/rollouts/dynamic_sampling.py`): the kept groups are the first informative ones in the
 global order at any DP size, every rank ends with its share, and a too-small `--max-num-gen-batches` is an error
 naming it. The generation batches are synthetic (rows whose scores say which groups are informative)."""
 
@@ -48,7 +48,7 @@ def _batch(j, rank, dp):
 
 def _run(rank, world_size, max_batches):
     from mindspeed_llm import distributed
-    from mindspeed_llm.rl.dynamic_sampling import GenerationBudgetError, refill
+    from mindspeed_llm.rl.rollouts.dynamic_sampling import GenerationBudgetError, refill
 
     distributed.initialize(1, 1, seed=1)
     local = 4 // world_size  # prompts per rank in a generation batch (the global batch is 4 prompts)
@@ -92,7 +92,7 @@ def _run_metric(rank, world_size, metric, max_batches):
     """refill on SCORES as a verifier's own scores ("acc" in each row's score parts), each row's reward that score
     plus a penalty of its response length (so every group's rewards differ)."""
     from mindspeed_llm import distributed
-    from mindspeed_llm.rl.dynamic_sampling import GenerationBudgetError, refill
+    from mindspeed_llm.rl.rollouts.dynamic_sampling import GenerationBudgetError, refill
 
     distributed.initialize(1, 1, seed=1)
 

@@ -195,7 +195,7 @@ def _inspect(built):
     from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
     from mindspeed_llm.rl.update.lora import SharedBase
     from mindspeed_llm.rl.update.passes import reward_scores
-    from mindspeed_llm.rl.rollout import rollout
+    from mindspeed_llm.rl.rollouts.base import expand
 
     stage, args = built["stage"], built["args"]
     from mindspeed_llm.data import PromptDataset
@@ -205,7 +205,8 @@ def _inspect(built):
             stage.actor.module, "trained": list(lora.trained_names(stage.actor.module))}
     dataset = PromptDataset(args.data_path)
     rows = [dict(dataset[i], index=i, position=i) for i in range(4)]
-    exp = rollout(stage.actor.module, rows, stage.sampling, 1, stage.tokenizer)
+    generator, (samples, sample_ids) = stage.rollouts.generator, expand(rows, 1)
+    exp = generator.experience(generator.generate(1, samples, sample_ids), samples)
     plan = MicroBatchPlan.for_run(exp, args.settings.batch, group_size=1)
     # the initial policy: the base with the --lora-load adapter, built afresh
     from mindspeed_llm.checkpoint import lora as lora_files

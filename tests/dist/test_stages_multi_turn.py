@@ -1,4 +1,4 @@
-"""Multi-turn tool use in the stages (`--tool-config`, `rl/multi_turn.py`) on the word task, with a user's tool, call
+"""Multi-turn tool use in the stages (`--tool-config`, `rl/rollouts/tool_turns.py`) on the word task, with a user's tool, call
 parser and reward function from outside the package (tests/fixtures/word_tools/word_tools.py; the tokenizer gets a
 word-level chat template with a tool role).
 
@@ -97,7 +97,7 @@ def test_grpo_with_tools_resumes_after_sigkill_bit_for_bit(task, tmp_path, rollo
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     if rollouts == "partial":
         from mindspeed_llm.checkpoint import load_shard
-        from mindspeed_llm.rl.partial_rollout import pending
+        from mindspeed_llm.rl.rollouts.partial import pending
 
         saved = load_shard(str(split / "actor"), 0, 0, 2, weights_only=False)["data_position"]["partial_rollout"]
         assert pending(saved)[0] > 0  # cut trajectories cross the kill
@@ -111,6 +111,9 @@ def test_grpo_with_tools_resumes_after_sigkill_bit_for_bit(task, tmp_path, rollo
     assert [_compared(r) for r in rows["whole"]] == [_compared(r) for r in rows["split"]]
     assert max(r["num_turns/max"] for r in rows["whole"]) >= 2 and sum(r["tool/calls"] for r in rows["whole"]) > 0
     assert all(r["tool/failures"] == 0 and r["tool/timeouts"] == 0 for r in rows["whole"])
+    # the tool's own metric (`ToolResult.metrics`), summed over the calls: at least one word a call
+    assert all(r.get("tool/echo/words", 0) >= r["tool/calls"] for r in rows["whole"])
+    assert sum(r.get("tool/echo/words", 0) for r in rows["whole"]) > 0
     # the tool's own reward (0.25 a call) reaches the score; the user's reward sees the turns
     assert any(r["tool/reward/mean"] > 0 for r in rows["whole"]) and any(r["custom_rewards/mean"] > 0
                                                                          for r in rows["whole"])

@@ -1,4 +1,4 @@
-"""Partial rollouts (`--partial-rollout`, `rl/partial_rollout.py`) in spawned processes; their buffers and flags in
+"""Partial rollouts (`--partial-rollout`, `rl/rollouts/partial.py`) in spawned processes; their buffers and flags in
 one process: tests/unit/test_partial_rollout.py.
 
 * On a real model (one spawn): a carried sample's tokens are those of one generation whose weights changed at the
@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from mindspeed_llm.inference import Rollout, SamplingConfig
-from mindspeed_llm.rl.partial_rollout import PartialRollouts, pending
-from mindspeed_llm.rl.rollout_strategies import PromptSource
+from mindspeed_llm.rl.rollouts.partial import PartialRollouts, pending
+from mindspeed_llm.rl.rollouts.base import PromptSource
+from mindspeed_llm.rl.rollouts.plain import PlainGenerator
 from mindspeed_llm.rl.settings import AlgorithmSettings, BatchSettings, ToolSettings
 
 pytestmark = pytest.mark.usefixtures("warm_ranks")  # the module's bodies share processes
@@ -52,7 +53,7 @@ def _weights_change_at_the_cut(rank, world_size, actor_root):
     settings = SimpleNamespace(algorithm=AlgorithmSettings(n_samples_per_prompt=1, partial_rollout_max_split=SPLIT,
                                                            max_num_gen_batches=4),
                                batch=BatchSettings(global_batch_size=2), tools=ToolSettings())
-    buffers = PartialRollouts.from_settings(settings, model, _WordTokenizer(), sampling)
+    buffers = PartialRollouts.from_settings(settings, PlainGenerator(model, _WordTokenizer(), sampling))
 
     def rows(j):
         return [dict(input_ids=prompts[2 * j + k], position=2 * j + k, index=2 * j + k) for k in range(2)]

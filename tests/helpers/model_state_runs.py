@@ -104,8 +104,9 @@ def _runs_body(rank, world_size, runs):
 
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.checkpoint.training import CheckpointError
-    from mindspeed_llm.rl import rollout, trainer
+    from mindspeed_llm.rl import trainer
     from mindspeed_llm.rl.update import model_state, trainable
+    from mindspeed_llm.rl.rollouts import plain as rollout
 
     current = {}
     loop, generate, train_step = trainer._loop, rollout.generate, trainable.TrainableModel.train_step

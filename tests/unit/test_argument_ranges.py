@@ -81,7 +81,7 @@ def test_gspo_averages_per_sequence_unless_told_otherwise():
 
 
 def test_stop_ids_outside_the_tokenizer_are_refused():
-    from mindspeed_llm.rl.rollout import sampling_config
+    from mindspeed_llm.rl.rollouts.plain import sampling_config
 
     tokenizer = type("Tokenizer", (), {"eos_token_id": 1, "pad_token_id": 0, "__len__": lambda self: 256})()
     args = _parse("--stop-token-ids", "7 999999 -3")

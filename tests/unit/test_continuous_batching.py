@@ -115,12 +115,12 @@ def test_decode_budget_stops_every_group():
 
 
 def test_rollout_flags_reach_the_sampling_config():
-    """`--rollout-max-num-seqs` / `--rollout-max-num-batched-tokens` ride in the stages' SamplingConfig (rl/rollout.py),
+    """`--rollout-max-num-seqs` / `--rollout-max-num-batched-tokens` ride in the stages' SamplingConfig (rl/rollouts/plain.py),
     which `rollout()` hands to `generate`; left out, there is no limit."""
     from types import SimpleNamespace
 
     from mindspeed_llm.arguments import parse_args
-    from mindspeed_llm.rl.rollout import sampling_config
+    from mindspeed_llm.rl.rollouts.plain import sampling_config
 
     base = ["--stage", "grpo", "--verifier-function", "math_acc", "--data-path", "d", "--train-iters", "1",
             "--global-batch-size", "4", "--ref-model", "r"]

@@ -1,11 +1,11 @@
-"""`rl/multi_turn.trajectories`: a rollout's responses and tool masks as the trajectories the rewards read, of the
+"""`rl/rollouts/tool_turns.trajectories`: a rollout's responses and tool masks as the trajectories the rewards read, of the
 shape `verifiers.trajectory` documents (its `check_trajectory`), on a hand-built batch (characters as token ids)."""
 
 import pytest
 import torch
 
 from mindspeed_llm.rl.experience import Experience
-from mindspeed_llm.rl.multi_turn import trajectories
+from mindspeed_llm.rl.rollouts.tool_turns import trajectories
 from mindspeed_llm.rl.tools import get_parser
 from mindspeed_llm.rl.verifiers import check_trajectory
 
@@ -65,3 +65,69 @@ def test_verls_reward_functions_read_num_turns_in_verls_count():
     # 3 assistant turns + 2 tool answers + 1 = 6 -> 0.2; one assistant turn: 2 (verl's single turn) -> 0.0
     assert plan.call(retool_like, "t", "l", {}, got[0]) == (pytest.approx(0.2), 3)
     assert plan.call(retool_like, "t", "l", {}, got[1]) == (0.0, 1)
+
+
+def test_a_tools_own_metrics_are_summed_per_tool_and_logged_under_its_name():
+    """`ToolResult.metrics` of each call (the executor sums a turn's by tool) reach the rollout's metrics as
+    `tool/<name>/<metric>`, summed over the calls of every turn, beside the call counts."""
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from mindspeed_llm.rl.rollouts.tool_turns import ToolTurns, tool_metrics
+    from mindspeed_llm.rl.settings import ToolSettings
+    from mindspeed_llm.rl.tools import TurnResult
+
+    class Executor:
+        def start(self, sample, row):
+            pass
+
+        def submit(self, sample, calls):
+            done = concurrent.futures.Future()
+            done.set_result(TurnResult(messages=["ok"] * len(calls), metrics={"echo": {"words": 2.0 + sample}},
+                                       seconds=0.5))
+            return done
+
+    parser = get_parser("hermes")
+    call = '<tool_call>{"name": "echo", "arguments": {"words": ["a"]}}</tool_call>'
+    turns = ToolTurns([{}, {}], _Chars(), ToolSettings(), Executor(), parser,
+                      SimpleNamespace(delta_ids=lambda messages: [1] * len(messages)), budgets=[64, 64])
+    for sample in (0, 1):
+        known = [ord(c) for c in call]
+        assert turns.wants_observation(sample, known, 0, 0)
+        turns.begin(sample, known, 0, 0)
+    assert sorted(turns.ready(wait=True)) == [(0, [1]), (1, [1])]
+    assert turns.counts == {"calls": 2, "failures": 0, "timeouts": 0, "seconds": 1.0, "echo/words": 5.0}
+    exp = SimpleNamespace(sample_data=SimpleNamespace(trajectories=[{"num_turns": 2}] * 2),
+                          tool_mask=torch.ones(2, 3))
+    metrics = tool_metrics(exp, turns.counts, 0.0, 1.0)
+    assert metrics["tool/echo/words"] == 5.0 and metrics["tool/calls"] == 2.0
+
+
+def test_each_model_turn_is_parsed_once():
+    """A turn the tool loop parsed when it ended (`ToolTurns.wants_observation`) keeps those calls in the sample's
+    record (`ToolTurns.record`, `Rollout.trajectories`); the trajectory reads them instead of parsing the turn again:
+    only the last turn, which no observation followed, is parsed then. The trajectory is the one parsed from the
+    tokens alone."""
+    from types import SimpleNamespace
+
+    from mindspeed_llm.rl.rollouts.tool_turns import ToolTurns
+    from mindspeed_llm.rl.settings import ToolSettings
+
+    hermes, texts = get_parser("hermes"), []
+
+    class Counting:
+        def parse(self, text):
+            texts.append(text)
+            return hermes.parse(text)
+
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>'
+    turns = ToolTurns([{}], _Chars(), ToolSettings(), None, Counting(), None, budgets=[256])
+    prompt = [1, 1]  # `_batch`'s two prompt tokens
+    assert turns.wants_observation(0, prompt + [ord(c) for c in call], len(prompt), 0)
+    exp = _batch([[(call, False), (" 6 ", True), ("It is 6.", False)]])
+    record = turns.record(0, 0.5)
+    got = trajectories(exp, _Chars(), Counting(), [0.5], [record["parsed"]])
+    assert texts == [call, "It is 6."]  # the first turn at its end, the last one here
+    assert got == trajectories(exp, _Chars(), hermes, [0.5])
+    resumed = ToolTurns([{}], _Chars(), ToolSettings(), None, Counting(), None, budgets=[256], states=[record])
+    assert resumed.record(0, 0.5) == record  # a continued trajectory (a partial rollout's) keeps its turns' calls

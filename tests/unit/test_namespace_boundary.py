@@ -20,12 +20,11 @@ PACKAGE = ROOT / "mindspeed_llm"
 
 CHECKED = (
     "rl/stages/__init__.py", "rl/stages/grpo.py", "rl/stages/trl_ppo.py", "rl/trainer.py", "rl/update/batch_plan.py",
-    "rl/rollout.py", "rl/partial_rollout.py", "rl/dynamic_sampling.py", "rl/experience.py",
+    "rl/rollouts/plain.py", "rl/rollouts/partial.py", "rl/rollouts/dynamic_sampling.py", "rl/experience.py",
     # the typed consumers the stages call
     "rl/update/ppo_loop.py", "rl/update/loss_closures.py", "rl/scoring.py", "rl/evaluation.py", "rl/update/passes.py",
     # model building
-    "rl/update/roles.py", "rl/update/lora.py", "rl/update/moe.py", "rl/update/recompute.py", "rl/model_settings.py",
-    "rl/update/engine.py", "rl/update/trainable.py",
+    "rl/update/roles.py", "rl/update/lora.py", "rl/update/moe.py", "rl/update/recompute.py", "rl/model_settings.py", "rl/update/engine.py",
 )
 NAMESPACE_NAMES = ("args", "model_args")
 # Calls that may receive the Namespace: the startup report of the command line's flags (ignored ones included),

@@ -1,4 +1,4 @@
-"""Partial rollouts (`--partial-rollout`, `rl/partial_rollout.py`).
+"""Partial rollouts (`--partial-rollout`, `rl/rollouts/partial.py`).
 
 * The buffers, on a scripted generator (each sample's length fixed by its sample id, its tokens naming it): which
   groups train in which iteration (only whole groups, oldest first), what each round asks for (carried samples
@@ -19,8 +19,9 @@ import torch
 
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.inference import Rollout, SamplingConfig
-from mindspeed_llm.rl.partial_rollout import PartialRolloutBudgetError, PartialRollouts, pending
-from mindspeed_llm.rl.rollout_strategies import PromptSource
+from mindspeed_llm.rl.rollouts.partial import PartialRolloutBudgetError, PartialRollouts, pending
+from mindspeed_llm.rl.rollouts.base import PromptSource
+from mindspeed_llm.rl.rollouts.plain import PlainGenerator
 from mindspeed_llm.rl.settings import AlgorithmSettings, BatchSettings
 
 N = 2  # samples per prompt
@@ -76,12 +77,21 @@ class ScriptedGenerator:
                        log_probs=log_probs, pad_token_id=0)
 
 
+def _plain(scripted, sampling, group_size=N, routing_recorded=False):
+    """The `plain` generator whose engine call is `scripted`."""
+    generator = PlainGenerator(None, _Tokenizer(), sampling, group_size)
+    generator.engine = lambda iteration, prompts, sample_ids, continuations, budgets, sampling, **_: scripted(
+        iteration, prompts, sample_ids, continuations, budgets)
+    generator.routing_recorded = routing_recorded
+    return generator
+
+
 def _buffers(generator, local_groups=2, dp_rank=0, dp_size=1, gather=None, max_rounds=4, routing_recorded=False,
              max_new=MAX_NEW):
     sampling = SamplingConfig(max_new_tokens=max_new, eos_token_id=EOS, pad_token_id=0)
-    return PartialRollouts(generator, _Tokenizer(), sampling, group_size=N, local_groups=local_groups,
+    return PartialRollouts(_plain(generator, sampling, routing_recorded=routing_recorded), local_groups=local_groups,
                            max_split=SPLIT, max_rounds=max_rounds, dp_rank=dp_rank, dp_size=dp_size,
-                           gather=gather or (lambda obj: [obj]), routing_recorded=routing_recorded)
+                           gather=gather or (lambda obj: [obj]))
 
 
 def _rows(global_batch=2, dp_rank=0, dp_size=1):
@@ -174,7 +184,7 @@ def test_state_dict_round_trip_continues_exactly_and_pending_counts():
         assert torch.equal(exp_a.tokens, exp_b.tokens) and torch.equal(exp_a.rollout_logp, exp_b.rollout_logp)
     assert gen_a.calls[-2:] == gen_b.calls
     with pytest.raises(Exception, match="--n-samples-per-prompt 3"):
-        PartialRollouts(gen_b, _Tokenizer(), b.sampling, group_size=3, local_groups=2, max_split=SPLIT,
+        PartialRollouts(_plain(gen_b, b.sampling, group_size=3), local_groups=2, max_split=SPLIT,
                         max_rounds=4).load_state_dict(state)
 
 
@@ -327,7 +337,8 @@ def test_an_actor_the_continuous_engine_cannot_run_is_refused(monkeypatch):
                                batch=BatchSettings(global_batch_size=2))
     with pytest.raises(ArgumentError, match=r"^--partial-rollout continues carried samples in the continuous "
                                             r"generation engine, which cannot run this actor: sequence parallelism"):
-        PartialRollouts.from_settings(settings, object(), _WordTokenizer(), SamplingConfig(max_new_tokens=8))
+        PartialRollouts.from_settings(settings, PlainGenerator(None, _WordTokenizer(), SamplingConfig(max_new_tokens=8),
+                                                               2))
 
 
 def test_a_checkpoint_with_buffers_is_refused_by_a_run_without_the_flag():
@@ -335,13 +346,13 @@ def test_a_checkpoint_with_buffers_is_refused_by_a_run_without_the_flag():
 
     from mindspeed_llm.checkpoint.training import CheckpointError
     from mindspeed_llm.rl import trainer
-    from mindspeed_llm.rl.rollout import SingleTurnRollouts
+    from mindspeed_llm.rl.rollouts.one_shot import OneShot
     from mindspeed_llm.rl.settings import CheckpointSettings
 
     buffers, rows = _buffers(ScriptedGenerator()), _rows()
     buffers.collect(1, PromptSource(rows(0), rows))
     args = CheckpointSettings(load="/ckpt")  # the run's checkpoint part
-    without_flag = SimpleNamespace(rollouts=SingleTurnRollouts(object(), _Tokenizer(), buffers.sampling))
+    without_flag = SimpleNamespace(rollouts=OneShot(PlainGenerator(None, _Tokenizer(), buffers.sampling)))
     loop_state = {"sampler": {}, "partial_rollout": buffers.state_dict()}  # the key the checkpoints have
     with pytest.raises(CheckpointError, match=r"^--load /ckpt iteration 1 holds 2 unfinished samples and 0 finished "
                                               r"prompt groups of --partial-rollout, which this run would drop"):

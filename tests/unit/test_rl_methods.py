@@ -186,7 +186,7 @@ def test_overlong_penalty_by_hand():
 
 
 def test_mask_truncated_completions_removes_exactly_the_truncated_responses():
-    from mindspeed_llm.rl.rollout import mask_truncated_completions
+    from mindspeed_llm.rl.rollouts.plain import mask_truncated_completions
 
     reasons = ["eos", "length", "stop", "length", "eos"]
     exp = _experience([4, 10, 2, 7, 5], reasons)

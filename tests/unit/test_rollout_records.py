@@ -1,6 +1,6 @@
 """The sample tables (`metrics/samples.py`, `MetricsLogger.log_samples`), the rollout dump's files and their reading
-back (`rollout_dump.py`), the replay's refusals, and the flags' checks (`arguments/observability.check_rollout_records`),
-in one process. The end-to-end runs (the same rows at every layout, a replay bit for bit) are
+back (`rollouts/dump.py`), the replay's refusals (`rollouts/replay.py`), and the flags' checks
+(`arguments/observability.check_rollout_records`), in one process. The end-to-end runs (the same rows at every layout, a replay bit for bit) are
 tests/dist/test_evaluation_dist.py's."""
 
 import json
@@ -11,11 +11,12 @@ import torch
 
 from mindspeed_llm import distributed
 from mindspeed_llm.errors import ArgumentError
-from mindspeed_llm.rl import rollout_dump
+from mindspeed_llm.rl.rollouts import dump as rollout_dump
+from mindspeed_llm.rl.rollouts.replay import ReplayRollouts
 from mindspeed_llm.rl.experience import Experience, SampleData
 from mindspeed_llm.rl.metrics import MetricsLogger
 from mindspeed_llm.rl.metrics.samples import TRAIN_COLUMNS, eval_rows, first_rows, markdown_table, rollout_rows
-from mindspeed_llm.rl.rollout_strategies import PromptSource
+from mindspeed_llm.rl.rollouts.base import PromptSource
 
 
 class _CharTokenizer:
@@ -136,25 +137,26 @@ def test_a_replay_is_refused_for_another_kind_of_run_and_past_the_dump(tmp_path,
     other = _settings(rollout_replay_dir=replay)
     other = SimpleNamespace(**{**vars(other), "algorithm": type(other.algorithm)(n_samples_per_prompt=4)})
     with pytest.raises(ArgumentError, match=r"n_samples_per_prompt 2 there, 4 here.*--n-samples-per-prompt"):
-        rollout_dump.ReplayRollouts.from_settings(other, None, None, None)
-    strategy = rollout_dump.ReplayRollouts.from_settings(_settings(rollout_replay_dir=replay), None, None, None)
+        ReplayRollouts.from_settings(other, None)
+    strategy = ReplayRollouts.from_settings(_settings(rollout_replay_dir=replay), None)
     exp, _ = strategy.collect(1, PromptSource([{"index": 11}], None))
     assert exp.scores.tolist() == [1.0, -0.5]  # the dump's: the scorer keeps them
     with pytest.raises(ArgumentError, match=r"no rollout for iteration 1 \(generation batch 1\): it has iterations 1"):
         strategy.collect(1, PromptSource([{"index": 11}], None))
     with pytest.raises(ArgumentError, match="no rollout for iteration 2: it has iterations 1 .. 1"):
         strategy.collect(2, PromptSource([{"index": 11}], None))
-    fresh = rollout_dump.ReplayRollouts.from_settings(_settings(rollout_replay_dir=replay), None, None, None)
+    fresh = ReplayRollouts.from_settings(_settings(rollout_replay_dir=replay), None)
     with pytest.raises(ArgumentError, match=r"prompts \(11, 11\) are not the ones the sampler drew \(5, 5\).*--seed 3"):
         fresh.collect(1, PromptSource([{"index": 5}], None))
 
 
-def test_the_scorer_keeps_a_replayed_experiences_scores():
-    from mindspeed_llm.rl.scoring import Scorer
+def test_only_the_replay_schedule_says_its_batches_arrive_scored():
+    """The stages score a batch unless its schedule says it arrives scored (`Schedule.scored`; a stage that skips
+    the scorer then: tests/unit/test_rollout_strategies.py)."""
+    from mindspeed_llm.rl.rollouts.base import SCHEDULES
 
-    exp = _experience()
-    scores, metrics = Scorer(["math_acc"], [1.0])(exp, None, None)
-    assert scores is exp.scores and metrics == {}
+    assert {name: SCHEDULES[name].scored for name in SCHEDULES} == {"one_shot": False, "partial": False,
+                                                                     "replay": True}
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -244,7 +246,7 @@ ROWS = [{"index": 11, "input_ids": [97, 98]}]  # the prompt the dumped samples w
 
 
 def _identified_dump(root, settings=None, tokenizer=None, actor=None, rows=ROWS, experience=_experience):
-    from mindspeed_llm.rl.rollout_dump_checks import prompts_digest
+    from mindspeed_llm.rl.rollouts.dump_checks import prompts_digest
 
     settings = settings or _settings()
     dumper = rollout_dump.RolloutDumper(str(root), rollout_dump.dump_manifest(settings, "single_turn",
@@ -260,7 +262,8 @@ def _replay(root, tokenizer=None, actor=None, **data):
     if data:
         settings = SimpleNamespace(**{**vars(settings), "data": type(settings.data)(**{"seed": 3, "data_path": "d",
                                                                                         **data})})
-    return rollout_dump.ReplayRollouts.from_settings(settings, actor or _actor(0), tokenizer or _Vocab(200), None)
+    generator = SimpleNamespace(actor_module=actor or _actor(0), tokenizer=tokenizer or _Vocab(200))
+    return ReplayRollouts.from_settings(settings, generator)
 
 
 def test_a_replay_of_the_same_run_passes_every_check(tmp_path, one_rank):
@@ -330,7 +333,7 @@ def _damage(path, how):
                                       ("batch_0_dp_rank_00.json", "cut"), ("done.json", "cut"),
                                       ("done.json", "zeros")])
 def test_a_damaged_dump_file_is_named(tmp_path, one_rank, name, how):
-    from mindspeed_llm.rl.rollout_dump_checks import DumpError
+    from mindspeed_llm.rl.rollouts.dump_checks import DumpError
 
     root = _identified_dump(tmp_path / "dump")
     path = tmp_path / "dump" / "iteration_0000001" / name
@@ -373,7 +376,7 @@ def _longer_than_tokens():
     (_longer_than_tokens, r"row 1: prompt length 4 and response length 2 .* do not fit its 5 tokens"),
 ])
 def test_a_dump_whose_tensors_disagree_is_named(tmp_path, one_rank, experience, needle):
-    from mindspeed_llm.rl.rollout_dump_checks import DumpError
+    from mindspeed_llm.rl.rollouts.dump_checks import DumpError
 
     root = _identified_dump(tmp_path / "dump", experience=experience)
     path = tmp_path / "dump" / "iteration_0000001" / "batch_0_dp_rank_00.pt"

@@ -57,11 +57,12 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     # the losses and the PPO loop, megatron's schedule, the trained model and its state): below the rollouts,
     # scoring and evaluation that run the models
     ("rl update", ("mindspeed_llm.rl.update",)),
+    # how an iteration's samples are made: the sample generators, the schedules, and what observes their output
+    # (records, dump, replay): above the models they run, below scoring and evaluation
+    ("rl rollouts", ("mindspeed_llm.rl.rollouts",)),
     ("rl plumbing", (
-        "mindspeed_llm.rl.rollout", "mindspeed_llm.rl.dynamic_sampling", "mindspeed_llm.rl.partial_rollout",
         "mindspeed_llm.rl.scoring", "mindspeed_llm.rl.evaluation", "mindspeed_llm.rl.startup",
-        "mindspeed_llm.rl.rollout_strategies", "mindspeed_llm.rl.multi_turn", "mindspeed_llm.rl.profiling",
-        "mindspeed_llm.rl.rollout_dump", "mindspeed_llm.rl.rollout_records",
+        "mindspeed_llm.rl.profiling",
     )),
     ("rl stages", ("mindspeed_llm.rl.stages",)),
     ("outer loop", ("mindspeed_llm.rl.trainer",)),

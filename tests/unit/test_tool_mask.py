@@ -12,7 +12,7 @@ import torch
 from mindspeed_llm.rl import core_algos as ca
 from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.experience import Experience, SampleData
-from mindspeed_llm.rl.rollout import mismatch_metrics, rollout_metrics
+from mindspeed_llm.rl.rollouts.plain import mismatch_metrics, rollout_metrics
 from mindspeed_llm.rl.stages import grpo as grpo_stage
 from mindspeed_llm.rl.stages import trl_ppo as trl_ppo_stage
 

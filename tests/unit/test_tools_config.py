@@ -76,7 +76,7 @@ def test_loads_a_verl_style_config_with_user_tools_and_builtins(tmp_path, user_t
     executor = ToolExecutor(tools, timeout=10)
     executor.start("t", {"label": "42"})
     turn = executor.run("t", [ToolCall("lookup", {"key": "k"}), ToolCall("multiply", {"a": 6, "b": 7})])
-    assert turn.messages == ["got k=42", "42"] and turn.reward == 0.5 and turn.metrics == {"lookups": 1.0}
+    assert turn.messages == ["got k=42", "42"] and turn.reward == 0.5 and turn.metrics == {"lookup": {"lookups": 1.0}}
     executor.finish("t")
 
 

@@ -71,7 +71,7 @@ def test_calls_of_a_turn_run_concurrently():
     assert turn.messages == ["slept 0.3", "slept 0.3"]
     assert overlap(sleep.spans), sleep.spans
     assert elapsed < 0.55  # one sleep, not two, plus thread start-up
-    assert turn.reward == 0.5 and turn.metrics == {"naps": 2.0} and turn.failures == turn.timeouts == 0
+    assert turn.reward == 0.5 and turn.metrics == {"sleep": {"naps": 2.0}} and turn.failures == turn.timeouts == 0
     assert 0.55 < turn.seconds < 1.0  # the sum of the calls' wall times
 
 

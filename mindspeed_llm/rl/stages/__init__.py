@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Dict, List, Protocol, Sequence
 from mindspeed_llm.registry import Registry
 
 if TYPE_CHECKING:
-    from mindspeed_llm.rl.rollout_records import RolloutRecords
-    from mindspeed_llm.rl.rollout_strategies import PromptSource, RolloutStrategy
+    from mindspeed_llm.rl.rollouts.records import RolloutRecords
+    from mindspeed_llm.rl.rollouts.base import PromptSource, Schedule
 
 
 class Stage(Protocol):
@@ -21,16 +21,17 @@ class Stage(Protocol):
 
     name: str
     log_lines: Dict[str, List[str]]  # stdout line groups (`MetricsLogger`)
-    # how it generates its experience (`rl/rollout_strategies.RolloutStrategy`; its state is saved with the loop state)
-    rollouts: "RolloutStrategy"
-    # what the run keeps of its scored rollouts (`rl/rollout_records.RolloutRecords`: --log-samples, --rollout-dump-dir)
+    # how it generates its experience: a schedule over a sample generator (`rl/rollouts/base.Schedule`; its state is
+    # saved with the loop state)
+    rollouts: "Schedule"
+    # what the run keeps of its scored rollouts (`rl/rollouts/records.RolloutRecords`: --log-samples, --rollout-dump-dir)
     records: "RolloutRecords"
 
     def roles(self) -> Dict[str, object]:
         """The trained models by role name (`TrainableModel`s: "actor", "critic"): what checkpoints hold."""
 
     def iteration(self, iteration: int, prompts: "PromptSource") -> Dict[str, float]:
-        """One iteration on this DP rank's prompts (`rl/rollout_strategies.PromptSource`: the sampler's batch of the
+        """One iteration on this DP rank's prompts (`rl/rollouts/base.PromptSource`: the sampler's batch of the
         iteration, and further ones for what generates more than one batch, `--dynamic-sampling`,
         `--partial-rollout`); returns its metrics (this rank's view)."""
 

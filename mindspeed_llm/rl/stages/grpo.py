@@ -23,16 +23,16 @@ from mindspeed_llm.distributed import sum_over_data_parallel
 from mindspeed_llm.rl import core_algos
 from mindspeed_llm.rl.update import lora, roles
 from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
-from mindspeed_llm.rl.dynamic_sampling import informative_groups, refill
+from mindspeed_llm.rl.rollouts.dynamic_sampling import informative_groups, refill
 from mindspeed_llm.rl.evaluation import evaluate_policy
 from mindspeed_llm.rl.metrics.pass_at_k import PromptResult
 from mindspeed_llm.rl.update.loss_closures import clipped_policy_loss
 from mindspeed_llm.rl.metrics import Timers, mean_min_max, prefixed
 from mindspeed_llm.rl.update.passes import policy_logprobs
 from mindspeed_llm.rl.update.ppo_loop import old_logp_is_current, ppo_update
-from mindspeed_llm.rl.rollout import mask_truncated_completions, mismatch_metrics, rollout_metrics, sampling_config
-from mindspeed_llm.rl.rollout_records import RolloutRecords
-from mindspeed_llm.rl.rollout_strategies import PromptSource, build_rollouts
+from mindspeed_llm.rl.rollouts.plain import mask_truncated_completions, mismatch_metrics, rollout_metrics, sampling_config
+from mindspeed_llm.rl.rollouts.records import RolloutRecords
+from mindspeed_llm.rl.rollouts.base import PromptSource, build_rollouts
 from mindspeed_llm.rl.scoring import Scorer
 from mindspeed_llm.rl.settings import AlgorithmSettings
 
@@ -78,8 +78,7 @@ class GRPOStage:
 
     def evaluate(self, rows: Sequence[dict]) -> List[PromptResult]:
         return evaluate_policy(self.actor, self.reference, self.scorer, self.tokenizer, rows, self.settings.sampling,
-                               self.settings.offload.offload_ref_reward, getattr(self.rollouts, "toolbox", None),
-                               self.settings.loop)
+                               self.rollouts.generator, self.settings.offload.offload_ref_reward, self.settings.loop)
 
     # ------------------------------------------------------------------ one iteration
     def iteration(self, iteration: int, prompts: PromptSource) -> Dict[str, float]:
@@ -149,7 +148,9 @@ class GRPOStage:
         with timers("rollout"):
             exp, rollout_strategy_metrics = self.rollouts.collect(iteration, prompts)
         plan = MicroBatchPlan.for_run(exp, self.settings.batch, group_size=n)
-        exp.scores, score_metrics = self.scorer(exp, plan, timers)
+        score_metrics = {}
+        if not self.rollouts.scored:  # a replay's batches carry the dumping run's scores (and their metrics)
+            exp.scores, score_metrics = self.scorer(exp, plan, timers)
         metrics = {**rollout_strategy_metrics, **score_metrics}
         self.records.add(exp, metrics)  # --log-samples' table, --rollout-dump-dir
         return exp, plan, metrics

@@ -27,9 +27,9 @@ from mindspeed_llm.rl.update.loss_closures import clipped_policy_loss, clipped_v
 from mindspeed_llm.rl.metrics import Timers, masked_mean_min_max, mean_min_max, prefixed
 from mindspeed_llm.rl.update.passes import critic_values, policy_logprobs
 from mindspeed_llm.rl.update.ppo_loop import old_logp_is_current, ppo_update
-from mindspeed_llm.rl.rollout import mask_truncated_completions, mismatch_metrics, rollout_metrics, sampling_config
-from mindspeed_llm.rl.rollout_records import RolloutRecords
-from mindspeed_llm.rl.rollout_strategies import PromptSource, build_rollouts
+from mindspeed_llm.rl.rollouts.plain import mask_truncated_completions, mismatch_metrics, rollout_metrics, sampling_config
+from mindspeed_llm.rl.rollouts.records import RolloutRecords
+from mindspeed_llm.rl.rollouts.base import PromptSource, build_rollouts
 from mindspeed_llm.rl.scoring import Scorer
 
 
@@ -71,8 +71,7 @@ class TrlPPOStage:
 
     def evaluate(self, rows: Sequence[dict]) -> List[PromptResult]:
         return evaluate_policy(self.actor, self.reference, self.scorer, self.tokenizer, rows, self.settings.sampling,
-                               self.settings.offload.offload_ref_reward, getattr(self.rollouts, "toolbox", None),
-                               self.settings.loop)
+                               self.rollouts.generator, self.settings.offload.offload_ref_reward, self.settings.loop)
 
     # ------------------------------------------------------------------ one iteration
     def iteration(self, iteration: int, prompts: PromptSource) -> Dict[str, float]:
@@ -101,7 +100,9 @@ class TrlPPOStage:
             with timers("critic_model"):
                 self.critic.onload(timers, parts=("weights",))  # --offload-train-param: they left for the rollout
                 exp.values = critic_values(self.critic.chunks, exp, plan)
-            exp.scores, score_metrics = self.scorer(exp, plan, timers)  # with --missing-eos-penalty
+            score_metrics = {}
+            if not self.rollouts.scored:  # a replay's batches carry the dumping run's scores (and their metrics)
+                exp.scores, score_metrics = self.scorer(exp, plan, timers)  # with --missing-eos-penalty
             self.records.add(exp, {**rollout_strategy_metrics, **score_metrics})  # --log-samples, --rollout-dump-dir
 
             with timers("adv"):

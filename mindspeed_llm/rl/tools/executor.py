@@ -44,7 +44,8 @@ class TurnResult:
 
     messages: List[str]
     reward: float = 0.0  # the sum of the calls' own rewards
-    metrics: Dict[str, float] = field(default_factory=dict)  # the calls' own metrics, summed by key
+    # the calls' own metrics (`ToolResult.metrics`), summed by tool and key: {tool name: {metric: sum}}
+    metrics: Dict[str, Dict[str, float]] = field(default_factory=dict)
     failures: int = 0
     timeouts: int = 0
     seconds: float = 0.0  # the sum of the calls' wall times
@@ -230,21 +231,22 @@ class ToolExecutor:
     def _finish_turn(self, future: "Future[TurnResult]", slots: List[_CallSlot], refused: int) -> None:
         try:
             outcomes = [self._wait(slot) for slot in slots]
-            result = self._turn_result(outcomes, refused)
+            result = self._turn_result(outcomes, refused, [str(slot.name) for slot in slots])
         except BaseException as exc:  # noqa: BLE001 - never leave the caller waiting forever
             future.set_exception(exc)
             return
         future.set_result(result)
 
-    def _turn_result(self, outcomes: List[_Outcome], refused: int) -> TurnResult:
+    def _turn_result(self, outcomes: List[_Outcome], refused: int, names: List[str]) -> TurnResult:
         messages = [outcome.result.text for outcome in outcomes]
         messages += [f"error: at most {self.max_parallel_calls} tool calls are run per turn; this call was not run"
                      ] * refused
-        metrics: Dict[str, float] = {}
-        for outcome in outcomes:
+        metrics: Dict[str, Dict[str, float]] = {}
+        for name, outcome in zip(names, outcomes):
             for key, value in outcome.result.metrics.items():
-                if isinstance(value, (int, float)):
-                    metrics[key] = metrics.get(key, 0.0) + float(value)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    own = metrics.setdefault(name, {})
+                    own[str(key)] = own.get(str(key), 0.0) + float(value)
         result = TurnResult(
             messages=messages,
             reward=sum(o.result.reward for o in outcomes if o.result.reward is not None),

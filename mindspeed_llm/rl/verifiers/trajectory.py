@@ -20,7 +20,7 @@ rollout's state, a worker process) and compares with ``==``::
 
 A tool turn's ``name``, ``reward`` and ``error`` are optional; the rollout may add further keys (the readers ignore
 what they do not know). :func:`check_trajectory` checks the shape (tests/unit/test_multi_turn_trajectories.py holds
-`rl/multi_turn.trajectories`, which makes them, to it).
+`rl/rollouts/tool_turns.trajectories`, which makes them, to it).
 """
 
 from __future__ import annotations

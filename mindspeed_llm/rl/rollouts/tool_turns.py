@@ -1,4 +1,4 @@
-"""The `multi_turn` rollout strategy (`--tool-config`): the model calls tools between its turns, inside one generation.
+"""The `tools` sample generator (`--tool-config`): the model calls tools between its turns, inside one generation.
 
 Each sample is one trajectory: model turn, tool answers, model turn, ... The continuous engine runs them
 (`inference/turns.py`): when a turn ends (EOS / stop) and `ToolTurns.wants_observation` finds tool calls in it (the
@@ -11,26 +11,28 @@ tokens reach --max-total-response-length (each model turn within --max-new-token
 
 The Experience holds the whole trajectory after the prompt; `tool_mask` marks the tool tokens (fed, never trained on:
 `Experience.action_mask`). `SampleData.trajectories` holds each one's turns, calls and tool rewards for the rewards
-(`scoring.py`). Nothing carries over between iterations.
+(`scoring.py`).
+
+The turn handler (`ToolTurns`) keeps one record per sample (`ToolTurns.record`): its turn and call counts, its tools'
+reward, and each model turn's calls, parsed once when the turn ended; the generator returns it in
+`Rollout.trajectories`, and a continued sample (a partial rollout's) hands it back in `Continuation.state`. The
+tools' counts and own metrics (`tool/<name>/<metric>`) ride in `Rollout.stats`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from mindspeed_llm.inference import EngineOptions, SamplingConfig, generate
-from mindspeed_llm.inference.engine_inputs import source_rank
+from mindspeed_llm.inference import Rollout, SamplingConfig
 from mindspeed_llm.rl import tools as tool_lib
-from mindspeed_llm.rl.experience import Experience, SampleData
+from mindspeed_llm.rl.experience import Experience
 from mindspeed_llm.rl.metrics import mean_min_max
-from mindspeed_llm.rl.rollout import gather_context_parallel
-from mindspeed_llm.rl.rollout_strategies import CarriesNothing
+from mindspeed_llm.rl.rollouts.plain import PlainGenerator
 from mindspeed_llm.rl.settings import ToolSettings
 
 
@@ -49,10 +51,15 @@ class ToolTurns:
         self.turns = [int(st.get("turns", 0)) for st in states]
         self.calls = [int(st.get("calls", 0)) for st in states]
         self.tool_reward = [float(st.get("tool_reward", 0.0)) for st in states]
+        # each model turn's calls, parsed once when it ended (every rank): response span start -> (its end, calls)
+        self.turn_calls: List[Dict[int, Tuple[int, List[dict]]]] = [
+            {int(a): (int(end), list(calls)) for a, (end, calls) in dict(st.get("parsed", {})).items()}
+            for st in states]
         self.parsed: Dict[int, object] = {}
         self.futures: Dict[int, concurrent.futures.Future] = {}
         self.started: Dict[int, None] = {}
-        self.counts = dict(calls=0, failures=0, timeouts=0, seconds=0.0)
+        # the calls run (token-picking rank): `tool/calls`, ... and the tools' own metrics, `tool/<name>/<metric>`
+        self.counts: Dict[str, float] = dict(calls=0, failures=0, timeouts=0, seconds=0.0)
 
     def trajectory_budget(self, sample: int) -> int:
         return self.budgets[sample]
@@ -66,6 +73,8 @@ class ToolTurns:
             return False
         text = self.tokenizer.decode(list(known[prompt_length + turn_start:]), skip_special_tokens=False)
         parsed = self.parser.parse(text)
+        self.turn_calls[sample][turn_start] = (len(known) - prompt_length,
+                                               [{"name": c.name, "arguments": c.arguments} for c in parsed.calls])
         if not parsed.calls and not parsed.errors:
             return False
         allowed = len(parsed.calls)
@@ -101,12 +110,21 @@ class ToolTurns:
             self.counts["failures"] += result.failures + len(refusals)
             self.counts["timeouts"] += result.timeouts
             self.counts["seconds"] += float(result.seconds)
+            for name, own in result.metrics.items():
+                for key, value in own.items():
+                    self.counts[f"{name}/{key}"] = self.counts.get(f"{name}/{key}", 0.0) + value
             out.append((sample, self.delta.delta_ids(list(result.messages) + refusals)))
         return out
 
     def close(self) -> None:
         for sample in self.started:
             self.executor.finish(sample)
+
+    def record(self, sample: int, tool_reward: float) -> dict:
+        """`sample`'s record of its trajectory so far (`Rollout.trajectories`, handed back as `Continuation.state`):
+        its turn and call counts, its tools' reward, and the calls of each turn parsed when it ended."""
+        return {"turns": self.turns[sample], "calls": self.calls[sample], "tool_reward": float(tool_reward),
+                "parsed": {a: [end, calls] for a, (end, calls) in self.turn_calls[sample].items()}}
 
     def summary(self) -> dict:
         """What only the token-picking rank knows, for every rank of the group."""
@@ -128,10 +146,14 @@ def _from_picking_rank(value, group, source):
     return box[0]
 
 
-def trajectories(exp: Experience, tokenizer, parser, tool_reward: Sequence[float]) -> List[dict]:
-    """Each sample's trajectory (the shape `SampleData.trajectories` documents) from its response and tool mask."""
+def trajectories(exp: Experience, tokenizer, parser, tool_reward: Sequence[float],
+                 parsed: Optional[Sequence[Optional[dict]]] = None) -> List[dict]:
+    """Each sample's trajectory (the shape `SampleData.trajectories` documents) from its response and tool mask; a
+    model turn's calls are those parsed when it ended (`parsed[b]`: span start -> [its end, calls], `ToolTurns`),
+    only a turn never parsed (the last, cut by a limit) is parsed here."""
     out = []
     for b in range(exp.batch_size):
+        known = (parsed[b] if parsed is not None else None) or {}
         length = int(exp.response_mask[b].sum())
         ids, tool = exp.responses[b, :length].tolist(), exp.tool_mask[b, :length].tolist()
         turns, start = [], 0
@@ -141,7 +163,9 @@ def trajectories(exp: Experience, tokenizer, parser, tool_reward: Sequence[float
                 if tool[start]:
                     turns.append({"role": "tool", "text": text})
                 else:
-                    calls = [{"name": c.name, "arguments": c.arguments} for c in parser.parse(text).calls]
+                    end, calls = known.get(start, (None, None))
+                    if end != j:  # not parsed when it ended (or another span): parsed now
+                        calls = [{"name": c.name, "arguments": c.arguments} for c in parser.parse(text).calls]
                     turns.append({"role": "assistant", "text": text, "tool_calls": calls})
                 start = j
         answered = sum(len(t["tool_calls"]) for t, after in zip(turns, turns[1:]) if after["role"] == "tool")
@@ -152,7 +176,7 @@ def trajectories(exp: Experience, tokenizer, parser, tool_reward: Sequence[float
 
 class ToolBox:
     """The run's tools, call parser and chat-template delta (loaded once, on every rank), and one generation's tool
-    loop around them (`session`); shared by the `multi_turn` strategy and partial rollouts with tools."""
+    loop around them (`session`), for the `tools` generator."""
 
     def __init__(self, settings: ToolSettings, tokenizer, max_length: int):
         self.settings, self.tokenizer, self.max_length = settings, tokenizer, int(max_length)
@@ -183,11 +207,13 @@ class ToolBox:
     @staticmethod
     def shared(turns: ToolTurns) -> dict:
         """What only the token-picking rank knows (the tools' rewards and counts), on every rank of the group."""
+        from mindspeed_llm.inference.engine_inputs import source_rank
+
         group, source = source_rank()
         return _from_picking_rank(turns.summary(), group, source)
 
-    def trajectories(self, exp: Experience, tool_reward: Sequence[float]) -> List[dict]:
-        return trajectories(exp, self.tokenizer, self.parser, tool_reward)
+    def trajectories(self, exp: Experience, tool_reward: Sequence[float], parsed=None) -> List[dict]:
+        return trajectories(exp, self.tokenizer, self.parser, tool_reward, parsed)
 
 
 def tool_metrics(exp: Experience, counts: dict, wait_seconds: float, seconds: float) -> Dict[str, float]:
@@ -195,52 +221,74 @@ def tool_metrics(exp: Experience, counts: dict, wait_seconds: float, seconds: fl
     the engine waited on tools with nothing else to decode."""
     turns = torch.tensor([t["num_turns"] for t in exp.sample_data.trajectories], dtype=torch.float32)
     metrics = mean_min_max("num_turns", turns)
-    metrics.update({"tool/calls": float(counts["calls"]), "tool/failures": float(counts["failures"]),
-                    "tool/timeouts": float(counts["timeouts"]), "tool/seconds": float(counts["seconds"]),
-                    "tool/response_length/mean": float(exp.tool_mask.sum(-1).float().mean()),
+    metrics.update({f"tool/{key}": float(value) for key, value in counts.items()})  # the tools' own: tool/NAME/KEY
+    metrics.update({"tool/response_length/mean": float(exp.tool_mask.sum(-1).float().mean()),
                     "tool/wait_share": wait_seconds / seconds if seconds > 0 else 0.0})
     return metrics
 
 
-def tool_rollout(actor_module, rows: Sequence[dict], sampling: SamplingConfig, tokenizer, toolbox: ToolBox,
-                 iteration: int = 0, samples_per_prompt: int = 1) -> Tuple[Experience, Dict[str, float]]:
-    """`samples_per_prompt` trajectories per row (a row's consecutive; sample k of the prompt at position p draws
-    from stream p * n + k, as `rollout.rollout`), with their `SampleData.trajectories`, and their `tool_metrics`."""
-    n = samples_per_prompt
-    samples = [row for row in rows for _ in range(n)]
-    ids = [list(row["input_ids"]) for row in samples]
-    sample_ids = [row.get("position", i) * n + k for i, row in enumerate(rows) for k in range(n)]
-    budgets = [toolbox.trajectory_budget(len(p)) for p in ids]
-    start = time.perf_counter()
-    with toolbox.session(samples, budgets) as turns:
-        result = generate(actor_module, ids, sampling, iteration=iteration, sample_ids=sample_ids,
-                          vocab_size=len(tokenizer), response_budgets=budgets, turns=turns,
-                          options=EngineOptions(parked_kv=toolbox.settings.parked_kv))
-    seconds = time.perf_counter() - start
-    told = toolbox.shared(turns)
-    exp = Experience.from_rollout(result)
-    exp.sample_data = SampleData.of_prompts(samples, finish_reasons=list(result.finish_reasons),
-                                            texts=result.decode(tokenizer))
-    exp.sample_data.trajectories = toolbox.trajectories(exp, told["tool_reward"])
-    return exp, tool_metrics(exp, told["counts"], result.stats.get("observation_wait_seconds", 0.0), seconds)
+class ToolTurnsGenerator(PlainGenerator):
+    """The `tools` sample generator (`base.SampleGenerator`, `--tool-config`; module docstring): a sample is a
+    trajectory of model turns and tool answers within --max-total-response-length; a continued one (a partial
+    rollout's carried sample) keeps its turn, call and reward counts (`Continuation.state`)."""
 
-
-class MultiTurnRollouts(CarriesNothing):
-    """The `multi_turn` rollout strategy (`rollout_strategies`; module docstring)."""
-
-    name = "multi_turn"
+    name = "tools"
     flag = "--tool-config"
+    budget_flag = "--max-total-response-length"
+    observes = True
 
-    def __init__(self, actor_module, tokenizer, sampling: SamplingConfig, toolbox: ToolBox, samples_per_prompt: int):
-        self.actor_module, self.tokenizer, self.sampling, self.toolbox = actor_module, tokenizer, sampling, toolbox
-        self.samples_per_prompt = int(samples_per_prompt)
+    def __init__(self, actor_module, tokenizer, sampling: SamplingConfig, toolbox: ToolBox,
+                 samples_per_prompt: int = 1):
+        super().__init__(actor_module, tokenizer, sampling, samples_per_prompt)
+        self.toolbox = toolbox
 
     @classmethod
-    def from_settings(cls, settings, actor_module, tokenizer, sampling: SamplingConfig) -> "MultiTurnRollouts":
+    def selected(cls, settings) -> bool:
+        return bool(settings.tools.tool_config)
+
+    @classmethod
+    def from_settings(cls, settings, actor_module, tokenizer, sampling: SamplingConfig) -> "ToolTurnsGenerator":
         toolbox = ToolBox(settings.tools, tokenizer, settings.sampling.max_length)
         return cls(actor_module, tokenizer, sampling, toolbox, settings.algorithm.n_samples_per_prompt)
 
-    def collect(self, iteration: int, prompts) -> Tuple[Experience, Dict[str, float]]:
-        exp, metrics = tool_rollout(self.actor_module, prompts.first_batch, self.sampling, self.tokenizer,
-                                    self.toolbox, iteration, self.samples_per_prompt)
-        return gather_context_parallel(exp), metrics
+    @property
+    def whole_budget(self) -> int:
+        return self.toolbox.settings.max_total_response_length
+
+    def response_budgets(self, prompt_lengths: Sequence[int]) -> List[int]:
+        return [self.toolbox.trajectory_budget(n) for n in prompt_lengths]
+
+    def generate(self, iteration: int, samples: Sequence[dict], sample_ids: Sequence[int], continuations=None,
+                 budgets=None, sampling: Optional[SamplingConfig] = None) -> Rollout:
+        from mindspeed_llm.inference import EngineOptions
+
+        prompts = [list(row["input_ids"]) for row in samples]
+        whole = self.response_budgets([len(p) for p in prompts])
+        states = None if continuations is None else [(c.state if c is not None else None) or {} for c in continuations]
+        with self.toolbox.session(samples, whole, states) as turns:
+            result = self.engine(iteration, prompts, sample_ids, continuations, whole if budgets is None else budgets,
+                                 sampling or self.sampling, turns=turns,
+                                 options=EngineOptions(parked_kv=self.toolbox.settings.parked_kv))
+        told = self.toolbox.shared(turns)
+        result.trajectories = [turns.record(b, told["tool_reward"][b]) for b in range(len(prompts))]
+        result.stats = {**result.stats, **{f"tool/{key}": value for key, value in told["counts"].items()}}
+        return result
+
+    def carried(self, reason: str, length: int, whole: int) -> bool:
+        return reason == "unfinished"  # a "length" ends the trajectory: its turn reached --max-new-tokens
+
+    def experience(self, result: Rollout, samples: Sequence[dict], **sample_data) -> Experience:
+        exp = super().experience(result, samples, **sample_data)
+        records = result.trajectories or [{}] * exp.batch_size
+        exp.sample_data.trajectories = self.toolbox.trajectories(
+            exp, [float(r.get("tool_reward", 0.0)) for r in records], [r.get("parsed") for r in records])
+        return exp
+
+    def metrics(self, exp: Experience, stats: Sequence[Dict[str, float]], seconds: float) -> Dict[str, float]:
+        counts = dict.fromkeys(("calls", "failures", "timeouts", "seconds"), 0.0)
+        for s in stats:  # the calls' counts and the tools' own metrics of every generation call
+            for key, value in s.items():
+                if key.startswith("tool/"):
+                    counts[key[5:]] = counts.get(key[5:], 0.0) + float(value)
+        waited = sum(float(s.get("observation_wait_seconds", 0.0)) for s in stats)
+        return tool_metrics(exp, counts, waited, seconds)

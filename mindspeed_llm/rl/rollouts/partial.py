@@ -52,11 +52,13 @@ rank's carried groups, with the sampler's position in the trainer's loop state; 
 own, or, at another DP size, deals the carried groups over the ranks in key order (a carried sample may continue on
 any rank: its tokens follow from its own tokens and stream, to float rounding).
 
-Tools (`--tool-config`, `rl/multi_turn.py`): a sample is a trajectory, its budget --max-total-response-length and a
-round's share ceil(that / N); a cut may fall inside a model turn, while a tool runs (its answer is appended first) or
-after a tool answer. A carried sample keeps its tool spans, where its current turn began and its turn, call and tool
-reward counts (in the checkpoint too), so that it continues as one uninterrupted trajectory. A tool's per-trajectory
-state (`create` / `release`) lasts one round.
+Any sample generator (`base.SampleGenerator`): the schedule asks it for a sample's whole budget and its flag, whether
+a stop was a cut, and its metrics. With tools (`--tool-config`, `tool_turns.py`) a sample is a trajectory, its
+budget --max-total-response-length and a round's share ceil(that / N); a cut may fall inside a model turn, while a
+tool runs (its answer is appended first) or after a tool answer. A carried sample keeps its observation spans, where
+its current turn began and the generator's record of it (`Rollout.trajectories`: turn, call and tool reward counts;
+in the checkpoint too, key `tool_state`), so that it continues as one uninterrupted trajectory. A tool's
+per-trajectory state (`create` / `release`) lasts one round.
 
 Metrics: `partial_rollout/rounds` (0 when a global batch had finished already), `partial_rollout/carried`
 (unfinished samples carried out of the iteration, not started ones included, all ranks), `partial_rollout/max_staleness`
@@ -75,12 +77,9 @@ import torch
 
 from mindspeed_llm import device, distributed
 from mindspeed_llm.errors import ArgumentError, UserError
-from mindspeed_llm.inference import Continuation, EngineOptions, Rollout, generate
+from mindspeed_llm.inference import Continuation, Rollout
 from mindspeed_llm.inference.results import observation_mask
-from mindspeed_llm.rl.experience import Experience, SampleData
-
-# generate_round(iteration, prompts, sample_ids, continuations, response_budgets) -> Rollout
-GenerateRound = Callable[[int, List[List[int]], List[int], List[Optional[Continuation]], List[int]], Rollout]
+from mindspeed_llm.rl.experience import Experience
 
 
 class PartialRolloutBudgetError(UserError):
@@ -94,7 +93,7 @@ class _Sample:
     log_probs: Optional[List[float]] = None  # the behaviour log-probs of `response`
     reason: Optional[str] = None  # "eos" | "stop" | "length" once finished; None: unfinished
     routing: Optional[torch.Tensor] = None  # host [MoE layers of this rank, prompt + response, topk], when finished
-    # tools: the response spans [a, b) of tool answers, where its current turn began, its turns, calls, tool reward
+    # the response spans [a, b) of observations (tool answers), where its current turn began, the generator's record
     observed: List[Tuple[int, int]] = field(default_factory=list)
     turn_start: int = 0
     tool_state: Dict[str, float] = field(default_factory=dict)
@@ -140,64 +139,51 @@ def pending(state: Optional[dict]) -> Tuple[int, int]:
 
 class PartialRollouts:
     """This DP rank's carried groups and every rank's finished ones, and the rounds of one iteration (module doc): the
-    `partial_rollout` rollout strategy (`rollout_strategies`).
+    `partial` schedule (`base.Schedule`) over the run's `generator`. `gather(obj)` is every DP rank's `obj` in rank
+    order."""
 
-    `generate_round(iteration, prompts, sample_ids, continuations, response_budgets)` generates one round (the
-    actor's `generate`, `from_args`); `gather(obj)` is every DP rank's `obj` in rank order."""
-
-    name = "partial_rollout"  # also its state's key in the checkpoint's loop state
+    name = "partial"
     flag = "--partial-rollout"
+    state_key = "partial_rollout"  # its state's key in the checkpoint's loop state (the key of older checkpoints)
+    replaces_generation = False
+    scored = False
 
-    def __init__(self, generate_round: GenerateRound, tokenizer, sampling, *, group_size: int, local_groups: int,
-                 max_split: int, max_rounds: int, dp_rank: int = 0, dp_size: int = 1,
-                 gather: Callable[[object], list] = distributed.gather_over_data_parallel,
-                 routing_recorded: bool = False, toolbox=None):
-        self.generate_round, self.tokenizer, self.sampling = generate_round, tokenizer, sampling
-        self.group_size, self.local_groups = int(group_size), int(local_groups)
+    def __init__(self, generator, *, local_groups: int, max_split: int, max_rounds: int, dp_rank: int = 0,
+                 dp_size: int = 1, gather: Callable[[object], list] = distributed.gather_over_data_parallel):
+        self.generator, self.sampling = generator, generator.sampling
+        self.group_size, self.local_groups = int(generator.samples_per_prompt), int(local_groups)
         self.max_split, self.max_rounds = int(max_split), int(max_rounds)
-        self.toolbox = toolbox  # `multi_turn.ToolBox` with --tool-config: the samples are trajectories
-        whole = toolbox.settings.max_total_response_length if toolbox is not None else sampling.max_new_tokens
-        self.step_tokens = math.ceil(whole / self.max_split)  # k, a round's tokens per sample
-        self.tool_counts = _no_tool_counts()  # the calls of this iteration's rounds
+        self.step_tokens = math.ceil(generator.whole_budget / self.max_split)  # k, a round's tokens per sample
+        self.round_stats: List[dict] = []  # the `Rollout.stats` of this iteration's rounds
         self.dp_rank, self.dp_size, self.gather = int(dp_rank), int(dp_size), gather
-        self.routing_recorded = bool(routing_recorded)  # the rounds record MoE routing: `Experience.routing_recorded`
         self.carried: List[_Group] = []  # this rank's unfinished groups, in key order
         self.ready: List[_Group] = []  # every rank's finished groups, the same on every rank, in key order
 
     @classmethod
-    def from_settings(cls, settings, actor_module, tokenizer, sampling) -> "PartialRollouts":
-        """The stage's partial rollouts on `actor_module`; refuses a model the continuous engine cannot run."""
-        from mindspeed_llm.inference.generation import continuous_engine_blockers
-        from mindspeed_llm.models import routing
+    def refuses(cls, generator: type) -> Optional[str]:
+        if not generator.continues:
+            return f"the {generator.name} generator cannot continue a sample carried from an earlier round"
+        return None
 
-        blockers = continuous_engine_blockers(actor_module)
+    @classmethod
+    def selected(cls, settings) -> bool:
+        return bool(settings.algorithm.partial_rollout)
+
+    @classmethod
+    def from_settings(cls, settings, generator) -> "PartialRollouts":
+        """The stage's partial rollouts over `generator`; refuses a model the continuous engine cannot run."""
+        from mindspeed_llm.inference.generation import continuous_engine_blockers
+
+        blockers = continuous_engine_blockers(generator.actor_module)
         if blockers:
             raise ArgumentError("--partial-rollout continues carried samples in the continuous generation engine, "
                                 f"which cannot run this actor: {'; '.join(blockers)}; drop --partial-rollout or "
                                 "remove the cause")
-
-        toolbox = None
-        if settings.tools.tool_config:
-            from mindspeed_llm.rl.multi_turn import ToolBox
-
-            toolbox = ToolBox(settings.tools, tokenizer, settings.sampling.max_length)
-
-        def generate_round(iteration, prompts, sample_ids, continuations, budgets, turns=None) -> Rollout:
-            # ids past the tokenizer (Megatron's padded vocabulary) are never sampled; a mixture of experts records
-            # each token's experts (--moe-routing-replay, moe/routing_mismatch)
-            options = EngineOptions(parked_kv=settings.tools.parked_kv)
-            result = generate(actor_module, prompts, sampling, iteration=iteration, sample_ids=sample_ids,
-                              vocab_size=len(tokenizer), record_routing=True, continuations=continuations,
-                              response_budgets=budgets, turns=turns, options=options)
-            return result
-
         dp_rank, dp_size = distributed.data_parallel_info()
         algorithm = settings.algorithm
-        return cls(generate_round, tokenizer, sampling, group_size=algorithm.n_samples_per_prompt,
-                   local_groups=settings.batch.global_batch_size // dp_size,
+        return cls(generator, local_groups=settings.batch.global_batch_size // dp_size,
                    max_split=algorithm.partial_rollout_max_split, max_rounds=algorithm.max_num_gen_batches,
-                   dp_rank=dp_rank, dp_size=dp_size,
-                   routing_recorded=routing.is_moe(actor_module), toolbox=toolbox)
+                   dp_rank=dp_rank, dp_size=dp_size)
 
     # ------------------------------------------------------------------ one iteration
     def collect(self, iteration: int, prompts) -> Tuple[Experience, Dict[str, float]]:
@@ -208,7 +194,7 @@ class PartialRollouts:
         rows = prompts.first_batch
         rounds = 0
         wanted = self.local_groups * self.dp_size
-        self.tool_counts, started_at = _no_tool_counts(), time.perf_counter()
+        self.round_stats, started_at = [], time.perf_counter()
         while len(self.ready) < wanted:  # the same list on every rank: every rank decides alike
             if rounds >= self.max_rounds:
                 raise PartialRolloutBudgetError(
@@ -235,11 +221,7 @@ class PartialRollouts:
             "partial_rollout/waiting": float(len(self.ready)),
         }
         exp = self._experience(mine)
-        if self.toolbox is not None:
-            from mindspeed_llm.rl.multi_turn import tool_metrics
-
-            counts = self.tool_counts
-            metrics.update(tool_metrics(exp, counts, counts["wait_seconds"], time.perf_counter() - started_at))
+        metrics.update(self.generator.metrics(exp, self.round_stats, time.perf_counter() - started_at))
         return exp, metrics
 
     def _new_group(self, iteration: int, row: dict) -> _Group:
@@ -251,57 +233,38 @@ class PartialRollouts:
         """One round over the unfinished samples of `groups` (in order); updates them in place. Every sample draws
         from the stream of the iteration its group started in (`Continuation.iteration`), tokens or none yet."""
         todo = [(g, s) for g in groups for s in g.samples if s.reason is None]
-        prompts = [[int(t) for t in g.row["input_ids"]] for g, _ in todo]
-        whole = self._whole_budgets([len(p) for p in prompts])
+        rows = [g.row for g, _ in todo]
+        prompt_lengths = [len(g.row["input_ids"]) for g, _ in todo]
+        whole = self.generator.response_budgets(prompt_lengths)
         budgets = [min(w, len(s.response) + self.step_tokens) for w, (_, s) in zip(whole, todo)]
         continuations = [Continuation(list(s.response), s.log_probs if s.response else [], g.started,
-                                      observed=tuple(s.observed), turn_start=s.turn_start) for g, s in todo]
-        sample_ids = [s.sample_id for _, s in todo]
-        if self.toolbox is None:
-            result = self.generate_round(iteration, prompts, sample_ids, continuations, budgets)
-        else:
-            result = self._generate_with_tools(iteration, todo, prompts, sample_ids, continuations, budgets, whole)
+                                      observed=tuple(s.observed), turn_start=s.turn_start, state=dict(s.tool_state))
+                         for g, s in todo]
+        result = self.generator.generate(iteration, rows, [s.sample_id for _, s in todo], continuations, budgets)
+        self.round_stats.append(dict(result.stats))
         lengths = result.response_lengths.tolist()
         for b, ((g, s), length, reason) in enumerate(zip(todo, lengths, result.finish_reasons)):
             s.response = result.responses[b, :length].tolist()
             s.log_probs = result.log_probs[b, :length].tolist() if result.log_probs is not None else None
-            cut = reason == "unfinished" or (reason == "length" and length < whole[b] and self.toolbox is None)
+            cut = self.generator.carried(reason, length, whole[b])
             s.reason = None if cut else reason
-            if self.toolbox is not None:
+            if result.tool_mask is not None:
                 s.observed = _spans(result.tool_mask[b, :length].tolist())
-                s.turn_start = result.continuations[b].turn_start if reason == "unfinished" else 0
+            if result.continuations is not None and result.continuations[b] is not None:
+                s.turn_start = result.continuations[b].turn_start
+            else:
+                s.turn_start = 0
+            if result.trajectories is not None:
+                s.tool_state = dict(result.trajectories[b])
             if not cut and result.routing is not None:
-                s.routing = result.routing[b, :, :len(prompts[b]) + length].cpu()
-
-    def _whole_budgets(self, prompt_lengths: List[int]) -> List[int]:
-        """Each sample's whole response budget (--max-new-tokens, or a trajectory's --max-total-response-length,
-        within --max-length)."""
-        if self.toolbox is not None:
-            return [self.toolbox.trajectory_budget(n) for n in prompt_lengths]
-        return self.sampling.response_budgets(prompt_lengths)
-
-    @property
-    def _budget_flag(self) -> str:
-        return "--max-total-response-length" if self.toolbox is not None else "--max-new-tokens"
-
-    def _generate_with_tools(self, iteration, todo, prompts, sample_ids, continuations, budgets, whole) -> Rollout:
-        """One round of trajectories: each continues with its counts so far, which it keeps (every rank alike)."""
-        states = [s.tool_state for _, s in todo]
-        with self.toolbox.session([g.row for g, _ in todo], whole, states) as turns:
-            result = self.generate_round(iteration, prompts, sample_ids, continuations, budgets, turns)
-        told = self.toolbox.shared(turns)
-        for b, (_, s) in enumerate(todo):
-            s.tool_state = {"turns": turns.turns[b], "calls": turns.calls[b], "tool_reward": told["tool_reward"][b]}
-        for key, value in told["counts"].items():
-            self.tool_counts[key] += value
-        self.tool_counts["wait_seconds"] += float(result.stats.get("observation_wait_seconds", 0.0))
-        return result
+                s.routing = result.routing[b, :, :prompt_lengths[b] + length].cpu()
 
     def _experience(self, groups: List[_Group]) -> Experience:
         """The finished `groups` as an Experience (the layout of `Rollout.sequences()`), with `rollout.rollout`'s
         sample data and each sample's `sample_ids` and `started` iteration."""
         pairs = [(g, s) for g in groups for s in g.samples]
         dev, pad = device.current_device(), self.sampling.pad_id
+        observes = self.generator.observes
         prompts = [[int(t) for t in g.row["input_ids"]] for g, _ in pairs]
         B, P = len(pairs), max(len(p) for p in prompts)
         R = max(1, max(len(s.response) for _, s in pairs))
@@ -329,17 +292,11 @@ class PartialRollouts:
             ended_with_eos=torch.tensor([r == "eos" for r in reasons], dtype=torch.bool).to(dev),
             finish_reasons=reasons, log_probs=None if log_probs is None else log_probs.to(dev), pad_token_id=pad,
             seed=self.sampling.seed if self.sampling.do_sample else None, routing=routing,
-            tool_mask=None if self.toolbox is None else observation_mask([s.observed for _, s in pairs], R).to(dev),
+            tool_mask=observation_mask([s.observed for _, s in pairs], R).to(dev) if observes else None,
+            trajectories=[dict(s.tool_state) for _, s in pairs] if observes else None,
         )
-        exp = Experience.from_rollout(result)
-        exp.routing_recorded = self.routing_recorded
-        exp.sample_data = SampleData.of_prompts(
-            [g.row for g, _ in pairs], finish_reasons=reasons, texts=result.decode(self.tokenizer),
-            sample_ids=[s.sample_id for _, s in pairs], started=[g.started for g, _ in pairs])
-        if self.toolbox is not None:
-            exp.sample_data.trajectories = self.toolbox.trajectories(
-                exp, [float(s.tool_state.get("tool_reward", 0.0)) for _, s in pairs])
-        return exp
+        return self.generator.experience(result, [g.row for g, _ in pairs], sample_ids=[s.sample_id for _, s in pairs],
+                                         started=[g.started for g, _ in pairs])
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
@@ -347,7 +304,10 @@ class PartialRollouts:
         DP rank's carried ones, as plain lists (and the finished samples' host routing tensors)."""
         return {"group_size": self.group_size, "ready": [_group_state(g) for g in self.ready],
                 "carried": self.gather([_group_state(g) for g in self.carried]),
-                "budget": {"flag": self._budget_flag, "tokens": self._whole_budgets([0])[0]}}
+                "budget": {"flag": self.generator.budget_flag, "tokens": self._whole_budget(0)}}
+
+    def _whole_budget(self, prompt_length: int) -> int:
+        return self.generator.response_budgets([prompt_length])[0]
 
     def _check_budgets(self, state: dict) -> None:
         """Every saved response (carried or finished, of every rank: all ranks decide alike) must fit its budget in
@@ -356,16 +316,16 @@ class PartialRollouts:
         groups = list(state["ready"]) + [g for rank in state["carried"] for g in rank]
         over = []
         for g in groups:
-            budget = self._whole_budgets([len(g["row"]["input_ids"])])[0]
+            budget = self._whole_budget(len(g["row"]["input_ids"]))
             over += [(len(s["response"]), budget) for s in g["samples"] if len(s["response"]) > budget]
         if not over:
             return
         longest = max(n for n, _ in over)
         saved = state.get("budget") or {}
         was = f", generated under {saved['flag']} {saved['tokens']}" if saved.get("tokens") else ""
-        flag = self._budget_flag
+        flag = self.generator.budget_flag
         raise ArgumentError(
-            f"{flag} {self._whole_budgets([0])[0]}: the checkpoint's partial rollouts hold {len(over)} responses "
+            f"{flag} {self._whole_budget(0)}: the checkpoint's partial rollouts hold {len(over)} responses "
             f"longer than this run's budget for them (up to {longest} tokens{was}); resume with {flag} "
             f"{saved.get('tokens') or longest} (at least {longest}, within --max-length)")
 
@@ -387,6 +347,9 @@ class PartialRollouts:
         return (f"--partial-rollout: the checkpoint's {len(everything)} carried prompt groups of {len(saved)} DP ranks "
                 f"are dealt over this run's {self.dp_size}")
 
+    def prompts_drawn(self, iteration: int) -> Optional[int]:
+        return None  # the rounds draw what they need
+
     @classmethod
     def saved_work(cls, state: dict) -> Optional[str]:
         """What a saved state holds that a run without --partial-rollout would drop, or None."""
@@ -394,10 +357,6 @@ class PartialRollouts:
         if not (unfinished or finished):
             return None
         return f"{unfinished} unfinished samples and {finished} finished prompt groups of --partial-rollout"
-
-
-def _no_tool_counts() -> Dict[str, float]:
-    return dict(calls=0, failures=0, timeouts=0, seconds=0.0, wait_seconds=0.0)
 
 
 def _spans(mask: List[int]) -> List[Tuple[int, int]]:

@@ -1,22 +1,35 @@
-"""One rollout: the generation engine's settings from the run's `SamplingSettings`, generation with the actor's own
-weights into an `Experience`, the rollout's length statistics, what `--mask-truncated-completions` takes out of the
+"""The `plain` sample generator and what every rollout shares: the generation engine's settings from the run's
+`SamplingSettings`, one model turn a sample with the actor's own weights into an `Experience`, the CP ranks' rollouts
+gathered, the rollout's length statistics, what `--mask-truncated-completions` takes out of the
 losses, and how far the sampler's log-probs are from the training forward's."""
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from mindspeed_llm import distributed
 from mindspeed_llm.errors import ArgumentError
-from mindspeed_llm.inference import SamplingConfig, generate
-from mindspeed_llm.models import routing
+from mindspeed_llm.inference import Rollout, SamplingConfig
 from mindspeed_llm.rl import core_algos
 from mindspeed_llm.rl.experience import Experience, SampleData
 from mindspeed_llm.rl.metrics import mean_min_max
-from mindspeed_llm.rl.rollout_strategies import CarriesNothing
 from mindspeed_llm.rl.settings import SamplingSettings
+
+
+def generate(*args, **kwargs) -> Rollout:
+    """`inference.generate`, imported on first use (this module is read at argument validation, before
+    megatron-core is; a test replaces this name to stand in for the engine)."""
+    from mindspeed_llm.inference import generate as engine_generate
+
+    return engine_generate(*args, **kwargs)
+
+
+def _is_moe(model) -> bool:
+    from mindspeed_llm.models import routing
+
+    return routing.is_moe(model)
 
 
 def sampling_config(sampling: SamplingSettings, tokenizer, greedy: Optional[bool] = None) -> SamplingConfig:
@@ -42,27 +55,64 @@ def sampling_config(sampling: SamplingSettings, tokenizer, greedy: Optional[bool
     )
 
 
-def rollout(actor_module, rows: Sequence[dict], sampling: SamplingConfig, iteration: int, tokenizer,
-            samples_per_prompt: int = 1) -> Experience:
-    """Generate `samples_per_prompt` responses per row, a row's samples consecutive; the rows' labels and the
-    texts ride along in `Experience.sample_data`.
+class PlainGenerator:
+    """The `plain` sample generator (`base.SampleGenerator`), the default: one model turn a sample, with the actor's
+    own weights, each sample within --max-new-tokens (and --max-length). Ids past the tokenizer (Megatron's padded
+    vocabulary) are never sampled; a mixture of experts records each token's experts (--moe-routing-replay,
+    moe/routing_mismatch)."""
 
-    Sample k of the prompt at position p of the global batch (`row["position"]`, set by the trainer) draws
-    from the random stream p * n + k, so a sampled rollout is the same at any data-parallel size.
-    """
-    n = samples_per_prompt
-    samples = [row for row in rows for _ in range(n)]
-    prompts = [list(row["input_ids"]) for row in samples]  # never cut: the trainer checked --max-prompt-length
-    sample_ids = [row.get("position", i) * n + k for i, row in enumerate(rows) for k in range(n)]
-    # Ids past the tokenizer (Megatron's padded vocabulary) are never sampled.
-    # A mixture of experts records each token's experts (--moe-routing-replay, moe/routing_mismatch)
-    result = generate(actor_module, prompts, sampling, iteration=iteration, sample_ids=sample_ids,
-                      vocab_size=len(tokenizer), record_routing=True)
-    exp = Experience.from_rollout(result)
-    exp.routing_recorded = routing.is_moe(actor_module)  # the old-log-prob pass compares routing with it
-    exp.sample_data = SampleData.of_prompts(samples, finish_reasons=list(result.finish_reasons),
-                                            texts=result.decode(tokenizer))
-    return exp
+    name = "plain"
+    flag = None  # the default
+    budget_flag = "--max-new-tokens"
+    observes = False
+    continues = True
+
+    def __init__(self, actor_module, tokenizer, sampling: SamplingConfig, samples_per_prompt: int = 1):
+        self.actor_module, self.tokenizer, self.sampling = actor_module, tokenizer, sampling
+        self.samples_per_prompt = int(samples_per_prompt)
+        self.routing_recorded = actor_module is not None and _is_moe(actor_module)
+
+    @classmethod
+    def selected(cls, settings) -> bool:
+        return True
+
+    @classmethod
+    def from_settings(cls, settings, actor_module, tokenizer, sampling: SamplingConfig) -> "PlainGenerator":
+        return cls(actor_module, tokenizer, sampling, settings.algorithm.n_samples_per_prompt)
+
+    @property
+    def whole_budget(self) -> int:
+        return self.sampling.max_new_tokens
+
+    def response_budgets(self, prompt_lengths: Sequence[int]) -> List[int]:
+        return self.sampling.response_budgets(list(prompt_lengths))
+
+    def generate(self, iteration: int, samples: Sequence[dict], sample_ids: Sequence[int], continuations=None,
+                 budgets=None, sampling: Optional[SamplingConfig] = None) -> Rollout:
+        prompts = [list(row["input_ids"]) for row in samples]  # never cut: the trainer checked --max-prompt-length
+        return self.engine(iteration, prompts, sample_ids, continuations, budgets, sampling or self.sampling)
+
+    def engine(self, iteration: int, prompts: List[List[int]], sample_ids: Sequence[int], continuations, budgets,
+               sampling: SamplingConfig, turns=None, options=None) -> Rollout:
+        """One `inference.generate` call on the actor (what a subclass wraps, and a test replaces)."""
+        return generate(self.actor_module, prompts, sampling, iteration=iteration, sample_ids=list(sample_ids),
+                        vocab_size=len(self.tokenizer), record_routing=True, continuations=continuations,
+                        response_budgets=budgets, turns=turns, options=options)
+
+    def carried(self, reason: str, length: int, whole: int) -> bool:
+        # a response that reached the call's budget before its whole one was cut, not finished
+        return reason == "unfinished" or (reason == "length" and length < whole)
+
+    def experience(self, result: Rollout, samples: Sequence[dict], **sample_data) -> Experience:
+        """The Experience of `result`; the rows' labels and the texts ride along in `Experience.sample_data`."""
+        exp = Experience.from_rollout(result)
+        exp.routing_recorded = self.routing_recorded  # the old-log-prob pass compares routing with it
+        exp.sample_data = SampleData.of_prompts(samples, finish_reasons=list(result.finish_reasons),
+                                                texts=result.decode(self.tokenizer), **sample_data)
+        return exp
+
+    def metrics(self, exp: Experience, stats: Sequence[Dict[str, float]], seconds: float) -> Dict[str, float]:
+        return {}
 
 
 def gather_context_parallel(exp: Experience) -> Experience:
@@ -74,28 +124,6 @@ def gather_context_parallel(exp: Experience) -> Experience:
     if len(parts) == 1:
         return exp
     return Experience.concat(parts, exp.tokens.device)
-
-
-class SingleTurnRollouts(CarriesNothing):
-    """The `single_turn` rollout strategy (`rollout_strategies`): one generation of the iteration's prompt batch,
-    `samples_per_prompt` samples a prompt, the CP ranks' rollouts gathered (`gather_context_parallel`). Nothing
-    carries over between iterations."""
-
-    name = "single_turn"
-    flag = None  # the default
-
-    def __init__(self, actor_module, tokenizer, sampling: SamplingConfig, samples_per_prompt: int = 1):
-        self.actor_module, self.tokenizer, self.sampling = actor_module, tokenizer, sampling
-        self.samples_per_prompt = int(samples_per_prompt)
-
-    @classmethod
-    def from_settings(cls, settings, actor_module, tokenizer, sampling: SamplingConfig) -> "SingleTurnRollouts":
-        return cls(actor_module, tokenizer, sampling, settings.algorithm.n_samples_per_prompt)
-
-    def collect(self, iteration: int, prompts) -> Tuple[Experience, Dict[str, float]]:
-        exp = rollout(self.actor_module, prompts.first_batch, self.sampling, iteration, self.tokenizer,
-                      samples_per_prompt=self.samples_per_prompt)
-        return gather_context_parallel(exp), {}  # the CP ranks' rollouts: this DP rank's share, on each of them
 
 
 def rollout_metrics(exp: Experience) -> Dict[str, float]:

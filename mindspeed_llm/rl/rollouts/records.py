@@ -1,10 +1,10 @@
 """What a run keeps of each iteration's scored rollouts besides training on them: the sample table (--log-samples,
-`metrics/samples.py`) and the dump (--rollout-dump-dir, `rollout_dump.py`). A stage hands each scored generation
+`metrics/samples.py`) and the dump (--rollout-dump-dir, `dump.py`). A stage hands each scored generation
 batch to `add` as soon as it is scored; the trainer calls `finish` once the iteration is done.
 
-Under --rollout-replay-dir `finish` also draws the prompt batches the dumping run drew beyond those the replay asked
-for (--partial-rollout draws ahead), so the sampler's position, and every later iteration's prompts, are the dumping
-run's."""
+`finish` also draws the prompt batches the schedule says the iteration drew beyond those it asked for
+(`Schedule.prompts_drawn`: under --rollout-replay-dir those the dumping run drew, --partial-rollout drawing ahead), so
+the sampler's position, and every later iteration's prompts, are the dumping run's."""
 
 from __future__ import annotations
 
@@ -13,30 +13,32 @@ from typing import Dict, List, Optional
 from mindspeed_llm import distributed
 from mindspeed_llm.rl.experience import Experience
 from mindspeed_llm.rl.metrics.samples import first_rows, rollout_rows
-from mindspeed_llm.rl.rollout_dump import ReplayRollouts, RolloutDumper, dump_manifest
-from mindspeed_llm.rl.rollout_dump_checks import prompts_digest
+from mindspeed_llm.rl.rollouts.dump import RolloutDumper, dump_manifest
+from mindspeed_llm.rl.rollouts.dump_checks import prompts_digest
 
 
 class RolloutRecords:
     def __init__(self, tokenizer, log_samples: int = 0, log_samples_interval: int = 1,
-                 dumper: Optional[RolloutDumper] = None, replay: Optional[ReplayRollouts] = None):
+                 dumper: Optional[RolloutDumper] = None, schedule=None):
         self.tokenizer = tokenizer
         self.log_samples, self.log_samples_interval = log_samples, log_samples_interval
-        self.dumper, self.replay = dumper, replay
+        self.dumper, self.schedule = dumper, schedule  # the schedule: how many prompt batches an iteration draws
         self.batches: List[Experience] = []
 
     @classmethod
     def from_settings(cls, settings, tokenizer, rollouts) -> "RolloutRecords":
-        """The run's records (`settings.loop`'s --log-samples, --rollout-dump-dir) of the stage's rollout strategy
-        `rollouts`."""
+        """The run's records (`settings.loop`'s --log-samples, --rollout-dump-dir) of the stage's schedule `rollouts`
+        (`base.Schedule`) and its generator."""
         loop = settings.loop
-        dumper = RolloutDumper(loop.rollout_dump_dir, dump_manifest(settings, rollouts.name, tokenizer),
-                               getattr(rollouts, "actor_module", None)) if loop.rollout_dump_dir else None
-        return cls(tokenizer, loop.log_samples, loop.log_samples_interval or 1, dumper,
-                   rollouts if isinstance(rollouts, ReplayRollouts) else None)
+        generator = getattr(rollouts, "generator", None)
+        dumper = None
+        if loop.rollout_dump_dir:
+            manifest = dump_manifest(settings, rollouts.name, tokenizer, getattr(generator, "name", None))
+            dumper = RolloutDumper(loop.rollout_dump_dir, manifest, getattr(generator, "actor_module", None))
+        return cls(tokenizer, loop.log_samples, loop.log_samples_interval or 1, dumper, rollouts)
 
     def add(self, exp: Experience, metrics: Dict[str, float]) -> None:
-        """A scored generation batch of the iteration (the rollout strategy's and the scorer's metrics)."""
+        """A scored generation batch of the iteration (the schedule's and the scorer's metrics)."""
         if self.log_samples:
             self.batches.append(exp)
         if self.dumper is not None:
@@ -46,12 +48,12 @@ class RolloutRecords:
         return bool(self.log_samples) and iteration % self.log_samples_interval == 0
 
     def finish(self, iteration: int, prompts) -> List[dict]:
-        """Ends the iteration: its dump written, the replay's prompt draws completed, and, when a sample table is
+        """Ends the iteration: its dump written, the schedule's prompt draws completed, and, when a sample table is
         due, its rows (the first --log-samples of the global batch, on rank 0; [] elsewhere and when not due).
         Called on every rank (it gathers over the data-parallel ranks)."""
-        if self.replay is not None:
-            while prompts.drawn < self.replay.prompts_drawn(iteration):
-                prompts.more(prompts.drawn)
+        drawn = self.schedule.prompts_drawn(iteration) if self.schedule is not None else None
+        while drawn is not None and prompts.drawn < drawn:  # a replay draws what the dumping run drew
+            prompts.more(prompts.drawn)
         if self.dumper is not None:
             self.dumper.finish(iteration, prompts.drawn, prompts_digest(prompts.first_batch))
         rows: List[dict] = []
