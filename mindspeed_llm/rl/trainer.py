@@ -358,7 +358,8 @@ def run(args) -> None:
             print(f"posttrain_gpt.py: {line}", flush=True)
     tokenizer = load_tokenizer(data)
     # with --tool-config the prompts offer the run's tools, rendered here: a new tool config needs no new preprocessing
-    dataset, eval_dataset = offer_run_tools(settings.tools.tool_config, tokenizer, *_prompt_sets(data))
+    dataset, eval_dataset = offer_run_tools(settings.tools.tool_config, tokenizer, *_prompt_sets(data),
+                                            ranks=distributed.world_share())  # each rank renders a share
     sampler = prompt_sampler(data, len(dataset), rollout_rank, rollout_size)
     check_labels(dataset, settings.reward, data.data_path)
     check_prompt_lengths(dataset, data.max_prompt_length, "--data-path")
