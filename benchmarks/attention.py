@@ -7,7 +7,7 @@ heads, ffn 2.7x hidden) takes one row of s tokens through a training forward in 
 * rows: one causal sequence;
 * packed: one prompt group `[prompt | r1 | .. | rn]`, the prompt s/4, `--group` responses sharing the rest (the
   fused attention gets `PackedGroups` as `packed_seq_params`; the local one the dense mask
-  `PackedGroups.dense_mask()`, as `rl/engine.py` does).
+  `PackedGroups.dense_mask()`, as `rl/update/engine.py` does).
 
 Measured per layer: the bytes of the distinct storages saved for backward (`torch.autograd.graph.saved_tensors_hooks`,
 the weights the linear layers save left out) of a 2-layer model minus those of a 1-layer model (embedding, output

@@ -3,7 +3,7 @@ gradients and optimizer state shrunk to the adapters'. Beside `memory.py` (whose
 storage accounting this reuses).
 
 What is measured (CPU, bf16 as the launchers train): each stage's models built as the stages build them
-(`rl/roles.trainable`, frozen reference / reward models, or with LoRA `rl/lora.reference` / `rl/lora.reward_model`,
+(`rl/update/roles.trainable`, frozen reference / reward models, or with LoRA `rl/update/lora.reference` / `rl/update/lora.reward_model`,
 the trained models' bases) at SmolLM2-135M's shape with random weights, after one optimizer step of each trained
 role (so the DDP grad buffer, the fp32 main weights and Adam's moments exist), in a fresh process per configuration:
 
@@ -123,7 +123,7 @@ def measure(config: str, shape_name: str) -> dict:
     from mindspeed_llm import device
     from mindspeed_llm.models import build_model
     from mindspeed_llm.models import lora as lora_models
-    from mindspeed_llm.rl import lora, roles
+    from mindspeed_llm.rl.update import lora, roles
 
     memory.init_process()
     gc.collect()

@@ -7,7 +7,7 @@ each core attention (``--attentions``: every case names its own, `build_model(..
 
 * one training forward + backward of the policy on the real path: `MicroBatchPlan` rows or packed prompt groups ->
   the actor's `TrainableModel` (megatron DDP with its fp32 grad buffer, bf16 weights) through megatron's schedule
-  (`rl.engine.run_schedule`, what `train_step` runs before the optimizer step) -> `rl.loss_closures.clipped_policy_loss`
+  (`rl.update.engine.run_schedule`, what `train_step` runs before the optimizer step) -> `rl.update.loss_closures.clipped_policy_loss`
   (`passes.response_logprobs` -> `rl.logprobs.vocab_parallel_logprobs` with entropy, the clipped surrogate, the
   low_var_kl loss), with grpo's settings;
 * **saved for backward**: every tensor autograd packs during the forward
@@ -35,7 +35,7 @@ each core attention (``--attentions``: every case names its own, `build_model(..
 * the forward-only log-prob pass (`passes.policy_logprobs`, no grad) and the rollout (`inference.generate` on
   megatron's static KV cache), by the same peak method;
 * model-state bytes per parameter by part of a real `TrainableModel` after one optimizer step
-  (`rl/model_state.bytes_per_parameter`: weights, DDP grad buffer, fp32 main weights, Adam moments), at DP1 and at
+  (`rl/update/model_state.bytes_per_parameter`: weights, DDP grad buffer, fp32 main weights, Adam moments), at DP1 and at
   DP2 (two gloo processes) with megatron's optimizer and the distributed optimizer, what `TrainableModel.offload()`
   leaves on the device for each --offload-train-* flag (actor and critic, `roles.offload_parts`), and a frozen
   model's;

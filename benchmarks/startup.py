@@ -1,6 +1,6 @@
 """Start-up: loading a 1B-shaped Megatron checkpoint with and without megatron's random initialisation.
 
-What is timed is `mindspeed_llm.rl.roles.load_model`, the function every role of a stage is loaded with, in a fresh
+What is timed is `mindspeed_llm.rl.update.roles.load_model`, the function every role of a stage is loaded with, in a fresh
 process per measurement (megatron initialised, world size 1, `torch.set_num_threads(--threads)`):
 
 * ``random init`` (before): megatron's default path, as the stages loaded models until now: the model built in host
@@ -88,7 +88,7 @@ def _measure(opts) -> dict:
 
     sys.path.insert(0, ROOT)
     from mindspeed_llm.arguments import parse_args
-    from mindspeed_llm.rl import roles
+    from mindspeed_llm.rl.update import roles
 
     torch.set_num_threads(opts.threads)
     _init_megatron()

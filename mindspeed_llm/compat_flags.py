@@ -72,7 +72,7 @@ IGNORED_LISTS: Dict[str, str] = {
     "--lora-register-forward-hook": LORA_HOOK,
 }
 
-# Megatron's fp16 grad-scaler flags: honoured with --fp16 (engine.OptimizerSettings), ignored otherwise.
+# Megatron's fp16 grad-scaler flags: honoured with --fp16 (model_settings.OptimizerSettings), ignored otherwise.
 LOSS_SCALE_FLAGS = ("--loss-scale", "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window",
                     "--hysteresis")
 

@@ -56,7 +56,7 @@ def param_counts(shape: Shape, tp: int = 1, pp: int = 1, ep: int = 1, stage: int
     return dict(dense=dense, expert=expert, total=dense + expert)
 
 
-STATE_PARTS = ("weights", "grads", "masters", "moments")  # rl/model_state.PARTS
+STATE_PARTS = ("weights", "grads", "masters", "moments")  # rl/update/model_state.PARTS
 # megatron's rule for bf16 weights (fp32 grad buffer, fp32 main weights, Adam's two fp32 moments), the distributed
 # optimizer dividing main weights and moments over DP: used only where the model state was not measured
 RULE_BYTES = dict(weights=2.0, grads=4.0, masters=4.0, moments=8.0)
@@ -64,7 +64,7 @@ RULE_BYTES = dict(weights=2.0, grads=4.0, masters=4.0, moments=8.0)
 
 @dataclass
 class StateBytes:
-    """Model-state bytes per parameter of a trained bf16 model, by part (`rl/model_state.PARTS`), as the projection
+    """Model-state bytes per parameter of a trained bf16 model, by part (`rl/update/model_state.PARTS`), as the projection
     uses them: `plain` with megatron's optimizer (any DP); with the distributed optimizer `distributed` at DP 1
     equivalence (a part in `sharded` is that / DP at DP ranks); `left`: role -> part -> the fraction of a part an
     --offload-train-* flag moves that stays on the device after `TrainableModel.offload()`; `frozen`: a frozen
@@ -348,7 +348,7 @@ def model_states(launch: Launch, levers: Levers, table: StateBytes, stage: int) 
     memory (their measured `left` fraction stays), except the critic's weights in the passes and the actor's update
     (on-loaded for its values pass, offloaded after its own update: stages/trl_ppo.py). A frozen role holds 2 B a
     parameter, or with --offload-ref-reward nothing outside its own pass (the passes phase holds the largest)."""
-    from mindspeed_llm.rl.roles import offload_parts
+    from mindspeed_llm.rl.update.roles import offload_parts
 
     counts = {r.name: param_counts(r.shape, launch.tp, launch.pp, launch.ep, stage, r.value_head)
               for r in launch.roles}

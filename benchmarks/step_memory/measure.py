@@ -40,7 +40,8 @@ def build(case: Case, trainable: bool):
     """The case's model (bf16, its recompute and attention options), as a `TrainableModel` when `trainable`."""
     from mindspeed_llm import device
     from mindspeed_llm.models import build_model
-    from mindspeed_llm.rl.engine import OptimizerSettings, TrainableModel
+    from mindspeed_llm.rl.model_settings import OptimizerSettings
+    from mindspeed_llm.rl.update.trainable import TrainableModel
 
     overrides = dict(RECOMPUTE[case.recompute])
     if case.shape.experts:
@@ -80,7 +81,7 @@ def micro_batch_of(case: Case, exp):
     """The case's one micro-batch, cut by the real `MicroBatchPlan` (rows, or one packed prompt group)."""
     import torch
 
-    from mindspeed_llm.rl.batch_plan import MicroBatchPlan
+    from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
 
     n = exp.batch_size
     plan = MicroBatchPlan.build(exp, n, group_size=n if case.layout == "packed" else 1)
@@ -327,10 +328,10 @@ def measure(case: Case, device_type: str = "cpu", timing: bool = True) -> dict:
     """Saved bytes by region, peak and phases, and the time of one step of `case` (see the module docstring)."""
     import torch
 
-    from mindspeed_llm.rl import engine
-    from mindspeed_llm.rl.loss_closures import clipped_policy_loss
+    from mindspeed_llm.rl.update import engine
+    from mindspeed_llm.rl.update.loss_closures import clipped_policy_loss
     from mindspeed_llm.rl.settings import LossSettings
-    from mindspeed_llm.rl.passes import policy_logprobs
+    from mindspeed_llm.rl.update.passes import policy_logprobs
 
     rows, seq, prompt, response = case.rows_and_lengths()
     _clear_global_buffer()

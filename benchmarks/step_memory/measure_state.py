@@ -14,7 +14,7 @@ from benchmarks.step_memory.measure import build, free_port, init_process, measu
 from benchmarks.step_memory.shapes import KL_COEF, LOSS_ARGS, Case, Shape
 
 
-# What each --offload-train-* flag moves off the device between updates (`rl/roles.offload_parts`), by role
+# What each --offload-train-* flag moves off the device between updates (`rl/update/roles.offload_parts`), by role
 OFFLOAD_FLAGS = {"optimizer": "offload_train_optimizer", "grad": "offload_train_grad", "param": "offload_train_param"}
 
 
@@ -23,7 +23,7 @@ def _offload_args(flags: Sequence[str]) -> SimpleNamespace:
 
 
 def measure_model_state(shape: Shape, distributed_optimizer: bool = False, offload: bool = True) -> dict:
-    """Bytes per parameter of each part of a trainable bf16 model's state (`rl/model_state.bytes_per_parameter`:
+    """Bytes per parameter of each part of a trainable bf16 model's state (`rl/update/model_state.bytes_per_parameter`:
     weights, DDP grad buffer, fp32 main weights, Adam moments, each storage once) after one optimizer step, at this
     process's data-parallel size, with or without the distributed optimizer; and (`offload`) what is left on the
     device after `TrainableModel.offload()` (what the stages call before the rollout) for each --offload-train-*
@@ -32,9 +32,10 @@ def measure_model_state(shape: Shape, distributed_optimizer: bool = False, offlo
     from mindspeed_llm import distributed  # noqa: F401  (parallel state is set by the caller)
     from megatron.core import parallel_state
 
-    from mindspeed_llm.rl import model_state, roles
-    from mindspeed_llm.rl.engine import OptimizerSettings, TrainableModel
-    from mindspeed_llm.rl.loss_closures import clipped_policy_loss
+    from mindspeed_llm.rl.update import model_state, roles
+    from mindspeed_llm.rl.model_settings import OptimizerSettings
+    from mindspeed_llm.rl.update.trainable import TrainableModel
+    from mindspeed_llm.rl.update.loss_closures import clipped_policy_loss
     from mindspeed_llm.rl.settings import LossSettings
 
     gc.collect()

@@ -52,7 +52,7 @@ def micro_batch_costs(prompts: Sequence[int], responses: Sequence[int], group: i
     and `token_budget` (`--max-tokens-per-micro-batch budget`: the units sorted by length, grouped by
     `batch_plan.token_budget_groups`, the rule `MicroBatchPlan` runs); with prompt groups (group > 1) also the
     packed rows `[prompt | r1 .. rn]` (each response slot at the group's longest) by count and by the budget."""
-    from mindspeed_llm.rl.batch_plan import token_budget_groups
+    from mindspeed_llm.rl.update.batch_plan import token_budget_groups
 
     lengths = [p + r for p, r in zip(prompts, responses)]
     real_tokens, real_work = sum(lengths), sum(s * s for s in lengths)
@@ -109,7 +109,7 @@ def plan_micro_batch_tokens(prompts: Sequence[int], responses: Sequence[int], gr
     largest micro-batch's tokens and the count."""
     import torch
 
-    from mindspeed_llm.rl.batch_plan import MicroBatchPlan
+    from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
 
     exp = skewed_experience(prompts, responses)
     plan = MicroBatchPlan.build(exp, micro_batch_size, group, max_tokens=budget)

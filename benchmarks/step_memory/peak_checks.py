@@ -45,8 +45,8 @@ def _rss_child(case_json: str, out_path: str) -> None:
     import psutil
     import torch
 
-    from mindspeed_llm.rl import engine
-    from mindspeed_llm.rl.loss_closures import clipped_policy_loss
+    from mindspeed_llm.rl.update import engine
+    from mindspeed_llm.rl.update.loss_closures import clipped_policy_loss
     from mindspeed_llm.rl.settings import LossSettings
 
     torch.set_num_threads(1)

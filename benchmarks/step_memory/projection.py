@@ -292,7 +292,7 @@ def lever_rows(launch: Launch, recommended: Levers) -> List[Tuple[str, Levers]]:
         flips.append((f"packed prompt groups (mbs {launch.n_samples})", dict(layout="packed")))
     if launch.tp > 1 and not base.sequence_parallel:
         flips.append(("+ sequence parallel", dict(sequence_parallel=True)))
-    # CP needs the fused attention (arguments.py) and refuses a mixture of experts (rl/moe.model_options); it takes
+    # CP needs the fused attention (arguments.py) and refuses a mixture of experts (rl/update/moe.model_options); it takes
     # its ranks from DP, or more devices where DP is 1 already (`with_layout`)
     if launch.cp == 1 and base.attention == "sdpa" and not launch.roles[0].shape.experts:
         cp_dp = launch.world // (launch.tp * launch.pp * 2)

@@ -28,7 +28,7 @@ ASSUMPTIONS = [
     "every token read (prompts may be short); packed: mbs / n rows of prompt cap + n x response cap.",
     "Pipeline: 1F1B keeps min(PP - stage, micro-batches) micro-batches' saved activations in flight (with a token "
     "budget PP of them); the first and last stages are projected and the larger is reported.",
-    "Model state by part (weights, grads, masters, moments) in bytes per parameter as measured (rl/model_state."
+    "Model state by part (weights, grads, masters, moments) in bytes per parameter as measured (rl/update/model_state."
     "bytes_per_parameter of a real TrainableModel after an Adam step): at DP1 with megatron's optimizer, and with "
     "the distributed optimizer at DP2 on two gloo processes; a part whose DP2 bytes are below 3/4 of the plain "
     "ones is taken as divided by DP (expert DP for experts). Frozen models: the measured frozen bytes per "
@@ -172,7 +172,7 @@ def report(data: dict) -> str:
                        " MiB")
     ms = data["model_state"]
     states = (data.get("tp2") or {}).get("model_state") or {}
-    out.append("\nModel state, bytes per parameter (measured, rl/model_state.bytes_per_parameter):")
+    out.append("\nModel state, bytes per parameter (measured, rl/update/model_state.bytes_per_parameter):")
     out.append(f"  DP1, megatron's optimizer: {_state_text(ms)}; frozen {ms['frozen_bytes_per_param']:.2f}")
     out.append(f"  DP1, distributed optimizer: {_state_text(data.get('model_state_distributed_optimizer_dp1', {}))}")
     for key, label in (("dp2", "DP2, megatron's optimizer"),

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-JSON_FORMAT = 2  # 2: cases choose their attention; model state by part (rl/model_state), offload, DP2 dist-opt
+JSON_FORMAT = 2  # 2: cases choose their attention; model state by part (rl/update/model_state), offload, DP2 dist-opt
 GB = 1e9  # projections are in GB (10^9 bytes), as device memory is sold; measurements keep bytes
 MARK = "membench:"  # profiler markers
 

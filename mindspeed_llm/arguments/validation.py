@@ -118,7 +118,7 @@ def _check_sequence_and_context_parallel(run) -> None:
     """--sequence-parallel needs TP > 1 (Megatron-LM turns it off at TP 1, and so does this, saying so);
     --context-parallel-size > 1 needs the fused core attention, whose CP path gathers the keys and values over the
     CP group (megatron's local attention has none). A mixture of experts under CP is refused when its checkpoint
-    is read (`rl/moe.model_options`)."""
+    is read (`rl/update/moe.model_options`)."""
     if run.sequence_parallel and run.tensor_model_parallel_size == 1:
         run.sequence_parallel = False
         run.startup_notes.append("--sequence-parallel is off: it splits activations over the tensor-parallel ranks, "
@@ -351,7 +351,7 @@ def _check_token_budgets(run) -> None:
 
 
 def _check_model_flags(args) -> None:
-    """Model and precision flags, as far as they can be checked without the checkpoint (`rl/roles._checked_spec`
+    """Model and precision flags, as far as they can be checked without the checkpoint (`rl/update/roles._checked_spec`
     compares the model flags with it)."""
     if args.normalization is not None and args.normalization != "RMSNorm":
         raise ArgumentError(f"--normalization {args.normalization}: the supported models (llama, qwen2, qwen3, "
@@ -373,7 +373,7 @@ def _check_recompute(run) -> None:
     """Megatron-LM's recompute flags, resolved into `recompute_granularity` (None: off), `recompute_method`,
     `recompute_num_layers` (full) and `recompute_modules` (selective), refusing what megatron-core's
     TransformerConfig or Megatron-LM's validate_args refuse, and flags that would have no effect.
-    `rl/recompute.model_options` checks the rest against each trained model's layers."""
+    `rl/update/recompute.model_options` checks the rest against each trained model's layers."""
     granularity = run.recompute_granularity
     if run.recompute_activations:
         if granularity == "full":
@@ -432,7 +432,7 @@ def _check_recompute(run) -> None:
 def _check_lora(run) -> None:
     """`lora`: whether the run trains LoRA adapters (--lora-target-modules or --lora-load); the LoRA numbers
     checked. r / alpha / dropout stay None when not given: with --lora-load the adapter's own apply and a flag that
-    disagrees with it is an error (`rl/lora.lora_config`)."""
+    disagrees with it is an error (`rl/update/lora.lora_config`)."""
     from mindspeed_llm.models.lora import check_targets
 
     run.lora = bool(run.lora_target_modules or run.lora_load)

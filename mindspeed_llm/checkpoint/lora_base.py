@@ -2,7 +2,7 @@
 `--lora-load`, `convert_ckpt.py --lora-load` merging to either format, `--save-lora-to-hf` -- its base is checked.
 
 The base fingerprint (`fingerprint`): sha256 over each frozen tensor's local name, shape and a strided sample of at
-most 4096 of its values as float32, per rank (what `rl/lora.base_fingerprint` records in every shard). `BaseCheck`
+most 4096 of its values as float32, per rank (what `rl/update/lora.base_fingerprint` records in every shard). `BaseCheck`
 recomputes it from the base's full tensors for each shard of an adapter checkpoint (its TP / PP / EP slices, cast
 to the precision it trained in), so that a conversion and a `--lora-load` at another layout refuse another base;
 a PEFT folder carries no fingerprint, so its `base_model_name_or_path` is compared with the base's names

@@ -9,7 +9,7 @@ shards and published with them (`training.save`)::
      "reward_model": {"path": ..., "fingerprint": ...} | null}
 
 `bases`: the checkpoint each trained role was started from (--ref-model / --load / --reward-model) and a fingerprint
-of its weights (`rl/lora.base_fingerprint`'s strided sample, over every rank's shard); `lora`: the adapters' config
+of its weights (`rl/update/lora.base_fingerprint`'s strided sample, over every rank's shard); `lora`: the adapters' config
 (their own check is `LoRATrainableModel.check_checkpoint`). `reference`: the frozen model the KL term is computed
 against (None: no reference, --kl-coef 0); `reward_model`: the frozen model that scores the responses (None: rule
 rewards alone; a checkpoint written before it was recorded has no key: unchecked). A fingerprint depends on the layout, so it is compared only at the layout

@@ -10,7 +10,7 @@ Layout (Megatron-LM's, one tree per role)::
     <save>/.writer.lock                               <- host and pid of the run writing here
 
 Each shard holds `model`, `optimizer`, `opt_param_scheduler`, `iteration`, `model_spec` (a LoRA run: `model` holds
-the adapters only, and `lora` their config and base, `rl/lora.py`) and, in the same file, the loop state (`rng_state`
+the adapters only, and `lora` their config and base, `rl/update/lora.py`) and, in the same file, the loop state (`rng_state`
 of every DP rank, `data_position` of the prompt sampler). With
 --use-distributed-optimizer the shard folder also holds `distrib_optim.pt` (Megatron-LM's file: the fp32 main
 weights and Adam moments that megatron's optimizer `state_dict()` leaves out, gathered over the DP ranks by DP rank

@@ -13,7 +13,7 @@ left-padded prompt would shift the positions. Padding only ever follows the real
 plain causal mask Megatron applies by default is enough: no real token attends to a pad. `attention_mask`
 is returned as a [B, T] 1/0 padding mask for consumers that want it (e.g. a `transformers` forward).
 A forward on `tokens` gives at position t the prediction of `tokens[:, t + 1]`, so response token j of row b
-is predicted at position L_b - 1 + j (`rl/batch_plan.py` reads it there).
+is predicted at position L_b - 1 + j (`rl/update/batch_plan.py` reads it there).
 
 (How `generate` lays rows out inside its KV cache is internal to it; a `Rollout` always has the layout above.)
 

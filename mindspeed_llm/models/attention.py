@@ -13,7 +13,7 @@ YaRN's, dropout) is megatron's own, the output `[sq, b, np * hv]` too. What it s
   key padding) and decode steps over the static KV cache (`sq` = 1 or a few, `sk` = the cache, key padding);
   grouped-query attention reads the key / value heads in place (no `repeat_interleave` copies);
 * multi-latent attention (value head dim != key's): see `device.attention`;
-* packed prompt groups (`rl/batch_plan.py`) without a dense mask: the micro-batch's rows `[prompt | r1 | .. | rn]`
+* packed prompt groups (`rl/update/batch_plan.py`) without a dense mask: the micro-batch's rows `[prompt | r1 | .. | rn]`
   are described by `PackedGroups` (each row's prompt length P and slot width W, the group size n: Python ints,
   so the attention never waits for the host), which reaches every layer as megatron's `packed_seq_params` (a
   `PackedSeqParams` with `qkv_format='sbhd'`, which megatron passes through to core attention and through its
@@ -52,7 +52,7 @@ ATTENTIONS = ("sdpa", "local")  # build_model(attention=...): this module, or me
 
 @dataclass(frozen=True)
 class PackedGroups:
-    """The packed prompt-group layout of a micro-batch's rows (`rl/batch_plan.py`): row r is
+    """The packed prompt-group layout of a micro-batch's rows (`rl/update/batch_plan.py`): row r is
     `[prompt (prompt_lengths[r]) | n response slots of widths[r] | tail padding]`, `seq_length` wide. Slot k of row
     r covers positions `P + k W .. P + (k + 1) W - 1` and sees the prompt and itself, causally."""
 

@@ -166,7 +166,7 @@ def transformer_config(spec: ArchitectureSpec, params_dtype=torch.float32, fused
     kwargs.update(mla_config(spec))
     kwargs.update(overrides)
     if kwargs["pipeline_model_parallel_size"] > 1:
-        # Micro-batches are cut to their own length (`rl/batch_plan.py`): the pipeline stages exchange each one's
+        # Micro-batches are cut to their own length (`rl/update/batch_plan.py`): the pipeline stages exchange each one's
         # shape before its activations (megatron's variable_seq_lengths), which megatron allows with the
         # all-to-all token dispatcher only (a check megatron makes on dense models too): all-gather's default
         # gives way to it (the same dropless routing; --moe-token-dispatcher-type allgather is refused with PP).

@@ -122,7 +122,7 @@ def padded_width(width: int, multiple: int) -> int:
 
 
 def forward_width(model, width: int) -> int:
-    """The width a training or pass forward pads rows of `width` positions to (`rl/engine.py`): a multiple of TP
+    """The width a training or pass forward pads rows of `width` positions to (`rl/update/engine.py`): a multiple of TP
     under sequence parallelism (megatron splits the sequence over the TP ranks), of 2 CP under context parallelism
     (its chunks), of their product with both."""
     from mindspeed_llm.models.sequence_parallel import is_sequence_parallel

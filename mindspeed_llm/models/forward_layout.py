@@ -3,7 +3,7 @@
 
 Megatron's `GPTModel` (0.16.1) applies rotary embeddings by slot, `0..S-1` for every row, and ignores
 `position_ids` for RoPE; and it applies its output layer to every position. The RL passes need both to
-differ: a packed micro-batch (`mindspeed_llm.rl.batch_plan`) holds a prompt followed by several responses,
+differ: a packed micro-batch (`mindspeed_llm.rl.update.batch_plan`) holds a prompt followed by several responses,
 each of which continues at the prompt's end (its own positions), and only the positions that predict
 response tokens are read, so the prompt's logits are waste (TRL's `logits_to_keep`).
 

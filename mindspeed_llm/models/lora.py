@@ -46,7 +46,7 @@ adapters compute exactly what they compute without it:
 The split parameters carry megatron's tensor-parallel attributes (the gradient norm counts them once per rank, the
 replicated ones on TP rank 0 only); an expert's adapter is an expert parameter (`allreduce=False`, reduced over the
 expert-data-parallel group, as its linear). Routed experts with expert tensor parallelism > 1 are refused (an MoE
-at TP > 1 trains under sequence parallelism, `rl/moe.check_trainable`: LoRA on its routed experts needs
+at TP > 1 trains under sequence parallelism, `rl/update/moe.check_trainable`: LoRA on its routed experts needs
 --expert-tensor-parallel-size 1, where they run unsplit; its shared experts follow the rules above). Pipeline and
 expert parallelism need nothing: each rank adapts its own layers and experts.
 
@@ -187,7 +187,7 @@ class LoRAAdapter(torch.nn.Module):
                              "1; a mixture of experts at TP > 1 trains under --sequence-parallel)")
         weight = base.weight
         fan_in = base.input_size
-        # the full linear's widths: B A has rank at most min(in, out) (`rl/lora.rank_note`)
+        # the full linear's widths: B A has rank at most min(in, out) (`rl/update/lora.rank_note`)
         self.in_features, self.out_features = int(base.input_size), int(base.output_size)
         bound = 1.0 / math.sqrt(fan_in)
         full_a = torch.empty(rank, fan_in, dtype=torch.float32).uniform_(-bound, bound, generator=generator)

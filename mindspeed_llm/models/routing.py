@@ -28,7 +28,7 @@ the process shares (actor, reference, critic):
 Token order: a router sees the hidden states `[S, rows, H]` of its forward flattened sequence-first, token
 `s * rows + r`. The stored routing is per sample and position, `[B, layers, T, topk]` in the Experience's
 right-padded layout (`inference/results.py`), -1 where unknown; `replay_targets` maps it to one micro-batch's
-router order, in either layout of `rl/batch_plan.py` (one row per sample, or packed prompt groups).
+router order, in either layout of `rl/update/batch_plan.py` (one row per sample, or packed prompt groups).
 Expert ids are global (the router is replicated over TP and EP), so EP and TP change nothing; with PP every
 stage records and replays its own layers. Under sequence parallelism a training forward's router sees its TP rank's
 share of the (padded) positions: the targets are cut to it (`sequence_shard`), and the mismatch counts are summed
@@ -152,7 +152,7 @@ def replay_routing(model, targets: List[torch.Tensor]):
 
 # ---------------------------------------------------------------------------------------------- layouts
 def token_sources(micro_batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """For each model position `[rows, S]` of a micro-batch (`rl/batch_plan.py`), the micro-batch sample whose
+    """For each model position `[rows, S]` of a micro-batch (`rl/update/batch_plan.py`), the micro-batch sample whose
     token sits there and that token's position in the sample's own sequence; (-1, -1) on padding.
 
     One row per sample: row r is sample r at its own positions. Packed prompt groups (`packed_groups` in the
@@ -290,7 +290,7 @@ def sequence_shard(per_token: torch.Tensor, rows: int, width: int, fill) -> torc
 
 @contextlib.contextmanager
 def micro_batch_routing(model, micro_batch: Dict[str, torch.Tensor], width: Optional[int] = None):
-    """Around one training forward of `micro_batch` (`rl/engine.py`): replays its samples' recorded routing when the
+    """Around one training forward of `micro_batch` (`rl/update/engine.py`): replays its samples' recorded routing when the
     model replays (`replays`), and counts mismatches when a comparison is open (`compare_routing`). A no-op
     without recorded routing or for a dense model. `width`: the forward's rows padded to it (sequence parallelism:
     each TP rank's routers see its share of those positions, `sequence_shard`)."""

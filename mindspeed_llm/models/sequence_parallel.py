@@ -3,7 +3,7 @@
 Under megatron's sequence parallelism the activations between the tensor-parallel regions (norms, residuals,
 dropout: 21 H of a layer's 29 H bytes per token in bf16) are split along the sequence over the TP ranks, so every
 forward needs a sequence length divisible by TP. The training forwards and the log-prob / value / reward passes
-pad their micro-batches to such a width (`rl/engine.py`). The rollout's decode steps run one token per row, and
+pad their micro-batches to such a width (`rl/update/engine.py`). The rollout's decode steps run one token per row, and
 megatron's static KV-cache path reads the last position of the local sequence shard (`hidden_states[-1:]`), which
 under sequence parallelism is not the last token. So `generate` runs the model with sequence parallelism off for
 its duration (`sequence_parallel_off`): the linear layers all-reduce instead of reduce-scattering and

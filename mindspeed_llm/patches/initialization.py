@@ -3,7 +3,7 @@
 megatron-core 0.16.1's `VocabParallelEmbedding`, `ColumnParallelLinear` and `RowParallelLinear` mark their weight
 as tensor-parallel (`tensor_model_parallel`, `partition_dim`, `partition_stride`) inside `_initialize_affine_weight_*`,
 which they call only when `config.perform_initialization` is on. A model built to be loaded from a checkpoint
-(`perform_initialization=False`, `rl/roles.from_checkpoint`) then has unmarked weights, and megatron treats each
+(`perform_initialization=False`, `rl/update/roles.from_checkpoint`) then has unmarked weights, and megatron treats each
 unmarked weight as a duplicate on every TP rank: the gradient norm counts the sharded weights of TP rank 0 only, so
 at TP > 1 gradient clipping (and the logged grad_norm) came out wrong (the TP2 cases of
 tests/dist/test_stages_layout_invariance.py caught it). The patch marks the weight as those functions would have,

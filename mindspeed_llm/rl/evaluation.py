@@ -19,12 +19,12 @@ from typing import Dict, List, Optional, Sequence
 
 from mindspeed_llm import distributed
 from mindspeed_llm.files import append_line, write_text_atomically
-from mindspeed_llm.rl.batch_plan import MicroBatchPlan
+from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.metrics import Timers
 from mindspeed_llm.rl.metrics.pass_at_k import PromptResult, summarize
 from mindspeed_llm.rl.metrics.samples import eval_rows
-from mindspeed_llm.rl.passes import policy_logprobs
-from mindspeed_llm.rl.roles import on_device
+from mindspeed_llm.rl.update.passes import policy_logprobs
+from mindspeed_llm.rl.update.roles import on_device
 from mindspeed_llm.rl.rollout import rollout, sampling_config
 from mindspeed_llm.rl.settings import LoopSettings, SamplingSettings
 

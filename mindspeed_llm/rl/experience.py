@@ -3,7 +3,7 @@
 Each sample is `prompt_i + response_i + padding` in `tokens` (right padded to T = max(prompt + response)),
 position ids `arange(T)`. Per-token RL tensors (log-probs, values, rewards, advantages, masks) are
 response-aligned `[B, R]`: column j is response token j. How samples feed the model (rows or packed prompt
-groups, the read positions) is `rl/batch_plan.py`'s job.
+groups, the read positions) is `rl/update/batch_plan.py`'s job.
 
 Multi-turn rollouts: the response holds the model's sampled tokens and, between its turns, the tool-response tokens
 (`tool_mask`). `response_mask` is every token fed after the prompt (lengths, read positions, packing and token
@@ -23,7 +23,7 @@ from mindspeed_llm.rl.core_algos.actions import action_mask, loss_mask
 
 
 # The per-token fields, response-aligned `[B, R]` (column j is response token j): a micro-batch may cut them to its
-# own longest response (`rl/batch_plan.py`).
+# own longest response (`rl/update/batch_plan.py`).
 RESPONSE_FIELDS = ("responses", "response_mask", "tool_mask", "rollout_logp", "loss_mask", "old_logp", "ref_logp",
                    "values", "advantages", "returns")
 # The row-padded fields a join pads to its widest row ([B, T] or [B, R]); `routing` is padded along its T axis.
@@ -115,7 +115,7 @@ class Experience:
     routing: Optional[torch.Tensor] = None
     # The generating policy is a mixture of experts that recorded its routing into `routing` (on the ranks holding MoE
     # layers; a pipeline stage without them has None): the old-log-prob pass of that policy compares its own routing
-    # with the rollout's (`rl/passes.policy_logprobs(compare_routing=...)`). The same on every rank.
+    # with the rollout's (`rl/update/passes.policy_logprobs(compare_routing=...)`). The same on every rank.
     routing_recorded: bool = False
 
     def __post_init__(self):

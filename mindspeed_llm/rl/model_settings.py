@@ -1,13 +1,13 @@
-"""The typed parts model building reads (`rl/roles.py`, `rl/lora.py`, `rl/moe.py`, `rl/recompute.py`), made by
+"""The typed parts model building reads (`rl/update/roles.py`, `rl/update/lora.py`, `rl/update/moe.py`, `rl/update/recompute.py`), made by
 `arguments.validate_args` with the rest of the settings (`rl/settings.py`: `Settings.model`, `.optimizer`, `.lora`,
-`.moe`, `.recompute`), and the optimizer settings of one trained role that `rl/engine.TrainableModel` takes.
+`.moe`, `.recompute`), and the optimizer settings of one trained role that `rl/update/trainable.TrainableModel` takes.
 
     ModelBuild          what every role is built with, and the model flags checked against each checkpoint
     OptimizerFlags      Megatron-LM's optimizer, LR-schedule and grad-scaler flags; `for_role` gives a role's
     OptimizerSettings   one trained role's optimizer (the actor's --lr, the critic's --critic-lr)
-    LoRASettings        LoRA's flags (`rl/lora.py`)
-    MoESettings         the mixture-of-experts flags and the resolved expert layout (`rl/moe.py`)
-    RecomputeSettings   activation recompute, as `validate_args` resolved it (`rl/recompute.py`)
+    LoRASettings        LoRA's flags (`rl/update/lora.py`)
+    MoESettings         the mixture-of-experts flags and the resolved expert layout (`rl/update/moe.py`)
+    RecomputeSettings   activation recompute, as `validate_args` resolved it (`rl/update/recompute.py`)
 
 As in `rl/settings.py`, a field is named after the flag destination it holds and its default is the parser's
 (tests/unit/test_settings.py); `derived` fields are values `validate_args` works out of several flags.
@@ -58,7 +58,7 @@ class ModelBuild:
 
 @dataclass(frozen=True)
 class OptimizerSettings:
-    """One trained role's optimizer and LR schedule (`engine.TrainableModel`); a run's come from
+    """One trained role's optimizer and LR schedule (`trainable.TrainableModel`); a run's come from
     `OptimizerFlags.for_role`, tests and benchmarks build their own."""
     lr: float
     optimizer: str = "adam"  # or "sgd"
@@ -143,7 +143,7 @@ class OptimizerFlags:
 
 @dataclass(frozen=True)
 class LoRASettings:
-    """LoRA's flags (`rl/lora.py`); r / alpha / dropout None: not given (with --lora-load the adapter's own)."""
+    """LoRA's flags (`rl/update/lora.py`); r / alpha / dropout None: not given (with --lora-load the adapter's own)."""
     lora: bool = derived(False)  # --lora-target-modules or --lora-load given
     lora_r: Optional[int] = None
     lora_alpha: Optional[float] = None
@@ -156,7 +156,7 @@ class LoRASettings:
 
 @dataclass(frozen=True)
 class MoESettings:
-    """The mixture-of-experts flags (`rl/moe.py`) and the shape flags checked against a checkpoint's experts."""
+    """The mixture-of-experts flags (`rl/update/moe.py`) and the shape flags checked against a checkpoint's experts."""
     moe_routing_replay: bool = False
     expert_model_parallel_size: int = 1
     expert_parallel_size: int = derived(1)  # ranks the experts are split over (EP x TP with --moe-tp-extend-ep)
@@ -176,7 +176,7 @@ class MoESettings:
 
 @dataclass(frozen=True)
 class RecomputeSettings:
-    """Activation recompute of the trained roles (`rl/recompute.py`), as `validate_args` resolved Megatron-LM's
+    """Activation recompute of the trained roles (`rl/update/recompute.py`), as `validate_args` resolved Megatron-LM's
     flags: granularity None (off), "full" (method and layers) or "selective" (modules)."""
     recompute_granularity: Optional[str] = None  # validate_args: --recompute-activations / --moe-layer-recompute
     recompute_method: Optional[str] = None

@@ -14,10 +14,10 @@ import torch
 
 from mindspeed_llm.errors import ArgumentError, UserError
 from mindspeed_llm.rl import core_algos, reward_functions, verifiers
-from mindspeed_llm.rl.batch_plan import MicroBatchPlan
+from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.experience import Experience, SampleData
-from mindspeed_llm.rl.passes import reward_scores
-from mindspeed_llm.rl.roles import on_device
+from mindspeed_llm.rl.update.passes import reward_scores
+from mindspeed_llm.rl.update.roles import on_device
 from mindspeed_llm.rl.settings import RewardMixing
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """What rank 0 prints once before training (`trainer.run`), composed here from the layers below the trainer:
 the parser's lines (`compat_flags.startup_lines`: ignored flags, an overridden --distributed-backend, the notes
-`validate_args` left), the MoE notes (`rl.moe.startup_notes`: --moe-grouped-gemm without a kernel), what the
+`validate_args` left), the MoE notes (`rl.update.moe.startup_notes`: --moe-grouped-gemm without a kernel), what the
 profiling flags do on this device (`rl.profiling.startup_notes`) and the environment switches with their values.
 
 The switches stay environment variables, not flags: each picks an implementation, never the math (the Triton
@@ -16,7 +16,8 @@ from typing import List
 from mindspeed_llm import compat_flags
 from mindspeed_llm.inference.cuda_graph import DECODE_CUDA_GRAPH_ENV
 from mindspeed_llm.kernels import KERNEL_ENVS
-from mindspeed_llm.rl import moe, profiling
+from mindspeed_llm.rl import profiling
+from mindspeed_llm.rl.update import moe
 
 # environment variable -> the value it has when unset
 # the collectives backend -> the device kind it runs on

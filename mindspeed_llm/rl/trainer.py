@@ -246,7 +246,7 @@ def run_description(stage_name: str, stage) -> dict:
     """What this run's checkpoints record (`checkpoint/run_record.py`): the stage, its roles, each role's base (the
     checkpoint it started from and a fingerprint of its weights, taken before any resume loads over them), the
     reference model and the reward model. A collective (every rank's fingerprints)."""
-    from mindspeed_llm.rl.lora import base_fingerprint
+    from mindspeed_llm.rl.update.lora import base_fingerprint
 
     def base_of(trainable):
         if getattr(trainable, "is_lora", False):

@@ -9,7 +9,7 @@
   tensor of `[s, s]` or more elements, in rows or packed, keeps a small fraction of what the local attention
   keeps, and its bytes grow linearly with s (2x s -> about 2x bytes) where the local attention's grow
   quadratically (about 4x).
-* Whole models (megatron's schedule through `rl/passes.py` / `rl/engine.py`): a tiny Qwen2 (grouped-query
+* Whole models (megatron's schedule through `rl/update/passes.py` / `rl/update/engine.py`): a tiny Qwen2 (grouped-query
   attention, q/k/v biases) as policy and as value model, and a tiny DeepSeek-V3 (MLA, YaRN, MoE) policy, with the
   same weights in both attentions: log-probs, the logits at the response positions (each rank's vocab shard),
   critic values, reward scores and every parameter gradient, in the row layout and the packed prompt-group layout
@@ -254,8 +254,8 @@ def _model_outputs(model, exp, plan, value_head, grads=True):
     """Forward-only outputs (through megatron's schedule) and every local parameter's gradient of a loss."""
     from megatron.core import parallel_state as ps
 
-    from mindspeed_llm.rl import batch_plan, passes
-    from mindspeed_llm.rl.engine import run_schedule
+    from mindspeed_llm.rl.update import batch_plan, passes
+    from mindspeed_llm.rl.update.engine import run_schedule
 
     width = exp.responses.shape[1]
     out = {}
@@ -290,7 +290,7 @@ def _model_outputs(model, exp, plan, value_head, grads=True):
 
 def _layout_results(tp, pp):
     """{(case, plan): {quantity: (fused, local)}} of the whole-model cases at one layout."""
-    from mindspeed_llm.rl.batch_plan import MicroBatchPlan
+    from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
 
     exp = _experience()
     plans = {"rows": MicroBatchPlan.build(exp, 8), "packed": MicroBatchPlan.build(exp, 8, group_size=N),

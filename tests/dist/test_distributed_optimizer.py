@@ -128,8 +128,9 @@ def _patch_cases(reward_checkpoint):
     """Each patch of patches/optimizer.py taken away in turn, on a bf16 value-head model (its fp32 value head shares a
     param group with bf16 weights) with the distributed optimizer: {case: the error megatron raises, or None}."""
     from mindspeed_llm.arguments import parse_args
-    from mindspeed_llm.rl import roles
-    from mindspeed_llm.rl.engine import OptimizerSettings, TrainableModel
+    from mindspeed_llm.rl.update import roles
+    from mindspeed_llm.rl.model_settings import OptimizerSettings
+    from mindspeed_llm.rl.update.trainable import TrainableModel
 
     args = parse_args(["--stage", "grpo", "--ref-model", "m", "--data-path", "d", "--global-batch-size", "1",
                        "--train-iters", "1", "--verifier-function", "math_acc", "--bf16"])

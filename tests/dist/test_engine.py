@@ -1,6 +1,6 @@
-"""`rl/engine.py`'s step guards, on a tiny model in one process: NaN / inf gradients behind a finite loss stop the step
-before the optimizer moves (the guard reduces each gradient buffer to its norm first, and counts the bad values only
-when that is not finite), and a step that moves the weights by more than half their norm is divergence.
+"""`rl/update/trainable.py`'s step guards, on a tiny model in one process: NaN / inf gradients behind a finite loss
+stop the step before the optimizer moves (the guard reduces each gradient buffer to its norm first, and counts the bad
+values only when that is not finite), and a step that moves the weights by more than half their norm is divergence.
 (Stage-level runs of both guards: tests/dist/test_stages_faults.py, tests/dist/test_stages_errors.py.)"""
 
 import pytest
@@ -17,7 +17,8 @@ def _guards(rank, world_size):
     from mindspeed_llm.checkpoint.errors import DivergenceError, NonFiniteError
     from mindspeed_llm.models import build_model
     from mindspeed_llm.models.architecture import ArchitectureSpec
-    from mindspeed_llm.rl.engine import OptimizerSettings, TrainableModel
+    from mindspeed_llm.rl.model_settings import OptimizerSettings
+    from mindspeed_llm.rl.update.trainable import TrainableModel
 
     distributed.initialize(1, 1, seed=3)
     spec = ArchitectureSpec(family="llama", num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,

@@ -149,7 +149,7 @@ def test_qwen3_moe_launcher_fits_the_model_and_converts_at_its_layout(tmp_path, 
     from types import SimpleNamespace
 
     from mindspeed_llm.models import ArchitectureSpec
-    from mindspeed_llm.rl import moe, roles
+    from mindspeed_llm.rl.update import moe, roles
 
     run_dir, convert_dir = tmp_path / "run", tmp_path / "convert"
     run_dir.mkdir()
@@ -213,7 +213,7 @@ def test_the_deepseek3_launcher_fits_the_model_and_converts_at_its_layout(tmp_pa
     from types import SimpleNamespace
 
     from mindspeed_llm.models import ArchitectureSpec
-    from mindspeed_llm.rl import moe, roles
+    from mindspeed_llm.rl.update import moe, roles
 
     run_dir, convert_dir = tmp_path / "run", tmp_path / "convert"
     run_dir.mkdir()

@@ -3,7 +3,7 @@
 The reference is `peft` 0.21 (`get_peft_model` with a `LoraConfig` on `tests/helpers/hf_tiny.py` models, fp32): random
 non-zero A and B (`init_lora_weights=False`) on q, k, v, o, gate, up and down, saved with `save_pretrained`. Ours reads
 that folder (`checkpoint/lora.read_peft`), adds adapters to the converted Megatron model (`models/lora.apply_lora`)
-and loads them (`rl/lora.load_adapter`, each rank its TP slice). Two adapters per model:
+and loads them (`rl/update/lora.load_adapter`, each rank its TP slice). Two adapters per model:
 
 * `indep`: PEFT's usual adapter, each of q / k / v (and gate / up) with its own A: read as one stacked adapter per
   fused Megatron linear (rank 3r on linear_qkv, 2r on linear_fc1);
@@ -154,7 +154,7 @@ def _lora_model(root, adapter_path, value=False, sp=False):
     from mindspeed_llm.checkpoint import load_megatron_weights, load_spec
     from mindspeed_llm.checkpoint import lora as lora_files
     from mindspeed_llm.models import build_model, lora
-    from mindspeed_llm.rl.lora import load_adapter
+    from mindspeed_llm.rl.update.lora import load_adapter
 
     spec = load_spec(root)
     model = build_model(spec, value_head=value, sequence_parallel=sp)
@@ -172,8 +172,8 @@ def _lora_model(root, adapter_path, value=False, sp=False):
 
 def _save_adapters(model, root, base):
     from mindspeed_llm.checkpoint import training as training_ckpt
-    from mindspeed_llm.rl.engine import OptimizerSettings
-    from mindspeed_llm.rl.lora import LoRATrainableModel
+    from mindspeed_llm.rl.model_settings import OptimizerSettings
+    from mindspeed_llm.rl.update.lora import LoRATrainableModel
 
     trained = LoRATrainableModel(model, OptimizerSettings(lr=1e-3), name="actor", base=base)
     training_ckpt.save(root, 1, {"actor": trained}, {"sampler": {}})

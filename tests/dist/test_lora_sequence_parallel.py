@@ -93,10 +93,10 @@ def _experience():
 
 def _one_step(model, root, unmark=False):
     """The adapters (merged over TP) before and after one SGD step of a policy loss, and the step's grad norm."""
-    from mindspeed_llm.rl.batch_plan import MicroBatchPlan
-    from mindspeed_llm.rl.engine import OptimizerSettings
-    from mindspeed_llm.rl.lora import LoRATrainableModel
-    from mindspeed_llm.rl.passes import response_logprobs
+    from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
+    from mindspeed_llm.rl.model_settings import OptimizerSettings
+    from mindspeed_llm.rl.update.lora import LoRATrainableModel
+    from mindspeed_llm.rl.update.passes import response_logprobs
 
     from mindspeed_llm.models import lora
 

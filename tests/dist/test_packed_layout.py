@@ -1,4 +1,4 @@
-"""Packed prompt groups and the logits window (`rl/batch_plan.py`, `models/forward_layout.py`) compute what the
+"""Packed prompt groups and the logits window (`rl/update/batch_plan.py`, `models/forward_layout.py`) compute what the
 plain per-sample layout computes.
 
 A grpo-like Experience (4 prompts of different lengths x 4 samples with ragged responses, one of them empty and
@@ -10,7 +10,7 @@ one at the full width) is read four ways on a tiny Qwen2 converted from Hugging 
 * packed with the micro-batch of a single group.
 
 Compared: response log-probs (policy), critic values and reward scores (value head), at TP=1, TP=2 and PP=2
-through the real passes (`rl/passes.py`, megatron's schedule), and the gradients of a log-prob loss (TP=1, TP=2).
+through the real passes (`rl/update/passes.py`, megatron's schedule), and the gradients of a log-prob loss (TP=1, TP=2).
 The plain layout itself equals `transformers` (tests/dist/test_models_parity.py), so this is parity by transitivity.
 """
 
@@ -63,9 +63,9 @@ def _worker(rank, world_size, tp, pp, roots):
     from mindspeed_llm import distributed
     from mindspeed_llm.checkpoint import load_megatron_weights, load_spec
     from mindspeed_llm.models import build_model
-    from mindspeed_llm.rl import batch_plan, passes
-    from mindspeed_llm.rl.batch_plan import MicroBatchPlan
-    from mindspeed_llm.rl.engine import _model_forward
+    from mindspeed_llm.rl.update import batch_plan, passes
+    from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
+    from mindspeed_llm.rl.update.engine import _model_forward
 
     distributed.initialize(tp, pp, rank=rank, world_size=world_size)
 

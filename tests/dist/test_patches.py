@@ -189,7 +189,7 @@ def _mode_sufficient(tmp):
     ddp = _ddp(model)
     optimizer = _optimizer(ddp)
     # The trainer's optimizer setting: torch's fused Adam kernel (compared below with HF + foreach AdamW).
-    from mindspeed_llm.rl.engine import use_fused_torch_adam
+    from mindspeed_llm.rl.update.trainable import use_fused_torch_adam
 
     use_fused_torch_adam(optimizer)
     inner = optimizer.optimizer

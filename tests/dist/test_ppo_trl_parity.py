@@ -193,7 +193,8 @@ def _our_stage(rank, world_size, argv, responses, reference_root, mutation=None)
     gradients and the run's weight changes (HF names). `mutation` plants a loss-scale bug (the mutation test)."""
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.checkpoint import load_megatron_weights
-    from mindspeed_llm.rl import engine, rollout, trainer
+    from mindspeed_llm.rl import rollout, trainer
+    from mindspeed_llm.rl.update import engine
     from mindspeed_llm.rl.stages import STAGES
 
     record = {"prompts": [], "grads": {}}

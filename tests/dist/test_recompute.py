@@ -129,7 +129,7 @@ def test_layer_counts_are_checked_per_pipeline_stage():
 
     from mindspeed_llm.arguments import ArgumentError
     from mindspeed_llm.models import ArchitectureSpec
-    from mindspeed_llm.rl import recompute
+    from mindspeed_llm.rl.update import recompute
 
     dense = ArchitectureSpec.from_hf_config(tiny_config("qwen2", num_layers=4).to_dict())
     moe = ArchitectureSpec.from_hf_config(tiny_config("qwen2_moe").to_dict())
@@ -179,7 +179,7 @@ def _batches(vocab, routing_layers=0, topk=0, experts=0):
     and packed groups (RoPE at position ids that are not the slots, a group attention mask). With
     `routing_layers`, a planted routing (random experts, not the model's) for replay."""
 
-    from mindspeed_llm.rl.batch_plan import MicroBatchPlan
+    from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
 
     exp = synthetic_experience([4, 4, 6, 6], [5, 2, 3, 7], vocab=vocab, seed=1)
     groups_share_prompts(exp, 2)
@@ -219,7 +219,7 @@ def _step(spec, state, fields, micro_batches, dtype="fp32", calls=(), seed=0):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from mindspeed_llm.models import build_model
-    from mindspeed_llm.rl import engine, moe
+    from mindspeed_llm.rl.update import engine, moe
 
     model = build_model(spec, params_dtype=dtype, **fields)
     model.load_state_dict(state)
@@ -272,8 +272,8 @@ def _model_level_body(rank, world_size):
 
     from mindspeed_llm import distributed
     from mindspeed_llm.models import build_model
-    from mindspeed_llm.rl import engine
-    from mindspeed_llm.rl.batch_plan import gather_last_token
+    from mindspeed_llm.rl.update import engine
+    from mindspeed_llm.rl.update.batch_plan import gather_last_token
 
     distributed.initialize(1, 1, seed=5)
     specs = _specs()
@@ -372,7 +372,7 @@ def _model_level_body(rank, world_size):
 def _saved_bytes(spec, state, fields, micro_batch) -> int:
     """Bytes the autograd graph of one training forward keeps for the backward (parameters left out)."""
     from mindspeed_llm.models import build_model
-    from mindspeed_llm.rl import engine
+    from mindspeed_llm.rl.update import engine
 
     model = build_model(spec, **fields)
     model.load_state_dict(state)
@@ -525,7 +525,8 @@ def _stage_body(rank, world_size, runs, replay_check):
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from mindspeed_llm.arguments import parse_args
-    from mindspeed_llm.rl import roles, trainer
+    from mindspeed_llm.rl import trainer
+    from mindspeed_llm.rl.update import roles
     from mindspeed_llm.rl.verifiers import register_verifier
 
     register_verifier("odd_first_word", override=True)(odd_first_word)

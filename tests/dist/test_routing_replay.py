@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mindspeed_llm.models import routing
-from mindspeed_llm.rl.batch_plan import MicroBatchPlan
+from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.experience import Experience
 from tests.helpers.multiproc import run_distributed
 from tests.helpers.routing_batches import MOE_SPEC, groups_share_prompts, synthetic_experience
@@ -89,7 +89,7 @@ def test_response_scope_is_every_response_token_but_the_last():
 # ---------------------------------------------------------------------------------------------- with a model
 def _forward_routing(model, exp, plan):
     """Each micro-batch's routing in the training forward (router order), via the engine's forward."""
-    from mindspeed_llm.rl import engine
+    from mindspeed_llm.rl.update import engine
 
     seen = []
     with torch.no_grad(), routing.capture_routing(model) as cap:
@@ -140,7 +140,7 @@ def _replay_body(rank, world_size, ep, dtype, pp=1, prefill="auto", dispatcher="
     from mindspeed_llm import distributed
     from mindspeed_llm.inference import SamplingConfig, generate
     from mindspeed_llm.models import build_model
-    from mindspeed_llm.rl.passes import policy_logprobs
+    from mindspeed_llm.rl.update.passes import policy_logprobs
 
     distributed.initialize(1, pp, seed=3, expert_model_parallel_size=ep)
     model = build_model(MOE_SPEC, params_dtype=dtype, moe_token_dispatcher_type=dispatcher, attention=attention)
@@ -253,7 +253,7 @@ def _routing_from_forward(exp, seen, L, k):
 def _exactness_body(rank, world_size, ep):
     from mindspeed_llm import distributed
     from mindspeed_llm.models import build_model
-    from mindspeed_llm.rl import engine
+    from mindspeed_llm.rl.update import engine
 
     distributed.initialize(1, 1, seed=4, expert_model_parallel_size=ep)
     model = build_model(MOE_SPEC, params_dtype="bf16", moe_enable_routing_replay=True)

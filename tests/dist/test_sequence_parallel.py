@@ -46,9 +46,11 @@ def _worker(rank, world_size, task):
     from mindspeed_llm.checkpoint import load_megatron_weights, load_spec
     from mindspeed_llm.inference import SamplingConfig, generate
     from mindspeed_llm.models import build_model
-    from mindspeed_llm.rl.batch_plan import MicroBatchPlan
-    from mindspeed_llm.rl.engine import OptimizerSettings, TrainableModel, forward_only
-    from mindspeed_llm.rl.passes import last_token_values, response_logprobs, response_values
+    from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
+    from mindspeed_llm.rl.update.engine import forward_only
+    from mindspeed_llm.rl.model_settings import OptimizerSettings
+    from mindspeed_llm.rl.update.trainable import TrainableModel
+    from mindspeed_llm.rl.update.passes import last_token_values, response_logprobs, response_values
 
     distributed.initialize(2, 1, 1234)
     # 13 positions: not a multiple of TP 2, the forward pads to 14. The policy's prompts of 5 give an output window

@@ -41,7 +41,7 @@ def _guarded_runs(rank, world_size, runs, unmoved_models=False):
     from megatron.core import parallel_state
 
     import posttrain_gpt
-    from mindspeed_llm.rl import roles
+    from mindspeed_llm.rl.update import roles
 
     codes = []
     with pytest.MonkeyPatch.context() as patch:  # put back after the runs: the next body may get these ranks

@@ -157,7 +157,7 @@ def test_cases_are_not_trivial(layout_runs):
     """The invariance above is about real updates: every case has a loss, a gradient and a moved model, the group
     filter both removes and keeps groups (through the loss mask: a filtered response keeps its length, read
     positions and packing), and the DP ranks draw different mini-batch orders."""
-    from mindspeed_llm.rl.ppo_loop import mini_batch_units
+    from mindspeed_llm.rl.update.ppo_loop import mini_batch_units
 
     dirs, runs = layout_runs
     filtered = {world: run[0] for world, run in runs.items()}

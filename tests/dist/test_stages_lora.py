@@ -191,15 +191,15 @@ def _stage_body(rank, world_size, runs):
 def _inspect(built):
     """What the built stage shares, and trl_ppo's reward view against the frozen reward model after training."""
     from mindspeed_llm.models import lora
-    from mindspeed_llm.rl import roles
-    from mindspeed_llm.rl.batch_plan import MicroBatchPlan
-    from mindspeed_llm.rl.lora import SharedBase
-    from mindspeed_llm.rl.passes import reward_scores
+    from mindspeed_llm.rl.update import roles
+    from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
+    from mindspeed_llm.rl.update.lora import SharedBase
+    from mindspeed_llm.rl.update.passes import reward_scores
     from mindspeed_llm.rl.rollout import rollout
 
     stage, args = built["stage"], built["args"]
     from mindspeed_llm.data import PromptDataset
-    from mindspeed_llm.rl.passes import policy_logprobs
+    from mindspeed_llm.rl.update.passes import policy_logprobs
 
     info = {"reference_is_actor": isinstance(stage.reference, SharedBase) and stage.reference.module is
             stage.actor.module, "trained": list(lora.trained_names(stage.actor.module))}
@@ -209,7 +209,7 @@ def _inspect(built):
     plan = MicroBatchPlan.for_run(exp, args.settings.batch, group_size=1)
     # the initial policy: the base with the --lora-load adapter, built afresh
     from mindspeed_llm.checkpoint import lora as lora_files
-    from mindspeed_llm.rl.lora import load_adapter
+    from mindspeed_llm.rl.update.lora import load_adapter
 
     initial = roles.load_model(args.ref_model, "--ref-model", args.settings)
     adapter = lora_files.read_adapter(args.lora_load, initial.model_spec)

@@ -113,7 +113,7 @@ def test_split_evaluates_on_the_valid_part_and_trains_on_the_rest(stage_paths, t
 
 
 def _check(root, *extra):
-    from mindspeed_llm.rl.roles import _checked_spec
+    from mindspeed_llm.rl.update.roles import _checked_spec
 
     return _checked_spec(root, "--ref-model", _parse(*extra).settings)
 
@@ -136,7 +136,7 @@ def _dropout_worker(rank, world_size, root, reward_root):
     from mindspeed_llm.inference import SamplingConfig
     from mindspeed_llm.inference.generation import generate
     from mindspeed_llm.models.attention import model_attention
-    from mindspeed_llm.rl import roles
+    from mindspeed_llm.rl.update import roles
 
     distributed.initialize(1, 1, seed=3)
     argv = ["--stage", "grpo", "--verifier-function", "math_acc", "--data-path", "d", "--train-iters", "1",

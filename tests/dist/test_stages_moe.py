@@ -1,4 +1,4 @@
-"""Mixture-of-experts actors in the RL stages (`mindspeed_llm/rl/moe.py`):
+"""Mixture-of-experts actors in the RL stages (`mindspeed_llm/rl/update/moe.py`):
 
 * the router's load-balancing loss reaches the trained model's gradient with its coefficient: the gradient of a
   step equals that of (loss shares + coeff x the micro-batch mean of the summed per-layer Switch loss), computed
@@ -86,7 +86,7 @@ def _hand_aux(router_inputs, weights, pads):
 
 
 def _capture_router_inputs(model):
-    from mindspeed_llm.rl.moe import _routers
+    from mindspeed_llm.rl.update.moe import _routers
 
     seen = []
     handles = [r.register_forward_pre_hook(lambda m, args: seen.append((m.layer_number, args[0], args[1])))
@@ -99,8 +99,9 @@ def _aux_gradient_case(rank, world_size):
 
     from mindspeed_llm import distributed
     from mindspeed_llm.models import build_model
-    from mindspeed_llm.rl import moe
-    from mindspeed_llm.rl.engine import OptimizerSettings, TrainableModel
+    from mindspeed_llm.rl.update import moe
+    from mindspeed_llm.rl.model_settings import OptimizerSettings
+    from mindspeed_llm.rl.update.trainable import TrainableModel
 
     distributed.initialize(1, 1, 5)
     coeff = 0.3
@@ -172,8 +173,9 @@ def _metrics_case(rank, world_size):
 
     from mindspeed_llm import distributed
     from mindspeed_llm.models import build_model
-    from mindspeed_llm.rl import moe
-    from mindspeed_llm.rl.engine import OptimizerSettings, TrainableModel
+    from mindspeed_llm.rl.update import moe
+    from mindspeed_llm.rl.model_settings import OptimizerSettings
+    from mindspeed_llm.rl.update.trainable import TrainableModel
 
     distributed.initialize(1, 1, 5, expert_model_parallel_size=2)
     tensor_parallel.model_parallel_cuda_manual_seed(5)
@@ -188,7 +190,7 @@ def _metrics_case(rank, world_size):
         h.remove()
     metrics = stats.metrics()
     # Frozen / no-grad passes neither count nor track.
-    from mindspeed_llm.rl.engine import forward_only
+    from mindspeed_llm.rl.update.engine import forward_only
 
     with moe.update_stats(model) as idle:
         forward_only(model, [dict(mb, responses=mb["response_mask"]) for mb in micro_batches],
@@ -352,7 +354,7 @@ def test_moe_flags_that_cannot_work_are_refused_by_name(moe_task, tmp_path):
 
 def test_a_trained_moe_model_needs_tp1_or_sequence_parallel():
     from mindspeed_llm.arguments import ArgumentError
-    from mindspeed_llm.rl.moe import check_trainable
+    from mindspeed_llm.rl.update.moe import check_trainable
 
     moe_model = types.SimpleNamespace(model_spec=_spec())
     check_trainable(moe_model, 1, "actor", "--ref-model")

@@ -33,7 +33,7 @@ def _startup_cases(rank, world_size, root):
     from mindspeed_llm.arguments import ArgumentError, parse_args
     from mindspeed_llm.checkpoint import convert_hf_to_mg
     from mindspeed_llm.checkpoint import megatron_layout as layout
-    from mindspeed_llm.rl import roles
+    from mindspeed_llm.rl.update import roles
 
     root = Path(root)
     distributed.initialize(1, 1, seed=11)

@@ -55,13 +55,13 @@ def write_adapter_checkpoint(hf_base, out, tp: int = 1, pp: int = 1, r: int = 2,
     """A LoRA run's adapter checkpoint (`<save>/actor` at TP `tp` x PP `pp`, trained in `dtype`; with `value_head`,
     `<save>/critic` of a value model `hf_base`, converted with --orm: its trained head saved beside the adapters and
     left out of the frozen base) for the Hugging Face model `hf_base`: random adapters on every `target`, and each
-    shard's base fingerprint as training records it (`rl.lora.base_fingerprint` on a module holding that rank's
+    shard's base fingerprint as training records it (`rl.update.lora.base_fingerprint` on a module holding that rank's
     shard of the base, converted at this layout). Returns the folder."""
     from mindspeed_llm.checkpoint import lora as lora_files
     from mindspeed_llm.checkpoint import megatron_layout as layout
     from mindspeed_llm.checkpoint import megatron_names
     from mindspeed_llm.models.lora import LoRAConfig
-    from mindspeed_llm.rl.lora import base_fingerprint
+    from mindspeed_llm.rl.update.lora import base_fingerprint
 
     out = str(out)
     base_mg = out + "_base_mg"

@@ -4,7 +4,7 @@ word task (`word_task.py`), built once per session by the `model_state_runs` fix
 Each run is `trainer.run` on a command line, as posttrain_gpt.py runs it; the spawn records, per run, what a test
 needs beyond the files the run writes (checkpoints, metrics): the bytes of every role's model state allocated when
 each rollout starts and when each optimizer step starts (measured by `allocated_bytes`, a traversal of megatron's own
-attributes, independent of `rl/model_state.py`), the model state by part at the end (`model_state.device_bytes`),
+attributes, independent of `rl/update/model_state.py`), the model state by part at the end (`model_state.device_bytes`),
 and the error a run stopped with.
 
 Runs (all DP2, 3 iterations with a save after each unless said):
@@ -104,10 +104,11 @@ def _runs_body(rank, world_size, runs):
 
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.checkpoint.training import CheckpointError
-    from mindspeed_llm.rl import engine, model_state, rollout, trainer
+    from mindspeed_llm.rl import rollout, trainer
+    from mindspeed_llm.rl.update import model_state, trainable
 
     current = {}
-    loop, generate, train_step = trainer._loop, rollout.generate, engine.TrainableModel.train_step
+    loop, generate, train_step = trainer._loop, rollout.generate, trainable.TrainableModel.train_step
 
     def recording_loop(args, stage, *rest):
         current["stage"] = stage
@@ -125,7 +126,7 @@ def _runs_body(rank, world_size, runs):
         current["update"].append({self.name: allocated_bytes(self)})
         return train_step(self, *args, **kwargs)
 
-    trainer._loop, rollout.generate, engine.TrainableModel.train_step = \
+    trainer._loop, rollout.generate, trainable.TrainableModel.train_step = \
         recording_loop, measuring_generate, measuring_train_step
     records = {}
     try:
@@ -150,7 +151,7 @@ def _runs_body(rank, world_size, runs):
                 parts={n: model_state.device_bytes(t) for n, t in stage.roles().items()} if stage else {},
             )
     finally:
-        trainer._loop, rollout.generate, engine.TrainableModel.train_step = loop, generate, train_step
+        trainer._loop, rollout.generate, trainable.TrainableModel.train_step = loop, generate, train_step
     return records
 
 

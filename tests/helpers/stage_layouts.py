@@ -118,7 +118,7 @@ def run_cases(rank, world_size, runs):
 
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.rl import trainer
-    from mindspeed_llm.rl.batch_plan import MicroBatchPlan
+    from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
     from mindspeed_llm.rl.stages import grpo
 
     register_odd_first_word()

@@ -1,4 +1,4 @@
-"""`MicroBatchPlan` (`rl/batch_plan.py`): the packed prompt-group layout built with whole-tensor ops equals a
+"""`MicroBatchPlan` (`rl/update/batch_plan.py`): the packed prompt-group layout built with whole-tensor ops equals a
 group-by-group construction written out by hand (its attention pattern through `PackedGroups.dense_mask`), and
 micro-batches cut from a dealt sample order carry the right rows, reads, packed groups and per-sample tensors. (That
 the layouts compute the same outputs is tests/dist/test_packed_layout.py.)"""
@@ -8,7 +8,7 @@ import torch
 
 from mindspeed_llm.inference.results import Rollout
 from mindspeed_llm.rl.core_algos import response_mask_p1
-from mindspeed_llm.rl.batch_plan import MicroBatchPlan, gather_last_token, gather_response, token_budget_groups
+from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan, gather_last_token, gather_response, token_budget_groups
 from mindspeed_llm.rl.experience import Experience
 
 N = 3

@@ -181,7 +181,7 @@ def test_parameter_counts_of_the_models_match_their_model_cards():
 
 
 def test_micro_batch_costs_of_a_hand_case_and_of_the_real_plan():
-    from mindspeed_llm.rl.batch_plan import token_budget_groups
+    from mindspeed_llm.rl.update.batch_plan import token_budget_groups
 
     prompts, responses = [2, 2, 2, 2], [6, 1, 1, 1]  # lengths 8, 3, 3, 3: 17 real tokens, 64 + 27 = 91 s^2
     assert token_budget_groups([8, 3, 3, 3], 8) == [[0], [1, 2], [3]]

@@ -128,7 +128,7 @@ def test_a_rank_above_what_a_linear_can_use_is_named():
     (which linears, their widths, the rank given); ranks that fit say nothing."""
     from types import SimpleNamespace
 
-    from mindspeed_llm.rl.lora import rank_note
+    from mindspeed_llm.rl.update.lora import rank_note
 
     def model(rank):
         adapters = {f"decoder.layers.{i}.self_attention.{leaf}": SimpleNamespace(rank=rank, in_features=n_in,
@@ -151,7 +151,7 @@ def test_the_critics_adapters_take_the_actors_config():
     gets fresh adapters of that same config (`roles.RoleFactory` hands it on through `lora.as_flags`), without the
     adapter's stacked ranks."""
     from mindspeed_llm.models.lora import LoRAConfig
-    from mindspeed_llm.rl.lora import as_flags, run_config
+    from mindspeed_llm.rl.update.lora import as_flags, run_config
 
     flags = parse_args(BASE + ["--lora-load", "adapter"]).settings.lora  # no r / alpha given: the adapter's apply
     actor = LoRAConfig(r=4, alpha=8.0, dropout=0.1, target_modules=("linear_proj", "linear_qkv"),

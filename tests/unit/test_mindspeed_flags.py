@@ -221,7 +221,7 @@ def llama_tied(tmp_path_factory):
 
 
 def _check(root, *extra):
-    from mindspeed_llm.rl.roles import _checked_spec
+    from mindspeed_llm.rl.update.roles import _checked_spec
 
     return _checked_spec(root, "--ref-model", _parse(*extra).settings)
 

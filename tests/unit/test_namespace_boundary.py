@@ -19,12 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "mindspeed_llm"
 
 CHECKED = (
-    "rl/stages/__init__.py", "rl/stages/grpo.py", "rl/stages/trl_ppo.py", "rl/trainer.py", "rl/batch_plan.py",
+    "rl/stages/__init__.py", "rl/stages/grpo.py", "rl/stages/trl_ppo.py", "rl/trainer.py", "rl/update/batch_plan.py",
     "rl/rollout.py", "rl/partial_rollout.py", "rl/dynamic_sampling.py", "rl/experience.py",
     # the typed consumers the stages call
-    "rl/ppo_loop.py", "rl/loss_closures.py", "rl/scoring.py", "rl/evaluation.py", "rl/passes.py", "rl/startup.py",
+    "rl/update/ppo_loop.py", "rl/update/loss_closures.py", "rl/scoring.py", "rl/evaluation.py", "rl/update/passes.py",
+    "rl/startup.py",
     # model building
-    "rl/roles.py", "rl/lora.py", "rl/moe.py", "rl/recompute.py", "rl/model_settings.py", "rl/engine.py",
+    "rl/update/roles.py", "rl/update/lora.py", "rl/update/moe.py", "rl/update/recompute.py", "rl/model_settings.py",
+    "rl/update/engine.py", "rl/update/trainable.py",
 )
 NAMESPACE_NAMES = ("args", "model_args")
 # Calls that may receive the Namespace: the stage constructor (`STAGES[name](args, tokenizer)`, which reads
@@ -120,11 +122,11 @@ def test_a_planted_self_args_is_found():
 
 
 @pytest.mark.parametrize("module,original,planted,function", [
-    ("rl/roles.py", "given = settings.model", "given = args.settings.model; args.params_dtype", "_checked_spec"),
-    ("rl/recompute.py", "granularity = recompute.recompute_granularity",
+    ("rl/update/roles.py", "given = settings.model", "given = args.settings.model; args.params_dtype", "_checked_spec"),
+    ("rl/update/recompute.py", "granularity = recompute.recompute_granularity",
      "granularity = getattr(args, 'recompute_granularity', None)", "model_options"),
-    ("rl/moe.py", "cp = moe.context_parallel_size", "cp = args.context_parallel_size", "model_options"),
-    ("rl/lora.py", "dropout = flags.lora_dropout", "dropout = args.lora_dropout", "run_config"),
+    ("rl/update/moe.py", "cp = moe.context_parallel_size", "cp = args.context_parallel_size", "model_options"),
+    ("rl/update/lora.py", "dropout = flags.lora_dropout", "dropout = args.lora_dropout", "run_config"),
 ])
 def test_a_planted_read_in_model_building_is_found(module, original, planted, function):
     """Model building reads its typed parts: a Namespace read planted in it (with `args` as the function's

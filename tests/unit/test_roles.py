@@ -1,4 +1,4 @@
-"""`rl/roles.py` without a checkpoint: what of a trained model's state --offload-train-* sends to host memory, the
+"""`rl/update/roles.py` without a checkpoint: what of a trained model's state --offload-train-* sends to host memory, the
 vocabulary check across the roles and the tokenizer, and a frozen model. (Loading models by role, with the model flags
 checked against the checkpoint: tests/unit/test_mindspeed_flags.py, tests/dist/test_stages*.py.)"""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mindspeed_llm.errors import ArgumentError
-from mindspeed_llm.rl.roles import check_vocab, frozen, offload_parts
+from mindspeed_llm.rl.update.roles import check_vocab, frozen, offload_parts
 from mindspeed_llm.rl.settings import OffloadSettings
 
 
@@ -57,7 +57,7 @@ def test_the_role_factory_gives_the_critic_the_actors_lora_config(monkeypatch):
     config, which --lora-load's adapter may have set (r 4 here, where the flags alone would give r 16)."""
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.models.lora import LoRAConfig
-    from mindspeed_llm.rl import lora, roles
+    from mindspeed_llm.rl.update import lora, roles
 
     settings = parse_args(["--stage", "trl_ppo", "--ref-model", "r", "--reward-model", "rm", "--data-path", "d",
                            "--global-batch-size", "4", "--train-iters", "1", "--lora-load", "adapter"]).settings

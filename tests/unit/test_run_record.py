@@ -195,7 +195,7 @@ def test_a_full_weight_fingerprint_sees_every_weight_and_leaves_them_offloadable
     """`base_fingerprint(frozen_only=False)` (a full-weight role's base) covers the trained weights, which the LoRA
     fingerprint skips, and changes with any of them; afterwards --offload-train-param can still free each weight's
     storage (a `.numpy()` of a view of it made the storage non-resizable: the offload then failed)."""
-    from mindspeed_llm.rl.lora import base_fingerprint
+    from mindspeed_llm.rl.update.lora import base_fingerprint
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
@@ -207,7 +207,7 @@ def test_a_full_weight_fingerprint_sees_every_weight_and_leaves_them_offloadable
         model[1].bias[0] += 1
     assert base_fingerprint(model, frozen_only=False) != before
     for param in model.parameters():
-        param.data.untyped_storage().resize_(0)  # what rl/model_state.offload does
+        param.data.untyped_storage().resize_(0)  # what rl/update/model_state.offload does
 
 
 def test_another_reward_model_is_refused_unless_allowed(tmp_path):

@@ -53,14 +53,15 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
         "mindspeed_llm.rl.verifiers", "mindspeed_llm.rl.experience", "mindspeed_llm.rl.logprobs",
         "mindspeed_llm.rl.tools",
     )),
+    # the models of a stage and how they are trained (roles, LoRA, MoE, recompute, the micro-batch plan, the passes,
+    # the losses and the PPO loop, megatron's schedule, the trained model and its state): below the rollouts,
+    # scoring and evaluation that run the models
+    ("rl update", ("mindspeed_llm.rl.update",)),
     ("rl plumbing", (
-        "mindspeed_llm.rl.batch_plan", "mindspeed_llm.rl.model_state", "mindspeed_llm.rl.moe",
-        "mindspeed_llm.rl.recompute", "mindspeed_llm.rl.engine", "mindspeed_llm.rl.lora", "mindspeed_llm.rl.roles",
-        "mindspeed_llm.rl.passes", "mindspeed_llm.rl.rollout", "mindspeed_llm.rl.dynamic_sampling",
-        "mindspeed_llm.rl.partial_rollout", "mindspeed_llm.rl.scoring", "mindspeed_llm.rl.loss_closures",
-        "mindspeed_llm.rl.ppo_loop", "mindspeed_llm.rl.evaluation", "mindspeed_llm.rl.startup",
-        "mindspeed_llm.rl.rollout_strategies", "mindspeed_llm.rl.optimizer_state", "mindspeed_llm.rl.multi_turn",
-        "mindspeed_llm.rl.profiling", "mindspeed_llm.rl.rollout_dump", "mindspeed_llm.rl.rollout_records",
+        "mindspeed_llm.rl.rollout", "mindspeed_llm.rl.dynamic_sampling", "mindspeed_llm.rl.partial_rollout",
+        "mindspeed_llm.rl.scoring", "mindspeed_llm.rl.evaluation", "mindspeed_llm.rl.startup",
+        "mindspeed_llm.rl.rollout_strategies", "mindspeed_llm.rl.multi_turn", "mindspeed_llm.rl.profiling",
+        "mindspeed_llm.rl.rollout_dump", "mindspeed_llm.rl.rollout_records",
     )),
     ("rl stages", ("mindspeed_llm.rl.stages",)),
     ("outer loop", ("mindspeed_llm.rl.trainer",)),
@@ -77,6 +78,13 @@ EXPECTED_FUNCTION_LOCAL_LOOPS = [{"mindspeed_llm.patches"} | {
 }]
 
 MAX_FILE_LINES = 600
+# The RL package's files are held tighter: a file over it holds two jobs, split by job rather than grown.
+MAX_RL_FILE_LINES = 450
+RL_PACKAGE = PACKAGE / "rl"
+# Files over MAX_RL_FILE_LINES whose split by job is under way in another branch of the same change (issue 46: the
+# trainer's loop and its checkpoint / resume side); the test fails once such a file is under the limit, so that it
+# leaves this list with its split.
+RL_SPLITS_UNDER_WAY = ("mindspeed_llm/rl/trainer.py",)
 MAX_FUNCTION_LINES = 120
 
 
@@ -255,12 +263,12 @@ def _function_lengths(path: Path) -> List[Tuple[str, int]]:
     return found
 
 
-def long_files() -> List[str]:
+def long_files(limit: int = MAX_FILE_LINES, package: Path = PACKAGE) -> List[str]:
     found = []
-    for name, path in package_modules().items():
+    for name, path in package_modules(package).items():
         lines = len(path.read_text(encoding="utf-8").splitlines())
-        if lines > MAX_FILE_LINES:
-            found.append(f"{path.relative_to(ROOT)}: {lines} lines")
+        if lines > limit:
+            found.append(f"{path.relative_to(ROOT).as_posix()}: {lines} lines")
     return found
 
 
@@ -275,6 +283,13 @@ def long_functions() -> List[str]:
 
 def test_no_library_file_over_600_lines():
     assert long_files() == [], "split the file by what its parts do"
+
+
+def test_no_rl_file_over_450_lines():
+    long = long_files(MAX_RL_FILE_LINES, RL_PACKAGE)
+    assert [f for f in long if f.split(":")[0] not in RL_SPLITS_UNDER_WAY] == [], "split the file by what its parts do"
+    assert [f for f in RL_SPLITS_UNDER_WAY if not any(hit.startswith(f + ":") for hit in long)] == [], \
+        "the file is split: take it off RL_SPLITS_UNDER_WAY"
 
 
 def test_no_function_over_120_lines():

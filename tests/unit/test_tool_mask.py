@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mindspeed_llm.rl import core_algos as ca
-from mindspeed_llm.rl.batch_plan import MicroBatchPlan
+from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.experience import Experience, SampleData
 from mindspeed_llm.rl.rollout import mismatch_metrics, rollout_metrics
 from mindspeed_llm.rl.stages import grpo as grpo_stage

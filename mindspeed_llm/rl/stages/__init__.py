@@ -17,7 +17,7 @@ class Stage(Protocol):
     """What the outer loop (`rl/trainer.py`) knows of a stage. Built as `Stage(model_args, tokenizer)`, which loads
     its models and checks them against each other and the tokenizer. `model_args` is the validated Namespace: the
     stage reads its typed parts only (`model_args.settings`, rl/settings.py), and builds its models from them
-    (`rl/roles.RoleFactory`; tests/unit/test_namespace_boundary.py)."""
+    (`rl/update/roles.RoleFactory`; tests/unit/test_namespace_boundary.py)."""
 
     name: str
     log_lines: Dict[str, List[str]]  # stdout line groups (`MetricsLogger`)

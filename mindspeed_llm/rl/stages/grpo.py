@@ -6,7 +6,7 @@ penalties, `scoring.py`) -> old and reference log-probs -> advantages (`--adv-es
 -- reinforce_plus_plus, whose KL to the reference is a reward penalty instead of a loss, and
 reinforce_plus_plus_baseline) -> policy loss (`--policy-loss`) + KL loss (+ entropy bonus) -> update. No critic. The
 reference starts from `--ref-model` (default: the initial actor) and is skipped when `--kl-coef 0`; with LoRA it is
-the actor with its adapters off (`rl/lora.py`).
+the actor with its adapters off (`rl/update/lora.py`).
 """
 
 from __future__ import annotations
@@ -20,15 +20,16 @@ import torch
 from mindspeed_llm import device
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.distributed import sum_over_data_parallel
-from mindspeed_llm.rl import core_algos, lora, roles
-from mindspeed_llm.rl.batch_plan import MicroBatchPlan
+from mindspeed_llm.rl import core_algos
+from mindspeed_llm.rl.update import lora, roles
+from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.dynamic_sampling import informative_groups, refill
 from mindspeed_llm.rl.evaluation import evaluate_policy
 from mindspeed_llm.rl.metrics.pass_at_k import PromptResult
-from mindspeed_llm.rl.loss_closures import clipped_policy_loss
+from mindspeed_llm.rl.update.loss_closures import clipped_policy_loss
 from mindspeed_llm.rl.metrics import Timers, mean_min_max, prefixed
-from mindspeed_llm.rl.passes import policy_logprobs
-from mindspeed_llm.rl.ppo_loop import old_logp_is_current, ppo_update
+from mindspeed_llm.rl.update.passes import policy_logprobs
+from mindspeed_llm.rl.update.ppo_loop import old_logp_is_current, ppo_update
 from mindspeed_llm.rl.rollout import mask_truncated_completions, mismatch_metrics, rollout_metrics, sampling_config
 from mindspeed_llm.rl.rollout_records import RolloutRecords
 from mindspeed_llm.rl.rollout_strategies import PromptSource, build_rollouts
@@ -62,7 +63,7 @@ class GRPOStage:
         build = roles.RoleFactory(settings)
         self.actor = build.trained(initial, flag, "actor")
         self.reference = None
-        if self.algorithm.kl_coef > 0:  # with LoRA: the actor with its adapters off, no second copy (rl/lora.py)
+        if self.algorithm.kl_coef > 0:  # with LoRA: the actor with its adapters off, no second copy (rl/update/lora.py)
             self.reference = lora.reference(self.actor) if models.lora else build.frozen(initial, flag)
         reward_model = build.reward_model() if models.reward_model else None
         roles.check_vocab({"actor": self.actor.module, "reference": self.reference, "reward": reward_model},

@@ -9,7 +9,7 @@ rewards (-kl_coef * KL, score after the last token as TRL places it) -> GAE + wh
 Actor and reference start from `--ref-model`; critic and reward from `--reward-model` (a value-head
 checkpoint). With rule verifiers and `--reward-model-weight 0` the reward model is not loaded. With LoRA the reference
 is the actor with its adapters off and the reward model the critic with its adapters off and the checkpoint's value
-head (`rl/lora.py`).
+head (`rl/update/lora.py`).
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ from typing import Dict, List, Sequence
 
 from mindspeed_llm import device
 from mindspeed_llm.distributed import sum_over_data_parallel
-from mindspeed_llm.rl import core_algos, lora, roles
-from mindspeed_llm.rl.batch_plan import MicroBatchPlan
+from mindspeed_llm.rl import core_algos
+from mindspeed_llm.rl.update import lora, roles
+from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.evaluation import evaluate_policy
 from mindspeed_llm.rl.metrics.pass_at_k import PromptResult
-from mindspeed_llm.rl.loss_closures import clipped_policy_loss, clipped_value_loss
+from mindspeed_llm.rl.update.loss_closures import clipped_policy_loss, clipped_value_loss
 from mindspeed_llm.rl.metrics import Timers, masked_mean_min_max, mean_min_max, prefixed
-from mindspeed_llm.rl.passes import critic_values, policy_logprobs
-from mindspeed_llm.rl.ppo_loop import old_logp_is_current, ppo_update
+from mindspeed_llm.rl.update.passes import critic_values, policy_logprobs
+from mindspeed_llm.rl.update.ppo_loop import old_logp_is_current, ppo_update
 from mindspeed_llm.rl.rollout import mask_truncated_completions, mismatch_metrics, rollout_metrics, sampling_config
 from mindspeed_llm.rl.rollout_records import RolloutRecords
 from mindspeed_llm.rl.rollout_strategies import PromptSource, build_rollouts
@@ -51,7 +52,7 @@ class TrlPPOStage:
         self.actor_metrics = ACTOR_METRICS + (ROLLOUT_IS_METRICS if self.algorithm.rollout_is != "none" else ())
         build = roles.RoleFactory(settings)
         self.actor = build.trained(models.ref_model, "--ref-model", "actor")
-        # with LoRA the frozen roles are the trained ones' bases (rl/lora.py): no second copies
+        # with LoRA the frozen roles are the trained ones' bases (rl/update/lora.py): no second copies
         self.reference = lora.reference(self.actor) if models.lora else build.frozen(models.ref_model, "--ref-model")
         self.critic = build.trained(models.reward_model, "--reward-model", "critic", value_head=True)
         uses_reward_model = settings.reward.reward_model_weight != 0 or not settings.reward.verifier_function

@@ -2,7 +2,7 @@
 random initialisation), frozen (reference, reward) and offloaded to host memory between uses, or trained (actor,
 critic) with the command line's optimizer settings and what of their training state waits in host memory between
 updates (--offload-train-*); with LoRA the trained ones get adapters on a frozen base and the frozen
-ones that share that base are views of it (`rl/lora.py`).
+ones that share that base are views of it (`rl/update/lora.py`).
 
 Everything here reads the run's typed parts (`rl/settings.py`, `rl/model_settings.py`), never the command line's
 Namespace; megatron gets its model's TransformerConfig field by field from `models.build_model` (the glue to
@@ -22,8 +22,8 @@ from mindspeed_llm import device
 from mindspeed_llm.checkpoint import load_megatron_weights, load_spec
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.models import ArchitectureSpec, build_model
-from mindspeed_llm.rl import moe, recompute
-from mindspeed_llm.rl.engine import TrainableModel
+from mindspeed_llm.rl.update import moe, recompute
+from mindspeed_llm.rl.update.trainable import TrainableModel
 from mindspeed_llm.rl.model_settings import ModelBuild, MoESettings
 from mindspeed_llm.rl.settings import OffloadSettings, Settings
 
@@ -123,7 +123,7 @@ def load_model(root: str, flag: str, settings: Settings, value_head: bool = Fals
     --sequence-parallel is built into every model (TP > 1), as are
     --attention-dropout / --hidden-dropout; the dropouts act only in train mode, i.e. in the
     trained models' (actor, critic) update forwards: frozen models, rollouts and the log-prob / value passes run
-    in eval mode. Activation recompute (--recompute-*) is built into the `trained` ones only (`rl/recompute.py`).
+    in eval mode. Activation recompute (--recompute-*) is built into the `trained` ones only (`rl/update/recompute.py`).
     Every role gets the core attention of --attention-backend (`settings.model.attention`, validate_args) and the
     fused ops of --use-fused-rmsnorm / --use-fused-swiglu / --use-fused-rotary-pos-emb (`settings.model.fused_ops`).
     Megatron gets its TransformerConfig from `models.build_model`, field by field: megatron's global args are
@@ -145,7 +145,7 @@ def load_model(root: str, flag: str, settings: Settings, value_head: bool = Fals
         load_megatron_weights(model, root)
     except (ValueError, FileNotFoundError) as exc:
         raise ArgumentError(f"{flag} {root}: {exc}") from exc
-    model.loaded_from = os.path.abspath(root)  # a LoRA run records its adapters' base (`rl/lora.py`)
+    model.loaded_from = os.path.abspath(root)  # a LoRA run records its adapters' base (`rl/update/lora.py`)
     return model.to("cpu" if on_host else device.current_device())
 
 
@@ -165,7 +165,7 @@ def frozen(model):
 
 def offload_parts(offload: OffloadSettings, name: str) -> tuple:
     """What of the actor's or critic's training state waits in host memory between updates
-    (`rl/model_state.PARTS`): --offload-train-optimizer the optimizer's moments, --offload-train-grad the grad
+    (`rl/update/model_state.PARTS`): --offload-train-optimizer the optimizer's moments, --offload-train-grad the grad
     buffers, --offload-train-param the fp32 main weights and, for the critic, its weights too (the actor's weights
     generate, so they stay)."""
     parts = []
@@ -181,14 +181,14 @@ def offload_parts(offload: OffloadSettings, name: str) -> tuple:
 def trainable(model, settings: Settings, name: str, flag: str) -> TrainableModel:
     """The actor or the critic (loaded from `flag`) with its optimizer and LR schedule from the command line
     (`settings.optimizer.for_role`); with LoRA (--lora-target-modules / --lora-load) its base frozen and adapters
-    trained (`rl/lora.py`)."""
+    trained (`rl/update/lora.py`)."""
     moe.check_trainable(model, settings.moe.tensor_model_parallel_size, name, flag, settings.model.sequence_parallel)
     optimizer = settings.optimizer.for_role(name)
     options = dict(name=name, check_finite=settings.optimizer.check_for_nan_in_loss_and_grad,
                    offload=offload_parts(settings.offload, name),
                    check_divergence=settings.optimizer.check_for_divergence)
     if settings.lora.lora:
-        from mindspeed_llm.rl import lora
+        from mindspeed_llm.rl.update import lora
 
         return lora.trainable(model, settings.lora, optimizer, **options)
     return TrainableModel(model, optimizer, **options)
@@ -213,7 +213,7 @@ class RoleFactory:
         model = load_model(root, flag, self.settings, value_head=value_head, trained=True)
         role = trainable(model, self.settings, name, flag)
         if name == "actor" and getattr(role, "is_lora", False):
-            from mindspeed_llm.rl import lora
+            from mindspeed_llm.rl.update import lora
 
             # the critic's adapters: the actor's r, alpha and targets (with --lora-load, its adapter's), fresh
             self.settings = replace(self.settings, lora=lora.as_flags(role.config, self.settings.lora))
@@ -252,7 +252,7 @@ def offloaded(model, offload: bool):
 def on_device(model, offload: bool, timers):
     """The frozen model to run in the block: with `offload`, brought to the accelerator for the block and back to
     host memory after it, timed as `timing/ref_onload` and `timing/ref_offload` (MindSpeed-RL's names; ~0 s on a
-    CPU machine). A LoRA run's reference / reward model (`rl/lora.SharedBase`) is a trained model's base: its
+    CPU machine). A LoRA run's reference / reward model (`rl/update/lora.SharedBase`) is a trained model's base: its
     adapters are off in the block, and nothing moves."""
     shared = getattr(model, "active", None)
     if shared is not None:

@@ -34,7 +34,7 @@ import torch
 from mindspeed_llm.checkpoint.errors import CheckpointError
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.models import lora
-from mindspeed_llm.rl.engine import TrainableModel
+from mindspeed_llm.rl.update.trainable import TrainableModel
 from mindspeed_llm.rl.model_settings import LoRASettings, OptimizerSettings
 
 DEFAULT_R, DEFAULT_ALPHA = 16, 32.0  # MindSpeed-LLM's defaults

@@ -18,8 +18,8 @@ import torch
 from megatron.core import parallel_state
 
 from mindspeed_llm.distributed import sum_over_data_parallel
-from mindspeed_llm.rl import moe
-from mindspeed_llm.rl.batch_plan import MicroBatchPlan
+from mindspeed_llm.rl.update import moe
+from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.core_algos import critic_mask
 from mindspeed_llm.rl.experience import Experience
 from mindspeed_llm.rl.settings import UpdateSchedule
@@ -77,7 +77,7 @@ def ppo_update(model, exp: Experience, plan: MicroBatchPlan, schedule: UpdateSch
                 moe_stats.micro_batches(len(micro_batches))
                 steps.append(model.train_step(micro_batches, loss_fn))
     result = {k: steps[-1][k] if k == "lr" else sum(s[k] for s in steps) / len(steps) for k in steps[0]}
-    result.update(moe_stats.metrics())  # over the whole update (module doc of rl/moe.py)
+    result.update(moe_stats.metrics())  # over the whole update (module doc of rl/update/moe.py)
     return result
 
 

@@ -19,10 +19,10 @@ from megatron.core import parallel_state
 from mindspeed_llm.models import routing
 from mindspeed_llm.models.context_parallel import sum_over_context_parallel
 from mindspeed_llm.rl.core_algos import response_mask_p1
-from mindspeed_llm.rl.batch_plan import MicroBatchPlan, read_outputs
+from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan, read_outputs
 from mindspeed_llm.rl.experience import Experience
 from mindspeed_llm.rl.logprobs import vocab_parallel_logprobs
-from mindspeed_llm.rl.engine import forward_only
+from mindspeed_llm.rl.update.engine import forward_only
 
 
 def _in_place(values: torch.Tensor, held, shape) -> torch.Tensor:

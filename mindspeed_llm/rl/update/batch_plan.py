@@ -14,7 +14,7 @@ Two layouts of model rows; the per-sample tensors (`[mb, R]`, `[mb]`) are the sa
   slot width, the group size, as Python ints computed once per plan) goes with every micro-batch
   (`micro_batch["packed_groups"]`); the fused core attention reads it as megatron's `packed_seq_params`, and only
   megatron's local attention gets the dense `[rows, 1, S, S]` mask, built per micro-batch
-  (`PackedGroups.dense_mask`, `rl/engine.py`).
+  (`PackedGroups.dense_mask`, `rl/update/engine.py`).
 
 Either way a sample's outputs are read at `response_index` (the position whose output predicts response token
 j, or the critic's state for it) and `last_token_index` (the reward model's read), relative to `logits_from`, the
@@ -264,7 +264,7 @@ def read_outputs(output: torch.Tensor, micro_batch: MicroBatch, positions: torch
     """The outputs at the global `positions` (`[mb]` or `[mb, R]`, each sample's own row): (`[*positions.shape,
     ...]`, None) on a whole-sequence forward; under context parallelism (`micro_batch["cp_layout"]`, set by the
     forward) (`[K, ...]` at the K positions this rank holds, in row-major order, the bool `held` mask of
-    `positions`): `rl/passes.py` puts them back in place and sums over the CP ranks."""
+    `positions`): `rl/update/passes.py` puts them back in place and sums over the CP ranks."""
     rows = micro_batch["row_index"].view(-1, *([1] * (positions.dim() - 1))).expand_as(positions)
     logits_from = micro_batch["logits_from"]
     layout = micro_batch.get("cp_layout")

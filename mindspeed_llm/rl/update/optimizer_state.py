@@ -3,7 +3,7 @@ the fp32 main weights and Adam moments sharded over the DP ranks (Megatron-LM's 
 
 `parameter_state` gathers them to DP rank 0 for a save; `parameter_state_problem` says why a read state does not fit
 this model; `load_parameter_state` scatters one to the DP ranks (at the saved DP size or another) and checks that the
-main weights and moments were restored. `rl/engine.py`'s `TrainableModel` calls these for its optimizer
+main weights and moments were restored. `rl/update/trainable.py`'s `TrainableModel` calls these for its optimizer
 (`TrainableModel.parameter_state`, `load_state_dict(parameter_state=...)`), `checkpoint/training.py` writes and reads
 the file.
 """

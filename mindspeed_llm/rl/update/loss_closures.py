@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from mindspeed_llm.rl import core_algos
-from mindspeed_llm.rl.passes import response_logprobs, response_values
+from mindspeed_llm.rl.update.passes import response_logprobs, response_values
 from mindspeed_llm.rl.settings import LossSettings
 
 
