@@ -1,8 +1,9 @@
 """Flags of MindSpeed-LLM / Megatron-LM launch scripts that parse here but change nothing, each with the reason.
 
-`posttrain_gpt.py` accepts them so that published scripts run unchanged, stores the ones a command line gave on
-`args.ignored_flags` ({flag: reason}) and prints them once at startup on rank 0 (`startup_lines`, which
-`rl.startup` prints with the other startup lines). Adding a switch is one line of `IGNORED_SWITCHES`.
+`posttrain_gpt.py` accepts them so that published scripts run unchanged, keeps the ones a command line gave in its
+settings (`settings.startup.ignored_flags`, (flag, reason) pairs) and prints them once at startup on rank 0
+(`startup_lines`, which `rl.startup` prints with the other startup lines). Adding a switch is one line of
+`IGNORED_SWITCHES`.
 `convert_ckpt.py` registers its own tables (`CONVERT_IGNORED`, MindSpeed-LLM's conversion scripts) the same way.
 """
 
@@ -123,7 +124,7 @@ def ignored_flags(args, tables=None) -> Dict[str, str]:
     found.update({flag: reason for flag, (_, reason) in values.items()
                   if getattr(args, _dest(flag), None) is not None})
     found.update({flag: reason for flag, reason in lists.items() if getattr(args, _dest(flag), None)})
-    if tables is None and getattr(args, "params_dtype", None) != "fp16":
+    if tables is None and not getattr(args, "fp16", False):
         found.update({flag: FP16_ONLY for flag in LOSS_SCALE_FLAGS if getattr(args, _dest(flag), None) is not None})
     return found
 
@@ -137,16 +138,16 @@ def ignored_line(found: Dict[str, str]) -> str:
             if by_reason else "")
 
 
-def startup_lines(args, backend: str) -> List[str]:
+def startup_lines(report, backend: str) -> List[str]:
     """The parser's part of what rank 0 prints once before training (`rl.startup.startup_lines` adds the
-    rest): the ignored flags (one line, grouped by reason), a --distributed-backend the device overrides and the
-    notes `validate_args` left (`args.startup_notes`)."""
+    rest), from the run's `settings.startup` (`rl.settings.StartupReport`): the ignored flags (one line, grouped by
+    reason), a --distributed-backend the device overrides and the notes `validate_args` left."""
     lines = []
-    line = ignored_line(getattr(args, "ignored_flags", {}))
+    line = ignored_line(dict(report.ignored_flags))
     if line:
         lines.append(line)
-    wanted = getattr(args, "distributed_backend", None)
+    wanted = report.distributed_backend
     if wanted and wanted != backend:
         lines.append(f"--distributed-backend {wanted}: this device's collectives use {backend}; using {backend}")
-    lines.extend(getattr(args, "startup_notes", []))
+    lines.extend(report.startup_notes)
     return lines

@@ -184,6 +184,20 @@ def gather_messages(message: Optional[str]) -> List[str]:
     return [f"rank {r}: {m}" for r, m in enumerate(out) if m]
 
 
+def world_share():
+    """(this rank, the world size, gather): for work the ranks split and then all hold (`rl.tools.prompts.Ranks`);
+    gather(obj) is every rank's picklable obj in rank order. One process's without a process group."""
+    if not dist.is_initialized():
+        return 0, 1, lambda obj: [obj]
+
+    def gather(obj) -> list:
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    return dist.get_rank(), dist.get_world_size(), gather
+
+
 def broadcast_object(obj, src_rank: int = 0, group=None):
     """Broadcast a picklable object from global `src_rank` (identity when not distributed)."""
     if not dist.is_initialized():
@@ -204,4 +218,4 @@ def barrier() -> None:
 
 __all__ = ["initialize", "destroy", "seed_all", "data_parallel_info", "rollout_parallel_info",
            "gather_over_context_parallel", "sum_over_data_parallel", "any_rank",
-           "gather_messages", "broadcast_object", "is_rank_0", "barrier"]
+           "gather_messages", "world_share", "broadcast_object", "is_rank_0", "barrier"]

@@ -3,11 +3,12 @@
 `validate_args` turns every inconsistent combination into an `ArgumentError` whose message names the flags
 and the fix, before any model is built or any compute is spent, and returns the settings: the stage defaults and
 the values that follow from several flags are resolved into them (model building's too: `rl/model_settings.py`),
-not written back into the Namespace, except `MEGATRON_DERIVED`: what Megatron-LM's own `validate_args` works out on
-its args (the process grid, the experts' layout and dispatcher, the precision, sequence parallelism off at TP 1,
-recompute from --recompute-activations), LoRA's switch, and the startup report's ignored flags and notes. Nothing
-outside `arguments/` reads them there but that report (`compat_flags.startup_lines`): model building and the
-benchmarks read the settings (tests/unit/test_namespace_boundary.py).
+and so is what Megatron-LM's own `validate_args` works out on its args (the process grid, the experts' layout and
+dispatcher, the precision, sequence parallelism off at TP 1, recompute from --recompute-activations), LoRA's switch
+and the startup report's ignored flags and notes (`settings.startup`). Nothing is written back onto the Namespace
+but `args.settings`: it keeps the flags as given. No name has to stay there for megatron: megatron's global args
+are never set (`models.build_model` hands megatron-core its TransformerConfig field by field), so megatron-core
+reads nothing of this Namespace (tests/unit/test_settings.py, tests/unit/test_namespace_boundary.py).
 """
 
 from __future__ import annotations
@@ -42,24 +43,14 @@ STAGE_DEFAULTS = {
     "trl_ppo": dict(kl_coef=0.3, kl_penalty="k1", n_samples_per_prompt=1),
     "grpo": dict(kl_coef=0.001, kl_penalty="low_var_kl", n_samples_per_prompt=8),
 }
-# Written on the Namespace as Megatron-LM's validate_args writes them on its args (the settings hold them too), and
-# the startup report's lines (compat_flags.startup_lines)
-MEGATRON_DERIVED = (
-    "world_size", "data_parallel_size",
-    "expert_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type",
-    "params_dtype", "sequence_parallel",
-    "recompute_granularity", "recompute_modules",
-    "lora", "lora_target_modules",
-    "ignored_flags", "startup_notes",
-)
 
 
-def _check_expert_parallel(args, world_size: int) -> None:
-    """Resolve the experts' layout into `args.expert_parallel_size` (ranks the experts are split over,
-    EP x TP with --moe-tp-extend-ep) and `args.expert_tensor_parallel_size` (1 or TP)."""
-    tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
+def _check_expert_parallel(run, world_size: int) -> None:
+    """Resolve the experts' layout into `expert_parallel_size` (ranks the experts are split over, EP x TP with
+    --moe-tp-extend-ep), `expert_tensor_parallel_size` (1 or TP) and the token dispatcher."""
+    tp, pp, ep = run.tensor_model_parallel_size, run.pipeline_model_parallel_size, run.expert_model_parallel_size
     try:
-        ep, etp = resolve_expert_layout(tp, ep, args.expert_tensor_parallel_size, args.moe_tp_extend_ep)
+        ep, etp = resolve_expert_layout(tp, ep, run.expert_tensor_parallel_size, run.moe_tp_extend_ep)
     except ExpertLayoutError as exc:
         raise ArgumentError({
             EXTEND_WITH_EXPERT_TP: f"--moe-tp-extend-ep splits the experts over the TP ranks instead of inside each "
@@ -75,23 +66,23 @@ def _check_expert_parallel(args, world_size: int) -> None:
     if world_size % (etp * ep * pp):
         raise ArgumentError(
             f"world size {world_size} is not divisible by expert tensor parallel {etp} x expert parallel {ep}"
-            f"{' (--expert-model-parallel-size x TP, --moe-tp-extend-ep)' if args.moe_tp_extend_ep else ''} x "
+            f"{' (--expert-model-parallel-size x TP, --moe-tp-extend-ep)' if run.moe_tp_extend_ep else ''} x "
             f"--pipeline-model-parallel-size {pp}; launch a multiple of {etp * ep * pp} processes or lower "
             f"--expert-model-parallel-size")
-    if args.moe_token_dispatcher_type is None:
-        args.moe_token_dispatcher_type = "alltoall" if ep > 1 or pp > 1 else "allgather"
-    elif args.moe_token_dispatcher_type == "allgather" and ep > 1:
+    if run.moe_token_dispatcher_type is None:
+        run.moe_token_dispatcher_type = "alltoall" if ep > 1 or pp > 1 else "allgather"
+    elif run.moe_token_dispatcher_type == "allgather" and ep > 1:
         raise ArgumentError(
             f"--moe-token-dispatcher-type allgather cannot run expert parallel {ep}: megatron's all-gather "
             f"dispatcher needs the same number of tokens on every expert-parallel rank, and RL micro-batches differ "
             f"in length from rank to rank; use --moe-token-dispatcher-type alltoall (the default with experts split)")
-    elif args.moe_token_dispatcher_type == "allgather" and pp > 1:
+    elif run.moe_token_dispatcher_type == "allgather" and pp > 1:
         raise ArgumentError(
             f"--moe-token-dispatcher-type allgather cannot run --pipeline-model-parallel-size {pp}: micro-batches "
             "are cut to their own length, so the pipeline stages exchange variable shapes, which megatron allows "
             "with the all-to-all dispatcher only; use --moe-token-dispatcher-type alltoall (the default with PP)")
-    args.expert_parallel_size = ep
-    args.expert_tensor_parallel_size = etp
+    run.expert_parallel_size = ep
+    run.expert_tensor_parallel_size = etp
 
 
 def _check_attention_backend(run) -> None:
@@ -124,19 +115,19 @@ def _check_fused_ops(run) -> None:
         run.startup_notes.append(f"{flags}: {device.fused_ops_line(run.fused_ops)}")
 
 
-def _check_sequence_and_context_parallel(args, attention: str) -> None:
+def _check_sequence_and_context_parallel(run) -> None:
     """--sequence-parallel needs TP > 1 (Megatron-LM turns it off at TP 1, and so does this, saying so);
     --context-parallel-size > 1 needs the fused core attention, whose CP path gathers the keys and values over the
     CP group (megatron's local attention has none). A mixture of experts under CP is refused when its checkpoint
     is read (`rl/update/moe.model_options`)."""
-    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
-        args.sequence_parallel = False
-        args.startup_notes.append("--sequence-parallel is off: it splits activations over the tensor-parallel ranks, "
+    if run.sequence_parallel and run.tensor_model_parallel_size == 1:
+        run.sequence_parallel = False
+        run.startup_notes.append("--sequence-parallel is off: it splits activations over the tensor-parallel ranks, "
                                   "and --tensor-model-parallel-size is 1 (Megatron-LM's rule)")
-    if args.context_parallel_size > 1 and attention == "local":
+    if run.context_parallel_size > 1 and run.attention == "local":
         raise ArgumentError(
-            f"--context-parallel-size {args.context_parallel_size} needs the fused core attention (its context-"
-            f"parallel path gathers keys and values over the CP ranks); --attention-backend {args.attention_backend} "
+            f"--context-parallel-size {run.context_parallel_size} needs the fused core attention (its context-"
+            f"parallel path gathers keys and values over the CP ranks); --attention-backend {run.attention_backend} "
             "runs megatron's local attention, which has none: drop --attention-backend or use auto / flash / fused")
 
 
@@ -158,18 +149,17 @@ class _Resolving:
 def validate_args(args, world_size: int) -> run_settings.Settings:
     """Reject inconsistent combinations with messages that name the flags, and resolve the run's settings (stage
     defaults, derived values): returns the typed parts the stages pass around (`rl/settings.py`), also attached as
-    `args.settings`. The Namespace gets only what Megatron-LM's validate_args writes on its args and the startup
-    report's lines (`MEGATRON_DERIVED`)."""
+    `args.settings`, the one thing written onto the Namespace (its flags stay as given)."""
     check_ranges(args, build_parser())  # every numeric flag in its range (argument_ranges.RANGES), floats finite
-    _check_world(args, world_size)
-    _check_model_flags(args)
-    _check_recompute(args)
-    args.ignored_flags = compat_flags.ignored_flags(args)  # printed once at startup (compat_flags.startup_lines)
-    args.startup_notes = []
     run = _Resolving(args)  # the settings' values: the stage defaults and what follows from several flags
+    _check_world(run, world_size)
+    _check_model_flags(args)
+    _check_recompute(run)
+    run.ignored_flags = compat_flags.ignored_flags(run)  # printed once at startup (compat_flags.startup_lines)
+    run.startup_notes = []
     _check_attention_backend(run)
     _check_fused_ops(run)
-    _check_sequence_and_context_parallel(args, run.attention)
+    _check_sequence_and_context_parallel(run)
     for name, value in STAGE_DEFAULTS[args.stage].items():
         if getattr(args, name) is None:
             setattr(run, name, value)
@@ -199,33 +189,34 @@ def validate_args(args, world_size: int) -> run_settings.Settings:
     check_profiling(run)
     check_rollout_records(run)
     _check_algorithm(run)
-    _check_lora(args)
+    _check_lora(run)
     check_wandb(run)
     if args.lr_warmup_fraction is not None:
         run.lr_warmup_iters = int(args.lr_warmup_fraction * args.train_iters)
     if args.lr_decay_iters is None:
         run.lr_decay_iters = args.train_iters
+    run.ignored_flags = tuple(run.ignored_flags.items())  # frozen in the settings, in table order
     args.settings = run_settings.from_args(args, **run.resolved)
     check_rollout_pair(args.settings)
     return args.settings
 
 
-def _check_world(args, world_size: int) -> None:
-    """The process grid against the world size; Megatron's derived values (`args.world_size`, `data_parallel_size`,
-    the experts' layout, `params_dtype`) on the Namespace: model building and checkpoints read them."""
-    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+def _check_world(run, world_size: int) -> None:
+    """The process grid against the world size; Megatron-LM's derived values (`world_size`, `data_parallel_size`,
+    the experts' layout, `params_dtype`) resolved for the settings."""
+    tp, pp, cp = run.tensor_model_parallel_size, run.pipeline_model_parallel_size, run.context_parallel_size
     if world_size % (tp * pp * cp):
         raise ArgumentError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
             f"--context-parallel-size {cp} x --pipeline-model-parallel-size {pp}; launch a multiple of "
             f"{tp * pp * cp} processes"
         )
-    args.world_size = world_size
-    args.data_parallel_size = world_size // (tp * pp * cp)  # megatron's: the CP ranks are not in it
-    _check_expert_parallel(args, world_size)
-    if args.bf16 and args.fp16:
+    run.world_size = world_size
+    run.data_parallel_size = world_size // (tp * pp * cp)  # megatron's: the CP ranks are not in it
+    _check_expert_parallel(run, world_size)
+    if run.bf16 and run.fp16:
         raise ArgumentError("--bf16 and --fp16 are exclusive; pick one")
-    args.params_dtype = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
+    run.params_dtype = "bf16" if run.bf16 else ("fp16" if run.fp16 else "fp32")
 
 
 def _check_learning_rates(run) -> None:
@@ -380,29 +371,29 @@ def _check_model_flags(args) -> None:
                                 f"{fixed} only; a model trained with another value cannot be run here")
 
 
-def _check_recompute(args) -> None:
-    """Megatron-LM's recompute flags, resolved into `args.recompute_granularity` (None: off), `recompute_method`,
+def _check_recompute(run) -> None:
+    """Megatron-LM's recompute flags, resolved into `recompute_granularity` (None: off), `recompute_method`,
     `recompute_num_layers` (full) and `recompute_modules` (selective), refusing what megatron-core's
     TransformerConfig or Megatron-LM's validate_args refuse, and flags that would have no effect.
     `rl/update/recompute.model_options` checks the rest against each trained model's layers."""
-    granularity = args.recompute_granularity
-    if args.recompute_activations:
+    granularity = run.recompute_granularity
+    if run.recompute_activations:
         if granularity == "full":
             raise ArgumentError("--recompute-activations is Megatron-LM's --recompute-granularity selective, which "
                                 "contradicts --recompute-granularity full; pass one of them")
         granularity = "selective"
-    modules = list(dict.fromkeys(args.recompute_modules)) if args.recompute_modules is not None else None
-    if args.moe_layer_recompute:
+    modules = list(dict.fromkeys(run.recompute_modules)) if run.recompute_modules is not None else None
+    if run.moe_layer_recompute:
         if granularity == "full":
             raise ArgumentError("--moe-layer-recompute is selective recompute of the MoE layers; megatron-core refuses "
                                 "it with --recompute-granularity full (which recomputes whole layers): drop one")
         granularity = "selective"
         modules = (modules or ["core_attn"]) + ([] if "moe" in (modules or []) else ["moe"])  # megatron-core's rule
-    method, layers = args.recompute_method, args.recompute_num_layers
+    method, layers = run.recompute_method, run.recompute_num_layers
     if granularity is None:
         given = [flag for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers),
                                           ("--recompute-modules", modules),
-                                          ("--distribute-saved-activations", args.distribute_saved_activations))
+                                          ("--distribute-saved-activations", run.distribute_saved_activations))
                  if value not in (None, False)]
         if given:
             raise ArgumentError(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without "
@@ -419,7 +410,7 @@ def _check_recompute(args) -> None:
         if modules is not None:
             raise ArgumentError("--recompute-modules chooses selective recompute's submodules; "
                                 "--recompute-granularity full recomputes whole layers: drop one of them")
-        if args.distribute_saved_activations and args.tensor_model_parallel_size < 2:
+        if run.distribute_saved_activations and run.tensor_model_parallel_size < 2:
             raise ArgumentError("--distribute-saved-activations splits the checkpointed activations over the tensor-"
                                 "parallel ranks: it needs --tensor-model-parallel-size > 1 (Megatron-LM's rule)")
     else:
@@ -427,7 +418,7 @@ def _check_recompute(args) -> None:
             if value is not None:
                 raise ArgumentError(f"{flag} applies to --recompute-granularity full; selective recompute (of the "
                                     "--recompute-modules of every layer) takes neither: drop it")
-        if args.distribute_saved_activations:
+        if run.distribute_saved_activations:
             raise ArgumentError("--distribute-saved-activations applies to --recompute-granularity full only "
                                 "(Megatron-LM's rule)")
         modules = modules or ["core_attn"]  # megatron-core's default
@@ -436,54 +427,54 @@ def _check_recompute(args) -> None:
                 raise ArgumentError(f"--recompute-modules {name} {REFUSED_RECOMPUTE_MODULES[name]}")
             if name not in RECOMPUTE_MODULES:
                 raise ArgumentError(f"--recompute-modules {name}: unknown; choose from {', '.join(RECOMPUTE_MODULES)}")
-    args.recompute_granularity = granularity
-    args.recompute_modules = modules if granularity == "selective" else None
+    run.recompute_granularity = granularity
+    run.recompute_modules = modules if granularity == "selective" else None
 
 
-def _check_lora(args) -> None:
-    """`args.lora`: whether the run trains LoRA adapters (--lora-target-modules or --lora-load); the LoRA numbers
+def _check_lora(run) -> None:
+    """`lora`: whether the run trains LoRA adapters (--lora-target-modules or --lora-load); the LoRA numbers
     checked. r / alpha / dropout stay None when not given: with --lora-load the adapter's own apply and a flag that
     disagrees with it is an error (`rl/update/lora.lora_config`)."""
     from mindspeed_llm.models.lora import check_targets
 
-    args.lora = bool(args.lora_target_modules or args.lora_load)
-    if args.lora_modules_to_save:
-        raise ArgumentError(f"--lora-modules-to-save {' '.join(args.lora_modules_to_save)}: training whole modules "
+    run.lora = bool(run.lora_target_modules or run.lora_load)
+    if run.lora_modules_to_save:
+        raise ArgumentError(f"--lora-modules-to-save {' '.join(run.lora_modules_to_save)}: training whole modules "
                             "beside the adapters is not supported here (the critic's value head trains fully on its "
                             "own); drop the flag")
-    given = [flag for flag, value in (("--lora-r", args.lora_r), ("--lora-alpha", args.lora_alpha),
-                                      ("--lora-dropout", args.lora_dropout)) if value is not None]
-    if args.allow_base_mismatch and not args.lora_load:
+    given = [flag for flag, value in (("--lora-r", run.lora_r), ("--lora-alpha", run.lora_alpha),
+                                      ("--lora-dropout", run.lora_dropout)) if value is not None]
+    if run.allow_base_mismatch and not run.lora_load:
         raise ArgumentError("--allow-base-mismatch applies to the adapter of --lora-load: add it or drop the flag")
-    if not args.lora:
+    if not run.lora:
         if given:
             raise ArgumentError(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without "
                                 "--lora-target-modules (LoRA is on when target modules, or --lora-load, are given)")
         return
-    if args.lora_target_modules:
+    if run.lora_target_modules:
         try:
-            check_targets(args.lora_target_modules)
+            check_targets(run.lora_target_modules)
         except ValueError as exc:
             raise ArgumentError(f"--lora-target-modules {exc}") from None
-        args.lora_target_modules = list(dict.fromkeys(args.lora_target_modules))
+        run.lora_target_modules = list(dict.fromkeys(run.lora_target_modules))
     # --sequence-parallel: the adapters gather and reduce-scatter the sequence as their linears do (models/lora.py).
     # Under context parallelism each rank holds a part of every sequence and the adapters act per token, which
     # should need nothing, but no run has compared them (attention, the loss and the gradients over CP); refused.
-    if getattr(args, "context_parallel_size", 1) > 1:
+    if getattr(run, "context_parallel_size", 1) > 1:
         raise ArgumentError(f"LoRA (--lora-target-modules / --lora-load) with --context-parallel-size "
-                            f"{args.context_parallel_size} is not supported (not checked yet); use "
+                            f"{run.context_parallel_size} is not supported (not checked yet); use "
                             "--context-parallel-size 1")
-    if args.lora_r is not None and args.lora_r < 1:
-        raise ArgumentError(f"--lora-r {args.lora_r} must be >= 1")
-    if args.lora_alpha is not None and not (math.isfinite(args.lora_alpha) and args.lora_alpha > 0):
-        raise ArgumentError(f"--lora-alpha {args.lora_alpha} must be a finite number > 0")
-    if args.lora_dropout is not None and not 0.0 <= args.lora_dropout < 1.0:
-        raise ArgumentError(f"--lora-dropout {args.lora_dropout} must be in [0, 1)")
-    if args.offload_ref_reward:
-        shared = "the reference and the reward model are" if args.stage == "trl_ppo" else "the reference is"
-        rest = ("only grpo's --reward-model is offloaded" if args.stage == "grpo" and args.reward_model
+    if run.lora_r is not None and run.lora_r < 1:
+        raise ArgumentError(f"--lora-r {run.lora_r} must be >= 1")
+    if run.lora_alpha is not None and not (math.isfinite(run.lora_alpha) and run.lora_alpha > 0):
+        raise ArgumentError(f"--lora-alpha {run.lora_alpha} must be a finite number > 0")
+    if run.lora_dropout is not None and not 0.0 <= run.lora_dropout < 1.0:
+        raise ArgumentError(f"--lora-dropout {run.lora_dropout} must be in [0, 1)")
+    if run.offload_ref_reward:
+        shared = "the reference and the reward model are" if run.stage == "trl_ppo" else "the reference is"
+        rest = ("only grpo's --reward-model is offloaded" if run.stage == "grpo" and run.reward_model
                 else "nothing is offloaded")
-        args.startup_notes.append(f"--offload-ref-reward: with LoRA {shared} the trained models' bases with their "
+        run.startup_notes.append(f"--offload-ref-reward: with LoRA {shared} the trained models' bases with their "
                                   f"adapters off, not models of their own: {rest}")
 
 

@@ -15,6 +15,7 @@
     LoopSettings       iterations, evaluation and logging                      (`trainer._loop`)
     WandbSettings      Weights & Biases: project, run name, directory, mode   (`metrics.MetricsLogger`)
     ProfileSettings    profiler window and ranks, memory history, timing lines (`profiling.Profiler`)
+    StartupReport      the command line's ignored flags and notes, printed once (`compat_flags.startup_lines`)
 
 A field is named after the flag's destination it holds (`--clip-ratio-high` -> `clip_ratio_high`), and its default
 is the parser's, so a part can be read like the Namespace it comes from (tests/unit/test_settings.py checks every
@@ -176,6 +177,7 @@ class ParallelSettings:
     expert_parallel_size: int = derived(1)  # ranks the experts are split over (EP x TP with --moe-tp-extend-ep)
     expert_tensor_parallel_size: Optional[int] = None  # validate_args: 1 or TP
     world_size: int = derived(1)
+    data_parallel_size: int = derived(1)  # megatron's: world / (TP x PP x CP), the CP ranks not in it
 
 
 @dataclass(frozen=True)
@@ -267,6 +269,15 @@ class ProfileSettings:
 
 
 @dataclass(frozen=True)
+class StartupReport:
+    """What rank 0 says once before training about the command line (`compat_flags.startup_lines`)."""
+    # (flag, why it has no effect) of the given flags that change nothing here (`compat_flags.ignored_flags`)
+    ignored_flags: Tuple[Tuple[str, str], ...] = derived(())
+    startup_notes: Tuple[str, ...] = derived(())  # what validate_args resolved that a user would not expect
+    distributed_backend: Optional[str] = None  # said when the device's collectives backend overrides it
+
+
+@dataclass(frozen=True)
 class Settings:
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     loss: LossSettings = field(default_factory=LossSettings)
@@ -283,6 +294,7 @@ class Settings:
     loop: LoopSettings = field(default_factory=LoopSettings)
     wandb: WandbSettings = field(default_factory=WandbSettings)
     profile: ProfileSettings = field(default_factory=ProfileSettings)
+    startup: StartupReport = field(default_factory=StartupReport)
     # model building (`rl/model_settings.py`)
     model: ModelBuild = field(default_factory=ModelBuild)
     optimizer: OptimizerFlags = field(default_factory=OptimizerFlags)

@@ -32,9 +32,9 @@ def environment_line() -> str:
     return "environment switches: " + ", ".join(values)
 
 
-def startup_lines(args, backend: str) -> List[str]:
-    """The lines rank 0 prints once before training, in order; `backend` is the device's collectives backend."""
-    settings = getattr(args, "settings", None)
-    notes = profiling.startup_notes(settings.profile, BACKEND_DEVICE.get(backend, backend)) if settings else []
-    moe_notes = moe.startup_notes(settings.moe) if settings else []
-    return compat_flags.startup_lines(args, backend) + moe_notes + notes + [environment_line()]
+def startup_lines(settings, backend: str) -> List[str]:
+    """The lines rank 0 prints once before training, in order, from the run's settings (`rl.settings.Settings`);
+    `backend` is the device's collectives backend."""
+    notes = profiling.startup_notes(settings.profile, BACKEND_DEVICE.get(backend, backend))
+    return (compat_flags.startup_lines(settings.startup, backend) + moe.startup_notes(settings.moe) + notes
+            + [environment_line()])

@@ -344,8 +344,8 @@ def _resume_rollouts(checkpoint: CheckpointSettings, stage, loop_state: dict, it
 
 def run(args) -> None:
     """A run of the validated command line `args`: its typed parts (`args.settings`) drive everything here; the
-    Namespace itself goes only to the startup report of the flags (`startup_lines`) and to the stage, whose model
-    building reads Megatron's flags (tests/unit/test_namespace_boundary.py)."""
+    Namespace itself goes only to the stage's constructor, which reads its settings too
+    (tests/unit/test_namespace_boundary.py)."""
     settings: Settings = args.settings
     parallel, checkpoint, data = settings.parallel, settings.checkpoint, settings.data
     distributed.initialize(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size, data.seed,
@@ -355,11 +355,12 @@ def run(args) -> None:
     # the prompts are dealt over DP x CP: the CP ranks of a DP rank generate their own (rollout_parallel_info)
     rollout_rank, rollout_size = distributed.rollout_parallel_info()
     if distributed.is_rank_0():
-        for line in startup_lines(args, device.accelerator().backend):
+        for line in startup_lines(settings, device.accelerator().backend):
             print(f"posttrain_gpt.py: {line}", flush=True)
     tokenizer = load_tokenizer(data)
     # with --tool-config the prompts offer the run's tools, rendered here: a new tool config needs no new preprocessing
-    dataset, eval_dataset = offer_run_tools(settings.tools.tool_config, tokenizer, *_prompt_sets(data))
+    dataset, eval_dataset = offer_run_tools(settings.tools.tool_config, tokenizer, *_prompt_sets(data),
+                                            ranks=distributed.world_share())  # each rank renders a share
     sampler = prompt_sampler(data, len(dataset), rollout_rank, rollout_size)
     check_labels(dataset, settings.reward, data.data_path)
     check_prompt_lengths(dataset, data.max_prompt_length, "--data-path")

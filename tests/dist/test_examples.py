@@ -160,10 +160,11 @@ def test_qwen3_moe_launcher_fits_the_model_and_converts_at_its_layout(tmp_path, 
     spec = ArchitectureSpec.from_hf_config(QWEN3_30B_A3B)
     monkeypatch.setattr(roles, "load_spec", lambda root: spec)
     roles._checked_spec(args.ref_model, "--ref-model", args.settings)  # raises on a flag that disagrees
+    parallel = args.settings.parallel
     spec.check_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                        args.expert_parallel_size, args.expert_tensor_parallel_size)
+                        parallel.expert_parallel_size, parallel.expert_tensor_parallel_size)
     moe.check_trainable(SimpleNamespace(model_spec=spec), args.tensor_model_parallel_size, "actor", "--ref-model")
-    assert args.expert_parallel_size == int(layout.get("EP", 16))
+    assert parallel.expert_parallel_size == int(layout.get("EP", 16))
 
     result, record = _launch(convert_dir, QWEN3_MOE_HF2MG, **layout)
     assert result.returncode == 0, result.stderr
@@ -225,10 +226,11 @@ def test_the_deepseek3_launcher_fits_the_model_and_converts_at_its_layout(tmp_pa
     spec = ArchitectureSpec.from_hf_config(DEEPSEEK_V3)
     monkeypatch.setattr(roles, "load_spec", lambda root: spec)
     roles._checked_spec(args.ref_model, "--ref-model", args.settings)  # raises on a flag that disagrees
+    parallel = args.settings.parallel
     spec.check_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                        args.expert_parallel_size, args.expert_tensor_parallel_size)
+                        parallel.expert_parallel_size, parallel.expert_tensor_parallel_size)
     moe.check_trainable(SimpleNamespace(model_spec=spec), args.tensor_model_parallel_size, "actor", "--ref-model")
-    assert args.expert_parallel_size == int(layout.get("EP", 64))
+    assert parallel.expert_parallel_size == int(layout.get("EP", 64))
 
     result, record = _launch(convert_dir, DEEPSEEK3_HF2MG, **layout)
     assert result.returncode == 0, result.stderr
@@ -259,12 +261,13 @@ def test_tiny_moe_pipeline_is_consistent(tmp_path):
     nproc = int(torchrun[torchrun.index("--nproc_per_node") + 1])
     args = parse_args(_after(torchrun, "posttrain_gpt.py"), world_size=nproc)
     assert args.stage == "grpo" and nproc == 2
-    assert args.expert_parallel_size == 2 and args.data_parallel_size == 2 and args.tensor_model_parallel_size == 1
-    assert args.moe_token_dispatcher_type == "alltoall" and args.moe_routing_replay
+    parallel = args.settings.parallel
+    assert (parallel.expert_parallel_size, parallel.data_parallel_size, args.tensor_model_parallel_size) == (2, 2, 1)
+    assert args.settings.moe.moe_token_dispatcher_type == "alltoall" and args.moe_routing_replay
     parser = _convert_parser()
     to_mg, to_hf = parser.parse_args(calls[3][1:]), parser.parse_args(calls[5][1:])
     assert (to_mg.load_model_type, to_mg.save_model_type, to_mg.load_dir) == ("hf", "mg", hf_model)
-    assert to_mg.target_expert_parallel_size == args.expert_parallel_size
+    assert to_mg.target_expert_parallel_size == parallel.expert_parallel_size
     assert to_mg.target_tensor_parallel_size == args.tensor_model_parallel_size
     assert to_mg.target_pipeline_parallel_size == args.pipeline_model_parallel_size
     assert to_mg.save_dir == args.ref_model and args.tokenizer_name_or_path == hf_model

@@ -94,9 +94,12 @@ def test_offload_param_without_main_weights_says_so():
 
     base = ["--stage", "grpo", "--ref-model", "m", "--data-path", "d", "--global-batch-size", "2", "--train-iters", "1",
             "--verifier-function", "math_acc", "--offload-train-param"]
-    assert any("--offload-train-param offloads nothing here" in n for n in parse_args(base).startup_notes)
-    assert not any("--offload-train-param" in n for n in parse_args(base + ["--bf16"]).startup_notes)
-    assert not any("--offload-train-param" in n for n in parse_args(base[:-1]).startup_notes)
+    def notes(argv):
+        return parse_args(argv).settings.startup.startup_notes
+
+    assert any("--offload-train-param offloads nothing here" in n for n in notes(base))
+    assert not any("--offload-train-param" in n for n in notes(base + ["--bf16"]))
+    assert not any("--offload-train-param" in n for n in notes(base[:-1]))
 
 
 def _guarded(rank, world_size, runs):

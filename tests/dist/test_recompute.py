@@ -106,17 +106,20 @@ def test_megatron_lm_rules_and_no_op_flags_are_refused_by_name(extra, named):
 
 
 def test_flags_resolve_as_megatron_lm():
-    a = _parse(["--recompute-activations"])
-    assert (a.recompute_granularity, a.recompute_modules) == ("selective", ["core_attn"])
-    a = _parse(["--moe-layer-recompute"])  # megatron-core: the default module list plus moe
-    assert (a.recompute_granularity, a.recompute_modules) == ("selective", ["core_attn", "moe"])
-    a = _parse(["--recompute-granularity", "selective", "--recompute-modules", "mlp", "core_attn", "mlp"])
-    assert a.recompute_modules == ["mlp", "core_attn"]
-    a = _parse(["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2",
-                "--tensor-model-parallel-size", "2", "--distribute-saved-activations"], world_size=2)
+    def resolved(extra, world_size=1):
+        return _parse(extra, world_size).settings.recompute
+
+    a = resolved(["--recompute-activations"])
+    assert (a.recompute_granularity, a.recompute_modules) == ("selective", ("core_attn",))
+    a = resolved(["--moe-layer-recompute"])  # megatron-core: the default module list plus moe
+    assert (a.recompute_granularity, a.recompute_modules) == ("selective", ("core_attn", "moe"))
+    a = resolved(["--recompute-granularity", "selective", "--recompute-modules", "mlp", "core_attn", "mlp"])
+    assert a.recompute_modules == ("mlp", "core_attn")
+    a = resolved(["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2",
+                  "--tensor-model-parallel-size", "2", "--distribute-saved-activations"], world_size=2)
     assert (a.recompute_granularity, a.recompute_method, a.recompute_num_layers, a.recompute_modules) == \
         ("full", "block", 2, None)
-    a = _parse([])
+    a = resolved([])
     assert a.recompute_granularity is None and a.recompute_modules is None
 
 

@@ -420,7 +420,7 @@ def test_mindspeed_moe_switches_are_ignored_once_and_grouped_gemm_fallback_is_no
     args = parse_args(["--stage", "grpo", "--data-path", "d", "--train-iters", "1", "--global-batch-size", "4",
                        "--ref-model", "r", "--verifier-function", "format", "--moe-grouped-gemm",
                        "--moe-zero-memory", "level1", "--moe-zero-memory-num-layers", "2", *switches], world_size=1)
-    lines = startup_lines(args, backend="gloo")
+    lines = startup_lines(args.settings, backend="gloo")
     ignored = [line for line in lines if line.startswith("ignored flags: ")]
     assert len(ignored) == 1
     for flag in switches + ["--moe-zero-memory", "--moe-zero-memory-num-layers"]:

@@ -8,6 +8,7 @@ word-level chat template with a tool role).
   the losses to float rounding).
 * trl_ppo runs with tools (GAE over the model's tokens, the critic beside them); its held-out evaluation generates
   trajectories with the tools too.
+* two ranks render the tools into a share of the prompts each and gather them: each holds what one process renders.
 The engine's parking against single-turn generations: tests/dist/test_multi_turn_engine.py; the masks and GAE over
 tool spans by hand: tests/unit/test_tool_mask.py.
 """
@@ -198,3 +199,37 @@ def test_grpo_with_a_hostile_tool_and_recorded_tool_rewards(task, tmp_path):
     for sample in samples:
         assert "tool" not in sample["score_parts"] and sample["score"] == sample["score_parts"]["custom"]
     assert any(s["score_parts"].get("tool_recorded", 0.0) == 0.5 for s in samples)  # the surrogate call's reward
+
+
+def _offered_prompts(rank, world_size, prefix, tokenizer_dir, tool_config):
+    """The training prompts one rank of the run gets offering the tools, as `trainer.run` renders them (each rank a
+    share, gathered): every prompt's ids and the lengths the --max-prompt-length check reads."""
+    from mindspeed_llm.data import PromptDataset
+    from mindspeed_llm.data.tokenizer import load_tokenizer
+    from mindspeed_llm.distributed import world_share
+    from mindspeed_llm.rl.tools.prompts import offer_run_tools
+
+    offered, _ = offer_run_tools(tool_config, load_tokenizer("PretrainedFromHF", tokenizer_dir), PromptDataset(prefix),
+                                 None, ranks=world_share())
+    return [offered[i]["input_ids"] for i in range(len(offered))], [int(n) for n in offered.prompt_lengths]
+
+
+def test_every_rank_gets_the_prompts_one_process_renders(tmp_path):
+    """Two ranks render the tools into a share of the prompts each (Qwen2.5's `# Tools` section, 7 prompts) and
+    gather them over the process group: each gets every prompt's ids and length as one process rendering them all."""
+    from mindspeed_llm.data import PromptDataset
+    from mindspeed_llm.data.offline_tokenizer import cached_qwen2_5_tokenizer
+    from mindspeed_llm.demo.tool_task import write_tool_config
+    from tests.helpers.fixtures_data import QWEN25_CHAT_TEMPLATE, run_preprocess
+    from tests.helpers.multiproc import run_distributed
+
+    tokenizer_dir = str(cached_qwen2_5_tokenizer(chat_template=QWEN25_CHAT_TEMPLATE))
+    rows = [{"instruction": f"What is {i} * 7?", "system": "You solve sums." if i % 2 else ""} for i in range(7)]
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    run_preprocess(tokenizer_dir, tmp_path / "rows.json", tmp_path / "data", "R1AlpacaStyleInstructionHandler",
+                   "qwen", map_keys={"prompt": "instruction", "system": "system", "labels": "instruction"})
+    args = (str(tmp_path / "data"), tokenizer_dir, str(write_tool_config(tmp_path / "tools.yaml")))
+    alone = _offered_prompts(0, 1, *args)
+    stored = PromptDataset(args[0]).prompt_lengths
+    assert all(offered > own for offered, own in zip(alone[1], stored))  # every prompt offers the tools
+    assert run_distributed(_offered_prompts, 2, *args) == [alone, alone]

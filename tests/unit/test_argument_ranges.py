@@ -75,7 +75,8 @@ def test_the_defaults_are_in_range():
 def test_gspo_averages_per_sequence_unless_told_otherwise():
     args = _parse("--policy-loss", "gspo")
     assert args.settings.loss.loss_agg_mode == "seq-mean-token-mean"
-    assert any("--policy-loss gspo: losses averaged per sequence" in note for note in args.startup_notes)
+    notes = args.settings.startup.startup_notes
+    assert any("--policy-loss gspo: losses averaged per sequence" in note for note in notes)
     assert _parse("--policy-loss", "gspo", "--loss-agg-mode", "token-mean").settings.loss.loss_agg_mode == "token-mean"
     assert _parse().settings.loss.loss_agg_mode == "token-mean"
 

@@ -200,10 +200,10 @@ def test_eval_before_train_needs_an_interval():
 
 @pytest.mark.parametrize("interval,given", [(["--eval-interval", "0"], "--eval-interval 0"), ([], "no --eval-interval")])
 def test_held_out_prompts_never_evaluated_are_said_at_startup(interval, given):
-    notes = parse_args(BASE + ["--eval-data-path", "e"] + interval, 1).startup_notes
+    notes = parse_args(BASE + ["--eval-data-path", "e"] + interval, 1).settings.startup.startup_notes
     assert f"evaluation is off ({given}): the held-out prompts of --eval-data-path e are never evaluated; give " \
            "--eval-interval N (N >= 1) to evaluate them every N iterations" in notes
-    notes = parse_args(BASE + ["--eval-data-path", "e", "--eval-interval", "2"], 1).startup_notes
+    notes = parse_args(BASE + ["--eval-data-path", "e", "--eval-interval", "2"], 1).settings.startup.startup_notes
     assert not any("evaluation is off" in note for note in notes)
 
 

@@ -14,10 +14,11 @@ BASE = ["--stage", "grpo", "--ref-model", "m", "--data-path", "d", "--global-bat
 def test_lora_flags_parse_with_mindspeed_llm_names():
     args = parse_args(BASE + ["--lora-r", "8", "--lora-alpha", "16", "--lora-dropout", "0.05", "--lora-target-modules",
                               "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_qkv"])
-    assert args.lora and (args.lora_r, args.lora_alpha, args.lora_dropout) == (8, 16.0, 0.05)
-    assert args.lora_target_modules == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
-    assert parse_args(BASE + ["--lora-load", "adapter"]).lora
-    assert not parse_args(BASE).lora
+    lora = args.settings.lora
+    assert lora.lora and (lora.lora_r, lora.lora_alpha, lora.lora_dropout) == (8, 16.0, 0.05)
+    assert lora.lora_target_modules == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # without repeats
+    assert parse_args(BASE + ["--lora-load", "adapter"]).settings.lora.lora
+    assert not parse_args(BASE).settings.lora.lora
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -46,15 +47,16 @@ def test_lora_with_context_parallel_is_refused():
 def test_lora_with_sequence_parallel_is_accepted():
     args = parse_args(BASE + ["--lora-target-modules", "linear_qkv", "--tensor-model-parallel-size", "2",
                               "--sequence-parallel"], 2)
-    assert args.lora and args.sequence_parallel
+    assert args.settings.lora.lora and args.settings.model.sequence_parallel
 
 
 def test_mindspeed_lora_switches_are_ignored_and_printed():
     args = parse_args(BASE + ["--lora-target-modules", "linear_qkv", "--lora-fusion", "--lora-ckpt-filter",
                               "--lora-register-forward-hook", "word_embeddings", "input_layernorm",
                               "--offload-ref-reward"])
-    assert set(args.ignored_flags) >= {"--lora-fusion", "--lora-ckpt-filter", "--lora-register-forward-hook"}
-    lines = "\n".join(compat_flags.startup_lines(args, "gloo"))
+    ignored = dict(args.settings.startup.ignored_flags)
+    assert set(ignored) >= {"--lora-fusion", "--lora-ckpt-filter", "--lora-register-forward-hook"}
+    lines = "\n".join(compat_flags.startup_lines(args.settings.startup, "gloo"))
     assert "CCLoRA" in lines and "adapters (and their optimizer state) only" in lines
     assert "--offload-ref-reward: with LoRA the reference is the trained models' bases" in lines
 
@@ -74,11 +76,11 @@ def test_mindspeed_rl_grpo_lora_keys_map_to_the_flags(tmp_path):
                    "--lora-fusion", "--lora-ckpt-filter", "--lora-target-modules", "linear_qkv", "linear_proj",
                    "linear_fc1", "linear_fc2"], 16)
     assert got == want
-    assert got["lora"] and set(got["ignored_flags"]) >= {"--lora-fusion", "--lora-ckpt-filter"}
+    assert got["lora"] and set(dict(got["ignored_flags"])) >= {"--lora-fusion", "--lora-ckpt-filter"}
     # grpo_lora.md's spelling of the filter
     data = grpo_file()
     data["megatron_training"].update(lora_target_modules=["linear_qkv"], lora_filter=True)
-    assert "--lora-ckpt-filter" in parsed(["--config", write(tmp_path, data)], 16)["ignored_flags"]
+    assert "--lora-ckpt-filter" in dict(parsed(["--config", write(tmp_path, data)], 16)["ignored_flags"])
 
 
 def test_frozen_roles_lora_keys_are_ignored_and_the_critics_must_be_the_actors(tmp_path):

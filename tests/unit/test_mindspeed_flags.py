@@ -61,32 +61,36 @@ def _parse(*extra, world=1, base=BASE):
 
 def test_published_trl_ppo_command_line_parses():
     args = parse_args(PUBLISHED_TRL_PPO, world_size=4)
-    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size) == (2, 2, 1)
-    assert args.max_length == 512 and args.max_new_tokens == 256 and args.params_dtype == "bf16"
+    parallel = args.settings.parallel
+    assert (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+            parallel.data_parallel_size) == (2, 2, 1)
+    assert args.max_length == 512 and args.max_new_tokens == 256 and args.settings.model.params_dtype == "bf16"
     assert args.rotary_base == 500000 and args.norm_epsilon == 1e-5 and args.rope_scaling_factor == 32.0
     assert args.tokenizer_not_use_fast and args.distributed_backend == "nccl"
     # --split 100,0,0 has no valid part: evaluation is off, said once, and the run goes on
     assert args.settings.loop.eval_interval is None and args.settings.data.split_weights[1] == 0
-    assert [n for n in args.startup_notes if "evaluation is off" in n and "--split 100,0,0" in n]
+    assert [n for n in args.settings.startup.startup_notes if "evaluation is off" in n and "--split 100,0,0" in n]
 
 
 def test_ignored_flags_are_named_once_with_their_reason():
     args = parse_args(PUBLISHED_TRL_PPO, world_size=4)
     expected = {flag: reason for reason, flags in PUBLISHED_IGNORED.items() for flag in flags}
-    assert args.ignored_flags == expected
-    lines = compat_flags.startup_lines(args, backend="gloo")
+    assert dict(args.settings.startup.ignored_flags) == expected
+    lines = compat_flags.startup_lines(args.settings.startup, backend="gloo")
     ignored = [line for line in lines if line.startswith("ignored flags:")]
     assert len(ignored) == 1
     for reason, flags in PUBLISHED_IGNORED.items():
         assert f"{', '.join(flags)} ({reason})" in ignored[0]
     assert "--distributed-backend nccl: this device's collectives use gloo" in "\n".join(lines)
-    assert not [line for line in compat_flags.startup_lines(args, backend="nccl") if "--distributed-backend" in line]
+    on_nccl = compat_flags.startup_lines(args.settings.startup, backend="nccl")
+    assert not [line for line in on_nccl if "--distributed-backend" in line]
     # --use-fused-swiglu is applied (device.FUSED_OPS), and said so at startup with what runs it
     assert args.settings.model.fused_ops == ("swiglu",)
     assert [line for line in lines if line.startswith("--use-fused-swiglu: on ")]
     # no flags of that kind, nothing to report; --fp16 honours the loss-scale flags
-    assert _parse().ignored_flags == {}
-    assert "--initial-loss-scale" not in _parse("--fp16", "--initial-loss-scale", "4096").ignored_flags
+    assert _parse().settings.startup.ignored_flags == ()
+    fp16 = _parse("--fp16", "--initial-loss-scale", "4096").settings.startup
+    assert "--initial-loss-scale" not in dict(fp16.ignored_flags)
 
 
 def test_environment_switches_are_printed_at_startup(monkeypatch):
@@ -96,7 +100,7 @@ def test_environment_switches_are_printed_at_startup(monkeypatch):
                                          "MINDSPEED_DECODE_CUDA_GRAPH"}
     monkeypatch.setenv("MINDSPEED_LOSS_KERNEL", "torch")
     monkeypatch.delenv("MINDSPEED_DECODE_CUDA_GRAPH", raising=False)
-    line = startup_lines(_parse(), backend="gloo")[-1]
+    line = startup_lines(_parse().settings, backend="gloo")[-1]
     assert line.startswith("environment switches: ")
     assert "MINDSPEED_LOSS_KERNEL=torch," in line and "MINDSPEED_DECODE_CUDA_GRAPH=0 (default)" in line
 
@@ -105,7 +109,8 @@ def test_every_table_flag_parses():
     switches = list(compat_flags.IGNORED_SWITCHES)
     values = [x for flag in compat_flags.IGNORED_VALUES for x in (flag, "1")]
     args = _parse(*switches, *values)
-    assert set(args.ignored_flags) == set(compat_flags.IGNORED_SWITCHES) | set(compat_flags.IGNORED_VALUES)
+    ignored = dict(args.settings.startup.ignored_flags)
+    assert set(ignored) == set(compat_flags.IGNORED_SWITCHES) | set(compat_flags.IGNORED_VALUES)
 
 
 @pytest.mark.parametrize("extra,needle", [
@@ -178,9 +183,10 @@ def test_eval_prompt_counts():
     assert args.settings.loop.eval_prompts == 7 and args.settings.loop.eval_interval == 5  # on --split's valid part
     assert loop("--split", "98,2,0", "--eval-interval", "5").eval_prompts == 0  # all
     off = _parse("--split", "98,2,0", "--eval-interval", "5", "--eval-iters", "0")
-    assert off.settings.loop.eval_interval is None and "--eval-iters 0" in " ".join(off.startup_notes)
+    assert off.settings.loop.eval_interval is None and "--eval-iters 0" in " ".join(off.settings.startup.startup_notes)
     held = _parse("--split", "98,2,0")
-    assert held.settings.loop.eval_interval is None and "never evaluated" in " ".join(held.startup_notes)
+    notes = " ".join(held.settings.startup.startup_notes)
+    assert held.settings.loop.eval_interval is None and "never evaluated" in notes
     # --split without a valid part, but --eval-data-path: evaluated on that
     assert loop("--eval-data-path", "e", "--split", "100,0,0", "--eval-interval", "2").eval_interval == 2
 
@@ -266,8 +272,9 @@ def test_model_flag_against_checkpoint_names_flag_value_and_checkpoint(llama_tie
 def test_attention_backend_flags(extra, expected):
     args = _parse(*extra)
     assert args.settings.model.attention == expected
-    assert "--use-flash-attn" not in args.ignored_flags  # a real switch now, not a performance no-op
-    notes = [n for n in args.startup_notes if "local DotProductAttention" in n]
+    # a real switch now, not a performance no-op
+    assert "--use-flash-attn" not in dict(args.settings.startup.ignored_flags)
+    notes = [n for n in args.settings.startup.startup_notes if "local DotProductAttention" in n]
     assert len(notes) == (expected == "local")  # said at startup only when it is not the default
 
 

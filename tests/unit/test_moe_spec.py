@@ -100,18 +100,18 @@ def _parse(*extra, world):
 
 def test_expert_parallel_flags_resolve():
     args = _parse("--expert-model-parallel-size", "2", world=2)
-    assert (args.expert_parallel_size, args.expert_tensor_parallel_size) == (2, 1)
-    assert args.moe_token_dispatcher_type == "alltoall"  # all-gather needs equal token counts per EP rank
-    assert _parse(world=1).moe_token_dispatcher_type == "allgather"
+    assert (args.settings.parallel.expert_parallel_size, args.settings.parallel.expert_tensor_parallel_size) == (2, 1)
+    assert args.settings.moe.moe_token_dispatcher_type == "alltoall"  # all-gather needs equal token counts per EP rank
+    assert _parse(world=1).settings.moe.moe_token_dispatcher_type == "allgather"
     args = _parse("--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", world=4)
-    assert (args.expert_parallel_size, args.expert_tensor_parallel_size) == (2, 2)
+    assert (args.settings.parallel.expert_parallel_size, args.settings.parallel.expert_tensor_parallel_size) == (2, 2)
     # MindSpeed's --moe-tp-extend-ep: the TP ranks split the experts too, experts are not tensor-split.
     args = _parse("--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--moe-tp-extend-ep",
                   world=4)
-    assert (args.expert_parallel_size, args.expert_tensor_parallel_size) == (4, 1)
+    assert (args.settings.parallel.expert_parallel_size, args.settings.parallel.expert_tensor_parallel_size) == (4, 1)
     args = _parse("--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
                   "--expert-tensor-parallel-size", "1", world=2)
-    assert (args.expert_parallel_size, args.expert_tensor_parallel_size) == (2, 1)
+    assert (args.settings.parallel.expert_parallel_size, args.settings.parallel.expert_tensor_parallel_size) == (2, 1)
 
 
 @pytest.mark.parametrize("extra, world, message", [

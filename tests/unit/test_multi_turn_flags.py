@@ -90,11 +90,12 @@ def test_the_tools_built_by_validation_are_the_runs_and_tool_rewards_resolve(tmp
 def test_a_tool_parser_without_tools_is_said_ignored(tmp_path, tools):
     args = parse_args(_args(tmp_path, "--tool-parser-format", "hermes"), 1)
     assert any(note.startswith("--tool-parser-format hermes is ignored: no --tool-config")
-               for note in args.startup_notes)
-    assert not any("tool-parser-format" in note for note in parse_args(_args(tmp_path), 1).startup_notes)
+               for note in args.settings.startup.startup_notes)
+    without = parse_args(_args(tmp_path), 1).settings.startup.startup_notes
+    assert not any("tool-parser-format" in note for note in without)
     with_tools = parse_args(_args(tmp_path, "--tool-config", tools), 1)
     assert with_tools.settings.tools.tool_parser_format == "hermes"  # the default
-    assert not any("tool-parser-format" in note for note in with_tools.startup_notes)
+    assert not any("tool-parser-format" in note for note in with_tools.settings.startup.startup_notes)
 
 
 def test_the_startup_line_says_how_the_prompts_offer_the_tools(tmp_path, tools):
@@ -106,7 +107,7 @@ def test_the_startup_line_says_how_the_prompts_offer_the_tools(tmp_path, tools):
         (tmp_path / f"{data}_meta.json").write_text(json.dumps(meta))
         args = build_parser().parse_args(_args(tmp_path, "--tool-config", tools, data=data))
         validate_args(args, 1)
-        return [n for n in args.startup_notes if n.startswith("multi-turn")]
+        return [n for n in args.settings.startup.startup_notes if n.startswith("multi-turn")]
 
     chatml, empty = get_template("chatml").to_dict(), get_template("empty").to_dict()
     assert "offer the tools calculator, rendered at rollout time from --tool-config through the chat template " \

@@ -23,13 +23,14 @@ CHECKED = (
     "rl/rollouts/plain.py", "rl/rollouts/partial.py", "rl/rollouts/dynamic_sampling.py", "rl/experience.py",
     # the typed consumers the stages call
     "rl/update/ppo_loop.py", "rl/update/loss_closures.py", "rl/scoring.py", "rl/evaluation.py", "rl/update/passes.py",
+    "rl/startup.py",
     # model building
     "rl/update/roles.py", "rl/update/lora.py", "rl/update/moe.py", "rl/update/recompute.py", "rl/model_settings.py", "rl/update/engine.py",
 )
 NAMESPACE_NAMES = ("args", "model_args")
-# Calls that may receive the Namespace: the startup report of the command line's flags (ignored ones included),
-# and the stage constructor (`STAGES[name](args, tokenizer)`, which reads `args.settings`).
-WHOLE_COMMAND_LINE = frozenset({"startup_lines", "STAGES[]"})
+# Calls that may receive the Namespace: the stage constructor (`STAGES[name](args, tokenizer)`, which reads
+# `args.settings`). The startup report reads `settings.startup`.
+WHOLE_COMMAND_LINE = frozenset({"STAGES[]"})
 # Reads that are known and owned elsewhere, by (module, function): what each of its reads says. They go when their
 # owner types them; each must still be found (a stale entry fails too), so the list only shrinks.
 PENDING = {}  # (module, function) -> what its reads say: known reads owned elsewhere, until typed (none left)

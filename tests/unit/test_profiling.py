@@ -58,19 +58,20 @@ def test_the_startup_lines_say_what_each_flag_does_on_cpu():
     args = parse_args(BASE + ["--profile", "--profile-step-start", "2", "--profile-step-end", "9",
                               "--record-memory-history", "--log-throughput", "--timing-log-option", "minmax",
                               "--timing-log-level", "2"])
-    text = "\n".join(startup_lines(args, "gloo"))
+    text = "\n".join(startup_lines(args.settings, "gloo"))
     assert "--profile without --use-pytorch-profiler is nsys's capture range, which needs CUDA: no effect on cpu" in text
     assert "--record-memory-history / --memory-snapshot-path need CUDA (torch.cuda.memory): no effect on cpu" in text
     assert "--log-throughput: the throughputs are always logged here (e2e_tps, update_tps, vllm_tps" in text
     assert "--timing-log-option minmax: timing/* are the mean over the data-parallel ranks" in text
     assert "--timing-log-level 2:" in text
     assert "iterations 3 .. 5 are profiled" in text  # the window (Megatron-LM's: 3 .. 9) past --train-iters
-    cuda = "\n".join(startup_lines(args, "nccl"))
+    cuda = "\n".join(startup_lines(args.settings, "nccl"))
     assert "--profile: nsys's capture range (cudaProfilerStart / Stop) around iterations 3 .. 9 on ranks 0" in cuda
     assert "dumps it to snapshot.pickle every --log-interval" in cuda
-    lone = "\n".join(startup_lines(parse_args(BASE + ["--use-pytorch-profiler"]), "gloo"))
+    lone = "\n".join(startup_lines(parse_args(BASE + ["--use-pytorch-profiler"]).settings, "gloo"))
     assert "--use-pytorch-profiler without --profile profiles nothing" in lone
-    assert not [line for line in startup_lines(parse_args(BASE), "gloo") if "profil" in line or "timing" in line]
+    plain = startup_lines(parse_args(BASE).settings, "gloo")
+    assert not [line for line in plain if "profil" in line or "timing" in line]
 
 
 def _settings(tmp_path, start=1, end=3, ranks=(0,), **kw):  # iterations 2 .. 3 as logged
@@ -197,7 +198,7 @@ def test_the_window_is_megatrons_and_an_empty_one_says_the_flags_the_range_and_t
     # Megatron-LM's 0 1: the window opens before the first iteration and closes after it
     first = parse_args(BASE + ["--profile", "--profile-step-start", "0", "--profile-step-end", "1"])
     assert "--profile: nsys's capture range (cudaProfilerStart / Stop) around iterations 1 .. 1 on ranks 0" in \
-        "\n".join(startup_lines(first, "nccl"))
+        "\n".join(startup_lines(first.settings, "nccl"))
     with pytest.raises(ArgumentError) as err:
         parse_args(BASE + ["--profile", "--profile-step-start", "3", "--profile-step-end", "3"])
     assert str(err.value) == (
@@ -248,4 +249,4 @@ def test_a_trace_records_stacks_shapes_and_memory_only_when_asked(tmp_path):
     assert (args.settings.profile.pytorch_profiler_collect_callstack,
             args.settings.profile.pytorch_profiler_collect_shapes, args.settings.profile.profile_with_memory) == \
         (True, True, False)  # MindSpeed's names for Megatron-LM's flags
-    assert "with the ops' shapes, call stacks" in "\n".join(startup_lines(args, "gloo"))
+    assert "with the ops' shapes, call stacks" in "\n".join(startup_lines(args.settings, "gloo"))

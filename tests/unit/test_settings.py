@@ -75,7 +75,7 @@ def test_every_default_is_the_parsers():
     dests = {action.dest for action in parser._actions}
     assert {f.name for f in dataclasses.fields(run_settings.Settings)} == {
         "sampling", "loss", "update", "reward", "offload", "algorithm", "tools", "batch", "models", "parallel", "data",
-        "checkpoint", "loop", "wandb", "profile", "model", "optimizer", "lora", "moe", "recompute"}
+        "checkpoint", "loop", "wandb", "profile", "startup", "model", "optimizer", "lora", "moe", "recompute"}
     for part in run_settings.PARTS:
         for f in dataclasses.fields(part):
             if f.metadata.get("derived"):  # validate_args works it out of several flags: no flag of its own
@@ -139,7 +139,9 @@ def test_parser_and_converter_resolve_the_experts_alike():
     moe = SimpleNamespace(is_moe=True, family="qwen3_moe")
     args = parse_args(BASE + ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
                               "--moe-tp-extend-ep"], world_size=8)
-    assert (args.expert_parallel_size, args.expert_tensor_parallel_size) == expert_layout(moe, 2, 2, None, True)
+    parallel = args.settings.parallel
+    assert (parallel.expert_parallel_size, parallel.expert_tensor_parallel_size) == expert_layout(moe, 2, 2, None,
+                                                                                                   True)
     with pytest.raises(ArgumentError, match="--expert-tensor-parallel-size 4 must be 1 or --tensor-model-parallel"):
         parse_args(BASE + ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "4"], world_size=8)
     with pytest.raises(ConversionError, match="--expert-tensor-parallel-size 4 must be 1 or --target-tensor-parallel"):
@@ -159,19 +161,28 @@ def test_parser_does_not_import_the_stages():
     assert out.strip() == "[]"
 
 
-@pytest.mark.parametrize("extra", [[], ["--policy-loss", "gspo", "--split", "98,2,0", "--eval-interval", "2",
-                                        "--partial-rollout", "--lr-warmup-fraction", "0.5"]])
-def test_validation_resolves_into_the_settings_not_the_namespace(extra):
-    """`validate_args` writes onto the Namespace only what Megatron-LM's validate_args writes on its args and the
-    startup report's lines (`MEGATRON_DERIVED`); the stage defaults and derived values (model building's included)
-    are the settings'."""
-    from mindspeed_llm.arguments import validation
-
+@pytest.mark.parametrize("extra,world", [
+    ([], 1),
+    (["--policy-loss", "gspo", "--split", "98,2,0", "--eval-interval", "2", "--partial-rollout", "--lr-warmup-fraction",
+      "0.5"], 1),
+    # what Megatron-LM's validate_args writes on its args: sequence parallelism off at TP 1, recompute from
+    # --recompute-activations, the experts' layout and dispatcher, the precision; LoRA's switch and its targets
+    # without repeats; the startup report's ignored flags and notes
+    (["--sequence-parallel", "--recompute-activations", "--expert-model-parallel-size", "2", "--bf16",
+      "--lora-target-modules", "linear_qkv", "linear_qkv", "--no-rope-fusion", "--use-fused-rotary-pos-emb"], 2),
+    (["--moe-layer-recompute", "--recompute-modules", "mlp", "mlp", "--tensor-model-parallel-size", "2",
+      "--sequence-parallel", "--moe-tp-extend-ep", "--initial-loss-scale", "8"], 4),
+])
+def test_validation_resolves_into_the_settings_not_the_namespace(extra, world):
+    """`validate_args` writes nothing onto the Namespace but `args.settings`: its flags stay as given, and what
+    follows from them (the stage defaults, derived values, model building's and the process grid's included, what
+    Megatron-LM's own validate_args writes on its args, the startup report) is the settings'. No name stays for
+    megatron: its global args are never set."""
     args = build_parser().parse_args(BASE + extra)
     given = dict(vars(args))
-    validate_args(args, 1)
+    validate_args(args, world)
     written = {name for name, value in vars(args).items() if name not in given or given[name] != value}
-    assert written <= set(validation.MEGATRON_DERIVED) | {"settings"}
+    assert written == {"settings"}
     assert args.kl_penalty is None and args.settings.loss.kl_penalty == "low_var_kl"  # grpo's default
     assert args.adv_estimator is None and args.settings.algorithm.adv_estimator == "grpo"
     assert args.clip_ratio_high is None and args.settings.loss.clip_ratio_high == 0.2

@@ -269,3 +269,88 @@ def test_a_prompt_that_does_not_re_encode_to_itself_is_refused(tmp_path, qwen_to
 
     with pytest.raises(DataError, match="prompt 0 does not encode back to its token ids"):
         ToolsOffered(Cut(), offer_tools(dataset, SCHEMAS, qwen_tok, "x").offered, qwen_tok)
+
+
+class _Rows:
+    """A dataset's prompts with some replaced by other ids (``replaced``: {index: ids})."""
+
+    def __init__(self, dataset, replaced=None):
+        self.dataset, self.replaced = dataset, dict(replaced or {})
+        self.prefix, self.extra_keys, self.meta = dataset.prefix, dataset.extra_keys, dataset.meta
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        item = self.dataset[i]
+        if i in self.replaced:
+            item["input_ids"] = list(self.replaced[i])
+        return item
+
+
+def _as_ranks(world, build):
+    """`build(ranks)` as each of ``world`` ranks (`prompts.Ranks`) whose gather gathers what the ranks give it: each
+    rank's part ({rank: part}) and each rank's result (or the DataError it raised)."""
+    from mindspeed_llm.data.errors import DataError
+
+    class Gathered(Exception):
+        pass
+
+    parts, results = {}, []
+    for rank in range(world):  # first each rank's own part
+        def keep(obj, rank=rank):
+            parts[rank] = obj
+            raise Gathered
+        with pytest.raises(Gathered):
+            build((rank, world, keep))
+    for rank in range(world):  # then every rank with all of them
+        try:
+            results.append(build((rank, world, lambda obj: [parts[r] for r in range(world)])))
+        except DataError as exc:
+            results.append(exc)
+    return parts, results
+
+
+def test_the_ranks_render_a_share_each_and_all_get_every_prompt(tmp_path, qwen_tok_dir, qwen_tok):
+    """Once per run, not per rank: with 3 ranks each renders a contiguous third of the prompts, and every rank gets
+    the ids (and lengths, for the --max-prompt-length check) one process rendering them all gets."""
+    from mindspeed_llm.rl.tools.prompts import ToolsOffered, offer_tools
+
+    rows = [dict(QWEN_ROWS[i % 2], instruction=f"What is {i} + {i}?") for i in range(7)]
+    dataset = _qwen_dataset(tmp_path, qwen_tok_dir, rows)
+    alone = offer_tools(dataset, SCHEMAS, qwen_tok, "--data-path x")  # one process
+    expected = [alone[i]["input_ids"] for i in range(7)]
+    assert expected[0] == _qwen_reference(qwen_tok, rows[0], SCHEMAS)
+    parts, ranks = _as_ranks(3, lambda share: ToolsOffered(dataset, alone.offered, qwen_tok, share))
+    assert [len(parts[r][0][1]) for r in range(3)] == [2, 2, 3]  # the prompts each rank rendered
+    for offered in ranks:
+        assert [offered[i]["input_ids"] for i in range(7)] == expected
+        assert offered[-1]["input_ids"] == expected[-1] and offered[3]["labels"] == rows[3]["instruction"]
+        assert list(offered.prompt_lengths) == list(map(len, expected))
+
+
+@pytest.mark.parametrize("cut,refused,expected", [
+    (4, 1, "prompt 4 does not encode back to its token ids"),  # every prompt is checked for that first
+    (None, 1, "prompt 1 cannot offer the tools: its system message does not end with the recorded tools' block"),
+    (None, 5, "prompt 5 cannot offer the tools"),
+])
+def test_a_prompt_refused_on_one_rank_is_refused_on_every_rank_as_one_process_refuses_it(
+        tmp_path, qwen_tok_dir, qwen_tok, cut, refused, expected):
+    from mindspeed_llm.data.errors import DataError
+    from mindspeed_llm.rl.tools.prompts import ToolPrompts, ToolsOffered, template_tools_block
+
+    old = dict(QWEN_ROWS[0], system=QWEN_ROWS[0]["system"] + "\n\n" + hermes_tools_block(SCHEMAS))
+    rows = [QWEN_ROWS[0] if i in (refused, 5) else old for i in range(6)]  # 5 refused in every case: the latest
+    dataset = _qwen_dataset(tmp_path, qwen_tok_dir, rows)
+    dataset.meta["tools"] = dict(names=["calculator"], schemas=SCHEMAS, rendering="hermes block in the system message")
+    replaced = {}
+    if cut is not None:  # "system" spelled in two tokens: decodes to a text that encodes to other ids
+        ids = dataset[cut]["input_ids"]
+        replaced[cut] = ids[:1] + encode(qwen_tok, "sys") + encode(qwen_tok, "tem") + ids[2:]
+    prompts = _Rows(dataset, replaced)
+    offered = ToolPrompts(dataset.meta, "--data-path x", template_tools_block(qwen_tok, SCHEMAS))
+    with pytest.raises(DataError) as alone:
+        ToolsOffered(prompts, offered, qwen_tok)
+    assert expected in str(alone.value)
+    _, ranks = _as_ranks(3, lambda share: ToolsOffered(prompts, offered, qwen_tok, share))
+    assert [str(r) for r in ranks] == [str(alone.value)] * 3

@@ -388,14 +388,14 @@ def test_argument_validation_checks_the_python_tool_and_names_its_sandbox(tmp_pa
     with pytest.raises(ArgumentError, match=r"tools\.yaml, tools\[1\]: python tool config memory_mb: 0 is out of ra"):
         parse_args(argv, 1)
     path.write_text("tools:\n  - class_name: python\n    config: {timeout: 2}\n")
-    notes = parse_args(argv, 1).startup_notes
+    notes = parse_args(argv, 1).settings.startup.startup_notes
     assert any(n.startswith("python tool sandbox: user, PID, network and mount namespaces") and "per call: 2 s" in n
                for n in notes), notes
     monkeypatch.setattr(sandbox, "isolation_layers", lambda: ())
     with pytest.raises(ArgumentError, match=r"tools\[0\]: python tool: this kernel does not offer .*unconfined: true"):
         parse_args(argv, 1)
     path.write_text("tools:\n  - class_name: python\n    config: {unconfined: true}\n")
-    assert any(n.startswith("python tool: UNCONFINED") for n in parse_args(argv, 1).startup_notes)
+    assert any(n.startswith("python tool: UNCONFINED") for n in parse_args(argv, 1).settings.startup.startup_notes)
 
 
 def test_no_unix_socket_by_path():

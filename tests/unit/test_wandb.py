@@ -174,7 +174,7 @@ def test_the_mode(tmp_path, monkeypatch):
     monkeypatch.setenv("NETRC", str(tmp_path / "none"))
     args = parse_args([*BASE, "--wandb-project", "p", "--wandb-save-dir", str(tmp_path / "w")])
     assert args.settings.wandb.wandb_mode == "offline"
-    assert [n for n in args.startup_notes if "wandb" in n] == [
+    assert [n for n in args.settings.startup.startup_notes if "wandb" in n] == [
         f"--wandb-project p: no wandb API key (WANDB_API_KEY or `wandb login`) and WANDB_MODE unset: wandb logs "
         f"offline to {tmp_path / 'w'}/wandb/offline-run-*; upload it later with `wandb sync DIR` (WANDB_MODE=online "
         "to log online)"]

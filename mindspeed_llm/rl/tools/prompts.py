@@ -22,12 +22,16 @@ without tools). A template without a system turn (``"system": null``, or a syste
 text on both sides) cannot offer the tools: said at startup, the prompts used as they are.
 
 Every prompt is rendered once, when the run opens its datasets (so --max-prompt-length is checked on the prompts
-the engine gets).
+the engine gets), and once per run, not once per rank: each rank renders its share of the prompts and the ranks
+gather the shares (`ToolsOffered`, over the `Ranks` the run passes), each then holding every prompt's ids as it
+holds the dataset's. A prompt that cannot be offered is refused on every rank with the message one process
+rendering them all gives. Rendering a prompt at its first access instead would leave the lengths unknown to the
+--max-prompt-length check, and costs about 40x reading rendered ids (benchmarks/tool_prompts.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -37,6 +41,10 @@ from mindspeed_llm.data.templates import CONTENT, ChatTemplate
 from mindspeed_llm.rl.tools.chat_delta import _render, hermes_tools_block
 
 RENDERING = "hermes block in the system message"  # what an earlier preprocessing recorded as tools.rendering
+# The processes that render the prompts together (`shared_render`): this one's rank, their number, and a gather of a
+# picklable object from each, in rank order (the run's: `distributed.world_share`); one process by default.
+Ranks = Tuple[int, int, Callable[[Any], list]]
+ONE_PROCESS: Ranks = (0, 1, lambda obj: [obj])
 _BLOCK_SEPARATOR = "\n\n"
 _PROBE_SYSTEM, _PROBE_USER = "TOOLS_PROBE_SYSTEM", "TOOLS_PROBE_USER"  # a probe conversation; never in a prompt
 
@@ -157,41 +165,82 @@ class ToolPrompts:
 
     def render(self, prompts: Sequence[Sequence[int]], tokenizer) -> List[List[int]]:
         """Each prompt's ids offering the tools (``prompts`` as they are for ``as_is`` / ``unable``)."""
+        ids, problems = self.render_part(prompts, tokenizer)
+        _raise_first([problems])
+        return ids
+
+    def render_part(self, prompts: Sequence[Sequence[int]], tokenizer, first: int = 0):
+        """(ids, problems) of the prompts numbered ``first``, ``first + 1``, ...: each prompt's ids offering the tools,
+        or, where one cannot, no ids and the first problem of each kind, (index, message) or None: a prompt that does
+        not encode back to its ids (every prompt is checked for it before any is offered the tools), a prompt that
+        cannot offer them."""
         prompts = [list(p) for p in prompts]
         if self.mode in ("as_is", "unable"):
-            return prompts
+            return prompts, (None, None)
         texts = tokenizer.batch_decode(prompts, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        for i, (ids, again) in enumerate(zip(prompts, _encode(tokenizer, texts))):
+        for i, (ids, again) in enumerate(zip(prompts, _encode(tokenizer, texts)), first):
             if ids != again:
-                raise DataError(f"{self.source}: prompt {i} does not encode back to its token ids after decoding (a "
+                return [], ((i, f"{self.source}: prompt {i} does not encode back to its token ids after decoding (a "
                                 "tokenizer other than the one it was preprocessed with, or a prompt cut by "
                                 "--overlong-prompts truncate), so the tools cannot be put in exactly; preprocess it "
-                                "with this run's tokenizer and --overlong-prompts drop")
+                                "with this run's tokenizer and --overlong-prompts drop"), None)
         out = []
-        for i, text in enumerate(texts):
+        for i, text in enumerate(texts, first):
             try:
                 out.append(offer_text(self.template, text, self.block, self.old_block))
             except ValueError as exc:
-                raise DataError(f"{self.source}: prompt {i} cannot offer the tools: {exc}; preprocess the data "
-                                "again (without tools: the run offers its own)") from None
-        return _encode(tokenizer, out)
+                return [], (None, (i, f"{self.source}: prompt {i} cannot offer the tools: {exc}; preprocess the "
+                                      "data again (without tools: the run offers its own)"))
+        return _encode(tokenizer, out), (None, None)
+
+
+def _raise_first(problems) -> None:
+    """The DataError a single process rendering every prompt in order meets first, from each part's problems."""
+    for kind in (0, 1):  # the prompts are all checked to encode back to themselves before any is offered the tools
+        found = [part[kind] for part in problems if part[kind] is not None]
+        if found:
+            raise DataError(min(found)[1])
+
+
+def _packed(ids: List[List[int]]) -> Tuple[np.ndarray, np.ndarray]:
+    """Prompts' ids as one flat array (4 bytes a token; a list of Python ints takes a reference of 8 and an int of
+    28 bytes) and their lengths."""
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter((t for row in ids for t in row), dtype=np.int64, count=int(lengths.sum()))
+    return (flat.astype(np.int32) if not len(flat) or int(flat.max()) < 2 ** 31 else flat), lengths
+
+
+def shared_render(offered: ToolPrompts, dataset, tokenizer, ranks: Optional[Ranks] = None):
+    """Every prompt of ``dataset`` offering the tools, as (flat ids, lengths), rendered once over ``ranks`` (`Ranks`;
+    one process by default): each renders a contiguous share, the shares are gathered. A problem is raised on every
+    rank alike (`_raise_first`)."""
+    rank, size, gather = ranks or ONE_PROCESS
+    n = len(dataset)
+    lo, hi = n * rank // size, n * (rank + 1) // size
+    ids, problems = offered.render_part([dataset[i]["input_ids"] for i in range(lo, hi)], tokenizer, lo)
+    parts = gather((_packed(ids), problems))
+    _raise_first([p[1] for p in parts])
+    flat = np.concatenate([p[0][0] for p in parts])
+    return flat, np.concatenate([p[0][1] for p in parts])
 
 
 class ToolsOffered(PromptDatasetView):
     """A prompt dataset (`PromptDataset` / `PromptSubset`) whose prompts offer the run's tools: every prompt rendered
-    once here; everything else is the dataset's."""
+    once here, over ``ranks`` (`shared_render`); everything else is the dataset's."""
 
-    def __init__(self, dataset, offered: ToolPrompts, tokenizer):
+    def __init__(self, dataset, offered: ToolPrompts, tokenizer, ranks: Optional[Ranks] = None):
         super().__init__(dataset)
         self.offered = offered
-        self._ids = offered.render([dataset[i]["input_ids"] for i in range(len(dataset))], tokenizer)
+        self._ids, self._lengths = shared_render(offered, dataset, tokenizer, ranks)
+        self._starts = np.concatenate([[0], np.cumsum(self._lengths)])
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> Dict:
         item = self.dataset[index]
-        item["input_ids"] = list(self._ids[int(index)])
+        i = int(index) % len(self) if int(index) < 0 else int(index)  # the dataset's own item checked the range
+        item["input_ids"] = self._ids[self._starts[i]:self._starts[i + 1]].tolist()
         return item
 
     def check_prompts(self, flag: str) -> None:
@@ -199,12 +248,12 @@ class ToolsOffered(PromptDatasetView):
 
     @property
     def prompt_lengths(self) -> np.ndarray:
-        return np.array([len(ids) for ids in self._ids], dtype=np.int64)
+        return self._lengths.copy()
 
 
-def offer_tools(dataset, schemas: Sequence[Dict[str, Any]], tokenizer, source: str):
-    """``dataset`` with its prompts offering the tools of ``schemas`` (`ToolsOffered`), or ``dataset`` itself where
-    they already do or cannot (`ToolPrompts.mode`)."""
+def offer_tools(dataset, schemas: Sequence[Dict[str, Any]], tokenizer, source: str, ranks: Optional[Ranks] = None):
+    """``dataset`` with its prompts offering the tools of ``schemas`` (`ToolsOffered`, rendered over ``ranks``), or
+    ``dataset`` itself where they already do or cannot (`ToolPrompts.mode`)."""
     if system_frame(template_of(dataset.meta)) is None:  # no system turn to offer them in (said at startup)
         return dataset
     try:
@@ -214,19 +263,20 @@ def offer_tools(dataset, schemas: Sequence[Dict[str, Any]], tokenizer, source: s
     offered = ToolPrompts(dataset.meta, source, block)
     if offered.mode in ("as_is", "unable"):
         return dataset
-    return ToolsOffered(dataset, offered, tokenizer)
+    return ToolsOffered(dataset, offered, tokenizer, ranks)
 
 
-def offer_run_tools(tool_config: Optional[str], tokenizer, dataset, eval_sets):
+def offer_run_tools(tool_config: Optional[str], tokenizer, dataset, eval_sets, ranks: Optional[Ranks] = None):
     """The run's training prompts and held-out sets ((name, dataset) pairs, or None), offering the tools of
-    ``tool_config`` (`offer_tools`); as they are without one."""
+    ``tool_config`` (`offer_tools`, rendered over ``ranks``: every rank of the run calls it); as they are without
+    one."""
     if not tool_config:
         return dataset, eval_sets
     from mindspeed_llm.rl.tools.config import tool_schemas
 
     schemas = tool_schemas(tool_config)
-    offered = offer_tools(dataset, schemas, tokenizer, f"--data-path {dataset.prefix}")
+    offered = offer_tools(dataset, schemas, tokenizer, f"--data-path {dataset.prefix}", ranks)
     if eval_sets is None:
         return offered, None
-    return offered, [(name, offer_tools(held_out, schemas, tokenizer, f"the held-out prompts {held_out.prefix}"))
-                     for name, held_out in eval_sets]
+    return offered, [(name, offer_tools(held_out, schemas, tokenizer, f"the held-out prompts {held_out.prefix}",
+                                        ranks)) for name, held_out in eval_sets]
