@@ -8,22 +8,23 @@ import pytest
 
 from mindspeed_llm.checkpoint.errors import DivergenceError
 from mindspeed_llm.rl.settings import Settings, with_values
-from mindspeed_llm.rl.trainer import EntropyGuard, _output_path_problem, finetune_on_own_save, fresh_on_resume
+from mindspeed_llm.rl.preflight import finetune_on_own_save, output_path_problem
+from mindspeed_llm.rl.trainer import EntropyGuard, fresh_on_resume
 
 
 def test_entropy_rising_to_the_uniform_maximum_is_divergence():
     guard = EntropyGuard(vocab_size=256)  # log 256 = 5.545
-    guard.check({"actor/entropy": 3.0})  # the first iteration, below 0.9 log V = 4.99
-    guard.check({"actor/entropy": 5.4})  # 0.974 log V: not yet uniform
-    guard.check({})  # a rank without the metric (not the last pipeline stage)
+    guard.check(3.0)  # the first iteration, below 0.9 log V = 4.99
+    guard.check(5.4)  # 0.974 log V: not yet uniform
+    guard.check(None)  # a rank without the metric (not the last pipeline stage)
     with pytest.raises(DivergenceError, match=r"rose from 3\.000 to 5\.500, the uniform maximum log 256 = 5\.545"):
-        guard.check({"actor/entropy": 5.5})  # 0.992 log V
+        guard.check(5.5)  # 0.992 log V
 
 
 def test_a_policy_that_starts_uniform_is_not_flagged():
     guard = EntropyGuard(vocab_size=256)
     for entropy in (0.95 * math.log(256), math.log(256)):  # a random model: near uniform from the start
-        guard.check({"actor/entropy": entropy})
+        guard.check(entropy)
 
 
 def _args(**over):
@@ -37,26 +38,26 @@ def _checkpoint(**over):
 
 def test_output_paths_of_the_wrong_kind_are_named(tmp_path):
     (tmp_path / "file").write_text("x")
-    assert _output_path_problem(_args(metrics_jsonl=str(tmp_path))) == \
+    assert output_path_problem(_args(metrics_jsonl=str(tmp_path))) == \
         f"--metrics-jsonl {tmp_path} is a directory; pass a file"
-    assert _output_path_problem(_args(save=str(tmp_path / "file"))) == \
+    assert output_path_problem(_args(save=str(tmp_path / "file"))) == \
         f"--save {tmp_path / 'file'} is a file; pass a directory"
     under_a_file = tmp_path / "file" / "tb"
-    assert _output_path_problem(_args(tensorboard_dir=str(under_a_file))) == \
+    assert output_path_problem(_args(tensorboard_dir=str(under_a_file))) == \
         f"--tensorboard-dir {under_a_file} lies under {tmp_path / 'file'}, which is a file; pass a path in a " \
         "directory"
-    assert _output_path_problem(_args(metrics_jsonl=str(tmp_path / "new" / "m.jsonl"), save=str(tmp_path / "s"))) is None
+    assert output_path_problem(_args(metrics_jsonl=str(tmp_path / "new" / "m.jsonl"), save=str(tmp_path / "s"))) is None
 
 
 def test_a_save_holding_checkpoints_is_refused_unless_the_run_resumes_it(tmp_path):
     save = tmp_path / "save"
     (save / "iter_0000002").mkdir(parents=True)
     (save / "latest_checkpointed_iteration.txt").write_text("2")
-    problem = _output_path_problem(_args(save=str(save)))
+    problem = output_path_problem(_args(save=str(save)))
     assert problem.startswith(f"--save {save} already holds checkpoints (") and "this run does not resume" in problem
-    assert _output_path_problem(_args(save=str(save), load=str(save))) is None  # it resumes them
+    assert output_path_problem(_args(save=str(save), load=str(save))) is None  # it resumes them
     # grpo without --ref-model: --load is the initial actor, not a run to resume
-    assert "this run does not resume" in _output_path_problem(_args(stage="grpo", save=str(save), load=str(save)))
+    assert "this run does not resume" in output_path_problem(_args(stage="grpo", save=str(save), load=str(save)))
 
 
 def test_finetune_of_the_runs_own_save_resumes_it(tmp_path):
