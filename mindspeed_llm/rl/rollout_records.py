@@ -1,6 +1,6 @@
 """What a run keeps of each iteration's scored rollouts besides training on them: the sample table (--log-samples,
 `metrics/samples.py`) and the dump (--rollout-dump-dir, `rollout_dump.py`). A stage hands each scored generation
-batch to `add` as soon as it is scored; the trainer calls `finish` once the iteration is done.
+batch to `add` as soon as it is scored and calls `finish` at the end of its iteration (`rl/stages/base.py`).
 
 Under --rollout-replay-dir `finish` also draws the prompt batches the dumping run drew beyond those the replay asked
 for (--partial-rollout draws ahead), so the sampler's position, and every later iteration's prompts, are the dumping
