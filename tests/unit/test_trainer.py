@@ -111,7 +111,7 @@ def test_a_stage_iteration_scores_into_its_records_finishes_them_and_returns_typ
     `response_length/mean`, from `rollout_metrics`) times global batch / DP x n, hand-computed here."""
     from mindspeed_llm import distributed
     from mindspeed_llm.rl.experience import Experience
-    from mindspeed_llm.rl.rollout import rollout_metrics
+    from mindspeed_llm.rl.rollouts.plain import rollout_metrics
     from mindspeed_llm.rl.stages import IterationResult
     from mindspeed_llm.rl.stages.base import StageBase, Trained
 
@@ -127,6 +127,7 @@ def test_a_stage_iteration_scores_into_its_records_finishes_them_and_returns_typ
 
     stage = ToyStage(with_values(Settings(), global_batch_size=8, n_samples_per_prompt=2), tokenizer=None)
     stage.records = _Records()
+    stage.rollouts = SimpleNamespace(scored=False)  # a schedule whose batches the stage scores
     stage.scorer = lambda e, plan, timers: (torch.tensor([1.0, 0.0]), {"score/x": 2.0})
     monkeypatch.setattr(distributed, "data_parallel_info", lambda: (1, 2))  # DP rank 1 of 2: 4 prompts, 8 samples
     prompts = SimpleNamespace(drawn=1)
