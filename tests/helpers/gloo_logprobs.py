@@ -1,5 +1,5 @@
-"""Helpers for tests/dist/test_logprobs_dist.py and tests/dist/test_triton_logprobs.py: run a function on N local
-processes joined in a gloo group.
+"""Helpers for tests/dist/test_logprobs_dist.py, tests/dist/test_triton_logprobs.py and
+tests/dist/test_distill_dist.py: run a function on N local processes joined in a gloo group.
 
 The worker functions live here (not in the test module) so the spawned children can import them by
 module name without re-importing the test module's dependencies.
@@ -69,3 +69,45 @@ def tp_logprobs_worker(rank, world_size, cases):
         torch.testing.assert_close(
             local.grad.float(), expected.float(), atol=atol, rtol=rtol, msg=lambda m: f"rank {rank} grad {case}: {m}"
         )
+
+
+def tp_distill_worker(rank, world_size, cases):
+    """Each rank holds one vocab shard of the same student and teacher logits; the teacher's top-k (ids, log-probs),
+    the top-k forward KL, its top-k mass, the loss and each shard's logits-gradient must equal those of one rank
+    holding the whole vocabulary (tp_group None), for every case."""
+    from mindspeed_llm.rl import core_algos as ca
+
+    group = dist.new_group(list(range(world_size)))
+    for case in cases:
+        shape, vocab, k, dtype, temperature, tol, grad_tol = case
+        g = torch.Generator().manual_seed(11)  # the same full logits on every rank
+        student = (torch.randn(*shape, vocab, generator=g) * 3).to(dtype)
+        teacher = (torch.randn(*shape, vocab, generator=g) * 3).to(dtype)
+        mask = (torch.rand(shape, generator=g) < 0.7).to(torch.int64)
+        shard = vocab // world_size
+        part = slice(rank * shard, (rank + 1) * shard)
+
+        results = []
+        for logits_s, logits_t, tp_group in ((student[..., part], teacher[..., part], group),
+                                             (student, teacher, None)):
+            s = logits_s.clone().requires_grad_()
+            top = ca.teacher_topk(logits_t.clone(), k, tp_group, temperature)
+            kl, mass = ca.forward_kl_on_teacher_topk(s, top, tp_group, temperature)
+            loss, metrics = ca.topk_forward_kl_loss(s, top, mask, tp_group, temperature)
+            loss.backward()
+            results.append((top, kl, mass, loss, metrics, s.grad))
+        (top2, kl2, mass2, loss2, m2, grad2), (top1, kl1, mass1, loss1, m1, grad1) = results
+
+        def check(a, b, what, tol=tol):
+            torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol,
+                                       msg=lambda m: f"rank {rank} {case} {what}: {m}")
+
+        assert torch.equal(top2.ids, top1.ids), f"rank {rank} {case}: top-k ids differ"
+        check(top2.logp, top1.logp, "teacher top-k log-probs")
+        check(kl2, kl1, "kl")
+        check(mass2, mass1, "top-k mass")
+        check(loss2, loss1, "loss")
+        for name in ("kl", "topk_mass"):
+            check(m2[name], m1[name], name)
+        assert grad2.dtype == dtype and grad2.shape[-1] == shard
+        check(grad2, grad1[..., part], "logits gradient of this shard", grad_tol)

@@ -1,10 +1,11 @@
 """Pure tensor math for RL post-training (TRL-style PPO and GRPO).
 
-Everything here is a plain function of tensors: torch only, no distributed code, no I/O, no global
-state. Each docstring states the formula it implements so it can be read next to the paper. The one exception is
-the choice of an accelerator kernel: the scans (:mod:`.scans`) and the two losses (:mod:`.losses`) ask
-``mindspeed_llm.kernels.select_kernel`` for their inputs' device (an environment variable can force either path)
-and run a Triton kernel of the same math on CUDA / Ascend; the torch code here is always their reference.
+Everything here is a plain function of tensors: torch only, no I/O, no global state, and no distributed code but
+the tensor-parallel collectives of :mod:`.distill` over the group its caller passes. Each docstring states the
+formula it implements so it can be read next to the paper. The one exception is the choice of an accelerator
+kernel: the scans (:mod:`.scans`) and the two losses (:mod:`.losses`) ask ``mindspeed_llm.kernels.select_kernel``
+for their inputs' device (an environment variable can force either path) and run a Triton kernel of the same math
+on CUDA / Ascend; the torch code here is always their reference.
 
 Conventions used throughout
 ---------------------------
@@ -31,7 +32,8 @@ arXiv:1506.02438); dual-clip PPO (Ye et al. 2020, arXiv:1912.09729); GRPO (Shao 
 arXiv:2402.03300); DAPO (Yu et al. 2025, arXiv:2503.14476); Dr. GRPO (Liu et al. 2025,
 arXiv:2503.20783); RLOO (Ahmadian et al. 2024, arXiv:2402.14740); REINFORCE++ (Hu 2025, arXiv:2501.03262; verl's
 formulas); GSPO (Zheng et al. 2025, arXiv:2507.18071); KL estimators k1/k2/k3 (J. Schulman, "Approximating KL
-divergence", 2020).
+divergence", 2020); on-policy distillation (Agarwal et al. 2024, arXiv:2306.13649; Thinking Machines, "On-Policy
+Distillation", 2025; verl's ``forward_kl_topk``).
 Behaviour is matched to Hugging Face TRL 1.12.0 where TRL has the same quantity (see
 tests/unit/test_trl_parity.py).
 
@@ -57,6 +59,10 @@ What is where
   ``loss_mask`` (the action mask less the truncated and filtered rows: the one place the loss mask is made),
   ``action_order`` / ``to_actions`` / ``from_actions`` (each row's actions first), ``gae_over_actions`` and
   ``token_advantages_over_actions`` (the estimators stepping over the model's own tokens only).
+* :mod:`.distill`: on-policy distillation's math: ``DISTILL_ESTIMATORS``, ``DISTILL_LOSSES`` (what each signal needs
+  and whether it may be a loss), ``reverse_kl`` (k1 / k3 on the sampled tokens), ``distill_token_rewards``,
+  ``reverse_kl_loss``; the forward KL over the teacher's top-k from vocab-parallel logits: ``TeacherTopK``,
+  ``teacher_topk``, ``forward_kl_on_teacher_topk``, ``topk_forward_kl``, ``topk_forward_kl_loss``.
 
 Registering a method is one decorator: ``@register_advantage(name, kind)`` adds a ``--adv-estimator`` choice,
 ``@register_policy_loss(name)`` a ``--policy-loss`` choice (``validate_args`` checks the flags against these
@@ -87,6 +93,19 @@ from mindspeed_llm.rl.core_algos.actions import (
     gae_over_actions,
     to_actions,
     token_advantages_over_actions,
+)
+from mindspeed_llm.rl.core_algos.distill import (
+    DISTILL_ESTIMATORS,
+    DISTILL_LOSSES,
+    DistillLoss,
+    TeacherTopK,
+    distill_token_rewards,
+    forward_kl_on_teacher_topk,
+    reverse_kl,
+    reverse_kl_loss,
+    teacher_topk,
+    topk_forward_kl,
+    topk_forward_kl_loss,
 )
 from mindspeed_llm.rl.core_algos.kl import KL_KINDS, kl_penalty, rollout_mismatch
 from mindspeed_llm.rl.core_algos.losses import (
@@ -171,4 +190,15 @@ __all__ = [
     "from_actions",
     "gae_over_actions",
     "token_advantages_over_actions",
+    "DISTILL_ESTIMATORS",
+    "DISTILL_LOSSES",
+    "DistillLoss",
+    "TeacherTopK",
+    "reverse_kl",
+    "distill_token_rewards",
+    "reverse_kl_loss",
+    "teacher_topk",
+    "forward_kl_on_teacher_topk",
+    "topk_forward_kl",
+    "topk_forward_kl_loss",
 ]

@@ -1,0 +1,171 @@
+"""On-policy distillation's math (mindspeed_llm.rl.core_algos.distill) against hand-computed numbers and plain-torch
+dense references; TP=2 over gloo equals TP=1: tests/dist/test_distill_dist.py."""
+
+import math
+
+import pytest
+import torch
+
+from mindspeed_llm.rl import core_algos as ca
+
+
+def close(actual, expected, atol=1e-6, rtol=0.0):
+    torch.testing.assert_close(actual.float(), torch.as_tensor(expected, dtype=torch.float32), atol=atol, rtol=rtol)
+
+
+# Two sampled tokens: student log-probs s, teacher log-probs t.
+S = torch.tensor([[-1.0, -2.0]])
+T = torch.tensor([[-1.5, -0.5]])
+M = torch.tensor([[1, 1]])
+
+
+def test_reverse_kl_estimators_by_hand():
+    close(ca.reverse_kl(S, T, "k1"), [[0.5, -1.5]])  # s - t
+    # k3 = exp(t - s) - (t - s) - 1: t - s = -0.5 -> e^-0.5 + 0.5 - 1 = 0.1065307; t - s = 1.5 -> e^1.5 - 2.5 = 1.9816891
+    close(ca.reverse_kl(S, T, "k3"), [[0.10653066, 1.98168907]])
+    # no [-10, 10] clamp of the value (that of the reference KL): t - s = 4 -> e^4 - 5 = 49.59815
+    close(ca.reverse_kl(torch.tensor([-5.0]), torch.tensor([-1.0]), "k3"), [49.59815003], atol=1e-4)
+    with pytest.raises(ValueError, match="unknown distillation KL estimator 'k9'.*k1, k3"):
+        ca.reverse_kl(S, T, "k9")
+
+
+def test_token_rewards_are_minus_coef_kl_on_the_mask():
+    kl = ca.reverse_kl(S, T, "k1").requires_grad_()
+    rewards = ca.distill_token_rewards(kl, torch.tensor([[1, 0]]), coef=0.5)
+    close(rewards, [[-0.25, 0.0]])  # -0.5 * 0.5, and the masked token gets nothing
+    assert not rewards.requires_grad
+
+
+def test_reverse_kl_loss_aggregates_and_its_gradient_is_one_minus_the_ratio():
+    s = torch.tensor([[-1.0, -2.0, -0.3], [-0.7, -4.0, -1.0]], requires_grad=True)
+    t = torch.tensor([[-1.5, -0.5, -0.3], [-0.2, -1.0, -9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    loss, metrics = ca.reverse_kl_loss(s, t, mask, "k3")
+    k3 = [math.exp(-0.5) + 0.5 - 1, math.exp(1.5) - 2.5, math.exp(0.5) - 1.5]  # the three tokens of the mask
+    close(loss, sum(k3) / 3)
+    close(metrics["kl"], sum(k3) / 3)
+    close(metrics["teacher_logp"], (-1.5 - 0.5 - 0.2) / 3)
+    loss.backward()
+    # d k3 / d s = 1 - exp(t - s), times the token-mean weight 1/3; 0 off the mask
+    expected = torch.tensor([[1 - math.exp(-0.5), 1 - math.exp(1.5), 0.0], [1 - math.exp(0.5), 0.0, 0.0]]) / 3
+    close(s.grad, expected)
+
+    seq_loss, _ = ca.reverse_kl_loss(s, t, mask, "k3", agg="seq-mean-token-mean")
+    close(seq_loss, ((k3[0] + k3[1]) / 2 + k3[2]) / 2)
+    half, _ = ca.reverse_kl_loss(s, t, mask, "k3", total_tokens=6)  # a share of a batch of 6 tokens
+    close(half, sum(k3) / 6)
+
+
+def test_k1_is_refused_as_a_loss():
+    with pytest.raises(ValueError, match="k1 estimator cannot be a distillation loss.*reward"):
+        ca.reverse_kl_loss(S, T, M, "k1")
+    with pytest.raises(ValueError, match="unknown distillation KL estimator 'topk_forward_kl'"):
+        ca.reverse_kl_loss(S, T, M, "topk_forward_kl")
+    assert [name for name, spec in ca.DISTILL_LOSSES.items() if spec.as_loss] == ["k3", "topk_forward_kl"]
+
+
+# Teacher p_T = [1/2, 1/4, 1/8, 1/8], student uniform; logits shifted by constants (the log-softmax removes them) and,
+# for the temperature case, doubled with T = 2.
+P_TEACHER = torch.tensor([0.5, 0.25, 0.125, 0.125])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_topk_forward_kl_by_hand(temperature):
+    teacher = (P_TEACHER.log() + 3.0) * temperature
+    student = torch.full((4,), 1.7 * temperature)
+    top = ca.teacher_topk(teacher, 2, temperature=temperature)
+    assert top.ids.tolist() == [0, 1]
+    close(top.logp, [math.log(0.5), math.log(0.25)])
+    kl, mass = ca.topk_forward_kl(student, teacher, 2, temperature=temperature)
+    # 1/2 (log 1/2 - log 1/4) + 1/4 (log 1/4 - log 1/4) = 1/2 log 2: the student's log-probs over all 4 tokens,
+    # nothing renormalised over the top-2 (that would give 2/3 log(4/3) + 1/3 log(2/3) = 0.0566)
+    close(kl, 0.5 * math.log(2))
+    close(mass, 0.75)
+    # k = V: the exact KL, 1/2 log 2 + 0 + 2 * 1/8 (log 1/8 - log 1/4) = 1/4 log 2
+    kl, mass = ca.topk_forward_kl(student, teacher, 4, temperature=temperature)
+    close(kl, 0.25 * math.log(2))
+    close(mass, 1.0)
+
+
+def _dense_forward_kl(student_logits, teacher_logits, temperature=1.0):
+    """KL(teacher || student) over the whole vocabulary, plain torch."""
+    t = torch.log_softmax(teacher_logits.float() / temperature, -1)
+    s = torch.log_softmax(student_logits.float() / temperature, -1)
+    return (t.exp() * (t - s)).sum(-1)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-4)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_k_equal_to_the_vocabulary_is_the_exact_forward_kl(dtype, tol, temperature):
+    g = torch.Generator().manual_seed(0)
+    student = (torch.randn(3, 5, 37, generator=g) * 3).to(dtype)
+    teacher = (torch.randn(3, 5, 37, generator=g) * 3).to(dtype)
+    kl, mass = ca.topk_forward_kl(student, teacher, 37, temperature=temperature)
+    assert kl.shape == mass.shape == (3, 5) and kl.dtype == torch.float32
+    close(kl, _dense_forward_kl(student, teacher, temperature), atol=tol)
+    close(mass, torch.ones(3, 5), atol=tol)
+
+
+def test_topk_matches_a_dense_truncated_reference_and_the_gradient_is_autograds():
+    g = torch.Generator().manual_seed(1)
+    student = torch.randn(2, 6, 50, generator=g) * 2
+    teacher = torch.randn(2, 6, 50, generator=g) * 2
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0]])
+    temperature, k = 0.8, 5
+
+    # Dense reference: the teacher's top-k from torch.topk on the full logits, both log-softmaxes over all 50 ids.
+    s_ref = student.clone().requires_grad_()
+    t_logp = torch.log_softmax(teacher / temperature, -1)
+    top_ids = t_logp.topk(k, -1).indices
+    t_top = t_logp.gather(-1, top_ids)
+    s_top = torch.log_softmax(s_ref / temperature, -1).gather(-1, top_ids)
+    kl_ref = (t_top.exp() * (t_top - s_top)).sum(-1)
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        s = student.clone().requires_grad_()
+        top = ca.teacher_topk(teacher, k, temperature=temperature)
+        assert torch.equal(top.ids, top_ids)
+        close(top.logp, t_top, atol=1e-5)
+        loss, metrics = ca.topk_forward_kl_loss(s, top, mask, temperature=temperature, agg=agg)
+        m = mask.float()
+        weights = m / m.sum() if agg == "token-mean" else m / m.sum(-1, keepdim=True) / 2
+        loss_ref = (kl_ref * weights).sum()
+        close(loss, loss_ref.detach(), atol=1e-6)
+        close(metrics["kl"], (kl_ref * m).sum().detach() / m.sum(), atol=1e-6)
+        close(metrics["topk_mass"], (t_top.exp().sum(-1) * m).sum() / m.sum(), atol=1e-6)
+        loss.backward()
+        s_ref.grad = None
+        loss_ref.backward(retain_graph=True)
+        close(s.grad, s_ref.grad, atol=1e-7)
+        assert s.grad.abs().sum() > 0 and (s.grad[mask == 0] == 0).all()
+
+
+def test_bad_top_k_and_shapes_are_refused():
+    logits = torch.randn(3, 8)
+    with pytest.raises(ValueError, match=r"k must be in \[1, 8\].*got 9"):
+        ca.teacher_topk(logits, 9)
+    with pytest.raises(ValueError, match=r"k must be in \[1, 8\].*got 0"):
+        ca.teacher_topk(logits, 0)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        ca.teacher_topk(logits, 2, temperature=0.0)
+    top = ca.teacher_topk(logits, 2)
+    with pytest.raises(ValueError, match=r"teacher top-k ids \(3, 2\) do not match the student logits \(4, 8\)"):
+        ca.forward_kl_on_teacher_topk(torch.randn(4, 8), top)
+
+
+def test_k3_loss_gradient_wrt_the_student_logits_is_autograds_on_a_dense_formula():
+    from mindspeed_llm.rl.logprobs import vocab_parallel_logprobs
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 4, 30, generator=g) * 2
+    tokens = torch.randint(0, 30, (2, 4), generator=g)
+    teacher_logp = -torch.rand(2, 4, generator=g) * 3
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    a = logits.clone().requires_grad_()
+    loss, _ = ca.reverse_kl_loss(vocab_parallel_logprobs(a, tokens), teacher_logp, mask, "k3")
+    loss.backward()
+    b = logits.clone().requires_grad_()
+    s = torch.log_softmax(b, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    dense = ((torch.exp(teacher_logp - s) - (teacher_logp - s) - 1) * mask).sum() / mask.sum()
+    dense.backward()
+    close(loss, dense.detach(), atol=1e-6, rtol=1e-5)  # the loss is ~80: float32's last bits
+    close(a.grad, b.grad, atol=1e-6, rtol=1e-5)
