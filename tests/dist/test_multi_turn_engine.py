@@ -60,7 +60,7 @@ class ScriptedTools:
         def answer():
             time.sleep(0.02 * (sample % 3))
             with self.lock:
-                self.done.append((sample, observation_of(sample)))
+                self.done.append((sample, observation_of(sample), None))
             self.event.set()
 
         threading.Thread(target=answer, daemon=True).start()
@@ -72,6 +72,9 @@ class ScriptedTools:
             out, self.done = self.done, []
             self.event.clear()
         return out
+
+    def observed(self, sample, note):
+        pass  # nothing to record
 
 
 class RoundTools(ScriptedTools):
@@ -93,7 +96,7 @@ class RoundTools(ScriptedTools):
 
     def ready(self, wait):
         back = {s: r for r, s in enumerate(self.ids)}
-        return [(back[s], ids) for s, ids in super().ready(wait)]
+        return [(back[s], ids, note) for s, ids, note in super().ready(wait)]
 
 
 def _in_rounds(model, prompts, sampling, calls_tools, share):

@@ -73,6 +73,7 @@ def test_a_tools_own_metrics_are_summed_per_tool_and_logged_under_its_name():
     import concurrent.futures
     from types import SimpleNamespace
 
+    from mindspeed_llm.inference.turns import TurnExchange
     from mindspeed_llm.rl.rollouts.tool_turns import ToolTurns, tool_metrics
     from mindspeed_llm.rl.settings import ToolSettings
     from mindspeed_llm.rl.tools import TurnResult
@@ -95,7 +96,7 @@ def test_a_tools_own_metrics_are_summed_per_tool_and_logged_under_its_name():
         known = [ord(c) for c in call]
         assert turns.wants_observation(sample, known, 0, 0)
         turns.begin(sample, known, 0, 0)
-    assert sorted(turns.ready(wait=True)) == [(0, [1]), (1, [1])]
+    assert sorted(TurnExchange(turns, None, None, torch.device("cpu")).exchange(wait=True)) == [(0, [1]), (1, [1])]
     assert turns.counts == {"calls": 2, "failures": 0, "timeouts": 0, "seconds": 1.0, "echo/words": 5.0}
     exp = SimpleNamespace(sample_data=SimpleNamespace(trajectories=[{"num_turns": 2}] * 2),
                           tool_mask=torch.ones(2, 3))
@@ -125,9 +126,10 @@ def test_each_model_turn_is_parsed_once():
     prompt = [1, 1]  # `_batch`'s two prompt tokens
     assert turns.wants_observation(0, prompt + [ord(c) for c in call], len(prompt), 0)
     exp = _batch([[(call, False), (" 6 ", True), ("It is 6.", False)]])
-    record = turns.record(0, 0.5)
+    turns.observed(0, {"reward": 0.5, "counts": {}})  # the tool's answer's note (`TurnExchange`)
+    record = turns.record(0)
     got = trajectories(exp, _Chars(), Counting(), [0.5], [record["parsed"]])
     assert texts == [call, "It is 6."]  # the first turn at its end, the last one here
     assert got == trajectories(exp, _Chars(), hermes, [0.5])
     resumed = ToolTurns([{}], _Chars(), ToolSettings(), None, Counting(), None, budgets=[256], states=[record])
-    assert resumed.record(0, 0.5) == record  # a continued trajectory (a partial rollout's) keeps its turns' calls
+    assert resumed.record(0) == record  # a continued trajectory (a partial rollout's) keeps its turns' calls

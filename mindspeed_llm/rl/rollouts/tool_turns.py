@@ -26,7 +26,6 @@ import contextlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from mindspeed_llm.inference import Rollout, SamplingConfig
 from mindspeed_llm.rl import tools as tool_lib
@@ -47,7 +46,7 @@ class ToolTurns:
         self.turn_token_limit = settings.max_new_tokens
         self.budgets = list(budgets)  # each trajectory's whole budget (a partial rollout's call gets a share of it)
         states = states or [{}] * len(self.rows)  # a continued trajectory's counts so far (partial rollouts)
-        # model turns ended and tool calls made (every rank), the tools' rewards (the token-picking rank)
+        # model turns ended and tool calls made, the tools' rewards (every rank: `observed` takes the tools' notes)
         self.turns = [int(st.get("turns", 0)) for st in states]
         self.calls = [int(st.get("calls", 0)) for st in states]
         self.tool_reward = [float(st.get("tool_reward", 0.0)) for st in states]
@@ -58,7 +57,7 @@ class ToolTurns:
         self.parsed: Dict[int, object] = {}
         self.futures: Dict[int, concurrent.futures.Future] = {}
         self.started: Dict[int, None] = {}
-        # the calls run (token-picking rank): `tool/calls`, ... and the tools' own metrics, `tool/<name>/<metric>`
+        # the calls run (every rank, from the notes): `tool/calls`, ... and the tools' own, `tool/<name>/<metric>`
         self.counts: Dict[str, float] = dict(calls=0, failures=0, timeouts=0, seconds=0.0)
 
     def trajectory_budget(self, sample: int) -> int:
@@ -97,7 +96,7 @@ class ToolTurns:
             done.set_result(tool_lib.TurnResult(messages=[]))
             self.futures[sample] = (done, refusals)
 
-    def ready(self, wait: bool) -> List[Tuple[int, List[int]]]:
+    def ready(self, wait: bool) -> List[Tuple[int, List[int], dict]]:
         if wait and self.futures:
             concurrent.futures.wait([f for f, _ in self.futures.values()],
                                     return_when=concurrent.futures.FIRST_COMPLETED)
@@ -105,45 +104,37 @@ class ToolTurns:
         for sample in [s for s, (f, _) in self.futures.items() if f.done()]:
             future, refusals = self.futures.pop(sample)
             result = future.result()
-            self.tool_reward[sample] += float(result.reward or 0.0)
-            self.counts["calls"] += len(result.messages) - result.refused
-            self.counts["failures"] += result.failures + len(refusals)
-            self.counts["timeouts"] += result.timeouts
-            self.counts["seconds"] += float(result.seconds)
+            # what the record and the counts take from this turn's calls, on every rank (`observed`)
+            counts = {"calls": len(result.messages) - result.refused, "failures": result.failures + len(refusals),
+                      "timeouts": result.timeouts, "seconds": float(result.seconds)}
             for name, own in result.metrics.items():
                 for key, value in own.items():
-                    self.counts[f"{name}/{key}"] = self.counts.get(f"{name}/{key}", 0.0) + value
-            out.append((sample, self.delta.delta_ids(list(result.messages) + refusals)))
+                    counts[f"{name}/{key}"] = value
+            note = {"reward": float(result.reward or 0.0), "counts": counts}
+            out.append((sample, self.delta.delta_ids(list(result.messages) + refusals), note))
         return out
+
+    def observed(self, sample: int, note: dict) -> None:
+        self.tool_reward[sample] += note["reward"]
+        for key, value in note["counts"].items():
+            self.counts[key] = self.counts.get(key, 0.0) + value
 
     def close(self) -> None:
         for sample in self.started:
             self.executor.finish(sample)
 
-    def record(self, sample: int, tool_reward: float) -> dict:
+    def record(self, sample: int) -> dict:
         """`sample`'s record of its trajectory so far (`Rollout.trajectories`, handed back as `Continuation.state`):
         its turn and call counts, its tools' reward, and the calls of each turn parsed when it ended."""
-        return {"turns": self.turns[sample], "calls": self.calls[sample], "tool_reward": float(tool_reward),
+        return {"turns": self.turns[sample], "calls": self.calls[sample],
+                "tool_reward": float(self.tool_reward[sample]),
                 "parsed": {a: [end, calls] for a, (end, calls) in self.turn_calls[sample].items()}}
-
-    def summary(self) -> dict:
-        """What only the token-picking rank knows, for every rank of the group."""
-        return dict(tool_reward=list(self.tool_reward), counts=dict(self.counts))
 
 
 def _refusals(parsed, allowed: int) -> List[str]:
     """The answers to what cannot run: malformed calls (the parser's errors) and calls past --max-tool-calls."""
     over = ["error: the limit of tool calls for this conversation is reached"] * (len(parsed.calls) - allowed)
     return list(parsed.errors) + over
-
-
-def _from_picking_rank(value, group, source):
-    """`value` of the token-picking rank, on every rank of the model-parallel group."""
-    if source is None:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=source, group=group)
-    return box[0]
 
 
 def trajectories(exp: Experience, tokenizer, parser, tool_reward: Sequence[float],
@@ -204,14 +195,6 @@ class ToolBox:
             turns.close()
             executor.close()
 
-    @staticmethod
-    def shared(turns: ToolTurns) -> dict:
-        """What only the token-picking rank knows (the tools' rewards and counts), on every rank of the group."""
-        from mindspeed_llm.inference.engine_inputs import source_rank
-
-        group, source = source_rank()
-        return _from_picking_rank(turns.summary(), group, source)
-
     def trajectories(self, exp: Experience, tool_reward: Sequence[float], parsed=None) -> List[dict]:
         return trajectories(exp, self.tokenizer, self.parser, tool_reward, parsed)
 
@@ -269,9 +252,9 @@ class ToolTurnsGenerator(PlainGenerator):
             result = self.engine(iteration, prompts, sample_ids, continuations, whole if budgets is None else budgets,
                                  sampling or self.sampling, turns=turns,
                                  options=EngineOptions(parked_kv=self.toolbox.settings.parked_kv))
-        told = self.toolbox.shared(turns)
-        result.trajectories = [turns.record(b, told["tool_reward"][b]) for b in range(len(prompts))]
-        result.stats = {**result.stats, **{f"tool/{key}": value for key, value in told["counts"].items()}}
+        # every rank's records and counts are whole: the tools' answers brought them with their ids
+        result.trajectories = [turns.record(b) for b in range(len(prompts))]
+        result.stats = {**result.stats, **{f"tool/{key}": value for key, value in turns.counts.items()}}
         return result
 
     def carried(self, reason: str, length: int, whole: int) -> bool:
