@@ -225,3 +225,31 @@ def test_a_non_picking_rank_has_the_whole_record_when_generation_ends(monkeypatc
         assert result.stats == {"parked_turns": 2, "tool/calls": 2, "tool/failures": 1, "tool/timeouts": 0,
                                 "tool/seconds": 1.0, "tool/echo/words": 5.0}
     assert got[1].trajectories == got[0].trajectories
+
+
+def test_a_trajectorys_call_count_is_made_from_its_parsed_turns():
+    """One count of a trajectory's tool calls: `ToolTurns.calls`, made from the calls of the turns parsed when they
+    ended (the record's `parsed`), within --max-tool-calls (hand-counted: 2 calls, then 2 of which 1 is allowed, then
+    none parsed at the limit); it drives the limit, is the record's `calls`, and a record saved before it kept its
+    turns' calls (an older partial-rollout checkpoint: counts only) goes on from its saved count."""
+    from mindspeed_llm.rl.rollouts.tool_turns import ToolTurns
+    from mindspeed_llm.rl.settings import ToolSettings
+
+    one = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
+    settings = ToolSettings(max_tool_calls=3)
+    turns = ToolTurns([{}], _Chars(), settings, None, get_parser("hermes"), None, budgets=[512])
+    known, starts = [1, 1], []
+    for k in range(3):
+        starts.append(len(known) - 2)
+        known = known + [ord(c) for c in one * 2]
+        wants = turns.wants_observation(0, known, 2, starts[-1])
+        assert wants == (k < 2) and turns.calls(0) == [2, 3, 3][k], k
+        known = known + [ord("x")] * 3  # the tools' answer
+    record = turns.record(0)
+    assert record["calls"] == 3 and sorted(record["parsed"]) == starts[:2]
+    assert turns.parsed[0][1] == 1  # the second turn: 1 of its 2 calls allowed
+    older = ToolTurns([{}], _Chars(), settings, None, get_parser("hermes"), None, budgets=[512],
+                      states=[{"turns": 1, "calls": 2, "tool_reward": 0.5}])
+    assert older.calls(0) == 2
+    assert older.wants_observation(0, [1, 1] + [ord(c) for c in one * 2], 2, 0)
+    assert older.record(0)["calls"] == 3 and not older.wants_observation(0, [1, 1] + [ord(c) for c in one * 3], 2, 0)

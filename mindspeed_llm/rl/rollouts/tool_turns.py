@@ -46,14 +46,17 @@ class ToolTurns:
         self.turn_token_limit = settings.max_new_tokens
         self.budgets = list(budgets)  # each trajectory's whole budget (a partial rollout's call gets a share of it)
         states = states or [{}] * len(self.rows)  # a continued trajectory's counts so far (partial rollouts)
-        # model turns ended and tool calls made, the tools' rewards (every rank: `observed` takes the tools' notes)
+        # model turns ended, the tools' rewards (every rank: `observed` takes the tools' notes)
         self.turns = [int(st.get("turns", 0)) for st in states]
-        self.calls = [int(st.get("calls", 0)) for st in states]
         self.tool_reward = [float(st.get("tool_reward", 0.0)) for st in states]
-        # each model turn's calls, parsed once when it ended (every rank): response span start -> (its end, calls)
+        # each model turn's calls, parsed once when it ended (every rank): response span start -> (its end, calls);
+        # the one count of a trajectory's calls (`calls`, --max-tool-calls) is made from them
         self.turn_calls: List[Dict[int, Tuple[int, List[dict]]]] = [
             {int(a): (int(end), list(calls)) for a, (end, calls) in dict(st.get("parsed", {})).items()}
             for st in states]
+        # a record saved before it kept its turns' calls (a partial rollout's older checkpoint) brings its count
+        self.calls_before = [0] * len(states)
+        self.calls_before = [max(int(st.get("calls", 0)) - self.calls(b), 0) for b, st in enumerate(states)]
         self.parsed: Dict[int, object] = {}
         self.futures: Dict[int, concurrent.futures.Future] = {}
         self.started: Dict[int, None] = {}
@@ -68,7 +71,8 @@ class ToolTurns:
         limits = self.settings
         if limits.max_assistant_turns is not None and self.turns[sample] >= limits.max_assistant_turns:
             return False
-        if limits.max_tool_calls is not None and self.calls[sample] >= limits.max_tool_calls:
+        made = self.calls(sample)
+        if limits.max_tool_calls is not None and made >= limits.max_tool_calls:
             return False
         text = self.tokenizer.decode(list(known[prompt_length + turn_start:]), skip_special_tokens=False)
         parsed = self.parser.parse(text)
@@ -78,10 +82,17 @@ class ToolTurns:
             return False
         allowed = len(parsed.calls)
         if limits.max_tool_calls is not None:
-            allowed = min(allowed, limits.max_tool_calls - self.calls[sample])
-        self.calls[sample] += allowed
+            allowed = min(allowed, limits.max_tool_calls - made)
         self.parsed[sample] = (parsed, allowed)
         return True
+
+    def calls(self, sample: int) -> int:
+        """The tool calls `sample` made (given to the tool pool: run, or refused past --max-parallel-calls), those
+        past --max-tool-calls not counted: each parsed turn's calls, within what the limit left."""
+        limit, made = self.settings.max_tool_calls, self.calls_before[sample]
+        for _, (_, calls) in sorted(self.turn_calls[sample].items()):  # in turn order
+            made += len(calls) if limit is None else min(len(calls), max(limit - made, 0))
+        return made
 
     def begin(self, sample: int, known, prompt_length: int, turn_start: int) -> None:
         parsed, allowed = self.parsed.pop(sample)
@@ -125,8 +136,9 @@ class ToolTurns:
 
     def record(self, sample: int) -> dict:
         """`sample`'s record of its trajectory so far (`Rollout.trajectories`, handed back as `Continuation.state`):
-        its turn and call counts, its tools' reward, and the calls of each turn parsed when it ended."""
-        return {"turns": self.turns[sample], "calls": self.calls[sample],
+        its turn count, its tools' reward, the calls of each turn parsed when it ended and their count (`calls`, made
+        from them)."""
+        return {"turns": self.turns[sample], "calls": self.calls(sample),
                 "tool_reward": float(self.tool_reward[sample]),
                 "parsed": {a: [end, calls] for a, (end, calls) in self.turn_calls[sample].items()}}
 
