@@ -13,10 +13,12 @@ The Experience holds the whole trajectory after the prompt; `tool_mask` marks th
 `Experience.action_mask`). `SampleData.trajectories` holds each one's turns, calls and tool rewards for the rewards
 (`scoring.py`).
 
-The turn handler (`ToolTurns`) keeps one record per sample (`ToolTurns.record`): its turn and call counts, its tools'
-reward, and each model turn's calls, parsed once when the turn ended; the generator returns it in
-`Rollout.trajectories`, and a continued sample (a partial rollout's) hands it back in `Continuation.state`. The
-tools' counts and own metrics (`tool/<name>/<metric>`) ride in `Rollout.stats`.
+The turn handler (`ToolTurns`) keeps one record per sample (`ToolTurns.record`): its turn count, its tools' reward,
+and each model turn's calls, parsed once when the turn ended (its call count, which --max-tool-calls limits, is made
+from them); the generator returns it in `Rollout.trajectories`, and a continued sample (a partial rollout's) hands it
+back in `Continuation.state`. The tools' counts and own metrics (`tool/<name>/<metric>`) ride in `Rollout.stats`.
+What a tool answer brings (reward, counts, metrics) reaches every rank of the model-parallel group with the answer's
+ids (`ToolTurns.observed`, `inference/turns.py`), so nothing crosses the ranks after generation.
 """
 
 from __future__ import annotations
