@@ -126,7 +126,7 @@ def test_each_model_turn_is_parsed_once():
     prompt = [1, 1]  # `_batch`'s two prompt tokens
     assert turns.wants_observation(0, prompt + [ord(c) for c in call], len(prompt), 0)
     exp = _batch([[(call, False), (" 6 ", True), ("It is 6.", False)]])
-    turns.observed(0, {"reward": 0.5, "counts": {}})  # the tool's answer's note (`TurnExchange`)
+    turns.observed(0, {"reward": 0.5, "counts": {}, "metrics": {}})  # the tool's answer's note (`TurnExchange`)
     record = turns.record(0)
     got = trajectories(exp, _Chars(), Counting(), [0.5], [record["parsed"]])
     assert texts == [call, "It is 6."]  # the first turn at its end, the last one here
@@ -222,6 +222,7 @@ def test_a_non_picking_rank_has_the_whole_record_when_generation_ends(monkeypatc
     for result in got.values():
         assert [t["tool_reward"] for t in result.trajectories] == [0.25, 1.25]
         assert [t["calls"] for t in result.trajectories] == [1, 1]
+        assert [t["tool_metrics"] for t in result.trajectories] == [{"echo/words": 2.0}, {"echo/words": 3.0}]
         assert result.stats == {"parked_turns": 2, "tool/calls": 2, "tool/failures": 1, "tool/timeouts": 0,
                                 "tool/seconds": 1.0, "tool/echo/words": 5.0}
     assert got[1].trajectories == got[0].trajectories

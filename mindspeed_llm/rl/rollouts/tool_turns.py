@@ -13,12 +13,13 @@ The Experience holds the whole trajectory after the prompt; `tool_mask` marks th
 `Experience.action_mask`). `SampleData.trajectories` holds each one's turns, calls and tool rewards for the rewards
 (`scoring.py`).
 
-The turn handler (`ToolTurns`) keeps one record per sample (`ToolTurns.record`): its turn count, its tools' reward,
-and each model turn's calls, parsed once when the turn ended (its call count, which --max-tool-calls limits, is made
-from them); the generator returns it in `Rollout.trajectories`, and a continued sample (a partial rollout's) hands it
-back in `Continuation.state`. The tools' counts and own metrics (`tool/<name>/<metric>`) ride in `Rollout.stats`.
-What a tool answer brings (reward, counts, metrics) reaches every rank of the model-parallel group with the answer's
-ids (`ToolTurns.observed`, `inference/turns.py`), so nothing crosses the ranks after generation.
+The turn handler (`ToolTurns`) keeps one record per sample (`ToolTurns.record`): its turn count, its tools' reward
+and own metrics, and each model turn's calls, parsed once when the turn ended (its call count, which --max-tool-calls
+limits, is made from them); the generator returns it in `Rollout.trajectories`, and a continued sample (a partial
+rollout's) hands it back in `Continuation.state`. The tools' counts and own metrics (`tool/<name>/<metric>`) of a
+generation ride in `Rollout.stats`. What a tool answer brings (reward, counts, metrics) reaches every rank of the
+model-parallel group with the answer's ids (`ToolTurns.observed`, `inference/turns.py`), so nothing crosses the ranks
+after generation.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class ToolTurns:
         # model turns ended, the tools' rewards (every rank: `observed` takes the tools' notes)
         self.turns = [int(st.get("turns", 0)) for st in states]
         self.tool_reward = [float(st.get("tool_reward", 0.0)) for st in states]
+        # the tools' own metrics of its calls, summed by `<name>/<metric>` (every rank)
+        self.tool_metrics = [{str(k): float(v) for k, v in dict(st.get("tool_metrics", {})).items()} for st in states]
         # each model turn's calls, parsed once when it ended (every rank): response span start -> (its end, calls);
         # the one count of a trajectory's calls (`calls`, --max-tool-calls) is made from them
         self.turn_calls: List[Dict[int, Tuple[int, List[dict]]]] = [
@@ -120,17 +123,17 @@ class ToolTurns:
             # what the record and the counts take from this turn's calls, on every rank (`observed`)
             counts = {"calls": len(result.messages) - result.refused, "failures": result.failures + len(refusals),
                       "timeouts": result.timeouts, "seconds": float(result.seconds)}
-            for name, own in result.metrics.items():
-                for key, value in own.items():
-                    counts[f"{name}/{key}"] = value
-            note = {"reward": float(result.reward or 0.0), "counts": counts}
+            own = {f"{name}/{key}": value for name, metrics in result.metrics.items() for key, value in metrics.items()}
+            note = {"reward": float(result.reward or 0.0), "counts": counts, "metrics": own}
             out.append((sample, self.delta.delta_ids(list(result.messages) + refusals), note))
         return out
 
     def observed(self, sample: int, note: dict) -> None:
         self.tool_reward[sample] += note["reward"]
-        for key, value in note["counts"].items():
+        for key, value in {**note["counts"], **note["metrics"]}.items():
             self.counts[key] = self.counts.get(key, 0.0) + value
+        for key, value in note["metrics"].items():
+            self.tool_metrics[sample][key] = self.tool_metrics[sample].get(key, 0.0) + value
 
     def close(self) -> None:
         for sample in self.started:
@@ -138,10 +141,10 @@ class ToolTurns:
 
     def record(self, sample: int) -> dict:
         """`sample`'s record of its trajectory so far (`Rollout.trajectories`, handed back as `Continuation.state`):
-        its turn count, its tools' reward, the calls of each turn parsed when it ended and their count (`calls`, made
-        from them)."""
+        its turn count, its tools' reward and own metrics, the calls of each turn parsed when it ended and their count
+        (`calls`, made from them)."""
         return {"turns": self.turns[sample], "calls": self.calls(sample),
-                "tool_reward": float(self.tool_reward[sample]),
+                "tool_reward": float(self.tool_reward[sample]), "tool_metrics": dict(self.tool_metrics[sample]),
                 "parsed": {a: [end, calls] for a, (end, calls) in self.turn_calls[sample].items()}}
 
 
