@@ -10,7 +10,7 @@
     BatchSettings      micro-batches and their token budgets                   (`batch_plan.MicroBatchPlan.for_run`)
     ModelSources       which checkpoints the stage's roles load                (`rl/stages/*` constructors)
     ParallelSettings   the process grid                                         (`trainer.run`)
-    DataSettings       prompts, held-out prompts, tokenizer                    (`trainer._prompt_sets`, ...)
+    DataSettings       prompts, held-out prompts, tokenizer                    (`preflight.prompt_sets`, ...)
     CheckpointSettings save / load / resume                                    (`trainer._resume`, `_loop`)
     LoopSettings       iterations, evaluation and logging                      (`trainer._loop`)
     WandbSettings      Weights & Biases: project, run name, directory, mode   (`metrics.MetricsLogger`)

@@ -1,7 +1,9 @@
 """The outer loop every stage shares: set up, resume, iterate, evaluate, log, save.
 
 A stage object (`TrlPPOStage`, `GRPOStage`) owns its models and implements `iteration(iteration, prompts)`;
-this loop owns everything around it, so the two stages have no copies of it.
+this loop owns everything around it, so the two stages have no copies of it. It knows a stage through its contract
+(`rl/stages/contract.py`: the `Stage` protocol and the `IterationResult` of an iteration) and checks its inputs and
+outputs before any model is built (`rl/preflight.py`).
 
 Checkpoints follow Megatron-LM (README, "Checkpoints"): `--save` writes every `--save-interval` and always at
 the end of training (and on SIGTERM with `--exit-signal-handler`), with the loop state (the sampler's position,
@@ -16,8 +18,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import socket
-import time
 from typing import Dict, List, Optional
 
 import torch
@@ -27,67 +27,19 @@ from mindspeed_llm import device, distributed
 from mindspeed_llm.checkpoint import run_record
 from mindspeed_llm.checkpoint import training as training_ckpt
 from mindspeed_llm.checkpoint.errors import DivergenceError
-from mindspeed_llm.checkpoint.megatron_layout import checkpoint_traces
-from mindspeed_llm.data import PromptDataset, PromptSampler
-from mindspeed_llm.data.errors import DataError
-from mindspeed_llm.data.prompt_dataset import PromptSubset, split_indices
-from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.rl import profiling
-from mindspeed_llm.rl.rollouts import base as rollout_strategies
+from mindspeed_llm.rl.rollouts import base as rollouts
 from mindspeed_llm.rl.evaluation import Evaluator
 from mindspeed_llm.rl.metrics import MetricsLogger, Progress, reduce_metrics, throughput_metrics, timers
 from mindspeed_llm.rl.metrics.wandb_writer import wandb_options
-from mindspeed_llm.rl.settings import CheckpointSettings, DataSettings, RewardMixing, Settings, with_values
-from mindspeed_llm.rl.stages import STAGES
+from mindspeed_llm.rl.preflight import (acquire_save_lock, check_labels, check_output_paths, check_prompt_lengths,
+                                        finetune_on_own_save, load_tokenizer, prompt_sampler, prompt_sets,
+                                        resumes_from_load)
+from mindspeed_llm.rl.settings import CheckpointSettings, Settings, with_values
+from mindspeed_llm.rl.stages import STAGES, IterationResult, Stage
 from mindspeed_llm.rl.startup import startup_lines
 from mindspeed_llm.rl.tools.prompts import offer_run_tools
-
-
-def load_tokenizer(data: DataSettings):
-    from transformers import AutoTokenizer
-
-    path = data.tokenizer_name_or_path or data.ref_model or data.load
-    try:
-        return AutoTokenizer.from_pretrained(path, use_fast=not data.tokenizer_not_use_fast)
-    except Exception as exc:  # transformers' own message does not name our flag
-        raise ArgumentError(
-            f"cannot load a tokenizer from {path!r} ({exc}); pass --tokenizer-name-or-path, or convert the model "
-            "with convert_ckpt.py, which copies the tokenizer files next to the weights"
-        ) from exc
-
-
-def check_labels(dataset, reward: RewardMixing, data_path: str) -> None:
-    from mindspeed_llm.rl.verifiers import check_verifiers, verifier_requires_label
-
-    try:
-        check_verifiers(list(reward.verifier_function), list(reward.verifier_weight))
-    except ValueError as exc:  # the message lists the valid names
-        raise ArgumentError(f"--verifier-function: {exc}") from exc
-    for name in reward.verifier_function:
-        if verifier_requires_label(name) and "labels" not in dataset.extra_keys:
-            raise ArgumentError(
-                f"--verifier-function {name} needs a reference answer per prompt, but {data_path} has no labels; "
-                "preprocess with R1AlpacaStyleInstructionHandler and --map-keys '{\"prompt\": ..., \"labels\": ...}'"
-            )
-
-
-def check_prompt_lengths(dataset, max_prompt_length: int, flag: str) -> None:
-    """Prompts are never cut at training time: one longer than --max-prompt-length is an error here."""
-    lengths = dataset.prompt_lengths
-    over = int((lengths > max_prompt_length).sum()) if len(lengths) else 0
-    if over:
-        raise ArgumentError(
-            f"{flag} {dataset.prefix}: {over} of {len(lengths)} prompts are longer than --max-prompt-length "
-            f"{max_prompt_length} (the longest has {int(lengths.max())} tokens); preprocess with "
-            f"--max-prompt-length {max_prompt_length} --overlong-prompts drop (or truncate), or raise "
-            "--max-prompt-length / --max-length"
-        )
-
-
-def _resumes_from_load(checkpoint: CheckpointSettings) -> bool:
-    """--load is a --save directory to resume from, except for grpo without --ref-model, where it is the
-    initial actor (a converted model)."""
-    return bool(checkpoint.load) and not (checkpoint.stage == "grpo" and not checkpoint.ref_model)
+from mindspeed_llm.rl.update import roles
 
 
 def samples_path(loop) -> Optional[str]:
@@ -109,122 +61,6 @@ def _gather_to_logger(metrics: Dict[str, float]) -> Dict[str, float]:
     return metrics
 
 
-def _eval_sets(data: DataSettings):
-    """--eval-data-path's held-out sets as (name, dataset) pairs (name None: the unnamed set); None without
-    --eval-interval."""
-    if not data.eval_interval:
-        return None
-    sets = [(name, _open_eval_set(name, prefix)) for name, prefix in data.eval_sets]
-    for _, dataset in sets:
-        dataset.check_prompts("--eval-data-path")
-    return sets
-
-
-def _open_eval_set(name, prefix: str) -> PromptDataset:
-    """The held-out set at `prefix`; a missing or damaged one is a `DataError` that names --eval-data-path."""
-    try:
-        return PromptDataset(prefix)
-    except DataError as exc:
-        given = prefix if name is None else f"{name}={prefix}"
-        raise type(exc)(f"--eval-data-path {given}: {exc}") from None
-
-
-def _prompt_sets(data: DataSettings):
-    """The training prompts and the held-out sets, (name, dataset) pairs (None: no evaluation): --eval-data-path's,
-    or --split's valid part of --data-path, unnamed (the training sampler then sees only the train part)."""
-    dataset = PromptDataset(data.data_path)
-    dataset.check_prompts("--data-path")
-    weights = data.split_weights
-    if weights is None:
-        return dataset, (_eval_sets(data) if data.eval_data_path else None)
-    parts = split_indices(len(dataset), weights, data.seed)
-    sizes = f"--split {data.split} of --data-path {data.data_path} ({len(dataset)} prompts: " \
-            f"{len(parts[0])} train, {len(parts[1])} valid, {len(parts[2])} test)"
-    if weights[1] > 0 and not len(parts[1]):
-        raise ArgumentError(f"{sizes} leaves the valid part empty; give it a larger weight or use more prompts")
-    if len(parts[0]) < data.global_batch_size:
-        raise ArgumentError(f"{sizes} leaves fewer training prompts than one --global-batch-size "
-                            f"{data.global_batch_size}; give --split's train part more weight or use more prompts")
-    if distributed.is_rank_0():
-        print(sizes + (" (the test part is not used)" if len(parts[2]) else ""), flush=True)
-    train = PromptSubset(dataset, parts[0], "train")
-    if data.eval_data_path:
-        return train, _eval_sets(data)
-    return train, ([(None, PromptSubset(dataset, parts[1], "valid"))] if data.eval_interval and len(parts[1]) else None)
-
-
-def prompt_sampler(data: DataSettings, dataset_len: int, rank: int, size: int) -> PromptSampler:
-    """The training prompts' order over `size` rollout ranks: a --seed permutation per epoch, or dataset order with
-    --no-shuffle (the checkpoint records which, and a resume with the other is refused)."""
-    return PromptSampler(dataset_len, data.global_batch_size, rank, size, data.seed, shuffle=not data.no_shuffle)
-
-
-def _output_path_problem(settings: Settings) -> Optional[str]:
-    """Why an output of the run cannot be written where asked, found before any model is built: a --metrics-jsonl,
-    --tensorboard-dir or --wandb-save-dir under a file (or a directory given as the JSONL file), a --save that is a
-    file, or a --save holding checkpoints this run would write over (it starts at iteration 1 there: without --load
-    of that directory, or with a --finetune that finetune_on_own_save did not turn into a resume)."""
-    loop, checkpoint = settings.loop, settings.checkpoint
-    for flag, path, is_dir in (("--metrics-jsonl", loop.metrics_jsonl, False),
-                               ("--tensorboard-dir", loop.tensorboard_dir, True), ("--save", checkpoint.save, True),
-                               ("--wandb-save-dir", settings.wandb.wandb_save_dir, True)):
-        if not path:
-            continue
-        if os.path.exists(path) and os.path.isdir(path) != is_dir:
-            return f"{flag} {path} is a {'file' if is_dir else 'directory'}; pass a {'directory' if is_dir else 'file'}"
-        parent = os.path.dirname(os.path.abspath(path))
-        while parent and not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if parent and not os.path.isdir(parent):
-            return f"{flag} {path} lies under {parent}, which is a file; pass a path in a directory"
-    if checkpoint.save and os.path.isdir(checkpoint.save):
-        traces = checkpoint_traces(checkpoint.save)
-        resumes_there = _resumes_from_load(checkpoint) and \
-            os.path.abspath(checkpoint.load) == os.path.abspath(checkpoint.save)
-        if traces and not resumes_there:  # (a --finetune of it resumes it: finetune_on_own_save)
-            return (f"--save {checkpoint.save} already holds checkpoints ({', '.join(traces[:4])}"
-                    f"{' ...' if len(traces) > 4 else ''}) and this run does not resume from it (--load): its saves "
-                    f"would replace them; pass --load {checkpoint.save} to resume them, or another --save")
-    return None
-
-
-def finetune_on_own_save(checkpoint: CheckpointSettings) -> Optional[str]:
-    """The startup line when --finetune is overridden, else None. MindSpeed-LLM's scripts carry --finetune (their
-    first run loads the SFT model with it); a user resumes one by adding --load <its --save>, and --finetune would
-    then restart the iteration count over the run's own checkpoints. With --load equal to --save and checkpoints
-    there, the run resumes them instead."""
-    if not (checkpoint.finetune and checkpoint.save and _resumes_from_load(checkpoint)):
-        return None
-    if os.path.abspath(checkpoint.load) != os.path.abspath(checkpoint.save) or not checkpoint_traces(checkpoint.save):
-        return None
-    return (f"--finetune is overridden: --load {checkpoint.load} is this run's own --save and holds its checkpoints, "
-            "so the run resumes them (--finetune would restart the iteration count and write over them)")
-
-
-def check_output_paths(settings: Settings) -> None:
-    """`_output_path_problem`, judged on rank 0 (one filesystem view) and raised on every rank."""
-    problem = _output_path_problem(settings) if distributed.is_rank_0() else None
-    problem = distributed.broadcast_object(problem)
-    if problem:
-        raise training_ckpt.CheckpointError(problem)
-
-
-def check_shared_save(save: str, lock_file: str, wait_s: float = 10.0) -> None:
-    """Every rank must see the writer lock rank 0 has just written into --save: rank 0 publishes every rank's
-    checkpoint shards there, so a --save that is a local folder on each node would give checkpoints that lack
-    the other nodes' shards. A rank looks for `wait_s` seconds (a network filesystem may show a new file late)."""
-    deadline = time.monotonic() + wait_s
-    while not os.path.exists(lock_file) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    missing = None if os.path.exists(lock_file) else f"host {socket.gethostname()} does not see {lock_file}"
-    messages = distributed.gather_messages(missing)
-    if messages:
-        raise training_ckpt.CheckpointError(
-            f"--save {save} is not one folder shared by every node: rank 0 wrote its writer lock there, but "
-            f"{'; '.join(messages)}. Put --save (and --load) on a filesystem every node mounts at the same path"
-        )
-
-
 class _ExitSignal:
     """--exit-signal-handler: SIGTERM is noted, and the loop saves and exits after the current iteration."""
 
@@ -243,7 +79,7 @@ class _ExitSignal:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def run_description(stage_name: str, stage) -> dict:
+def run_description(stage_name: str, stage: Stage) -> dict:
     """What this run's checkpoints record (`checkpoint/run_record.py`): the stage, its roles, each role's base (the
     checkpoint it started from and a fingerprint of its weights, taken before any resume loads over them), the
     reference model and the reward model. A collective (every rank's fingerprints)."""
@@ -268,18 +104,18 @@ def run_description(stage_name: str, stage) -> dict:
         return {"path": getattr(model, "loaded_from", None),
                 "fingerprint": run_record.combined_fingerprint(base_fingerprint(model, frozen_only=frozen_only))}
 
-    reference = frozen(getattr(stage, "reference", None), "actor", frozen_only=True)
-    reward_model = frozen(getattr(getattr(stage, "scorer", None), "reward_model", None), "critic", frozen_only=False)
+    reference = frozen(stage.reference, "actor", frozen_only=True)
+    reward_model = frozen(stage.reward_model, "critic", frozen_only=False)
     sizes = (parallel_state.get_tensor_model_parallel_world_size(),
              parallel_state.get_pipeline_model_parallel_world_size(),
              parallel_state.get_expert_model_parallel_world_size())
     return run_record.make_record(stage_name, list(roles), sizes, bases, reference, reward_model)
 
 
-def _resume(checkpoint: CheckpointSettings, stage, sampler, record: dict) -> int:
+def _resume(checkpoint: CheckpointSettings, stage: Stage, sampler, record: dict) -> int:
     """Load what --load / --finetune / --ckpt-step say; returns the iteration the run continues from. Every check
     against the checkpoint's record (`run_record`) comes before anything is loaded or written."""
-    if not _resumes_from_load(checkpoint):
+    if not resumes_from_load(checkpoint):
         return 0
     roles = stage.roles()
     finetune = checkpoint.finetune
@@ -330,12 +166,12 @@ def fresh_on_resume(checkpoint: CheckpointSettings) -> List[str]:
     return lines
 
 
-def _resume_rollouts(checkpoint: CheckpointSettings, stage, loop_state: dict, iteration: int) -> None:
-    """The rollout strategy's state (--partial-rollout's carried and finished groups) continues from the checkpoint;
+def _resume_rollouts(checkpoint: CheckpointSettings, stage: Stage, loop_state: dict, iteration: int) -> None:
+    """The schedule's state (--partial-rollout's carried and finished groups) continues from the checkpoint;
     a checkpoint that holds another strategy's work is refused, as the run would drop it."""
     try:
-        note = rollout_strategies.load_state(stage.rollouts, loop_state)
-    except rollout_strategies.UnresumableStateError as exc:
+        note = rollouts.load_state(stage.rollouts, loop_state)
+    except rollouts.UnresumableStateError as exc:
         raise training_ckpt.CheckpointError(f"--load {checkpoint.load} iteration {iteration} holds {exc} (or "
                                             "--finetune, which starts the data afresh)") from None
     if note and distributed.is_rank_0():
@@ -343,9 +179,8 @@ def _resume_rollouts(checkpoint: CheckpointSettings, stage, loop_state: dict, it
 
 
 def run(args) -> None:
-    """A run of the validated command line `args`: its typed parts (`args.settings`) drive everything here; the
-    Namespace itself goes only to the stage's constructor, which reads its settings too
-    (tests/unit/test_namespace_boundary.py)."""
+    """A run of the validated command line `args`: its typed parts (`args.settings`) drive everything here, the stage
+    included; the Namespace itself goes nowhere else (tests/unit/test_namespace_boundary.py)."""
     settings: Settings = args.settings
     parallel, checkpoint, data = settings.parallel, settings.checkpoint, settings.data
     distributed.initialize(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size, data.seed,
@@ -359,7 +194,7 @@ def run(args) -> None:
             print(f"posttrain_gpt.py: {line}", flush=True)
     tokenizer = load_tokenizer(data)
     # with --tool-config the prompts offer the run's tools, rendered here: a new tool config needs no new preprocessing
-    dataset, eval_dataset = offer_run_tools(settings.tools.tool_config, tokenizer, *_prompt_sets(data),
+    dataset, eval_dataset = offer_run_tools(settings.tools.tool_config, tokenizer, *prompt_sets(data),
                                             ranks=distributed.world_share())  # each rank renders a share
     sampler = prompt_sampler(data, len(dataset), rollout_rank, rollout_size)
     check_labels(dataset, settings.reward, data.data_path)
@@ -375,27 +210,13 @@ def run(args) -> None:
         if distributed.is_rank_0():
             print(f"posttrain_gpt.py: {override}", flush=True)
     check_output_paths(settings)
-    lock = training_ckpt.WriterLock(checkpoint.save) if checkpoint.save else None
-    if lock is not None:
-        problem = None
-        if distributed.is_rank_0():
-            try:
-                os.makedirs(checkpoint.save, exist_ok=True)
-                lock.acquire()
-            except (OSError, training_ckpt.CheckpointError) as exc:
-                problem = str(exc) if isinstance(exc, training_ckpt.CheckpointError) else \
-                    f"--save {checkpoint.save} cannot be written ({exc.strerror or exc}); pass a --save this job can " \
-                    "write"
-        problem = distributed.broadcast_object(problem)
-        if problem:
-            raise training_ckpt.CheckpointError(problem)
-        check_shared_save(checkpoint.save, lock.path)
+    lock = acquire_save_lock(checkpoint.save) if checkpoint.save else None
     exit_signal = _ExitSignal(checkpoint.exit_signal_handler)
     logger = evaluator = profiler = None
     loop = settings.loop
     failed = True  # until the loop returns: the wandb run then finishes with exit code 1
     try:
-        stage = STAGES[checkpoint.stage](args, tokenizer)
+        stage = STAGES[checkpoint.stage](settings, tokenizer, roles.RoleFactory(settings))
         if checkpoint.save:
             training_ckpt.check_save_dir(checkpoint.save, stage.roles())
         record = run_description(checkpoint.stage, stage)
@@ -404,7 +225,7 @@ def run(args) -> None:
         logger = MetricsLogger(
             loop.log_interval, jsonl_path=loop.metrics_jsonl, tensorboard_dir=loop.tensorboard_dir,
             rank=torch.distributed.get_rank(), total_iterations=loop.train_iters, lines=stage.log_lines,
-            resumed_at=start if _resumes_from_load(checkpoint) else None,  # rows of re-run iterations are replaced
+            resumed_at=start if resumes_from_load(checkpoint) else None,  # rows of re-run iterations are replaced
             wandb=wandb_options(settings),
             progress=progress, on_stdout=timers.on_stdout(settings.profile.timing_log_level),
         )
@@ -446,8 +267,8 @@ class EntropyGuard:
         self.maximum = math.log(vocab_size)
         self.first: Optional[float] = None
 
-    def check(self, metrics: Dict[str, float]) -> None:
-        entropy = metrics.get("actor/entropy")  # the last pipeline stage's ranks have it
+    def check(self, entropy: Optional[float]) -> None:
+        """`entropy`: the iteration's (None on a rank without the losses: not the last pipeline stage)."""
         found = None
         if entropy is not None:
             if self.first is None:
@@ -459,14 +280,13 @@ class EntropyGuard:
             raise DivergenceError(distributed.gather_messages(found)[0])  # the same on every rank that has it
 
 
-def _loop(settings: Settings, stage, dataset, evaluator: Evaluator, sampler, logger, start: int, exit_signal,
+def _loop(settings: Settings, stage: Stage, dataset, evaluator: Evaluator, sampler, logger, start: int, exit_signal,
           profiler: profiling.Profiler, record: Optional[dict] = None) -> Optional[int]:
     """The iterations after `start`; returns the last saved iteration (None: none)."""
-    loop, checkpoint, n = settings.loop, settings.checkpoint, settings.algorithm.n_samples_per_prompt
+    loop, checkpoint = settings.loop, settings.checkpoint
     world_size = settings.parallel.world_size
     _, dp_size = distributed.data_parallel_info()
     rollout_rank, _ = distributed.rollout_parallel_info()
-    prompts_per_dp_rank = loop.global_batch_size // dp_size  # a DP rank's CP ranks hold its prompts together
     saved: Optional[int] = start or None
     save_hf = training_ckpt.save_hf.SaveHF(
         tokenizers=tuple(p for p in (settings.data.tokenizer_name_or_path, settings.data.ref_model,
@@ -476,12 +296,12 @@ def _loop(settings: Settings, stage, dataset, evaluator: Evaluator, sampler, log
     def save(iteration: int) -> None:
         nonlocal saved
         loop_state = {"sampler": sampler.state_dict()}
-        rollout_strategies.save_state(stage.rollouts, loop_state)  # --partial-rollout's buffers (a collective over DP)
+        rollouts.save_state(stage.rollouts, loop_state)  # --partial-rollout's buffers (a collective over DP)
         training_ckpt.save(checkpoint.save, iteration, stage.roles(), loop_state,
                            save_optim=not checkpoint.no_save_optim, record=record, hf=save_hf)
         saved = iteration
 
-    entropy_guard = EntropyGuard(stage.roles()["actor"].module.model_spec.vocab_size)
+    entropy_guard = EntropyGuard(stage.vocab_size)
     iteration = start
     if evaluator.before_train():  # --eval-before-train: the baseline, at iteration 0
         metrics = _gather_to_logger(evaluator.evaluate())
@@ -495,12 +315,11 @@ def _loop(settings: Settings, stage, dataset, evaluator: Evaluator, sampler, log
         last = f"the last checkpoint is iteration {saved}" if saved else "no checkpoint was written"
         profiler.begin(iteration)
         try:
-            prompts = rollout_strategies.PromptSource.from_sampler(dataset, sampler, loop.global_batch_size,
+            prompts = rollouts.PromptSource.from_sampler(dataset, sampler, loop.global_batch_size,
                                                                    rollout_rank)
-            metrics = stage.iteration(iteration, prompts)
-            samples = stage.records.finish(iteration, prompts)  # --log-samples' rows, --rollout-dump-dir's files
+            result: IterationResult = stage.iteration(iteration, prompts)
             if loop.check_for_divergence:
-                entropy_guard.check(metrics)
+                entropy_guard.check(result.entropy)
         except DivergenceError as exc:
             raise DivergenceError(
                 f"iteration {iteration}: {exc}; stopped, nothing of this iteration was saved ({last}); lower --lr "
@@ -510,17 +329,14 @@ def _loop(settings: Settings, stage, dataset, evaluator: Evaluator, sampler, log
                 f"iteration {iteration}: {exc}; stopped before the optimizer step, nothing of this iteration was "
                 f"saved ({last}); lower --lr or check the data (--no-check-for-nan-in-loss-and-grad trains on)"
             ) from None
-        metrics.update(throughput_metrics(
-            metrics["prompt_length/mean"] * prompts_per_dp_rank * n,
-            metrics["response_length/mean"] * prompts_per_dp_rank * n,
-            world_size // dp_size, metrics,
-        ))
+        metrics = result.metrics
+        metrics.update(throughput_metrics(result.prompt_tokens, result.response_tokens, world_size // dp_size, metrics))
         if evaluator.due(iteration):  # every --eval-interval, and the last iteration
             metrics.update(evaluator.evaluate())
         metrics = _gather_to_logger(metrics)
         metrics.update(global_batch_size=loop.global_batch_size, world_size=world_size)
         logger.log(iteration, metrics)
-        logger.log_samples(iteration, samples, "samples")
+        logger.log_samples(iteration, result.samples, "samples")
         evaluator.record(iteration, metrics)
         logger.log_samples(iteration, evaluator.pop_samples(), "eval_samples")
         profiler.end(iteration)

@@ -173,12 +173,13 @@ def _dp1_body(rank, world_size, reshard_argv, distrib_files, cases, reward_check
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.checkpoint import training as training_ckpt
     from mindspeed_llm.rl.stages import STAGES
-    from mindspeed_llm.rl.trainer import load_tokenizer
+    from mindspeed_llm.rl.update import roles
+    from mindspeed_llm.rl.preflight import load_tokenizer
 
     args = parse_args(reshard_argv, world_size)
     distributed.initialize(1, 1, args.seed)
     patch_errors = _patch_cases(reward_checkpoint)
-    stage = STAGES[args.stage](args, load_tokenizer(args.settings.data))
+    stage = STAGES[args.stage](args.settings, load_tokenizer(args.settings.data), roles.RoleFactory(args.settings))
     training_ckpt.load(args.load, stage.roles(), 1)
     pairs = {name: (trainable.parameter_state(), torch.load(distrib_files[name], weights_only=False))
              for name, trainable in stage.roles().items()}

@@ -81,8 +81,8 @@ def _our_stage(rank, world_size, runs):
 
     stage_cls = STAGES["grpo"]
 
-    def stage_recording(args, tokenizer):
-        stage = stage_cls(args, tokenizer)
+    def stage_recording(settings, tokenizer, build):
+        stage = stage_cls(settings, tokenizer, build)
         step = stage.actor.optimizer.step
 
         def recorded_step():

@@ -217,11 +217,11 @@ def _our_stage(rank, world_size, argv, responses, reference_root, mutation=None)
     stage_cls = STAGES["trl_ppo"]
     built = {}
 
-    def stage_with_reference(args, tokenizer):
+    def stage_with_reference(settings, tokenizer, build):
         if mutation == "vf_coef_ignored":
-            args.settings = dataclasses.replace(  # the critic backpropagates its unscaled value loss
-                args.settings, loss=dataclasses.replace(args.settings.loss, vf_coef=1.0))
-        stage = stage_cls(args, tokenizer)
+            settings = dataclasses.replace(  # the critic backpropagates its unscaled value loss
+                settings, loss=dataclasses.replace(settings.loss, vf_coef=1.0))
+        stage = stage_cls(settings, tokenizer, build)
         load_megatron_weights(stage.reference, reference_root)
         built["stage"] = stage
         built["initial"] = {role: _hf_tensors(m.module, role == "critic") for role, m in stage.roles().items()}

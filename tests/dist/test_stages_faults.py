@@ -326,7 +326,7 @@ def _shared_save_case(rank, world_size, root, shared):
 
     from mindspeed_llm.checkpoint.training import CheckpointError
     from mindspeed_llm.checkpoint.writer_lock import WriterLock
-    from mindspeed_llm.rl.trainer import check_shared_save
+    from mindspeed_llm.rl.preflight import check_shared_save
 
     save = os.path.join(root, f"node{0 if shared else rank}")
     os.makedirs(save, exist_ok=True)

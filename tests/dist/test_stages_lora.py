@@ -173,9 +173,9 @@ def _stage_body(rank, world_size, runs):
     out = []
     with pytest.MonkeyPatch.context() as patch:  # put back after the runs: the next body may get these ranks
         for name, cls in list(stages.STAGES.items()):
-            def recording(args, tokenizer, cls=cls):
-                built["stage"] = cls(args, tokenizer)
-                built["args"] = args
+            def recording(settings, tokenizer, build, cls=cls):
+                built["stage"] = cls(settings, tokenizer, build)
+                built["settings"] = settings
                 return built["stage"]
             patch.setitem(stages.STAGES, name, recording)
         for argv, check in runs:
@@ -197,23 +197,23 @@ def _inspect(built):
     from mindspeed_llm.rl.update.passes import reward_scores
     from mindspeed_llm.rl.rollouts.base import expand
 
-    stage, args = built["stage"], built["args"]
+    stage, settings = built["stage"], built["settings"]
     from mindspeed_llm.data import PromptDataset
     from mindspeed_llm.rl.update.passes import policy_logprobs
 
     info = {"reference_is_actor": isinstance(stage.reference, SharedBase) and stage.reference.module is
             stage.actor.module, "trained": list(lora.trained_names(stage.actor.module))}
-    dataset = PromptDataset(args.data_path)
+    dataset = PromptDataset(settings.data.data_path)
     rows = [dict(dataset[i], index=i, position=i) for i in range(4)]
     generator, (samples, sample_ids) = stage.rollouts.generator, expand(rows, 1)
     exp = generator.experience(generator.generate(1, samples, sample_ids), samples)
-    plan = MicroBatchPlan.for_run(exp, args.settings.batch, group_size=1)
+    plan = MicroBatchPlan.for_run(exp, settings.batch, group_size=1)
     # the initial policy: the base with the --lora-load adapter, built afresh
     from mindspeed_llm.checkpoint import lora as lora_files
     from mindspeed_llm.rl.update.lora import load_adapter
 
-    initial = roles.load_model(args.ref_model, "--ref-model", args.settings)
-    adapter = lora_files.read_adapter(args.lora_load, initial.model_spec)
+    initial = roles.load_model(settings.models.ref_model, "--ref-model", settings)
+    adapter = lora_files.read_adapter(settings.lora.lora_load, initial.model_spec)
     lora.apply_lora(initial, adapter.config)
     load_adapter(initial, adapter)
     with roles.on_device(stage.reference, False, None) as view:
@@ -223,7 +223,7 @@ def _inspect(built):
     reward = stage.scorer.reward_model
     if reward is not None:
         info["reward_is_critic"] = isinstance(reward, SharedBase) and reward.module is stage.critic.module
-        fresh = roles.frozen(roles.load_model(args.reward_model, "--reward-model", args.settings, value_head=True))
+        fresh = roles.frozen(roles.load_model(settings.models.reward_model, "--reward-model", settings, value_head=True))
         with roles.on_device(reward, False, None) as view:
             shared = reward_scores([view], exp, plan)
         info["reward_diff"] = float((shared - reward_scores([fresh], exp, plan)).abs().max())

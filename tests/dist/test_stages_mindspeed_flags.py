@@ -33,10 +33,10 @@ def _parse(*extra, world=1, base=BASE):
 
 
 def _prompt_sets(paths, *extra):
-    from mindspeed_llm.rl.trainer import _prompt_sets
+    from mindspeed_llm.rl.preflight import prompt_sets
 
     args = parse_args(posttrain_argv(paths, "grpo", iters=1, extra=list(extra)), world_size=1)
-    train, held_out = _prompt_sets(args.settings.data)  # held-out sets: (name, dataset) pairs, one here
+    train, held_out = prompt_sets(args.settings.data)  # held-out sets: (name, dataset) pairs, one here
     return train, (None if held_out is None else held_out[0][1])
 
 

@@ -97,11 +97,11 @@ def test_entropy_guard():
 
     uniform = math.log(256)
     guard = EntropyGuard(256)
-    guard.check({"actor/entropy": 0.5 * uniform})
-    guard.check({"actor/entropy": 0.95 * uniform})  # high, not yet uniform
+    guard.check(0.5 * uniform)
+    guard.check(0.95 * uniform)  # high, not yet uniform
     with pytest.raises(DivergenceError, match="the policy went uniform"):
-        guard.check({"actor/entropy": 0.995 * uniform})
+        guard.check(0.995 * uniform)
     random_start = EntropyGuard(256)  # a random-weight model starts uniform: nothing learnt to forget
     for _ in range(3):
-        random_start.check({"actor/entropy": 0.999 * uniform})
-    EntropyGuard(256).check({})  # no entropy on this pipeline stage
+        random_start.check(0.999 * uniform)
+    EntropyGuard(256).check(None)  # no entropy on this pipeline stage

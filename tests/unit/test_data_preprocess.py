@@ -265,16 +265,16 @@ def test_a_dataset_made_for_sft_is_refused_for_rl(preprocessed):
     the handler that made it and the ones to use; prompt datasets pass."""
     from mindspeed_llm.data.errors import DataError
     from mindspeed_llm.rl.settings import DataSettings
-    from mindspeed_llm.rl.trainer import _prompt_sets
+    from mindspeed_llm.rl.preflight import prompt_sets
 
     sft, prompts = preprocessed["alpaca_sft"][0], preprocessed["deepscaler_r1"][0]
-    dataset, held_out = _prompt_sets(DataSettings(data_path=prompts, global_batch_size=1))
+    dataset, held_out = prompt_sets(DataSettings(data_path=prompts, global_batch_size=1))
     assert len(dataset) > 0 and held_out is None
     for settings, flag in ((DataSettings(data_path=sft, global_batch_size=1), "--data-path"),
                            (DataSettings(data_path=prompts, eval_data_path=(sft,), eval_sets=((None, sft),),
                                          eval_interval=1, global_batch_size=1), "--eval-data-path")):
         with pytest.raises(DataError) as caught:
-            _prompt_sets(settings)
+            prompt_sets(settings)
         message = str(caught.value)
         assert message.startswith(f"{flag} {sft}: this dataset was made by AlpacaStyleInstructionHandler for SFT")
         assert "R1AlpacaStyleInstructionHandler" in message and "PPOAlpacaStyleInstructionHandler" in message

@@ -133,7 +133,7 @@ def test_the_trainer_builds_the_order_no_shuffle_asks_for():
     from types import SimpleNamespace
 
     from mindspeed_llm.arguments import build_parser
-    from mindspeed_llm.rl.trainer import prompt_sampler
+    from mindspeed_llm.rl.preflight import prompt_sampler
 
     def order(*flags):
         required = ["--stage", "grpo", "--global-batch-size", "4", "--train-iters", "1", "--data-path", "d"]

@@ -209,9 +209,9 @@ def test_held_out_prompts_never_evaluated_are_said_at_startup(interval, given):
 
 def test_a_missing_eval_prefix_names_the_flag(tmp_path):
     from mindspeed_llm.data.errors import DatasetNotFoundError
-    from mindspeed_llm.rl.trainer import _eval_sets
+    from mindspeed_llm.rl.preflight import eval_sets
 
     data = parse_args(BASE + ["--eval-data-path", f"gsm={tmp_path}/nope", "--eval-interval", "2"], 1).settings.data
     with pytest.raises(DatasetNotFoundError, match=f"--eval-data-path gsm={tmp_path}/nope: the prompt dataset at "
                                                    "prefix .* does not exist"):
-        _eval_sets(data)
+        eval_sets(data)

@@ -345,7 +345,7 @@ def test_preprocess_parses_mindspeed_flags_and_no_abbreviations():
 def test_tokenizer_not_use_fast_reaches_the_loader(monkeypatch):
     import transformers
 
-    from mindspeed_llm.rl.trainer import load_tokenizer
+    from mindspeed_llm.rl.preflight import load_tokenizer
 
     calls = []
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",

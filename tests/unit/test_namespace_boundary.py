@@ -7,7 +7,9 @@ TransformerConfig field by field.
 The walk (ast) looks at every function parameter named `args` / `model_args` and at `self.args` in these modules.
 Allowed uses of such a name: reading `.settings` (the typed parts), and passing it on where the whole command line
 is the thing (`WHOLE_COMMAND_LINE`). Anything else -- `args.kl_coef`, `getattr(args, ...)`, storing it,
-passing it elsewhere -- is a read of the Namespace and fails here.
+passing it elsewhere -- is a read of the Namespace and fails here. The stages (every module of `rl/stages/`) see no
+Namespace at all: they are built from the typed settings (`STAGES[name](settings, tokenizer, build)`), so there
+even `args.settings` is a read, and a stage refuses anything but a `Settings` when built.
 """
 
 import ast
@@ -18,19 +20,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "mindspeed_llm"
 
-CHECKED = (
-    "rl/stages/__init__.py", "rl/stages/grpo.py", "rl/stages/trl_ppo.py", "rl/trainer.py", "rl/update/batch_plan.py",
-    "rl/rollouts/plain.py", "rl/rollouts/partial.py", "rl/rollouts/dynamic_sampling.py", "rl/experience.py",
-    # the typed consumers the stages call
-    "rl/update/ppo_loop.py", "rl/update/loss_closures.py", "rl/scoring.py", "rl/evaluation.py", "rl/update/passes.py",
-    "rl/startup.py",
-    # model building
-    "rl/update/roles.py", "rl/update/lora.py", "rl/update/moe.py", "rl/update/recompute.py", "rl/model_settings.py", "rl/update/engine.py",
-)
+# every module of the stages' package, a new one included
+STAGE_MODULES = tuple(sorted(p.relative_to(PACKAGE).as_posix() for p in (PACKAGE / "rl" / "stages").glob("*.py")))
+# every module of rl/: the stages, the loop, the rollouts, the update side (model building included), a new one too
+CHECKED = tuple(sorted(p.relative_to(PACKAGE).as_posix() for p in (PACKAGE / "rl").rglob("*.py")))
+# The one place in rl/ that reads the Namespace on purpose: the typed parts made from the checked flags, which
+# `arguments.validate_args` calls (`settings.from_args`).
+GLUE = {("rl/settings.py", "_part"), ("rl/settings.py", "from_args")}
 NAMESPACE_NAMES = ("args", "model_args")
-# Calls that may receive the Namespace: the stage constructor (`STAGES[name](args, tokenizer)`, which reads
-# `args.settings`). The startup report reads `settings.startup`.
-WHOLE_COMMAND_LINE = frozenset({"STAGES[]"})
+# Calls that may receive the Namespace: none (the stages are built from the settings; the startup report reads
+# `settings.startup`).
+WHOLE_COMMAND_LINE = frozenset()
 # Reads that are known and owned elsewhere, by (module, function): what each of its reads says. They go when their
 # owner types them; each must still be found (a stale entry fails too), so the list only shrinks.
 PENDING = {}  # (module, function) -> what its reads say: known reads owned elsewhere, until typed (none left)
@@ -43,8 +43,9 @@ def _callee(call: ast.Call) -> str:
     return ast.unparse(func)
 
 
-def namespace_reads(source: str, allowed=WHOLE_COMMAND_LINE):
-    """[(qualified function name, what it does with the Namespace)] of a module's source."""
+def namespace_reads(source: str, allowed=WHOLE_COMMAND_LINE, typed_parts_allowed: bool = True):
+    """[(qualified function name, what it does with the Namespace)] of a module's source; `typed_parts_allowed`
+    False: reading `.settings` off it is one too (a stage's module)."""
     tree = ast.parse(source)
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     found = []
@@ -66,7 +67,7 @@ def namespace_reads(source: str, allowed=WHOLE_COMMAND_LINE):
                 continue
             parent = parents[use]
             if isinstance(parent, ast.Attribute):
-                if parent.attr != "settings":
+                if parent.attr != "settings" or not typed_parts_allowed:
                     found.append((".".join(scope), f"{use.id}.{parent.attr} at line {use.lineno}"))
                 continue
             call = parents[parent] if isinstance(parent, ast.keyword) else parent
@@ -82,7 +83,9 @@ def namespace_reads(source: str, allowed=WHOLE_COMMAND_LINE):
 def _reads():
     reads = {}
     for relative in CHECKED:
-        for function, what in namespace_reads((PACKAGE / relative).read_text()):
+        source = (PACKAGE / relative).read_text()
+        stage = relative in STAGE_MODULES
+        for function, what in namespace_reads(source, frozenset() if stage else WHOLE_COMMAND_LINE, not stage):
             reads.setdefault((relative, function), []).append(what)
     return reads
 
@@ -90,7 +93,7 @@ def _reads():
 def test_the_stages_loop_and_batch_plan_read_no_namespace():
     unexpected = {key: [w for w in what if key not in PENDING or PENDING[key] not in w]
                   for key, what in _reads().items()}
-    unexpected = {key: what for key, what in unexpected.items() if what}
+    unexpected = {key: what for key, what in unexpected.items() if what and key not in GLUE}
     assert unexpected == {}, "reads of the argparse Namespace outside arguments/: " + "; ".join(
         f"{path} {function}: {', '.join(what)}" for (path, function), what in unexpected.items())
 
@@ -99,23 +102,53 @@ def test_the_pending_reads_are_still_there():
     """A pending entry whose reads are gone is taken off the list (it only shrinks)."""
     reads = _reads()
     assert [key for key in PENDING if key not in reads] == []
+    assert [key for key in GLUE if key not in reads] == []  # a glue entry that no longer reads goes too
 
 
 @pytest.mark.parametrize("planted,needle", [
     ("if model_args.kl_coef > 0:", "model_args.kl_coef"),
     ("if getattr(model_args, 'kl_coef') > 0:", "model_args passed to getattr"),
+    ("if model_args.settings.algorithm.kl_coef > 0:", "model_args.settings"),  # a stage takes the typed parts only
 ])
 def test_a_planted_read_is_found(planted, needle):
     source = (PACKAGE / "rl/stages/grpo.py").read_text()
     original = "if self.algorithm.kl_coef > 0:"
-    assert original in source
-    reads = namespace_reads(source.replace(original, planted))
+    assert original in source and "rl/stages/grpo.py" in STAGE_MODULES
+    tree = ast.parse(source.replace(original, planted))
+    init = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    init.args.args.append(ast.arg(arg="model_args"))  # the Namespace given to the stage as it once was
+    reads = namespace_reads(ast.unparse(tree), frozenset(), typed_parts_allowed=False)
     assert [function for function, what in reads if needle in what] == ["GRPOStage.__init__"]
+
+
+def test_the_trainer_builds_a_stage_from_the_settings_not_the_namespace():
+    """`STAGES[name](args, ...)` in the trainer is a read (the stage constructor is no longer a whole-command-line
+    call); the trainer's own call passes the settings."""
+    source = (PACKAGE / "rl/trainer.py").read_text()
+    original = "STAGES[checkpoint.stage](settings, tokenizer, roles.RoleFactory(settings))"
+    assert original in source and namespace_reads(source) == []
+    planted = source.replace(original, "STAGES[checkpoint.stage](args, tokenizer, roles.RoleFactory(settings))")
+    assert [what.split(" at ")[0] for _, what in namespace_reads(planted)] == ["args passed to STAGES[]"]
+
+
+@pytest.mark.parametrize("name", ["grpo", "trl_ppo"])
+def test_a_stage_given_the_namespace_refuses_it(name):
+    """A caller that still hands a stage the Namespace (with its settings on it) is told what to pass, before any
+    model is built."""
+    import argparse
+
+    from mindspeed_llm.rl.settings import Settings
+    from mindspeed_llm.rl.stages import STAGES
+
+    with pytest.raises(TypeError, match=r"built from the run's typed settings \(rl/settings\.Settings\), not a "
+                                        r"Namespace"):
+        STAGES[name](argparse.Namespace(settings=Settings()), None, None)
 
 
 def test_a_planted_self_args_is_found():
     source = (PACKAGE / "rl/trainer.py").read_text()
-    original = "loop, checkpoint, n = settings.loop"
+    original = "loop, checkpoint = settings.loop"
+    assert original in source
     planted = source.replace(original, "self.args = None\n    " + original)
     assert [what.split(" at ")[0] for _, what in namespace_reads(planted)] == ["self.args"]
 

@@ -17,7 +17,7 @@ One iteration (`PartialRollouts.collect`), on every DP rank:
 2. A prompt's group of n samples is finished when all n are (trl_ppo: n is 1 by default). Every rank's newly
    finished groups are exchanged over the DP group (host memory), so every rank holds the same list of finished
    groups ("ready") in the global order of their key: (the iteration their generation started, the prompt's
-   position in that iteration's generation order, `rollout_strategies.PromptSource`).
+   position in that iteration's generation order, `base.PromptSource`).
 3. Rounds run while fewer than --global-batch-size groups are ready (every rank decides alike: the list is the
    same everywhere, and expert-parallel peers generate in lock-step), none when the earlier rounds finished a
    global batch already (MindSpeed-RL's check comes before generating): the sampler's batch of the iteration then
@@ -191,7 +191,7 @@ class PartialRollouts:
         """This rank's training batch of iteration `iteration` (its share of the oldest --global-batch-size finished
         groups, a group's samples consecutive) and the `partial_rollout/*` metrics. `prompts.first_batch` are this
         rank's prompts of the sampler's batch for this iteration, `prompts.more(j)` those of the j-th further one
-        (`rollout_strategies.PromptSource`)."""
+        (`base.PromptSource`)."""
         rows = prompts.first_batch
         rounds = 0
         wanted = self.local_groups * self.dp_size

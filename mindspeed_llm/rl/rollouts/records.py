@@ -1,6 +1,6 @@
 """What a run keeps of each iteration's scored rollouts besides training on them: the sample table (--log-samples,
 `metrics/samples.py`) and the dump (--rollout-dump-dir, `dump.py`). A stage hands each scored generation
-batch to `add` as soon as it is scored; the trainer calls `finish` once the iteration is done.
+batch to `add` as soon as it is scored and calls `finish` at the end of its iteration (`rl/stages/base.py`).
 
 `finish` also draws the prompt batches the schedule says the iteration drew beyond those it asked for
 (`Schedule.prompts_drawn`: under --rollout-replay-dir those the dumping run drew, --partial-rollout drawing ahead), so

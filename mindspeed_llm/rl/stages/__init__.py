@@ -1,44 +1,12 @@
-"""The RL stages, by their `--stage` name, and the protocol the trainer drives them through.
+"""The RL stages, by their `--stage` name, and the contract the trainer drives them through (`contract.py`: the
+`Stage` protocol, the `IterationResult` of an iteration; `base.py`: what both stages share).
 
 `STAGES` names each stage's class by module and attribute and imports it on first use: the parser takes its
 `--stage` choices from these keys, and `--help` or a refused flag should not wait for megatron-core's import (tens of
 seconds on a loaded 2-core machine), which the stage modules bring in."""
 
-from typing import TYPE_CHECKING, Dict, List, Protocol, Sequence
-
 from mindspeed_llm.registry import Registry
-
-if TYPE_CHECKING:
-    from mindspeed_llm.rl.rollouts.records import RolloutRecords
-    from mindspeed_llm.rl.rollouts.base import PromptSource, Schedule
-
-
-class Stage(Protocol):
-    """What the outer loop (`rl/trainer.py`) knows of a stage. Built as `Stage(model_args, tokenizer)`, which loads
-    its models and checks them against each other and the tokenizer. `model_args` is the validated Namespace: the
-    stage reads its typed parts only (`model_args.settings`, rl/settings.py), and builds its models from them
-    (`rl/update/roles.RoleFactory`; tests/unit/test_namespace_boundary.py)."""
-
-    name: str
-    log_lines: Dict[str, List[str]]  # stdout line groups (`MetricsLogger`)
-    # how it generates its experience: a schedule over a sample generator (`rl/rollouts/base.Schedule`; its state is
-    # saved with the loop state)
-    rollouts: "Schedule"
-    # what the run keeps of its scored rollouts (`rl/rollouts/records.RolloutRecords`: --log-samples, --rollout-dump-dir)
-    records: "RolloutRecords"
-
-    def roles(self) -> Dict[str, object]:
-        """The trained models by role name (`TrainableModel`s: "actor", "critic"): what checkpoints hold."""
-
-    def iteration(self, iteration: int, prompts: "PromptSource") -> Dict[str, float]:
-        """One iteration on this DP rank's prompts (`rl/rollouts/base.PromptSource`: the sampler's batch of the
-        iteration, and further ones for what generates more than one batch, `--dynamic-sampling`,
-        `--partial-rollout`); returns its metrics (this rank's view)."""
-
-    def evaluate(self, rows: Sequence[dict]) -> list:
-        """One `metrics.pass_at_k.PromptResult` per held-out row of this DP rank (`evaluation.evaluate_policy`): the
-        current policy's --eval-n-samples responses to it, scored."""
-
+from mindspeed_llm.rl.stages.contract import IterationResult, Stage
 
 STAGES = Registry({
     "trl_ppo": "mindspeed_llm.rl.stages.trl_ppo:TrlPPOStage",
@@ -53,4 +21,4 @@ def __getattr__(name: str):  # `from mindspeed_llm.rl.stages import GRPOStage` w
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["STAGES", "Stage", "GRPOStage", "TrlPPOStage"]
+__all__ = ["STAGES", "IterationResult", "Stage", "GRPOStage", "TrlPPOStage"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Dict, List, Sequence
 
 import torch
 
@@ -24,17 +23,14 @@ from mindspeed_llm.rl import core_algos
 from mindspeed_llm.rl.update import lora, roles
 from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.rollouts.dynamic_sampling import informative_groups, refill
-from mindspeed_llm.rl.evaluation import evaluate_policy
-from mindspeed_llm.rl.metrics.pass_at_k import PromptResult
 from mindspeed_llm.rl.update.loss_closures import clipped_policy_loss
 from mindspeed_llm.rl.metrics import Timers, mean_min_max, prefixed
 from mindspeed_llm.rl.update.passes import policy_logprobs
 from mindspeed_llm.rl.update.ppo_loop import old_logp_is_current, ppo_update
-from mindspeed_llm.rl.rollouts.plain import mask_truncated_completions, mismatch_metrics, rollout_metrics, sampling_config
-from mindspeed_llm.rl.rollouts.records import RolloutRecords
-from mindspeed_llm.rl.rollouts.base import PromptSource, build_rollouts
-from mindspeed_llm.rl.scoring import Scorer
-from mindspeed_llm.rl.settings import AlgorithmSettings
+from mindspeed_llm.rl.rollouts.plain import mask_truncated_completions, mismatch_metrics, rollout_metrics
+from mindspeed_llm.rl.rollouts.base import PromptSource
+from mindspeed_llm.rl.settings import AlgorithmSettings, Settings
+from mindspeed_llm.rl.stages.base import StageBase, Trained
 
 
 # The actor's logged losses (`core_algos`' names; `actor/lr` and the bare `grad_norm` follow, as MindSpeed-RL logs).
@@ -42,15 +38,13 @@ ACTOR_METRICS = ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss")
 ROLLOUT_IS_METRICS = ("rollout_is_weight", "rollout_is_clipfrac")  # with --rollout-is
 
 
-class GRPOStage:
+class GRPOStage(StageBase):
     name = "grpo"
     log_lines = {"actor": ["actor/", "grad_norm"], "reward": ["grpo/"], "timing": ["timing/"]}
 
-    def __init__(self, model_args, tokenizer):
-        # the stage reads the typed parts of the Namespace only (rl/settings.py); its roles are built from them
-        self.settings = settings = model_args.settings
-        self.algorithm, models = settings.algorithm, settings.models
-        self.tokenizer = tokenizer
+    def __init__(self, settings: Settings, tokenizer, build: roles.RoleFactory):
+        super().__init__(settings, tokenizer)
+        models = settings.models
         self.estimator, self.advantages = _advantage_estimator(self.algorithm)
         self.actor_metrics = ACTOR_METRICS + (ROLLOUT_IS_METRICS if self.algorithm.rollout_is != "none" else ())
         if not models.ref_model and os.path.isdir(os.path.join(models.load, "actor")):
@@ -60,7 +54,6 @@ class GRPOStage:
             )
         initial = models.ref_model or models.load
         flag = "--ref-model" if models.ref_model else "--load"
-        build = roles.RoleFactory(settings)
         self.actor = build.trained(initial, flag, "actor")
         self.reference = None
         if self.algorithm.kl_coef > 0:  # with LoRA: the actor with its adapters off, no second copy (rl/update/lora.py)
@@ -68,20 +61,13 @@ class GRPOStage:
         reward_model = build.reward_model() if models.reward_model else None
         roles.check_vocab({"actor": self.actor.module, "reference": self.reference, "reward": reward_model},
                           tokenizer)
-        self.scorer = Scorer.from_settings(settings.reward, reward_model, settings.offload.offload_ref_reward)
-        self.sampling = sampling_config(settings.sampling, tokenizer)
-        self.rollouts = build_rollouts(settings, self.actor.module, tokenizer, self.sampling)
-        self.records = RolloutRecords.from_settings(settings, tokenizer, self.rollouts)
+        self._build_rollout_side(reward_model)
 
     def roles(self):
         return {"actor": self.actor}
 
-    def evaluate(self, rows: Sequence[dict]) -> List[PromptResult]:
-        return evaluate_policy(self.actor, self.reference, self.scorer, self.tokenizer, rows, self.settings.sampling,
-                               self.rollouts.generator, self.settings.offload.offload_ref_reward, self.settings.loop)
-
     # ------------------------------------------------------------------ one iteration
-    def iteration(self, iteration: int, prompts: PromptSource) -> Dict[str, float]:
+    def _train(self, iteration: int, prompts: PromptSource) -> Trained:
         algorithm, settings, n = self.algorithm, self.settings, self.algorithm.n_samples_per_prompt
         timers = Timers(sync=device.synchronize)
         with timers("all"):
@@ -138,22 +124,18 @@ class GRPOStage:
         if algorithm.filter_groups:
             metrics["grpo/filtered_groups"] = float(1.0 - informative.float().mean())
         metrics.update(timers.pop())
-        return metrics
+        return Trained(metrics, exp, actor_metrics)
 
     def _generate(self, iteration: int, prompts: PromptSource, timers):
-        """The rollout strategy's groups of `prompts` (a prompt's n samples are consecutive rows), scored:
+        """The schedule's groups of `prompts` (a prompt's n samples are consecutive rows), scored:
         (experience, its micro-batch plan, the strategy's and the scorer's metrics). Every pass and the update
         compute a prompt once per group, when micro-batches hold whole groups."""
         n = self.algorithm.n_samples_per_prompt
         with timers("rollout"):
-            exp, rollout_strategy_metrics = self.rollouts.collect(iteration, prompts)
+            exp, schedule_metrics = self.rollouts.collect(iteration, prompts)
         plan = MicroBatchPlan.for_run(exp, self.settings.batch, group_size=n)
-        score_metrics = {}
-        if not self.rollouts.scored:  # a replay's batches carry the dumping run's scores (and their metrics)
-            exp.scores, score_metrics = self.scorer(exp, plan, timers)
-        metrics = {**rollout_strategy_metrics, **score_metrics}
-        self.records.add(exp, metrics)  # --log-samples' table, --rollout-dump-dir
-        return exp, plan, metrics
+        score_metrics = self._score(exp, plan, timers, schedule_metrics)  # to the records too
+        return exp, plan, {**schedule_metrics, **score_metrics}
 
     # ------------------------------------------------------------------ loss closure (per micro-batch)
     def _advantages(self, exp):

@@ -14,23 +14,21 @@ head (`rl/update/lora.py`).
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict
 
 from mindspeed_llm import device
 from mindspeed_llm.distributed import sum_over_data_parallel
 from mindspeed_llm.rl import core_algos
 from mindspeed_llm.rl.update import lora, roles
 from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
-from mindspeed_llm.rl.evaluation import evaluate_policy
-from mindspeed_llm.rl.metrics.pass_at_k import PromptResult
 from mindspeed_llm.rl.update.loss_closures import clipped_policy_loss, clipped_value_loss
 from mindspeed_llm.rl.metrics import Timers, masked_mean_min_max, mean_min_max, prefixed
 from mindspeed_llm.rl.update.passes import critic_values, policy_logprobs
 from mindspeed_llm.rl.update.ppo_loop import old_logp_is_current, ppo_update
-from mindspeed_llm.rl.rollouts.plain import mask_truncated_completions, mismatch_metrics, rollout_metrics, sampling_config
-from mindspeed_llm.rl.rollouts.records import RolloutRecords
-from mindspeed_llm.rl.rollouts.base import PromptSource, build_rollouts
-from mindspeed_llm.rl.scoring import Scorer
+from mindspeed_llm.rl.rollouts.plain import mask_truncated_completions, mismatch_metrics, rollout_metrics
+from mindspeed_llm.rl.rollouts.base import PromptSource
+from mindspeed_llm.rl.settings import Settings
+from mindspeed_llm.rl.stages.base import StageBase, Trained
 
 
 # The actor's and critic's logged losses, in MindSpeed-LLM's order (`core_algos`' names; `lr`, `grad_norm` follow).
@@ -39,18 +37,15 @@ CRITIC_METRICS = ("vf_loss", "vf_clipfrac")
 ROLLOUT_IS_METRICS = ("rollout_is_weight", "rollout_is_clipfrac")  # with --rollout-is
 
 
-class TrlPPOStage:
+class TrlPPOStage(StageBase):
     name = "trl_ppo"
     log_lines = {"actor": ["actor/", "grad_norm"], "critic": ["critic/"]}
 
-    def __init__(self, model_args, tokenizer):
-        # the stage reads the typed parts of the Namespace only (rl/settings.py); its roles are built from them
-        self.settings = settings = model_args.settings
-        self.algorithm, models = settings.algorithm, settings.models
-        self.tokenizer = tokenizer
+    def __init__(self, settings: Settings, tokenizer, build: roles.RoleFactory):
+        super().__init__(settings, tokenizer)
+        models = settings.models
         self.gae = core_algos.ADV_ESTIMATORS[self.algorithm.adv_estimator].fn  # validate_args: a critic estimator
         self.actor_metrics = ACTOR_METRICS + (ROLLOUT_IS_METRICS if self.algorithm.rollout_is != "none" else ())
-        build = roles.RoleFactory(settings)
         self.actor = build.trained(models.ref_model, "--ref-model", "actor")
         # with LoRA the frozen roles are the trained ones' bases (rl/update/lora.py): no second copies
         self.reference = lora.reference(self.actor) if models.lora else build.frozen(models.ref_model, "--ref-model")
@@ -61,27 +56,20 @@ class TrlPPOStage:
             reward_model = lora.reward_model(self.critic) if models.lora else build.reward_model()
         roles.check_vocab({"actor": self.actor.module, "reference": self.reference,
                            "critic": self.critic.module, "reward": reward_model}, tokenizer)
-        self.scorer = Scorer.from_settings(settings.reward, reward_model, settings.offload.offload_ref_reward)
-        self.sampling = sampling_config(settings.sampling, tokenizer)
-        self.rollouts = build_rollouts(settings, self.actor.module, tokenizer, self.sampling)
-        self.records = RolloutRecords.from_settings(settings, tokenizer, self.rollouts)
+        self._build_rollout_side(reward_model)
 
     def roles(self):
         return {"actor": self.actor, "critic": self.critic}
 
-    def evaluate(self, rows: Sequence[dict]) -> List[PromptResult]:
-        return evaluate_policy(self.actor, self.reference, self.scorer, self.tokenizer, rows, self.settings.sampling,
-                               self.rollouts.generator, self.settings.offload.offload_ref_reward, self.settings.loop)
-
     # ------------------------------------------------------------------ one iteration
-    def iteration(self, iteration: int, prompts: PromptSource) -> Dict[str, float]:
+    def _train(self, iteration: int, prompts: PromptSource) -> Trained:
         algorithm, settings, n = self.algorithm, self.settings, self.algorithm.n_samples_per_prompt
         timers = Timers(sync=device.synchronize)
         with timers("all"):
             for trained in (self.actor, self.critic):  # --offload-train-*: training state in host memory until used
                 trained.offload(timers)
             with timers("rollout"):  # a prompt's n samples are consecutive rows, each with its own GAE
-                exp, rollout_strategy_metrics = self.rollouts.collect(iteration, prompts)
+                exp, schedule_metrics = self.rollouts.collect(iteration, prompts)
             plan = MicroBatchPlan.for_run(exp, settings.batch, group_size=n)
             rollout_stats = rollout_metrics(exp)
             if algorithm.mask_truncated_completions:  # they leave the actor's and the critic's losses
@@ -100,10 +88,7 @@ class TrlPPOStage:
             with timers("critic_model"):
                 self.critic.onload(timers, parts=("weights",))  # --offload-train-param: they left for the rollout
                 exp.values = critic_values(self.critic.chunks, exp, plan)
-            score_metrics = {}
-            if not self.rollouts.scored:  # a replay's batches carry the dumping run's scores (and their metrics)
-                exp.scores, score_metrics = self.scorer(exp, plan, timers)  # with --missing-eos-penalty
-            self.records.add(exp, {**rollout_strategy_metrics, **score_metrics})  # --log-samples, --rollout-dump-dir
+            score_metrics = self._score(exp, plan, timers, schedule_metrics)  # with --missing-eos-penalty
 
             with timers("adv"):
                 rewards, kl = self._advantages(exp)
@@ -126,13 +111,13 @@ class TrlPPOStage:
             "kl/mean": float(kl_sum.mean()),
             "non_score_reward": float((-algorithm.kl_coef * kl_sum).mean()),
             **score_metrics,
-            **rollout_strategy_metrics,
+            **schedule_metrics,
             **rollout_stats,
             **mismatch_metrics(exp, routing_mismatch),
             "n_samples_per_prompt": n,
         }
         metrics.update(timers.pop())
-        return metrics
+        return Trained(metrics, exp, actor_metrics)
 
     def _advantages(self, exp):
         """`exp.advantages` and `exp.returns` [B, R]: TRL's token rewards (-kl_coef * KL, the score one past the last

@@ -70,7 +70,7 @@ class _WorkerProcess:
             raise RuntimeError("math_acc worker process exited unexpectedly")
         return json.loads(line)
 
-    def run(self, args: tuple, budget: float) -> bool:
+    def run(self, call: tuple, budget: float) -> bool:
         import json
 
         with self._lock:
@@ -78,7 +78,7 @@ class _WorkerProcess:
                 self._kill_locked()
                 self._start_locked(startup_timeout=120.0)
             try:
-                self._proc.stdin.write(json.dumps(list(args)) + "\n")
+                self._proc.stdin.write(json.dumps(list(call)) + "\n")
                 self._proc.stdin.flush()
                 reply = self._get_locked(budget)
             except (OSError, RuntimeError):
