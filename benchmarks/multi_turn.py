@@ -72,7 +72,7 @@ class SlowTool:
     def _answer(self, sample):
         time.sleep(self.args.tool_seconds)
         with self.lock:
-            self.done.append((sample, [5 + (sample + k) % 50 for k in range(self.args.answer_tokens)]))
+            self.done.append((sample, [5 + (sample + k) % 50 for k in range(self.args.answer_tokens)], None))
         self.event.set()
 
     def begin(self, sample, known, prompt_length, turn_start):
@@ -88,6 +88,9 @@ class SlowTool:
             out, self.done = self.done, []
             self.event.clear()
         return out
+
+    def observed(self, sample, note):
+        pass  # nothing to record
 
 
 def build_model(args):

@@ -26,7 +26,11 @@ class Sample:
     prompt_length: int
     budget: int  # the most response tokens, carried ones included
     reason: Optional[str] = None  # "eos" | "stop" | "length" once finished
-    turn_start: int = 0  # multi-turn: the response length when the current model turn began
+    # multi-turn: token positions, the engine's own (not the turn handler's record, which holds what the turns mean):
+    # only the scheduler knows where an answer lands or that it does not fit (`resume`), the spans make the tool mask,
+    # and the turn's start is read at every decode step for the per-turn limit (it is the last span's end; kept as
+    # a field so that the step does not derive it)
+    turn_start: int = 0  # the response length when the current model turn began
     observed: List[Tuple[int, int]] = field(default_factory=list)  # response spans [a, b) fed, not sampled
     # multi-turn under partial rollouts: the trajectory's whole budget when `budget` is this call's share of it; a
     # sample that reaches `budget` first is cut (`cut`: no reason, to be continued by a later call)

@@ -288,7 +288,7 @@ def _generate_continuous(model, prompts, budgets, sampling, iteration, sample_id
         carried_on = [
             Continuation(response=s.known[s.prompt_length:],
                          log_probs=log_probs[b, :s.response_length].tolist() if log_probs is not None else None,
-                         iteration=iterations[b], observed=tuple(s.observed), turn_start=s.turn_start)
+                         iteration=iterations[b], observed=tuple(s.observed))
             if reason == "unfinished" else None
             for b, (s, reason) in enumerate(zip(samples, reasons))]
     result = Rollout(

@@ -49,12 +49,17 @@ class Continuation:
     response: Sequence[int]
     log_probs: Optional[Sequence[float]]  # None: generated without log-probs
     iteration: int
-    # multi-turn: the response spans [a, b) that were observations (tool output, fed, not sampled), and where the
-    # current model turn began
+    # multi-turn: the response spans [a, b) that were observations (tool output, fed, not sampled): token positions,
+    # the engine's (it decides where an answer lands, or that it does not fit); what they mean is the handler's record
     observed: Sequence[Tuple[int, int]] = ()
-    turn_start: int = 0
     # multi-turn: the turn handler's own record of the trajectory so far (`Rollout.trajectories`), handed back to it
     state: Optional[Dict[str, object]] = None
+
+    @property
+    def turn_start(self) -> int:
+        """Where the current model turn began: after the last observation (0 before any). Carried in the spans; the
+        engine keeps it as a field of its own `Sample`, read at every decode step for the per-turn token limit."""
+        return int(self.observed[-1][1]) if self.observed else 0
 
 
 @dataclass

@@ -10,18 +10,24 @@ consulted at two places:
 * `begin(...)` and `ready(wait)`, on the token-picking rank only (`engine_inputs.source_rank`; the only rank without a
   model-parallel group): start producing sample's observation (e.g. submit its tool calls to a worker pool) and
   collect those that are done, as token ids to append (token-in / token-out: nothing the model sampled is decoded
-  and re-tokenized). `ready(wait=True)` blocks until at least one is done: the engine asks so only when every
+  and re-tokenized) and a note for the handler's record of the sample (e.g. the tools' reward and counts; None when
+  there is nothing to note). `ready(wait=True)` blocks until at least one is done: the engine asks so only when every
   unfinished sample is parked.
+* `observed(sample, note)`, on every rank, for each observation the exchange delivers (in the same order on every
+  rank): the handler's record takes what the observation brought, so every rank's record is whole when generation
+  ends and nothing crosses the ranks afterwards.
 
 `TurnExchange` runs `ready` on the token-picking rank before each scheduling decision and broadcasts what came back
-to the group (a fixed header, then the ids only when there are any: every rank makes the same calls in the same
-order, whatever the tools did). Data-parallel replicas never meet here: each model-parallel group has its own tools.
+to the group, ids and notes together (a fixed header, then one payload only when there are observations: every rank
+makes the same calls in the same order, whatever the tools did). Data-parallel replicas never meet here: each
+model-parallel group has its own tools.
 """
 
 from __future__ import annotations
 
+import pickle
 import time
-from typing import List, Optional, Protocol, Sequence, Tuple
+from typing import Any, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,9 +47,12 @@ class TurnHandler(Protocol):
     def begin(self, sample: int, known: Sequence[int], prompt_length: int, turn_start: int) -> None:
         """Token-picking rank: start producing `sample`'s observation."""
 
-    def ready(self, wait: bool) -> List[Tuple[int, List[int]]]:
-        """Token-picking rank: the observations done since the last call, as (sample, token ids); with `wait`, at
-        least one (blocks)."""
+    def ready(self, wait: bool) -> List[Tuple[int, List[int], Any]]:
+        """Token-picking rank: the observations done since the last call, as (sample, token ids, note for the
+        record: a picklable value or None); with `wait`, at least one (blocks)."""
+
+    def observed(self, sample: int, note: Any) -> None:
+        """Every rank: the note of an observation of `sample` the exchange delivered (in `ready`'s order)."""
 
 
 class TurnExchange:
@@ -62,34 +71,49 @@ class TurnExchange:
             self.handler.begin(s, sample.known, sample.prompt_length, sample.turn_start)
 
     def exchange(self, wait: bool) -> List[Tuple[int, List[int]]]:
-        """The observations done now (waiting for one when `wait`), the same on every rank of the group."""
+        """The observations done now (waiting for one when `wait`), the same on every rank of the group; their notes
+        are handed to the handler's `observed` on every rank before they return."""
         start = time.perf_counter()
         items = self.handler.ready(wait) if self.picks else []
         if self.source is not None:
             items = self._broadcast(items)
         if wait:
             self.wait_seconds += time.perf_counter() - start
-        return items
+        for s, _, note in items:
+            self.handler.observed(s, note)
+        return [(s, ids) for s, ids, _ in items]
 
-    def _broadcast(self, items: List[Tuple[int, List[int]]]) -> List[Tuple[int, List[int]]]:
-        header = torch.zeros(2, dtype=torch.long, device=self.device)
+    def _broadcast(self, items: List[Tuple[int, List[int], Any]]) -> List[Tuple[int, List[int], Any]]:
+        # header: observations, their ids, the bytes of their notes (pickled together; 0: every note is None)
+        header = torch.zeros(3, dtype=torch.long, device=self.device)
+        notes = b""
         if self.picks:
-            header[0], header[1] = len(items), sum(len(ids) for _, ids in items)
+            if any(note is not None for _, _, note in items):
+                notes = pickle.dumps([note for _, _, note in items])
+            header[0], header[1], header[2] = len(items), sum(len(ids) for _, ids, _ in items), len(notes)
         dist.broadcast(header, src=self.source, group=self.group)
-        count, total = header.tolist()
+        count, total, note_bytes = header.tolist()
         if count == 0:
             return []
+        words = -(-note_bytes // 8)  # the notes' bytes ride in the same long payload, 8 to a word
         if self.picks:
-            flat = [x for s, ids in items for x in (s, len(ids))] + [t for _, ids in items for t in ids]
-            payload = torch.tensor(flat, dtype=torch.long, device=self.device)
+            flat = [x for s, ids, _ in items for x in (s, len(ids))] + [t for _, ids, _ in items for t in ids]
+            packed = torch.zeros(words * 8, dtype=torch.uint8)
+            if note_bytes:
+                packed[:note_bytes] = torch.frombuffer(bytearray(notes), dtype=torch.uint8)
+            payload = torch.cat([torch.tensor(flat, dtype=torch.long), packed.view(torch.long)]).to(self.device)
         else:
-            payload = torch.zeros(2 * count + total, dtype=torch.long, device=self.device)
+            payload = torch.zeros(2 * count + total + words, dtype=torch.long, device=self.device)
         dist.broadcast(payload, src=self.source, group=self.group)
-        values = payload.tolist()
+        head = 2 * count + total
+        values = payload[:head].tolist()
+        received = [None] * count
+        if note_bytes:
+            received = pickle.loads(bytes(payload[head:].cpu().view(torch.uint8)[:note_bytes].tolist()))
         out, at = [], 2 * count
         for k in range(count):
             s, n = values[2 * k], values[2 * k + 1]
-            out.append((s, values[at:at + n]))
+            out.append((s, values[at:at + n], received[k]))
             at += n
         return out
 

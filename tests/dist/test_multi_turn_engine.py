@@ -9,7 +9,8 @@ response must be exactly turn 1 + observation + turn 2 (token-in / token-out), t
 with zero log-probs, the model tokens' log-probs within 2e-5 of the reference's; with the parked KV kept, freed or
 kept until a waiting sample needs the slot (auto) the same tokens; keeping the KV prefills fewer tokens; generated in
 rounds of 5 tokens per sample that continue the cut samples (partial rollouts' way, a cut falling inside turns, on
-parked samples and on tool answers), the same trajectories, tool masks and log-probs.
+parked samples and on tool answers), the same trajectories, tool masks and log-probs. Each answer's note for the
+handler's record reaches every rank's handler with its ids (TP2 / PP2: the ranks that ran no tool too).
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ def observation_of(sample):
     return [100 + sample % 7, 101, 102, 60 + sample]
 
 
+def note_of(sample):
+    """What sample's observation brings for the handler's record (a tool's reward, its own metrics)."""
+    return {"reward": 0.25 * sample, "metrics": {"echo/words": float(sample)}}
+
+
 class ScriptedTools:
     """Even samples (of rank 0 only, at DP2) call one tool after their first turn; its answer arrives after
     a delay that differs per sample."""
@@ -46,7 +52,7 @@ class ScriptedTools:
     def __init__(self, calls_tools):
         self.calls_tools = calls_tools
         self.done, self.lock, self.event = [], threading.Lock(), threading.Event()
-        self.begun = []
+        self.begun, self.notes = [], {}
 
     def trajectory_budget(self, sample):
         return None  # this call's budget is the whole one
@@ -60,7 +66,7 @@ class ScriptedTools:
         def answer():
             time.sleep(0.02 * (sample % 3))
             with self.lock:
-                self.done.append((sample, observation_of(sample)))
+                self.done.append((sample, observation_of(sample), note_of(sample)))
             self.event.set()
 
         threading.Thread(target=answer, daemon=True).start()
@@ -72,6 +78,9 @@ class ScriptedTools:
             out, self.done = self.done, []
             self.event.clear()
         return out
+
+    def observed(self, sample, note):
+        self.notes[sample] = note  # every rank: the notes came with the ids
 
 
 class RoundTools(ScriptedTools):
@@ -93,7 +102,7 @@ class RoundTools(ScriptedTools):
 
     def ready(self, wait):
         back = {s: r for r, s in enumerate(self.ids)}
-        return [(back[s], ids) for s, ids in super().ready(wait)]
+        return [(back[s], ids, note) for s, ids, note in super().ready(wait)]
 
 
 def _in_rounds(model, prompts, sampling, calls_tools, share):
@@ -142,6 +151,7 @@ def _body(rank, world_size, tp, pp):
         out[mode] = generate(model, prompts, sampling, response_budgets=[BUDGET] * len(prompts), turns=tools,
                              options=EngineOptions(parked_kv=mode))
         out[f"begun {mode}"] = sorted(tools.begun)
+        out[f"notes {mode}"] = dict(tools.notes)  # as the engine returns: nothing crosses the ranks afterwards
     single = replace(sampling, max_num_seqs=None)
     first = generate(model, prompts, single, engine="static")
     seconds = {}
@@ -176,6 +186,8 @@ def _check(result):
             torch.testing.assert_close(r.log_probs[b, at:at + len(turn2)], seconds[b].log_probs[0, :len(turn2)],
                                        atol=2e-5, rtol=0)
         assert result[f"begun {keep}"] == (sorted(seconds) if result["picks"] else [])
+        # the tools ran on the picking rank only; every rank's handler has each observation's note
+        assert result[f"notes {keep}"] == {b: note_of(b) for b in seconds}, keep
         assert r.stats["parked_turns"] == len(seconds)
     for mode in MODES[1:]:
         assert result[mode].response_token_lists() == result["keep"].response_token_lists(), mode

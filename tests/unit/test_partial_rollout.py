@@ -188,6 +188,34 @@ def test_state_dict_round_trip_continues_exactly_and_pending_counts():
                         max_rounds=4).load_state_dict(state)
 
 
+def test_a_carried_trajectory_of_an_older_checkpoint_continues_with_its_spans_and_record():
+    """A carried sample of a checkpoint written before the record was the one carrier (its tool spans, its
+    `turn_start` and the generator's record `tool_state`, each a key of its own) continues with those spans, its turn
+    starting after the last of them, and the record handed back as `Continuation.state`; a new checkpoint keeps the
+    spans and the record (the turn's start follows from the spans)."""
+    gen_a, rows = ScriptedGenerator(), _rows()
+    a = _buffers(gen_a)
+    a.collect(1, PromptSource(rows(0), rows))
+    state = a.state_dict()
+    carried = next(s for rank in state["carried"] for g in rank for s in g["samples"] if s["reason"] is None)
+    record = {"turns": 1, "calls": 1, "tool_reward": 0.5}  # an older record: counts only
+    carried.update(observed=[[0, 1]], turn_start=1, tool_state=record)
+    seen = []
+    gen_b = ScriptedGenerator()
+
+    def recording(iteration, prompts, sample_ids, continuations, budgets):
+        seen.extend(c for c in continuations if c.response)
+        return gen_b(iteration, prompts, sample_ids, continuations, budgets)
+
+    b = _buffers(recording)
+    assert b.load_state_dict(state) is None
+    saved = b.state_dict()["carried"][0][0]["samples"]
+    assert [s["observed"] for s in saved if s["reason"] is None] == [[[0, 1]]]
+    assert [s["tool_state"] for s in saved if s["reason"] is None] == [record]
+    b.collect(2, PromptSource(rows(0), rows))
+    assert [(tuple(c.observed), c.turn_start, c.state) for c in seen if c.state] == [(((0, 1),), 1, record)]
+
+
 @pytest.mark.parametrize("max_new, fits", [(2, False), (3, False), (4, True), (12, True)])
 def test_a_resume_with_a_smaller_response_budget_is_refused_naming_both(max_new, fits):
     """The checkpoint holds a carried sample of 4 tokens and a finished group of 3-token responses (generated under

@@ -55,10 +55,11 @@ any rank: its tokens follow from its own tokens and stream, to float rounding).
 Any sample generator (`base.SampleGenerator`): the schedule asks it for a sample's whole budget and its flag, whether
 a stop was a cut, and its metrics. With tools (`--tool-config`, `tool_turns.py`) a sample is a trajectory, its
 budget --max-total-response-length and a round's share ceil(that / N); a cut may fall inside a model turn, while a
-tool runs (its answer is appended first) or after a tool answer. A carried sample keeps its observation spans, where
-its current turn began and the generator's record of it (`Rollout.trajectories`: turn, call and tool reward counts;
-in the checkpoint too, key `tool_state`), so that it continues as one uninterrupted trajectory. A tool's
-per-trajectory state (`create` / `release`) lasts one round.
+tool runs (its answer is appended first) or after a tool answer. A carried sample keeps its observation spans (token
+positions, the engine's: its current turn began after the last) and the generator's record of it
+(`Rollout.trajectories`: its turns' calls, turn and tool reward counts), in the checkpoint too (keys `observed`,
+`tool_state`), so that it continues as one uninterrupted trajectory. A tool's per-trajectory state (`create` /
+`release`) lasts one round.
 
 Metrics: `partial_rollout/rounds` (0 when a global batch had finished already), `partial_rollout/carried`
 (unfinished samples carried out of the iteration, not started ones included, all ranks), `partial_rollout/max_staleness`
@@ -93,10 +94,10 @@ class _Sample:
     log_probs: Optional[List[float]] = None  # the behaviour log-probs of `response`
     reason: Optional[str] = None  # "eos" | "stop" | "length" once finished; None: unfinished
     routing: Optional[torch.Tensor] = None  # host [MoE layers of this rank, prompt + response, topk], when finished
-    # the response spans [a, b) of observations (tool answers), where its current turn began, the generator's record
+    # the response spans [a, b) of observations (tool answers: its tool mask, token positions; where its current turn
+    # began follows, `Continuation.turn_start`) and the generator's record of the trajectory (what the turns mean)
     observed: List[Tuple[int, int]] = field(default_factory=list)
-    turn_start: int = 0
-    tool_state: Dict[str, float] = field(default_factory=dict)
+    tool_state: Dict[str, object] = field(default_factory=dict)
 
 
 @dataclass
@@ -119,13 +120,13 @@ def _group_state(g: _Group) -> dict:
     return {"started": g.started, "position": g.position, "row": g.row,
             "samples": [{"sample_id": s.sample_id, "response": list(s.response), "log_probs": s.log_probs,
                          "reason": s.reason, "routing": s.routing, "observed": [list(a) for a in s.observed],
-                         "turn_start": s.turn_start, "tool_state": dict(s.tool_state)} for s in g.samples]}
+                         "tool_state": dict(s.tool_state)} for s in g.samples]}
 
 
 def _group_from_state(state: dict) -> _Group:
     return _Group(int(state["started"]), int(state["position"]), dict(state["row"]),
                   [_Sample(int(s["sample_id"]), list(s["response"]), s["log_probs"], s["reason"], s["routing"],
-                           [tuple(a) for a in s.get("observed", [])], int(s.get("turn_start", 0)),
+                           [tuple(a) for a in s.get("observed", [])],  # an older state's turn_start: the last end
                            dict(s.get("tool_state", {}))) for s in state["samples"]])
 
 
@@ -238,7 +239,7 @@ class PartialRollouts:
         whole = self.generator.response_budgets(prompt_lengths)
         budgets = [min(w, len(s.response) + self.step_tokens) for w, (_, s) in zip(whole, todo)]
         continuations = [Continuation(list(s.response), s.log_probs if s.response else [], g.started,
-                                      observed=tuple(s.observed), turn_start=s.turn_start, state=dict(s.tool_state))
+                                      observed=tuple(s.observed), state=dict(s.tool_state))
                          for g, s in todo]
         result = self.generator.generate(iteration, rows, [s.sample_id for _, s in todo], continuations, budgets)
         self.round_stats.append(dict(result.stats))
@@ -250,10 +251,6 @@ class PartialRollouts:
             s.reason = None if cut else reason
             if result.tool_mask is not None:
                 s.observed = _spans(result.tool_mask[b, :length].tolist())
-            if result.continuations is not None and result.continuations[b] is not None:
-                s.turn_start = result.continuations[b].turn_start
-            else:
-                s.turn_start = 0
             if result.trajectories is not None:
                 s.tool_state = dict(result.trajectories[b])
             if not cut and result.routing is not None:

@@ -13,10 +13,13 @@ The Experience holds the whole trajectory after the prompt; `tool_mask` marks th
 `Experience.action_mask`). `SampleData.trajectories` holds each one's turns, calls and tool rewards for the rewards
 (`scoring.py`).
 
-The turn handler (`ToolTurns`) keeps one record per sample (`ToolTurns.record`): its turn and call counts, its tools'
-reward, and each model turn's calls, parsed once when the turn ended; the generator returns it in
-`Rollout.trajectories`, and a continued sample (a partial rollout's) hands it back in `Continuation.state`. The
-tools' counts and own metrics (`tool/<name>/<metric>`) ride in `Rollout.stats`.
+The turn handler (`ToolTurns`) keeps one record per sample (`ToolTurns.record`): its turn count, its tools' reward
+and own metrics, and each model turn's calls, parsed once when the turn ended (its call count, which --max-tool-calls
+limits, is made from them); the generator returns it in `Rollout.trajectories`, and a continued sample (a partial
+rollout's) hands it back in `Continuation.state`. The tools' counts and own metrics (`tool/<name>/<metric>`) of a
+generation ride in `Rollout.stats`. What a tool answer brings (reward, counts, metrics) reaches every rank of the
+model-parallel group with the answer's ids (`ToolTurns.observed`, `inference/turns.py`), so nothing crosses the ranks
+after generation.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import contextlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from mindspeed_llm.inference import Rollout, SamplingConfig
 from mindspeed_llm.rl import tools as tool_lib
@@ -47,18 +49,23 @@ class ToolTurns:
         self.turn_token_limit = settings.max_new_tokens
         self.budgets = list(budgets)  # each trajectory's whole budget (a partial rollout's call gets a share of it)
         states = states or [{}] * len(self.rows)  # a continued trajectory's counts so far (partial rollouts)
-        # model turns ended and tool calls made (every rank), the tools' rewards (the token-picking rank)
+        # model turns ended, the tools' rewards (every rank: `observed` takes the tools' notes)
         self.turns = [int(st.get("turns", 0)) for st in states]
-        self.calls = [int(st.get("calls", 0)) for st in states]
         self.tool_reward = [float(st.get("tool_reward", 0.0)) for st in states]
-        # each model turn's calls, parsed once when it ended (every rank): response span start -> (its end, calls)
+        # the tools' own metrics of its calls, summed by `<name>/<metric>` (every rank)
+        self.tool_metrics = [{str(k): float(v) for k, v in dict(st.get("tool_metrics", {})).items()} for st in states]
+        # each model turn's calls, parsed once when it ended (every rank): response span start -> (its end, calls);
+        # the one count of a trajectory's calls (`calls`, --max-tool-calls) is made from them
         self.turn_calls: List[Dict[int, Tuple[int, List[dict]]]] = [
             {int(a): (int(end), list(calls)) for a, (end, calls) in dict(st.get("parsed", {})).items()}
             for st in states]
+        # a record saved before it kept its turns' calls (a partial rollout's older checkpoint) brings its count
+        self.calls_before = [0] * len(states)
+        self.calls_before = [max(int(st.get("calls", 0)) - self.calls(b), 0) for b, st in enumerate(states)]
         self.parsed: Dict[int, object] = {}
         self.futures: Dict[int, concurrent.futures.Future] = {}
         self.started: Dict[int, None] = {}
-        # the calls run (token-picking rank): `tool/calls`, ... and the tools' own metrics, `tool/<name>/<metric>`
+        # the calls run (every rank, from the notes): `tool/calls`, ... and the tools' own, `tool/<name>/<metric>`
         self.counts: Dict[str, float] = dict(calls=0, failures=0, timeouts=0, seconds=0.0)
 
     def trajectory_budget(self, sample: int) -> int:
@@ -69,7 +76,8 @@ class ToolTurns:
         limits = self.settings
         if limits.max_assistant_turns is not None and self.turns[sample] >= limits.max_assistant_turns:
             return False
-        if limits.max_tool_calls is not None and self.calls[sample] >= limits.max_tool_calls:
+        made = self.calls(sample)
+        if limits.max_tool_calls is not None and made >= limits.max_tool_calls:
             return False
         text = self.tokenizer.decode(list(known[prompt_length + turn_start:]), skip_special_tokens=False)
         parsed = self.parser.parse(text)
@@ -79,10 +87,17 @@ class ToolTurns:
             return False
         allowed = len(parsed.calls)
         if limits.max_tool_calls is not None:
-            allowed = min(allowed, limits.max_tool_calls - self.calls[sample])
-        self.calls[sample] += allowed
+            allowed = min(allowed, limits.max_tool_calls - made)
         self.parsed[sample] = (parsed, allowed)
         return True
+
+    def calls(self, sample: int) -> int:
+        """The tool calls `sample` made (given to the tool pool: run, or refused past --max-parallel-calls), those
+        past --max-tool-calls not counted: each parsed turn's calls, within what the limit left."""
+        limit, made = self.settings.max_tool_calls, self.calls_before[sample]
+        for _, (_, calls) in sorted(self.turn_calls[sample].items()):  # in turn order
+            made += len(calls) if limit is None else min(len(calls), max(limit - made, 0))
+        return made
 
     def begin(self, sample: int, known, prompt_length: int, turn_start: int) -> None:
         parsed, allowed = self.parsed.pop(sample)
@@ -97,7 +112,7 @@ class ToolTurns:
             done.set_result(tool_lib.TurnResult(messages=[]))
             self.futures[sample] = (done, refusals)
 
-    def ready(self, wait: bool) -> List[Tuple[int, List[int]]]:
+    def ready(self, wait: bool) -> List[Tuple[int, List[int], dict]]:
         if wait and self.futures:
             concurrent.futures.wait([f for f, _ in self.futures.values()],
                                     return_when=concurrent.futures.FIRST_COMPLETED)
@@ -105,45 +120,38 @@ class ToolTurns:
         for sample in [s for s, (f, _) in self.futures.items() if f.done()]:
             future, refusals = self.futures.pop(sample)
             result = future.result()
-            self.tool_reward[sample] += float(result.reward or 0.0)
-            self.counts["calls"] += len(result.messages) - result.refused
-            self.counts["failures"] += result.failures + len(refusals)
-            self.counts["timeouts"] += result.timeouts
-            self.counts["seconds"] += float(result.seconds)
-            for name, own in result.metrics.items():
-                for key, value in own.items():
-                    self.counts[f"{name}/{key}"] = self.counts.get(f"{name}/{key}", 0.0) + value
-            out.append((sample, self.delta.delta_ids(list(result.messages) + refusals)))
+            # what the record and the counts take from this turn's calls, on every rank (`observed`)
+            counts = {"calls": len(result.messages) - result.refused, "failures": result.failures + len(refusals),
+                      "timeouts": result.timeouts, "seconds": float(result.seconds)}
+            own = {f"{name}/{key}": value for name, metrics in result.metrics.items() for key, value in metrics.items()}
+            note = {"reward": float(result.reward or 0.0), "counts": counts, "metrics": own}
+            out.append((sample, self.delta.delta_ids(list(result.messages) + refusals), note))
         return out
+
+    def observed(self, sample: int, note: dict) -> None:
+        self.tool_reward[sample] += note["reward"]
+        for key, value in {**note["counts"], **note["metrics"]}.items():
+            self.counts[key] = self.counts.get(key, 0.0) + value
+        for key, value in note["metrics"].items():
+            self.tool_metrics[sample][key] = self.tool_metrics[sample].get(key, 0.0) + value
 
     def close(self) -> None:
         for sample in self.started:
             self.executor.finish(sample)
 
-    def record(self, sample: int, tool_reward: float) -> dict:
+    def record(self, sample: int) -> dict:
         """`sample`'s record of its trajectory so far (`Rollout.trajectories`, handed back as `Continuation.state`):
-        its turn and call counts, its tools' reward, and the calls of each turn parsed when it ended."""
-        return {"turns": self.turns[sample], "calls": self.calls[sample], "tool_reward": float(tool_reward),
+        its turn count, its tools' reward and own metrics, the calls of each turn parsed when it ended and their count
+        (`calls`, made from them)."""
+        return {"turns": self.turns[sample], "calls": self.calls(sample),
+                "tool_reward": float(self.tool_reward[sample]), "tool_metrics": dict(self.tool_metrics[sample]),
                 "parsed": {a: [end, calls] for a, (end, calls) in self.turn_calls[sample].items()}}
-
-    def summary(self) -> dict:
-        """What only the token-picking rank knows, for every rank of the group."""
-        return dict(tool_reward=list(self.tool_reward), counts=dict(self.counts))
 
 
 def _refusals(parsed, allowed: int) -> List[str]:
     """The answers to what cannot run: malformed calls (the parser's errors) and calls past --max-tool-calls."""
     over = ["error: the limit of tool calls for this conversation is reached"] * (len(parsed.calls) - allowed)
     return list(parsed.errors) + over
-
-
-def _from_picking_rank(value, group, source):
-    """`value` of the token-picking rank, on every rank of the model-parallel group."""
-    if source is None:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=source, group=group)
-    return box[0]
 
 
 def trajectories(exp: Experience, tokenizer, parser, tool_reward: Sequence[float],
@@ -204,14 +212,6 @@ class ToolBox:
             turns.close()
             executor.close()
 
-    @staticmethod
-    def shared(turns: ToolTurns) -> dict:
-        """What only the token-picking rank knows (the tools' rewards and counts), on every rank of the group."""
-        from mindspeed_llm.inference.engine_inputs import source_rank
-
-        group, source = source_rank()
-        return _from_picking_rank(turns.summary(), group, source)
-
     def trajectories(self, exp: Experience, tool_reward: Sequence[float], parsed=None) -> List[dict]:
         return trajectories(exp, self.tokenizer, self.parser, tool_reward, parsed)
 
@@ -269,9 +269,9 @@ class ToolTurnsGenerator(PlainGenerator):
             result = self.engine(iteration, prompts, sample_ids, continuations, whole if budgets is None else budgets,
                                  sampling or self.sampling, turns=turns,
                                  options=EngineOptions(parked_kv=self.toolbox.settings.parked_kv))
-        told = self.toolbox.shared(turns)
-        result.trajectories = [turns.record(b, told["tool_reward"][b]) for b in range(len(prompts))]
-        result.stats = {**result.stats, **{f"tool/{key}": value for key, value in told["counts"].items()}}
+        # every rank's records and counts are whole: the tools' answers brought them with their ids
+        result.trajectories = [turns.record(b) for b in range(len(prompts))]
+        result.stats = {**result.stats, **{f"tool/{key}": value for key, value in turns.counts.items()}}
         return result
 
     def carried(self, reason: str, length: int, whole: int) -> bool:
