@@ -105,7 +105,7 @@ class _Records:
 
 
 def test_a_stage_iteration_scores_into_its_records_finishes_them_and_returns_typed_counts(monkeypatch):
-    """The stage base's frame: each scored batch goes to the records with the rollout strategy's and the scorer's
+    """The stage base's frame: each scored batch goes to the records with the schedule's and the scorer's
     metrics, the records are finished with the iteration's prompts, and the result carries the sample rows, the
     actor's entropy and this DP rank's tokens: the mean lengths (MindSpeed-RL's `prompt_length/mean`,
     `response_length/mean`, from `rollout_metrics`) times global batch / DP x n, hand-computed here."""
