@@ -179,23 +179,24 @@ def gather_messages(message: Optional[str]) -> List[str]:
     """Every rank's non-empty `message`, prefixed with its rank: for an error that every rank raises alike."""
     if not dist.is_initialized():
         return [message] if message else []
+    return [f"rank {r}: {m}" for r, m in enumerate(gather_over_world(message)) if m]
+
+
+def gather_over_world(obj) -> list:
+    """Every rank's picklable `obj`, in rank order (`[obj]` without a process group)."""
+    if not dist.is_initialized():
+        return [obj]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, message)
-    return [f"rank {r}: {m}" for r, m in enumerate(out) if m]
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def world_share():
     """(this rank, the world size, gather): for work the ranks split and then all hold (`rl.tools.prompts.Ranks`);
     gather(obj) is every rank's picklable obj in rank order. One process's without a process group."""
     if not dist.is_initialized():
-        return 0, 1, lambda obj: [obj]
-
-    def gather(obj) -> list:
-        out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
-
-    return dist.get_rank(), dist.get_world_size(), gather
+        return 0, 1, gather_over_world
+    return dist.get_rank(), dist.get_world_size(), gather_over_world
 
 
 def broadcast_object(obj, src_rank: int = 0, group=None):
@@ -218,4 +219,4 @@ def barrier() -> None:
 
 __all__ = ["initialize", "destroy", "seed_all", "data_parallel_info", "rollout_parallel_info",
            "gather_over_context_parallel", "sum_over_data_parallel", "any_rank",
-           "gather_messages", "world_share", "broadcast_object", "is_rank_0", "barrier"]
+           "gather_messages", "gather_over_world", "world_share", "broadcast_object", "is_rank_0", "barrier"]
