@@ -60,8 +60,8 @@ class ToolTurns:
             {int(a): (int(end), list(calls)) for a, (end, calls) in dict(st.get("parsed", {})).items()}
             for st in states]
         # a record saved before it kept its turns' calls (a partial rollout's older checkpoint) brings its count
-        self.calls_before = [0] * len(states)
-        self.calls_before = [max(int(st.get("calls", 0)) - self.calls(b), 0) for b, st in enumerate(states)]
+        self.calls_before = [max(int(st.get("calls", 0)) - _counted_calls(parsed, settings.max_tool_calls), 0)
+                             for st, parsed in zip(states, self.turn_calls)]
         self.parsed: Dict[int, object] = {}
         self.futures: Dict[int, concurrent.futures.Future] = {}
         self.started: Dict[int, None] = {}
@@ -94,10 +94,7 @@ class ToolTurns:
     def calls(self, sample: int) -> int:
         """The tool calls `sample` made (given to the tool pool: run, or refused past --max-parallel-calls), those
         past --max-tool-calls not counted: each parsed turn's calls, within what the limit left."""
-        limit, made = self.settings.max_tool_calls, self.calls_before[sample]
-        for _, (_, calls) in sorted(self.turn_calls[sample].items()):  # in turn order
-            made += len(calls) if limit is None else min(len(calls), max(limit - made, 0))
-        return made
+        return _counted_calls(self.turn_calls[sample], self.settings.max_tool_calls, self.calls_before[sample])
 
     def begin(self, sample: int, known, prompt_length: int, turn_start: int) -> None:
         parsed, allowed = self.parsed.pop(sample)
@@ -146,6 +143,14 @@ class ToolTurns:
         return {"turns": self.turns[sample], "calls": self.calls(sample),
                 "tool_reward": float(self.tool_reward[sample]), "tool_metrics": dict(self.tool_metrics[sample]),
                 "parsed": {a: [end, calls] for a, (end, calls) in self.turn_calls[sample].items()}}
+
+
+def _counted_calls(turn_calls: Dict[int, Tuple[int, List[dict]]], limit: Optional[int], made: int = 0) -> int:
+    """`made` plus each parsed turn's calls (span start -> (its end, calls)), in turn order, within `limit`
+    (--max-tool-calls; None: no limit)."""
+    for _, (_, calls) in sorted(turn_calls.items()):
+        made += len(calls) if limit is None else min(len(calls), max(limit - made, 0))
+    return made
 
 
 def _refusals(parsed, allowed: int) -> List[str]:
