@@ -67,7 +67,7 @@ def _run_recorded(rank, world_size, runs):
         records.append({name: None if getattr(exp, name) is None else getattr(exp, name).detach().cpu().clone()
                         for name in ("tokens", "prompt_lengths", "responses", "response_mask", "teacher_logp",
                                      "teacher_topk_ids", "teacher_topk_logp")}
-                       | {"action_mask": exp.action_mask.cpu().clone(), "temperature": self.temperature})
+                       | {"action_mask": exp.action_mask.cpu().clone()})
         return out
 
     with pytest.MonkeyPatch.context() as patch:
@@ -86,7 +86,7 @@ def runs(task, tmp_path_factory):
     return {name: (metrics_row(root / name, skipped=()), record) for name, record in zip(named, records)}
 
 
-def _hf_teacher_logprobs(hf_path, record):
+def _hf_teacher_logprobs(hf_path, record, temperature):
     """transformers' log-softmax(logits / T) of the teacher at every response position of the record's rows."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -98,7 +98,7 @@ def _hf_teacher_logprobs(hf_path, record):
             p = int(record["prompt_lengths"][b])
             r = int(record["response_mask"][b].sum())
             ids = record["tokens"][b, :p + r][None]
-            logits = model(ids).logits[0].float() / record["temperature"]
+            logits = model(ids).logits[0].float() / temperature
             out.append(torch.log_softmax(logits, -1)[p - 1:p - 1 + r])  # position p - 1 + j predicts token j
     return out
 
@@ -108,7 +108,9 @@ def test_the_teachers_pass_equals_transformers_at_the_rollout_temperature(runs, 
     import torch
 
     _, record = runs[name]
-    reference = _hf_teacher_logprobs(task["hf_teacher"], record)
+    extra = cases(task)[name][1]
+    temperature = float(extra[extra.index("--temperature") + 1]) if "--temperature" in extra else 1.0  # the rollout's
+    reference = _hf_teacher_logprobs(task["hf_teacher"], record, temperature)
     for b, logp in enumerate(reference):
         r = logp.shape[0]
         sampled = logp.gather(-1, record["responses"][b, :r, None]).squeeze(-1)
