@@ -1,5 +1,5 @@
 """On-policy distillation in the real stages (--teacher-load; `rl/distillation.py`): one iteration of grpo and of
-trl_ppo on the tiny word task with a teacher of ANOTHER size than the actor (3 layers, hidden 32 against 2 x 64;
+trl_ppo on the tiny word task with a teacher of ANOTHER size than the actor (4 layers, hidden 32 against 2 x 64;
 the same 256-word vocabulary, `word_task.TEACHER_SHAPE`), where
 
 * the teacher's log-probs of the sampled tokens, and its top-k, equal transformers' on the teacher's Hugging Face
