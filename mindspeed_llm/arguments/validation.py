@@ -501,7 +501,8 @@ def _check_algorithm(run) -> None:
     if run.stage != "trl_ppo" and estimator.kind == "critic":
         raise ArgumentError(f"--adv-estimator {run.adv_estimator} needs a critic: --stage trl_ppo only (grpo "
                             f"takes {', '.join(fits)})")
-    if estimator.kind == "outcome" and run.n_samples_per_prompt < 2:
+    # with a teacher the distillation term trains a group of one (its group advantage is 0)
+    if estimator.kind == "outcome" and run.n_samples_per_prompt < 2 and not run.teacher_load:
         raise ArgumentError(f"--adv-estimator {run.adv_estimator} compares the samples of a prompt with each other: "
                             f"with --n-samples-per-prompt {run.n_samples_per_prompt} every advantage is 0 and "
                             "nothing trains; give --n-samples-per-prompt 2 or more")

@@ -35,8 +35,9 @@ def cases(task):
     return {
         # k1 as a reward at another rollout temperature (the teacher's log-probs are taken at it)
         "grpo_k1_reward": ("grpo", GRPO + VERIFIER + teacher + ["--temperature", "0.7"]),
-        # pure distillation (no verifier, no reward model), k3 as a loss
-        "grpo_k3_loss": ("grpo", GRPO + teacher + ["--distill-loss", "k3", "--distill-mode", "loss"]),
+        # pure distillation (no verifier, no reward model), one sample per prompt, k3 as a loss
+        "grpo_k3_loss": ("grpo", GRPO + teacher + ["--distill-loss", "k3", "--distill-mode", "loss",
+                                                   "--n-samples-per-prompt", "1"]),
         "grpo_topk_loss": ("grpo", GRPO + VERIFIER + teacher + [
             "--distill-loss", "topk_forward_kl", "--distill-mode", "loss", "--distill-topk", "8",
             "--temperature", "0.7", "--distill-coef", "0.5"]),
