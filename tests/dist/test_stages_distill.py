@@ -40,7 +40,7 @@ def cases(task):
                                                    "--n-samples-per-prompt", "1"]),
         "grpo_topk_loss": ("grpo", GRPO + VERIFIER + teacher + [
             "--distill-loss", "topk_forward_kl", "--distill-mode", "loss", "--distill-topk", "8",
-            "--temperature", "0.7", "--distill-coef", "0.5"]),
+            "--temperature", "0.7", "--distill-coef", "0.5", "--offload-ref-reward"]),
         # the top-k KL as a reward of a token estimator; the teacher is the actor and k the whole vocabulary
         "grpo_self_topk_reward": ("grpo", GRPO + actor + [
             "--distill-loss", "topk_forward_kl", "--distill-topk", "256", "--adv-estimator", "reinforce_plus_plus"]),
