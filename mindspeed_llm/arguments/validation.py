@@ -25,6 +25,7 @@ from mindspeed_llm.arguments.parser import (
     build_parser,
 )
 from mindspeed_llm.arguments.evaluation import check_evaluation
+from mindspeed_llm.arguments.judge import check_judge
 from mindspeed_llm.arguments.observability import check_profiling, check_rollout_records
 from mindspeed_llm.arguments.rollouts import (check_dynamic_sampling, check_multi_turn, check_partial_rollout,
                                               check_rollout_pair)
@@ -183,6 +184,7 @@ def validate_args(args, world_size: int) -> run_settings.Settings:
 
         run.custom_reward_weight = check_flags(run.custom_reward_function, run.custom_reward_weight,
                                                run.verifier_function)
+    check_judge(run)
     _check_roles(run)
     _check_checkpoint_flags(args)
     check_evaluation(run)
@@ -300,9 +302,9 @@ def _check_roles(run) -> None:
     else:
         if not run.ref_model and not run.load:
             raise ArgumentError("--stage grpo needs the initial actor: pass --ref-model (or --load to resume)")
-        if not run.verifier_function and not run.reward_model and not run.custom_reward_function:
+        if not (run.verifier_function or run.reward_model or run.custom_reward_function or run.judge_load):
             raise ArgumentError("--stage grpo needs a reward: --verifier-function NAME ..., --custom-reward-function "
-                                "PATH:NAME and/or --reward-model DIR")
+                                "PATH:NAME, --reward-model DIR and/or --judge-load DIR")
     if run.verifier_weight and len(run.verifier_weight) != len(run.verifier_function):
         raise ArgumentError(
             f"--verifier-weight has {len(run.verifier_weight)} values for {len(run.verifier_function)} "
