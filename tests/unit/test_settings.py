@@ -74,7 +74,7 @@ def test_every_default_is_the_parsers():
     parser = build_parser()
     dests = {action.dest for action in parser._actions}
     assert {f.name for f in dataclasses.fields(run_settings.Settings)} == {
-        "sampling", "loss", "update", "reward", "offload", "algorithm", "tools", "batch", "models", "parallel", "data",
+        "sampling", "loss", "update", "reward", "judge", "offload", "algorithm", "tools", "batch", "models", "parallel", "data",
         "checkpoint", "loop", "wandb", "profile", "startup", "model", "optimizer", "lora", "moe", "recompute"}
     for part in run_settings.PARTS:
         for f in dataclasses.fields(part):

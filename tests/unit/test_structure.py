@@ -62,7 +62,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("rl rollouts", ("mindspeed_llm.rl.rollouts",)),
     ("rl plumbing", (
         "mindspeed_llm.rl.scoring", "mindspeed_llm.rl.evaluation", "mindspeed_llm.rl.startup",
-        "mindspeed_llm.rl.profiling",
+        "mindspeed_llm.rl.profiling", "mindspeed_llm.rl.judge",
     )),
     ("rl stages", ("mindspeed_llm.rl.stages",)),
     ("outer loop", ("mindspeed_llm.rl.trainer", "mindspeed_llm.rl.preflight")),
