@@ -1,0 +1,126 @@
+"""The LLM judge in real runs (issue 48, item 2): a tiny random Llama judge of another family, size and tokenizer
+than the actor (a character tokenizer with a chat template) writes its verdicts with the continuous engine, at TP2 in
+a grpo iteration (beside a rule verifier, by --judge-weight, with a user's parser) and at DP2 in a trl_ppo iteration
+(beside the reward model, offloaded with --offload-ref-reward, the default parser, whose marker the random judge never
+writes). Each sample's judge score is the parser applied to the verdict it wrote (the sample tables' score parts),
+each verdict is what transformers' greedy generation of the same judge writes on the same prompt, and the score is
+the weighted sum of its parts. The parser, the template and the mixing by hand: tests/unit/test_judge.py."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.stage_layouts import odd_first_word
+
+pytestmark = [pytest.mark.usefixtures("warm_ranks"), pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+PARSERS = ROOT / "tests" / "fixtures" / "judge" / "parsers.py"
+TEMPLATE = "Grade this answer.\nQ: {prompt}\nA: {response}\nReference: {label}\nScore:"
+VERDICT_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    from tests.helpers import word_task
+    from tests.helpers.hf_tiny import save_tiny, write_char_tokenizer
+
+    from mindspeed_llm.checkpoint import convert_hf_to_mg
+
+    root = tmp_path_factory.mktemp("judge_task")
+    paths = word_task.build(root, layouts=((1, 1), (2, 1)), reward=True)
+    paths["judge_tokenizer"] = write_char_tokenizer(root / "judge_tokenizer")
+    paths["hf_judge"] = save_tiny("llama", root / "hf_judge", seed=11, vocab_size=128)
+    for tp in (1, 2):
+        out = root / f"mg_judge_tp{tp}pp1"
+        convert_hf_to_mg(paths["hf_judge"], str(out), tp, 1, tokenizer_dir=paths["judge_tokenizer"], progress=False)
+        paths[f"mg_judge_tp{tp}pp1"] = str(out)
+    (root / "judge.txt").write_text(TEMPLATE)
+    paths["template"] = str(root / "judge.txt")
+    return paths
+
+
+def _argv(task, out, stage, tp, *extra):
+    layout = f"tp{tp}pp1"
+    argv = ["--stage", stage, "--tensor-model-parallel-size", str(tp), "--ref-model", task[f"mg_actor_{layout}"],
+            "--tokenizer-name-or-path", task["tokenizer"], "--data-path", task["data"], "--train-iters", "1",
+            "--global-batch-size", "4", "--max-length", "32", "--max-new-tokens", "8", "--do-sample", "--seed", "3",
+            "--lr", "1e-3", "--metrics-jsonl", str(out / "metrics.jsonl"), "--log-samples", "8",
+            "--judge-load", task[f"mg_judge_{layout}"], "--judge-tokenizer-name-or-path", task["judge_tokenizer"],
+            "--judge-template", task["template"], "--judge-max-new-tokens", str(VERDICT_TOKENS)]
+    return argv + list(extra)
+
+
+def _hf_verdicts(task, samples):
+    """transformers' greedy verdicts of the judge on each sample's judge prompt (the template rendered from the
+    sample's prompt without special tokens, its response and label; the judge's chat template's user turn), ids past
+    the tokenizer never chosen (the model's vocabulary has 128 ids, the tokenizer 103: the engine's rule)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_tok, judge_tok = AutoTokenizer.from_pretrained(task["tokenizer"]), AutoTokenizer.from_pretrained(
+        task["judge_tokenizer"])
+    model = AutoModelForCausalLM.from_pretrained(task["hf_judge"]).eval()
+    out = []
+    for s in samples:
+        prompt = run_tok.decode(run_tok(s["prompt"], add_special_tokens=False)["input_ids"], skip_special_tokens=True)
+        text = TEMPLATE.format(prompt=prompt, response=s["response"], label="" if s["label"] is None else s["label"])
+        ids = judge_tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                            add_generation_prompt=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        with torch.no_grad():
+            generated = model.generate(torch.tensor([ids]), max_new_tokens=VERDICT_TOKENS, do_sample=False,
+                                       eos_token_id=judge_tok.eos_token_id, pad_token_id=judge_tok.pad_token_id,
+                                       suppress_tokens=list(range(len(judge_tok), model.config.vocab_size)))
+        out.append(judge_tok.decode(generated[0, len(ids):].tolist(), skip_special_tokens=True))
+    return out
+
+
+def _read(out):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    return rows, samples
+
+
+def test_the_judge_scores_grpo_at_tp2_and_trl_ppo_at_dp2(task, tmp_path):
+    from tests.helpers.multiproc import run_distributed
+    from tests.helpers.stage_layouts import run_stages
+
+    grpo, ppo = tmp_path / "grpo", tmp_path / "ppo"
+    run_distributed(run_stages, 2, [
+        _argv(task, grpo, "grpo", 2, "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
+              "--verifier-function", "odd_first_word", "--verifier-weight", "2", "--judge-weight", "0.5",
+              "--judge-parser", f"{PARSERS}:length_tenths"),
+        _argv(task, ppo, "trl_ppo", 1, "--micro-batch-size", "2", "--reward-model", task["mg_reward_tp1pp1"],
+              "--offload-ref-reward", "--judge-unparsed-score", "-0.5"),
+    ])
+
+    rows, samples = _read(grpo)
+    assert len(rows) == 1 and len(samples) == 8
+    row = rows[0]
+    for key in ("judge/score_mean", "judge/unparsed", "timing/judge"):
+        assert key in row, key
+    assert row["judge/unparsed"] == 0.0 and row["judge/too_long"] == 0.0  # length_tenths reads every verdict
+    verdicts = [s["score_parts"]["judge_verdict"] for s in samples]
+    assert verdicts == _hf_verdicts(task, samples)
+    assert any(verdicts)
+    for s in samples:
+        parts = s["score_parts"]
+        assert parts["judge"] == pytest.approx(len(parts["judge_verdict"]) / 10)  # the parser on the verdict
+        assert parts["odd_first_word"] == odd_first_word(s["response"], None)
+        assert s["score"] == pytest.approx(2 * parts["odd_first_word"] + 0.5 * parts["judge"], abs=1e-6)
+    assert row["judge/score_mean"] == pytest.approx(sum(s["score_parts"]["judge"] for s in samples) / 8, abs=1e-6)
+    assert row["grpo/score/mean"] == pytest.approx(sum(s["score"] for s in samples) / 8, abs=1e-5)
+
+    rows, samples = _read(ppo)
+    assert len(rows) == 1 and len(samples) == 4
+    row = rows[0]
+    assert "timing/judge" in row and "timing/ref_onload" in row  # --offload-ref-reward brings the judge in too
+    assert row["judge/unparsed"] == 1.0 and row["judge/score_mean"] == -0.5  # no "Score:" in a random verdict
+    verdicts = [s["score_parts"]["judge_verdict"] for s in samples]
+    assert verdicts == _hf_verdicts(task, samples)
+    for s in samples:
+        parts = s["score_parts"]
+        assert parts["judge"] == -0.5
+        assert s["score"] == pytest.approx(parts["reward_model"] + parts["judge"], abs=1e-5)
