@@ -1,18 +1,21 @@
 """The LLM judge in real runs (issue 48, item 2): a tiny random Llama judge of another family, size and tokenizer
 than the actor (a character tokenizer with a chat template) writes its verdicts with the continuous engine, at TP2 in
-a grpo iteration (beside a rule verifier, by --judge-weight, with a user's parser) and at DP2 in a trl_ppo iteration
+a grpo iteration (beside a rule verifier, by --judge-weight, with a user's parser), at DP2 in a trl_ppo iteration
 (beside the reward model, offloaded with --offload-ref-reward, the default parser, whose marker the random judge never
-writes). Each sample's judge score is the parser applied to the verdict it wrote (the sample tables' score parts),
-each verdict is what transformers' greedy generation of the same judge writes on the same prompt, and the score is
-the weighted sum of its parts. The parser, the template and the mixing by hand: tests/unit/test_judge.py."""
+writes), at CP2 in grpo, and on multi-turn tool trajectories (beside a reward function and the tools' rewards).
+Each sample's judge score is the parser applied to the verdict it wrote (the sample tables' score parts), each
+verdict is what transformers' greedy generation of the same judge writes on the same prompt, and the score is the
+weighted sum of its parts. The parser, the template and the mixing by hand: tests/unit/test_judge.py."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers.stage_layouts import odd_first_word
+from tests.helpers.word_task import TOOLS_DIR
 
 pytestmark = [pytest.mark.usefixtures("warm_ranks"), pytest.mark.slow]
 
@@ -39,27 +42,29 @@ def task(tmp_path_factory):
         paths[f"mg_judge_tp{tp}pp1"] = str(out)
     (root / "judge.txt").write_text(TEMPLATE)
     paths["template"] = str(root / "judge.txt")
-    return paths
+    sys.path.insert(0, str(TOOLS_DIR))  # the tools run's tool and reward function (the warm ranks take sys.path)
+    yield dict(paths, **word_task.write_chat_tools(root, paths["tokenizer"]))
+    sys.path.remove(str(TOOLS_DIR))
 
 
-def _argv(task, out, stage, tp, *extra):
+def _argv(task, out, stage, tp, *extra, tokenizer="tokenizer", lengths=("--max-length", "32", "--max-new-tokens",
+                                                                        "8")):
     layout = f"tp{tp}pp1"
     argv = ["--stage", stage, "--tensor-model-parallel-size", str(tp), "--ref-model", task[f"mg_actor_{layout}"],
-            "--tokenizer-name-or-path", task["tokenizer"], "--data-path", task["data"], "--train-iters", "1",
-            "--global-batch-size", "4", "--max-length", "32", "--max-new-tokens", "8", "--do-sample", "--seed", "3",
-            "--lr", "1e-3", "--metrics-jsonl", str(out / "metrics.jsonl"), "--log-samples", "8",
+            "--tokenizer-name-or-path", task[tokenizer], "--data-path", task["data"], "--train-iters", "1",
+            "--global-batch-size", "4", *lengths, "--do-sample", "--seed", "3", "--lr", "1e-3", "--metrics-jsonl", str(out / "metrics.jsonl"), "--log-samples", "8",
             "--judge-load", task[f"mg_judge_{layout}"], "--judge-tokenizer-name-or-path", task["judge_tokenizer"],
             "--judge-template", task["template"], "--judge-max-new-tokens", str(VERDICT_TOKENS)]
     return argv + list(extra)
 
 
-def _hf_verdicts(task, samples):
+def _hf_verdicts(task, samples, tokenizer="tokenizer"):
     """transformers' greedy verdicts of the judge on each sample's judge prompt (the template rendered from the
     sample's prompt without special tokens, its response and label; the judge's chat template's user turn), ids past
     the tokenizer never chosen (the model's vocabulary has 128 ids, the tokenizer 103: the engine's rule)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    run_tok, judge_tok = AutoTokenizer.from_pretrained(task["tokenizer"]), AutoTokenizer.from_pretrained(
+    run_tok, judge_tok = AutoTokenizer.from_pretrained(task[tokenizer]), AutoTokenizer.from_pretrained(
         task["judge_tokenizer"])
     model = AutoModelForCausalLM.from_pretrained(task["hf_judge"]).eval()
     out = []
@@ -83,44 +88,68 @@ def _read(out):
     return rows, samples
 
 
-def test_the_judge_scores_grpo_at_tp2_and_trl_ppo_at_dp2(task, tmp_path):
+def _check(task, out, samples_expected, score_of, tokenizer="tokenizer"):
+    """The run's one metrics row and its samples: `judge/*` and `timing/judge` logged, each verdict the one
+    transformers writes, each score `score_of(sample's parts)`; returns (row, samples)."""
+    rows, samples = _read(out)
+    assert len(rows) == 1 and len(samples) == samples_expected
+    row = rows[0]
+    for key in ("judge/score_mean", "judge/unparsed", "judge/too_long", "timing/judge"):
+        assert key in row, key
+    assert row["judge/too_long"] == 0.0
+    assert [s["score_parts"]["judge_verdict"] for s in samples] == _hf_verdicts(task, samples, tokenizer)
+    for s in samples:
+        assert s["score"] == pytest.approx(score_of(s["score_parts"]), abs=1e-5)
+    return row, samples
+
+
+def test_the_judge_scores_grpo_and_trl_ppo_at_tp2_dp2_cp2_and_with_tools(task, tmp_path):
     from tests.helpers.multiproc import run_distributed
     from tests.helpers.stage_layouts import run_stages
 
-    grpo, ppo = tmp_path / "grpo", tmp_path / "ppo"
+    tools = ["--n-samples-per-prompt", "2", "--micro-batch-size", "2", "--stop-token-ids",
+             ",".join(map(str, range(100, 140))), "--tool-config", task["tools"], "--tool-parser-format",
+             "first_word_even", "--max-assistant-turns", "3", "--max-total-response-length", "14",
+             "--max-tool-response-length", "3", "--custom-reward-function",
+             f"{TOOLS_DIR / 'word_tools.py'}:turns_reward", "--judge-weight", "0.5", "--judge-parser",
+             f"{PARSERS}:length_tenths"]
     run_distributed(run_stages, 2, [
-        _argv(task, grpo, "grpo", 2, "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
+        _argv(task, tmp_path / "grpo_tp2", "grpo", 2, "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
               "--verifier-function", "odd_first_word", "--verifier-weight", "2", "--judge-weight", "0.5",
               "--judge-parser", f"{PARSERS}:length_tenths"),
-        _argv(task, ppo, "trl_ppo", 1, "--micro-batch-size", "2", "--reward-model", task["mg_reward_tp1pp1"],
-              "--offload-ref-reward", "--judge-unparsed-score", "-0.5"),
+        _argv(task, tmp_path / "ppo_dp2", "trl_ppo", 1, "--micro-batch-size", "2", "--reward-model",
+              task["mg_reward_tp1pp1"], "--offload-ref-reward", "--judge-unparsed-score", "-0.5"),
+        _argv(task, tmp_path / "grpo_cp2", "grpo", 1, "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
+              "--context-parallel-size", "2", "--verifier-function", "odd_first_word"),
+        _argv(task, tmp_path / "tools", "grpo", 1, *tools, tokenizer="chat_tokenizer",
+              lengths=("--max-length", "24", "--max-prompt-length", "8", "--max-new-tokens", "4")),
     ])
 
-    rows, samples = _read(grpo)
-    assert len(rows) == 1 and len(samples) == 8
-    row = rows[0]
-    for key in ("judge/score_mean", "judge/unparsed", "timing/judge"):
-        assert key in row, key
-    assert row["judge/unparsed"] == 0.0 and row["judge/too_long"] == 0.0  # length_tenths reads every verdict
-    verdicts = [s["score_parts"]["judge_verdict"] for s in samples]
-    assert verdicts == _hf_verdicts(task, samples)
-    assert any(verdicts)
+    # TP2: a rule verifier x 2 beside the judge x 0.5, whose user's parser reads every verdict (a tenth of its length)
+    row, samples = _check(task, tmp_path / "grpo_tp2", 8,
+                          lambda parts: 2 * parts["odd_first_word"] + 0.5 * parts["judge"])
+    assert row["judge/unparsed"] == 0.0 and any(s["score_parts"]["judge_verdict"] for s in samples)
     for s in samples:
         parts = s["score_parts"]
         assert parts["judge"] == pytest.approx(len(parts["judge_verdict"]) / 10)  # the parser on the verdict
         assert parts["odd_first_word"] == odd_first_word(s["response"], None)
-        assert s["score"] == pytest.approx(2 * parts["odd_first_word"] + 0.5 * parts["judge"], abs=1e-6)
     assert row["judge/score_mean"] == pytest.approx(sum(s["score_parts"]["judge"] for s in samples) / 8, abs=1e-6)
     assert row["grpo/score/mean"] == pytest.approx(sum(s["score"] for s in samples) / 8, abs=1e-5)
 
-    rows, samples = _read(ppo)
-    assert len(rows) == 1 and len(samples) == 4
-    row = rows[0]
-    assert "timing/judge" in row and "timing/ref_onload" in row  # --offload-ref-reward brings the judge in too
-    assert row["judge/unparsed"] == 1.0 and row["judge/score_mean"] == -0.5  # no "Score:" in a random verdict
-    verdicts = [s["score_parts"]["judge_verdict"] for s in samples]
-    assert verdicts == _hf_verdicts(task, samples)
-    for s in samples:
-        parts = s["score_parts"]
-        assert parts["judge"] == -0.5
-        assert s["score"] == pytest.approx(parts["reward_model"] + parts["judge"], abs=1e-5)
+    # DP2, trl_ppo: the reward model beside the judge (weight 1), offloaded between uses; the default parser finds no
+    # "Score:" in a random verdict: every one unparsed, at --judge-unparsed-score
+    row, samples = _check(task, tmp_path / "ppo_dp2", 4, lambda parts: parts["reward_model"] + parts["judge"])
+    assert "timing/ref_onload" in row
+    assert row["judge/unparsed"] == 1.0 and row["judge/score_mean"] == -0.5
+    assert all(s["score_parts"]["judge"] == -0.5 for s in samples)
+
+    # CP2: each CP rank judges its DP rank's whole batch, the verdicts transformers writes
+    row, _ = _check(task, tmp_path / "grpo_cp2", 8, lambda parts: parts["odd_first_word"] + parts["judge"])
+    assert row["judge/unparsed"] == 1.0
+
+    # tools: the judge reads the trajectory's text as the reward function does; the tools' rewards add on
+    row, samples = _check(task, tmp_path / "tools", 8, lambda parts: parts["custom"] + parts["tool"] + 0.5 * parts[
+        "judge"], tokenizer="chat_tokenizer")
+    assert any(s["tool_calls"] > 0 for s in samples)
+    assert all(s["score_parts"]["judge"] == pytest.approx(len(s["score_parts"]["judge_verdict"]) / 10)
+               for s in samples)

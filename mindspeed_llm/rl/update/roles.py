@@ -211,8 +211,8 @@ def load_judge(settings: Settings):
     try:
         spec = load_spec(root)
         model = build_model(spec, params_dtype=built.params_dtype, attention=built.attention,
-                            fused_ops=built.fused_ops, **moe.model_options(spec, settings.moe, flag, root, policy=False),
-                            **from_checkpoint(offload))
+                            fused_ops=built.fused_ops, **from_checkpoint(offload),
+                            **moe.model_options(spec, settings.moe, flag, root, policy=False))
         load_megatron_weights(model, root)
     except (ValueError, FileNotFoundError) as exc:
         raise ArgumentError(f"{flag} {root}: {exc}") from exc
