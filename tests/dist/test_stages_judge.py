@@ -2,7 +2,7 @@
 than the actor (a character tokenizer with a chat template) writes its verdicts with the continuous engine, at TP2 in
 a grpo iteration (beside a rule verifier, by --judge-weight, with a user's parser), at DP2 in a trl_ppo iteration
 (beside the reward model, offloaded with --offload-ref-reward, the default parser, whose marker the random judge never
-writes), at CP2 in grpo, and on multi-turn tool trajectories (beside a reward function and the tools' rewards).
+writes), at PP2 and CP2 in grpo, and on multi-turn tool trajectories (beside a reward function and the tools' rewards).
 Each sample's judge score is the parser applied to the verdict it wrote (the sample tables' score parts), each
 verdict is what transformers' greedy generation of the same judge writes on the same prompt, and the score is the
 weighted sum of its parts. The parser, the template and the mixing by hand: tests/unit/test_judge.py."""
@@ -33,13 +33,13 @@ def task(tmp_path_factory):
     from mindspeed_llm.checkpoint import convert_hf_to_mg
 
     root = tmp_path_factory.mktemp("judge_task")
-    paths = word_task.build(root, layouts=((1, 1), (2, 1)), reward=True)
+    paths = word_task.build(root, layouts=((1, 1), (2, 1), (1, 2)), reward=True)
     paths["judge_tokenizer"] = write_char_tokenizer(root / "judge_tokenizer")
     paths["hf_judge"] = save_tiny("llama", root / "hf_judge", seed=11, vocab_size=128)
-    for tp in (1, 2):
-        out = root / f"mg_judge_tp{tp}pp1"
-        convert_hf_to_mg(paths["hf_judge"], str(out), tp, 1, tokenizer_dir=paths["judge_tokenizer"], progress=False)
-        paths[f"mg_judge_tp{tp}pp1"] = str(out)
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        out = root / f"mg_judge_tp{tp}pp{pp}"
+        convert_hf_to_mg(paths["hf_judge"], str(out), tp, pp, tokenizer_dir=paths["judge_tokenizer"], progress=False)
+        paths[f"mg_judge_tp{tp}pp{pp}"] = str(out)
     (root / "judge.txt").write_text(TEMPLATE)
     paths["template"] = str(root / "judge.txt")
     sys.path.insert(0, str(TOOLS_DIR))  # the tools run's tool and reward function (the warm ranks take sys.path)
@@ -47,10 +47,11 @@ def task(tmp_path_factory):
     sys.path.remove(str(TOOLS_DIR))
 
 
-def _argv(task, out, stage, tp, *extra, tokenizer="tokenizer", lengths=("--max-length", "32", "--max-new-tokens",
-                                                                        "8")):
-    layout = f"tp{tp}pp1"
-    argv = ["--stage", stage, "--tensor-model-parallel-size", str(tp), "--ref-model", task[f"mg_actor_{layout}"],
+def _argv(task, out, stage, tp, *extra, pp=1, tokenizer="tokenizer",
+          lengths=("--max-length", "32", "--max-new-tokens", "8")):
+    layout = f"tp{tp}pp{pp}"
+    argv = ["--stage", stage, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+            "--ref-model", task[f"mg_actor_{layout}"],
             "--tokenizer-name-or-path", task[tokenizer], "--data-path", task["data"], "--train-iters", "1",
             "--global-batch-size", "4", *lengths, "--do-sample", "--seed", "3", "--lr", "1e-3", "--metrics-jsonl", str(out / "metrics.jsonl"), "--log-samples", "8",
             "--judge-load", task[f"mg_judge_{layout}"], "--judge-tokenizer-name-or-path", task["judge_tokenizer"],
@@ -103,7 +104,7 @@ def _check(task, out, samples_expected, score_of, tokenizer="tokenizer"):
     return row, samples
 
 
-def test_the_judge_scores_grpo_and_trl_ppo_at_tp2_dp2_cp2_and_with_tools(task, tmp_path):
+def test_the_judge_scores_grpo_and_trl_ppo_at_tp2_pp2_dp2_cp2_and_with_tools(task, tmp_path):
     from tests.helpers.multiproc import run_distributed
     from tests.helpers.stage_layouts import run_stages
 
@@ -119,6 +120,8 @@ def test_the_judge_scores_grpo_and_trl_ppo_at_tp2_dp2_cp2_and_with_tools(task, t
               "--judge-parser", f"{PARSERS}:length_tenths"),
         _argv(task, tmp_path / "ppo_dp2", "trl_ppo", 1, "--micro-batch-size", "2", "--reward-model",
               task["mg_reward_tp1pp1"], "--offload-ref-reward", "--judge-unparsed-score", "-0.5"),
+        _argv(task, tmp_path / "grpo_pp2", "grpo", 1, "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
+              "--verifier-function", "odd_first_word", pp=2),
         _argv(task, tmp_path / "grpo_cp2", "grpo", 1, "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
               "--context-parallel-size", "2", "--verifier-function", "odd_first_word"),
         _argv(task, tmp_path / "tools", "grpo", 1, *tools, tokenizer="chat_tokenizer",
@@ -142,6 +145,10 @@ def test_the_judge_scores_grpo_and_trl_ppo_at_tp2_dp2_cp2_and_with_tools(task, t
     assert "timing/ref_onload" in row
     assert row["judge/unparsed"] == 1.0 and row["judge/score_mean"] == -0.5
     assert all(s["score_parts"]["judge"] == -0.5 for s in samples)
+
+    # PP2: the judge's layers split over the pipeline stages, the verdicts transformers writes
+    row, _ = _check(task, tmp_path / "grpo_pp2", 8, lambda parts: parts["odd_first_word"] + parts["judge"])
+    assert row["judge/unparsed"] == 1.0
 
     # CP2: each CP rank judges its DP rank's whole batch, the verdicts transformers writes
     row, _ = _check(task, tmp_path / "grpo_cp2", 8, lambda parts: parts["odd_first_word"] + parts["judge"])
