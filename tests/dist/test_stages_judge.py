@@ -51,9 +51,9 @@ def _argv(task, out, stage, tp, *extra, pp=1, tokenizer="tokenizer",
           lengths=("--max-length", "32", "--max-new-tokens", "8")):
     layout = f"tp{tp}pp{pp}"
     argv = ["--stage", stage, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-            "--ref-model", task[f"mg_actor_{layout}"],
-            "--tokenizer-name-or-path", task[tokenizer], "--data-path", task["data"], "--train-iters", "1",
-            "--global-batch-size", "4", *lengths, "--do-sample", "--seed", "3", "--lr", "1e-3", "--metrics-jsonl", str(out / "metrics.jsonl"), "--log-samples", "8",
+            "--ref-model", task[f"mg_actor_{layout}"], "--tokenizer-name-or-path", task[tokenizer], "--data-path",
+            task["data"], "--train-iters", "1", "--global-batch-size", "4", *lengths, "--do-sample", "--seed", "3",
+            "--lr", "1e-3", "--metrics-jsonl", str(out / "metrics.jsonl"), "--log-samples", "8",
             "--judge-load", task[f"mg_judge_{layout}"], "--judge-tokenizer-name-or-path", task["judge_tokenizer"],
             "--judge-template", task["template"], "--judge-max-new-tokens", str(VERDICT_TOKENS)]
     return argv + list(extra)
