@@ -67,9 +67,9 @@ class Judge:
 
     @classmethod
     def from_settings(cls, settings, run_tokenizer) -> Optional["Judge"]:
-        """The run's judge (None without --judge-load): template and parser (checked again by `validate_args`
-        before), tokenizer (default the run's), then the frozen model (`roles.load_judge`), whose vocabulary must
-        hold the tokenizer's ids."""
+        """The run's judge (None without --judge-load): its template and parser (which `validate_args` checked),
+        tokenizer (default the run's), then the frozen model (`roles.load_judge`), whose vocabulary must hold the
+        tokenizer's ids."""
         judge = settings.judge
         if judge.judge_load is None:
             return None
@@ -109,7 +109,7 @@ class Judge:
         if self.uses_chat_template:
             ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
                                                      add_generation_prompt=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in newer transformers
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
     def context(self) -> Optional[int]:
@@ -137,23 +137,20 @@ class Judge:
         from mindspeed_llm.rl.update.roles import on_device
 
         ids = [self.encode(text) for text in self.prompts(exp)]
-        limit = self.context()
-        fits = [limit is None or len(p) + self.max_new_tokens <= limit for p in ids]
-        texts = [""] * len(ids)
-        wanted = [p for p, ok in zip(ids, fits) if ok]
-        if wanted:
+        n, limit = len(ids), self.context()
+        kept = [i for i, p in enumerate(ids) if limit is None or len(p) + self.max_new_tokens <= limit]
+        texts, scores, parsed = [""] * n, [self.unparsed_score] * n, [False] * n  # too long: empty, unparsed
+        if kept:
             with on_device(self.model, self.offload, timers):  # --offload-ref-reward: brought in for the call
-                written = self.write(wanted)
-            it = iter(written)
-            texts = [next(it) if ok else "" for ok in fits]
-        scores, parsed = judge_verdicts.score_verdicts(self.parser, texts, self.unparsed_score)
-        parsed = [p and ok for p, ok in zip(parsed, fits)]
-        scores = [s if ok else self.unparsed_score for s, ok in zip(scores, fits)]
-        n = max(len(texts), 1)
+                written = self.write([ids[i] for i in kept])
+            got, ok = judge_verdicts.score_verdicts(self.parser, written, self.unparsed_score)
+            for i, text, score, read in zip(kept, written, got, ok):
+                texts[i], scores[i], parsed[i] = text, score, read
         lengths = [len(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
-        metrics = {"judge/score_mean": sum(scores) / n, "judge/unparsed": 1.0 - sum(parsed) / n,
-                   "judge/too_long": 1.0 - sum(fits) / n, "judge/verdict_length_mean": sum(lengths) / n,
-                   "judge/prompt_length_mean": sum(len(p) for p in ids) / n}
+        share = 1.0 / max(n, 1)
+        metrics = {"judge/score_mean": sum(scores) * share, "judge/unparsed": (n - sum(parsed)) * share,
+                   "judge/too_long": (n - len(kept)) * share, "judge/verdict_length_mean": sum(lengths) * share,
+                   "judge/prompt_length_mean": sum(map(len, ids)) * share}
         return Verdicts(texts, scores, parsed, metrics)
 
 
