@@ -3,8 +3,8 @@ than the actor (a character tokenizer with a chat template) writes its verdicts 
 a grpo iteration (beside a rule verifier, by --judge-weight, with a user's parser), at DP2 in a trl_ppo iteration
 (beside the reward model, offloaded with --offload-ref-reward, the default parser, whose marker the random judge never
 writes), at PP2 and CP2 in grpo, and on multi-turn tool trajectories (beside a reward function and the tools' rewards).
-Each sample's judge score is the parser applied to the verdict it wrote (the sample tables' score parts), each
-verdict is what transformers' greedy generation of the same judge writes on the same prompt, and the score is the
+Each sample's judge score is the parser applied to the verdict it wrote (the sample tables' score parts, and the
+rollout dump's), each verdict is what transformers' greedy generation of the same judge writes on the same prompt, and the score is the
 weighted sum of its parts. The parser, the template and the mixing by hand: tests/unit/test_judge.py."""
 
 import json
@@ -117,7 +117,7 @@ def test_the_judge_scores_grpo_and_trl_ppo_at_tp2_pp2_dp2_cp2_and_with_tools(tas
     run_distributed(run_stages, 2, [
         _argv(task, tmp_path / "grpo_tp2", "grpo", 2, "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
               "--verifier-function", "odd_first_word", "--verifier-weight", "2", "--judge-weight", "0.5",
-              "--judge-parser", f"{PARSERS}:length_tenths"),
+              "--judge-parser", f"{PARSERS}:length_tenths", "--rollout-dump-dir", str(tmp_path / "dump")),
         _argv(task, tmp_path / "ppo_dp2", "trl_ppo", 1, "--micro-batch-size", "2", "--reward-model",
               task["mg_reward_tp1pp1"], "--offload-ref-reward", "--judge-unparsed-score", "-0.5"),
         _argv(task, tmp_path / "grpo_pp2", "grpo", 1, "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
@@ -138,6 +138,8 @@ def test_the_judge_scores_grpo_and_trl_ppo_at_tp2_pp2_dp2_cp2_and_with_tools(tas
         assert parts["odd_first_word"] == odd_first_word(s["response"], None)
     assert row["judge/score_mean"] == pytest.approx(sum(s["score_parts"]["judge"] for s in samples) / 8, abs=1e-6)
     assert row["grpo/score/mean"] == pytest.approx(sum(s["score"] for s in samples) / 8, abs=1e-5)
+    dumped = json.loads((tmp_path / "dump" / "iteration_0000001" / "batch_0_dp_rank_00.json").read_text())
+    assert dumped["sample_data"]["score_parts"] == [s["score_parts"] for s in samples]  # the dump keeps the verdicts
 
     # DP2, trl_ppo: the reward model beside the judge (weight 1), offloaded between uses; the default parser finds no
     # "Score:" in a random verdict: every one unparsed, at --judge-unparsed-score
