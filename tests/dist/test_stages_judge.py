@@ -4,8 +4,8 @@ a grpo iteration (beside a rule verifier, by --judge-weight, with a user's parse
 (beside the reward model, offloaded with --offload-ref-reward, the default parser, whose marker the random judge never
 writes), at PP2 and CP2 in grpo, and on multi-turn tool trajectories (beside a reward function and the tools' rewards).
 Each sample's judge score is the parser applied to the verdict it wrote (the sample tables' score parts, and the
-rollout dump's), each verdict is what transformers' greedy generation of the same judge writes on the same prompt, and the score is the
-weighted sum of its parts. The parser, the template and the mixing by hand: tests/unit/test_judge.py."""
+rollout dump's), each verdict is what transformers' greedy generation of the same judge writes on the same prompt,
+and the score is the weighted sum of its parts. The parser, the template and the mixing by hand: tests/unit/test_judge.py."""
 
 import json
 import sys
