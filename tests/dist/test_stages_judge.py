@@ -1,11 +1,12 @@
 """The LLM judge in real runs (issue 48, item 2): a tiny random Llama judge of another family, size and tokenizer
-than the actor (a character tokenizer with a chat template) writes its verdicts with the continuous engine, at TP2 in
-a grpo iteration (beside a rule verifier, by --judge-weight, with a user's parser), at DP2 in a trl_ppo iteration
-(beside the reward model, offloaded with --offload-ref-reward, the default parser, whose marker the random judge never
-writes), at PP2 and CP2 in grpo, and on multi-turn tool trajectories (beside a reward function and the tools' rewards).
-Each sample's judge score is the parser applied to the verdict it wrote (the sample tables' score parts, and the
-rollout dump's), each verdict is what transformers' greedy generation of the same judge writes on the same prompt,
-and the score is the weighted sum of its parts. The parser, the template and the mixing by hand: tests/unit/test_judge.py."""
+than the actor (a character tokenizer with a chat template) writes its verdicts with the continuous engine: at TP2 in
+a grpo iteration (beside a rule verifier, by --judge-weight, with a user's parser); at DP2 in trl_ppo, beside the
+reward model offloaded with --offload-ref-reward (the default parser, whose marker the random judge never writes),
+and alone with held-out evaluation; at PP2 and CP2 in grpo; and on multi-turn tool trajectories (beside a reward
+function and the tools' rewards). Each sample's judge score is the parser applied to the verdict it wrote (the sample
+tables' score parts, and the rollout dump's), each verdict is what transformers' greedy generation of the same judge
+writes on the same prompt, and the score is the weighted sum of its parts. The parser, the template and the mixing
+by hand: tests/unit/test_judge.py."""
 
 import json
 import sys
@@ -120,6 +121,9 @@ def test_the_judge_scores_grpo_and_trl_ppo_at_tp2_pp2_dp2_cp2_and_with_tools(tas
               "--judge-parser", f"{PARSERS}:length_tenths", "--rollout-dump-dir", str(tmp_path / "dump")),
         _argv(task, tmp_path / "ppo_dp2", "trl_ppo", 1, "--micro-batch-size", "2", "--reward-model",
               task["mg_reward_tp1pp1"], "--offload-ref-reward", "--judge-unparsed-score", "-0.5"),
+        _argv(task, tmp_path / "ppo_judge_only", "trl_ppo", 1, "--micro-batch-size", "2", "--reward-model",
+              task["mg_reward_tp1pp1"], "--reward-model-weight", "0", "--judge-parser", f"{PARSERS}:length_tenths",
+              "--eval-data-path", task["data"], "--eval-interval", "1", "--eval-samples", "2"),
         _argv(task, tmp_path / "grpo_pp2", "grpo", 1, "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
               "--verifier-function", "odd_first_word", pp=2),
         _argv(task, tmp_path / "grpo_cp2", "grpo", 1, "--n-samples-per-prompt", "2", "--micro-batch-size", "4",
@@ -147,6 +151,12 @@ def test_the_judge_scores_grpo_and_trl_ppo_at_tp2_pp2_dp2_cp2_and_with_tools(tas
     assert "timing/ref_onload" in row
     assert row["judge/unparsed"] == 1.0 and row["judge/score_mean"] == -0.5
     assert all(s["score_parts"]["judge"] == -0.5 for s in samples)
+
+    # trl_ppo with --reward-model-weight 0: the judge alone scores (the reward model is not loaded), held-out
+    # evaluation included
+    row, samples = _check(task, tmp_path / "ppo_judge_only", 4, lambda parts: parts["judge"])
+    assert all("reward_model" not in s["score_parts"] for s in samples) and "timing/reward_model" not in row
+    assert "eval/score/mean" in row
 
     # PP2: the judge's layers split over the pipeline stages, the verdicts transformers writes
     row, _ = _check(task, tmp_path / "grpo_pp2", 8, lambda parts: parts["odd_first_word"] + parts["judge"])
