@@ -238,3 +238,22 @@ def test_the_judge_alone_is_a_reward_for_grpo(tmp_path):
     settings = parse_args(BASE + ["--judge-load", str(tmp_path), "--judge-template", str(TEMPLATE)]).settings
     assert settings.judge.judge_load == str(tmp_path) and not settings.reward.verifier_function
     assert judge_verdicts.MARKER == "Score:"  # the documented marker (docs/algorithms.md)
+
+
+def test_with_offload_the_judge_comes_to_the_device_for_its_verdicts_only(tmp_path):
+    """--offload-ref-reward: the judge's weights are brought in around its generation (`roles.on_device`, timed as
+    ref_onload / ref_offload inside timing/judge) and wait in host memory otherwise."""
+    template = tmp_path / "t.txt"
+    template.write_text("{prompt}|{response}")
+    timed = []
+
+    @contextlib.contextmanager
+    def timers(name):
+        timed.append(name)
+        yield
+
+    judge = FixedVerdicts(["Score: 1"], read_template(str(template)), offload=True)
+    judge.model = torch.nn.Linear(2, 2)
+    Scorer([], [], judge=judge)(_experience(["ab"], ["cd"], [None]), plan=None, timers=timers)
+    assert timed == ["judge", "ref_onload", "ref_offload"]
+    assert judge.model.weight.device.type == "cpu"
