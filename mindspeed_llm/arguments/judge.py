@@ -19,7 +19,8 @@ def _flag(dest: str) -> str:
 
 def check_judge(run) -> None:
     """`ArgumentError` naming the flag and the fix for a judge flag without --judge-load, --judge-load without
-    --judge-template, a checkpoint or tokenizer folder that is not there, a bad template or parser."""
+    --judge-template, a checkpoint or tokenizer folder that is not there, a bad template or parser; with the default
+    parser a startup note says what it reads."""
     if run.judge_load is None:
         given = [_flag(dest) for dest, default in _DEPENDENT.items() if getattr(run, dest) != default]
         if given:
@@ -42,3 +43,7 @@ def check_judge(run) -> None:
                             "\"LLM-as-judge rewards\"")
     judge_verdicts.read_template(run.judge_template)
     judge_verdicts.load_parser(run.judge_parser)
+    if run.judge_parser is None:
+        run.startup_notes.append(f"--judge-load: each verdict scores the number after its last "
+                                 f"'{judge_verdicts.MARKER}' (the default parser; --judge-parser PATH:NAME for your "
+                                 f"own), else --judge-unparsed-score {run.judge_unparsed_score:g}")

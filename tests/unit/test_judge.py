@@ -237,7 +237,9 @@ def test_the_judges_flags_are_refused_before_any_model(extra, needle, monkeypatc
 def test_the_judge_alone_is_a_reward_for_grpo(tmp_path):
     settings = parse_args(BASE + ["--judge-load", str(tmp_path), "--judge-template", str(TEMPLATE)]).settings
     assert settings.judge.judge_load == str(tmp_path) and not settings.reward.verifier_function
-    assert judge_verdicts.MARKER == "Score:"  # the documented marker (docs/algorithms.md)
+    assert judge_verdicts.MARKER == "Score:"  # the documented marker (docs/algorithms.md), said at startup
+    assert "--judge-load: each verdict scores the number after its last 'Score:' (the default parser; --judge-parser " \
+           "PATH:NAME for your own), else --judge-unparsed-score 0" in settings.startup.startup_notes
 
 
 def test_with_offload_the_judge_comes_to_the_device_for_its_verdicts_only(tmp_path):
