@@ -259,3 +259,21 @@ def test_with_offload_the_judge_comes_to_the_device_for_its_verdicts_only(tmp_pa
     Scorer([], [], judge=judge)(_experience(["ab"], ["cd"], [None]), plan=None, timers=timers)
     assert timed == ["judge", "ref_onload", "ref_offload"]
     assert judge.model.weight.device.type == "cpu"
+
+
+def test_a_tokenizer_the_judge_cannot_read_is_refused_by_flag(monkeypatch, tmp_path):
+    """The judge's tokenizer must fit its vocabulary (the run's tokenizer by default), and a folder that holds no
+    tokenizer is named by its flag: both before the judge generates anything."""
+    from mindspeed_llm.rl.update import roles
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(roles, "load_judge", lambda settings: SimpleNamespace(model_spec=SimpleNamespace(vocab_size=10)))
+    settings = parse_args(BASE + ["--judge-load", str(tmp_path), "--judge-template", str(TEMPLATE)]).settings
+    with pytest.raises(ArgumentError, match=r"the run's tokenizer \(--tokenizer-name-or-path\) has 1114112 tokens but "
+                                            r"the judge's vocabulary \(--judge-load .*\) has 10: give the judge's own "
+                                            "tokenizer with --judge-tokenizer-name-or-path"):
+        Judge.from_settings(settings, CharTokenizer())
+    settings = parse_args(BASE + ["--judge-load", str(tmp_path), "--judge-template", str(TEMPLATE),
+                                  "--judge-tokenizer-name-or-path", str(tmp_path)]).settings
+    with pytest.raises(ArgumentError, match=f"--judge-tokenizer-name-or-path {tmp_path}: cannot load a tokenizer"):
+        Judge.from_settings(settings, CharTokenizer())
