@@ -267,7 +267,8 @@ def test_a_tokenizer_the_judge_cannot_read_is_refused_by_flag(monkeypatch, tmp_p
     from mindspeed_llm.rl.update import roles
 
     monkeypatch.chdir(ROOT)
-    monkeypatch.setattr(roles, "load_judge", lambda settings: SimpleNamespace(model_spec=SimpleNamespace(vocab_size=10)))
+    small = SimpleNamespace(model_spec=SimpleNamespace(vocab_size=10))
+    monkeypatch.setattr(roles, "load_judge", lambda settings: small)
     settings = parse_args(BASE + ["--judge-load", str(tmp_path), "--judge-template", str(TEMPLATE)]).settings
     with pytest.raises(ArgumentError, match=r"the run's tokenizer \(--tokenizer-name-or-path\) has 1114112 tokens but "
                                             r"the judge's vocabulary \(--judge-load .*\) has 10: give the judge's own "
