@@ -1,7 +1,8 @@
 """The weight stream over a gloo world (`rl/async_rl/`): trainer ranks hold the actor as megatron GPTModels at
-TP2 or PP2 (loaded from a checkpoint of that layout), generator ranks hold tensors at their own TP (1 or 2); after a
-sync every generator tensor is torch.equal to the checkpoint code's split, at the generator's TP, of the same
-model's TP1 x PP1 checkpoint (converted separately from the same Hugging Face folder). LoRA: only the adapters go.
+TP2 or PP2 (loaded from a checkpoint of that layout), generator ranks as GPTModels at their own TP (1 or 2, built
+on explicit groups, their parameters NaN before the sync); after a sync every generator parameter is torch.equal to
+the checkpoint code's split, at the generator's TP, of the same model's TP1 x PP1 checkpoint (converted separately
+from the same Hugging Face folder). LoRA: only the adapters go.
 
 One world, two layouts: megatron's parallel_state is one global per process, so it is initialised over the trainer
 ranks only (every rank calls it with torch's world size read as the trainers' count: the generators take part in
@@ -93,14 +94,16 @@ def _generator(case, groups, placement, rank):
 
     from mindspeed_llm.checkpoint import lora as lora_files
     from mindspeed_llm.checkpoint import load_shard, load_spec, sharding
-    from mindspeed_llm.rl.async_rl import streaming
+    from mindspeed_llm.models import build_model, lora
+    from mindspeed_llm.rl.async_rl import streaming, weights
 
     g, r = case["generator_tp"], placement.generator_tp_rank(rank)
     reference = case["reference_root"]  # TP1 x PP1: the full weights
+    spec = load_spec(reference)
     full = {n: t for n, t in load_shard(reference, 0, 0)["model"].items() if not sharding.is_extra_state(n)}
-    expected = sharding.split_model(full, load_spec(reference), g, 1, False, with_extra_state=False)[(r, 0)]
-    if case.get("drop"):
-        expected.pop(case["drop"])
+    expected = sharding.split_model(full, spec, g, 1, False, with_extra_state=False)[(r, 0)]
+    # the generator's actor: a GPTModel at its own TP on explicit groups (no megatron parallel_state on this rank)
+    model = build_model(spec, groups=groups.model_groups()).eval()
     receiver = streaming.WeightReceiver(groups.sources, g, r)
     phases = [expected]
     if case.get("lora"):
@@ -111,12 +114,21 @@ def _generator(case, groups, placement, rank):
                 a, b = lora_files.split_for_rank(module, *_full_adapter(module, *weight.shape), g, r)
                 adapters[module + lora_files.A_SUFFIX], adapters[module + lora_files.B_SUFFIX] = a, b
         phases.append(adapters)
-    stats, unequal = [], []
-    for want in phases:
-        targets = {n: torch.full_like(t, float("nan")) for n, t in want.items()}
+    stats, unequal, names = [], [], []
+    for phase, want in enumerate(phases):
+        if phase == 1:
+            lora.apply_lora(model, lora.LoRAConfig(r=LORA_RANK, alpha=8.0, target_modules=lora.DENSE_TARGETS))
+        targets = weights.model_tensors(model)
+        if case.get("drop"):
+            targets.pop(case["drop"])
+        with torch.no_grad():
+            for tensor in targets.values():
+                tensor.fill_(float("nan"))  # a tensor the sync misses stays NaN
         stats.append(receiver.receive(targets))
+        names.append(sorted(targets) == sorted(want))
         unequal += [n for n in want if not torch.equal(targets[n], want[n])]
-    return {"role": "generator", "stats": stats, "unequal": unequal, "tensors": sum(len(p) for p in phases)}
+    return {"role": "generator", "stats": stats, "unequal": unequal, "same_names": names,
+            "tensors": sum(len(p) for p in phases)}
 
 
 def _sync_body(rank, world_size, case):
@@ -155,6 +167,7 @@ def test_generators_hold_the_trainers_weights_resharded(checkpoints, name):
     assert len(generators) == world_size - case["tp"] * case["pp"]
     for result in generators:
         assert "error" not in result, result
+        assert all(result["same_names"]), "the generator's GPTModel holds the checkpoint's tensors"
         assert result["unequal"] == [] and result["tensors"] > 0
         assert [s.version for s in result["stats"]] == ([1, 2] if case.get("lora") else [1])
     trainers = [r for r in results if r["role"] == "trainer"]

@@ -76,12 +76,25 @@ class SyncGroups:
     sources: List[Tuple[int, object]]
     own: Optional[object]
     generator_tp: Optional[object]
+    generator_self: Optional[object] = None  # a generator's group of itself alone (its PP, CP, DP: size 1)
+
+    def model_groups(self):
+        """megatron's ProcessGroupCollection of a generator's actor (`models.build_model(groups=...)`): TP over its
+        block, every other dimension the rank alone."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        if self.generator_tp is None:
+            raise ValueError("model_groups: only a generator rank's actor is built on explicit groups")
+        tp, alone = self.generator_tp, self.generator_self
+        return ProcessGroupCollection(tp=tp, mp=tp, tp_cp=tp, pp=alone, cp=alone, embd=alone, pos_embd=alone,
+                                      dp=alone, dp_cp=alone)
 
 
 def create_sync_groups(placement: Placement, sources: List[Tuple[int, int, int]],
                        backend: Optional[str] = None) -> SyncGroups:
     """Every rank calls it with the same arguments. One group per trainer source (the source and every generator:
-    a source's broadcast reaches the generators and no other trainer) and one TP group per generator block."""
+    a source's broadcast reaches the generators and no other trainer), one TP group per generator block and one
+    group per generator rank alone (`SyncGroups.model_groups`)."""
     rank = dist.get_rank()
     generators = list(placement.generator_ranks)
     by_source: Dict[int, object] = {}
@@ -95,6 +108,11 @@ def create_sync_groups(placement: Placement, sources: List[Tuple[int, int, int]]
         group = dist.new_group(block, backend=backend)
         if rank in block:
             tp_group = group
+    alone = None
+    for generator in generators:
+        group = dist.new_group([generator], backend=backend)
+        if rank == generator:
+            alone = group
     mine = placement.is_generator(rank)
     return SyncGroups(sources=[(s, by_source[s]) for s, _, _ in sources] if mine else [],
-                      own=by_source.get(rank), generator_tp=tp_group if mine else None)
+                      own=by_source.get(rank), generator_tp=tp_group if mine else None, generator_self=alone)
