@@ -71,6 +71,11 @@ def _trainer(case, groups, rank):
     tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
     sender = streaming.WeightSender(groups.own, case["tp"], case["pp"], tp_rank, pp_rank, case["bucket_bytes"])
     stats = [sender.send(weights.model_tensors(model))]
+    if case.get("step"):  # an "optimizer step": every weight changes, and the next sync carries the new ones
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(1.0)
+        stats.append(sender.send(weights.model_tensors(model)))
     if case.get("lora"):
         lora.apply_lora(model, lora.LoRAConfig(r=LORA_RANK, alpha=8.0, target_modules=lora.DENSE_TARGETS))
         with torch.no_grad():
@@ -106,6 +111,8 @@ def _generator(case, groups, placement, rank):
     model = build_model(spec, groups=groups.model_groups()).eval()
     receiver = streaming.WeightReceiver(groups.sources, g, r)
     phases = [expected]
+    if case.get("step"):
+        phases.append({n: t + 1.0 for n, t in expected.items()})
     if case.get("lora"):
         adapters = {}
         for name, weight in full.items():
@@ -116,7 +123,7 @@ def _generator(case, groups, placement, rank):
         phases.append(adapters)
     stats, unequal, names = [], [], []
     for phase, want in enumerate(phases):
-        if phase == 1:
+        if phase == 1 and case.get("lora"):
             lora.apply_lora(model, lora.LoRAConfig(r=LORA_RANK, alpha=8.0, target_modules=lora.DENSE_TARGETS))
         targets = weights.model_tensors(model)
         if case.get("drop"):
@@ -151,9 +158,9 @@ def _sync_body(rank, world_size, case):
 
 
 CASES = {
-    "tp2_to_tp1": (3, dict(tp=2, pp=1, generator_tp=1, bucket_bytes=16 * 1024)),
+    "tp2_to_tp1_two_versions": (3, dict(tp=2, pp=1, generator_tp=1, bucket_bytes=16 * 1024, step=True)),
     "pp2_to_tp1": (3, dict(tp=1, pp=2, generator_tp=1, bucket_bytes=16 * 1024)),
-    "tp2_to_tp2": (4, dict(tp=2, pp=1, generator_tp=2, bucket_bytes=1 << 30)),
+    "tp2_to_tp2_two_versions": (4, dict(tp=2, pp=1, generator_tp=2, bucket_bytes=1 << 30, step=True)),
     "tp2_to_two_tp1_lora": (4, dict(tp=2, pp=1, generator_tp=1, bucket_bytes=16 * 1024, lora=True)),
 }
 
@@ -169,7 +176,7 @@ def test_generators_hold_the_trainers_weights_resharded(checkpoints, name):
         assert "error" not in result, result
         assert all(result["same_names"]), "the generator's GPTModel holds the checkpoint's tensors"
         assert result["unequal"] == [] and result["tensors"] > 0
-        assert [s.version for s in result["stats"]] == ([1, 2] if case.get("lora") else [1])
+        assert [s.version for s in result["stats"]] == ([1, 2] if case.get("lora") or case.get("step") else [1])
     trainers = [r for r in results if r["role"] == "trainer"]
     for phase in range(len(generators[0]["stats"])):
         sent = sum(t["stats"][phase].bytes for t in trainers)
