@@ -297,3 +297,38 @@ def test_the_loss_modes_term_and_its_gradient_equal_autograd_on_a_dense_referenc
     torch.testing.assert_close(term, reference, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(grad, dense_grad, atol=1e-6, rtol=1e-5)
     assert float(metrics["distill_loss"]) == pytest.approx(float(reference.detach()), rel=1e-5)
+
+
+def test_a_teacher_of_another_vocabulary_is_refused_before_any_model_is_built(monkeypatch):
+    """`RoleFactory.check_teacher` reads the two checkpoints' specs only, and both stages call it before building
+    their actor: a teacher of another vocabulary (or a --distill-topk over it) is refused naming --teacher-load
+    without a model built."""
+    from types import SimpleNamespace
+
+    from mindspeed_llm.errors import ArgumentError
+    from mindspeed_llm.rl.settings import AlgorithmSettings, DistillSettings, ModelSources, Settings
+    from mindspeed_llm.rl.stages import grpo, trl_ppo
+    from mindspeed_llm.rl.update import roles
+
+    vocab = {"actor": 256, "teacher": 320, "same": 256}
+    monkeypatch.setattr(roles, "load_spec", lambda root: SimpleNamespace(vocab_size=vocab[root]))
+    settings = Settings(distill=DistillSettings(teacher_load="teacher", distill_loss="k1", distill_mode="reward",
+                                                distill_coef=1.0),
+                        algorithm=AlgorithmSettings(stage="grpo", adv_estimator="grpo", n_samples_per_prompt=2),
+                        models=ModelSources(ref_model="actor", reward_model="reward", load="actor"))
+    with pytest.raises(ArgumentError, match="--teacher-load teacher: the teacher's vocabulary has 320 tokens, the "
+                                            "actor's 256"):
+        roles.RoleFactory(settings).check_teacher("actor")
+    topk = Settings(distill=DistillSettings(teacher_load="same", distill_loss="topk_forward_kl", distill_topk=300))
+    with pytest.raises(ArgumentError, match=r"--distill-topk 300 exceeds the vocabulary of 256 tokens \(--teacher-load "
+                                            r"same\)"):
+        roles.RoleFactory(topk).check_teacher("actor")
+    roles.RoleFactory(Settings()).check_teacher("actor")  # no teacher: nothing to check
+
+    built = []
+    factory = roles.RoleFactory(settings)
+    monkeypatch.setattr(factory, "trained", lambda *a, **k: built.append(a))
+    for stage in (grpo.GRPOStage, trl_ppo.TrlPPOStage):
+        with pytest.raises(ArgumentError, match="the teacher's vocabulary has 320 tokens"):
+            stage(settings, None, factory)
+    assert built == []

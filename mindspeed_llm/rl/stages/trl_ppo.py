@@ -49,6 +49,7 @@ class TrlPPOStage(StageBase):
         models = settings.models
         self.gae = core_algos.ADV_ESTIMATORS[self.algorithm.adv_estimator].fn  # validate_args: a critic estimator
         self.actor_metrics = ACTOR_METRICS + (ROLLOUT_IS_METRICS if self.algorithm.rollout_is != "none" else ())
+        build.check_teacher(models.ref_model)  # --teacher-load against the actor's checkpoint, before any model
         self.actor = build.trained(models.ref_model, "--ref-model", "actor")
         # with LoRA the frozen roles are the trained ones' bases (rl/update/lora.py): no second copies
         self.reference = lora.reference(self.actor) if models.lora else build.frozen(models.ref_model, "--ref-model")
