@@ -18,9 +18,6 @@ import random
 from pathlib import Path
 
 VOCAB = 256
-# the teacher of the distillation tests (`build(teacher=True)`): another size of the same family and vocabulary
-# (wider, deeper: 4 layers split 2 ways for PP2, 4 heads for TP2)
-TEACHER_SHAPE = dict(hidden_size=96, intermediate_size=192, num_layers=4)
 TOOLS_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "word_tools"
 # assistant turns end with </s>; a tool's answer is framed by w20 .. w21, the next assistant turn opens with w22
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}</s>"
@@ -38,12 +35,16 @@ TOOL_CONFIG = """tools:
 """
 
 
+# the teacher of on-policy distillation (--teacher-load): another size of the actor's family, the same vocabulary
+TEACHER_SHAPE = dict(num_layers=3, hidden_size=32, intermediate_size=64)
+
+
 def build(root: Path, layouts=((1, 1),), reward: bool = False, prompts: int = 16, model_seed: int = 3,
           vocab: int = VOCAB, teacher: bool = False, **shape) -> dict:
-    """Write everything under `root`; returns {"tokenizer", "data", "mg_actor_tp{t}pp{p}", "mg_reward_tp{t}pp{p}"},
-    with `teacher` also "mg_teacher_tp{t}pp{p}" (a causal LM of `TEACHER_SHAPE` on the same vocabulary, for
-    `--teacher-load`). `vocab` words (the prompts stay within the first 256) and `shape` (`hf_tiny.tiny_config`
-    overrides: hidden_size, tie, ...) make the same task on another model."""
+    """Write everything under `root`; returns {"tokenizer", "data", "mg_actor_tp{t}pp{p}", "mg_reward_tp{t}pp{p}"}
+    (and with `teacher` "mg_teacher_tp{t}pp{p}": a qwen2 of `TEACHER_SHAPE`, another size than the actor's).
+    `vocab` words (the prompts stay within the first 256) and `shape` (`hf_tiny.tiny_config` overrides: hidden_size,
+    tie, ...) make the same task on another model."""
     from tests.helpers.hf_tiny import save_tiny, write_tokenizer
 
     from mindspeed_llm.checkpoint import convert_hf_to_mg
@@ -54,7 +55,8 @@ def build(root: Path, layouts=((1, 1),), reward: bool = False, prompts: int = 16
     write_tokenizer(tokenizer, vocab)
     paths = {"tokenizer": str(tokenizer)}
     roles = [("actor", False, model_seed, shape)] + ([("reward", True, model_seed + 1, shape)] if reward else [])
-    roles += [("teacher", False, model_seed + 2, TEACHER_SHAPE)] if teacher else []
+    if teacher:
+        roles.append(("teacher", False, model_seed + 2, {**shape, **TEACHER_SHAPE}))
     for role, value_head, seed, role_shape in roles:
         hf = save_tiny("qwen2", root / f"hf_{role}", seq_cls=value_head, seed=seed, vocab_size=vocab, **role_shape)
         for tp, pp in layouts:
