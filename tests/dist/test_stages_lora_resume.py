@@ -19,7 +19,7 @@ linear_fc2 (`model_state_runs.stage_argv`'s runs plus the LoRA flags), one spawn
   loss in grpo, k1 as a reward in trl_ppo), SIGKILLed right after its save of iteration 2 and run again with the
   same command line (one process, `kill_driver.py`): the metrics rows and the iteration-3 adapters, optimizer state
   and `distrib_optim.pt` of a run that was never killed, bit for bit (the frozen teacher is read again from
-  --teacher-load, never saved).
+  --teacher-load, never saved); a resume with another teacher is refused by name before it writes anything.
 """
 
 import json
@@ -265,9 +265,8 @@ def test_lora_student_of_a_teacher_resumes_after_sigkill_bit_for_bit(task, tmp_p
     whole, split = tmp_path / "whole", tmp_path / "split"
     driver = write_kill_after_save(tmp_path / "kill_after_save.py")
 
-    def run(script, out, **env):
-        argv = stage_argv(task, stage, out, *LORA, "--teacher-load", task["mg_teacher_tp1pp1"], *DISTILL[stage],
-                          "--load", str(out))
+    def run(script, out, teacher=task["mg_teacher_tp1pp1"], **env):
+        argv = stage_argv(task, stage, out, *LORA, "--teacher-load", teacher, *DISTILL[stage], "--load", str(out))
         return subprocess.run([sys.executable, str(script), *argv], cwd=ROOT, capture_output=True, text=True,
                               env=dict(single_rank_env(), **env), timeout=300)
 
@@ -276,6 +275,13 @@ def test_lora_student_of_a_teacher_resumes_after_sigkill_bit_for_bit(task, tmp_p
     killed = run(driver, split, KILL_AT="2")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert sorted(_metrics(split)) == [1, 2]
+    # another teacher (the actor's weights: the same vocabulary) would change the distillation signal mid-run
+    other = run(ROOT / "posttrain_gpt.py", split, teacher=task["mg_actor_tp1pp1"])
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-3000:]
+    assert (f"the teacher (distillation's) of iteration 2 was {task['mg_teacher_tp1pp1']}; this run's "
+            f"{task['mg_actor_tp1pp1']} holds other weights") in other.stderr
+    assert "pass the --teacher-load it was trained with, or --allow-reference-change" in other.stderr
+    assert sorted(_metrics(split)) == [1, 2] and not (split / "actor" / "iter_0000003").exists()
     again = run(ROOT / "posttrain_gpt.py", split)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {split} at iteration 2" in again.stdout
