@@ -475,7 +475,9 @@ def _check_lora(run) -> None:
         raise ArgumentError(f"--lora-dropout {run.lora_dropout} must be in [0, 1)")
     if run.offload_ref_reward:
         shared = "the reference and the reward model are" if run.stage == "trl_ppo" else "the reference is"
-        rest = ("only grpo's --reward-model is offloaded" if run.stage == "grpo" and run.reward_model
+        own = (["grpo's --reward-model"] if run.stage == "grpo" and run.reward_model else []) + (
+            ["the teacher (--teacher-load)"] if run.teacher_load else [])  # models of their own
+        rest = (f"only {' and '.join(own)} {'is' if len(own) == 1 else 'are'} offloaded" if own
                 else "nothing is offloaded")
         run.startup_notes.append(f"--offload-ref-reward: with LoRA {shared} the trained models' bases with their "
                                   f"adapters off, not models of their own: {rest}")

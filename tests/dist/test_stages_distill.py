@@ -1,11 +1,12 @@
 """On-policy distillation in the real stages (--teacher-load; `rl/distillation.py`): one iteration of grpo and of
-trl_ppo on the tiny word task with a teacher of ANOTHER size than the actor (3 layers, hidden 32 against 2 x 64;
+trl_ppo on the tiny word task with a teacher of ANOTHER size than the actor (4 layers, hidden 32 against 2 x 64;
 the same 256-word vocabulary, `word_task.TEACHER_SHAPE`), where
 
 * the teacher's log-probs of the sampled tokens, and its top-k, equal transformers' on the teacher's Hugging Face
   weights at the rollout temperature (an independent reference of the teacher's pass: its read positions, the
   temperature, the top-k over the vocab shard);
-* the `distill/*` metrics and `timing/teacher` are logged, in both modes (reward, loss) and both stages;
+* the `distill/*` metrics and `timing/teacher` are logged, in both modes (reward, loss), both stages and with a LoRA
+  student;
 * a teacher equal to the actor gives a KL of ~0 (k1, and the top-k forward KL at k = the vocabulary, which covers
   the teacher's whole mass);
 * trl_ppo's token rewards carry -coef x KL per token: the logged per-sample reward sum is the score, the KL
@@ -43,6 +44,9 @@ def cases(task):
         "grpo_self_topk_reward": ("grpo", GRPO + actor + [
             "--distill-loss", "topk_forward_kl", "--distill-topk", "256", "--adv-estimator", "reinforce_plus_plus"]),
         "trl_ppo_k3_reward": ("trl_ppo", PPO + teacher + ["--distill-loss", "k3", "--distill-coef", "0.5"]),
+        # a LoRA student: the teacher is a model of its own (the reference is the actor's base)
+        "grpo_lora_k3_reward": ("grpo", GRPO + VERIFIER + teacher + ["--distill-loss", "k3", "--lora-target-modules",
+                                                                     "linear_qkv", "--lora-r", "4"]),
         "trl_ppo_self_k1": ("trl_ppo", PPO + actor),
     }
 
@@ -103,7 +107,7 @@ def _hf_teacher_logprobs(hf_path, record, temperature):
     return out
 
 
-@pytest.mark.parametrize("name", ["grpo_k1_reward", "grpo_topk_loss", "trl_ppo_k3_reward"])
+@pytest.mark.parametrize("name", ["grpo_k1_reward", "grpo_topk_loss", "trl_ppo_k3_reward", "grpo_lora_k3_reward"])
 def test_the_teachers_pass_equals_transformers_at_the_rollout_temperature(runs, task, name):
     import torch
 

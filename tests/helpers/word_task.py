@@ -35,9 +35,8 @@ TOOL_CONFIG = """tools:
 """
 
 
-# the teacher of on-policy distillation (--teacher-load): another size of the actor's family, the same vocabulary;
-# an even layer count, so that it converts to PP2 too (the layout-invariance runs)
-TEACHER_SHAPE = dict(num_layers=4, hidden_size=32, intermediate_size=64)
+# the teacher of on-policy distillation (--teacher-load): another size of the actor's family, the same vocabulary
+TEACHER_SHAPE = dict(num_layers=4, hidden_size=32, intermediate_size=64)  # PP2 splits its 4 layers
 
 
 def build(root: Path, layouts=((1, 1),), reward: bool = False, prompts: int = 16, model_seed: int = 3,

@@ -204,7 +204,8 @@ def _score(distill, exp, teacher_logp, monkeypatch):
     from mindspeed_llm.rl import distillation
     from mindspeed_llm.rl.metrics import Timers
 
-    monkeypatch.setattr(distillation, "teacher_scores", lambda model, exp, plan, temperature, topk: (teacher_logp, None))
+    monkeypatch.setattr(distillation, "teacher_scores",
+                        lambda model, exp, plan, temperature, topk: (teacher_logp, None))
     monkeypatch.setattr(distillation, "sum_over_data_parallel", lambda t: t)
     return distill.score(exp, None, Timers(), student=None)
 
