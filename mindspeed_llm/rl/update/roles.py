@@ -204,6 +204,25 @@ def load_reward_model(settings: Settings):
                                        on_host=offload)), offload)
 
 
+def load_judge(settings: Settings):
+    """The frozen LLM judge of --judge-load (`rl/judge.py`): a causal LM of any supported family and size whose
+    architecture is the checkpoint's alone (the model flags describe the actor, and are not checked against it),
+    built at the run's TP / PP without recompute or routing replay (it only generates), in host memory between
+    uses with --offload-ref-reward. Every problem is an `ArgumentError` naming --judge-load."""
+    root, flag = settings.judge.judge_load, "--judge-load"
+    offload, built = settings.offload.offload_ref_reward, settings.model
+    try:
+        spec = load_spec(root)
+        model = build_model(spec, params_dtype=built.params_dtype, attention=built.attention,
+                            fused_ops=built.fused_ops, **from_checkpoint(offload),
+                            **moe.model_options(spec, settings.moe, flag, root, policy=False))
+        load_megatron_weights(model, root)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ArgumentError(f"{flag} {root}: {exc}") from exc
+    model.loaded_from = os.path.abspath(root)
+    return offloaded(frozen(model.to("cpu" if offload else device.current_device())), offload)
+
+
 class RoleFactory:
     """A stage's roles, built from the run's typed settings: `trained` loads the actor or the critic and gives it
     its optimizer (and with LoRA its adapters: the critic's take the actor's config), `frozen` a reference
