@@ -270,9 +270,9 @@ def _add_checkpointing_args(p: argparse.ArgumentParser) -> None:
                         "adapter folder")
     g.add_argument("--ckpt-step", type=int, help="resume from this iteration of --load instead of its latest")
     g.add_argument("--allow-reference-change", action="store_true",
-                   help="resume with another --ref-model or --reward-model than the checkpoint was trained with "
-                        "(the KL term or the scores change from the resumed iteration on); without it such a resume "
-                        "is refused")
+                   help="resume with another --ref-model, --reward-model or --teacher-load than the checkpoint "
+                        "was trained with (the KL term, the scores or the distillation signal change from the "
+                        "resumed iteration on); without it such a resume is refused")
     g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
                    dest="override_opt_param_scheduler",
                    help="on resume, take the LR schedule (lr, min-lr, warmup, decay) from the command line")

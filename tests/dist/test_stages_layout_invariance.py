@@ -9,7 +9,11 @@ rollout of the same prompts, then one update) and saves the trained weights:
 * grpo with `--dynamic-sampling` (refill from further generation batches; the ranks exchange their groups);
 * grpo with each `--loss-agg-mode`: 8 prompts x 2 samples, two mini-batches of 8, `--filter-groups` (a coin-flip
   rule reward, so some groups have no spread and leave the loss while others stay), KL loss and entropy bonus;
-  `token-mean` with `--adv-scale batch` (a batch statistic over the DP ranks).
+  `token-mean` with `--adv-scale batch` (a batch statistic over the DP ranks);
+* on-policy distillation from a teacher of another size (`--teacher-load`, `word_task.build(teacher=True)`, loaded
+  at each layout's TP / PP): grpo with k3 as a loss beside the verifier, the top-k forward KL (k 8) as the only
+  signal (under TP2 the top-k of the vocab-parallel logits, also with sequence parallelism and at CP2), k1 as a
+  per-token reward in grpo and in trl_ppo (`stage_layouts.distill_cases`).
 
 The models and prompts are the tiny word-level task of `word_task.py` (256-word vocabulary), so that the 35 runs
 take minutes.
@@ -67,8 +71,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_ranks")]  # see py
 CHANGE_RTOL = 1e-3  # per tensor, relative to its change's norm
 # the cases of the newer layouts (None: all): a row and a packed layout of each stage, a sequence-level loss mode,
 # the refill (its groups exchanged over DP while the CP ranks generate their own)
-LAYOUT_CASES = {"tp2_sp": ("trl_ppo", "trl_ppo_n2", "grpo_token-mean", "grpo_dynamic_sampling"),
-                "cp2": ("trl_ppo", "trl_ppo_n2", "grpo_token-mean", "grpo_seq-mean-token-sum", "grpo_dynamic_sampling"),
+LAYOUT_CASES = {"tp2_sp": ("trl_ppo", "trl_ppo_n2", "grpo_token-mean", "grpo_dynamic_sampling", "grpo_distill_topk"),
+                "cp2": ("trl_ppo", "trl_ppo_n2", "grpo_token-mean", "grpo_seq-mean-token-sum", "grpo_dynamic_sampling",
+                        "grpo_distill_topk"),
                 "cp2_budget": ("trl_ppo_n2", "grpo_seq-mean-token-sum-norm"),
                 "cp2_tp2_sp": ("trl_ppo", "grpo_token-mean")}
 BUDGET_CASES = ("trl_ppo", "trl_ppo_n2", "grpo_token-mean", "grpo_seq-mean-token-sum-norm")
@@ -84,7 +89,8 @@ def _layout_cases(layout, cases):
 def task(tmp_path_factory):
     from tests.helpers import word_task
 
-    return word_task.build(tmp_path_factory.mktemp("word_task"), layouts=((1, 1), (2, 1), (1, 2)), reward=True)
+    return word_task.build(tmp_path_factory.mktemp("word_task"), layouts=((1, 1), (2, 1), (1, 2)), reward=True,
+                           teacher=True)
 
 
 def _selected_runs(request):
@@ -173,7 +179,11 @@ def test_cases_are_not_trivial(layout_runs):
         metrics = metrics_row(directory)
         norm = metrics["actor/grad_norm" if case.startswith("trl_ppo") else "grad_norm"]
         assert norm > 1e-3, (case, norm)
-        if case.startswith("trl_ppo"):
+        if "_distill_" in case:  # the teacher scored every response token (log-probs of a real distribution)
+            assert metrics["distill/kl_mean"] != 0 and metrics["distill/teacher_logp_mean"] < 0, (case, metrics)
+            if case == "grpo_distill_topk":  # the only signal: no verifier, so every score is 0
+                assert 0 < metrics["distill/topk_mass"] < 1 and metrics["grpo/score/max"] == 0, metrics
+        elif case.startswith("trl_ppo"):
             assert metrics["n_samples_per_prompt"] == (2 if case == "trl_ppo_n2" else 1)
         elif case == "grpo_dynamic_sampling":  # a refill happened, and the kept groups all have spread
             assert metrics["dynamic_sampling/num_gen_batches"] > 1 and metrics["dynamic_sampling/filtered_fraction"] > 0

@@ -14,10 +14,18 @@ linear_fc2 (`model_state_runs.stage_argv`'s runs plus the LoRA flags), one spawn
   use_distributed_optimizer, bf16, finetune on the first run, no_load_optim and no_load_rng on the resume) on the
   tiny model: 2 iterations, then one resume for iteration 3, with the adapters loaded exactly;
 * a full checkpoint into a LoRA run, or other LoRA flags, are refused by what differs, not as a `distrib_optim.pt`
-  that does not fit (whose advice, --no-load-optim, would not help).
+  that does not fit (whose advice, --no-load-optim, would not help);
+* a LoRA student distilled from a teacher of another size (`--teacher-load`, `word_task.build(teacher=True)`; k3 as a
+  loss in grpo, k1 as a reward in trl_ppo), SIGKILLed right after its save of iteration 2 and run again with the
+  same command line (one process, `kill_driver.py`): the metrics rows and the iteration-3 adapters, optimizer state
+  and `distrib_optim.pt` of a run that was never killed, bit for bit (the frozen teacher is read again from
+  --teacher-load, never saved); a resume with another teacher is refused by name before it writes anything.
 """
 
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,11 +131,15 @@ def _runs_body(rank, world_size, runs):
 
 
 @pytest.fixture(scope="module")
-def lora_runs(tmp_path_factory):
+def task(tmp_path_factory):
     from tests.helpers import word_task
 
+    return word_task.build(tmp_path_factory.mktemp("lora_distopt_task"), reward=True, teacher=True)
+
+
+@pytest.fixture(scope="module")
+def lora_runs(task, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_distopt")
-    task = word_task.build(root / "task", reward=True)
     table = _run_table(task, root / "runs")
     per_rank = run_distributed(_runs_body, 2, list(table.items()))
     return {"root": root / "runs", "ranks": per_rank}
@@ -236,3 +248,61 @@ def test_lora_checkpoint_errors_come_before_the_optimizer_state(lora_runs, label
     for records in lora_runs["ranks"]:
         error = records[f"error_{label}"]["error"]
         assert error is not None and message in error and "distrib_optim.pt" not in error, error
+
+
+# the student's distillation per stage: grpo takes the teacher's k3 as a loss (bf16 adapters, sharded fp32 masters),
+# trl_ppo its k1 as a per-token reward (fp32; the critic trains beside)
+DISTILL = {"grpo": ["--bf16", "--distill-loss", "k3", "--distill-mode", "loss", "--distill-coef", "0.5"],
+           "trl_ppo": ["--distill-loss", "k1", "--distill-mode", "reward", "--distill-coef", "0.5"]}
+
+
+@pytest.mark.parametrize("stage", ["grpo", "trl_ppo"])
+def test_lora_student_of_a_teacher_resumes_after_sigkill_bit_for_bit(task, tmp_path, stage):
+    from tests.helpers.kill_driver import write_kill_after_save
+    from tests.helpers.multiproc import single_rank_env
+    from tests.helpers.stage_assets import ROOT
+
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    driver = write_kill_after_save(tmp_path / "kill_after_save.py")
+
+    def run(script, out, teacher=task["mg_teacher_tp1pp1"], **env):
+        argv = stage_argv(task, stage, out, *LORA, "--teacher-load", teacher, *DISTILL[stage], "--load", str(out))
+        return subprocess.run([sys.executable, str(script), *argv], cwd=ROOT, capture_output=True, text=True,
+                              env=dict(single_rank_env(), **env), timeout=300)
+
+    done = run(ROOT / "posttrain_gpt.py", whole)
+    assert done.returncode == 0, done.stderr[-3000:]
+    killed = run(driver, split, KILL_AT="2")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert sorted(_metrics(split)) == [1, 2]
+    # another teacher (the actor's weights: the same vocabulary) would change the distillation signal mid-run
+    other = run(ROOT / "posttrain_gpt.py", split, teacher=task["mg_actor_tp1pp1"])
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-3000:]
+    assert (f"the teacher (distillation's) of iteration 2 was {task['mg_teacher_tp1pp1']}; this run's "
+            f"{task['mg_actor_tp1pp1']} holds other weights") in other.stderr
+    assert "pass the --teacher-load it was trained with, or --allow-reference-change" in other.stderr
+    assert sorted(_metrics(split)) == [1, 2] and not (split / "actor" / "iter_0000003").exists()
+    again = run(ROOT / "posttrain_gpt.py", split)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {split} at iteration 2" in again.stdout
+
+    logged, resumed = _metrics(whole), _metrics(split)
+    assert sorted(logged) == sorted(resumed) == [1, 2, 3]
+    assert logged == resumed
+    # the teacher really took part: its log-probs of the student's tokens, a KL that moves as the student trains
+    assert all(row["distill/teacher_logp_mean"] < 0 for row in logged.values())
+    assert len({row["distill/kl_mean"] for row in logged.values()}) == 3
+    compared = 0
+    for role in _roles(stage):
+        a, b = _shard(whole, role, 3), _shard(split, role, 3)
+        assert "lora" in a and a["args"].use_distributed_optimizer
+        for key in ("model", "optimizer"):
+            compared += _equal(nested_tensors(a[key]), nested_tensors(b[key]), f"{stage} {role} {key}")
+        compared += _equal(*(nested_tensors(_shard(d, role, 3, "distrib_optim.pt")) for d in (whole, split)),
+                           f"{stage} {role} distrib_optim.pt")
+        # iteration 3 trained after the resume (the adapters moved from the killed run's iteration 2)
+        before = _shard(split, role, 2)["model"]
+        assert any(not torch.equal(b["model"][k], before[k]) for k in before), role
+    assert compared > 10
+    # the frozen teacher is no part of the checkpoint: the roles saved are the trained ones
+    assert sorted(p.name for p in whole.iterdir() if p.is_dir()) == sorted(_roles(stage))

@@ -87,7 +87,32 @@ def update_cases():
     cases["grpo_dynamic_sampling"] = ("grpo", [
         "--global-batch-size", "8", "--n-samples-per-prompt", "2", "--ppo-mini-batch-size", "8", "--dynamic-sampling",
         "--max-num-gen-batches", "8", "--verifier-function", "odd_first_word", "--kl-coef", "0.05", "--lr", "0.5"])
+    cases.update(distill_cases())
     return cases
+
+
+# `--teacher-load` in a case's argv: `layout_argv` puts the teacher of the run's layout there
+TEACHER = "<teacher of the layout>"
+
+
+def distill_cases():
+    """{case name: (stage, extra argv)} of on-policy distillation from the word task's teacher (`word_task.build(
+    teacher=True)`: another size, the same vocabulary): k3 as a loss beside a verifier's rewards; the top-k forward
+    KL (k 8 of 256 words: under TP2 the top-k of vocab-parallel logits) as the only signal (pure distillation, no
+    verifier); k1 as a per-token reward, in grpo and in trl_ppo beside the reward model."""
+    grpo = ["--global-batch-size", "8", "--n-samples-per-prompt", "2", "--ppo-mini-batch-size", "8",
+            "--kl-coef", "0.05", "--lr", "0.5", "--teacher-load", TEACHER]
+    return {
+        "grpo_distill_k3_loss": ("grpo", grpo + ["--verifier-function", "odd_first_word", "--distill-loss", "k3",
+                                                 "--distill-mode", "loss", "--distill-coef", "0.5"]),
+        "grpo_distill_topk": ("grpo", grpo + ["--distill-loss", "topk_forward_kl", "--distill-mode", "loss",
+                                              "--distill-topk", "8"]),
+        "grpo_distill_k1_reward": ("grpo", grpo + ["--verifier-function", "odd_first_word", "--distill-loss", "k1",
+                                                   "--distill-mode", "reward", "--distill-coef", "0.5"]),
+        "trl_ppo_distill_k1": ("trl_ppo", ["--global-batch-size", "8", "--ppo-mini-batch-size", "4", "--kl-coef",
+                                           "0.05", "--lr", "0.2", "--teacher-load", TEACHER, "--distill-loss", "k1",
+                                           "--distill-coef", "0.1"]),
+    }
 
 
 def layout_argv(paths, stage, layout, extra, out: Path):
@@ -108,7 +133,8 @@ def layout_argv(paths, stage, layout, extra, out: Path):
         update, forward = BUDGETS[layout]
         argv += ["--max-tokens-per-micro-batch", str(update), "--forward-max-tokens-per-micro-batch", str(forward),
                  "--max-prompt-length", "5"]
-    return argv + LAYOUT_FLAGS.get(layout, []) + ROLLOUT_LIMITS.get(layout, []) + list(extra)
+    extra = [paths[f"mg_teacher_{models}"] if value == TEACHER else value for value in extra]
+    return argv + LAYOUT_FLAGS.get(layout, []) + ROLLOUT_LIMITS.get(layout, []) + extra
 
 
 def run_cases(rank, world_size, runs):

@@ -8,7 +8,8 @@ test_stages_checkpoint_safety.py resumes a real trl_ppo save as grpo.)
   tracker to iterations without the critic); --finetune from it is allowed;
 * a lost role directory is named as lost, not as another stage's;
 * a checkpoint without a record still resumes, and the resume says what it cannot check;
-* another reference model is refused unless --allow-reference-change (then a line says so);
+* another reference model is refused unless --allow-reference-change (then a line says so); another reward model
+  or teacher (--teacher-load) likewise, a LoRA student's teacher too;
 * a missing or empty shard folder names the `--ckpt-step` of the last intact iteration.
 """
 
@@ -31,12 +32,15 @@ REF = {"path": "/models/ref", "fingerprint": "a" * 64}
 RM = {"path": "/models/rm", "fingerprint": "d" * 64}
 
 
-def record(stage, reference=REF, layout_=(1, 1, 1), reward_model=None, **bases):
+TEACHER = {"path": "/models/teacher", "fingerprint": "f" * 64}
+
+
+def record(stage, reference=REF, layout_=(1, 1, 1), reward_model=None, teacher=None, **bases):
     roles = run_record.STAGE_ROLES[stage]
     initial = {"actor": {"path": "/models/ref", "fingerprint": "a" * 64, "lora": None},  # the reference's weights
                "critic": {"path": "/models/rm", "fingerprint": "d" * 64, "lora": None}}
     return run_record.make_record(stage, roles, layout_, {r: bases.get(r, initial[r]) for r in roles}, reference,
-                                  reward_model)
+                                  reward_model, teacher)
 
 
 def save_tree(root: Path, stage: str, iterations=(1, 2, 3), recorded=True, tp=1) -> Path:
@@ -225,4 +229,34 @@ def test_another_reward_model_is_refused_unless_allowed(tmp_path):
     assert run_record.resume_lines(str(root), 3, other, allow_reference_change=True)[0].startswith(
         "--allow-reference-change: the reward model (the score's) of iteration 3 was /models/rm")
     old = save_tree(tmp_path / "old", "trl_ppo")  # records without a reward model: not compared
+    assert run_record.resume_lines(str(old), 3, other) == []
+
+
+@pytest.mark.parametrize("stage", ["grpo", "trl_ppo"])
+def test_another_teacher_is_refused_unless_allowed(tmp_path, stage):
+    """The teacher scores every sampled token (on-policy distillation): another --teacher-load mid-run changes the
+    distillation signal, as another reference changes the KL term; a LoRA student's teacher is checked too (it is no
+    role's base, unlike the reference); a checkpoint that recorded no teacher is unchecked."""
+    root = save_tree(tmp_path / stage, stage)
+    for folder in root.glob("*/iter_*"):  # the tree's records, now with the teacher
+        run_record.write(str(folder), record(stage, teacher=TEACHER))
+    assert run_record.resume_lines(str(root), 3, record(stage, teacher=TEACHER)) == []
+    other = record(stage, teacher={"path": "/models/teacher2", "fingerprint": "9" * 64})
+    lora = {"r": 8}
+    lora_other = dict(other, bases={r: {**b, "lora": lora} for r, b in other["bases"].items()})
+    before = snapshot(root)
+    for ours in (other, lora_other):
+        with pytest.raises(CheckpointError, match=r"the teacher \(distillation's\) of iteration 3 was /models/teacher; "
+                                                  r"this run's /models/teacher2 holds other weights .* changes the "
+                                                  r"distillation signal mid-run: pass the --teacher-load it was "
+                                                  r"trained with, or --allow-reference-change"):
+            run_record.resume_lines(str(root), 3, ours)
+    assert snapshot(root) == before
+    assert run_record.resume_lines(str(root), 3, other, allow_reference_change=True) == [
+        "--allow-reference-change: the teacher (distillation's) of iteration 3 was /models/teacher; this run's "
+        "/models/teacher2 holds other weights; the distillation signal is computed with it from iteration 4 on"]
+    moved = record(stage, teacher={"path": "/copies/teacher", "fingerprint": "f" * 64})
+    assert run_record.resume_lines(str(root), 3, moved) == [
+        "the teacher moved from /models/teacher to /copies/teacher (the same weights)"]
+    old = save_tree(tmp_path / "old", stage)  # records without a teacher: not compared
     assert run_record.resume_lines(str(old), 3, other) == []
