@@ -7,20 +7,22 @@ shards and published with them (`training.save`)::
      "bases": {"actor": {"path": ..., "fingerprint": ..., "lora": {...} | null}, "critic": {...}},
      "reference": {"path": ..., "fingerprint": ...} | null,
      "reward_model": {"path": ..., "fingerprint": ...} | null,
-     "teacher": {"path": ..., "fingerprint": ...} | null}
+     "teacher": {"path": ..., "fingerprint": ...} | null,
+     "judge": {"path": ..., "fingerprint": ...} | null}
 
 `bases`: the checkpoint each trained role was started from (--ref-model / --load / --reward-model) and a fingerprint
 of its weights (`rl/update/lora.base_fingerprint`'s strided sample, over every rank's shard); `lora`: the adapters' config
 (their own check is `LoRATrainableModel.check_checkpoint`). `reference`: the frozen model the KL term is computed
 against (None: no reference, --kl-coef 0); `reward_model`: the frozen model that scores the responses (None: rule
 rewards alone; a checkpoint written before it was recorded has no key: unchecked); `teacher`: the frozen
---teacher-load of on-policy distillation (None: none; unchecked in older checkpoints, likewise). A fingerprint
+--teacher-load of on-policy distillation, and `judge`: the frozen --judge-load whose verdicts enter the score (None:
+none; unchecked in older checkpoints, likewise). A fingerprint
 depends on the layout, so it is compared only at the layout it was taken at (another layout is refused by
 `training.load` anyway).
 
 The readers: `training.resume_iteration` (a run never resumes into, or moves the tracker of, another stage's
-checkpoint; a lost role directory is named as such) and `resume_lines` (another reference model, reward model or
-teacher is refused unless --allow-reference-change). A checkpoint written before records existed has none: its
+checkpoint; a lost role directory is named as such) and `resume_lines` (another reference model, reward model,
+teacher or judge is refused unless --allow-reference-change). A checkpoint written before records existed has none: its
 stage, bases and reference are unknown, and the resume says so.
 """
 
@@ -42,15 +44,18 @@ STAGE_ROLES = {"grpo": ("actor",), "trl_ppo": ("actor", "critic")}  # what each 
 # the frozen models a run is judged against: (record key, what it is, its flag, what another one changes)
 FROZEN_MODELS = (("reference", "the reference model (the KL term's)", "--ref-model", "the KL term"),
                  ("reward_model", "the reward model (the score's)", "--reward-model", "the scores"),
-                 ("teacher", "the teacher (distillation's)", "--teacher-load", "the distillation signal"))
+                 ("teacher", "the teacher (distillation's)", "--teacher-load", "the distillation signal"),
+                 ("judge", "the judge (the verdicts')", "--judge-load", "the scores"))
 # a LoRA run's frozen model that is a trained role's base, which its adapters cannot leave (`check_checkpoint`)
 LORA_BASE_OF = {"reference": "actor", "reward_model": "critic"}
 
 
 def make_record(stage: str, roles: Sequence[str], layout_: Sequence[int], bases: Dict[str, dict],
-                reference: Optional[dict], reward_model: Optional[dict] = None, teacher: Optional[dict] = None) -> dict:
+                reference: Optional[dict], reward_model: Optional[dict] = None, teacher: Optional[dict] = None,
+                judge: Optional[dict] = None) -> dict:
     return {"version": RECORD_VERSION, "stage": stage, "roles": list(roles), "layout": [int(v) for v in layout_],
-            "bases": bases, "reference": reference, "reward_model": reward_model, "teacher": teacher}
+            "bases": bases, "reference": reference, "reward_model": reward_model, "teacher": teacher,
+            "judge": judge}
 
 
 def combined_fingerprint(local: str) -> str:
@@ -157,7 +162,7 @@ def resume_lines(load: str, iteration: int, ours: dict, allow_reference_change: 
                 raise CheckpointError(
                     f"--load {load}: {what} ({where}), and a resume with another one changes {changes} mid-run: "
                     f"pass the {flag} it was trained with, or --allow-reference-change to continue with this one")
-            lines.append(f"--allow-reference-change: {what}; {changes} {'are' if key == 'reward_model' else 'is'} "
+            lines.append(f"--allow-reference-change: {what}; {changes} {'are' if key in ('reward_model', 'judge') else 'is'} "
                          f"computed with it from iteration {iteration + 1} on")
         elif theirs["path"] != mine["path"]:
             lines.append(f"{what_it_is.split(' (')[0]} moved from {theirs['path']} to {mine['path']} (the same "

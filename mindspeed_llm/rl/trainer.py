@@ -82,7 +82,7 @@ class _ExitSignal:
 def run_description(stage_name: str, stage: Stage) -> dict:
     """What this run's checkpoints record (`checkpoint/run_record.py`): the stage, its roles, each role's base (the
     checkpoint it started from and a fingerprint of its weights, taken before any resume loads over them), the
-    reference model, the reward model and the teacher. A collective (every rank's fingerprints)."""
+    reference model, the reward model, the teacher and the judge. A collective (every rank's fingerprints)."""
     from mindspeed_llm.rl.update.lora import base_fingerprint
 
     def base_of(trainable):
@@ -106,11 +106,12 @@ def run_description(stage_name: str, stage: Stage) -> dict:
 
     reference = frozen(stage.reference, "actor", frozen_only=True)
     reward_model = frozen(stage.reward_model, "critic", frozen_only=False)
-    teacher = frozen(stage.distill.teacher if stage.distill is not None else None, "actor", frozen_only=False)
+    teacher = frozen(stage.teacher, "actor", frozen_only=False)
+    judge = frozen(stage.judge, "actor", frozen_only=False)
     sizes = (parallel_state.get_tensor_model_parallel_world_size(),
              parallel_state.get_pipeline_model_parallel_world_size(),
              parallel_state.get_expert_model_parallel_world_size())
-    return run_record.make_record(stage_name, list(roles), sizes, bases, reference, reward_model, teacher)
+    return run_record.make_record(stage_name, list(roles), sizes, bases, reference, reward_model, teacher, judge)
 
 
 def _resume(checkpoint: CheckpointSettings, stage: Stage, sampler, record: dict) -> int:

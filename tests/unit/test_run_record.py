@@ -33,14 +33,15 @@ RM = {"path": "/models/rm", "fingerprint": "d" * 64}
 
 
 TEACHER = {"path": "/models/teacher", "fingerprint": "f" * 64}
+JUDGE = {"path": "/models/judge", "fingerprint": "b" * 64}
 
 
-def record(stage, reference=REF, layout_=(1, 1, 1), reward_model=None, teacher=None, **bases):
+def record(stage, reference=REF, layout_=(1, 1, 1), reward_model=None, teacher=None, judge=None, **bases):
     roles = run_record.STAGE_ROLES[stage]
     initial = {"actor": {"path": "/models/ref", "fingerprint": "a" * 64, "lora": None},  # the reference's weights
                "critic": {"path": "/models/rm", "fingerprint": "d" * 64, "lora": None}}
     return run_record.make_record(stage, roles, layout_, {r: bases.get(r, initial[r]) for r in roles}, reference,
-                                  reward_model, teacher)
+                                  reward_model, teacher, judge)
 
 
 def save_tree(root: Path, stage: str, iterations=(1, 2, 3), recorded=True, tp=1) -> Path:
@@ -260,3 +261,26 @@ def test_another_teacher_is_refused_unless_allowed(tmp_path, stage):
         "the teacher moved from /models/teacher to /copies/teacher (the same weights)"]
     old = save_tree(tmp_path / "old", stage)  # records without a teacher: not compared
     assert run_record.resume_lines(str(old), 3, other) == []
+
+
+@pytest.mark.parametrize("stage", ["grpo", "trl_ppo"])
+def test_another_judge_is_refused_unless_allowed(tmp_path, stage):
+    """The judge's verdicts enter the score: another --judge-load mid-run changes the scores, as another reward model
+    does (a LoRA run's judge is no role's base either); a checkpoint that recorded no judge is unchecked."""
+    root = save_tree(tmp_path / stage, stage)
+    for folder in root.glob("*/iter_*"):
+        run_record.write(str(folder), record(stage, judge=JUDGE))
+    assert run_record.resume_lines(str(root), 3, record(stage, judge=JUDGE)) == []
+    other = record(stage, judge={"path": "/models/judge2", "fingerprint": "c" * 64})
+    lora_other = dict(other, bases={r: {**b, "lora": {"r": 8}} for r, b in other["bases"].items()})
+    before = snapshot(root)
+    for ours in (other, lora_other):
+        with pytest.raises(CheckpointError, match=r"the judge \(the verdicts'\) of iteration 3 was /models/judge; "
+                                                  r"this run's /models/judge2 holds other weights .* changes the "
+                                                  r"scores mid-run: pass the --judge-load it was trained with"):
+            run_record.resume_lines(str(root), 3, ours)
+    assert snapshot(root) == before
+    assert run_record.resume_lines(str(root), 3, other, allow_reference_change=True) == [
+        "--allow-reference-change: the judge (the verdicts') of iteration 3 was /models/judge; this run's "
+        "/models/judge2 holds other weights; the scores are computed with it from iteration 4 on"]
+    assert run_record.resume_lines(str(save_tree(tmp_path / "old", stage)), 3, other) == []

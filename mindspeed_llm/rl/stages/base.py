@@ -64,6 +64,14 @@ class StageBase:
         return self.scorer.reward_model
 
     @property
+    def teacher(self):
+        return self.distill.teacher if self.distill is not None else None
+
+    @property
+    def judge(self):
+        return self.scorer.judge.model if self.scorer.judge is not None else None
+
+    @property
     def vocab_size(self) -> int:
         return self.actor.module.model_spec.vocab_size
 

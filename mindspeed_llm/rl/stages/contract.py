@@ -43,9 +43,12 @@ class Stage(Protocol):
     # saved with the loop state)
     rollouts: "Schedule"
     # the frozen models the run records (`checkpoint/run_record.py`; None: not loaded): the reference policy and the
-    # reward model (with LoRA, views of the trained roles' bases, `rl/update/lora.py`)
+    # reward model (with LoRA, views of the trained roles' bases, `rl/update/lora.py`), the teacher (--teacher-load)
+    # and the judge (--judge-load)
     reference: Optional[object]
     reward_model: Optional[object]
+    teacher: Optional[object]
+    judge: Optional[object]
     # the size of the vocabulary the actor's log-probs normalise over (--check-for-divergence's uniform entropy)
     vocab_size: int
 
