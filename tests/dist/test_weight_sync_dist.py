@@ -170,11 +170,15 @@ def _sync_body(rank, world_size, case):
     trainers = tp * pp * case.get("dp", 1)
     placement = placing.plan_placement(world_size, world_size - trainers, case["generator_tp"], tp, pp)
     groups = placing.initialize(placement, tp, pp, seed=1234, backend="gloo")
+    import torch
     from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     # megatron's groups over the trainers alone (patches/trainer_world.py): their DP, and none on a generator
     layout = ({"megatron_groups": parallel_state.model_parallel_is_initialized()} if placement.is_generator(rank)
               else {"dp": parallel_state.get_data_parallel_world_size()})
+    with get_cuda_rng_tracker().fork():  # the tensor-parallel stream: a generator's follows its own TP rank
+        layout["tp_draw"] = torch.rand(3).tolist()
     try:
         if placement.is_generator(rank):
             return dict(_generator(case, groups, placement, rank), **layout)
@@ -208,6 +212,11 @@ def test_generators_hold_the_trainers_weights_resharded(checkpoints, name):
     trainers = [r for r in results if r["role"] == "trainer"]
     assert [g["megatron_groups"] for g in generators] == [False] * len(generators)
     assert [t["dp"] for t in trainers] == [case.get("dp", 1)] * len(trainers)
+    # seeded as a trainer of the same TP rank is (the same seed, megatron's offset by TP rank)
+    g = case["generator_tp"]
+    assert [r["tp_draw"] for r in generators] == [trainers[i % case["tp"]]["tp_draw"] for i in range(len(generators))]
+    if g == 2:
+        assert generators[0]["tp_draw"] != generators[1]["tp_draw"]
     if case.get("generate"):  # the generator's engine on its own groups = the trainers' on megatron's, bit for bit
         for result in generators + trainers[1:]:
             assert result["generated"] == trainers[0]["generated"]
