@@ -214,7 +214,7 @@ def test_generators_hold_the_trainers_weights_resharded(checkpoints, name):
     assert [t["dp"] for t in trainers] == [case.get("dp", 1)] * len(trainers)
     # seeded as a trainer of the same TP rank is (the same seed, megatron's offset by TP rank)
     g = case["generator_tp"]
-    assert [r["tp_draw"] for r in generators] == [trainers[i % case["tp"]]["tp_draw"] for i in range(len(generators))]
+    assert [r["tp_draw"] for r in generators] == [trainers[i % g]["tp_draw"] for i in range(len(generators))]
     if g == 2:
         assert generators[0]["tp_draw"] != generators[1]["tp_draw"]
     if case.get("generate"):  # the generator's engine on its own groups = the trainers' on megatron's, bit for bit
