@@ -115,7 +115,7 @@ def _generator(case, groups, placement, rank):
 
     from mindspeed_llm.checkpoint import lora as lora_files
     from mindspeed_llm.checkpoint import load_shard, load_spec, sharding
-    from mindspeed_llm.inference import engine_inputs
+    from mindspeed_llm.inference import SamplingConfig, engine_inputs, generate
     from mindspeed_llm.models import build_model, lora
     from mindspeed_llm.rl.async_rl import streaming, weights
 
@@ -154,9 +154,14 @@ def _generator(case, groups, placement, rank):
         if phase == 0 and case.get("generate"):
             generated = _generations(model)
             source = engine_inputs.source_rank(model)[1]  # the rank that picks the block's tokens
+            try:  # the static engine reads megatron's parallel_state throughout: refused on explicit groups
+                generate(model, PROMPTS, SamplingConfig(max_new_tokens=2), engine="static")
+                static = None
+            except ValueError as error:
+                static = str(error)
     return {"role": "generator", "stats": stats, "unequal": unequal, "same_names": names,
             "tensors": sum(len(p) for p in phases), "generated": generated if case.get("generate") else None,
-            "source": source if case.get("generate") else None}
+            "source": source if case.get("generate") else None, "static": static if case.get("generate") else None}
 
 
 def _sync_body(rank, world_size, case):
@@ -222,6 +227,8 @@ def test_generators_hold_the_trainers_weights_resharded(checkpoints, name):
             assert result["generated"] == trainers[0]["generated"]
         first = world_size - len(generators)  # a TP2 block's first rank picks its tokens and broadcasts them
         assert [g["source"] for g in generators] == ([first] * 2 if case["generator_tp"] == 2 else [None])
+        assert all("a model built on explicit groups (a generator rank) runs the continuous engine only" in g["static"]
+                   for g in generators)
         responses, lengths, _ = trainers[0]["generated"]["sampled"]
         assert min(lengths) > 0 and responses != trainers[0]["generated"]["greedy"][0]
     trainers = [t for t in trainers if t["stats"]]  # the sources
