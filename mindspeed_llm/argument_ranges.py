@@ -134,6 +134,8 @@ RANGES: Dict[str, Bound] = {
     "--pipeline-model-parallel-size": _at_least(1, "ranks"),
     "--context-parallel-size": _at_least(1, "ranks"),
     "--expert-model-parallel-size": _at_least(1, "ranks"),
+    "--rollout-world-size": _at_least(0, "ranks; 0: every rank generates and trains"),
+    "--infer-tensor-parallel-size": _at_least(1, "ranks"),
     "--profile-step-start": _at_least(0, f"{_MEGATRON}: the iterations done before the window opens (0: it opens "
                                          "at the first)"),
     "--profile-step-end": _at_least(1, f"{_MEGATRON}: the iterations done when the window closes"),

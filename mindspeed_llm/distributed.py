@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 from typing import List, Optional
@@ -22,8 +23,14 @@ def initialize(
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: Optional[int] = None,
     context_parallel_size: int = 1,
+    trainer_world_size: Optional[int] = None,
 ) -> None:
     """Init torch.distributed (env:// as torchrun sets it) and megatron's TP/CP/PP/DP groups, then seed.
+
+    `trainer_world_size` T (asynchronous RL's placement, `rl/async_rl/placement.py`): megatron's groups cover the
+    world's first T ranks only (`patches/trainer_world.py`); the others are generator ranks, outside megatron's
+    parallel state, which seed their tensor-parallel RNG from their own groups once those exist
+    (`seed_all(seed, groups)`); here they seed the default generators alone. Default: the whole world.
 
     Context parallelism (`context_parallel_size` N) is megatron's: the CP groups sit between TP and DP in its rank
     order, its data-parallel groups leave them out (DP = world / (TP x CP x PP)) and its DDP reduces gradients
@@ -44,6 +51,11 @@ def initialize(
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    process_count = world_size
+    if trainer_world_size is not None:
+        if not 1 <= trainer_world_size <= world_size:
+            raise ValueError(f"trainer_world_size {trainer_world_size} must be in 1 .. the world size {world_size}")
+        world_size = trainer_world_size  # megatron's world from here on
     if world_size % (tp * pp * cp):
         raise ValueError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
@@ -62,22 +74,33 @@ def initialize(
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         dist.init_process_group(
-            acc.backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=timeout_minutes)
+            acc.backend, rank=rank, world_size=process_count, timeout=timedelta(minutes=timeout_minutes)
         )
     from megatron.core import parallel_state
 
+    from mindspeed_llm.patches.trainer_world import narrowed_world
+
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tp, pp, context_parallel_size=cp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
-    seed_all(seed)
+        with narrowed_world(world_size) if trainer_world_size is not None else contextlib.nullcontext():
+            parallel_state.initialize_model_parallel(
+                tp, pp, context_parallel_size=cp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    if dist.get_rank() < world_size:
+        seed_all(seed)
+    else:  # a generator rank: its tensor-parallel RNG follows its own groups (seed_all(seed, groups))
+        device.manual_seed(seed)
 
 
-def seed_all(seed: int) -> None:
-    """Seed every generator, including megatron's tensor-parallel RNG tracker."""
+def seed_all(seed: int, groups=None) -> None:
+    """Seed every generator, including megatron's tensor-parallel RNG tracker (offset by the TP rank: megatron's
+    parallel state's, or that of explicit `groups`, the ProcessGroupCollection a generator rank's model is built on;
+    such a model is dense, so its expert ranks are 0)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     device.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    if groups is None:
+        model_parallel_cuda_manual_seed(seed)
+    else:
+        model_parallel_cuda_manual_seed(seed, tp_rank=groups.tp.rank(), ep_rank=0, etp_rank=0)
 
 
 def destroy() -> None:

@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_rl_models_args(p)
     _add_judge_args(p)
     _add_distill_args(p)
+    _add_placement_args(p)
     _add_rollout_args(p)
     _add_multi_turn_args(p)
     _add_algorithm_args(p)
@@ -453,6 +454,18 @@ def _add_distill_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distill-topk", type=int, help="--distill-loss topk_forward_kl: the teacher's k tokens per "
                                                     "position (default 32; the vocabulary size: the exact forward KL)")
     g.add_argument("--distill-coef", type=float, help="the distillation term's weight (default 1.0)")
+
+
+def _add_placement_args(p: argparse.ArgumentParser) -> None:
+    """Which ranks generate (asynchronous RL, issue 47; checked by `arguments/placement.py`)."""
+    g = p.add_argument_group("RL: placement (asynchronous RL, issue 47: not built yet; docs/parallelism.md)")
+    g.add_argument("--rollout-world-size", type=int, default=0, metavar="R",
+                   help="the world's last R ranks generate and the others train, the actor's weights streamed to "
+                        "them after each step; 0 (default): every rank generates and trains, in turn. R > 0 is "
+                        "refused until the asynchronous schedule is built (issue 47)")
+    g.add_argument("--infer-tensor-parallel-size", type=int, metavar="G",
+                   help="the generator ranks' tensor-parallel size under --rollout-world-size R > 0 (MindSpeed-RL's "
+                        "generate_config.infer_tensor_parallel_size; default: --tensor-model-parallel-size)")
 
 
 def _add_rollout_args(p: argparse.ArgumentParser) -> None:

@@ -27,6 +27,7 @@ from mindspeed_llm.arguments.parser import (
 from mindspeed_llm.arguments.distill import check_distill
 from mindspeed_llm.arguments.evaluation import check_evaluation
 from mindspeed_llm.arguments.judge import check_judge
+from mindspeed_llm.arguments.placement import check_placement
 from mindspeed_llm.arguments.observability import check_profiling, check_rollout_records
 from mindspeed_llm.arguments.rollouts import (check_dynamic_sampling, check_multi_turn, check_partial_rollout,
                                               check_rollout_pair)
@@ -154,6 +155,7 @@ def validate_args(args, world_size: int) -> run_settings.Settings:
     `args.settings`, the one thing written onto the Namespace (its flags stay as given)."""
     check_ranges(args, build_parser())  # every numeric flag in its range (argument_ranges.RANGES), floats finite
     run = _Resolving(args)  # the settings' values: the stage defaults and what follows from several flags
+    check_placement(run)  # generator ranks (issue 47) change the world the checks below read: refused first
     _check_world(run, world_size)
     _check_model_flags(args)
     _check_recompute(run)

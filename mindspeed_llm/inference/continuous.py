@@ -31,6 +31,8 @@ last row stops, and the cache is sized by the whole batch. Here:
   log-probs from one source rank (last stage, TP rank 0) to the model-parallel group, as the static engine does;
   every rank then takes the same decisions (`continuous_plan.Scheduler` is plain host-side bookkeeping,
   identical on every rank of a model-parallel group).
+* **Groups**: megatron's parallel state, or the explicit groups of a model built on them (a generator rank of
+  asynchronous RL, `models.explicit_groups`: PP 1, its own TP group; `engine_inputs.source_rank(model)`).
 * **Pipeline parallelism**: the slots are split into PP groups, one "unit" (moves, prefills, KV copies and one
   decode step) per group in turn; stage s runs unit t - s, i.e. group (t - s) mod PP, at tick t, so every stage
   works on every tick while the groups have rows. A group's next unit is decided as soon as its previous one left
@@ -68,7 +70,7 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config, unwrap
 
 from mindspeed_llm.inference.continuous_plan import Decode, Prefill, Sample, Scheduler, Unit, split_capacity
 from mindspeed_llm.inference.sampling import SamplingConfig, choose_tokens
-from mindspeed_llm.models import routing
+from mindspeed_llm.models import explicit_groups, routing
 from mindspeed_llm.models.forward_layout import forward_layout
 
 
@@ -176,9 +178,13 @@ class ContinuousEngine:
         config = get_model_config(model)
         self.hidden_size = config.hidden_size
         self.comm_dtype = torch.float32 if config.fp32_residual_connection else config.params_dtype
-        initialized = parallel_state.model_parallel_is_initialized()
-        self.pp = parallel_state.get_pipeline_model_parallel_world_size() if initialized else 1
-        self.stage = parallel_state.get_pipeline_model_parallel_rank() if initialized else 0
+        groups = explicit_groups(model)  # a generator rank's model: its own groups, not megatron's parallel_state
+        if groups is not None:
+            self.pp, self.stage = groups.pp.size(), groups.pp.rank()
+        else:
+            initialized = parallel_state.model_parallel_is_initialized()
+            self.pp = parallel_state.get_pipeline_model_parallel_world_size() if initialized else 1
+            self.stage = parallel_state.get_pipeline_model_parallel_rank() if initialized else 0
         self.first, self.last = self.stage == 0, self.stage == self.pp - 1
         B = len(samples)
         self.groups = int(pipeline_groups or self.pp)

@@ -1,7 +1,12 @@
 """What both generation engines (`static_engine.py`, `continuous.py`) take from the batch and the parallel state:
 the rank that picks a model-parallel group's tokens (`source_rank`), the expert-parallel peers that must run as many
 forwards (`expert_peers`, `group_max`), each row's uniforms (`response_uniforms`) and prompts laid out in rows
-(`place_prompts`)."""
+(`place_prompts`).
+
+The parallel state is megatron's `parallel_state`, or, for a model built on explicit groups (a generator rank of
+asynchronous RL, `models.explicit_groups`: a dense model at PP 1 outside megatron's groups), that model's
+ProcessGroupCollection; the continuous engine reads those, the static one refuses such a model
+(`generation._choose_engine`)."""
 
 from __future__ import annotations
 
@@ -15,31 +20,42 @@ from megatron.core.utils import get_model_config
 
 from mindspeed_llm import device as _device
 from mindspeed_llm.inference.sampling import SamplingConfig, sample_uniforms
+from mindspeed_llm.models import explicit_groups
 
 
-def model_parallel_source(group) -> Optional[int]:
-    """Global rank that samples for this model-parallel group: the last PP stage's TP rank 0."""
+def model_parallel_source(group, groups=None) -> Optional[int]:
+    """Global rank that samples for this model-parallel group: the last PP stage's TP rank 0 (of megatron's
+    parallel state, or of explicit `groups`)."""
     if group is None or dist.get_world_size(group) == 1:
         return None
-    is_source = (
-        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-        and parallel_state.get_tensor_model_parallel_rank() == 0
-    )
+    if groups is not None:
+        is_source = groups.pp.rank() == groups.pp.size() - 1 and groups.tp.rank() == 0
+    else:
+        is_source = (
+            parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+            and parallel_state.get_tensor_model_parallel_rank() == 0
+        )
     mine = torch.tensor([dist.get_rank() if is_source else -1], dtype=torch.long,
                         device=_device.current_device())
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
     return int(mine.item())
 
 
-def default_dp_rank() -> int:
-    """Megatron's data-parallel rank, 0 without Megatron's parallel state."""
+def default_dp_rank(groups=None) -> int:
+    """Megatron's data-parallel rank (that of explicit `groups` if given), 0 without Megatron's parallel state."""
+    if groups is not None:
+        return groups.dp.rank()
     if parallel_state.model_parallel_is_initialized():
         return parallel_state.get_data_parallel_rank()
     return 0
 
 
-def source_rank():
-    """(the model-parallel group or None, the global rank that picks the tokens for it or None)."""
+def source_rank(model=None):
+    """(the model-parallel group or None, the global rank that picks the tokens for it or None): megatron's, or
+    those of `model`'s explicit groups (its TP group: such a model has PP 1)."""
+    groups = explicit_groups(model) if model is not None else None
+    if groups is not None:
+        return groups.mp, model_parallel_source(groups.mp, groups)
     group = parallel_state.get_model_parallel_group() if parallel_state.model_parallel_is_initialized() else None
     return group, model_parallel_source(group)
 
@@ -49,6 +65,8 @@ def expert_peers(model):
     data-parallel replicas) but exchange tokens in every MoE layer of every forward, so they must run the same
     number of forwards: each decodes until all of them have stopped (a rank that is done runs its finished rows)."""
     if getattr(get_model_config(model), "num_moe_experts", None) is None:
+        return None
+    if explicit_groups(model) is not None:  # a dense model: build_model refuses a mixture of experts on them
         return None
     if not parallel_state.model_parallel_is_initialized():
         return None
@@ -64,13 +82,14 @@ def group_max(value: int, group) -> int:
 
 
 def response_uniforms(sampling: SamplingConfig, iterations: Sequence[int], sample_ids: Optional[Sequence[int]],
-                       batch_size: int, max_response: int, device) -> Optional[torch.Tensor]:
+                       batch_size: int, max_response: int, device, groups=None) -> Optional[torch.Tensor]:
     """[B, R_max] uniforms (row b's j-th response token is drawn with [b, j], from the stream of sample
-    `sample_ids[b]` in RL iteration `iterations[b]`); None when greedy."""
+    `sample_ids[b]` in RL iteration `iterations[b]`; default ids from the data-parallel rank of megatron or of
+    explicit `groups`); None when greedy."""
     if not sampling.do_sample:
         return None
     if sample_ids is None:
-        first = default_dp_rank() * batch_size
+        first = default_dp_rank(groups) * batch_size
         sample_ids = range(first, first + batch_size)
     if len(sample_ids) != batch_size:
         raise ValueError(f"generate: {len(sample_ids)} sample_ids for {batch_size} prompts")

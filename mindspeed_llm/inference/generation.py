@@ -41,6 +41,7 @@ from mindspeed_llm.inference.results import Continuation, Rollout, observation_m
 from mindspeed_llm.inference.sampling import SamplingConfig
 from mindspeed_llm.inference.static_engine import generate_static
 from mindspeed_llm.inference.turns import TurnExchange, TurnHandler
+from mindspeed_llm.models import explicit_groups
 from mindspeed_llm.models.attention import model_attention
 from mindspeed_llm.models.sequence_parallel import sequence_parallel_off
 
@@ -184,6 +185,10 @@ def _choose_engine(model, engine: str, prefill: str, batched: bool, sampling: Sa
     blockers = _continuous_blockers(model, prefill, batched, device, peers)
     if static_kv_cache_model_given:
         blockers.append("options.static_kv_cache_model is given (the static engine's KV-cache model)")
+    if explicit_groups(model) is not None and (engine == "static" or (engine == "auto" and blockers)):
+        why = "engine='static'" if engine == "static" else "; ".join(blockers)
+        raise ValueError(f"generate: a model built on explicit groups (a generator rank) runs the continuous engine "
+                         f"only (the static one reads megatron's parallel_state), but {why}")
     if engine == "static" or (engine == "auto" and blockers):
         if wanted:
             why = "engine='static'" if engine == "static" else "the static engine runs here: " + "; ".join(blockers)
@@ -263,8 +268,8 @@ def _generate_continuous(model, prompts, budgets, sampling, iteration, sample_id
         samples.append(sample)
         iterations.append(carry.iteration if carry is not None else iteration)
     R = max([s.whole_budget for s in samples] + [0])  # a trajectory may pass this call's budget with a tool answer
-    uniforms = response_uniforms(sampling, iterations, sample_ids, B, R, dev)
-    group, source = source_rank()
+    uniforms = response_uniforms(sampling, iterations, sample_ids, B, R, dev, groups=explicit_groups(model))
+    group, source = source_rank(model)
     runner = continuous.ContinuousEngine(
         model, samples, sampling, uniforms=uniforms, vocab_size=vocab_size, source=source, group=group, peers=peers,
         record_routing=record_routing, share_prefill=options.share_prefill, max_decode_steps=max_decode_steps,

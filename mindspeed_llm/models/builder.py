@@ -19,6 +19,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec,
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.enums import AttnBackend
+from megatron.core.utils import unwrap_model
 
 from mindspeed_llm.device import fused_ops_here
 from mindspeed_llm.models.attention import ATTENTIONS, use_core_attention
@@ -214,6 +215,12 @@ def _parallel_sizes(groups) -> tuple:
     return groups.tp.size(), groups.pp.size()
 
 
+def explicit_groups(model):
+    """The ProcessGroupCollection `model` (wrapped or not) was built on (`build_model(groups=...)`: a generator rank's
+    actor), or None for a model on megatron's parallel_state, whose readers keep reading it."""
+    return getattr(unwrap_model(model), "explicit_groups", None)
+
+
 def build_model(
     spec: ArchitectureSpec,
     params_dtype=torch.float32,
@@ -266,6 +273,7 @@ def build_model(
     )
     model.model_spec = spec
     model.is_value_model = value_head
+    model.explicit_groups = groups  # None: megatron's parallel_state (`explicit_groups`)
     model.attention_kind = attention  # read by models.attention.model_attention (packed layout, batched prefill)
     dtype = parse_dtype(params_dtype)
     if dtype != torch.float32:

@@ -13,7 +13,8 @@ mask; `optimizer.py` lets the distributed optimizer, gradient clipping and bf16 
 tensors and mends two of the distributed optimizer's checkpoint paths (a param group mixing fp32 and bf16
 parameters; loading with torch Adam's `step`), those two on every device, CUDA included; `initialization.py` marks the tensor-parallel weights of models built without random initialisation as
 megatron marks those it draws; `sequence_parallel.py` lets the local spec's torch norms run under
-`--sequence-parallel`. `rotary.py` (CPU) takes the rotary table's cos / sin once per forward instead of once per
+`--sequence-parallel`. `trainer_world.py` lays megatron's groups over the trainer ranks of a world whose last ranks
+generate (asynchronous RL's placement). `rotary.py` (CPU) takes the rotary table's cos / sin once per forward instead of once per
 query / key call and drops a copy (same results). `static_decode.py` holds the patches the CUDA-graph decode engine
 installs on demand (only when it runs; see that module).
 """
@@ -68,7 +69,8 @@ def registry() -> List[Patch]:
 
 def _load_patch_modules():
     from mindspeed_llm.patches import (  # noqa: F401  (registration happens at import)
-        cpu, fused_ops, inference, initialization, mla, moe, optimizer, recompute, rotary, sequence_parallel)
+        cpu, fused_ops, inference, initialization, mla, moe, optimizer, recompute, rotary, sequence_parallel,
+        trainer_world)
 
 
 def apply_patches(device_kind: str) -> List[str]:

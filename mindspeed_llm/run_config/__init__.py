@@ -68,7 +68,9 @@ null`` sets nothing, a non-empty ``reward_kwargs`` is refused; ``use_tensorboard
 (``megatron_training.tensorboard_dir``, else ``SAVE/tensorboard``); ``use_wandb: true`` -> ``wandb_project`` /
 ``wandb_exp_name`` / ``wandb_save_dir`` as ``--wandb-project`` / ``--wandb-exp-name`` / ``--wandb-save-dir``
 (a project is required), without it those keys are listed as ignored. ``infer_tensor_parallel_size`` / ``_pipeline_`` / ``_expert_`` other than the training
-layout are listed as ignored (generation runs on the training model in place, with its layout); ``dtype`` must be
+layout are listed as ignored (generation runs on the training model in place, with its layout), except that with
+``rl_config.rollout_world_size`` (generator ranks of their own) ``infer_tensor_parallel_size`` is
+``--infer-tensor-parallel-size``; ``dtype`` must be
 the training precision. ``sampling_config.seed`` must equal the run's seed (``--seed``: each sample's random stream
 is keyed by it); ``use_kl_in_reward`` must match the stage (trl_ppo puts the KL in the reward, grpo in the loss).
 """

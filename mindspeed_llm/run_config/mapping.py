@@ -244,11 +244,19 @@ def _resolve_sampling(reader, run, put, flags, effective, given) -> None:
             raise reader.error(flags["max_length"].origin,
                                f"{length} is less than {flags['max_prompt_length'].origin} {prompt} + "
                                f"{flags['max_new_tokens'].origin} {new} (it bounds prompt + response); raise it")
-    # vLLM's own layout for generation: here generation runs on the training model in place, with its layout
+    # vLLM's own layout for generation: here generation runs on the training model in place, with its layout; with
+    # generator ranks of their own (--rollout-world-size R > 0, rl_config.rollout_world_size) their TP is this key's
+    generator_ranks = bool(effective("rollout_world_size")) or "rollout_world_size" in given
+    if generator_ranks and run.slot("infer_tensor_parallel_size") is not None \
+            and "infer_tensor_parallel_size" not in given:
+        put("--infer-tensor-parallel-size", run.slot("infer_tensor_parallel_size"),
+            run.origin("infer_tensor_parallel_size"))
     for key, training in (("infer_tensor_parallel_size", "tensor_model_parallel_size"),
                           ("infer_pipeline_parallel_size", "pipeline_model_parallel_size"),
                           ("infer_expert_parallel_size", "expert_model_parallel_size")):
         value, size = run.slot(key), effective(training)
+        if generator_ranks and key == "infer_tensor_parallel_size":
+            continue
         if value is not None and value != size:
             reader.ignored.append((run.origin(key), f"{value}: generation runs on the training model in place, "
                                                     f"with its layout ({training} {size}); no vLLM resharding"))

@@ -711,3 +711,19 @@ def test_sequence_and_context_parallel_keys(tmp_path):
     assert "tensor_model_parallel_size 4" in ignored["generate_config.infer_tensor_parallel_size"]
     args = parsed(["--config", path], 16)
     assert args["sequence_parallel"] and args["context_parallel_size"] == 2 and args["data_parallel_size"] == 2
+
+
+def test_infer_tensor_parallel_size_is_the_generators_tp_with_generator_ranks(tmp_path):
+    """With generator ranks of their own (rl_config.rollout_world_size, asynchronous RL) MindSpeed-RL's
+    infer_tensor_parallel_size is --infer-tensor-parallel-size, not an ignored vLLM layout; and such a run is refused
+    by name until the asynchronous schedule exists (issue 47)."""
+    data = grpo_file()
+    data["generate_config"]["infer_tensor_parallel_size"] = 2
+    data["rl_config"]["rollout_world_size"] = 4
+    path = write(tmp_path, data)
+    assert "generate_config.infer_tensor_parallel_size" not in dict(load_run_config(path).ignored)
+    argv = config_argv(["--config", path])
+    assert "--infer-tensor-parallel-size=2" in argv and "--rollout-world-size=4" in argv
+    with pytest.raises(ArgumentError, match=r"--rollout-world-size 4: asynchronous training .* is not built yet "
+                                            r"\(issue 47"):
+        parsed(["--config", path], 16)

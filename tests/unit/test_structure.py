@@ -76,7 +76,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
 EXPECTED_FUNCTION_LOCAL_LOOPS = [{"mindspeed_llm.patches"} | {
     f"mindspeed_llm.patches.{name}" for name in
     ("cpu", "fused_ops", "inference", "initialization", "mla", "moe", "optimizer", "recompute", "rotary",
-     "sequence_parallel")
+     "sequence_parallel", "trainer_world")
 }]
 
 MAX_FILE_LINES = 600

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from mindspeed_llm import distributed
 from mindspeed_llm.errors import ArgumentError
 
 
@@ -116,3 +117,19 @@ def create_sync_groups(placement: Placement, sources: List[Tuple[int, int, int]]
     mine = placement.is_generator(rank)
     return SyncGroups(sources=[(s, by_source[s]) for s, _, _ in sources] if mine else [],
                       own=by_source.get(rank), generator_tp=tp_group if mine else None, generator_self=alone)
+
+
+def initialize(placement: Placement, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+               context_parallel_size: int = 1, seed: int = 1234, backend: Optional[str] = None) -> SyncGroups:
+    """The world of `placement` on every rank: torch.distributed and megatron's groups over the trainer ranks
+    (`distributed.initialize(trainer_world_size=T)`), then the sync groups (`create_sync_groups`), then a generator
+    rank's tensor-parallel RNG from its own TP rank (`distributed.seed_all(seed, groups)`). The trainers are seeded
+    as a T-process synchronous run's ranks are."""
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    trainers = len(placement.trainer_ranks)
+    distributed.initialize(tp, pp, seed=seed, world_size=placement.world_size, context_parallel_size=cp,
+                           trainer_world_size=trainers)
+    groups = create_sync_groups(placement, trainer_sources(tp, pp, cp, trainers // (tp * pp * cp)), backend)
+    if placement.is_generator(dist.get_rank()):
+        distributed.seed_all(seed, groups.model_groups())
+    return groups
