@@ -21,7 +21,6 @@ import inspect
 import json
 import os
 import platform
-import socket
 import sys
 import tempfile
 import time
@@ -29,6 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from spawned import spawn_ranks  # noqa: E402 - benchmarks/ on the path first
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 FIXTURES = ROOT / "tests" / "fixtures"
 DRAWN = 64  # prompts read after startup, as a rank draws them
@@ -96,24 +97,8 @@ def _rank(rank: int, world: int, port: int, prefix: str, tok_dir: str, tool_conf
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(world: int, prefix: str, tok_dir: str, tool_config: str) -> dict:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory(prefix="bench-tool-prompts-") as out:
-        for attempt in range(3):  # a free port can be taken before the ranks listen on it (a shared machine)
-            try:
-                mp.spawn(_rank, args=(world, _free_port(), prefix, tok_dir, tool_config, out), nprocs=world, join=True)
-                break
-            except Exception as exc:  # noqa: BLE001 - the ranks' error, re-raised unless it is the port's
-                if "EADDRINUSE" not in str(exc) or attempt == 2:
-                    raise
-        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+    ranks = spawn_ranks(_rank, world, (prefix, tok_dir, tool_config), "bench-tool-prompts-")
     first = ranks[0]
     return dict(world=world, startup_s_max=max(r["startup_s"] for r in ranks),
                 startup_s_mean=sum(r["startup_s"] for r in ranks) / world,

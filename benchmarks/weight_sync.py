@@ -19,15 +19,15 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from spawned import spawn_ranks  # noqa: E402 - benchmarks/ on the path first
 
 MODELS = {
     "tiny": dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
@@ -102,24 +102,8 @@ def _rank(rank: int, world: int, port: int, model: str, buckets_mb, repeats: int
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(world: int, model: str, buckets_mb, repeats: int):
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as out:
-        for attempt in range(3):  # a free port can be taken before the ranks listen on it (a shared machine)
-            try:
-                mp.spawn(_rank, args=(world, _free_port(), model, buckets_mb, repeats, out), nprocs=world, join=True)
-                break
-            except Exception as exc:  # noqa: BLE001 - the ranks' error, re-raised unless it is the port's
-                if "EADDRINUSE" not in str(exc) or attempt == 2:
-                    raise
-        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+    ranks = spawn_ranks(_rank, world, (model, buckets_mb, repeats), "bench-weight-sync-")
     trainer_tp, generator_tp = LAYOUTS[world]
     results = []
     for i, mb in enumerate(buckets_mb):
