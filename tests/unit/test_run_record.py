@@ -16,6 +16,7 @@ test_stages_checkpoint_safety.py resumes a real trl_ppo save as grpo.)
 import argparse
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -233,54 +234,41 @@ def test_another_reward_model_is_refused_unless_allowed(tmp_path):
     assert run_record.resume_lines(str(old), 3, other) == []
 
 
-@pytest.mark.parametrize("stage", ["grpo", "trl_ppo"])
-def test_another_teacher_is_refused_unless_allowed(tmp_path, stage):
-    """The teacher scores every sampled token (on-policy distillation): another --teacher-load mid-run changes the
-    distillation signal, as another reference changes the KL term; a LoRA student's teacher is checked too (it is no
-    role's base, unlike the reference); a checkpoint that recorded no teacher is unchecked."""
-    root = save_tree(tmp_path / stage, stage)
-    for folder in root.glob("*/iter_*"):  # the tree's records, now with the teacher
-        run_record.write(str(folder), record(stage, teacher=TEACHER))
-    assert run_record.resume_lines(str(root), 3, record(stage, teacher=TEACHER)) == []
-    other = record(stage, teacher={"path": "/models/teacher2", "fingerprint": "9" * 64})
-    lora = {"r": 8}
-    lora_other = dict(other, bases={r: {**b, "lora": lora} for r, b in other["bases"].items()})
-    before = snapshot(root)
-    for ours in (other, lora_other):
-        with pytest.raises(CheckpointError, match=r"the teacher \(distillation's\) of iteration 3 was /models/teacher; "
-                                                  r"this run's /models/teacher2 holds other weights .* changes the "
-                                                  r"distillation signal mid-run: pass the --teacher-load it was "
-                                                  r"trained with, or --allow-reference-change"):
-            run_record.resume_lines(str(root), 3, ours)
-    assert snapshot(root) == before
-    assert run_record.resume_lines(str(root), 3, other, allow_reference_change=True) == [
-        "--allow-reference-change: the teacher (distillation's) of iteration 3 was /models/teacher; this run's "
-        "/models/teacher2 holds other weights; the distillation signal is computed with it from iteration 4 on"]
-    moved = record(stage, teacher={"path": "/copies/teacher", "fingerprint": "f" * 64})
-    assert run_record.resume_lines(str(root), 3, moved) == [
-        "the teacher moved from /models/teacher to /copies/teacher (the same weights)"]
-    old = save_tree(tmp_path / "old", stage)  # records without a teacher: not compared
-    assert run_record.resume_lines(str(old), 3, other) == []
+# the frozen models no trained role has as its base: (record key, its entry, how the messages name it, its flag,
+# what another one changes, its verb)
+NOT_A_BASE = {
+    "teacher": (TEACHER, "the teacher (distillation's)", "--teacher-load", "the distillation signal", "is"),
+    "judge": (JUDGE, "the judge (the verdicts')", "--judge-load", "the scores", "are"),
+}
 
 
+@pytest.mark.parametrize("key", sorted(NOT_A_BASE))
 @pytest.mark.parametrize("stage", ["grpo", "trl_ppo"])
-def test_another_judge_is_refused_unless_allowed(tmp_path, stage):
-    """The judge's verdicts enter the score: another --judge-load mid-run changes the scores, as another reward model
-    does (a LoRA run's judge is no role's base either); a checkpoint that recorded no judge is unchecked."""
+def test_another_teacher_or_judge_is_refused_unless_allowed(tmp_path, stage, key):
+    """The teacher scores every sampled token (on-policy distillation), the judge's verdicts enter the score: another
+    --teacher-load mid-run changes the distillation signal, another --judge-load the scores, as another reference
+    changes the KL term; a LoRA run's are checked too (they are no role's base, unlike the reference); a checkpoint
+    that recorded none is unchecked."""
+    entry, named, flag, changes, verb = NOT_A_BASE[key]
+    path = entry["path"]
     root = save_tree(tmp_path / stage, stage)
-    for folder in root.glob("*/iter_*"):
-        run_record.write(str(folder), record(stage, judge=JUDGE))
-    assert run_record.resume_lines(str(root), 3, record(stage, judge=JUDGE)) == []
-    other = record(stage, judge={"path": "/models/judge2", "fingerprint": "c" * 64})
+    for folder in root.glob("*/iter_*"):  # the tree's records, now with the teacher / judge
+        run_record.write(str(folder), record(stage, **{key: entry}))
+    assert run_record.resume_lines(str(root), 3, record(stage, **{key: entry})) == []
+    other = record(stage, **{key: {"path": path + "2", "fingerprint": "9" * 64}})
     lora_other = dict(other, bases={r: {**b, "lora": {"r": 8}} for r, b in other["bases"].items()})
     before = snapshot(root)
     for ours in (other, lora_other):
-        with pytest.raises(CheckpointError, match=r"the judge \(the verdicts'\) of iteration 3 was /models/judge; "
-                                                  r"this run's /models/judge2 holds other weights .* changes the "
-                                                  r"scores mid-run: pass the --judge-load it was trained with"):
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"{named} of iteration 3 was {path}; this run's {path}2 holds other weights") + ".* " + re.escape(
+                f"changes {changes} mid-run: pass the {flag} it was trained with, or --allow-reference-change")):
             run_record.resume_lines(str(root), 3, ours)
     assert snapshot(root) == before
     assert run_record.resume_lines(str(root), 3, other, allow_reference_change=True) == [
-        "--allow-reference-change: the judge (the verdicts') of iteration 3 was /models/judge; this run's "
-        "/models/judge2 holds other weights; the scores are computed with it from iteration 4 on"]
-    assert run_record.resume_lines(str(save_tree(tmp_path / "old", stage)), 3, other) == []
+        f"--allow-reference-change: {named} of iteration 3 was {path}; this run's {path}2 holds other weights; "
+        f"{changes} {verb} computed with it from iteration 4 on"]
+    moved = record(stage, **{key: {"path": "/copies/" + key, "fingerprint": entry["fingerprint"]}})
+    assert run_record.resume_lines(str(root), 3, moved) == [
+        f"{named.split(' (')[0]} moved from {path} to /copies/{key} (the same weights)"]
+    old = save_tree(tmp_path / "old", stage)  # records without one: not compared
+    assert run_record.resume_lines(str(old), 3, other) == []
