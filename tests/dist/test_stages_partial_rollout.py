@@ -101,7 +101,7 @@ def test_a_carried_sample_is_one_generation_whose_weights_changed_at_the_cut(tas
 def task(tmp_path_factory):
     from tests.helpers import word_task
 
-    return word_task.build(tmp_path_factory.mktemp("partial_task"), reward=True)
+    return word_task.build(tmp_path_factory.mktemp("partial_task"), reward=True, teacher=True)
 
 
 def _stage_argv(task, out, stage, *extra):
@@ -120,6 +120,13 @@ def _stage_argv(task, out, stage, *extra):
     return base + list(extra)
 
 
+def _with_teacher(task, stage):
+    """A teacher of another size scoring the carried samples once they are whole (issue 48: distillation with partial
+    rollouts and exact resume): grpo's k3 as a loss, trl_ppo's k1 as a reward."""
+    mode = ["--distill-loss", "k3", "--distill-mode", "loss"] if stage == "grpo" else ["--distill-coef", "0.5"]
+    return ["--teacher-load", task["mg_teacher_tp1pp1"], *mode]
+
+
 def _compared(row):
     return {k: v for k, v in row.items() if not k.startswith("timing/") and not k.endswith("_tps")}
 
@@ -128,7 +135,8 @@ def _compared(row):
 @pytest.mark.parametrize("stage", ["grpo", "trl_ppo"])
 def test_kill_and_resume_gives_the_same_metrics_and_weights(task, tmp_path, stage):
     """A run of 4 iterations, and the same command SIGKILLed right after its save of iteration 2 and run again
-    (it resumes, with the carried and the waiting groups): the same metrics rows and weights, bit for bit."""
+    (it resumes, with the carried and the waiting groups): the same metrics rows and weights, bit for bit; with a
+    teacher (`_with_teacher`), whose signal on the carried samples must come out the same after the resume."""
     import json
     import os
     import signal
@@ -145,8 +153,9 @@ def test_kill_and_resume_gives_the_same_metrics_and_weights(task, tmp_path, stag
     driver = write_kill_after_save(tmp_path / "kill_after_save.py")
 
     def run(script, out, **env):
-        return subprocess.run([sys.executable, str(script), *_stage_argv(task, out, stage)], cwd=ROOT,
-                              capture_output=True, text=True, env=dict(single_rank_env(), **env), timeout=300)
+        argv = _stage_argv(task, out, stage, *_with_teacher(task, stage))
+        return subprocess.run([sys.executable, str(script), *argv], cwd=ROOT, capture_output=True, text=True,
+                              env=dict(single_rank_env(), **env), timeout=300)
 
     done = run(Path(ROOT) / "posttrain_gpt.py", whole)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -165,6 +174,7 @@ def test_kill_and_resume_gives_the_same_metrics_and_weights(task, tmp_path, stag
     assert [_compared(r) for r in rows["whole"]] == [_compared(r) for r in rows["split"]]
     assert any(r["partial_rollout/carried"] > 0 for r in rows["whole"])
     assert max(r["partial_rollout/max_staleness"] for r in rows["whole"]) >= 1
+    assert all(r["distill/kl_mean"] != 0 for r in rows["whole"])  # the teacher took part in every iteration
     assert os.path.exists(split / "latest_checkpointed_iteration.txt")
     for role in ("actor",) + (("critic",) if stage == "trl_ppo" else ()):
         a, b = full_weights(whole, role), full_weights(split, role)
