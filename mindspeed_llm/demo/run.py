@@ -156,7 +156,9 @@ DEFAULTS = {
 }
 
 
-def main(argv=None) -> int:
+def resolve_args(argv=None) -> argparse.Namespace:
+    """The demo's command line with its defaults filled in (the variant's, --tools' or --distill's, then the plain
+    demo's; --lora's learning rate) and `out`, the working folder; a variant's flags without it are refused."""
     args = build_parser().parse_args(argv)
     lr_given = args.lr is not None
     from mindspeed_llm.demo import distill_demo, tool_demo
@@ -178,7 +180,15 @@ def main(argv=None) -> int:
     if args.lora and not lr_given:
         args.lr *= LORA_LR_FACTOR
     suffix = ("_tools" if args.tools else "") + ("_lora" if args.lora else "") + ("_tiny" if args.tiny else "")
-    out = Path(args.out or ROOT / "runs" / f"demo_{'distill' if args.distill else args.stage}{suffix}").resolve()
+    args.out = Path(args.out or ROOT / "runs" / f"demo_{'distill' if args.distill else args.stage}{suffix}").resolve()
+    return args
+
+
+def main(argv=None) -> int:
+    args = resolve_args(argv)
+    from mindspeed_llm.demo import distill_demo, tool_demo
+
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
     log = out / "pipeline.log"
     started = time.time()
