@@ -84,6 +84,8 @@ RANGES: Dict[str, Bound] = {
     "--cliprange-value": _positive("TRL's cliprange_value: the critic's clip range around the old values"),
     "--dual-clip": Bound(low=1, low_open=True, source="dual-clip PPO's c > 1 (Ye et al. 2020)"),
     "--kl-coef": _at_least(0, "a penalty weight: a negative one rewards drifting from the reference"),
+    "--distill-coef": _positive("the distillation term's weight; 0 would load a teacher for nothing"),
+    "--distill-topk": _at_least(1, "the teacher's tokens per position"),
     "--vf-coef": _at_least(0, "TRL's vf_coef: the value loss's weight"),
     "--rollout-is-threshold": _at_least(1, "truncated importance sampling's cap C >= 1 (a cap below 1 shrinks "
                                            "every on-policy weight)"),

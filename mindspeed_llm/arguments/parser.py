@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_wandb_args(p)
     _add_profiling_args(p)
     _add_rl_models_args(p)
+    _add_distill_args(p)
     _add_rollout_args(p)
     _add_multi_turn_args(p)
     _add_algorithm_args(p)
@@ -405,6 +406,29 @@ def _add_rl_models_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-train-param", action="store_true",
                    help="keep the fp32 main weights of bf16 / fp16 models in host memory from one update to the next, "
                         "and the critic's weights during the rollout (the actor's weights generate: they stay)")
+
+
+def _add_distill_args(p: argparse.ArgumentParser) -> None:
+    """On-policy distillation: a frozen teacher scores the student's sampled tokens (`rl/distillation.py`,
+    docs/algorithms.md). The defaults are resolved by `arguments/distill.py`, which refuses these flags without
+    --teacher-load."""
+    from mindspeed_llm.rl.core_algos.distill import DISTILL_LOSSES, DISTILL_MODES
+
+    g = p.add_argument_group("RL: on-policy distillation (on with --teacher-load)")
+    g.add_argument("--teacher-load", metavar="PATH",
+                   help="Megatron checkpoint of the teacher, a frozen model of the same vocabulary (its architecture "
+                        "is read from the checkpoint: another size needs no model flags), at the run's TP / PP, "
+                        "offloaded with --offload-ref-reward")
+    g.add_argument("--distill-loss", choices=tuple(DISTILL_LOSSES),
+                   help="k1 / k3: reverse KL on the sampled tokens; topk_forward_kl: forward KL over the teacher's "
+                        "top --distill-topk tokens (default k1)")
+    g.add_argument("--distill-mode", choices=DISTILL_MODES,
+                   help="reward: -coef x KL per token added to the advantages (grpo) or token rewards (trl_ppo); "
+                        "loss: coef x the distillation loss added to the policy loss (grpo; k3 or topk_forward_kl) "
+                        "(default reward)")
+    g.add_argument("--distill-topk", type=int, help="--distill-loss topk_forward_kl: the teacher's k tokens per "
+                                                    "position (default 32; the vocabulary size: the exact forward KL)")
+    g.add_argument("--distill-coef", type=float, help="the distillation term's weight (default 1.0)")
 
 
 def _add_rollout_args(p: argparse.ArgumentParser) -> None:

@@ -24,6 +24,7 @@ from mindspeed_llm.arguments.parser import (
     REFUSED_RECOMPUTE_MODULES,
     build_parser,
 )
+from mindspeed_llm.arguments.distill import check_distill
 from mindspeed_llm.arguments.evaluation import check_evaluation
 from mindspeed_llm.arguments.observability import check_profiling, check_rollout_records
 from mindspeed_llm.arguments.rollouts import (check_dynamic_sampling, check_multi_turn, check_partial_rollout,
@@ -183,6 +184,7 @@ def validate_args(args, world_size: int) -> run_settings.Settings:
 
         run.custom_reward_weight = check_flags(run.custom_reward_function, run.custom_reward_weight,
                                                run.verifier_function)
+    check_distill(run)
     _check_roles(run)
     _check_checkpoint_flags(args)
     check_evaluation(run)
@@ -300,9 +302,10 @@ def _check_roles(run) -> None:
     else:
         if not run.ref_model and not run.load:
             raise ArgumentError("--stage grpo needs the initial actor: pass --ref-model (or --load to resume)")
-        if not run.verifier_function and not run.reward_model and not run.custom_reward_function:
+        if (not run.verifier_function and not run.reward_model and not run.custom_reward_function
+                and not run.teacher_load):  # with a teacher alone: pure distillation (every score 0)
             raise ArgumentError("--stage grpo needs a reward: --verifier-function NAME ..., --custom-reward-function "
-                                "PATH:NAME and/or --reward-model DIR")
+                                "PATH:NAME, --reward-model DIR and/or a teacher (--teacher-load PATH)")
     if run.verifier_weight and len(run.verifier_weight) != len(run.verifier_function):
         raise ArgumentError(
             f"--verifier-weight has {len(run.verifier_weight)} values for {len(run.verifier_function)} "

@@ -25,7 +25,7 @@ from mindspeed_llm.rl.core_algos.actions import action_mask, loss_mask
 # The per-token fields, response-aligned `[B, R]` (column j is response token j): a micro-batch may cut them to its
 # own longest response (`rl/update/batch_plan.py`).
 RESPONSE_FIELDS = ("responses", "response_mask", "tool_mask", "rollout_logp", "loss_mask", "old_logp", "ref_logp",
-                   "values", "advantages", "returns")
+                   "values", "advantages", "returns", "teacher_logp", "teacher_topk_ids", "teacher_topk_logp")
 # The row-padded fields a join pads to its widest row ([B, T] or [B, R]); `routing` is padded along its T axis.
 _PADDED = ("tokens", "responses", "response_mask", "tool_mask", "rollout_logp")
 # The optional masks a part of a join may lack: zeros (no tool token, no row left out).
@@ -105,6 +105,11 @@ class Experience:
     # Filled in as the iteration goes.
     old_logp: Optional[torch.Tensor] = None  # [B, R]
     ref_logp: Optional[torch.Tensor] = None  # [B, R]
+    # --teacher-load (`rl/distillation.py`): the teacher's log-probs of the sampled tokens at the rollout temperature
+    # [B, R]; with --distill-loss topk_forward_kl its top-k per response position, ids (long) and log-probs [B, R, k]
+    teacher_logp: Optional[torch.Tensor] = None
+    teacher_topk_ids: Optional[torch.Tensor] = None
+    teacher_topk_logp: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None  # [B, R]
     scores: Optional[torch.Tensor] = None  # [B]
     advantages: Optional[torch.Tensor] = None  # [B, R]

@@ -6,6 +6,7 @@
     UpdateSchedule     epochs x mini-batches of an update                      (`ppo_loop.ppo_update`)
     RewardMixing       verifiers, reward model and penalties, by weight        (`scoring.Scorer.from_settings`)
     OffloadSettings    what waits in host memory between uses                  (`roles.offload_parts`, `on_device`)
+    DistillSettings    the teacher and on-policy distillation                  (`rl/distillation.py`)
     AlgorithmSettings  estimator, KL, discounting, filters, samples per prompt (`rl/stages/*`)
     BatchSettings      micro-batches and their token budgets                   (`batch_plan.MicroBatchPlan.for_run`)
     ModelSources       which checkpoints the stage's roles load                (`rl/stages/*` constructors)
@@ -108,6 +109,16 @@ class OffloadSettings:
     offload_train_optimizer: bool = False
     offload_train_grad: bool = False
     offload_train_param: bool = False
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    """On-policy distillation from a frozen teacher (`rl/distillation.py`): on with --teacher-load."""
+    teacher_load: Optional[str] = None  # the teacher's Megatron checkpoint; None: no teacher
+    distill_loss: Optional[str] = None  # validate_args: k1 with --teacher-load (k1, k3, topk_forward_kl)
+    distill_mode: Optional[str] = None  # validate_args: reward with --teacher-load (reward, loss)
+    distill_topk: Optional[int] = None  # validate_args: 32 with --distill-loss topk_forward_kl
+    distill_coef: Optional[float] = None  # validate_args: 1.0 with --teacher-load
 
 
 @dataclass(frozen=True)
@@ -284,6 +295,7 @@ class Settings:
     update: UpdateSchedule = field(default_factory=UpdateSchedule)
     reward: RewardMixing = field(default_factory=RewardMixing)
     offload: OffloadSettings = field(default_factory=OffloadSettings)
+    distill: DistillSettings = field(default_factory=DistillSettings)
     algorithm: AlgorithmSettings = field(default_factory=AlgorithmSettings)
     tools: ToolSettings = field(default_factory=ToolSettings)
     batch: BatchSettings = field(default_factory=BatchSettings)

@@ -97,6 +97,15 @@ def test_bad_checkpoints_data_and_verifiers_fail_before_compute(stage_paths, tmp
                                           ["--ref-model", "cannot be read: it is truncated or corrupt"]),
         "stop id outside the tokenizer": (grpo("--stop-token-ids", "999999"),
                                           ["--stop-token-ids 999999: outside the tokenizer's ids"]),
+        # on-policy distillation: the teacher must read the actor's token ids; its top-k fit its vocabulary
+        "teacher of another vocabulary": (grpo("--teacher-load", str(tmp_path / "mg_small")),
+                                          ["--teacher-load", "the teacher's vocabulary has 256 tokens, the actor's "
+                                           "151936", "share the actor's tokenizer"]),
+        "--distill-topk over the vocabulary": (grpo("--teacher-load", actor, "--distill-loss", "topk_forward_kl",
+                                                    "--distill-topk", "200000"),
+                                               ["--distill-topk 200000 exceeds the vocabulary of 151936 tokens "
+                                                f"(--teacher-load {actor})"]),
+        "missing teacher": (grpo("--teacher-load", str(tmp_path / "no_teacher")), ["--teacher-load", "no_teacher"]),
         # a user's reward function that ends the process, or fails on every row: named, not exit 4 / zero rewards
         "reward function calls sys.exit": (grpo("--custom-reward-function", f"{FAILING}:always_exits"),
                                            ["the reward function 'custom' ('always_exits' in", "called sys.exit(4) on "

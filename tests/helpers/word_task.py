@@ -35,9 +35,15 @@ TOOL_CONFIG = """tools:
 """
 
 
+# the teacher of on-policy distillation (--teacher-load): another size of the actor's family, the same vocabulary
+TEACHER_SHAPE = dict(num_layers=3, hidden_size=32, intermediate_size=64)
+
+
 def build(root: Path, layouts=((1, 1),), reward: bool = False, prompts: int = 16, model_seed: int = 3,
-          vocab: int = VOCAB, **shape) -> dict:
-    """Write everything under `root`; returns {"tokenizer", "data", "mg_actor_tp{t}pp{p}", "mg_reward_tp{t}pp{p}"}.
+          vocab: int = VOCAB, teacher: bool = False, **shape) -> dict:
+    """Write everything under `root`; returns {"tokenizer", "data", "mg_actor_tp{t}pp{p}", "mg_reward_tp{t}pp{p}"}
+    (and with `teacher` "mg_teacher_tp{t}pp{p}" and "hf_teacher": a qwen2 of `TEACHER_SHAPE`, another size than the
+    actor's).
     `vocab` words (the prompts stay within the first 256) and `shape` (`hf_tiny.tiny_config` overrides: hidden_size,
     tie, ...) make the same task on another model."""
     from tests.helpers.hf_tiny import save_tiny, write_tokenizer
@@ -49,9 +55,13 @@ def build(root: Path, layouts=((1, 1),), reward: bool = False, prompts: int = 16
     tokenizer = root / "tokenizer"
     write_tokenizer(tokenizer, vocab)
     paths = {"tokenizer": str(tokenizer)}
-    roles = [("actor", False, model_seed)] + ([("reward", True, model_seed + 1)] if reward else [])
-    for role, value_head, seed in roles:
-        hf = save_tiny("qwen2", root / f"hf_{role}", seq_cls=value_head, seed=seed, vocab_size=vocab, **shape)
+    roles = [("actor", False, model_seed, shape)] + ([("reward", True, model_seed + 1, shape)] if reward else [])
+    if teacher:
+        roles.append(("teacher", False, model_seed + 2, {**shape, **TEACHER_SHAPE}))
+    for role, value_head, seed, role_shape in roles:
+        hf = save_tiny("qwen2", root / f"hf_{role}", seq_cls=value_head, seed=seed, vocab_size=vocab, **role_shape)
+        if role == "teacher":  # the reference of the teacher's pass (tests/dist/test_stages_distill.py)
+            paths["hf_teacher"] = hf
         for tp, pp in layouts:
             out = root / f"mg_{role}_tp{tp}pp{pp}"
             convert_hf_to_mg(hf, str(out), tp, pp, value_head=value_head, tokenizer_dir=str(tokenizer), progress=False)

@@ -53,3 +53,46 @@ def test_inconsistent_flags_are_refused_by_name(extra, world, needle):
     with pytest.raises(ArgumentError) as err:
         parse_args(BASE + extra, world_size=world)
     assert needle in str(err.value)
+
+
+# On-policy distillation (`arguments/distill.py`): each refusal names the flag and the fix.
+TEACHER = ["--teacher-load", "t"]
+GRPO_MATH = ["--stage", "grpo", "--verifier-function", "math_acc"]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (GRPO_MATH + ["--distill-coef", "0.5"], "--distill-coef 0.5 without --teacher-load: distillation needs a "
+                                            "teacher; add --teacher-load PATH"),
+    (GRPO_MATH + ["--distill-loss", "k3", "--distill-topk", "4"], "--distill-loss k3, --distill-topk 4 without "
+                                                                  "--teacher-load"),
+    (GRPO_MATH + TEACHER + ["--distill-mode", "loss"], "--distill-loss k1 cannot be --distill-mode loss: its "
+                                                       "gradient is that of the student's log-prob alone"),
+    (["--stage", "trl_ppo", "--reward-model", "x"] + TEACHER + ["--distill-loss", "k3", "--distill-mode", "loss"],
+     "--distill-mode loss is grpo's: --stage trl_ppo takes the distillation as a per-token reward"),
+    (GRPO_MATH + TEACHER + ["--distill-topk", "8"], "--distill-topk 8 applies to --distill-loss topk_forward_kl, "
+                                                    "not to --distill-loss k1"),
+    (GRPO_MATH + TEACHER + ["--distill-loss", "topk_forward_kl", "--distill-topk", "0"], "--distill-topk 0 must be "
+                                                                                         ">= 1"),
+    (GRPO_MATH + TEACHER + ["--distill-coef", "0"], "--distill-coef 0.0 must be > 0"),
+])
+def test_distillation_flags_are_refused_by_name(extra, needle):
+    with pytest.raises(ArgumentError) as err:
+        parse_args(BASE + extra, world_size=1)
+    assert needle in str(err.value)
+
+
+def test_distillation_defaults_and_pure_distillation():
+    """With --teacher-load alone grpo needs no other reward (pure distillation), and the defaults are resolved:
+    k1 as a reward, coefficient 1.0, no top-k; topk_forward_kl gets k = 32. Without a teacher nothing is set."""
+    pure = parse_args(BASE + ["--stage", "grpo"] + TEACHER, world_size=1).settings.distill
+    assert (pure.teacher_load, pure.distill_loss, pure.distill_mode, pure.distill_coef, pure.distill_topk) == (
+        "t", "k1", "reward", 1.0, None)
+    topk = parse_args(BASE + GRPO_MATH + TEACHER + ["--distill-loss", "topk_forward_kl", "--distill-mode", "loss",
+                                                    "--distill-coef", "0.5"], world_size=1).settings.distill
+    assert (topk.distill_loss, topk.distill_mode, topk.distill_coef, topk.distill_topk) == (
+        "topk_forward_kl", "loss", 0.5, 32)
+    ppo = parse_args(BASE + ["--stage", "trl_ppo", "--reward-model", "x"] + TEACHER + ["--distill-loss", "k3"],
+                     world_size=1).settings.distill
+    assert (ppo.distill_loss, ppo.distill_mode) == ("k3", "reward")
+    off = parse_args(BASE + GRPO_MATH, world_size=1).settings.distill
+    assert off.teacher_load is None and off.distill_loss is None and off.distill_coef is None

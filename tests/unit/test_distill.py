@@ -169,3 +169,83 @@ def test_k3_loss_gradient_wrt_the_student_logits_is_autograds_on_a_dense_formula
     dense.backward()
     close(loss, dense.detach(), atol=1e-6, rtol=1e-5)  # the loss is ~80: float32's last bits
     close(a.grad, b.grad, atol=1e-6, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------- the stages' wiring
+def _distill_case(estimator: str, loss: str = "k1", coef: float = 0.5, kl_coef: float = 0.0):
+    """A grpo stage's advantage step and the run's `Distillation` on a hand-made batch of one prompt group of 2:
+    row 0 has 4 response tokens, its second a tool token; row 1 has 3. The teacher's pass is replaced by the given
+    teacher log-probs (its real pass: tests/dist/test_stages_distill.py)."""
+    from mindspeed_llm.rl.distillation import Distillation
+    from mindspeed_llm.rl.experience import Experience
+    from mindspeed_llm.rl.settings import AlgorithmSettings, DistillSettings, LossSettings, Settings
+    from mindspeed_llm.rl.stages import grpo
+
+    settings = Settings(
+        algorithm=AlgorithmSettings(stage="grpo", adv_estimator=estimator, n_samples_per_prompt=2, kl_coef=kl_coef,
+                                    gamma=1.0),
+        loss=LossSettings(kl_penalty="k1", loss_agg_mode="token-mean"),
+        distill=DistillSettings(teacher_load="t", distill_loss=loss, distill_mode="reward", distill_coef=coef))
+    stage = object.__new__(grpo.GRPOStage)
+    stage.settings, stage.algorithm, stage.reference = settings, settings.algorithm, None
+    stage.estimator, stage.advantages = grpo._advantage_estimator(settings.algorithm)
+    exp = Experience(tokens=torch.zeros(2, 6, dtype=torch.long), position_ids=torch.arange(6).expand(2, 6),
+                     prompt_lengths=torch.tensor([2, 2]), responses=torch.ones(2, 4, dtype=torch.long),
+                     response_mask=torch.tensor([[1.0, 1, 1, 1], [1, 1, 1, 0]]), ended_with_eos=torch.ones(2).bool(),
+                     tool_mask=torch.tensor([[0.0, 1, 0, 0], [0, 0, 0, 0]]))
+    exp.scores = torch.tensor([1.0, 0.0])
+    exp.old_logp = torch.tensor([[-1.0, -3.0, -2.0, -0.5], [-1.5, -0.2, -1.0, 0.0]])
+    teacher_logp = torch.tensor([[-1.5, -0.1, -1.0, -0.5], [-1.0, -0.7, -1.0, 0.0]])
+    distill = Distillation(settings, teacher=torch.nn.Linear(1, 1))
+    return grpo, stage, distill, exp, teacher_logp
+
+
+def _score(distill, exp, teacher_logp, monkeypatch):
+    from mindspeed_llm.rl import distillation
+    from mindspeed_llm.rl.metrics import Timers
+
+    monkeypatch.setattr(distillation, "teacher_scores", lambda model, exp, plan, temperature, topk: (teacher_logp, None))
+    monkeypatch.setattr(distillation, "sum_over_data_parallel", lambda t: t)
+    return distill.score(exp, None, Timers(), student=None)
+
+
+@pytest.mark.parametrize("loss", ["k1", "k3"])
+def test_grpo_reward_mode_adds_minus_coef_kl_per_token_after_the_group_advantage(loss, monkeypatch):
+    """--distill-mode reward with an outcome estimator: the advantage of token t of row b is the group advantage of
+    its score plus -coef x KL(old_logp, teacher_logp) of that token; the tool token gets neither."""
+    grpo, stage, distill, exp, teacher_logp = _distill_case("grpo", loss)
+    monkeypatch.setattr(grpo, "sum_over_data_parallel", lambda t: t)
+    metrics, rewards = _score(distill, exp, teacher_logp, monkeypatch)
+    stage._advantages(exp, rewards)
+    # by hand: the group (1, 0) has mean 0.5 and sample std sqrt(0.5); grpo divides by std + 1e-6
+    group = 0.5 / (math.sqrt(0.5) + 1e-6)
+    d = [[-0.5, None, 1.0, 0.0], [0.5, -0.5, 0.0, None]]  # teacher - student on the model's own tokens
+    if loss == "k1":
+        kl = [[0.5, 0, -1.0, 0.0], [-0.5, 0.5, 0.0, 0]]
+    else:  # exp(d) - d - 1
+        kl = [[0 if x is None else math.exp(x) - x - 1 for x in row] for row in d]
+    expected = [[group - 0.5 * kl[0][0], 0.0, group - 0.5 * kl[0][2], group - 0.5 * kl[0][3]],
+                [-group - 0.5 * kl[1][0], -group - 0.5 * kl[1][1], -group - 0.5 * kl[1][2], 0.0]]
+    close(exp.advantages, expected, atol=1e-5)
+    kl_tokens = [kl[0][0], kl[0][2], kl[0][3], kl[1][0], kl[1][1], kl[1][2]]
+    assert metrics["distill/kl_mean"] == pytest.approx(sum(kl_tokens) / 6, abs=1e-6)
+    assert metrics["distill/teacher_logp_mean"] == pytest.approx((-1.5 - 1.0 - 0.5 - 1.0 - 0.7 - 1.0) / 6, abs=1e-6)
+
+
+def test_grpo_reward_mode_enters_a_token_estimators_rewards_before_the_discounted_sum(monkeypatch):
+    """--distill-mode reward with reinforce_plus_plus: the estimator's token rewards are the score on the last action
+    plus -coef x k1 on every action (the tool token compacted away); the estimator itself is spied on."""
+    grpo, stage, distill, exp, teacher_logp = _distill_case("reinforce_plus_plus", "k1", coef=2.0)
+    monkeypatch.setattr(grpo, "sum_over_data_parallel", lambda t: t)
+    seen = {}
+
+    def spy(rewards, mask, n, sum_across=None):
+        seen["rewards"], seen["mask"] = rewards.clone(), mask.clone()
+        return rewards
+
+    stage.advantages = spy
+    _, rewards = _score(distill, exp, teacher_logp, monkeypatch)
+    stage._advantages(exp, rewards)
+    # row 0's actions (tool token left out): k1 = 0.5, -1.0, 0.0; score 1 on its last action
+    close(seen["rewards"], [[-1.0, 2.0, 0.0 + 1.0, 0.0], [1.0, -1.0, 0.0, 0.0]])
+    close(seen["mask"], [[1, 1, 1, 0], [1, 1, 1, 0]])

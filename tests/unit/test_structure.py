@@ -61,7 +61,8 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     # (records, dump, replay): above the models they run, below scoring and evaluation
     ("rl rollouts", ("mindspeed_llm.rl.rollouts",)),
     ("rl plumbing", (
-        "mindspeed_llm.rl.scoring", "mindspeed_llm.rl.evaluation", "mindspeed_llm.rl.startup",
+        "mindspeed_llm.rl.scoring", "mindspeed_llm.rl.distillation", "mindspeed_llm.rl.evaluation",
+        "mindspeed_llm.rl.startup",
         "mindspeed_llm.rl.profiling",
     )),
     ("rl stages", ("mindspeed_llm.rl.stages",)),

@@ -39,6 +39,8 @@ from mindspeed_llm.rl.core_algos.losses import aggregation_weights
 from mindspeed_llm.rl.logprobs import _group_world_rank, vocab_parallel_logprobs
 
 DISTILL_ESTIMATORS = ("k1", "k3")
+# how the distillation signal enters training: a per-token reward, or a loss of its own added to the policy loss
+DISTILL_MODES = ("reward", "loss")
 
 
 class DistillLoss(NamedTuple):
@@ -239,14 +241,24 @@ def topk_forward_kl_loss(student_logits, topk: TeacherTopK, mask, tp_group=None,
     ``loss``. The same on every TP rank.
     """
     kl, mass = forward_kl_on_teacher_topk(student_logits, topk, tp_group, temperature)
+    return topk_kl_loss(kl, mass, mask, agg, max_len=max_len, total_tokens=total_tokens,
+                        total_sequences=total_sequences)
+
+
+def topk_kl_loss(kl, topk_mass, mask, agg: str = "token-mean", *, max_len=None, total_tokens=None,
+                 total_sequences=None) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """:func:`topk_forward_kl_loss` from the per-token ``kl`` and ``topk_mass`` ``[B, T]`` of
+    :func:`forward_kl_on_teacher_topk` (the stages compute them where each position's logits live, under context
+    parallelism too): ``agg(kl)`` over ``mask``, and the metrics ``kl``, ``topk_mass``, ``loss``."""
     loss_w, token_w = _agg_and_token_weights(mask, agg, max_len, total_tokens, total_sequences, kl.dtype)
     loss = (kl * loss_w).sum()
     with torch.no_grad():
-        metrics = {"kl": (kl * token_w).sum(), "topk_mass": (mass * token_w).sum(), "loss": loss.detach()}
+        metrics = {"kl": (kl * token_w).sum(), "topk_mass": (topk_mass * token_w).sum(), "loss": loss.detach()}
     return loss, metrics
 
 
 __all__ = [
-    "DISTILL_ESTIMATORS", "DISTILL_LOSSES", "DistillLoss", "TeacherTopK", "reverse_kl", "distill_token_rewards",
-    "reverse_kl_loss", "teacher_topk", "forward_kl_on_teacher_topk", "topk_forward_kl", "topk_forward_kl_loss",
+    "DISTILL_ESTIMATORS", "DISTILL_LOSSES", "DISTILL_MODES", "DistillLoss", "TeacherTopK", "reverse_kl",
+    "distill_token_rewards", "reverse_kl_loss", "teacher_topk", "forward_kl_on_teacher_topk", "topk_forward_kl",
+    "topk_forward_kl_loss", "topk_kl_loss",
 ]

@@ -37,6 +37,7 @@ class StageBase:
     name: str
     log_lines: Dict[str, List[str]]
     reference = None  # the frozen reference policy (a stage without one leaves it None)
+    distill = None  # the teacher and its use (`rl/distillation.py`), with --teacher-load
 
     def __init__(self, settings: Settings, tokenizer):
         if not isinstance(settings, Settings):  # the Namespace stops in arguments/ (its `.settings` is this)

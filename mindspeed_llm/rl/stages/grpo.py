@@ -6,7 +6,8 @@ penalties, `scoring.py`) -> old and reference log-probs -> advantages (`--adv-es
 -- reinforce_plus_plus, whose KL to the reference is a reward penalty instead of a loss, and
 reinforce_plus_plus_baseline) -> policy loss (`--policy-loss`) + KL loss (+ entropy bonus) -> update. No critic. The
 reference starts from `--ref-model` (default: the initial actor) and is skipped when `--kl-coef 0`; with LoRA it is
-the actor with its adapters off (`rl/update/lora.py`).
+the actor with its adapters off (`rl/update/lora.py`). With --teacher-load a frozen teacher scores the samples
+before the advantages: its KL is a per-token reward or a loss term (`rl/distillation.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from mindspeed_llm import device
 from mindspeed_llm.errors import ArgumentError
 from mindspeed_llm.distributed import sum_over_data_parallel
 from mindspeed_llm.rl import core_algos
+from mindspeed_llm.rl.distillation import Distillation
 from mindspeed_llm.rl.update import lora, roles
 from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.rollouts.dynamic_sampling import informative_groups, refill
@@ -61,6 +63,9 @@ class GRPOStage(StageBase):
         reward_model = build.reward_model() if models.reward_model else None
         roles.check_vocab({"actor": self.actor.module, "reference": self.reference, "reward": reward_model},
                           tokenizer)
+        self.distill = Distillation.build(settings, build, self.actor)  # None without --teacher-load
+        if self.distill is not None:
+            self.actor_metrics += self.distill.actor_metrics
         self._build_rollout_side(reward_model)
 
     def roles(self):
@@ -88,6 +93,7 @@ class GRPOStage(StageBase):
                 # a pass of its own when the update takes several steps, when the KL is a reward penalty (it is
                 # computed before the update), and with --recompute-old-logprobs / --rollout-is
                 if (algorithm.recompute_old_logprobs or self.estimator.kl_in_reward
+                        or (self.distill is not None and self.distill.needs_old_logp)
                         or not old_logp_is_current(settings.update, exp)):
                     exp.old_logp, routing_mismatch = policy_logprobs(
                         self.actor.chunks, exp, plan, settings.loss.temperature, compare_routing=exp.routing_recorded)
@@ -95,9 +101,12 @@ class GRPOStage(StageBase):
                 with timers("reference_model"), roles.on_device(self.reference, settings.offload.offload_ref_reward,
                                                                 timers) as reference:
                     exp.ref_logp, _ = policy_logprobs([reference], exp, plan, settings.loss.temperature)
+            distill_metrics, distill_rewards = {}, None
+            if self.distill is not None:  # timing/teacher
+                distill_metrics, distill_rewards = self.distill.score(exp, plan, timers, self.actor.chunks)
 
             with timers("adv"):
-                rewards, advantages = self._advantages(exp)
+                rewards, advantages = self._advantages(exp, distill_rewards)
                 if algorithm.filter_groups:
                     # Groups whose samples all scored the same carry no signal; their tokens leave the loss
                     # (its mask, so shapes and step counts stay equal on every rank; no refill).
@@ -106,6 +115,8 @@ class GRPOStage(StageBase):
 
             with timers("update"), self.actor.on_device(timers):
                 actor_metrics = ppo_update(self.actor, exp, plan, settings.update, self._loss, iteration, group_size=n)
+            if self.distill is not None:
+                distill_metrics.update(self.distill.update_metrics(actor_metrics))
 
         metrics = {
             **prefixed("actor", {k: v for k, v in actor_metrics.items() if k not in ("grad_norm", "lr")}),
@@ -119,6 +130,7 @@ class GRPOStage(StageBase):
             **score_metrics,
             **rollout_stats,
             **mismatch_metrics(exp, routing_mismatch),
+            **distill_metrics,
             "n_samples_per_prompt": n,
         }
         if algorithm.filter_groups:
@@ -138,15 +150,19 @@ class GRPOStage(StageBase):
         return exp, plan, {**schedule_metrics, **score_metrics}
 
     # ------------------------------------------------------------------ loss closure (per micro-batch)
-    def _advantages(self, exp):
+    def _advantages(self, exp, distill_rewards=None):
         """`exp.advantages` [B, R] from the estimator; returns (the per-sample rewards they come from, the advantages
         as logged: per sample -- for a token estimator its mean over the response, a statistic of whole samples like
-        every logged one, which DP ranks average alike)."""
+        every logged one, which DP ranks average alike). `distill_rewards` [B, R] (--distill-mode reward, zero off
+        the model's own tokens): added per token after an outcome estimator's group advantage, or to a token
+        estimator's token rewards before its discounted sum."""
         n = self.algorithm.n_samples_per_prompt
         actions = exp.action_mask  # the model's own tokens: tool tokens get no advantage (core_algos/actions.py)
         if self.estimator.kind == "outcome":
             advantages = self.advantages(exp.scores, n, sum_across=sum_over_data_parallel)
             exp.advantages = advantages[:, None] * actions
+            if distill_rewards is not None:
+                exp.advantages = exp.advantages + distill_rewards
             return exp.scores, advantages
         # token estimators: the score on the last action (verl's placement), less the KL penalty on every action when
         # the estimator takes the KL in the reward (then it is no loss, `_loss`); discounted over actions only
@@ -155,6 +171,8 @@ class GRPOStage(StageBase):
         token_rewards, _ = core_algos.compute_token_rewards(
             exp.scores, exp.old_logp if kl_coef else zeros, exp.ref_logp if kl_coef else zeros, actions,
             kl_coef, self.settings.loss.kl_penalty, score_at="last")
+        if distill_rewards is not None:
+            token_rewards = token_rewards + distill_rewards
         exp.advantages = core_algos.token_advantages_over_actions(
             self.advantages, token_rewards, exp.response_mask, exp.tool_mask, n, sum_across=sum_over_data_parallel)
         per_sample = (exp.advantages * actions).sum(-1) / actions.sum(-1).clamp(min=1)
@@ -162,7 +180,8 @@ class GRPOStage(StageBase):
 
     def _loss(self, logits, mb):
         kl_coef = self.algorithm.kl_coef if self.reference is not None and not self.estimator.kl_in_reward else 0.0
-        loss, m = clipped_policy_loss(self.settings.loss, logits, mb, kl_coef)
+        distill_term = None if self.distill is None or self.distill.in_reward else self.distill.loss_term
+        loss, m = clipped_policy_loss(self.settings.loss, logits, mb, kl_coef, extra_term=distill_term)
         if "kl_loss" not in m:  # --kl-coef 0, or the KL is in the reward: the column stays, at zero
             m["kl_loss"] = m["pg_loss"].new_zeros(())
         return loss, {k: m[k] for k in self.actor_metrics}

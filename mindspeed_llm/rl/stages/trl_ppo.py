@@ -9,7 +9,8 @@ rewards (-kl_coef * KL, score after the last token as TRL places it) -> GAE + wh
 Actor and reference start from `--ref-model`; critic and reward from `--reward-model` (a value-head
 checkpoint). With rule verifiers and `--reward-model-weight 0` the reward model is not loaded. With LoRA the reference
 is the actor with its adapters off and the reward model the critic with its adapters off and the checkpoint's value
-head (`rl/update/lora.py`).
+head (`rl/update/lora.py`). With --teacher-load a frozen teacher's per-token KL is a reward term too, added to the
+token rewards before GAE (`rl/distillation.py`; reward mode only).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Dict
 from mindspeed_llm import device
 from mindspeed_llm.distributed import sum_over_data_parallel
 from mindspeed_llm.rl import core_algos
+from mindspeed_llm.rl.distillation import Distillation
 from mindspeed_llm.rl.update import lora, roles
 from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan
 from mindspeed_llm.rl.update.loss_closures import clipped_policy_loss, clipped_value_loss
@@ -56,6 +58,7 @@ class TrlPPOStage(StageBase):
             reward_model = lora.reward_model(self.critic) if models.lora else build.reward_model()
         roles.check_vocab({"actor": self.actor.module, "reference": self.reference,
                            "critic": self.critic.module, "reward": reward_model}, tokenizer)
+        self.distill = Distillation.build(settings, build, self.actor)  # None without --teacher-load
         self._build_rollout_side(reward_model)
 
     def roles(self):
@@ -89,9 +92,12 @@ class TrlPPOStage(StageBase):
                 self.critic.onload(timers, parts=("weights",))  # --offload-train-param: they left for the rollout
                 exp.values = critic_values(self.critic.chunks, exp, plan)
             score_metrics = self._score(exp, plan, timers, schedule_metrics)  # with --missing-eos-penalty
+            distill_metrics, distill_rewards = {}, None
+            if self.distill is not None:  # timing/teacher; validate_args: the reward mode
+                distill_metrics, distill_rewards = self.distill.score(exp, plan, timers, self.actor.chunks)
 
             with timers("adv"):
-                rewards, kl = self._advantages(exp)
+                rewards, kl = self._advantages(exp, distill_rewards)
 
             with timers("update"), self.actor.on_device(timers):
                 actor_metrics = ppo_update(self.actor, exp, plan, settings.update, self._actor_loss, iteration,
@@ -114,21 +120,24 @@ class TrlPPOStage(StageBase):
             **schedule_metrics,
             **rollout_stats,
             **mismatch_metrics(exp, routing_mismatch),
+            **distill_metrics,
             "n_samples_per_prompt": n,
         }
         metrics.update(timers.pop())
         return Trained(metrics, exp, actor_metrics)
 
-    def _advantages(self, exp):
+    def _advantages(self, exp, distill_rewards=None):
         """`exp.advantages` and `exp.returns` [B, R]: TRL's token rewards (-kl_coef * KL, the score one past the last
-        token; whitened with --whiten-rewards) and GAE, all on the model's own tokens (the action mask: the response
-        mask without tool tokens), GAE stepping over them only (`core_algos.gae_over_actions`). Returns (the token
-        rewards, the per-token KL)."""
+        token, plus `distill_rewards` [B, R] with --teacher-load; whitened with --whiten-rewards) and GAE, all on
+        the model's own tokens (the action mask: the response mask without tool tokens), GAE stepping over them only
+        (`core_algos.gae_over_actions`). Returns (the token rewards, the per-token KL)."""
         algorithm = self.algorithm
         actions = exp.action_mask
         rewards, kl = core_algos.compute_token_rewards(
             exp.scores, exp.old_logp, exp.ref_logp, actions, algorithm.kl_coef, self.settings.loss.kl_penalty
         )
+        if distill_rewards is not None:
+            rewards = rewards + distill_rewards
         value_mask = core_algos.response_mask_p1(actions)
         if algorithm.whiten_rewards:
             rewards = core_algos.masked_whiten(rewards, value_mask, shift_mean=False,

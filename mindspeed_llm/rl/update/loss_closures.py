@@ -8,17 +8,19 @@ from mindspeed_llm.rl.update.passes import response_logprobs, response_values
 from mindspeed_llm.rl.settings import LossSettings
 
 
-def clipped_policy_loss(loss: LossSettings, logits, micro_batch, kl_coef: float = 0.0):
+def clipped_policy_loss(loss: LossSettings, logits, micro_batch, kl_coef: float = 0.0, extra_term=None):
     """The actor's loss of both stages on one micro-batch: the clipped surrogate `--policy-loss` (vanilla:
     `--clip-ratio`, `--clip-ratio-high`, `--dual-clip`; gspo: `--gspo-clip-ratio`, `--gspo-clip-ratio-high`) under
     `--loss-agg-mode`, weighted per token by `--rollout-is` (against the sampler's log-probs), plus `kl_coef` x the KL
     to the reference (`--kl-penalty`; grpo's KL loss) and the entropy bonus (`--entropy-coeff`), over the loss mask.
     Returns (loss, metrics) as shares of the mini-batch's (its totals ride in the micro-batch, `ppo_loop`).
-    Without `old_logp` in the micro-batch (see `ppo_loop.old_logp_is_current`) the old log-probs are `logp`'s."""
+    Without `old_logp` in the micro-batch (see `ppo_loop.old_logp_is_current`) the old log-probs are `logp`'s.
+    `extra_term(logits, logp, micro_batch) -> (loss, metrics)`: a term added to the loss (its metrics to the
+    policy loss's), given the log-probs computed here (distillation's loss mode, `rl/distillation.py`)."""
     logp, entropy = response_logprobs(logits, micro_batch, loss.temperature, with_entropy=True)
     old_logp = micro_batch.get("old_logp")
     gspo = loss.policy_loss == "gspo"
-    return core_algos.policy_loss(
+    total, metrics = core_algos.policy_loss(
         logp, logp.detach() if old_logp is None else old_logp, micro_batch["advantages"], micro_batch["loss_mask"],
         clip_low=loss.gspo_clip_ratio if gspo else loss.clip_ratio,
         clip_high=loss.gspo_clip_ratio_high if gspo else loss.clip_ratio_high, dual_clip=loss.dual_clip,
@@ -28,6 +30,11 @@ def clipped_policy_loss(loss: LossSettings, logits, micro_batch, kl_coef: float 
         rollout_is_threshold=loss.rollout_is_threshold,
         total_tokens=micro_batch["total_tokens"], total_sequences=micro_batch["total_sequences"],
     )
+    if extra_term is not None:
+        term, term_metrics = extra_term(logits, logp, micro_batch)
+        total = total + term
+        metrics = {**metrics, **term_metrics}
+    return total, metrics
 
 
 def clipped_value_loss(loss: LossSettings, output, micro_batch):

@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from mindspeed_llm.models import routing
 from mindspeed_llm.models.context_parallel import sum_over_context_parallel
 from mindspeed_llm.rl.core_algos import response_mask_p1
+from mindspeed_llm.rl.core_algos.distill import TeacherTopK, forward_kl_on_teacher_topk, teacher_topk
 from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan, read_outputs
 from mindspeed_llm.rl.experience import Experience
 from mindspeed_llm.rl.logprobs import vocab_parallel_logprobs
@@ -101,3 +102,61 @@ def reward_scores(model, exp: Experience, plan: MicroBatchPlan) -> torch.Tensor:
         lambda out, mb: last_token_values(out, mb), (),
     )
 
+
+
+def response_teacher_scores(logits: torch.Tensor, micro_batch: Dict[str, torch.Tensor], temperature: float,
+                            topk: Optional[int] = None) -> torch.Tensor:
+    """A teacher's reads at the response positions, `[mb, R, 1 + 2k]` (k = `topk`, 0 without): its log-prob of each
+    sampled token, then with `topk` its top-k ids (as float32, exact below 2^24) and their log-probs over the whole
+    vocabulary (`core_algos.teacher_topk`: each TP rank's top-k of its vocab shard, no vocabulary gather)."""
+    picked, held = read_outputs(logits, micro_batch, micro_batch["response_index"])
+    flat = picked.reshape(-1, picked.size(-1))
+    targets = micro_batch["responses"] if held is None else micro_batch["responses"][held]
+    group = parallel_state.get_tensor_model_parallel_group()
+    columns = [vocab_parallel_logprobs(flat, targets.reshape(-1), tp_group=group, temperature=temperature)[:, None]]
+    if topk:
+        top = teacher_topk(flat, topk, tp_group=group, temperature=temperature)
+        columns += [top.ids.float(), top.logp]
+    values = torch.cat(columns, dim=-1)
+    return _in_place(values, held, (*micro_batch["responses"].shape, values.size(-1)))
+
+
+def response_topk_kl(logits: torch.Tensor, micro_batch: Dict[str, torch.Tensor],
+                     temperature: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(kl, topk_mass) `[mb, R]`: the student's forward KL to the teacher on the teacher's top-k of each response
+    position (`micro_batch["teacher_topk_ids"]`, `["teacher_topk_logp"]`; `core_algos.forward_kl_on_teacher_topk`),
+    differentiable w.r.t. the student's logits."""
+    picked, held = read_outputs(logits, micro_batch, micro_batch["response_index"])
+    ids, logp = micro_batch["teacher_topk_ids"], micro_batch["teacher_topk_logp"]
+    if held is not None:
+        ids, logp = ids[held], logp[held]
+    k = ids.size(-1)
+    kl, mass = forward_kl_on_teacher_topk(
+        picked.reshape(-1, picked.size(-1)), TeacherTopK(ids.reshape(-1, k), logp.reshape(-1, k)),
+        tp_group=parallel_state.get_tensor_model_parallel_group(), temperature=temperature)
+    shape = micro_batch["responses"].shape
+    return _in_place(kl, held, shape), _in_place(mass, held, shape)
+
+
+def teacher_scores(model, exp: Experience, plan: MicroBatchPlan, temperature: float,
+                   topk: Optional[int] = None) -> Tuple[torch.Tensor, Optional[TeacherTopK]]:
+    """The teacher's log-probs `[B, R]` of the sampled response tokens at `temperature` and, with `topk`, its top-k
+    per response position (`TeacherTopK`, `[B, R, k]` each); zeros past each response."""
+    width, k = exp.responses.shape[1], int(topk or 0)
+    out = forward_only(
+        model, plan.micro_batches(exp),
+        lambda out, mb: response_teacher_scores(out, mb, temperature, k) * mb["response_mask"][..., None],
+        (width, 1 + 2 * k),
+    )
+    if not k:
+        return out[..., 0], None
+    return out[..., 0], TeacherTopK(out[..., 1:1 + k].round().long(), out[..., 1 + k:].contiguous())
+
+
+def student_topk_kl(model, exp: Experience, plan: MicroBatchPlan, temperature: float) -> torch.Tensor:
+    """The policy's forward KL `[B, R]` to the teacher on the teacher's top-k (`exp.teacher_topk_ids` / `_logp`),
+    without gradient: the per-token KL of the reward mode of --distill-loss topk_forward_kl."""
+    return forward_only(
+        model, plan.micro_batches(exp),
+        lambda out, mb: response_topk_kl(out, mb, temperature)[0] * mb["response_mask"], (exp.responses.shape[1],),
+    )

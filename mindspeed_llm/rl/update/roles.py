@@ -108,7 +108,7 @@ def _check_attention_flags(spec: ArchitectureSpec, given: ModelBuild, mismatch) 
 
 
 def load_model(root: str, flag: str, settings: Settings, value_head: bool = False, trained: bool = False,
-               on_host: bool = False):
+               on_host: bool = False, own_shape: bool = False):
     """A GPTModel (or value-head model) for this rank on the accelerator (`on_host`: in host memory, where an
     offloaded frozen model waits), weights from a Megatron checkpoint at `root`; `trained`: the actor or the critic
     (activation recompute applies to them only).
@@ -119,6 +119,9 @@ def load_model(root: str, flag: str, settings: Settings, value_head: bool = Fals
 
     Every problem (missing files, a causal LM where a value head is needed, a TP/PP the model cannot be
     split into, a spec that contradicts the model flags) is raised before any compute, naming `flag`.
+    `own_shape`: a model whose shape is its checkpoint's alone (the teacher: another size of the actor's family),
+    not checked against the model flags, which describe the actor; the routing-replay and expert flags, the
+    actor's, do not apply to it either.
 
     --sequence-parallel is built into every model (TP > 1), as are
     --attention-dropout / --hidden-dropout; the dropouts act only in train mode, i.e. in the
@@ -135,8 +138,8 @@ def load_model(root: str, flag: str, settings: Settings, value_head: bool = Fals
                    # without it (models/sequence_parallel.py)
                    sequence_parallel=bool(built.sequence_parallel))
     try:
-        spec = _checked_spec(root, flag, settings)
-        options = moe.model_options(spec, settings.moe, flag, root, policy=not value_head)
+        spec = load_spec(root) if own_shape else _checked_spec(root, flag, settings)
+        options = moe.model_options(spec, settings.moe, flag, root, policy=not value_head and not own_shape)
         options.update(recompute.model_options(spec, settings.recompute, trained=trained, policy=not value_head))
         model = build_model(spec, params_dtype=built.params_dtype, value_head=value_head,
                             attention=built.attention, fused_ops=built.fused_ops,
@@ -204,7 +207,8 @@ def load_reward_model(settings: Settings):
 class RoleFactory:
     """A stage's roles, built from the run's typed settings: `trained` loads the actor or the critic and gives it
     its optimizer (and with LoRA its adapters: the critic's take the actor's config), `frozen` a reference
-    (offloaded with --offload-ref-reward), `reward_model` the frozen --reward-model."""
+    (offloaded with --offload-ref-reward), `reward_model` the frozen --reward-model, `teacher` the frozen
+    --teacher-load."""
 
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -226,6 +230,30 @@ class RoleFactory:
 
     def reward_model(self):
         return load_reward_model(self.settings)
+
+    def teacher(self, vocab_size: int):
+        """The frozen teacher of --teacher-load at the run's TP / PP, its architecture its checkpoint's (the model
+        flags describe the actor), with the run's dtype, attention and fused ops; offloaded with
+        --offload-ref-reward. Its own model even for a LoRA student (it shares no weights with it). Refused before
+        any weight is built: a vocabulary other than the actor's `vocab_size` (the two models' log-probs are of
+        the same token ids), a --distill-topk over it."""
+        distill, flag = self.settings.distill, "--teacher-load"
+        root = distill.teacher_load
+        try:
+            teacher_vocab = load_spec(root).vocab_size
+        except (ValueError, FileNotFoundError) as exc:
+            raise ArgumentError(f"{flag} {root}: {exc}") from exc
+        if teacher_vocab != vocab_size:
+            raise ArgumentError(f"{flag} {root}: the teacher's vocabulary has {teacher_vocab} tokens, the actor's "
+                                f"{vocab_size}; distillation compares both models' log-probs of the same token ids, "
+                                "so the teacher must share the actor's tokenizer and vocabulary size (a model of "
+                                "the same family, converted with the same padding)")
+        if distill.distill_topk is not None and distill.distill_topk > teacher_vocab:
+            raise ArgumentError(f"--distill-topk {distill.distill_topk} exceeds the vocabulary of {teacher_vocab} "
+                                f"tokens ({flag} {root}); use at most {teacher_vocab} (the whole vocabulary: the "
+                                "exact forward KL)")
+        offload = self.settings.offload.offload_ref_reward
+        return offloaded(frozen(load_model(root, flag, self.settings, on_host=offload, own_shape=True)), offload)
 
 
 def check_vocab(models: Dict[str, Optional[torch.nn.Module]], tokenizer) -> None:
