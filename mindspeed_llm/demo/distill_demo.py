@@ -7,8 +7,9 @@ What ``--distill`` changes in the pipeline of :mod:`mindspeed_llm.demo.run`:
    ``latest_checkpointed_iteration.txt``), which ``--teacher-load`` reads as it is (the model's spec is stored in
    it; its optimizer state is not read). The teacher run is ``runs/demo_grpo`` (``runs/demo_grpo_tiny`` with
    ``--tiny``) or ``--teacher-run DIR``; when it has no checkpoint, the grpo demo runs there first;
-2. the student is the same base model as the grpo demo's (SmolLM2-135M-Instruct, or the tiny random Llama), on the
-   same task and splits;
+2. the student is the same base model as the grpo demo's (SmolLM2-135M-Instruct), on the same task and splits; with
+   ``--tiny`` a tiny random Llama of another seed (`TINY_STUDENT_SEED`) than the tiny grpo run's, which is the
+   teacher there unchanged (a random model's rewards are all 0, so that run does not move it);
 3. the stage is grpo with the teacher's flags (`stage_flags`): ``--teacher-load``, ``--distill-loss``,
    ``--distill-mode``, ``--distill-coef`` (and ``--distill-topk`` for ``topk_forward_kl``). The verifier stays on
    at weight 0 (``--verifier-weight 0``): the score is 0, so the run learns from the teacher alone (pure
@@ -41,6 +42,10 @@ DEFAULTS = {
     "distill_coef": (1.0, 1.0),
     "distill_topk": (32, 8),
 }
+
+
+# --tiny: the student's seed (the tiny grpo run's model, the teacher, has seed 0)
+TINY_STUDENT_SEED = 1
 
 
 def default_teacher_run(tiny: bool) -> Path:

@@ -199,7 +199,10 @@ def main(argv=None) -> int:
     print(f"==> model ({'tiny random Llama, SmolLM2 tokenizer' if args.tiny else 'SmolLM2-135M-Instruct'})",
           flush=True)
     if args.tiny:
-        hf_model = model.tiny_random_llama(out / "hf_model", model.prepare_smollm2_tokenizer())
+        # --distill: a student of another seed than the tiny grpo run's model, its teacher (which that run cannot
+        # train: a random model's rewards are all 0), so that the two differ
+        hf_model = model.tiny_random_llama(out / "hf_model", model.prepare_smollm2_tokenizer(),
+                                           seed=distill_demo.TINY_STUDENT_SEED if args.distill else 0)
     else:
         hf_model = model.prepare_smollm2()
     print(f"    {hf_model}", flush=True)
