@@ -31,11 +31,11 @@ ROOT = Path(__file__).resolve().parents[2]
 # (real model, tiny); the others come from run.DEFAULTS. The real run's values are the ones measured in
 # benchmarks/README.md (The demo): the student's held-out accuracy against the wall time of the grpo demo.
 DEFAULTS = {
-    "iterations": (15, 2),
+    "iterations": (8, 2),
     "prompts_per_iteration": (8, 2),
     "samples_per_prompt": (4, 2),
-    "lr": (1e-5, 1e-4),
-    "temperature": (1.0, 1.0),
+    "lr": (2e-5, 1e-4),
+    "temperature": (0.7, 1.0),
     "kl_coef": (0.0, 0.0),
     "distill_loss": ("k1", "k1"),
     "distill_mode": ("reward", "reward"),

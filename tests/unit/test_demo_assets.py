@@ -482,3 +482,25 @@ def test_distill_teacher_accuracy_reused_only_for_the_same_problems(tmp_path):
     (tmp_path / "grpo" / "hf_trained" / "config.json").write_text("{}")
     assert distill_demo.teacher_accuracy(None, teacher, other, evaluate)["accuracy"] == 1.0
     assert measured == [tmp_path / "grpo" / "hf_trained"]
+
+
+@pytest.mark.parametrize("loss,topk", [("k1", None), ("topk_forward_kl", 16)])
+def test_distill_stage_command_is_what_the_stage_reads(tmp_path, loss, topk):
+    """The demo's torchrun command with --distill, read by posttrain_gpt.py's own argument parsing: the teacher and
+    the distillation flags land in the run's DistillSettings, the verifier stays on at weight 0 (pure distillation),
+    and --distill-topk goes only with topk_forward_kl."""
+    from mindspeed_llm.arguments import parse_args
+    from mindspeed_llm.demo import distill_demo, run
+
+    args = run.resolve_args(["--distill", "--distill-loss", loss, "--distill-coef", "0.5",
+                             *(["--distill-topk", str(topk)] if topk else [])])
+    teacher = tmp_path / "grpo" / "ckpt" / "actor"
+    extra = ["--n-samples-per-prompt", args.samples_per_prompt, *distill_demo.stage_flags(args, teacher)]
+    cmd = [str(a) for a in run.stage_command(args, "d/train", "mg", "hf", tmp_path / "m.jsonl", tmp_path / "ck",
+                                             extra)]
+    settings = parse_args(cmd[cmd.index("posttrain_gpt.py") + 1:], world_size=1).settings
+    assert settings.distill.teacher_load == str(teacher)
+    assert (settings.distill.distill_loss, settings.distill.distill_mode, settings.distill.distill_coef,
+            settings.distill.distill_topk) == (loss, "reward", 0.5, topk if topk else None)
+    assert settings.reward.verifier_function == ("first_line_answer",) and settings.reward.verifier_weight == (0.0,)
+    assert settings.sampling.temperature == args.temperature == 0.7
