@@ -276,8 +276,9 @@ def plot_report(records: Sequence[Mapping], png_path: Union[str, Path], before=N
     ax = axes[0]
     xs, ys = series(records, reward)
     if ys:
+        per_iteration = "share correct" if reward.endswith(VERIFIER_SUFFIX) else "mean reward"
         ax.plot(xs, ys, marker="o", markersize=3, linewidth=1, color="tab:blue", alpha=0.55,
-                label="mean reward per iteration")
+                label=f"{per_iteration} per iteration")
         if len(ys) > 2:
             k = max(1, min(int(smooth), len(ys)))
             ax.plot(xs, _moving_average(ys, k), linewidth=2.4, color="tab:blue",
