@@ -107,6 +107,7 @@ RANGES: Dict[str, Bound] = {
     "--n-samples-per-prompt": _at_least(1, "samples"),
     "--train-iters": _at_least(1, "iterations"),
     "--max-new-tokens": _at_least(1, "tokens"),
+    "--judge-max-new-tokens": _at_least(1, "tokens"),
     "--max-length": _at_least(2, "tokens: a prompt token and a response token"),
     "--max-prompt-length": _at_least(1, "tokens"),
     "--max-num-gen-batches": _at_least(0, "generation batches; 0, no limit, only with --dynamic-sampling"),

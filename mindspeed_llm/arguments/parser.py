@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_wandb_args(p)
     _add_profiling_args(p)
     _add_rl_models_args(p)
+    _add_judge_args(p)
     _add_distill_args(p)
     _add_rollout_args(p)
     _add_multi_turn_args(p)
@@ -406,6 +407,29 @@ def _add_rl_models_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-train-param", action="store_true",
                    help="keep the fp32 main weights of bf16 / fp16 models in host memory from one update to the next, "
                         "and the critic's weights during the rollout (the actor's weights generate: they stay)")
+
+
+def _add_judge_args(p: argparse.ArgumentParser) -> None:
+    """An LLM judge's reward (`rl/judge.py`; checked by `arguments/judge.py`)."""
+    g = p.add_argument_group("RL: LLM-as-judge rewards (on with --judge-load; docs/algorithms.md)")
+    g.add_argument("--judge-load", metavar="PATH",
+                   help="a frozen judge: a Megatron checkpoint of any supported family and size (its architecture "
+                        "is read from the checkpoint) that writes a verdict on every sample, greedily")
+    g.add_argument("--judge-tokenizer-name-or-path", metavar="PATH",
+                   help="the judge's tokenizer, a local folder (default: the run's tokenizer)")
+    g.add_argument("--judge-template", metavar="FILE",
+                   help="the judge's prompt, a text file with the placeholders {prompt} and {response} (and "
+                        "optionally {label}); a literal brace is written {{ or }}")
+    g.add_argument("--judge-parser", metavar="PATH[:NAME]",
+                   help="a function verdict_text -> float or None of your own (NAME defaults to parse_verdict); "
+                        "default: the number after the verdict's last 'Score:'")
+    g.add_argument("--judge-weight", type=float, default=1.0,
+                   help="the weight of the judge's score in the reward (default 1.0)")
+    g.add_argument("--judge-max-new-tokens", type=int, default=256,
+                   help="the longest verdict, in the judge's tokens (default 256)")
+    g.add_argument("--judge-unparsed-score", type=float, default=0.0,
+                   help="the judge's score of a verdict its parser reads no number from (default 0.0; counted as "
+                        "judge/unparsed)")
 
 
 def _add_distill_args(p: argparse.ArgumentParser) -> None:

@@ -26,6 +26,7 @@ from mindspeed_llm.arguments.parser import (
 )
 from mindspeed_llm.arguments.distill import check_distill
 from mindspeed_llm.arguments.evaluation import check_evaluation
+from mindspeed_llm.arguments.judge import check_judge
 from mindspeed_llm.arguments.observability import check_profiling, check_rollout_records
 from mindspeed_llm.arguments.rollouts import (check_dynamic_sampling, check_multi_turn, check_partial_rollout,
                                               check_rollout_pair)
@@ -184,6 +185,7 @@ def validate_args(args, world_size: int) -> run_settings.Settings:
 
         run.custom_reward_weight = check_flags(run.custom_reward_function, run.custom_reward_weight,
                                                run.verifier_function)
+    check_judge(run)
     check_distill(run)
     _check_roles(run)
     _check_checkpoint_flags(args)
@@ -302,10 +304,11 @@ def _check_roles(run) -> None:
     else:
         if not run.ref_model and not run.load:
             raise ArgumentError("--stage grpo needs the initial actor: pass --ref-model (or --load to resume)")
-        if (not run.verifier_function and not run.reward_model and not run.custom_reward_function
-                and not run.teacher_load):  # with a teacher alone: pure distillation (every score 0)
+        if not (run.verifier_function or run.reward_model or run.custom_reward_function or run.judge_load
+                or run.teacher_load):  # with a teacher alone: pure distillation (every score 0)
             raise ArgumentError("--stage grpo needs a reward: --verifier-function NAME ..., --custom-reward-function "
-                                "PATH:NAME, --reward-model DIR and/or a teacher (--teacher-load PATH)")
+                                "PATH:NAME, --reward-model DIR, --judge-load DIR and/or a teacher (--teacher-load "
+                                "PATH)")
     if run.verifier_weight and len(run.verifier_weight) != len(run.verifier_function):
         raise ArgumentError(
             f"--verifier-weight has {len(run.verifier_weight)} values for {len(run.verifier_function)} "
@@ -475,7 +478,9 @@ def _check_lora(run) -> None:
         raise ArgumentError(f"--lora-dropout {run.lora_dropout} must be in [0, 1)")
     if run.offload_ref_reward:
         shared = "the reference and the reward model are" if run.stage == "trl_ppo" else "the reference is"
-        rest = ("only grpo's --reward-model is offloaded" if run.stage == "grpo" and run.reward_model
+        own = (["grpo's --reward-model"] if run.stage == "grpo" and run.reward_model else []) + (
+            ["the teacher (--teacher-load)"] if run.teacher_load else [])  # models of their own
+        rest = (f"only {' and '.join(own)} {'is' if len(own) == 1 else 'are'} offloaded" if own
                 else "nothing is offloaded")
         run.startup_notes.append(f"--offload-ref-reward: with LoRA {shared} the trained models' bases with their "
                                   f"adapters off, not models of their own: {rest}")
@@ -499,7 +504,8 @@ def _check_algorithm(run) -> None:
     if run.stage != "trl_ppo" and estimator.kind == "critic":
         raise ArgumentError(f"--adv-estimator {run.adv_estimator} needs a critic: --stage trl_ppo only (grpo "
                             f"takes {', '.join(fits)})")
-    if estimator.kind == "outcome" and run.n_samples_per_prompt < 2:
+    # with a teacher the distillation term trains a group of one (its group advantage is 0)
+    if estimator.kind == "outcome" and run.n_samples_per_prompt < 2 and not run.teacher_load:
         raise ArgumentError(f"--adv-estimator {run.adv_estimator} compares the samples of a prompt with each other: "
                             f"with --n-samples-per-prompt {run.n_samples_per_prompt} every advantage is 0 and "
                             "nothing trains; give --n-samples-per-prompt 2 or more")

@@ -125,10 +125,12 @@ def fused_config(spec: ArchitectureSpec, fused_ops) -> dict:
                 apply_rope_fusion="rope" in fused_ops and not spec.is_mla)
 
 
-def transformer_config(spec: ArchitectureSpec, params_dtype=torch.float32, fused_ops=(), **overrides
+def transformer_config(spec: ArchitectureSpec, params_dtype=torch.float32, fused_ops=(), groups=None, **overrides
                        ) -> TransformerConfig:
-    """The TransformerConfig of `spec` under the current parallel state (`fused_ops`: `fused_config`)."""
+    """The TransformerConfig of `spec` under the current parallel state (`fused_ops`: `fused_config`), or at the
+    sizes of explicit `groups` (`build_model`'s)."""
     params_dtype = parse_dtype(params_dtype)
+    tp, pp = _parallel_sizes(groups)
     kwargs = dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -150,8 +152,8 @@ def transformer_config(spec: ArchitectureSpec, params_dtype=torch.float32, fused
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
-        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
         pipeline_dtype=params_dtype,
         # Megatron's fused bias/activation kernels need CUDA/TE; the torch paths are exact.
         bias_activation_fusion=False,
@@ -204,6 +206,14 @@ class ValueHead(torch.nn.Module):
         return F.linear(hidden_states.float(), self.weight), None
 
 
+def _parallel_sizes(groups) -> tuple:
+    """(TP, PP) of megatron's parallel state, or of explicit `groups` (a ProcessGroupCollection)."""
+    if groups is None:
+        return (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size())
+    return groups.tp.size(), groups.pp.size()
+
+
 def build_model(
     spec: ArchitectureSpec,
     params_dtype=torch.float32,
@@ -212,23 +222,29 @@ def build_model(
     post_process: Optional[bool] = None,
     attention: str = "sdpa",
     fused_ops=(),
+    groups=None,
     **config_overrides,
 ) -> GPTModel:
     """A GPTModel for this rank's pipeline stage. `value_head=True` gives the critic/reward model. `attention`:
     "sdpa" (the device's fused kernel, `models/attention.py`) or "local" (megatron's DotProductAttention).
     `fused_ops`: names of `device.FUSED_OPS` (MindSpeed-LLM's --use-fused-* flags) run on the device's fused ops
-    (`fused_config`, `models/fused_ops.py`); none by default (megatron's unfused torch path)."""
+    (`fused_config`, `models/fused_ops.py`); none by default (megatron's unfused torch path). `groups`: megatron's
+    `ProcessGroupCollection` for a model outside megatron's parallel_state (a generator rank of asynchronous RL,
+    `rl/async_rl/placement.py`): a dense model at PP 1 on its TP group."""
     if attention not in ATTENTIONS:
         raise ValueError(f"build_model: attention={attention!r}; use one of {ATTENTIONS}")
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    tp, pp = _parallel_sizes(groups)
+    if groups is not None:
+        if spec.is_moe or pp != 1:
+            raise ValueError("build_model: explicit groups build a dense model at PP 1 only")
+        pre_process = post_process = True
     if spec.is_moe:
         spec.check_parallel(tp, pp, parallel_state.get_expert_model_parallel_world_size(),
                             parallel_state.get_expert_tensor_parallel_world_size())
     else:  # a dense model (e.g. the critic next to an MoE actor) ignores the expert groups
         spec.check_parallel(tp, pp)
     fused_ops = check_fused_ops(fused_ops)
-    config = transformer_config(spec, params_dtype, fused_ops=fused_ops, **config_overrides)
+    config = transformer_config(spec, params_dtype, fused_ops=fused_ops, groups=groups, **config_overrides)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
@@ -246,6 +262,7 @@ def build_model(
         rotary_base=int(spec.rotary_base),
         rope_scaling=spec.rope_scaling_factor is not None,
         rope_scaling_factor=spec.rope_scaling_factor or 8.0,
+        pg_collection=groups,
     )
     model.model_spec = spec
     model.is_value_model = value_head

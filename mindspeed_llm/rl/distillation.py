@@ -118,7 +118,8 @@ class Distillation:
         return self.coef * loss, {"distill_kl": m["kl"], "distill_loss": self.coef * m["loss"]}
 
     def update_metrics(self, actor_metrics: Dict[str, float]) -> Dict[str, float]:
-        """The loss mode's update metrics, taken out of `actor_metrics` as `distill/kl_mean`, `distill/loss`."""
-        if self.in_reward:
+        """The loss mode's update metrics, taken out of `actor_metrics` as `distill/kl_mean`, `distill/loss` (none on
+        a pipeline stage without the losses: the trainer logs the last stage's metrics)."""
+        if self.in_reward or "distill_kl" not in actor_metrics:
             return {}
         return {"distill/kl_mean": actor_metrics.pop("distill_kl"), "distill/loss": actor_metrics.pop("distill_loss")}

@@ -1,8 +1,8 @@
 """The one place a response's score is made: rule verifiers, a user's reward function (`--custom-reward-function`),
-the tools' own rewards of a multi-turn trajectory, the reward model, and penalties (TRL's missing-EOS penalty,
-DAPO's overlong penalty), mixed by their weights, with their metrics. The verifiers and the reward function get what
-their signatures ask for (`verifiers/calling.py`): the response text and label, the sample's dataset row (`rows`)
-and its trajectory (`SampleData.trajectories`, `verifiers/trajectory.py`)."""
+the tools' own rewards of a multi-turn trajectory, the reward model, an LLM judge (`judge.py`, --judge-load), and
+penalties (TRL's missing-EOS penalty, DAPO's overlong penalty), mixed by their weights, with their metrics. The
+verifiers and the reward function get what their signatures ask for (`verifiers/calling.py`): the response text and
+label, the sample's dataset row (`rows`) and its trajectory (`SampleData.trajectories`, `verifiers/trajectory.py`)."""
 
 from __future__ import annotations
 
@@ -78,25 +78,28 @@ class Scorer:
     (`core_algos.overlong_penalty`, with `--overlong-buffer-len`); with their metrics."""
 
     @classmethod
-    def from_settings(cls, reward: RewardMixing, reward_model=None, offload: bool = False) -> "Scorer":
+    def from_settings(cls, reward: RewardMixing, reward_model=None, offload: bool = False, judge=None) -> "Scorer":
         """The run's scorer: `reward`'s mixing, with `reward_model` (None: verifiers only) in host memory between
-        uses when `offload` (--offload-ref-reward)."""
+        uses when `offload` (--offload-ref-reward), and `judge` (`judge.Judge`, None: no judge)."""
         return cls(reward.verifier_function, reward.verifier_weight, reward_model, reward.reward_model_weight,
                    offload, reward.missing_eos_penalty, overlong_buffer_len=reward.overlong_buffer_len,
                    overlong_penalty_factor=reward.overlong_penalty_factor, max_new_tokens=reward.max_new_tokens,
                    custom_reward_function=reward.custom_reward_function,
                    custom_reward_weight=1.0 if reward.custom_reward_weight is None else reward.custom_reward_weight,
-                   tool_rewards=reward.tool_rewards or "add")
+                   tool_rewards=reward.tool_rewards or "add", judge=judge)
 
     def __init__(self, verifier_names: Sequence[str], verifier_weights: Sequence[float],
                  reward_model=None, reward_model_weight: float = 1.0, offload: bool = False,
                  missing_eos_penalty: Optional[float] = None, *, overlong_buffer_len: Optional[int] = None,
                  overlong_penalty_factor: float = 1.0, max_new_tokens: Optional[int] = None,
-                 custom_reward_function=None, custom_reward_weight: float = 1.0, tool_rewards: str = "add"):
+                 custom_reward_function=None, custom_reward_weight: float = 1.0, tool_rewards: str = "add",
+                 judge=None):
         """`custom_reward_function`: ``PATH[:NAME]`` (loaded with `reward_functions.load_reward_function`), a
         `verifiers.RewardFunction`, or None; scored as the verifier ``custom`` with `custom_reward_weight`.
         `tool_rewards` (--tool-rewards): ``add`` the tools' rewards of a trajectory to its score (score part
-        ``tool``), or ``record`` them only (verl's way; score part ``tool_recorded``, not in the score)."""
+        ``tool``), or ``record`` them only (verl's way; score part ``tool_recorded``, not in the score). `judge`: a
+        `judge.Judge` whose score enters with its own weight (score parts ``judge`` and ``judge_verdict``, the
+        verdict's text), or None."""
         if tool_rewards not in ("add", "record"):
             raise ValueError(f"tool_rewards {tool_rewards!r}: use add or record (--tool-rewards)")
         self.tool_rewards = tool_rewards
@@ -119,6 +122,7 @@ class Scorer:
             self.functions[reward_functions.CUSTOM] = custom_reward_function
             self.flags[reward_functions.CUSTOM] = f"{reward_functions.FLAG} {spec}" if spec else reward_functions.FLAG
             self.function_weights[reward_functions.CUSTOM] = float(custom_reward_weight)
+        self.judge = judge
         self.reward_model = reward_model
         self.reward_model_weight = reward_model_weight
         self.offload = offload
@@ -142,6 +146,13 @@ class Scorer:
             for part, value in zip(parts, rm.tolist()):
                 part["reward_model"] = value
         data = exp.sample_data
+        if self.judge is not None:
+            with timers("judge"):
+                verdicts = self.judge(exp, timers)
+            total += self.judge.weight * torch.as_tensor(verdicts.scores, dtype=torch.float32, device=on)
+            for part, score, text in zip(parts, verdicts.scores, verdicts.texts):
+                part.update(judge=float(score), judge_verdict=text)
+            metrics.update(verdicts.metrics)
         if self.verifier_names or self.functions:
             with timers("rule_reward"):
                 try:

@@ -5,6 +5,7 @@
     LossSettings       the actor's and critic's loss closures                  (`loss_closures`)
     UpdateSchedule     epochs x mini-batches of an update                      (`ppo_loop.ppo_update`)
     RewardMixing       verifiers, reward model and penalties, by weight        (`scoring.Scorer.from_settings`)
+    JudgeSettings      the LLM judge: checkpoint, template, parser, weight     (`rl/judge.py`)
     OffloadSettings    what waits in host memory between uses                  (`roles.offload_parts`, `on_device`)
     DistillSettings    the teacher and on-policy distillation                  (`rl/distillation.py`)
     AlgorithmSettings  estimator, KL, discounting, filters, samples per prompt (`rl/stages/*`)
@@ -101,6 +102,18 @@ class RewardMixing:
     max_new_tokens: int = 128  # the overlong penalty's length limit
     tool_rewards: Optional[str] = None  # validate_args: "add" (a trajectory's tool rewards enter its score) or
     # "record" (only recorded)
+
+
+@dataclass(frozen=True)
+class JudgeSettings:
+    """The LLM judge (`rl/judge.py`, docs/algorithms.md "LLM-as-judge rewards"): on with --judge-load."""
+    judge_load: Optional[str] = None  # a Megatron checkpoint of any supported family and size; None: no judge
+    judge_tokenizer_name_or_path: Optional[str] = None  # None: the run's tokenizer
+    judge_template: Optional[str] = None  # the prompt template file ({prompt}, {response}, optionally {label})
+    judge_parser: Optional[str] = None  # PATH[:NAME] of a verdict parser; None: the number after the last "Score:"
+    judge_weight: float = 1.0
+    judge_max_new_tokens: int = 256
+    judge_unparsed_score: float = 0.0  # the score of a verdict the parser reads no number from
 
 
 @dataclass(frozen=True)
@@ -294,6 +307,7 @@ class Settings:
     loss: LossSettings = field(default_factory=LossSettings)
     update: UpdateSchedule = field(default_factory=UpdateSchedule)
     reward: RewardMixing = field(default_factory=RewardMixing)
+    judge: JudgeSettings = field(default_factory=JudgeSettings)
     offload: OffloadSettings = field(default_factory=OffloadSettings)
     distill: DistillSettings = field(default_factory=DistillSettings)
     algorithm: AlgorithmSettings = field(default_factory=AlgorithmSettings)

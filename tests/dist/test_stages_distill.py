@@ -1,11 +1,12 @@
 """On-policy distillation in the real stages (--teacher-load; `rl/distillation.py`): one iteration of grpo and of
-trl_ppo on the tiny word task with a teacher of ANOTHER size than the actor (3 layers, hidden 32 against 2 x 64;
+trl_ppo on the tiny word task with a teacher of ANOTHER size than the actor (4 layers, hidden 32 against 2 x 64;
 the same 256-word vocabulary, `word_task.TEACHER_SHAPE`), where
 
 * the teacher's log-probs of the sampled tokens, and its top-k, equal transformers' on the teacher's Hugging Face
   weights at the rollout temperature (an independent reference of the teacher's pass: its read positions, the
   temperature, the top-k over the vocab shard);
-* the `distill/*` metrics and `timing/teacher` are logged, in both modes (reward, loss) and both stages;
+* the `distill/*` metrics and `timing/teacher` are logged, in both modes (reward, loss), both stages, with a LoRA
+  student and on multi-turn tool trajectories (over the model's own tokens: tool tokens are never distilled);
 * a teacher equal to the actor gives a KL of ~0 (k1, and the top-k forward KL at k = the vocabulary, which covers
   the teacher's whole mass);
 * trl_ppo's token rewards carry -coef x KL per token: the logged per-sample reward sum is the score, the KL
@@ -34,24 +35,50 @@ def cases(task):
     return {
         # k1 as a reward at another rollout temperature (the teacher's log-probs are taken at it)
         "grpo_k1_reward": ("grpo", GRPO + VERIFIER + teacher + ["--temperature", "0.7"]),
-        # pure distillation (no verifier, no reward model), k3 as a loss
-        "grpo_k3_loss": ("grpo", GRPO + teacher + ["--distill-loss", "k3", "--distill-mode", "loss"]),
+        # pure distillation (no verifier, no reward model), one sample per prompt, k3 as a loss
+        "grpo_k3_loss": ("grpo", GRPO + teacher + ["--distill-loss", "k3", "--distill-mode", "loss",
+                                                   "--n-samples-per-prompt", "1"]),
         "grpo_topk_loss": ("grpo", GRPO + VERIFIER + teacher + [
             "--distill-loss", "topk_forward_kl", "--distill-mode", "loss", "--distill-topk", "8",
-            "--temperature", "0.7", "--distill-coef", "0.5"]),
+            "--temperature", "0.7", "--distill-coef", "0.5", "--offload-ref-reward"]),
         # the top-k KL as a reward of a token estimator; the teacher is the actor and k the whole vocabulary
         "grpo_self_topk_reward": ("grpo", GRPO + actor + [
             "--distill-loss", "topk_forward_kl", "--distill-topk", "256", "--adv-estimator", "reinforce_plus_plus"]),
         "trl_ppo_k3_reward": ("trl_ppo", PPO + teacher + ["--distill-loss", "k3", "--distill-coef", "0.5"]),
+        # a LoRA student: the teacher is a model of its own (the reference is the actor's base)
+        "grpo_lora_k3_reward": ("grpo", GRPO + VERIFIER + teacher + ["--distill-loss", "k3", "--lora-target-modules",
+                                                                     "linear_qkv", "--lora-r", "4"]),
         "trl_ppo_self_k1": ("trl_ppo", PPO + actor),
     }
 
 
+def tools_argv(task, out):
+    """grpo on multi-turn tool trajectories (test_stages_multi_turn's word tools): the teacher scores the model's
+    turns, never the tool tokens between them."""
+    from tests.helpers.word_task import TOOLS_DIR
+
+    return ["--stage", "grpo", "--ref-model", task["mg_actor_tp1pp1"], "--tokenizer-name-or-path",
+            task["chat_tokenizer"], "--data-path", task["data"], "--global-batch-size", "2", "--micro-batch-size", "2",
+            "--train-iters", "1", "--max-length", "24", "--max-prompt-length", "8", "--max-new-tokens", "4",
+            "--do-sample", "--seed", "5", "--lr", "1e-2", "--stop-token-ids", ",".join(map(str, range(100, 140))),
+            "--tool-config", task["tools"], "--tool-parser-format", "first_word_even", "--max-assistant-turns", "3",
+            "--max-total-response-length", "14", "--max-tool-response-length", "3", "--n-samples-per-prompt", "2",
+            "--custom-reward-function", f"{TOOLS_DIR / 'word_tools.py'}:turns_reward", "--kl-coef", "0.01",
+            "--teacher-load", task["mg_teacher_tp1pp1"], "--distill-loss", "k3",
+            "--metrics-jsonl", str(out / "metrics.jsonl")]
+
+
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
+    import sys
+
     from tests.helpers import word_task
 
-    return word_task.build(tmp_path_factory.mktemp("distill_task"), reward=True, teacher=True)
+    root = tmp_path_factory.mktemp("distill_task")
+    paths = word_task.build(root, reward=True, teacher=True)
+    sys.path.insert(0, str(word_task.TOOLS_DIR))  # the warm ranks take the caller's sys.path (multiproc.py)
+    yield dict(paths, **word_task.write_chat_tools(root, paths["tokenizer"]))
+    sys.path.remove(str(word_task.TOOLS_DIR))
 
 
 def _run_recorded(rank, world_size, runs):
@@ -81,6 +108,8 @@ def runs(task, tmp_path_factory):
     root = tmp_path_factory.mktemp("distill_runs")
     named = cases(task)
     argvs = [layout_argv(task, stage, "mbs1", extra, root / name) for name, (stage, extra) in named.items()]
+    named["grpo_tools_k3_reward"] = ("grpo", ())
+    argvs.append(tools_argv(task, root / "grpo_tools_k3_reward"))
     records = run_distributed(_run_recorded, 1, argvs)[0]
     assert len(records) == len(named)
     return {name: (metrics_row(root / name, skipped=()), record) for name, record in zip(named, records)}
@@ -103,7 +132,7 @@ def _hf_teacher_logprobs(hf_path, record, temperature):
     return out
 
 
-@pytest.mark.parametrize("name", ["grpo_k1_reward", "grpo_topk_loss", "trl_ppo_k3_reward"])
+@pytest.mark.parametrize("name", ["grpo_k1_reward", "grpo_topk_loss", "trl_ppo_k3_reward", "grpo_lora_k3_reward"])
 def test_the_teachers_pass_equals_transformers_at_the_rollout_temperature(runs, task, name):
     import torch
 
@@ -139,6 +168,12 @@ def test_the_distill_metrics_are_logged(runs):
             assert 0 < metrics["distill/topk_mass"] <= 1 + 1e-6
         if "self" not in name and "k1" not in name:  # k3 and the forward KL are >= 0, and the teacher differs
             assert metrics["distill/kl_mean"] > 1e-3, name
+    # tool tokens are read by the teacher but never distilled: the means are over the model's own tokens
+    _, record = runs["grpo_tools_k3_reward"]
+    tools = record["response_mask"] - record["action_mask"]
+    assert tools.sum() > 0
+    over_all = float((record["teacher_logp"] * record["response_mask"]).sum() / record["response_mask"].sum())
+    assert abs(runs["grpo_tools_k3_reward"][0]["distill/teacher_logp_mean"] - over_all) > 1e-3
     # the loss mode's loss is coef x its KL (token-mean, one optimizer step)
     metrics, _ = runs["grpo_topk_loss"]
     assert metrics["distill/loss"] == pytest.approx(0.5 * metrics["distill/kl_mean"], rel=1e-5)

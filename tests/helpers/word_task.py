@@ -36,7 +36,7 @@ TOOL_CONFIG = """tools:
 
 
 # the teacher of on-policy distillation (--teacher-load): another size of the actor's family, the same vocabulary
-TEACHER_SHAPE = dict(num_layers=3, hidden_size=32, intermediate_size=64)
+TEACHER_SHAPE = dict(num_layers=4, hidden_size=32, intermediate_size=64)  # PP2 splits its 4 layers
 
 
 def build(root: Path, layouts=((1, 1),), reward: bool = False, prompts: int = 16, model_seed: int = 3,

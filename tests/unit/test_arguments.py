@@ -94,5 +94,10 @@ def test_distillation_defaults_and_pure_distillation():
     ppo = parse_args(BASE + ["--stage", "trl_ppo", "--reward-model", "x"] + TEACHER + ["--distill-loss", "k3"],
                      world_size=1).settings.distill
     assert (ppo.distill_loss, ppo.distill_mode) == ("k3", "reward")
+    # a group of one: the group advantage is 0, the teacher's term trains; without a teacher it is refused
+    assert parse_args(BASE + GRPO_MATH + TEACHER + ["--n-samples-per-prompt", "1"], world_size=1).settings.algorithm \
+        .n_samples_per_prompt == 1
+    with pytest.raises(ArgumentError, match="with --n-samples-per-prompt 1 every advantage is 0"):
+        parse_args(BASE + GRPO_MATH + ["--n-samples-per-prompt", "1"], world_size=1)
     off = parse_args(BASE + GRPO_MATH, world_size=1).settings.distill
     assert off.teacher_load is None and off.distill_loss is None and off.distill_coef is None

@@ -204,7 +204,8 @@ def _score(distill, exp, teacher_logp, monkeypatch):
     from mindspeed_llm.rl import distillation
     from mindspeed_llm.rl.metrics import Timers
 
-    monkeypatch.setattr(distillation, "teacher_scores", lambda model, exp, plan, temperature, topk: (teacher_logp, None))
+    monkeypatch.setattr(distillation, "teacher_scores",
+                        lambda model, exp, plan, temperature, topk: (teacher_logp, None))
     monkeypatch.setattr(distillation, "sum_over_data_parallel", lambda t: t)
     return distill.score(exp, None, Timers(), student=None)
 
@@ -249,3 +250,85 @@ def test_grpo_reward_mode_enters_a_token_estimators_rewards_before_the_discounte
     # row 0's actions (tool token left out): k1 = 0.5, -1.0, 0.0; score 1 on its last action
     close(seen["rewards"], [[-1.0, 2.0, 0.0 + 1.0, 0.0], [1.0, -1.0, 0.0, 0.0]])
     close(seen["mask"], [[1, 1, 1, 0], [1, 1, 1, 0]])
+
+
+@pytest.mark.parametrize("loss", ["k3", "topk_forward_kl"])
+def test_the_loss_modes_term_and_its_gradient_equal_autograd_on_a_dense_reference(loss, monkeypatch):
+    """`Distillation.loss_term` on one micro-batch (the read positions of `rl/update/passes.py`, --loss-agg-mode
+    seq-mean-token-mean with the mini-batch's totals, --distill-coef) against the same loss written densely in plain
+    torch, value and gradient w.r.t. the student's logits; the teacher's top-k as `teacher_topk` gives it."""
+    from mindspeed_llm.rl.distillation import Distillation
+    from mindspeed_llm.rl.update import passes
+
+    monkeypatch.setattr(passes.parallel_state, "get_tensor_model_parallel_group", lambda: None)
+    gen = torch.Generator().manual_seed(7)
+    V, T_, k, temperature, coef = 11, 6, 4, 0.8, 0.5
+    prompts, mask = [2, 3], torch.tensor([[1.0, 1, 1], [1, 1, 0]])
+    responses = torch.randint(0, V, (2, 3), generator=gen)
+    logits = torch.randn(2, T_, V, generator=gen, requires_grad=True)
+    teacher_logits = 2 * torch.randn(2, 3, V, generator=gen)
+    top = ca.teacher_topk(teacher_logits, k, temperature=temperature)
+    index = torch.tensor([[p - 1 + j for j in range(3)] for p in prompts]).clamp(max=T_ - 1)
+    mb = dict(responses=responses, response_index=index, row_index=torch.arange(2), logits_from=torch.tensor(0),
+              teacher_topk_ids=top.ids, teacher_topk_logp=top.logp, loss_mask=mask,
+              total_tokens=torch.tensor(5.0), total_sequences=torch.tensor(2.0))
+    teacher_logp = torch.log_softmax(teacher_logits / temperature, -1).gather(-1, responses[..., None])[..., 0]
+    mb["teacher_logp"] = teacher_logp
+    distill = object.__new__(Distillation)
+    distill.sampled, distill.estimator, distill.coef = loss == "k3", loss, coef
+    distill.temperature, distill.agg, distill.max_len = temperature, "seq-mean-token-mean", 3
+    logp = passes.response_logprobs(logits, mb, temperature)
+    term, metrics = distill.loss_term(logits, logp, mb)
+    (grad,) = torch.autograd.grad(term, logits)
+
+    dense_logits = logits.detach().clone().requires_grad_(True)
+    # position p - 1 + j predicts response token j
+    log_s = torch.log_softmax(dense_logits[torch.arange(2)[:, None], index] / temperature, -1)  # [2, 3, V]
+    if loss == "k3":
+        d = teacher_logp - log_s.gather(-1, responses[..., None])[..., 0]
+        per_token = torch.exp(d) - d - 1
+    else:
+        log_t = torch.log_softmax(teacher_logits / temperature, -1)
+        in_topk = torch.zeros_like(log_t).scatter(-1, top.ids, 1.0)
+        per_token = (in_topk * log_t.exp() * (log_t - log_s)).sum(-1)
+    # seq-mean-token-mean: each sequence's token mean, averaged over the 2 sequences
+    reference = coef * ((per_token * mask).sum(-1) / mask.sum(-1)).sum() / 2
+    (dense_grad,) = torch.autograd.grad(reference, dense_logits)
+    torch.testing.assert_close(term, reference, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grad, dense_grad, atol=1e-6, rtol=1e-5)
+    assert float(metrics["distill_loss"]) == pytest.approx(float(reference.detach()), rel=1e-5)
+
+
+def test_a_teacher_of_another_vocabulary_is_refused_before_any_model_is_built(monkeypatch):
+    """`RoleFactory.check_teacher` reads the two checkpoints' specs only, and both stages call it before building
+    their actor: a teacher of another vocabulary (or a --distill-topk over it) is refused naming --teacher-load
+    without a model built."""
+    from types import SimpleNamespace
+
+    from mindspeed_llm.errors import ArgumentError
+    from mindspeed_llm.rl.settings import AlgorithmSettings, DistillSettings, ModelSources, Settings
+    from mindspeed_llm.rl.stages import grpo, trl_ppo
+    from mindspeed_llm.rl.update import roles
+
+    vocab = {"actor": 256, "teacher": 320, "same": 256}
+    monkeypatch.setattr(roles, "load_spec", lambda root: SimpleNamespace(vocab_size=vocab[root]))
+    settings = Settings(distill=DistillSettings(teacher_load="teacher", distill_loss="k1", distill_mode="reward",
+                                                distill_coef=1.0),
+                        algorithm=AlgorithmSettings(stage="grpo", adv_estimator="grpo", n_samples_per_prompt=2),
+                        models=ModelSources(ref_model="actor", reward_model="reward", load="actor"))
+    with pytest.raises(ArgumentError, match="--teacher-load teacher: the teacher's vocabulary has 320 tokens, the "
+                                            "actor's 256"):
+        roles.RoleFactory(settings).check_teacher("actor")
+    topk = Settings(distill=DistillSettings(teacher_load="same", distill_loss="topk_forward_kl", distill_topk=300))
+    with pytest.raises(ArgumentError, match=r"--distill-topk 300 exceeds the vocabulary of 256 tokens \(--teacher-load "
+                                            r"same\)"):
+        roles.RoleFactory(topk).check_teacher("actor")
+    roles.RoleFactory(Settings()).check_teacher("actor")  # no teacher: nothing to check
+
+    built = []
+    factory = roles.RoleFactory(settings)
+    monkeypatch.setattr(factory, "trained", lambda *a, **k: built.append(a))
+    for stage in (grpo.GRPOStage, trl_ppo.TrlPPOStage):
+        with pytest.raises(ArgumentError, match="the teacher's vocabulary has 320 tokens"):
+            stage(settings, None, factory)
+    assert built == []

@@ -74,8 +74,9 @@ def test_every_default_is_the_parsers():
     parser = build_parser()
     dests = {action.dest for action in parser._actions}
     assert {f.name for f in dataclasses.fields(run_settings.Settings)} == {
-        "sampling", "loss", "update", "reward", "offload", "distill", "algorithm", "tools", "batch", "models", "parallel",
-        "data", "checkpoint", "loop", "wandb", "profile", "startup", "model", "optimizer", "lora", "moe", "recompute"}
+        "sampling", "loss", "update", "reward", "judge", "offload", "distill", "algorithm", "tools", "batch", "models",
+        "parallel", "data", "checkpoint", "loop", "wandb", "profile", "startup", "model", "optimizer", "lora", "moe",
+        "recompute"}
     for part in run_settings.PARTS:
         for f in dataclasses.fields(part):
             if f.metadata.get("derived"):  # validate_args works it out of several flags: no flag of its own

@@ -56,14 +56,14 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     # the models of a stage and how they are trained (roles, LoRA, MoE, recompute, the micro-batch plan, the passes,
     # the losses and the PPO loop, megatron's schedule, the trained model and its state): below the rollouts,
     # scoring and evaluation that run the models
-    ("rl update", ("mindspeed_llm.rl.update",)),
+    # async_rl: the actor's weights leave the trainers for the generator ranks (placement, resharding, streaming)
+    ("rl update", ("mindspeed_llm.rl.update", "mindspeed_llm.rl.async_rl")),
     # how an iteration's samples are made: the sample generators, the schedules, and what observes their output
     # (records, dump, replay): above the models they run, below scoring and evaluation
     ("rl rollouts", ("mindspeed_llm.rl.rollouts",)),
     ("rl plumbing", (
-        "mindspeed_llm.rl.scoring", "mindspeed_llm.rl.distillation", "mindspeed_llm.rl.evaluation",
-        "mindspeed_llm.rl.startup",
-        "mindspeed_llm.rl.profiling",
+        "mindspeed_llm.rl.scoring", "mindspeed_llm.rl.evaluation", "mindspeed_llm.rl.startup",
+        "mindspeed_llm.rl.profiling", "mindspeed_llm.rl.judge", "mindspeed_llm.rl.distillation",
     )),
     ("rl stages", ("mindspeed_llm.rl.stages",)),
     ("outer loop", ("mindspeed_llm.rl.trainer", "mindspeed_llm.rl.preflight")),

@@ -62,7 +62,8 @@ What is where
 * :mod:`.distill`: on-policy distillation's math: ``DISTILL_ESTIMATORS``, ``DISTILL_LOSSES`` (what each signal needs
   and whether it may be a loss), ``reverse_kl`` (k1 / k3 on the sampled tokens), ``distill_token_rewards``,
   ``reverse_kl_loss``; the forward KL over the teacher's top-k from vocab-parallel logits: ``TeacherTopK``,
-  ``teacher_topk``, ``forward_kl_on_teacher_topk``, ``topk_forward_kl``, ``topk_forward_kl_loss``.
+  ``teacher_topk``, ``forward_kl_on_teacher_topk``, ``topk_forward_kl``, ``topk_forward_kl_loss``, ``topk_kl_loss``
+  (the stages' wiring: ``rl/distillation.py``).
 
 Registering a method is one decorator: ``@register_advantage(name, kind)`` adds a ``--adv-estimator`` choice,
 ``@register_policy_loss(name)`` a ``--policy-loss`` choice (``validate_args`` checks the flags against these
@@ -106,6 +107,7 @@ from mindspeed_llm.rl.core_algos.distill import (
     teacher_topk,
     topk_forward_kl,
     topk_forward_kl_loss,
+    topk_kl_loss,
 )
 from mindspeed_llm.rl.core_algos.kl import KL_KINDS, kl_penalty, rollout_mismatch
 from mindspeed_llm.rl.core_algos.losses import (
@@ -201,4 +203,5 @@ __all__ = [
     "forward_kl_on_teacher_topk",
     "topk_forward_kl",
     "topk_forward_kl_loss",
+    "topk_kl_loss",
 ]

@@ -1,5 +1,5 @@
 """The math of on-policy distillation: the student samples, a frozen teacher scores the same tokens, and the student
-is moved towards the teacher (issue 48; the teacher role and its flags build on this).
+is moved towards the teacher (issue 48; the teacher role, its flags and the stages' use of this: `rl/distillation.py`).
 
 Two signals, with ``s`` the student's and ``t`` the teacher's log-prob of a token, both at the rollout temperature:
 

@@ -14,6 +14,7 @@ from typing import Dict, List, Sequence
 from mindspeed_llm import distributed
 from mindspeed_llm.rl.evaluation import evaluate_policy
 from mindspeed_llm.rl.experience import Experience
+from mindspeed_llm.rl.judge import Judge
 from mindspeed_llm.rl.metrics.pass_at_k import PromptResult
 from mindspeed_llm.rl.rollouts.base import PromptSource, build_rollouts
 from mindspeed_llm.rl.rollouts.plain import sampling_config
@@ -48,10 +49,12 @@ class StageBase:
         self.tokenizer = tokenizer
 
     def _build_rollout_side(self, reward_model) -> None:
-        """The parts built once the models are: the scorer (with `reward_model`, None: verifiers only), the sampling
-        config, the schedule over its sample generator on the actor, the records of its scored rollouts."""
+        """The parts built once the models are: the scorer (with `reward_model`, None: verifiers only, and the
+        --judge-load judge), the sampling config, the schedule over its sample generator on the actor, the records of
+        its scored rollouts."""
         settings, tokenizer = self.settings, self.tokenizer
-        self.scorer = Scorer.from_settings(settings.reward, reward_model, settings.offload.offload_ref_reward)
+        self.scorer = Scorer.from_settings(settings.reward, reward_model, settings.offload.offload_ref_reward,
+                                           judge=Judge.from_settings(settings, tokenizer))
         self.sampling = sampling_config(settings.sampling, tokenizer)
         self.rollouts = build_rollouts(settings, self.actor.module, tokenizer, self.sampling)
         self.records = RolloutRecords.from_settings(settings, tokenizer, self.rollouts)

@@ -56,6 +56,7 @@ class GRPOStage(StageBase):
             )
         initial = models.ref_model or models.load
         flag = "--ref-model" if models.ref_model else "--load"
+        build.check_teacher(initial)  # --teacher-load against the actor's checkpoint, before any model is built
         self.actor = build.trained(initial, flag, "actor")
         self.reference = None
         if self.algorithm.kl_coef > 0:  # with LoRA: the actor with its adapters off, no second copy (rl/update/lora.py)

@@ -7,10 +7,11 @@ rewards (-kl_coef * KL, score after the last token as TRL places it) -> GAE + wh
 (clipped value loss) updates per epoch and mini-batch.
 
 Actor and reference start from `--ref-model`; critic and reward from `--reward-model` (a value-head
-checkpoint). With rule verifiers and `--reward-model-weight 0` the reward model is not loaded. With LoRA the reference
-is the actor with its adapters off and the reward model the critic with its adapters off and the checkpoint's value
-head (`rl/update/lora.py`). With --teacher-load a frozen teacher's per-token KL is a reward term too, added to the
-token rewards before GAE (`rl/distillation.py`; reward mode only).
+checkpoint). With rule verifiers (or a --judge-load judge) and `--reward-model-weight 0` the reward model is not
+loaded. With LoRA the reference is the actor with its adapters off and the reward model the critic with its
+adapters off and the checkpoint's value head (`rl/update/lora.py`).
+With --teacher-load a frozen teacher's per-token KL is a reward term too, added to the token rewards before GAE
+(`rl/distillation.py`; reward mode only).
 """
 
 from __future__ import annotations
@@ -48,11 +49,13 @@ class TrlPPOStage(StageBase):
         models = settings.models
         self.gae = core_algos.ADV_ESTIMATORS[self.algorithm.adv_estimator].fn  # validate_args: a critic estimator
         self.actor_metrics = ACTOR_METRICS + (ROLLOUT_IS_METRICS if self.algorithm.rollout_is != "none" else ())
+        build.check_teacher(models.ref_model)  # --teacher-load against the actor's checkpoint, before any model
         self.actor = build.trained(models.ref_model, "--ref-model", "actor")
         # with LoRA the frozen roles are the trained ones' bases (rl/update/lora.py): no second copies
         self.reference = lora.reference(self.actor) if models.lora else build.frozen(models.ref_model, "--ref-model")
         self.critic = build.trained(models.reward_model, "--reward-model", "critic", value_head=True)
-        uses_reward_model = settings.reward.reward_model_weight != 0 or not settings.reward.verifier_function
+        uses_reward_model = (settings.reward.reward_model_weight != 0
+                             or not (settings.reward.verifier_function or settings.judge.judge_load))
         reward_model = None
         if uses_reward_model:
             reward_model = lora.reward_model(self.critic) if models.lora else build.reward_model()

@@ -204,6 +204,25 @@ def load_reward_model(settings: Settings):
                                        on_host=offload)), offload)
 
 
+def load_judge(settings: Settings):
+    """The frozen LLM judge of --judge-load (`rl/judge.py`): a causal LM of any supported family and size whose
+    architecture is the checkpoint's alone (the model flags describe the actor, and are not checked against it),
+    built at the run's TP / PP without recompute or routing replay (it only generates), in host memory between
+    uses with --offload-ref-reward. Every problem is an `ArgumentError` naming --judge-load."""
+    root, flag = settings.judge.judge_load, "--judge-load"
+    offload, built = settings.offload.offload_ref_reward, settings.model
+    try:
+        spec = load_spec(root)
+        model = build_model(spec, params_dtype=built.params_dtype, attention=built.attention,
+                            fused_ops=built.fused_ops, **from_checkpoint(offload),
+                            **moe.model_options(spec, settings.moe, flag, root, policy=False))
+        load_megatron_weights(model, root)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ArgumentError(f"{flag} {root}: {exc}") from exc
+    model.loaded_from = os.path.abspath(root)
+    return offloaded(frozen(model.to("cpu" if offload else device.current_device())), offload)
+
+
 class RoleFactory:
     """A stage's roles, built from the run's typed settings: `trained` loads the actor or the critic and gives it
     its optimizer (and with LoRA its adapters: the critic's take the actor's config), `frozen` a reference
@@ -231,12 +250,20 @@ class RoleFactory:
     def reward_model(self):
         return load_reward_model(self.settings)
 
-    def teacher(self, vocab_size: int):
-        """The frozen teacher of --teacher-load at the run's TP / PP, its architecture its checkpoint's (the model
-        flags describe the actor), with the run's dtype, attention and fused ops; offloaded with
-        --offload-ref-reward. Its own model even for a LoRA student (it shares no weights with it). Refused before
-        any weight is built: a vocabulary other than the actor's `vocab_size` (the two models' log-probs are of
-        the same token ids), a --distill-topk over it."""
+    def check_teacher(self, actor_root: str) -> None:
+        """With --teacher-load, its checkpoint against the actor's at `actor_root`, from their specs alone: refused
+        before any model is built (`teacher`'s checks; a problem of the actor's own checkpoint is left to its load,
+        which names its flag)."""
+        if not self.settings.distill.teacher_load:
+            return
+        try:
+            vocab_size = load_spec(actor_root).vocab_size
+        except (ValueError, FileNotFoundError):
+            return
+        self._teacher_spec(vocab_size)
+
+    def _teacher_spec(self, vocab_size: int) -> None:
+        """--teacher-load's spec: readable, of the actor's `vocab_size`, and --distill-topk within it."""
         distill, flag = self.settings.distill, "--teacher-load"
         root = distill.teacher_load
         try:
@@ -252,6 +279,15 @@ class RoleFactory:
             raise ArgumentError(f"--distill-topk {distill.distill_topk} exceeds the vocabulary of {teacher_vocab} "
                                 f"tokens ({flag} {root}); use at most {teacher_vocab} (the whole vocabulary: the "
                                 "exact forward KL)")
+
+    def teacher(self, vocab_size: int):
+        """The frozen teacher of --teacher-load at the run's TP / PP, its architecture its checkpoint's (the model
+        flags describe the actor), with the run's dtype, attention and fused ops; offloaded with
+        --offload-ref-reward. Its own model even for a LoRA student (it shares no weights with it). Refused before
+        its weights are built: a vocabulary other than the actor's `vocab_size` (the two models' log-probs are of
+        the same token ids), a --distill-topk over it."""
+        self._teacher_spec(vocab_size)
+        root, flag = self.settings.distill.teacher_load, "--teacher-load"
         offload = self.settings.offload.offload_ref_reward
         return offloaded(frozen(load_model(root, flag, self.settings, on_host=offload, own_shape=True)), offload)
 
