@@ -1,6 +1,7 @@
 """Summary table and plot of a demo run, grpo or trl_ppo: reward over iterations (each stage's own metric: grpo's
 `grpo/score/*`, trl_ppo's `critic/score/*`), KL (grpo's KL loss, trl_ppo's KL in the reward), trl_ppo's value loss,
-accuracy before / after (and, for a multi-turn run, model turns and tool calls per iteration).
+accuracy before / after (and, for a multi-turn run, model turns and tool calls per iteration; for a distillation
+run, the KL to the teacher, the training accuracy its verifier recorded at weight 0, and the teacher's accuracy).
 
 Input: the metrics JSONL that ``--metrics-jsonl`` (``MetricsLogger``) writes, one object per iteration
 (``{"iteration": i, "grpo/score/mean": ..., "response_length/mean": ..., "actor/kl_loss": ...,
@@ -38,6 +39,10 @@ REWARD_KEY = "grpo/score/mean"
 REWARD_KEYS = (REWARD_KEY, "critic/score/mean")
 KL_KEYS = ("kl/mean", "actor/kl_loss")
 VALUE_LOSS_KEY = "critic/vf_loss"
+TEACHER_KL_KEY = "distill/kl_mean"  # a run with --teacher-load (on-policy distillation)
+# a verifier's own metric ("<name>_rewards/mean"): what a pure distillation run (score 0) plots as its reward when the
+# verifier runs at weight 0, i.e. the share of correct samples
+VERIFIER_SUFFIX = "_rewards/mean"
 # (key, label) of the rows of the summary table, in order; missing keys are skipped
 TABLE_KEYS = (
     (REWARD_KEY, "reward (grpo/score/mean)"),
@@ -45,6 +50,9 @@ TABLE_KEYS = (
     ("response_length/mean", "response length (tokens)"),
     ("kl/mean", "KL to reference (in the reward)"),
     ("actor/kl_loss", "KL to reference"),
+    (TEACHER_KL_KEY, "KL to teacher (distill/kl_mean)"),
+    ("distill/teacher_logp_mean", "teacher log-prob per token"),
+    ("distill/topk_mass", "teacher top-k mass covered"),
     (VALUE_LOSS_KEY, "value loss (critic)"),
     ("actor/entropy", "entropy"),
     ("actor/pg_clipfrac", "clip fraction"),
@@ -113,13 +121,34 @@ def _first_present(records: Sequence[Mapping], keys: Sequence[str]) -> Optional[
     return None
 
 
+def _recorded_verifier(records: Sequence[Mapping]) -> Optional[str]:
+    """A verifier's own metric key, the first in the first record that has one (None: no verifier ran)."""
+    for rec in records:
+        for key in rec:
+            if key.endswith(VERIFIER_SUFFIX) and series(records, key)[1]:
+                return key
+    return None
+
+
 def panel_keys(records: Sequence[Mapping]) -> Dict[str, Optional[str]]:
-    """The metric each panel plots for this run (None: the run has none): `reward` (the stage's own), `kl` (grpo's
-    KL loss, or trl_ppo's KL in the reward), `value_loss` (trl_ppo's critic), `length`, `turns` (multi-turn)."""
-    return {"reward": _first_present(records, REWARD_KEYS), "kl": _first_present(records, KL_KEYS),
+    """The metric each panel plots for this run (None: the run has none): `reward` (the stage's own; for a pure
+    distillation run, whose score is 0, the training accuracy its verifier recorded at weight 0), `kl` (grpo's
+    KL loss, or trl_ppo's KL in the reward), `teacher_kl` (a distillation run's KL to its teacher), `value_loss`
+    (trl_ppo's critic), `length`, `turns` (multi-turn)."""
+    reward = _first_present(records, REWARD_KEYS)
+    teacher_kl = _first_present(records, (TEACHER_KL_KEY,))
+    if teacher_kl and (reward is None or not any(series(records, reward)[1])):
+        reward = _recorded_verifier(records) or reward
+    return {"reward": reward, "kl": _first_present(records, KL_KEYS), "teacher_kl": teacher_kl,
             "value_loss": _first_present(records, (VALUE_LOSS_KEY,)),
             "length": _first_present(records, ("response_length/mean",)),
             "turns": _first_present(records, ("num_turns/mean", "tool/calls"))}
+
+
+def _reward_label(key: str) -> str:
+    if key.endswith(VERIFIER_SUFFIX):
+        return f"training accuracy ({key}, weight 0)"
+    return f"reward ({key})"
 
 
 def _accuracy(value) -> Optional[float]:
@@ -136,16 +165,20 @@ def _accuracy(value) -> Optional[float]:
     return float(value)  # a number given as text
 
 
-def summarize(records: Sequence[Mapping], before=None, after=None, window: int = 5) -> dict:
-    """Per metric of ``TABLE_KEYS`` (of ``KL_KEYS`` the stage's own, as the panel plots it): mean of the first / last
-    ``window`` iterations, min and max; the run's iteration count and wall time (sum of ``timing/all``); accuracies
-    before / after."""
+def summarize(records: Sequence[Mapping], before=None, after=None, window: int = 5, teacher=None) -> dict:
+    """Per metric of ``TABLE_KEYS`` (of ``KL_KEYS`` the stage's own, as the panel plots it; a pure distillation run's
+    recorded training accuracy first): mean of the first / last ``window`` iterations, min and max; the run's
+    iteration count and wall time (sum of ``timing/all``); accuracies before / after (and the teacher's)."""
     out = {"iterations": len(records), "window": int(window), "metrics": {}}
     if records:
         out["first_iteration"] = records[0]["iteration"]
         out["last_iteration"] = records[-1]["iteration"]
-    kl = panel_keys(records)["kl"]  # the stage's own KL: trl_ppo's actor/kl_loss is a column of zeros beside kl/mean
-    for key, label in TABLE_KEYS:
+    panels = panel_keys(records)
+    kl = panels["kl"]  # the stage's own KL: trl_ppo's actor/kl_loss is a column of zeros beside kl/mean
+    rows = list(TABLE_KEYS)
+    if panels["reward"] and panels["reward"].endswith(VERIFIER_SUFFIX):
+        rows.insert(0, (panels["reward"], _reward_label(panels["reward"])))
+    for key, label in rows:
         if key in KL_KEYS and key != kl:
             continue
         _, ys = series(records, key)
@@ -159,6 +192,8 @@ def summarize(records: Sequence[Mapping], before=None, after=None, window: int =
         out["seconds_total"] = sum(secs)
     out["accuracy_before"] = _accuracy(before)
     out["accuracy_after"] = _accuracy(after)
+    if teacher is not None:
+        out["accuracy_teacher"] = _accuracy(teacher)
     return out
 
 
@@ -194,7 +229,9 @@ def format_summary(summary: Mapping) -> str:
             parts.append(f"after {a:.3f}")
         if a is not None and b is not None:
             parts.append(f"({a - b:+.3f})")
-        lines.append("held-out accuracy: " + " -> ".join(parts[:2]) + (" " + parts[2] if len(parts) > 2 else ""))
+        lines.append("held-out accuracy: " + " -> ".join(parts[:2]) + (" " + parts[2] if len(parts) > 2 else "")
+                     + (f"; teacher {summary['accuracy_teacher']:.3f}"
+                        if summary.get("accuracy_teacher") is not None else ""))
     lora = summary.get("lora")
     if lora:
         share = lora["adapter_parameters"] / lora["base_parameters"] if lora.get("base_parameters") else 0.0
@@ -216,9 +253,10 @@ def _moving_average(ys: List[float], k: int) -> List[float]:
 
 def plot_report(records: Sequence[Mapping], png_path: Union[str, Path], before=None, after=None,
                 title: str = "GRPO on SmolLM2-135M-Instruct", smooth: int = 5,
-                accuracy_label: str = "accuracy (greedy)") -> Path:
-    """Write the PNG: reward per iteration (+ moving average over ``smooth``), response length, and
-    held-out accuracy before / after (bars; left out when neither is given). Returns the path."""
+                accuracy_label: str = "accuracy (greedy)", teacher=None) -> Path:
+    """Write the PNG: reward per iteration (+ moving average over ``smooth``), response length with the KL (to the
+    teacher in a distillation run), and held-out accuracy before / after (bars, with the `teacher`'s when given;
+    left out when neither is given). Returns the path."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -238,8 +276,9 @@ def plot_report(records: Sequence[Mapping], png_path: Union[str, Path], before=N
     ax = axes[0]
     xs, ys = series(records, reward)
     if ys:
+        per_iteration = "share correct" if reward.endswith(VERIFIER_SUFFIX) else "mean reward"
         ax.plot(xs, ys, marker="o", markersize=3, linewidth=1, color="tab:blue", alpha=0.55,
-                label="mean reward per iteration")
+                label=f"{per_iteration} per iteration")
         if len(ys) > 2:
             k = max(1, min(int(smooth), len(ys)))
             ax.plot(xs, _moving_average(ys, k), linewidth=2.4, color="tab:blue",
@@ -248,8 +287,12 @@ def plot_report(records: Sequence[Mapping], png_path: Union[str, Path], before=N
         ax.text(0.5, 0.5, f"no {' / '.join(REWARD_KEYS)} in the metrics", ha="center", va="center",
                 transform=ax.transAxes)
     ax.set_xlabel("iteration")
-    ax.set_ylabel("reward (share of correct samples)")
-    ax.set_title(f"Training reward ({reward})")
+    if reward.endswith(VERIFIER_SUFFIX):  # a pure distillation run: its verifier recorded at weight 0
+        ax.set_ylabel("share of correct samples")
+        ax.set_title(f"Training accuracy ({reward}, weight 0)", fontsize=10)
+    else:
+        ax.set_ylabel("reward (share of correct samples)")
+        ax.set_title(f"Training reward ({reward})")
     vx, vy = series(records, VALUE_LOSS_KEY)
     if vy:  # trl_ppo: the critic's value loss beside its reward
         ax3 = ax.twinx()
@@ -267,17 +310,19 @@ def plot_report(records: Sequence[Mapping], png_path: Union[str, Path], before=N
         ax.plot(xs, ys, color="tab:orange", linewidth=1.8, label="response length")
         ax.set_ylabel("tokens per response (mean)", color="tab:orange")
         ax.set_ylim(bottom=0)
-    kx, ky = series(records, keys["kl"]) if keys["kl"] else ([], [])
+    kl_key, kl_label = (keys["teacher_kl"], "KL to teacher") if keys["teacher_kl"] else (keys["kl"], "KL to reference")
+    kx, ky = series(records, kl_key) if kl_key else ([], [])
     if ky:
         ax2 = ax.twinx()
-        ax2.plot(kx, ky, color="tab:purple", linewidth=1.2, linestyle="--", label="KL to reference")
-        ax2.set_ylabel("KL to reference", color="tab:purple")
-        ax2.set_ylim(bottom=0)
+        ax2.plot(kx, ky, color="tab:purple", linewidth=1.2, linestyle="--", label=kl_label)
+        ax2.set_ylabel(kl_label, color="tab:purple")
+        if min(ky) >= 0:
+            ax2.set_ylim(bottom=0)
     if not ys and not ky:
         ax.text(0.5, 0.5, "no response length / KL in the metrics", ha="center", va="center",
                 transform=ax.transAxes)
     ax.set_xlabel("iteration")
-    ax.set_title("Response length" + (" and KL" if ky else ""))
+    ax.set_title("Response length" + (f" and {kl_label}" if ky else ""))
     ax.grid(alpha=0.3)
 
     if has_acc:
@@ -291,6 +336,11 @@ def plot_report(records: Sequence[Mapping], png_path: Union[str, Path], before=N
             names.append("after")
             values.append(a)
             colors.append("tab:green")
+        t = _accuracy(teacher)
+        if t is not None:
+            names.append("teacher")
+            values.append(t)
+            colors.append("tab:olive")
         bars = ax.bar(names, values, color=colors, width=0.6)
         for bar, v in zip(bars, values):
             ax.text(bar.get_x() + bar.get_width() / 2, v + 0.02, f"{v:.0%}", ha="center", va="bottom",
@@ -332,18 +382,20 @@ def _plot_tools(ax, records: Sequence[Mapping]) -> None:
 
 def write_report(metrics_jsonl: Union[str, Path], png_path: Union[str, Path, None] = None, before=None,
                  after=None, *, title: str = "GRPO on SmolLM2-135M-Instruct", window: int = 5,
-                 print_fn=print, lora: Optional[dict] = None, accuracy_label: str = "accuracy (greedy)") -> dict:
+                 print_fn=print, lora: Optional[dict] = None, accuracy_label: str = "accuracy (greedy)",
+                 teacher=None) -> dict:
     """Load the metrics, print the summary table, write the PNG (when ``png_path`` is given); returns
-    the summary (with ``"png"``; ``lora``, a LoRA run's adapter summary, is printed and kept as ``"lora"``)."""
+    the summary (with ``"png"``; ``lora``, a LoRA run's adapter summary, is printed and kept as ``"lora"``;
+    ``teacher``, a distillation run's teacher accuracy, is a third bar and ``"accuracy_teacher"``)."""
     records = load_metrics(metrics_jsonl)
-    summary = summarize(records, before, after, window=window)
+    summary = summarize(records, before, after, window=window, teacher=teacher)
     if lora is not None:
         summary["lora"] = dict(lora)
     if print_fn is not None:
         print_fn(format_summary(summary))
     if png_path is not None:
         summary["png"] = str(plot_report(records, png_path, before, after, title=title,
-                                         accuracy_label=accuracy_label))
+                                         accuracy_label=accuracy_label, teacher=teacher))
         if print_fn is not None:
             print_fn(f"plot: {summary['png']}")
     return summary

@@ -5,6 +5,8 @@
     python -m mindspeed_llm.demo.run --tiny           # the CI-sized pipeline: a tiny random model, 2 iterations
     python -m mindspeed_llm.demo.run --lora           # LoRA adapters on every linear (r 16, alpha 32, lr 1e-4)
     python -m mindspeed_llm.demo.run --tools          # multi-turn: the model calls a calculator tool (demo/tool_demo.py)
+    python -m mindspeed_llm.demo.run --distill        # on-policy distillation of the grpo demo's actor into the base
+                                                      # model (demo/distill_demo.py; trains the teacher if missing)
 
 Every step goes through the project's real entry points, as a user would run them (each command is
 printed before it runs):
@@ -31,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 # SmolLM2's tokenizer: id 2 is <|im_end|> (end of an assistant turn), 198 / 1116 are newlines.
@@ -116,6 +119,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "(mindspeed_llm/demo/tool_demo.py)")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=32.0)
+    d = p.add_argument_group("--distill: on-policy distillation (mindspeed_llm/demo/distill_demo.py)")
+    d.add_argument("--distill", action="store_true",
+                   help="grpo with a teacher and no reward: the grpo demo's trained actor (runs/demo_grpo, trained "
+                        "first when missing) distilled into the base model; output in runs/demo_distill")
+    d.add_argument("--teacher-run", default=None, metavar="DIR",
+                   help="the grpo demo folder whose ckpt/actor is the teacher (default: runs/demo_grpo[_tiny])")
+    d.add_argument("--distill-loss", choices=("k1", "k3", "topk_forward_kl"), default=None,
+                   help="the stage's --distill-loss (default k1)")
+    d.add_argument("--distill-mode", choices=("reward", "loss"), default=None,
+                   help="the stage's --distill-mode (default reward)")
+    d.add_argument("--distill-coef", type=float, default=None, help="the stage's --distill-coef (default 1.0)")
+    d.add_argument("--distill-topk", type=int, default=None,
+                   help="the stage's --distill-topk with topk_forward_kl (default 32)")
     return p
 
 
@@ -140,12 +156,22 @@ DEFAULTS = {
 }
 
 
-def main(argv=None) -> int:
+def resolve_args(argv=None) -> argparse.Namespace:
+    """The demo's command line with its defaults filled in (the variant's, --tools' or --distill's, then the plain
+    demo's; --lora's learning rate) and `out`, the working folder; a variant's flags without it are refused."""
     args = build_parser().parse_args(argv)
     lr_given = args.lr is not None
-    from mindspeed_llm.demo import tool_demo
+    from mindspeed_llm.demo import distill_demo, tool_demo
 
-    for name, (real, tiny) in (tool_demo.DEFAULTS if args.tools else {}).items():
+    if args.distill and (args.tools or args.stage != "grpo"):
+        raise SystemExit("--distill runs the plain task with --stage grpo: drop "
+                         + ("--tools" if args.tools else f"--stage {args.stage}"))
+    distill_flags = ("teacher_run", "distill_loss", "distill_mode", "distill_coef", "distill_topk")
+    if not args.distill and any(getattr(args, name) is not None for name in distill_flags):
+        given = [f"--{name.replace('_', '-')}" for name in distill_flags if getattr(args, name) is not None]
+        raise SystemExit(f"{', '.join(given)} apply only with --distill")
+    variant_defaults = tool_demo.DEFAULTS if args.tools else distill_demo.DEFAULTS if args.distill else {}
+    for name, (real, tiny) in variant_defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else real)
     for name, (real, tiny) in DEFAULTS.items():
@@ -154,7 +180,15 @@ def main(argv=None) -> int:
     if args.lora and not lr_given:
         args.lr *= LORA_LR_FACTOR
     suffix = ("_tools" if args.tools else "") + ("_lora" if args.lora else "") + ("_tiny" if args.tiny else "")
-    out = Path(args.out or ROOT / "runs" / f"demo_{args.stage}{suffix}").resolve()
+    args.out = Path(args.out or ROOT / "runs" / f"demo_{'distill' if args.distill else args.stage}{suffix}").resolve()
+    return args
+
+
+def main(argv=None) -> int:
+    args = resolve_args(argv)
+    from mindspeed_llm.demo import distill_demo, tool_demo
+
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
     log = out / "pipeline.log"
     started = time.time()
@@ -165,7 +199,10 @@ def main(argv=None) -> int:
     print(f"==> model ({'tiny random Llama, SmolLM2 tokenizer' if args.tiny else 'SmolLM2-135M-Instruct'})",
           flush=True)
     if args.tiny:
-        hf_model = model.tiny_random_llama(out / "hf_model", model.prepare_smollm2_tokenizer())
+        # --distill: a student of another seed than the tiny grpo run's model, its teacher (which that run cannot
+        # train: a random model's rewards are all 0), so that the two differ
+        hf_model = model.tiny_random_llama(out / "hf_model", model.prepare_smollm2_tokenizer(),
+                                           seed=distill_demo.TINY_STUDENT_SEED if args.distill else 0)
     else:
         hf_model = model.prepare_smollm2()
     print(f"    {hf_model}", flush=True)
@@ -207,6 +244,13 @@ def main(argv=None) -> int:
         if args.dynamic_sampling:
             stage_extra += ["--dynamic-sampling", "--max-num-gen-batches", "10"]
 
+    teacher = None
+    if args.distill:
+        teacher = distill_demo.teacher_checkpoint(args, run_step, log, _python())
+        stage_extra += distill_demo.stage_flags(args, teacher)
+        print(f"==> teacher: {teacher} ({args.distill_loss} as a {args.distill_mode}, coef {args.distill_coef:g}; "
+              f"the verifier recorded at weight 0)", flush=True)
+
     lora_flags = []
     if args.lora:
         lora_flags = ["--lora-target-modules", *LORA_TARGETS, "--lora-r", args.lora_r, "--lora-alpha", args.lora_alpha]
@@ -230,7 +274,8 @@ def main(argv=None) -> int:
     hf_trained, lora_summary = export_trained_actor(args, out, save, mg_model, hf_model, log)
 
     # 7. held-out accuracy before / after, summary and plot
-    summary = evaluate_and_report(args, out, hf_model, hf_trained, test_rows, tool_config, metrics, lora_summary)
+    summary = evaluate_and_report(args, out, hf_model, hf_trained, test_rows, tool_config, metrics, lora_summary,
+                                  teacher)
     summary.update(wall_seconds=time.time() - started, **({"variant": variant} if args.tools else {}))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"\nmetrics: {metrics}\nsummary: {out / 'summary.json'}\ntotal time: {time.time() - started:.0f} s")
@@ -238,10 +283,11 @@ def main(argv=None) -> int:
 
 
 def evaluate_and_report(args, out: Path, hf_model, hf_trained, test_rows, tool_config, metrics: Path,
-                        lora_summary) -> dict:
+                        lora_summary, teacher: Optional[Path] = None) -> dict:
     """Held-out accuracy of the model before and after training with `transformers` (greedy; with --tools sampled,
-    the conversations with the calculator), `eval_before.json` / `eval_after.json`, the report's PNG; the summary."""
-    from mindspeed_llm.demo import evaluate, report, tool_demo
+    the conversations with the calculator), `eval_before.json` / `eval_after.json`, the report's PNG; the summary.
+    With --distill (`teacher`: its checkpoint) the teacher's accuracy too (`distill_demo.teacher_accuracy`)."""
+    from mindspeed_llm.demo import distill_demo, evaluate, report, tool_demo
 
     if args.tools:
         how = (f"{tool_demo.EVAL_SAMPLES[1 if args.tiny else 0]} samples each at temperature {args.temperature:g}, "
@@ -259,18 +305,33 @@ def evaluate_and_report(args, out: Path, hf_model, hf_trained, test_rows, tool_c
     for name, result in (("before", before), ("after", after)):
         (out / f"eval_{name}.json").write_text(json.dumps(result, indent=1))
     print(f"    before: {before['accuracy']:.1%}   after: {after['accuracy']:.1%}", flush=True)
+    teacher_result = None
+    if teacher is not None:
+        teacher_result = distill_demo.teacher_accuracy(
+            args, teacher, test_rows, lambda folder: evaluate.evaluate_hf(folder, test_rows, **eval_kwargs))
+        if teacher_result is not None:
+            print(f"    teacher: {teacher_result['accuracy']:.1%}", flush=True)
     if args.tools:
         print(f"    tool-call rate: before {before['tool_call_rate']:.1%}   after {after['tool_call_rate']:.1%}   "
               f"(without a failed call: before {before['clean_call_rate']:.1%}   after {after['clean_call_rate']:.1%})",
               flush=True)
     title = f"{args.stage}{' with LoRA' if args.lora else ''}{' with a calculator tool' if args.tools else ''} on " \
             f"{'a tiny random model' if args.tiny else 'SmolLM2-135M'}"
+    if args.distill:
+        title = distill_demo.title(args) + (" with LoRA" if args.lora else "")
     summary = report.write_report(metrics, out / "report.png", before["accuracy"], after["accuracy"],
                                   title=title, lora=lora_summary,
                                   accuracy_label=f"accuracy (sampled, T={args.temperature:g})" if args.tools
-                                  else "accuracy (greedy)")
+                                  else "accuracy (greedy)",
+                                  teacher=None if teacher_result is None else teacher_result["accuracy"])
     summary.update(stage=args.stage, tiny=args.tiny,
                    accuracy_before=before["accuracy"], accuracy_after=after["accuracy"], lr=args.lr)
+    if args.distill:
+        summary.update(distill=True, teacher_load=str(teacher), distill_loss=args.distill_loss,
+                       distill_mode=args.distill_mode, distill_coef=args.distill_coef,
+                       accuracy_teacher=None if teacher_result is None else teacher_result["accuracy"],
+                       temperature=args.temperature,
+                       prompts_per_iteration=args.prompts_per_iteration, samples_per_prompt=args.samples_per_prompt)
     if args.tools:
         summary.update(tools=True, **{f"{k}_{when}": r[k] for when, r in (("before", before),
                        ("after", after)) for k in ("tool_call_rate", "clean_call_rate", "calls", "num_turns")},

@@ -1,11 +1,12 @@
 """The README's first command in its CI-sized form: the demo pipeline (model -> task -> preprocess_data.py ->
 convert_ckpt.py -> torchrun posttrain_gpt.py -> convert_ckpt.py back -> evaluation -> report) on a tiny
-random Llama with SmolLM2's real tokenizer, 2 iterations, for both stages (and grpo with --lora, and --tools).
+random Llama with SmolLM2's real tokenizer, 2 iterations, for both stages (and grpo with --lora, --tools, and
+--distill with the grpo run's actor as the teacher).
 
 The grpo run goes through every step; the others start from a copy of its preprocessed splits and converted model
 (the demo skips a step whose output is there, as a rerun of `scripts/demo.sh` does), so each runs only the steps of
 its own: the value head's conversion and the critic (trl_ppo), the adapters, their merge and the PEFT folder (LoRA),
-the tool task's preprocessing (tools)."""
+the tool task's preprocessing (tools), the teacher (distill)."""
 
 import json
 import shutil
@@ -123,5 +124,37 @@ def test_demo_pipeline_tools_tiny(grpo_demo, tmp_path):
         assert 0.0 <= summary[key] <= 1.0, key
     evaluation = json.loads((out / "eval_before.json").read_text())
     assert evaluation["n"] == 8 and len(evaluation["samples"]) == 8  # 4 problems x 2 samples
+    assert (out / "report.png").stat().st_size > 10_000
+    assert (out / "hf_trained" / "model.safetensors").is_file()
+
+
+@needs_smollm2
+def test_demo_pipeline_distill_tiny(grpo_demo, tmp_path):
+    """``--distill --tiny``: the grpo run's trained actor checkpoint (``ckpt/actor``, as its stage saved it) is the
+    teacher (``--teacher-load``, not trained again), pure distillation (the verifier recorded at weight 0, every
+    score 0), the KL to the teacher per iteration, and the teacher's held-out accuracy reused from its run."""
+    out = tmp_path / "demo"
+    _from_grpo_demo(grpo_demo, out, "data")  # the student is a model of its own (another seed than the teacher's)
+    teacher_run = grpo_demo[1]
+    stdout = _demo(out, "--distill", "--teacher-run", str(teacher_run)).stdout
+    assert "==> the teacher" not in stdout  # there already: not trained again
+    for step in ("convert the model to Megatron", "posttrain_gpt.py --stage grpo", "convert the trained actor back to Hugging Face",
+                 "held-out accuracy"):
+        assert f"==> {step}" in stdout, step
+    assert f"--teacher-load {teacher_run / 'ckpt' / 'actor'} --distill-loss k1 --distill-mode reward" in stdout
+    assert "--verifier-weight 0" in stdout
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2]
+    # the teacher alone moves the student: every score 0, a KL to the teacher (k1: a mean that may be < 0), a gradient
+    assert all(r["grpo/score/mean"] == 0 and r["distill/kl_mean"] != 0 and r["grad_norm"] > 0 for r in records)
+    from mindspeed_llm.demo import report
+
+    panels = report.panel_keys(records)
+    assert panels["reward"] == "first_line_answer_rewards/mean" and panels["teacher_kl"] == "distill/kl_mean"
+    summary = json.loads((out / "summary.json").read_text())
+    teacher_summary = json.loads((teacher_run / "summary.json").read_text())
+    assert summary["distill"] and summary["accuracy_teacher"] == teacher_summary["accuracy_after"]
+    assert "distill/kl_mean" in summary["metrics"] and f"teacher {summary['accuracy_teacher']:.3f}" in stdout
     assert (out / "report.png").stat().st_size > 10_000
     assert (out / "hf_trained" / "model.safetensors").is_file()

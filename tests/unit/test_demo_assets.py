@@ -378,7 +378,7 @@ def test_report_reads_each_stages_own_metrics(tmp_path):
     ppo = [{"iteration": i, "critic/score/mean": 0.2 * i, "kl/mean": 0.01 * i, "actor/kl_loss": 0.0,
             "critic/vf_loss": 1.0 / i, "response_length/mean": 9.0} for i in range(1, 4)]
     assert report.panel_keys(ppo) == {"reward": "critic/score/mean", "kl": "kl/mean", "value_loss": "critic/vf_loss",
-                                      "length": "response_length/mean", "turns": None}
+                                      "length": "response_length/mean", "turns": None, "teacher_kl": None}
     table = report.summarize(ppo, window=1)["metrics"]
     assert table["critic/score/mean"]["last"] == pytest.approx(0.6) and table["critic/vf_loss"]["first"] == 1.0
     assert table["kl/mean"]["last"] == pytest.approx(0.03)
@@ -386,4 +386,121 @@ def test_report_reads_each_stages_own_metrics(tmp_path):
     assert report.plot_report(ppo, tmp_path / "ppo.png").read_bytes()[:4] == b"\x89PNG"
     grpo = [{"iteration": 1, "grpo/score/mean": 0.5, "actor/kl_loss": 0.01, "num_turns/mean": 1.5}]
     assert report.panel_keys(grpo) == {"reward": "grpo/score/mean", "kl": "actor/kl_loss", "value_loss": None,
-                                       "length": None, "turns": "num_turns/mean"}
+                                       "length": None, "turns": "num_turns/mean", "teacher_kl": None}
+
+
+def _distill_records(score=0.0):
+    """A distillation run's metrics: the stage's score (0: pure distillation), the verifier recorded at weight 0,
+    the KL to the teacher falling, a KL to the reference of 0 (--kl-coef 0)."""
+    return [{"iteration": i, "grpo/score/mean": score, "first_line_answer_rewards/mean": 0.3 + 0.1 * i,
+             "distill/kl_mean": 1.0 / i, "distill/teacher_logp_mean": -0.5, "actor/kl_loss": 0.0,
+             "response_length/mean": 12.0, "timing/all": 5.0} for i in range(1, 6)]
+
+
+def test_report_of_a_distillation_run(tmp_path):
+    """A pure distillation run (score 0): the reward panel and the table's first row are the training accuracy its
+    verifier recorded at weight 0, the KL panel is the KL to the teacher, and the teacher's accuracy is reported
+    beside before / after. With a verifier that scores (a mix), the stage's own score stays the reward."""
+    from mindspeed_llm.demo import report
+
+    records = _distill_records()
+    panels = report.panel_keys(records)
+    assert panels["reward"] == "first_line_answer_rewards/mean" and panels["teacher_kl"] == "distill/kl_mean"
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    printed = []
+    summary = report.write_report(path, tmp_path / "r.png", 0.38, 0.70, teacher=0.79, print_fn=printed.append)
+    rows = list(summary["metrics"])
+    assert rows[0] == "first_line_answer_rewards/mean"
+    assert summary["metrics"][rows[0]]["label"] == "training accuracy (first_line_answer_rewards/mean, weight 0)"
+    assert summary["metrics"][rows[0]]["last"] == pytest.approx(0.6)  # window 5: iterations 1..5
+    assert summary["metrics"]["distill/kl_mean"]["first"] == pytest.approx(sum(1.0 / i for i in range(1, 6)) / 5)
+    assert summary["accuracy_teacher"] == 0.79
+    assert "before 0.380 -> after 0.700 (+0.320); teacher 0.790" in printed[0]
+    assert "KL to teacher (distill/kl_mean)" in printed[0]
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    mixed = _distill_records(score=0.5)  # a verifier at weight 1 beside the teacher: its score is the reward
+    assert report.panel_keys(mixed)["reward"] == "grpo/score/mean"
+    plain = [{k: v for k, v in r.items() if not k.startswith("distill/")} for r in records]
+    assert report.panel_keys(plain)["reward"] == "grpo/score/mean"  # no teacher: the stage's own, even at 0
+    assert "accuracy_teacher" not in report.summarize(plain, 0.3, 0.4)
+
+
+# ----------------------------------------------------------------------------------------------
+# distill_demo.py (--distill)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_distill_teacher_is_trained_first_only_when_missing(tmp_path):
+    """The teacher is the grpo demo's actor checkpoint (<run>/ckpt/actor); without one the grpo demo runs there
+    first, with the same seed and size (--tiny); with one nothing runs."""
+    from mindspeed_llm.demo import distill_demo, run
+
+    teacher_run = tmp_path / "grpo"
+    calls = []
+
+    def fake_step(title, argv, log):  # the grpo demo: its stage saves the actor
+        calls.append([str(a) for a in argv])
+        (teacher_run / "ckpt" / "actor").mkdir(parents=True)
+        (teacher_run / "ckpt" / "actor" / "latest_checkpointed_iteration.txt").write_text("2")
+
+    args = run.resolve_args(["--distill", "--tiny", "--teacher-run", str(teacher_run), "--seed", "7"])
+    assert distill_demo.teacher_checkpoint(args, fake_step, tmp_path / "log", "py") == teacher_run / "ckpt" / "actor"
+    assert calls == [["py", "-m", "mindspeed_llm.demo.run", "--stage", "grpo", "--out", str(teacher_run),
+                      "--seed", "7", "--tiny"]]
+    assert distill_demo.teacher_checkpoint(args, fake_step, tmp_path / "log", "py") == teacher_run / "ckpt" / "actor"
+    assert len(calls) == 1  # there now: not trained again
+    default = run.resolve_args(["--distill"])
+    assert default.out == run.ROOT / "runs" / "demo_distill" and default.teacher_run is None
+    assert distill_demo.default_teacher_run(False) == run.ROOT / "runs" / "demo_grpo"
+    with pytest.raises(SystemExit, match="--distill-coef apply only with --distill"):
+        run.resolve_args(["--distill-coef", "2"])
+    with pytest.raises(SystemExit, match="drop --stage trl_ppo"):
+        run.resolve_args(["--distill", "--stage", "trl_ppo"])
+
+
+def test_distill_teacher_accuracy_reused_only_for_the_same_problems(tmp_path):
+    """The teacher's held-out accuracy: its run's eval_after.json when it scored exactly these problems, otherwise
+    measured on its exported folder."""
+    from mindspeed_llm.demo import distill_demo
+
+    teacher = tmp_path / "grpo" / "ckpt" / "actor"
+    teacher.mkdir(parents=True)
+    rows = [{"problem": "What is 1 + 2?", "answer": "3"}, {"problem": "What is 2 + 2?", "answer": "4"}]
+    saved = {"accuracy": 0.5, "samples": [{"problem": r["problem"], "answer": r["answer"]} for r in rows]}
+    (tmp_path / "grpo" / "eval_after.json").write_text(json.dumps(saved))
+    measured = []
+
+    def evaluate(folder):
+        measured.append(folder)
+        return {"accuracy": 1.0}
+
+    assert distill_demo.teacher_accuracy(None, teacher, rows, evaluate)["accuracy"] == 0.5 and not measured
+    other = [rows[0], {"problem": "What is 9 + 9?", "answer": "18"}]
+    assert distill_demo.teacher_accuracy(None, teacher, other, evaluate) is None  # no exported folder either
+    (tmp_path / "grpo" / "hf_trained").mkdir()
+    (tmp_path / "grpo" / "hf_trained" / "config.json").write_text("{}")
+    assert distill_demo.teacher_accuracy(None, teacher, other, evaluate)["accuracy"] == 1.0
+    assert measured == [tmp_path / "grpo" / "hf_trained"]
+
+
+@pytest.mark.parametrize("loss,topk", [("k1", None), ("topk_forward_kl", 16)])
+def test_distill_stage_command_is_what_the_stage_reads(tmp_path, loss, topk):
+    """The demo's torchrun command with --distill, read by posttrain_gpt.py's own argument parsing: the teacher and
+    the distillation flags land in the run's DistillSettings, the verifier stays on at weight 0 (pure distillation),
+    and --distill-topk goes only with topk_forward_kl."""
+    from mindspeed_llm.arguments import parse_args
+    from mindspeed_llm.demo import distill_demo, run
+
+    args = run.resolve_args(["--distill", "--distill-loss", loss, "--distill-coef", "0.5",
+                             *(["--distill-topk", str(topk)] if topk else [])])
+    teacher = tmp_path / "grpo" / "ckpt" / "actor"
+    extra = ["--n-samples-per-prompt", args.samples_per_prompt, *distill_demo.stage_flags(args, teacher)]
+    cmd = [str(a) for a in run.stage_command(args, "d/train", "mg", "hf", tmp_path / "m.jsonl", tmp_path / "ck",
+                                             extra)]
+    settings = parse_args(cmd[cmd.index("posttrain_gpt.py") + 1:], world_size=1).settings
+    assert settings.distill.teacher_load == str(teacher)
+    assert (settings.distill.distill_loss, settings.distill.distill_mode, settings.distill.distill_coef,
+            settings.distill.distill_topk) == (loss, "reward", 0.5, topk if topk else None)
+    assert settings.reward.verifier_function == ("first_line_answer",) and settings.reward.verifier_weight == (0.0,)
+    assert settings.sampling.temperature == args.temperature == 0.7
