@@ -217,7 +217,7 @@ def test_grpo_reward_mode_adds_minus_coef_kl_per_token_after_the_group_advantage
     grpo, stage, distill, exp, teacher_logp = _distill_case("grpo", loss)
     monkeypatch.setattr(grpo, "sum_over_data_parallel", lambda t: t)
     metrics, rewards = _score(distill, exp, teacher_logp, monkeypatch)
-    stage._advantages(exp, rewards)
+    logged_rewards, logged_advantages = stage._advantages(exp, rewards)
     # by hand: the group (1, 0) has mean 0.5 and sample std sqrt(0.5); grpo divides by std + 1e-6
     group = 0.5 / (math.sqrt(0.5) + 1e-6)
     d = [[-0.5, None, 1.0, 0.0], [0.5, -0.5, 0.0, None]]  # teacher - student on the model's own tokens
@@ -228,6 +228,10 @@ def test_grpo_reward_mode_adds_minus_coef_kl_per_token_after_the_group_advantage
     expected = [[group - 0.5 * kl[0][0], 0.0, group - 0.5 * kl[0][2], group - 0.5 * kl[0][3]],
                 [-group - 0.5 * kl[1][0], -group - 0.5 * kl[1][1], -group - 0.5 * kl[1][2], 0.0]]
     close(exp.advantages, expected, atol=1e-5)
+    # logged per sample: the mean advantage over its 3 actions, the score plus its summed distillation reward
+    close(logged_advantages, [sum(expected[0]) / 3, sum(expected[1]) / 3], atol=1e-5)
+    close(logged_rewards, [1 - 0.5 * (kl[0][0] + kl[0][2] + kl[0][3]), 0 - 0.5 * (kl[1][0] + kl[1][1] + kl[1][2])],
+          atol=1e-5)
     kl_tokens = [kl[0][0], kl[0][2], kl[0][3], kl[1][0], kl[1][1], kl[1][2]]
     assert metrics["distill/kl_mean"] == pytest.approx(sum(kl_tokens) / 6, abs=1e-6)
     assert metrics["distill/teacher_logp_mean"] == pytest.approx((-1.5 - 1.0 - 0.5 - 1.0 - 0.7 - 1.0) / 6, abs=1e-6)

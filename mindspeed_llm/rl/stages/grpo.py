@@ -162,9 +162,12 @@ class GRPOStage(StageBase):
         if self.estimator.kind == "outcome":
             advantages = self.advantages(exp.scores, n, sum_across=sum_over_data_parallel)
             exp.advantages = advantages[:, None] * actions
-            if distill_rewards is not None:
-                exp.advantages = exp.advantages + distill_rewards
-            return exp.scores, advantages
+            if distill_rewards is None:
+                return exp.scores, advantages
+            # the teacher's term makes the advantage a per-token one: logged as its mean over the sample's actions,
+            # the rewards as the score plus the sample's summed distillation reward
+            exp.advantages = exp.advantages + distill_rewards
+            return exp.scores + distill_rewards.sum(-1), _mean_over_actions(exp.advantages, actions)
         # token estimators: the score on the last action (verl's placement), less the KL penalty on every action when
         # the estimator takes the KL in the reward (then it is no loss, `_loss`); discounted over actions only
         kl_coef = self.algorithm.kl_coef if self.estimator.kl_in_reward and self.reference is not None else 0.0
@@ -176,8 +179,7 @@ class GRPOStage(StageBase):
             token_rewards = token_rewards + distill_rewards
         exp.advantages = core_algos.token_advantages_over_actions(
             self.advantages, token_rewards, exp.response_mask, exp.tool_mask, n, sum_across=sum_over_data_parallel)
-        per_sample = (exp.advantages * actions).sum(-1) / actions.sum(-1).clamp(min=1)
-        return token_rewards.sum(-1), per_sample
+        return token_rewards.sum(-1), _mean_over_actions(exp.advantages, actions)
 
     def _loss(self, logits, mb):
         kl_coef = self.algorithm.kl_coef if self.reference is not None and not self.estimator.kl_in_reward else 0.0
@@ -186,6 +188,11 @@ class GRPOStage(StageBase):
         if "kl_loss" not in m:  # --kl-coef 0, or the KL is in the reward: the column stays, at zero
             m["kl_loss"] = m["pg_loss"].new_zeros(())
         return loss, {k: m[k] for k in self.actor_metrics}
+
+
+def _mean_over_actions(advantages: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+    """Per-token advantages `[B, R]` as one number a sample: their mean over its actions (the model's own tokens)."""
+    return (advantages * actions).sum(-1) / actions.sum(-1).clamp(min=1)
 
 
 def _advantage_estimator(algorithm: AlgorithmSettings):
