@@ -126,12 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--teacher-run", default=None, metavar="DIR",
                    help="the grpo demo folder whose ckpt/actor is the teacher (default: runs/demo_grpo[_tiny])")
     d.add_argument("--distill-loss", choices=("k1", "k3", "topk_forward_kl"), default=None,
-                   help="the stage's --distill-loss (default k1)")
+                   help="the stage's --distill-loss (default topk_forward_kl; --tiny: k1)")
     d.add_argument("--distill-mode", choices=("reward", "loss"), default=None,
-                   help="the stage's --distill-mode (default reward)")
+                   help="the stage's --distill-mode (default loss; with --distill-loss k1 and --tiny: reward)")
     d.add_argument("--distill-coef", type=float, default=None, help="the stage's --distill-coef (default 1.0)")
     d.add_argument("--distill-topk", type=int, default=None,
-                   help="the stage's --distill-topk with topk_forward_kl (default 32)")
+                   help="the stage's --distill-topk with topk_forward_kl (default 32; --tiny: 8)")
     return p
 
 
@@ -170,6 +170,8 @@ def resolve_args(argv=None) -> argparse.Namespace:
     if not args.distill and any(getattr(args, name) is not None for name in distill_flags):
         given = [f"--{name.replace('_', '-')}" for name in distill_flags if getattr(args, name) is not None]
         raise SystemExit(f"{', '.join(given)} apply only with --distill")
+    if args.distill and args.distill_mode is None and args.distill_loss == "k1":
+        args.distill_mode = "reward"  # k1 is no loss (its gradient has no teacher in it): the stage would refuse it
     variant_defaults = tool_demo.DEFAULTS if args.tools else distill_demo.DEFAULTS if args.distill else {}
     for name, (real, tiny) in variant_defaults.items():
         if getattr(args, name) is None:

@@ -484,11 +484,11 @@ def test_distill_teacher_accuracy_reused_only_for_the_same_problems(tmp_path):
     assert measured == [tmp_path / "grpo" / "hf_trained"]
 
 
-@pytest.mark.parametrize("loss,topk", [("k1", None), ("topk_forward_kl", 16)])
-def test_distill_stage_command_is_what_the_stage_reads(tmp_path, loss, topk):
+@pytest.mark.parametrize("loss,topk,mode", [("k1", None, "reward"), ("topk_forward_kl", 16, "loss")])
+def test_distill_stage_command_is_what_the_stage_reads(tmp_path, loss, topk, mode):
     """The demo's torchrun command with --distill, read by posttrain_gpt.py's own argument parsing: the teacher and
     the distillation flags land in the run's DistillSettings, the verifier stays on at weight 0 (pure distillation),
-    and --distill-topk goes only with topk_forward_kl."""
+    --distill-topk goes only with topk_forward_kl, and the mode is the default loss, or a reward for k1 (no loss)."""
     from mindspeed_llm.arguments import parse_args
     from mindspeed_llm.demo import distill_demo, run
 
@@ -501,6 +501,6 @@ def test_distill_stage_command_is_what_the_stage_reads(tmp_path, loss, topk):
     settings = parse_args(cmd[cmd.index("posttrain_gpt.py") + 1:], world_size=1).settings
     assert settings.distill.teacher_load == str(teacher)
     assert (settings.distill.distill_loss, settings.distill.distill_mode, settings.distill.distill_coef,
-            settings.distill.distill_topk) == (loss, "reward", 0.5, topk if topk else None)
+            settings.distill.distill_topk) == (loss, mode, 0.5, topk if topk else None)
     assert settings.reward.verifier_function == ("first_line_answer",) and settings.reward.verifier_weight == (0.0,)
     assert settings.sampling.temperature == args.temperature == 0.7
