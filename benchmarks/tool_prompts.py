@@ -20,7 +20,6 @@ import hashlib
 import inspect
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from spawned import spawn_ranks  # noqa: E402 - benchmarks/ on the path first
+from spawned import spawn_ranks, write_results  # noqa: E402 - benchmarks/ on the path first
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 FIXTURES = ROOT / "tests" / "fixtures"
 DRAWN = 64  # prompts read after startup, as a rank draws them
@@ -143,12 +142,7 @@ def main(argv=None) -> int:
         print("the offered prompts differ between the world sizes", file=sys.stderr)
         return 1
     if args.json:
-        payload = dict(benchmark="tool_prompts", rows=args.rows, cpu_count=os.cpu_count(),
-                       load_average=os.getloadavg()[0], python=platform.python_version(),
-                       time=time.strftime("%Y-%m-%dT%H:%M:%S"), results=results)
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_results(args.json, "tool_prompts", results, rows=args.rows)
     return 0
 
 

@@ -18,16 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from spawned import spawn_ranks  # noqa: E402 - benchmarks/ on the path first
+from spawned import spawn_ranks, write_results  # noqa: E402 - benchmarks/ on the path first
 
 MODELS = {
     "tiny": dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
@@ -140,11 +138,7 @@ def main(argv=None) -> int:
               f"{r['bytes_per_generator'] / 1e6:>15.1f} {r['buckets_per_source']:>8} {r['seconds']:>8.3f} "
               f"{r['gb_per_s']:>6.2f}")
     if args.json:
-        payload = dict(benchmark="weight_sync", cpu_count=os.cpu_count(), load_average=os.getloadavg()[0],
-                       python=platform.python_version(), time=time.strftime("%Y-%m-%dT%H:%M:%S"), results=results)
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_results(args.json, "weight_sync", results)
     return 0
 
 
