@@ -50,9 +50,11 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
 class Distillation:
     """The run's teacher and how its signal enters training (`rl/settings.DistillSettings`)."""
 
-    def __init__(self, settings: Settings, teacher):
+    def __init__(self, settings: Settings, teacher, vocab_size: Optional[int] = None):
         distill = settings.distill
         self.teacher = teacher
+        # the actor's vocabulary: a teacher padded to more rows is read over these ids only
+        self.vocab_size = vocab_size
         self.estimator, self.mode, self.coef = distill.distill_loss, distill.distill_mode, float(distill.distill_coef)
         self.sampled = DISTILL_LOSSES[self.estimator].inputs == "sampled"
         self.topk = None if self.sampled else int(distill.distill_topk)
@@ -66,7 +68,8 @@ class Distillation:
         """The run's distillation, its teacher loaded (None without --teacher-load)."""
         if not settings.distill.teacher_load:
             return None
-        return cls(settings, build.teacher(actor.module.model_spec.vocab_size))
+        vocab_size = actor.module.model_spec.vocab_size
+        return cls(settings, build.teacher(vocab_size), vocab_size)
 
     @property
     def in_reward(self) -> bool:
@@ -87,7 +90,8 @@ class Distillation:
         `[B, R]` of the reward mode, else None). `student`: the actor's chunks (the reward mode of topk_forward_kl
         runs them once more for the KL)."""
         with timers("teacher"), roles.on_device(self.teacher, self.offload, timers) as teacher:
-            exp.teacher_logp, top = teacher_scores([teacher], exp, plan, self.temperature, self.topk)
+            exp.teacher_logp, top = teacher_scores([teacher], exp, plan, self.temperature, self.topk,
+                                                   self.vocab_size)
         actions = exp.action_mask  # the model's own tokens: tool tokens are never distilled
         metrics = {"distill/teacher_logp_mean": _masked_mean(exp.teacher_logp, actions)}
         if top is not None:

@@ -25,6 +25,8 @@ from tests.helpers.stage_layouts import layout_argv, metrics_row
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_ranks")]  # see pytest.ini
 
+PADDED_VOCAB = 320  # a teacher's rows: the word task's 256 and 64 of padding
+
 GRPO = ["--global-batch-size", "4", "--n-samples-per-prompt", "2", "--kl-coef", "0.05", "--lr", "0.5"]
 PPO = ["--global-batch-size", "4", "--kl-coef", "0.05", "--lr", "0.2"]
 VERIFIER = ["--verifier-function", "odd_first_word"]
@@ -49,6 +51,10 @@ def cases(task):
         "grpo_lora_k3_reward": ("grpo", GRPO + VERIFIER + teacher + ["--distill-loss", "k3", "--lora-target-modules",
                                                                      "linear_qkv", "--lora-r", "4"]),
         "trl_ppo_self_k1": ("trl_ppo", PPO + actor),
+        # a teacher padded to more vocabulary rows than the actor: read over the actor's 256 ids
+        "grpo_padded_topk_loss": ("grpo", GRPO + VERIFIER + ["--teacher-load", task["mg_teacher_padded"],
+                                                             "--distill-loss", "topk_forward_kl", "--distill-mode",
+                                                             "loss", "--distill-topk", "8", "--temperature", "0.7"]),
     }
 
 
@@ -74,8 +80,17 @@ def task(tmp_path_factory):
 
     from tests.helpers import word_task
 
+    from mindspeed_llm.checkpoint import convert_hf_to_mg
+    from tests.helpers.hf_tiny import save_tiny
+
     root = tmp_path_factory.mktemp("distill_task")
     paths = word_task.build(root, reward=True, teacher=True)
+    # the same tokenizer padded to more rows (as Qwen2.5 7B's 152,064 against 0.5B's 151,936)
+    paths["hf_teacher_padded"] = save_tiny("qwen2", root / "hf_teacher_padded", seed=9, vocab_size=PADDED_VOCAB,
+                                           **word_task.TEACHER_SHAPE)
+    convert_hf_to_mg(paths["hf_teacher_padded"], str(root / "mg_teacher_padded"), 1, 1,
+                     tokenizer_dir=paths["tokenizer"], progress=False)
+    paths["mg_teacher_padded"] = str(root / "mg_teacher_padded")
     sys.path.insert(0, str(word_task.TOOLS_DIR))  # the warm ranks take the caller's sys.path (multiproc.py)
     yield dict(paths, **word_task.write_chat_tools(root, paths["tokenizer"]))
     sys.path.remove(str(word_task.TOOLS_DIR))
@@ -115,8 +130,9 @@ def runs(task, tmp_path_factory):
     return {name: (metrics_row(root / name, skipped=()), record) for name, record in zip(named, records)}
 
 
-def _hf_teacher_logprobs(hf_path, record, temperature):
-    """transformers' log-softmax(logits / T) of the teacher at every response position of the record's rows."""
+def _hf_teacher_logprobs(hf_path, record, temperature, vocab=None):
+    """transformers' log-softmax(logits / T) of the teacher at every response position of the record's rows (over its
+    first `vocab` ids: a padded teacher's are the actor's)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -127,19 +143,24 @@ def _hf_teacher_logprobs(hf_path, record, temperature):
             p = int(record["prompt_lengths"][b])
             r = int(record["response_mask"][b].sum())
             ids = record["tokens"][b, :p + r][None]
-            logits = model(ids).logits[0].float() / temperature
+            logits = model(ids).logits[0, :, :vocab].float() / temperature
             out.append(torch.log_softmax(logits, -1)[p - 1:p - 1 + r])  # position p - 1 + j predicts token j
     return out
 
 
-@pytest.mark.parametrize("name", ["grpo_k1_reward", "grpo_topk_loss", "trl_ppo_k3_reward", "grpo_lora_k3_reward"])
+@pytest.mark.parametrize("name", ["grpo_k1_reward", "grpo_topk_loss", "trl_ppo_k3_reward", "grpo_lora_k3_reward",
+                                  "grpo_padded_topk_loss"])
 def test_the_teachers_pass_equals_transformers_at_the_rollout_temperature(runs, task, name):
     import torch
+
+    from tests.helpers.word_task import VOCAB
 
     _, record = runs[name]
     extra = cases(task)[name][1]
     temperature = float(extra[extra.index("--temperature") + 1]) if "--temperature" in extra else 1.0  # the rollout's
-    reference = _hf_teacher_logprobs(task["hf_teacher"], record, temperature)
+    padded = "padded" in name  # its log-softmax over the actor's ids only
+    reference = _hf_teacher_logprobs(task["hf_teacher_padded" if padded else "hf_teacher"], record, temperature,
+                                     VOCAB if padded else None)
     for b, logp in enumerate(reference):
         r = logp.shape[0]
         sampled = logp.gather(-1, record["responses"][b, :r, None]).squeeze(-1)

@@ -2,6 +2,7 @@
 dense references; TP=2 over gloo equals TP=1: tests/dist/test_distill_dist.py."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -205,7 +206,7 @@ def _score(distill, exp, teacher_logp, monkeypatch):
     from mindspeed_llm.rl.metrics import Timers
 
     monkeypatch.setattr(distillation, "teacher_scores",
-                        lambda model, exp, plan, temperature, topk: (teacher_logp, None))
+                        lambda model, exp, plan, temperature, topk, vocab_size: (teacher_logp, None))
     monkeypatch.setattr(distillation, "sum_over_data_parallel", lambda t: t)
     return distill.score(exp, None, Timers(), student=None)
 
@@ -305,8 +306,8 @@ def test_the_loss_modes_term_and_its_gradient_equal_autograd_on_a_dense_referenc
 
 def test_a_teacher_of_another_vocabulary_is_refused_before_any_model_is_built(monkeypatch):
     """`RoleFactory.check_teacher` reads the two checkpoints' specs only, and both stages call it before building
-    their actor: a teacher of another vocabulary (or a --distill-topk over it) is refused naming --teacher-load
-    without a model built."""
+    their actor: a teacher of a smaller vocabulary (or a --distill-topk over the actor's) is refused naming
+    --teacher-load without a model built; one padded to more rows is taken."""
     from types import SimpleNamespace
 
     from mindspeed_llm.errors import ArgumentError
@@ -314,15 +315,17 @@ def test_a_teacher_of_another_vocabulary_is_refused_before_any_model_is_built(mo
     from mindspeed_llm.rl.stages import grpo, trl_ppo
     from mindspeed_llm.rl.update import roles
 
-    vocab = {"actor": 256, "teacher": 320, "same": 256}
+    vocab = {"actor": 256, "teacher": 200, "same": 256, "padded": 320}
     monkeypatch.setattr(roles, "load_spec", lambda root: SimpleNamespace(vocab_size=vocab[root]))
     settings = Settings(distill=DistillSettings(teacher_load="teacher", distill_loss="k1", distill_mode="reward",
                                                 distill_coef=1.0),
                         algorithm=AlgorithmSettings(stage="grpo", adv_estimator="grpo", n_samples_per_prompt=2),
                         models=ModelSources(ref_model="actor", reward_model="reward", load="actor"))
-    with pytest.raises(ArgumentError, match="--teacher-load teacher: the teacher's vocabulary has 320 tokens, the "
+    with pytest.raises(ArgumentError, match="--teacher-load teacher: the teacher's vocabulary has 200 tokens, the "
                                             "actor's 256"):
         roles.RoleFactory(settings).check_teacher("actor")
+    # the same tokenizer padded to more rows (Qwen2.5 7B's 152,064 against 0.5B's 151,936): read over the actor's ids
+    roles.RoleFactory(replace(settings, distill=replace(settings.distill, teacher_load="padded"))).check_teacher("actor")
     topk = Settings(distill=DistillSettings(teacher_load="same", distill_loss="topk_forward_kl", distill_topk=300))
     with pytest.raises(ArgumentError, match=r"--distill-topk 300 exceeds the vocabulary of 256 tokens \(--teacher-load "
                                             r"same\)"):
@@ -333,6 +336,41 @@ def test_a_teacher_of_another_vocabulary_is_refused_before_any_model_is_built(mo
     factory = roles.RoleFactory(settings)
     monkeypatch.setattr(factory, "trained", lambda *a, **k: built.append(a))
     for stage in (grpo.GRPOStage, trl_ppo.TrlPPOStage):
-        with pytest.raises(ArgumentError, match="the teacher's vocabulary has 320 tokens"):
+        with pytest.raises(ArgumentError, match="the teacher's vocabulary has 200 tokens"):
             stage(settings, None, factory)
     assert built == []
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_teacher_padded_to_more_rows_is_read_over_the_actors_ids(tp, monkeypatch):
+    """A teacher of the actor's tokenizer padded to more vocabulary rows (`vocab_size` < its shard layout's): its
+    log-probs and top-k equal those of its logits cut to the actor's ids, at TP1 and, shard by shard, at TP2 (the
+    padding rows sit in the last shard: a plain-torch log-softmax over the cut logits is the reference)."""
+    from mindspeed_llm.rl.update import passes
+
+    gen = torch.Generator().manual_seed(3)
+    V_actor, V_teacher, k, temperature = 10, 12, 4, 0.7
+    full = 3 * torch.randn(2, 3, V_teacher, generator=gen)
+    full[..., V_actor:] += 20  # padding rows the teacher would otherwise rank first
+    responses = torch.randint(0, V_actor, (2, 3), generator=gen)
+    mb = dict(responses=responses, response_index=torch.arange(3).expand(2, 3), row_index=torch.arange(2),
+              logits_from=torch.tensor(0))
+    reference = torch.log_softmax(full[..., :V_actor] / temperature, -1)
+    shard = V_teacher // tp
+    for rank in range(tp):  # each rank's shard, the group's collectives stood in by the whole vocabulary's values
+        monkeypatch.setattr(passes, "_group_world_rank", lambda group, rank=rank: (tp, rank))
+        masked = passes._without_padding_rows(full[..., rank * shard:(rank + 1) * shard].reshape(-1, shard),
+                                              V_actor, None)
+        ids = torch.arange(rank * shard, (rank + 1) * shard)
+        assert torch.equal(masked[:, ids < V_actor], full[..., rank * shard:(rank + 1) * shard].reshape(-1, shard)[
+            :, ids < V_actor])
+        assert bool((masked[:, ids >= V_actor] == passes.PADDING_LOGIT).all())
+    monkeypatch.setattr(passes, "_group_world_rank", lambda group: (1, 0))
+    monkeypatch.setattr(passes.parallel_state, "get_tensor_model_parallel_group", lambda: None)
+    out = passes.response_teacher_scores(full, mb, temperature, k, vocab_size=V_actor)
+    torch.testing.assert_close(out[..., 0], reference.gather(-1, responses[..., None])[..., 0])
+    top = reference.topk(k, dim=-1)
+    assert torch.equal(out[..., 1:1 + k].round().long(), top.indices)
+    torch.testing.assert_close(out[..., 1 + k:], top.values)
+    unmasked = passes.response_teacher_scores(full, mb, temperature, k)  # without it the padding rows rank first
+    assert bool((unmasked[..., 1:1 + k].round().long() >= V_actor).any())

@@ -22,7 +22,7 @@ from mindspeed_llm.rl.core_algos import response_mask_p1
 from mindspeed_llm.rl.core_algos.distill import TeacherTopK, forward_kl_on_teacher_topk, teacher_topk
 from mindspeed_llm.rl.update.batch_plan import MicroBatchPlan, read_outputs
 from mindspeed_llm.rl.experience import Experience
-from mindspeed_llm.rl.logprobs import vocab_parallel_logprobs
+from mindspeed_llm.rl.logprobs import _group_world_rank, vocab_parallel_logprobs
 from mindspeed_llm.rl.update.engine import forward_only
 
 
@@ -104,15 +104,34 @@ def reward_scores(model, exp: Experience, plan: MicroBatchPlan) -> torch.Tensor:
 
 
 
+# the logit of a teacher's padding row past the actor's vocabulary: exp() of it, less any real logit, is 0 in fp32
+PADDING_LOGIT = -1e30
+
+
+def _without_padding_rows(flat: torch.Tensor, vocab_size: Optional[int], group) -> torch.Tensor:
+    """A teacher's vocab shard `[N, V_t / TP]` with its rows at global ids >= `vocab_size` (the actor's vocabulary,
+    None: the same as the teacher's) set to `PADDING_LOGIT`, so that its distribution is over the actor's ids."""
+    if vocab_size is None:
+        return flat
+    shard = flat.size(-1)
+    _, rank = _group_world_rank(group)
+    ids = torch.arange(rank * shard, (rank + 1) * shard, device=flat.device)
+    if int(ids[-1]) < vocab_size:
+        return flat
+    return flat.masked_fill(ids >= vocab_size, PADDING_LOGIT)
+
+
 def response_teacher_scores(logits: torch.Tensor, micro_batch: Dict[str, torch.Tensor], temperature: float,
-                            topk: Optional[int] = None) -> torch.Tensor:
+                            topk: Optional[int] = None, vocab_size: Optional[int] = None) -> torch.Tensor:
     """A teacher's reads at the response positions, `[mb, R, 1 + 2k]` (k = `topk`, 0 without): its log-prob of each
     sampled token, then with `topk` its top-k ids (as float32, exact below 2^24) and their log-probs over the whole
-    vocabulary (`core_algos.teacher_topk`: each TP rank's top-k of its vocab shard, no vocabulary gather)."""
+    vocabulary (`core_algos.teacher_topk`: each TP rank's top-k of its vocab shard, no vocabulary gather).
+    `vocab_size`: the actor's, when the teacher is padded to more rows (`roles.RoleFactory.teacher`): the rows past
+    it are masked out, so both log-probs are over the actor's token ids."""
     picked, held = read_outputs(logits, micro_batch, micro_batch["response_index"])
-    flat = picked.reshape(-1, picked.size(-1))
-    targets = micro_batch["responses"] if held is None else micro_batch["responses"][held]
     group = parallel_state.get_tensor_model_parallel_group()
+    flat = _without_padding_rows(picked.reshape(-1, picked.size(-1)), vocab_size, group)
+    targets = micro_batch["responses"] if held is None else micro_batch["responses"][held]
     columns = [vocab_parallel_logprobs(flat, targets.reshape(-1), tp_group=group, temperature=temperature)[:, None]]
     if topk:
         top = teacher_topk(flat, topk, tp_group=group, temperature=temperature)
@@ -138,14 +157,15 @@ def response_topk_kl(logits: torch.Tensor, micro_batch: Dict[str, torch.Tensor],
     return _in_place(kl, held, shape), _in_place(mass, held, shape)
 
 
-def teacher_scores(model, exp: Experience, plan: MicroBatchPlan, temperature: float,
-                   topk: Optional[int] = None) -> Tuple[torch.Tensor, Optional[TeacherTopK]]:
+def teacher_scores(model, exp: Experience, plan: MicroBatchPlan, temperature: float, topk: Optional[int] = None,
+                   vocab_size: Optional[int] = None) -> Tuple[torch.Tensor, Optional[TeacherTopK]]:
     """The teacher's log-probs `[B, R]` of the sampled response tokens at `temperature` and, with `topk`, its top-k
-    per response position (`TeacherTopK`, `[B, R, k]` each); zeros past each response."""
+    per response position (`TeacherTopK`, `[B, R, k]` each); zeros past each response. `vocab_size`: the actor's
+    (`response_teacher_scores`)."""
     width, k = exp.responses.shape[1], int(topk or 0)
     out = forward_only(
         model, plan.micro_batches(exp),
-        lambda out, mb: response_teacher_scores(out, mb, temperature, k) * mb["response_mask"][..., None],
+        lambda out, mb: response_teacher_scores(out, mb, temperature, k, vocab_size) * mb["response_mask"][..., None],
         (width, 1 + 2 * k),
     )
     if not k:

@@ -263,28 +263,31 @@ class RoleFactory:
         self._teacher_spec(vocab_size)
 
     def _teacher_spec(self, vocab_size: int) -> None:
-        """--teacher-load's spec: readable, of the actor's `vocab_size`, and --distill-topk within it."""
+        """--teacher-load's spec: readable, with at least the actor's `vocab_size` rows (more: the same tokenizer
+        padded further, as Qwen2.5's 7B pads to 152,064 where its 0.5B pads to 151,936; the teacher's rows past the
+        actor's are never a token of the tokenizer and are masked out of its distribution, `passes.teacher_scores`),
+        and --distill-topk within the actor's vocabulary."""
         distill, flag = self.settings.distill, "--teacher-load"
         root = distill.teacher_load
         try:
             teacher_vocab = load_spec(root).vocab_size
         except (ValueError, FileNotFoundError) as exc:
             raise ArgumentError(f"{flag} {root}: {exc}") from exc
-        if teacher_vocab != vocab_size:
+        if teacher_vocab < vocab_size:
             raise ArgumentError(f"{flag} {root}: the teacher's vocabulary has {teacher_vocab} tokens, the actor's "
                                 f"{vocab_size}; distillation compares both models' log-probs of the same token ids, "
-                                "so the teacher must share the actor's tokenizer and vocabulary size (a model of "
-                                "the same family, converted with the same padding)")
-        if distill.distill_topk is not None and distill.distill_topk > teacher_vocab:
-            raise ArgumentError(f"--distill-topk {distill.distill_topk} exceeds the vocabulary of {teacher_vocab} "
-                                f"tokens ({flag} {root}); use at most {teacher_vocab} (the whole vocabulary: the "
+                                "so the teacher must share the actor's tokenizer and cover its vocabulary (a model of "
+                                "the same family; a teacher padded to more rows than the actor is fine)")
+        if distill.distill_topk is not None and distill.distill_topk > vocab_size:
+            raise ArgumentError(f"--distill-topk {distill.distill_topk} exceeds the vocabulary of {vocab_size} "
+                                f"tokens ({flag} {root}); use at most {vocab_size} (the whole vocabulary: the "
                                 "exact forward KL)")
 
     def teacher(self, vocab_size: int):
         """The frozen teacher of --teacher-load at the run's TP / PP, its architecture its checkpoint's (the model
         flags describe the actor), with the run's dtype, attention and fused ops; offloaded with
         --offload-ref-reward. Its own model even for a LoRA student (it shares no weights with it). Refused before
-        its weights are built: a vocabulary other than the actor's `vocab_size` (the two models' log-probs are of
+        its weights are built: a vocabulary smaller than the actor's `vocab_size` (the two models' log-probs are of
         the same token ids), a --distill-topk over it."""
         self._teacher_spec(vocab_size)
         root, flag = self.settings.distill.teacher_load, "--teacher-load"
