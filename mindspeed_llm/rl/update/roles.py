@@ -206,21 +206,10 @@ def load_reward_model(settings: Settings):
 
 def load_judge(settings: Settings):
     """The frozen LLM judge of --judge-load (`rl/judge.py`): a causal LM of any supported family and size whose
-    architecture is the checkpoint's alone (the model flags describe the actor, and are not checked against it),
-    built at the run's TP / PP without recompute or routing replay (it only generates), in host memory between
-    uses with --offload-ref-reward. Every problem is an `ArgumentError` naming --judge-load."""
-    root, flag = settings.judge.judge_load, "--judge-load"
-    offload, built = settings.offload.offload_ref_reward, settings.model
-    try:
-        spec = load_spec(root)
-        model = build_model(spec, params_dtype=built.params_dtype, attention=built.attention,
-                            fused_ops=built.fused_ops, **from_checkpoint(offload),
-                            **moe.model_options(spec, settings.moe, flag, root, policy=False))
-        load_megatron_weights(model, root)
-    except (ValueError, FileNotFoundError) as exc:
-        raise ArgumentError(f"{flag} {root}: {exc}") from exc
-    model.loaded_from = os.path.abspath(root)
-    return offloaded(frozen(model.to("cpu" if offload else device.current_device())), offload)
+    architecture is the checkpoint's alone (`load_model`'s `own_shape`: the model flags describe the actor), at the
+    run's TP / PP, in host memory between uses with --offload-ref-reward. Every problem is an `ArgumentError`
+    naming --judge-load."""
+    return RoleFactory(settings).frozen(settings.judge.judge_load, "--judge-load", own_shape=True)
 
 
 class RoleFactory:
@@ -242,10 +231,10 @@ class RoleFactory:
             self.settings = replace(self.settings, lora=lora.as_flags(role.config, self.settings.lora))
         return role
 
-    def frozen(self, root: str, flag: str, value_head: bool = False):
+    def frozen(self, root: str, flag: str, value_head: bool = False, own_shape: bool = False):
         offload = self.settings.offload.offload_ref_reward
-        return offloaded(frozen(load_model(root, flag, self.settings, value_head=value_head, on_host=offload)),
-                         offload)
+        return offloaded(frozen(load_model(root, flag, self.settings, value_head=value_head, on_host=offload,
+                                           own_shape=own_shape)), offload)
 
     def reward_model(self):
         return load_reward_model(self.settings)
@@ -290,9 +279,7 @@ class RoleFactory:
         its weights are built: a vocabulary smaller than the actor's `vocab_size` (the two models' log-probs are of
         the same token ids), a --distill-topk over it."""
         self._teacher_spec(vocab_size)
-        root, flag = self.settings.distill.teacher_load, "--teacher-load"
-        offload = self.settings.offload.offload_ref_reward
-        return offloaded(frozen(load_model(root, flag, self.settings, on_host=offload, own_shape=True)), offload)
+        return self.frozen(self.settings.distill.teacher_load, "--teacher-load", own_shape=True)
 
 
 def check_vocab(models: Dict[str, Optional[torch.nn.Module]], tokenizer) -> None:
