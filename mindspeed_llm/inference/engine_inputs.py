@@ -66,8 +66,6 @@ def expert_peers(model):
     number of forwards: each decodes until all of them have stopped (a rank that is done runs its finished rows)."""
     if getattr(get_model_config(model), "num_moe_experts", None) is None:
         return None
-    if explicit_groups(model) is not None:  # a dense model: build_model refuses a mixture of experts on them
-        return None
     if not parallel_state.model_parallel_is_initialized():
         return None
     if parallel_state.get_expert_model_parallel_world_size() == 1:
